@@ -1,0 +1,23 @@
+"""Lazy imports of optional heavy dependencies, with a one-line install hint when missing."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from attn_export.errors import MissingDependencyError
+
+_HINTS = {
+    "torch": "pip install 'attn-export[export]'",
+    "onnxscript": "pip install 'attn-export[export]'",
+    "matplotlib": "pip install matplotlib",
+}
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """Import ``module`` or raise MissingDependencyError saying what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        hint = _HINTS.get(module.split(".")[0], f"pip install {module}")
+        raise MissingDependencyError(f"{purpose} needs {module}, which is not installed ({hint})") from e

@@ -1,0 +1,153 @@
+"""Stage: compare one runtime's outputs with the expected ones, output by output.
+
+Measuring and judging meet in one place only: ``OutputComparison.passed``, which applies
+the pass rule |actual - expected| <= atol + rtol * |expected| with the output's tolerance.
+A NaN or Inf where the expected value is finite never passes, and mismatched shapes or
+dtypes fail before any number is compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from attn_export.spec import Tolerance
+
+__all__ = ["OutputComparison", "compare_output", "compare_outputs"]
+
+
+@dataclass
+class OutputComparison:
+    """Numbers describing how one output differs from its expected value."""
+
+    name: str
+    expected_shape: list[int]
+    actual_shape: list[int]
+    expected_dtype: str
+    actual_dtype: str
+    atol: float
+    rtol: float
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    mismatched: int = 0
+    total: int = 0
+    #: The smallest atol that would pass at this rtol (as Polygraphy prints it).
+    min_passing_atol: float = 0.0
+    #: Count of NaN/Inf in the actual output where the expected value is finite.
+    unexpected_nonfinite: int = 0
+    #: Index of the first such NaN/Inf, or of the worst error when all are finite.
+    worst_index: list[int] | None = None
+    missing: bool = False
+
+    @property
+    def shape_ok(self) -> bool:
+        return not self.missing and self.expected_shape == self.actual_shape
+
+    @property
+    def dtype_ok(self) -> bool:
+        return not self.missing and self.expected_dtype == self.actual_dtype
+
+    @property
+    def mismatch_fraction(self) -> float:
+        return self.mismatched / self.total if self.total else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.shape_ok and self.dtype_ok and self.unexpected_nonfinite == 0 and self.mismatched == 0
+
+    def reason(self) -> str:
+        """One line saying why it failed, or '' when it passed."""
+        if self.missing:
+            return f"{self.name}: output missing"
+        if not self.shape_ok:
+            return f"{self.name}: shape {self.actual_shape} != expected {self.expected_shape}"
+        if not self.dtype_ok:
+            return f"{self.name}: dtype {self.actual_dtype} != expected {self.expected_dtype}"
+        if self.unexpected_nonfinite:
+            return (
+                f"{self.name}: {self.unexpected_nonfinite} NaN/Inf where expected is finite, "
+                f"first at {self.worst_index}"
+            )
+        if self.mismatched:
+            return (
+                f"{self.name}: {self.mismatched}/{self.total} elements "
+                f"({100 * self.mismatch_fraction:.2f}%) outside atol={self.atol:g} rtol={self.rtol:g}; "
+                f"max abs {self.max_abs_error:.3g} at {self.worst_index}, "
+                f"needs atol>={self.min_passing_atol:.3g}"
+            )
+        return ""
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d.update(passed=self.passed, mismatch_fraction=self.mismatch_fraction)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> OutputComparison:
+        fields = {k: v for k, v in d.items() if k not in ("passed", "mismatch_fraction")}
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, tol: Tolerance) -> OutputComparison:
+    """Measure one output against its expected value at the given tolerance."""
+    if actual is None:
+        return OutputComparison(
+            name, list(expected.shape), [], str(expected.dtype), "", tol.atol, tol.rtol, missing=True
+        )
+    result = OutputComparison(
+        name,
+        list(expected.shape),
+        list(actual.shape),
+        str(expected.dtype),
+        str(actual.dtype),
+        tol.atol,
+        tol.rtol,
+        total=int(expected.size),
+    )
+    if not (result.shape_ok and result.dtype_ok) or expected.size == 0:
+        return result
+    if expected.dtype.kind not in "fc":
+        diff_mask = expected != actual
+        result.mismatched = int(diff_mask.sum())
+        if result.mismatched:
+            result.worst_index = [int(i) for i in np.argwhere(diff_mask)[0]]
+            result.max_abs_error = float("inf")
+        return result
+
+    e = expected.astype(np.float64)
+    a = actual.astype(np.float64)
+    e_finite = np.isfinite(e)
+    # Where expected is NaN/Inf itself, the actual must be the same non-finite value.
+    same_nonfinite = ~e_finite & ((np.isnan(e) & np.isnan(a)) | (e == a))
+    bad_nonfinite = e_finite & ~np.isfinite(a)
+    result.unexpected_nonfinite = int(bad_nonfinite.sum())
+
+    both = e_finite & np.isfinite(a)
+    abs_err = np.where(both, np.abs(a - e), 0.0)
+    rel_err = np.where(both, abs_err / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
+    allowed = tol.atol + tol.rtol * np.abs(np.where(both, e, 0.0))
+    within = (both & (abs_err <= allowed)) | same_nonfinite
+    result.mismatched = int((~within).sum())
+    result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
+    result.max_rel_error = float(rel_err.max()) if rel_err.size else 0.0
+    if result.unexpected_nonfinite:
+        result.worst_index = [int(i) for i in np.argwhere(bad_nonfinite)[0]]
+        result.min_passing_atol = float("inf")
+    else:
+        result.worst_index = [int(i) for i in np.unravel_index(int(np.argmax(abs_err)), abs_err.shape)]
+        needed = abs_err - tol.rtol * np.abs(np.where(both, e, 0.0))
+        result.min_passing_atol = float(max(needed.max(), 0.0))
+        if result.mismatched and not both.all():
+            result.min_passing_atol = float("inf")
+    return result
+
+
+def compare_outputs(
+    expected: Mapping[str, np.ndarray],
+    actual: Mapping[str, np.ndarray],
+    tolerances: Mapping[str, Tolerance],
+) -> list[OutputComparison]:
+    """Compare every expected output; an output the runtime did not produce fails."""
+    return [compare_output(n, e, actual.get(n), tolerances[n]) for n, e in expected.items()]

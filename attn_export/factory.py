@@ -1,0 +1,100 @@
+"""Instantiate a spec's PyTorch module: import it, construct it, load its weights, eval mode.
+
+Used by build (to export) and verify (to rebuild the original with the same weights).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from attn_export._deps import require
+from attn_export.errors import SpecError
+from attn_export.spec import ModelSpec
+
+__all__ = ["instantiate", "resolve_factory"]
+
+
+def resolve_factory(spec: ModelSpec) -> Any:
+    """Import ``package.module:Attr``, searching the spec's own folder first."""
+    module_name, _, attr_path = spec.module.partition(":")
+    added = spec.search_path is not None and spec.search_path not in sys.path
+    if added:
+        sys.path.insert(0, spec.search_path)  # type: ignore[arg-type]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise SpecError(f"{spec.name}: cannot import module '{module_name}': {e}") from e
+    except Exception as e:  # a user module may raise anything at import
+        raise SpecError(
+            f"{spec.name}: importing '{module_name}' raised {type(e).__name__}: {e}"
+        ) from e
+    finally:
+        if added:
+            sys.path.remove(spec.search_path)  # type: ignore[arg-type]
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise SpecError(f"{spec.name}: module '{module_name}' has no attribute '{attr_path}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise SpecError(f"{spec.name}: '{spec.module}' is not callable")
+    return obj
+
+
+def _load_state_dict(spec: ModelSpec, module: Any) -> None:
+    torch = require("torch", "loading weights")
+    assert spec.weights.path is not None
+    try:
+        state = torch.load(spec.weights.path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecError(
+            f"{spec.name}: refused weights file {spec.weights.path}: not a plain state_dict "
+            f"loadable with weights_only=True ({first})"
+        ) from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise SpecError(f"{spec.name}: weights file {spec.weights.path} is not a state_dict of tensors")
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    )
+    problems = [
+        f"missing {', '.join(missing)}" if missing else "",
+        f"unexpected {', '.join(extra)}" if extra else "",
+        f"wrong shape {'; '.join(wrong)}" if wrong else "",
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise SpecError(f"{spec.name}: weights do not fit {spec.module}: {'; '.join(problems)}")
+    module.load_state_dict(state, strict=True)
+
+
+def instantiate(spec: ModelSpec) -> Any:
+    """The spec's module with its weights, in eval mode (dropout off).
+
+    Weights are a seeded random init unless the spec names a state_dict file, which is
+    loaded with ``weights_only=True`` so a pickle carrying code is refused.
+    """
+    torch = require("torch", "building the PyTorch module")
+    factory = resolve_factory(spec)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.weights.seed)
+        try:
+            module = factory(**spec.kwargs)
+        except TypeError as e:
+            raise SpecError(f"{spec.name}: kwargs {spec.kwargs} do not fit {spec.module}: {e}") from e
+        except Exception as e:
+            raise SpecError(
+                f"{spec.name}: constructing {spec.module} raised {type(e).__name__}: {e}"
+            ) from e
+    if not isinstance(module, torch.nn.Module):
+        raise SpecError(f"{spec.name}: {spec.module} did not return a torch.nn.Module")
+    if spec.weights.path is not None:
+        _load_state_dict(spec, module)
+    return module.eval()

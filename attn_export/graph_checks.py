@@ -1,0 +1,87 @@
+"""Stage: structural checks on an ONNX graph, run at build time and again by verify.
+
+The dynamic-axis check reads the graph itself: each declared symbolic dim must be symbolic
+on every input and output that uses it, one graph symbol per declared dim, and no two
+declared dims merged into one symbol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+
+from attn_export.errors import GraphCheckError
+from attn_export.spec import TensorSpec
+
+__all__ = ["check_dynamic_axes", "check_model", "graph_shapes"]
+
+
+def check_model(proto: onnx.ModelProto, name: str) -> None:
+    """onnx.checker with full_check (which includes strict shape inference)."""
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first}") from e
+
+
+def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
+    """Input and output shapes as the graph declares them: int, symbol name, or None."""
+    shapes: dict[str, tuple[int | str | None, ...]] = {}
+    for vi in list(proto.graph.input) + list(proto.graph.output):
+        dims = vi.type.tensor_type.shape.dim
+        shapes[vi.name] = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims
+        )
+    return shapes
+
+
+def check_dynamic_axes(
+    proto: onnx.ModelProto,
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+) -> None:
+    """Raise GraphCheckError naming the first axis that is static, unnamed or merged."""
+    declared_in = [i.name for i in proto.graph.input]
+    declared_out = [o.name for o in proto.graph.output]
+    if declared_in != [t.name for t in inputs]:
+        raise GraphCheckError(f"{name}: graph inputs {declared_in} != spec inputs {[t.name for t in inputs]}")
+    if declared_out != [t.name for t in outputs]:
+        raise GraphCheckError(
+            f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}"
+        )
+    shapes = graph_shapes(proto)
+    symbol_of: dict[str, str] = {}
+    dims_of_symbol: dict[str, str] = {}
+    for t in list(inputs) + list(outputs):
+        kind = "input" if t in inputs else "output"
+        got = shapes[t.name]
+        if len(got) != len(t.shape):
+            raise GraphCheckError(
+                f"{name}: {kind} '{t.name}' has rank {len(got)} in the graph, spec says {len(t.shape)}"
+            )
+        for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
+            if isinstance(want, int):
+                if have != want:
+                    raise GraphCheckError(
+                        f"{name}: {kind} '{t.name}' axis {axis} is {have!r} in the graph, spec says {want}"
+                    )
+                continue
+            if not isinstance(have, str):
+                raise GraphCheckError(
+                    f"{name}: dynamic axis '{want}' of {kind} '{t.name}' (axis {axis}) is "
+                    f"{'static ' + str(have) if have else 'unnamed'} in the exported graph"
+                )
+            if symbol_of.setdefault(want, have) != have:
+                raise GraphCheckError(
+                    f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on one tensor and "
+                    f"'{have}' on {kind} '{t.name}' (axis {axis})"
+                )
+            other = dims_of_symbol.setdefault(have, want)
+            if other != want:
+                raise GraphCheckError(
+                    f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
+                    f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
+                )

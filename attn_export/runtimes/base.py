@@ -1,0 +1,114 @@
+"""The runtime interface, and the input checks every runtime shares."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+
+import numpy as np
+
+from attn_export.errors import InputError, RuntimeFailure
+from attn_export.shapes import sizes_from_feeds
+from attn_export.spec import DimRange, TensorSpec
+
+__all__ = ["Runtime", "check_feeds"]
+
+
+def check_feeds(
+    feeds: Mapping[str, np.ndarray],
+    inputs: Sequence[TensorSpec],
+    dims: Mapping[str, DimRange] | None = None,
+) -> None:
+    """Refuse feeds with wrong names, dtypes, ranks or static dims, inconsistent or
+    out-of-range symbolic dims, and NaN or Inf values."""
+    want = [t.name for t in inputs]
+    missing = [n for n in want if n not in feeds]
+    extra = [n for n in feeds if n not in want]
+    if missing or extra:
+        parts = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else ""]
+        raise InputError(f"feeds do not match the inputs {want}: {'; '.join(p for p in parts if p)}")
+    for t in inputs:
+        arr = feeds[t.name]
+        if not isinstance(arr, np.ndarray):
+            raise InputError(f"input '{t.name}' is a {type(arr).__name__}, not a numpy array")
+        if arr.dtype != np.dtype(t.dtype):
+            raise InputError(f"input '{t.name}' has dtype {arr.dtype}, expected {t.dtype}")
+        if arr.ndim != len(t.shape):
+            raise InputError(f"input '{t.name}' has rank {arr.ndim}, expected {len(t.shape)} {list(t.shape)}")
+        for axis, d in enumerate(t.shape):
+            if isinstance(d, int) and arr.shape[axis] != d:
+                raise InputError(f"input '{t.name}' axis {axis} is {arr.shape[axis]}, expected {d}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise InputError(f"input '{t.name}' holds NaN or Inf")
+    sizes = sizes_from_feeds(inputs, {k: v.shape for k, v in feeds.items()})
+    for name, size in sizes.items():
+        if dims and name in dims and not dims[name].min <= size <= dims[name].max:
+            r = dims[name]
+            raise InputError(f"dim '{name}' is {size}, outside its declared range [{r.min}, {r.max}]")
+
+
+class Runtime(ABC):
+    """A graph or module that turns named numpy feeds into named numpy outputs.
+
+    Use as a context manager (activate/deactivate). ``run`` checks feeds and state, then
+    calls the subclass's ``_run``. ``prepare`` returns a zero-argument call for timing with
+    inputs already placed where the runtime wants them; timing itself lives in ``bench``.
+    """
+
+    #: Short label used in reports, e.g. "onnxruntime[cpu]".
+    name: str = "runtime"
+
+    def __init__(
+        self,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        dims: Mapping[str, DimRange] | None = None,
+    ) -> None:
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.dims = dict(dims or {})
+        self.active = False
+
+    def __enter__(self) -> Runtime:
+        self.activate()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.deactivate()
+
+    def activate(self) -> None:
+        if not self.active:
+            self._activate()
+            self.active = True
+
+    def deactivate(self) -> None:
+        if self.active:
+            self._deactivate()
+            self.active = False
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self.active:
+            raise RuntimeFailure(f"{self.name}: run() called before activate()")
+        check_feeds(feeds, self.inputs, self.dims)
+        outputs = self._run(feeds)
+        names = [t.name for t in self.outputs]
+        if list(outputs) != names:
+            raise RuntimeFailure(f"{self.name}: produced outputs {list(outputs)}, expected {names}")
+        return outputs
+
+    def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
+        """A zero-argument call running one inference on ``feeds`` (for timing)."""
+        check_feeds(feeds, self.inputs, self.dims)
+        return lambda: self._run(feeds)
+
+    @abstractmethod
+    def _activate(self) -> None: ...
+
+    def _deactivate(self) -> None:  # noqa: B027 - most runtimes hold nothing to release
+        pass
+
+    @abstractmethod
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...

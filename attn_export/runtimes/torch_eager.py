@@ -1,0 +1,93 @@
+"""PyTorch eager: the original module, on CPU or CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from attn_export._deps import require
+from attn_export.errors import ProviderError, RuntimeFailure
+from attn_export.runtimes.base import Runtime, check_feeds
+from attn_export.spec import DimRange, TensorSpec
+
+__all__ = ["TorchRuntime", "torch_device_for"]
+
+
+def torch_device_for(provider: str) -> str:
+    """The torch device matching an ONNX Runtime provider; CUDA must really be there."""
+    torch = require("torch", "running the PyTorch original")
+    if provider == "cuda":
+        if not torch.cuda.is_available():
+            raise ProviderError("provider 'cuda' asked for, but torch sees no CUDA device")
+        return "cuda"
+    return "cpu"
+
+
+class TorchRuntime(Runtime):
+    """The module in eval mode under ``torch.no_grad``; outputs map to names in order."""
+
+    def __init__(
+        self,
+        module: Any,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        dims: Mapping[str, DimRange] | None = None,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+    ) -> None:
+        super().__init__(inputs, outputs, dims)
+        self.module = module
+        self.device = device
+        self.threads = threads
+        self.name = f"torch[{device}]"
+        self._saved_threads: int | None = None
+
+    def _activate(self) -> None:
+        torch = require("torch", "running the PyTorch original")
+        self.module = self.module.to(self.device).eval()
+        if self.threads:
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+
+    def _deactivate(self) -> None:
+        if self._saved_threads is not None:
+            require("torch", "running the PyTorch original").set_num_threads(self._saved_threads)
+            self._saved_threads = None
+
+    def _tensors(self, feeds: Mapping[str, np.ndarray]) -> list[Any]:
+        torch = require("torch", "running the PyTorch original")
+        return [torch.from_numpy(np.ascontiguousarray(feeds[t.name])).to(self.device) for t in self.inputs]
+
+    def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
+        torch = require("torch", "running the PyTorch original")
+        try:
+            with torch.no_grad():
+                result = self.module(*args)
+        except Exception as e:
+            raise RuntimeFailure(f"{self.name}: forward failed: {type(e).__name__}: {e}") from e
+        values = result if isinstance(result, tuple | list) else (result,)
+        names = [t.name for t in self.outputs]
+        if len(values) != len(names):
+            raise RuntimeFailure(f"{self.name}: module returned {len(values)} outputs, spec declares {len(names)}")
+        return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
+
+    def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._call(self._tensors(feeds))
+
+    def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
+        """Inputs already on the device; on CUDA the call synchronizes before returning."""
+        torch = require("torch", "running the PyTorch original")
+        check_feeds(feeds, self.inputs, self.dims)
+        args = self._tensors(feeds)
+        module = self.module
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+
+        def call() -> None:
+            with torch.no_grad():
+                module(*args)
+            sync()
+
+        return call

@@ -1,0 +1,169 @@
+"""Concrete sizes for symbolic dims: export examples, verification sweeps, and --shapes parsing.
+
+The trap this module exists for: example inputs that share a size let the exporter merge
+two symbolic dims into one. Examples here give every dim its own size, and sweeps always
+include points where the query and key/value lengths differ.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from attn_export.errors import InputError
+from attn_export.spec import DimRange, ModelSpec, TensorSpec
+
+__all__ = [
+    "ShapePoint",
+    "concrete_shape",
+    "example_sizes",
+    "golden_points",
+    "parse_shapes",
+    "sizes_from_feeds",
+    "sweep",
+]
+
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71)
+
+
+@dataclass(frozen=True)
+class ShapePoint:
+    """One assignment of sizes to a model's symbolic dims, with a label saying why."""
+
+    label: str
+    sizes: dict[str, int] = field(hash=False)
+
+    def describe(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.sizes.items())
+
+
+def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Replace symbolic dims with sizes."""
+    return tuple(d if isinstance(d, int) else sizes[d] for d in tensor.shape)
+
+
+def example_sizes(spec: ModelSpec) -> dict[str, int]:
+    """Distinct sizes (>= 2, not equal to any static dim) for every symbolic dim, for export."""
+    static = {d for t in spec.inputs + spec.outputs for d in t.shape if isinstance(d, int)}
+    taken: set[int] = set(static)
+    sizes: dict[str, int] = {}
+    for name, rng in spec.dims.items():
+        lo = max(rng.min, 2)
+        choice = next((p for p in _PRIMES if lo <= p <= rng.max and p not in taken), None)
+        if choice is None:
+            choice = next((n for n in range(lo, rng.max + 1) if n not in taken), None)
+        if choice is None:
+            raise InputError(
+                f"{spec.name}: no example size for dim '{name}' in [{rng.min}, {rng.max}] "
+                "differs from the other dims; widen its range"
+            )
+        sizes[name] = choice
+        taken.add(choice)
+    return sizes
+
+
+def _clamp(dims: Mapping[str, DimRange], sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:
+    if cap is None:
+        return dict(sizes)
+    return {k: max(dims[k].min, min(v, cap)) for k, v in sizes.items()}
+
+
+def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None = None) -> list[ShapePoint]:
+    """The default verification sweep: minimum sizes, distinct sizes, maximum sizes,
+    skewed points where neighbouring dims sit at opposite ends (query length != kv length),
+    and seeded random points. Duplicates are dropped; ``cap`` bounds every size for slow runtimes.
+    """
+    dims = spec.dims
+    names = list(dims)
+    candidates = [
+        ShapePoint("min", {k: r.min for k, r in dims.items()}),
+        ShapePoint("distinct", example_sizes(spec)),
+        ShapePoint("max", {k: r.max for k, r in dims.items()}),
+        ShapePoint("skew-a", {k: (dims[k].max if i % 2 else dims[k].min) for i, k in enumerate(names)}),
+        ShapePoint("skew-b", {k: (dims[k].min if i % 2 else dims[k].max) for i, k in enumerate(names)}),
+    ]
+    rng = random.Random(seed)
+    candidates += [
+        ShapePoint(f"random-{i}", {k: rng.randint(r.min, r.max) for k, r in dims.items()})
+        for i in range(n_random)
+    ]
+    points: list[ShapePoint] = []
+    seen: set[tuple[int, ...]] = set()
+    for p in candidates:
+        sizes = _clamp(dims, p.sizes, cap)
+        key = tuple(sizes[k] for k in names)
+        if key not in seen:
+            seen.add(key)
+            points.append(ShapePoint(p.label, sizes))
+    extra = 0
+    while len(points) < 6 and extra < 100:
+        sizes = _clamp(dims, {k: rng.randint(r.min, r.max) for k, r in dims.items()}, cap)
+        key = tuple(sizes[k] for k in names)
+        extra += 1
+        if key not in seen:
+            seen.add(key)
+            points.append(ShapePoint(f"random-{n_random + extra}", sizes))
+    return points
+
+
+def golden_points(spec: ModelSpec) -> list[ShapePoint]:
+    """The few shapes recorded as golden vectors: small, but covering the traps."""
+    dims = spec.dims
+    small = {k: min(r.max, max(r.min, 16)) for k, r in dims.items()}
+    long = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
+    points = [
+        ShapePoint("min", {k: r.min for k, r in dims.items()}),
+        ShapePoint("distinct", example_sizes(spec)),
+        ShapePoint("skew", {k: (small[k] if i % 2 else dims[k].min) for i, k in enumerate(dims)}),
+        ShapePoint("long", {k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)}),
+    ]
+    unique: dict[tuple[int, ...], ShapePoint] = {}
+    for p in points:
+        unique.setdefault(tuple(p.sizes.values()), p)
+    return list(unique.values())
+
+
+def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
+    """Refuse unknown dims, missing dims and sizes outside the declared range."""
+    for k, v in sizes.items():
+        if k not in spec.dims:
+            raise InputError(f"{spec.name}: unknown dim '{k}' (dims: {', '.join(spec.dims)})")
+        r = spec.dims[k]
+        if not r.min <= v <= r.max:
+            raise InputError(f"{spec.name}: {k}={v} is outside its declared range [{r.min}, {r.max}]")
+    missing = [k for k in spec.dims if k not in sizes]
+    if missing:
+        raise InputError(f"{spec.name}: no size given for dim {', '.join(missing)}")
+
+
+def parse_shapes(text: str) -> list[dict[str, int]]:
+    """Parse ``--shapes "batch=1,seq=3,kv_seq=9;batch=2,seq=5,kv_seq=7"``."""
+    points: list[dict[str, int]] = []
+    for chunk in filter(None, (c.strip() for c in text.split(";"))):
+        sizes: dict[str, int] = {}
+        for item in chunk.split(","):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep or not key or not value.strip().isdigit():
+                raise InputError(f"--shapes: cannot read {item.strip()!r}; expected NAME=SIZE, e.g. seq=16")
+            sizes[key] = int(value)
+        points.append(sizes)
+    if not points:
+        raise InputError("--shapes: no shape given")
+    return points
+
+
+def sizes_from_feeds(inputs: Sequence[TensorSpec], shapes: Mapping[str, Sequence[int]]) -> dict[str, int]:
+    """Read each symbolic dim's size off concrete input shapes; a dim seen with two sizes is an error."""
+    sizes: dict[str, int] = {}
+    for t in inputs:
+        shape = shapes[t.name]
+        for axis, d in enumerate(t.shape):
+            if isinstance(d, str):
+                if d in sizes and sizes[d] != shape[axis]:
+                    raise InputError(
+                        f"dim '{d}' has two sizes: {sizes[d]} and {shape[axis]} (input '{t.name}', axis {axis})"
+                    )
+                sizes[d] = int(shape[axis])
+    return sizes

@@ -49,12 +49,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename."""
     fd = -1
     tmp = ""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             fd = -1
             f.write(data)
@@ -112,7 +119,7 @@ def write_golden(path: Path, cases: list[tuple[str, Mapping[str, int], dict[str,
             info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = zipfile.ZIP_DEFLATED
             npy = io.BytesIO()
-            np.lib.format.write_array(npy, np.ascontiguousarray(arrays[key]), allow_pickle=False)
+            np.lib.format.write_array(npy, np.asarray(arrays[key]), allow_pickle=False)
             zf.writestr(info, npy.getvalue())
     atomic_write(path, buf.getvalue())
 

@@ -41,12 +41,13 @@ def _axes(shape: tuple[int | str, ...]) -> dict[int, str]:
 def export_onnx(
     module: Any,
     spec: ModelSpec,
-    example_feeds: Mapping[str, np.ndarray],
+    example_feeds: Mapping[str, Any],
     *,
     opset: int | None = None,
     exporter: str | None = None,
 ) -> onnx.ModelProto:
-    """Export ``module`` called with ``example_feeds`` (positional, in spec order).
+    """Export ``module`` called with ``example_feeds`` (numpy arrays or torch tensors,
+    passed positionally in spec order).
 
     The examples must give every symbolic dim its own size (``shapes.example_sizes``);
     the caller checks the result with ``graph_checks.check_dynamic_axes``.
@@ -54,7 +55,10 @@ def export_onnx(
     torch = require("torch", "exporting")
     opset = opset or spec.opset
     exporter = exporter or spec.exporter
-    args = tuple(torch.from_numpy(np.ascontiguousarray(example_feeds[t.name])) for t in spec.inputs)
+    args = tuple(
+        v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
+        for v in (example_feeds[t.name] for t in spec.inputs)
+    )
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
     try:

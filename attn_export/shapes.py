@@ -115,7 +115,8 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     points = [
         ShapePoint("min", {k: r.min for k, r in dims.items()}),
         ShapePoint("distinct", example_sizes(spec)),
-        ShapePoint("skew", {k: (small[k] if i % 2 else dims[k].min) for i, k in enumerate(dims)}),
+        ShapePoint("skew-a", {k: (small[k] if i % 2 else dims[k].min) for i, k in enumerate(dims)}),
+        ShapePoint("skew-b", {k: (dims[k].min if i % 2 else small[k]) for i, k in enumerate(dims)}),
         ShapePoint("long", {k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)}),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}

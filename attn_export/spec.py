@@ -25,7 +25,7 @@ __all__ = [
     "Tolerance",
     "WeightsSpec",
     "load_spec",
-    "load_specs",
+    "spec_paths",
     "spec_from_dict",
 ]
 
@@ -37,7 +37,7 @@ MODES = ("eval", "train")
 MAX_DIM = 1 << 20
 
 _TOP_KEYS = {
-    "name", "description", "module", "kwargs", "inputs", "outputs", "dims",
+    "description", "module", "kwargs", "inputs", "outputs", "dims",
     "opset", "exporter", "mode", "weights", "tolerance",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
@@ -229,7 +229,8 @@ def _tensor(where: _Where, raw: Any, context: str, is_input: bool) -> TensorSpec
 def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str = "") -> ModelSpec:
     """Validate a parsed spec; every problem is a SpecError naming the file and key."""
     where = _Where(path, text)
-    _check_keys(where, raw, _TOP_KEYS | {"search_path"}, "the spec")
+    # A manifest's copy of a spec (no path) also carries its name and search path.
+    _check_keys(where, raw, _TOP_KEYS | ({"name", "search_path"} if path is None else set()), "the spec")
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
@@ -365,28 +366,27 @@ def load_spec(path: Path) -> ModelSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: invalid TOML: {e}") from e
-    if "search_path" in raw:
-        raise _Where(path, text).error("unknown key 'search_path' in the spec", "search_path")
+    for key in ("name", "search_path"):
+        if key in raw:
+            raise _Where(path, text).error(
+                f"unknown key '{key}' in the spec (the model's name is the file's name)", key
+            )
     return spec_from_dict(raw, path=path, text=text)
 
 
-def load_specs(models_dir: Path, names: tuple[str, ...] = ()) -> list[ModelSpec]:
-    """Load every ``*.toml`` in a folder (sorted by name), or just the named ones."""
+def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
+    """The spec files of a model folder (sorted), or just the named models'."""
     if not models_dir.is_dir():
         raise SpecError(f"{models_dir}: no such model directory (pass --models DIR)")
-    specs = [load_spec(p) for p in sorted(models_dir.glob("*.toml"))]
-    seen: dict[str, ModelSpec] = {}
-    for s in specs:
-        if s.name in seen:
-            raise SpecError(f"{models_dir}: two specs define the model '{s.name}'")
-        seen[s.name] = s
+    paths = sorted(models_dir.glob("*.toml"))
+    if not paths:
+        raise SpecError(f"{models_dir}: no *.toml model specs found")
     if not names:
-        if not specs:
-            raise SpecError(f"{models_dir}: no *.toml model specs found")
-        return specs
-    unknown = [n for n in names if n not in seen]
+        return paths
+    by_name = {p.stem: p for p in paths}
+    unknown = [n for n in names if n not in by_name]
     if unknown:
         raise SpecError(
-            f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(seen))})"
+            f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})"
         )
-    return [seen[n] for n in names]
+    return [by_name[n] for n in dict.fromkeys(names)]

@@ -1,0 +1,1 @@
+"""Renderers: they format result dataclasses and compute nothing."""

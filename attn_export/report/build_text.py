@@ -1,0 +1,47 @@
+"""Terminal lines for ``attn-export build`` and ``attn-export list``."""
+
+from __future__ import annotations
+
+from attn_export.build import BuildResult, BuildSummary
+from attn_export.spec import ModelSpec
+
+__all__ = ["format_build_line", "format_build_summary", "format_spec_table"]
+
+
+def format_build_line(r: BuildResult) -> str:
+    """One line per model as it finishes."""
+    status = {"built": "built  ", "skipped": "skipped", "failed": "FAILED "}[r.status]
+    line = f"{status} {r.name:<24} {r.seconds:7.2f} s"
+    if r.status == "skipped":
+        line += "  (unchanged; --force rebuilds)"
+    if r.error:
+        failed = next((k for k, v in r.stages.items() if v is False), None)
+        line += f"  [{failed}] {r.error}" if failed else f"  {r.error}"
+    for w in r.warnings:
+        line += f"\n        warning: {w}"
+    return line
+
+
+def format_build_summary(s: BuildSummary) -> str:
+    c = s.counts()
+    return (
+        f"{len(s.results)} models: {c['built']} built, {c['skipped']} skipped, {c['failed']} failed "
+        f"in {s.seconds:.1f} s -> {s.out_dir}/manifest.json"
+    )
+
+
+def _shape(shape: tuple[int | str, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def format_spec_table(specs: list[ModelSpec]) -> str:
+    """The zoo: name, module, inputs with dims, opset, exporter."""
+    rows = [("NAME", "MODULE", "INPUTS", "OPSET", "EXPORTER")]
+    for s in specs:
+        inputs = " ".join(f"{t.name}{_shape(t.shape)}" + (f"({t.mask})" if t.mask else "") for t in s.inputs)
+        rows.append((s.name, s.module, inputs, str(s.opset), s.exporter))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(widths[i]) if i < 4 else cell for i, cell in enumerate(row)).rstrip()
+        for row in rows
+    )

@@ -1,0 +1,30 @@
+"""Modules with planted export faults; each exports cleanly but is wrong off the example shape."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_export.reference.seed import MultiHeadAttention
+
+
+class BakedBatchAttention(MultiHeadAttention):
+    """Seed MHA whose reshape uses Python ints: tracing bakes the example's batch and length."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, s = int(query.shape[0]), int(query.shape[1])
+        q = self.q_linear(query).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_linear(keys).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_linear(values).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        w = F.softmax(q @ k.transpose(-2, -1) / self.head_dim**0.5, dim=-1)
+        return self.out_linear((w @ v).transpose(1, 2).reshape(b, s, self.hidden_dim))
+
+
+class ShapeBranchAttention(MultiHeadAttention):
+    """Seed MHA with a Python branch on the query length: tracing freezes the example's branch."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().forward(query, keys, values)
+        if query.shape[1] == 1:  # single-token decode path: skip attention entirely
+            return self.out_linear(self.v_linear(values).mean(dim=1, keepdim=True))
+        return out

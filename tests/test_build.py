@@ -1,0 +1,245 @@
+"""Build: real exports, real ONNX Runtime sessions, real comparisons with PyTorch."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from attn_export import artifacts
+from attn_export.artifacts import build_lock, read_golden, sha256_file
+from attn_export.build import BuildOptions, build_models
+from attn_export.compare import compare_outputs
+from attn_export.errors import GraphCheckError
+from attn_export.export import export_onnx
+from attn_export.factory import instantiate
+from attn_export.graph_checks import check_dynamic_axes, graph_shapes
+from attn_export.inputs import make_feeds
+from attn_export.manifest import load_manifest
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.shapes import sweep
+from attn_export.spec import load_spec
+from tests.conftest import ZOO, tiny_spec, write_spec
+
+ZOO_NAMES = sorted(p.stem for p in ZOO.glob("*.toml"))
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo_model_matches_pytorch_across_shapes(zoo_dir: Path, name: str) -> None:
+    entry = load_manifest(zoo_dir).models[name]
+    spec = entry.model_spec()
+    points = sweep(spec)[:5]  # min, distinct, max, and the two skewed points
+    assert any(len(set(p.sizes.values())) > 1 for p in points)
+    tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
+    with (
+        TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager,
+        OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as ort_cpu,
+    ):
+        for i, point in enumerate(points):
+            feeds = make_feeds(spec, point.sizes, i)
+            results = compare_outputs(eager.run(feeds), ort_cpu.run(feeds), tolerances)
+            assert all(r.passed for r in results), (point, [r.reason() for r in results])
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_declared_axes_are_symbolic_and_distinct(zoo_dir: Path, name: str) -> None:
+    entry = load_manifest(zoo_dir).models[name]
+    proto = onnx.load(zoo_dir / entry.file)
+    check_dynamic_axes(proto, name, entry.input_specs(), entry.output_specs())
+    shapes = graph_shapes(proto)
+    for t in entry.input_specs() + entry.output_specs():
+        assert list(shapes[t.name]) == list(t.shape)
+
+
+def test_attention_op_model_holds_the_onnx_attention_op(zoo_dir: Path) -> None:
+    proto = onnx.load(zoo_dir / "mha_attention_op.onnx")
+    assert "Attention" in {n.op_type for n in proto.graph.node}
+    assert {o.domain: o.version for o in proto.opset_import}[""] == 23
+
+
+def test_metadata_records_provenance(zoo_dir: Path) -> None:
+    meta = {p.key: p.value for p in onnx.load(zoo_dir / "mha.onnx").metadata_props}
+    assert meta["attn_export.source_module"] == "attn_export.reference.seed:MultiHeadAttention"
+    assert meta["attn_export.exporter"] == "dynamo" and meta["attn_export.opset"] == "18"
+    assert meta["attn_export.version.torch"] == torch.__version__
+    assert meta["attn_export.spec_hash"] == load_manifest(zoo_dir).models["mha"].spec_hash
+    assert {"attn_export.version.onnx", "attn_export.version.onnxscript"} <= set(meta)
+
+
+def test_golden_vectors_cover_batch_one_and_unequal_lengths(zoo_dir: Path) -> None:
+    cases = read_golden(zoo_dir / "mha_cross.golden.npz")
+    sizes = [c[1] for c in cases]
+    assert {"batch": 1, "seq": 1, "kv_seq": 1} in sizes
+    assert any(s["seq"] != s["kv_seq"] for s in sizes)
+    label, case_sizes, feeds, outputs = cases[0]
+    assert feeds["query"].shape == (case_sizes["batch"], case_sizes["seq"], 256)
+    assert outputs["output"].dtype == np.float32
+
+
+def test_merged_axes_export_is_caught(tmp_path: Path) -> None:
+    spec = load_spec(tiny_spec(tmp_path))
+    x = torch.randn(2, 5, 16)  # the same tensor as query, keys and values: the exporter merges
+    proto = export_onnx(instantiate(spec), spec, {"query": x, "keys": x, "values": x})
+    with pytest.raises(GraphCheckError, match=r"dynamic axes 'seq' and 'kv_seq' were merged into one symbol"):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs)
+
+
+def test_static_axis_is_caught(tmp_path: Path) -> None:
+    spec = load_spec(tiny_spec(tmp_path))
+    feeds = make_feeds(spec, {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
+    proto = export_onnx(instantiate(spec), spec, feeds)
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 3
+    with pytest.raises(GraphCheckError, match=r"dynamic axis 'seq' of input 'query' \(axis 1\) is static 3"):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs)
+
+
+def _build(spec_paths: list[Path], out: Path, **kw: object):
+    return build_models(spec_paths, BuildOptions(out, **kw))  # type: ignore[arg-type]
+
+
+def test_build_is_deterministic(tmp_path: Path) -> None:
+    path = tiny_spec(tmp_path / "models")
+    _build([path], tmp_path / "a")
+    _build([path], tmp_path / "b")
+    for name in ("tiny.onnx", "tiny.golden.npz", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_torchscript_exporter_builds_with_dynamic_axes(tmp_path: Path) -> None:
+    summary = _build([tiny_spec(tmp_path / "models", exporter="torchscript")], tmp_path / "out")
+    assert summary.results[0].status == "built", summary.results[0].error
+    entry = load_manifest(tmp_path / "out").models["tiny"]
+    assert entry.exporter == "torchscript"
+    assert graph_shapes(onnx.load(tmp_path / "out" / "tiny.onnx"))["keys"] == ("batch", "kv_seq", 16)
+
+
+def test_incremental_build_skips_unchanged_and_rebuilds_changed(tmp_path: Path) -> None:
+    path = tiny_spec(tmp_path / "models")
+    out = tmp_path / "out"
+    assert _build([path], out).results[0].status == "built"
+    assert _build([path], out).results[0].status == "skipped"
+    assert _build([path], out, force=True).results[0].status == "built"
+    path.write_text(path.read_text().replace("max = 24", "max = 28"))
+    assert _build([path], out).results[0].status == "built"
+    (out / "tiny.onnx").write_bytes(b"tampered")
+    assert _build([path], out).results[0].status == "built"
+
+
+def test_crash_while_writing_leaves_previous_artifacts_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_spec(tmp_path / "models")
+    out = tmp_path / "out"
+    _build([path], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def killed(fd: int) -> None:
+        raise KeyboardInterrupt  # as if the process died after writing, before the rename
+
+    monkeypatch.setattr(artifacts.os, "fsync", killed)
+    path.write_text(path.read_text().replace("max = 24", "max = 28"))
+    with pytest.raises(KeyboardInterrupt):
+        _build([path], out)
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before
+    entry = load_manifest(out).models["tiny"]
+    assert sha256_file(out / entry.file) == entry.sha256
+
+
+def test_user_module_outside_the_package_builds(tmp_path: Path) -> None:
+    models = tmp_path / "user_models"
+    models.mkdir()
+    (models / "my_attention.py").write_text(textwrap.dedent('''
+        import torch
+        import torch.nn as nn
+
+        class TemperatureAttention(nn.Module):
+            def __init__(self, dim, temperature=2.0):
+                super().__init__()
+                self.proj = nn.Linear(dim, dim)
+                self.temperature = temperature
+
+            def forward(self, x, memory):
+                scores = self.proj(x) @ memory.transpose(-2, -1) / self.temperature
+                return torch.softmax(scores, dim=-1) @ memory
+    '''))
+    path = write_spec(models, "user", '''
+        module = "my_attention:TemperatureAttention"
+        kwargs = { dim = 8, temperature = 3.0 }
+        [[inputs]]
+        name = "x"
+        shape = ["batch", "seq", 8]
+        [[inputs]]
+        name = "memory"
+        shape = ["batch", "mem", 8]
+        [[outputs]]
+        name = "out"
+        shape = ["batch", "seq", 8]
+        [dims]
+        batch = { min = 1, max = 4 }
+        seq = { min = 1, max = 16 }
+        mem = { min = 1, max = 32 }
+    ''')
+    summary = _build([path], tmp_path / "out")
+    assert summary.results[0].status == "built", summary.results[0].error
+    assert load_manifest(tmp_path / "out").models["user"].spec["module"] == "my_attention:TemperatureAttention"
+
+
+def test_one_failing_model_does_not_stop_the_others(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    bad = tiny_spec(models, "a_bad")
+    bad.write_text(bad.read_text().replace("num_heads = 2", "heads = 2"))
+    good = tiny_spec(models, "b_good")
+    summary = _build([bad, good], tmp_path / "out")
+    assert [r.status for r in summary.results] == ["failed", "built"]
+    assert summary.results[0].stages["module"] is False
+    assert "kwargs {'hidden_dim': 16, 'heads': 2} do not fit" in summary.results[0].error
+    assert summary.exit_code == 2
+    assert list(load_manifest(tmp_path / "out").models) == ["b_good"]
+    fast = _build([bad, good], tmp_path / "out2", fail_fast=True)
+    assert [r.status for r in fast.results] == ["failed"]
+
+
+def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
+    path = tiny_spec(tmp_path / "models", exporter="torchscript")
+    path.write_text(path.read_text().replace(
+        "attn_export.reference.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention"
+    ))
+    summary = _build([path], tmp_path / "out")
+    r = summary.results[0]
+    assert r.stages["smoke"] is False and summary.exit_code == 1
+    assert r.error.startswith("tiny: smoke check at skew-b (batch=4,seq=1,kv_seq=16) failed: output: 64/64 elements")
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_train_mode_warns_and_exports_in_eval_mode(tmp_path: Path) -> None:
+    path = tiny_spec(tmp_path / "models")
+    path.write_text('mode = "train"\n' + path.read_text())
+    r = _build([path], tmp_path / "out").results[0]
+    assert r.status == "built"
+    assert r.warnings == ["spec asks for mode 'train'; exported in eval mode (dropout off)"]
+
+
+def test_build_lock_refuses_a_second_build(tmp_path: Path) -> None:
+    from attn_export.errors import LockError
+
+    path = tiny_spec(tmp_path / "models")
+    with build_lock(tmp_path / "out"), pytest.raises(LockError, match="locked by another attn-export build"):
+        _build([path], tmp_path / "out")
+
+
+def test_manifest_records_the_contract(zoo_dir: Path) -> None:
+    doc = json.loads((zoo_dir / "manifest.json").read_text())
+    assert doc["schema"] == "attn-export/manifest" and doc["schema_version"] == 1
+    entry = doc["models"]["mha_cross"]
+    assert entry["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 256]}
+    assert entry["dims"]["kv_seq"] == {"min": 1, "max": 320}
+    assert entry["tolerance"]["atol"] == 1e-5
+    assert entry["sha256"] == sha256_file(zoo_dir / "mha_cross.onnx")
+    assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript"}
+    assert os.stat(zoo_dir / "mha_cross.onnx").st_mode & 0o044  # readable by others, like any build output

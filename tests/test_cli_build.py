@@ -1,0 +1,109 @@
+"""The CLI for list and build: exit codes and exact messages."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from attn_export import __version__
+from attn_export.cli import cli
+from tests.conftest import ZOO, tiny_spec
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_version_and_module_entry_point() -> None:
+    assert invoke("--version").output == f"attn-export, version {__version__}\n"
+    done = subprocess.run([sys.executable, "-m", "attn_export", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"attn-export, version {__version__}"
+
+
+def test_list_shows_the_zoo() -> None:
+    result = invoke("list", "--models", str(ZOO))
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["NAME", "MODULE", "INPUTS", "OPSET", "EXPORTER"]
+    row = next(line for line in lines if line.startswith("mha_attention_op"))
+    assert "keys[batch, kv_seq, 256]" in row and row.split()[-2:] == ["23", "dynamo"]
+
+
+def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    args = ("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert first.output.startswith("built   tiny ")
+    assert first.output.splitlines()[-1].startswith("1 models: 1 built, 0 skipped, 0 failed in ")
+    second = invoke(*args)
+    assert "skipped tiny" in second.output and "(unchanged; --force rebuilds)" in second.output
+    forced = invoke(*args, "--force", "--json")
+    doc = json.loads(forced.output)
+    assert doc["counts"] == {"built": 1, "skipped": 0, "failed": 0} and doc["exit_code"] == 0
+    assert doc["results"][0]["stages"]["axes"] is True
+
+
+def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    out = tmp_path / "out"
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(out),
+                    "--opset", "17", "--exporter", "torchscript", "--json")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())["models"]["tiny"]
+    assert (manifest["opset"], manifest["exporter"]) == (17, "torchscript")
+
+
+BAD_SPECS = [
+    ("toml", lambda t: t.replace('name = "query"', 'name = "query'), "[spec] {p}: invalid TOML: "),
+    ("unknown_key", lambda t: "colour = 1\n" + t, "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: description, dims,"),
+    ("unknown_module", lambda t: t.replace("attn_export.reference.seed:", "no_such_pkg.attn:"),
+     "tiny: cannot import module 'no_such_pkg.attn': No module named 'no_such_pkg'"),
+    ("unknown_class", lambda t: t.replace("seed:MultiHeadAttention", "seed:Nope"),
+     "tiny: module 'attn_export.reference.seed' has no attribute 'Nope'"),
+    ("bad_kwargs", lambda t: t.replace("num_heads = 2", "heads = 2"),
+     "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.reference.seed:MultiHeadAttention"),
+    ("min_gt_max", lambda t: t.replace("min = 1, max = 24", "min = 30, max = 24"),
+     "[spec] {p}:21: dim 'seq': min 30 is greater than max 24"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "message"), BAD_SPECS, ids=[b[0] for b in BAD_SPECS])
+def test_bad_spec_exits_2_with_one_line(tmp_path: Path, case: str, edit, message: str) -> None:
+    path = tiny_spec(tmp_path / "models")
+    path.write_text(edit(path.read_text()))
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    failed = next(line for line in result.output.splitlines() if line.startswith("FAILED"))
+    assert message.replace("{p}", str(path)) in failed
+    assert "Traceback" not in result.output
+
+
+def test_import_error_in_user_module_exits_2(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    path = tiny_spec(models)
+    (models / "broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    path.write_text(path.read_text().replace("attn_export.reference.seed:MultiHeadAttention", "broken_mod:X"))
+    result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert "tiny: importing 'broken_mod' raised RuntimeError: boom at import" in result.output
+
+
+def test_unknown_model_name_and_missing_folder_exit_2(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    result = invoke("build", "nope", "--models", str(tmp_path / "models"))
+    assert result.exit_code == 2
+    assert result.output == "Error: unknown model 'nope' (known: tiny)\n"
+    result = invoke("build", "--models", str(tmp_path / "absent"))
+    assert result.exit_code == 2
+    assert result.output == f"Error: {tmp_path / 'absent'}: no such model directory (pass --models DIR)\n"
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    result = invoke("--debug", "build", "--models", str(tmp_path / "absent"))
+    assert result.exit_code != 0 and result.exception is not None

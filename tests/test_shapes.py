@@ -1,0 +1,61 @@
+"""Example sizes never collide, and sweeps cover the shapes that break exports."""
+
+from __future__ import annotations
+
+import pytest
+
+from attn_export.errors import InputError
+from attn_export.shapes import example_sizes, golden_points, parse_shapes, sizes_from_feeds, sweep
+from attn_export.spec import load_spec, spec_paths
+from tests.conftest import ZOO
+
+SPECS = [load_spec(p) for p in spec_paths(ZOO)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_example_sizes_are_distinct_and_avoid_static_dims(spec) -> None:
+    sizes = example_sizes(spec)
+    static = {d for t in spec.inputs + spec.outputs for d in t.shape if isinstance(d, int)}
+    assert len(set(sizes.values())) == len(sizes)
+    assert not set(sizes.values()) & static
+    assert all(v >= 2 for v in sizes.values())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_sweep_covers_min_max_and_unequal_lengths(spec) -> None:
+    points = sweep(spec)
+    assert len(points) >= 6
+    sizes = [p.sizes for p in points]
+    assert {k: r.min for k, r in spec.dims.items()} in sizes
+    assert {k: r.max for k, r in spec.dims.items()} in sizes
+    if "kv_seq" in spec.dims:
+        assert any(s["seq"] != s["kv_seq"] for s in sizes)
+    assert sweep(spec) == points  # seeded
+    for s in sizes:
+        assert all(spec.dims[k].min <= v <= spec.dims[k].max for k, v in s.items())
+
+
+def test_sweep_cap_bounds_every_size() -> None:
+    spec = SPECS[0]
+    assert all(v <= 8 for p in sweep(spec, cap=8) for v in p.sizes.values())
+
+
+def test_golden_points_include_batch_one_and_unequal_lengths() -> None:
+    spec = next(s for s in SPECS if s.name == "mha_cross")
+    sizes = [p.sizes for p in golden_points(spec)]
+    assert {"batch": 1, "seq": 1, "kv_seq": 1} in sizes
+    assert any(s["seq"] != s["kv_seq"] for s in sizes)
+    assert max(s["kv_seq"] for s in sizes) >= 64
+
+
+def test_parse_shapes() -> None:
+    assert parse_shapes("batch=1,seq=3;batch=2,seq=5") == [{"batch": 1, "seq": 3}, {"batch": 2, "seq": 5}]
+    with pytest.raises(InputError, match=r"cannot read 'seq'; expected NAME=SIZE"):
+        parse_shapes("batch=1,seq")
+
+
+def test_sizes_from_feeds_refuses_one_dim_with_two_sizes() -> None:
+    spec = next(s for s in SPECS if s.name == "mha")
+    shapes = {"query": (2, 5, 256), "keys": (2, 6, 256), "values": (2, 5, 256)}
+    with pytest.raises(InputError, match=r"dim 'seq' has two sizes: 5 and 6 \(input 'keys', axis 1\)"):
+        sizes_from_feeds(spec.inputs, shapes)

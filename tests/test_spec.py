@@ -1,0 +1,85 @@
+"""Spec loading: the zoo loads, and every bad spec is one clear SpecError naming file and cause."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from attn_export.errors import SpecError
+from attn_export.spec import load_spec, spec_from_dict, spec_paths
+from tests.conftest import ZOO, tiny_spec
+
+
+def test_zoo_has_the_required_models() -> None:
+    names = {p.stem for p in spec_paths(ZOO)}
+    assert {"sdpa", "sdpa_masked", "mha", "mha_cross", "mha_causal", "mha_attention_op"} <= names
+    for path in spec_paths(ZOO):
+        spec = load_spec(path)
+        assert spec.mode == "eval"
+        assert spec_from_dict(spec.to_dict()) == spec
+
+
+def test_attention_op_model_uses_opset_23() -> None:
+    assert load_spec(ZOO / "mha_attention_op.toml").opset == 23
+
+
+def test_content_hash_ignores_location_but_not_content(tmp_path: Path) -> None:
+    a = load_spec(tiny_spec(tmp_path / "a"))
+    b = load_spec(tiny_spec(tmp_path / "b"))
+    assert a.content_hash() == b.content_hash()
+    c = load_spec(tiny_spec(tmp_path / "c", exporter="torchscript"))
+    assert a.content_hash() != c.content_hash()
+
+
+BAD = [
+    ("toml", 'module = "x:Y"\n[[inputs]\n', r"invalid TOML: .*line 2"),
+    ("unknown_key", 'module = "a.b:C"\ncolour = 1\n', r"bad.toml:2: unknown key 'colour' in the spec"),
+    ("name_key", 'name = "other"\n', r"bad.toml:1: unknown key 'name' in the spec \(the model's name is the file's name\)"),
+    ("module_form", 'module = "not a path"\n', r"'module' must look like 'package.module:Class'"),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "pattern"), BAD, ids=[b[0] for b in BAD])
+def test_bad_spec_text(tmp_path: Path, case: str, text: str, pattern: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=pattern):
+        load_spec(path)
+
+
+EDITS = [
+    ("min_gt_max", ("seq = { min = 1, max = 24 }", "seq = { min = 30, max = 24 }"),
+     r"tiny.toml:\d+: dim 'seq': min 30 is greater than max 24"),
+    ("undeclared_dim", ('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "len", 16]\n[[inputs]]'),
+     r"'query' uses dim 'len', which \[dims\] does not declare"),
+    ("bad_dtype", ('name = "query"', 'name = "query"\ndtype = "complex64"'), r"dtype 'complex64' is not one of"),
+    ("bad_exporter", ('exporter = "dynamo"', 'exporter = "jit"'), r"exporter 'jit' is not one of dynamo, torchscript"),
+    ("unknown_dim_key", ("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 4, step = 2 }"),
+     r"unknown key 'step' in dims.batch"),
+    ("mask_not_bool", ('name = "values"', 'name = "values"\nmask = "random"'), r"a mask must have dtype bool"),
+    ("unused_dim", ("[dims]", "[dims]\nextra = { min = 1, max = 4 }"), r"dim 'extra' is declared but no input"),
+    ("tolerance_output", ("[dims]", "[tolerance.outputs.nope]\natol = 1.0\n[dims]"), r"tolerance for unknown output 'nope'"),
+    ("missing_weights", ("[dims]", '[weights]\npath = "nowhere.pt"\n[dims]'), r"weights file nowhere.pt does not exist"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "pattern"), EDITS, ids=[e[0] for e in EDITS])
+def test_bad_spec_fields(tmp_path: Path, case: str, edit: tuple[str, str], pattern: str) -> None:
+    path = tiny_spec(tmp_path)
+    text = path.read_text()
+    assert edit[0] in text
+    path.write_text(text.replace(edit[0], edit[1], 1))
+    with pytest.raises(SpecError, match=pattern):
+        load_spec(path)
+
+
+def test_spec_paths_unknown_name(tmp_path: Path) -> None:
+    tiny_spec(tmp_path)
+    with pytest.raises(SpecError, match=r"unknown model 'nope' \(known: tiny\)"):
+        spec_paths(tmp_path, ("nope",))
+
+
+def test_spec_paths_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="no such model directory"):
+        spec_paths(tmp_path / "absent")

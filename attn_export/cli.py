@@ -120,6 +120,136 @@ def build(
     sys.exit(summary.exit_code)
 
 
+def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    i, sep, n = value.partition("/")
+    if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise click.BadParameter(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
+    return int(i), int(n)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--provider", "providers", multiple=True, type=click.Choice(["cpu", "cuda", "all"]),
+              help="ONNX Runtime execution provider (repeatable; 'all' = every one installed). Default: cpu.")
+@click.option("--runtime", "runtimes", multiple=True, type=click.Choice(["onnxruntime", "onnx-reference"]),
+              help="Runtime to check (repeatable). onnx-reference runs onnx.reference at small shapes.")
+@click.option("--golden", is_flag=True, help="Compare with the recorded golden vectors; needs no torch.")
+@click.option("--shapes", help='Shape points instead of the sweep, e.g. "batch=1,seq=3,kv_seq=9;batch=2,seq=5,kv_seq=7".')
+@click.option("--random", "n_random", type=click.IntRange(0, 100), default=2, show_default=True,
+              help="Seeded random shape points added to the sweep.")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
+@click.option("--atol", type=click.FloatRange(0), help="Override every output's absolute tolerance.")
+@click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
+@click.option("--threads", type=click.IntRange(1), help="Threads for both PyTorch and ONNX Runtime. Default: physical cores.")
+@click.option("--no-latency", is_flag=True, help="Skip timing.")
+@click.option("--latency-budget", type=click.FloatRange(0.001), default=0.05, show_default=True,
+              help="Seconds of timed repeats per side and shape.")
+@click.option("--max-slowdown", type=click.FloatRange(0, min_open=True),
+              help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the JSON report here.")
+@click.option("--junit", "junit_path", type=click.Path(path_type=Path, dir_okay=False), help="Write JUnit XML here.")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write a Markdown report here (also appended to $GITHUB_STEP_SUMMARY when set).")
+@click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
+def verify(
+    paths: tuple[Path, ...],
+    providers: tuple[str, ...],
+    runtimes: tuple[str, ...],
+    golden: bool,
+    shapes: str | None,
+    n_random: int,
+    seed: int,
+    atol: float | None,
+    rtol: float | None,
+    threads: int | None,
+    no_latency: bool,
+    latency_budget: float,
+    max_slowdown: float | None,
+    json_path: Path | None,
+    junit_path: Path | None,
+    markdown_path: Path | None,
+    shard: tuple[int, int] | None,
+) -> None:
+    """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
+
+    PATHS is a build folder (default: build) or .onnx files from one. Each artifact's
+    sha256 is checked against the manifest, its dynamic axes against the graph, and its
+    outputs against the PyTorch original at batch 1, sequence 1, unequal query and kv
+    lengths, the longest allowed lengths and seeded random shapes. Exit 0 when all agree,
+    1 on any mismatch or failed gate, 2 on bad usage or input.
+
+    Example:
+
+        attn-export verify build --json report.json --junit junit.xml
+        attn-export verify build --golden --no-latency
+        attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
+    """
+    import os
+
+    from attn_export.artifacts import atomic_write
+    from attn_export.bench.timing import physical_cores
+    from attn_export.report.json_report import dump_json_report
+    from attn_export.report.junit import junit_xml
+    from attn_export.report.markdown import markdown_report
+    from attn_export.report.verify_text import HEADER, format_failures, format_model_rows, format_summary
+    from attn_export.runtimes.ort import available_providers
+    from attn_export.shapes import parse_shapes
+    from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
+
+    if golden and shapes:
+        raise click.UsageError("--shapes cannot be combined with --golden (golden files fix their shapes)")
+    out_dir, manifest, names = select_models(list(paths) or [Path("build")])
+    names = shard_names(names, shard)
+    runtimes = runtimes or ("onnxruntime",)
+    chosen = list(dict.fromkeys(providers or ("cpu",)))
+    if "all" in chosen:
+        chosen = [p for p in available_providers() if p in ("cpu", "cuda")]
+    options = VerifyOptions(
+        providers=chosen if "onnxruntime" in runtimes else (),
+        reference="onnx-reference" in runtimes,
+        golden=golden,
+        shapes=parse_shapes(shapes) if shapes else None,
+        n_random=n_random,
+        seed=seed,
+        atol=atol,
+        rtol=rtol,
+        latency=not no_latency,
+        threads=threads or physical_cores(),
+        latency_budget_s=latency_budget,
+        max_slowdown=max_slowdown,
+    )
+    if not names:
+        click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
+        return
+    printed: list[str] = []
+
+    def on_model(name: str, cases: list, check: object) -> None:
+        if not printed:
+            printed.append(HEADER)
+            click.echo(HEADER)
+        click.echo(format_model_rows(name, cases, check))  # type: ignore[arg-type]
+
+    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model)
+    failures = format_failures(report)
+    if failures:
+        click.echo(failures)
+    click.echo(format_summary(report))
+    if json_path:
+        atomic_write(json_path, dump_json_report(report).encode())
+    if junit_path:
+        atomic_write(junit_path, junit_xml(report).encode())
+    markdown = markdown_report(report)
+    if markdown_path:
+        atomic_write(markdown_path, markdown.encode())
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary_file:
+        with open(summary_file, "a", encoding="utf-8") as f:
+            f.write(markdown)
+    sys.exit(report.exit_code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="attn-export")

@@ -125,7 +125,8 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     result.unexpected_nonfinite = int(bad_nonfinite.sum())
 
     both = e_finite & np.isfinite(a)
-    abs_err = np.where(both, np.abs(a - e), 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        abs_err = np.where(both, np.abs(a - e), 0.0)
     rel_err = np.where(both, abs_err / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
     allowed = tol.atol + tol.rtol * np.abs(np.where(both, e, 0.0))
     within = (both & (abs_err <= allowed)) | same_nonfinite

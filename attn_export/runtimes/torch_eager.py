@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from attn_export._deps import require
-from attn_export.errors import ProviderError, RuntimeFailure
+from attn_export.errors import RuntimeFailure
 from attn_export.runtimes.base import Runtime, check_feeds
 from attn_export.spec import DimRange, TensorSpec
 
@@ -16,13 +16,10 @@ __all__ = ["TorchRuntime", "torch_device_for"]
 
 
 def torch_device_for(provider: str) -> str:
-    """The torch device matching an ONNX Runtime provider; CUDA must really be there."""
+    """The torch device matching an ONNX Runtime provider: CUDA where this torch has it,
+    else CPU (reports name the device, so a CPU-only torch is visible)."""
     torch = require("torch", "running the PyTorch original")
-    if provider == "cuda":
-        if not torch.cuda.is_available():
-            raise ProviderError("provider 'cuda' asked for, but torch sees no CUDA device")
-        return "cuda"
-    return "cpu"
+    return "cuda" if provider == "cuda" and torch.cuda.is_available() else "cpu"
 
 
 class TorchRuntime(Runtime):

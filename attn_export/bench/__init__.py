@@ -1,0 +1,1 @@
+"""Timing and benchmarks: warm-up, repeats, percentiles and synchronisation live here only."""

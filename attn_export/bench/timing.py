@@ -1,0 +1,75 @@
+"""Latency measurement: one place for warm-up, repeats and percentiles.
+
+Runtimes hand over a zero-argument call that already synchronises (CUDA) and keeps
+tensors on the device; this module only times it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["LatencyStats", "measure", "physical_cores"]
+
+
+@dataclass
+class LatencyStats:
+    """Wall-clock latency of repeated calls, in milliseconds."""
+
+    p50_ms: float
+    p90_ms: float
+    mean_ms: float
+    repeats: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def measure(
+    call: Callable[[], object],
+    *,
+    warmup: int = 2,
+    budget_s: float = 0.05,
+    min_repeats: int = 5,
+    max_repeats: int = 10_000,
+) -> LatencyStats:
+    """Run ``call`` ``warmup`` times untimed, then repeatedly until ``budget_s`` is spent
+    (at least ``min_repeats`` times), and report percentiles."""
+    for _ in range(warmup):
+        call()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    ms = np.asarray(times) * 1e3
+    return LatencyStats(
+        float(np.percentile(ms, 50)), float(np.percentile(ms, 90)), float(ms.mean()), len(times)
+    )
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyper-threads) from /proc/cpuinfo, capped by the CPUs this
+    process may use (a container may see the host's cores but run on two)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return usable
+    cores: set[tuple[str, str]] = set()
+    phys = core = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            phys = value.strip()
+        elif key == "core id":
+            core = value.strip()
+            cores.add((phys, core))
+    return min(len(cores) or usable, usable)

@@ -1,0 +1,45 @@
+"""JSON report: strict JSON (no NaN/Infinity tokens), read back by ``load_json_report``.
+
+Non-finite floats are written as the strings "inf", "-inf" and "nan".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from attn_export.verify import VerifyReport
+
+__all__ = ["dump_json_report", "load_json_report"]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, str) and value in _FLOATS:
+        return _FLOATS[value]
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def dump_json_report(report: VerifyReport) -> str:
+    return json.dumps(_encode(report.to_dict()), indent=2, allow_nan=False) + "\n"
+
+
+def load_json_report(text: str) -> VerifyReport:
+    return VerifyReport.from_dict(_decode(json.loads(text)))

@@ -1,0 +1,50 @@
+"""JUnit XML: one testcase per model x runtime, failures carrying their numbers."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+
+from attn_export.verify import CaseResult, VerifyReport
+
+__all__ = ["junit_xml"]
+
+
+def junit_xml(report: VerifyReport) -> str:
+    groups: dict[tuple[str, str], list[CaseResult]] = defaultdict(list)
+    for c in report.cases:
+        groups[(c.model, c.runtime)].append(c)
+    runtimes = sorted({c.runtime for c in report.cases}) or ["checks"]
+    for check in report.checks:
+        for runtime in runtimes:
+            groups.setdefault((check.model, runtime), [])
+
+    suite = ET.Element("testsuite", name="attn-export verify")
+    failures = 0
+    for (model, runtime), cases in sorted(groups.items()):
+        seconds = sum(
+            (c.onnx_latency.mean_ms * c.onnx_latency.repeats if c.onnx_latency else 0.0) for c in cases
+        ) / 1e3
+        case_el = ET.SubElement(suite, "testcase", classname=model, name=runtime, time=f"{seconds:.3f}")
+        problems = next((c.problems for c in report.checks if c.model == model), [])
+        failing = [c for c in cases if not c.passed]
+        if problems or failing:
+            failures += 1
+            lines = list(problems)
+            for c in failing:
+                lines.append(f"{c.shape} {c.sizes} seed={c.seed}: {'; '.join(c.reasons())}")
+                lines.append(f"  reproduce: {report.reproduce(c)}")
+            first = lines[0]
+            fail_el = ET.SubElement(case_el, "failure", message=first, type="mismatch")
+            fail_el.text = "\n".join(lines)
+        props = ET.SubElement(case_el, "properties")
+        ET.SubElement(props, "property", name="shapes", value=str(len(cases)))
+        ET.SubElement(props, "property", name="seed", value=str(report.seed))
+    suite.set("tests", str(len(groups)))
+    suite.set("failures", str(failures))
+    suite.set("errors", "0")
+    suite.set("time", f"{report.seconds:.3f}")
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

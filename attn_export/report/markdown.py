@@ -1,0 +1,42 @@
+"""Markdown report, for pull requests and GitHub's job summary."""
+
+from __future__ import annotations
+
+from attn_export.verify import VerifyReport
+
+__all__ = ["markdown_report"]
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown_report(report: VerifyReport) -> str:
+    verdict = "✅ passed" if report.passed else "❌ failed"
+    lines = [
+        f"### attn-export verify: {verdict}",
+        "",
+        f"{len(report.checks)} models, {len(report.cases)} cases, seed {report.seed}, {report.seconds:.1f} s.",
+        "",
+        "| model | runtime | shape | result | max abs | max rel | torch p50 (ms) | ORT p50 (ms) | ratio |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in report.cases:
+        shape = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
+        lines.append(
+            f"| {c.model} | {c.runtime} | {shape} | {'PASS' if c.passed else '**FAIL**'} | "
+            f"{_cell(max((x.max_abs_error for x in c.comparisons), default=None), '.2e')} | "
+            f"{_cell(max((x.max_rel_error for x in c.comparisons), default=None), '.2e')} | "
+            f"{_cell(c.torch_latency.p50_ms if c.torch_latency else None, '.3f')} | "
+            f"{_cell(c.onnx_latency.p50_ms if c.onnx_latency else None, '.3f')} | "
+            f"{_cell(c.ratio, '.2f')} |"
+        )
+    problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
+    problems += [
+        f"- **{c.model}** {c.runtime} {c.shape}: {'; '.join(c.reasons())}  \n  `{report.reproduce(c)}`"
+        for c in report.cases
+        if not c.passed
+    ]
+    if problems:
+        lines += ["", "#### Failures", "", *problems]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,58 @@
+"""Terminal table for ``attn-export verify``: one row per model x runtime x shape."""
+
+from __future__ import annotations
+
+from attn_export.verify import CaseResult, ModelCheck, VerifyReport
+
+__all__ = ["HEADER", "format_case", "format_failures", "format_model_rows", "format_summary"]
+
+HEADER = (
+    f"{'MODEL':<18} {'RUNTIME':<18} {'SHAPE':<30} {'RESULT':<6} {'MAX_ABS':>9} {'MAX_REL':>9} "
+    f"{'TORCH_P50':>10} {'ORT_P50':>9} {'RATIO':>6}"
+)
+
+
+def _num(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, fmt) + suffix
+
+
+def format_case(c: CaseResult) -> str:
+    max_abs = max((x.max_abs_error for x in c.comparisons), default=None)
+    max_rel = max((x.max_rel_error for x in c.comparisons), default=None)
+    shape = ",".join(f"{k}={v}" for k, v in c.sizes.items())
+    torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
+    onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
+    return (
+        f"{c.model:<18} {c.runtime:<18} {shape:<30} {'PASS' if c.passed else 'FAIL':<6} "
+        f"{_num(max_abs, '9.2e'):>9} {_num(max_rel, '9.2e'):>9} "
+        f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}"
+    )
+
+
+def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> str:
+    """The rows for one model, printed as soon as it is verified."""
+    lines = [format_case(c) for c in cases]
+    lines += [f"{name:<18} {'checks':<18} {'-':<30} FAIL    {p}" for p in check.problems]
+    return "\n".join(lines)
+
+
+def format_failures(report: VerifyReport) -> str:
+    """Each failure's reasons and the command that reproduces it."""
+    lines = []
+    for check in report.checks:
+        lines += [f"FAIL {p}" for p in check.problems]
+    for c in report.cases:
+        if not c.passed:
+            lines.append(f"FAIL {c.model} {c.runtime} {c.shape} (seed {c.seed}): {'; '.join(c.reasons())}")
+            lines.append(f"     reproduce: {report.reproduce(c)}")
+    return "\n".join(lines)
+
+
+def format_summary(report: VerifyReport) -> str:
+    failed = sum(not c.passed for c in report.cases)
+    bad_models = sorted({c.model for c in report.cases if not c.passed} | {c.model for c in report.checks if not c.passed})
+    verdict = "PASSED" if report.passed else f"FAILED ({', '.join(bad_models)})"
+    return (
+        f"verify {verdict}: {len(report.cases) - failed} of {len(report.cases)} cases agree across "
+        f"{len(report.checks)} models in {report.seconds:.1f} s (seed {report.seed})"
+    )

@@ -1,0 +1,457 @@
+"""The verify pipeline: manifest -> integrity and graph checks -> shape sweep on each
+runtime -> comparison with PyTorch (or golden vectors) -> latency -> a VerifyReport.
+
+Verify only measures and collects; ``CaseResult.passed`` and ``VerifyReport.exit_code``
+are the pass/fail policy, and renderers in ``report/`` format the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attn_export.artifacts import read_golden, sha256_file
+from attn_export.bench.timing import LatencyStats, measure
+from attn_export.compare import OutputComparison, compare_outputs
+from attn_export.errors import ArtifactError, AttnExportError, UsageError
+from attn_export.graph_checks import check_dynamic_axes
+from attn_export.inputs import make_feeds
+from attn_export.manifest import Manifest, ManifestEntry, load_manifest
+from attn_export.runtimes.base import Runtime
+from attn_export.runtimes.ort import OnnxRuntime, require_provider
+from attn_export.runtimes.reference import ReferenceRuntime
+from attn_export.shapes import ShapePoint, sweep, validate_sizes
+from attn_export.spec import ModelSpec, Tolerance
+
+__all__ = [
+    "CaseResult",
+    "ModelCheck",
+    "VerifyOptions",
+    "VerifyReport",
+    "select_models",
+    "shard_names",
+    "verify_artifacts",
+]
+
+#: The ONNX reference evaluator is pure numpy: keep its shapes small.
+REFERENCE_CAP = 16
+
+
+@dataclass
+class VerifyOptions:
+    """What ``attn-export verify`` was asked to do (defaults are the CLI's)."""
+
+    #: ONNX Runtime providers to run; empty when only the reference evaluator is asked for.
+    providers: Sequence[str] = ("cpu",)
+    reference: bool = False
+    golden: bool = False
+    shapes: Sequence[Mapping[str, int]] | None = None
+    n_random: int = 2
+    seed: int = 0
+    atol: float | None = None
+    rtol: float | None = None
+    latency: bool = True
+    threads: int | None = None
+    latency_budget_s: float = 0.05
+    max_slowdown: float | None = None
+
+
+@dataclass
+class CaseResult:
+    """One model x runtime x shape: numbers, errors and timings."""
+
+    model: str
+    runtime: str
+    shape: str
+    sizes: dict[str, int]
+    seed: int
+    expected_from: str  # "torch[cpu]", "torch[cuda]" or "golden"
+    comparisons: list[OutputComparison] = field(default_factory=list)
+    error: str | None = None
+    torch_latency: LatencyStats | None = None
+    onnx_latency: LatencyStats | None = None
+    gate: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        if self.torch_latency and self.onnx_latency and self.torch_latency.p50_ms > 0:
+            return self.onnx_latency.p50_ms / self.torch_latency.p50_ms
+        return None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.gate is None and all(c.passed for c in self.comparisons)
+
+    def reasons(self) -> list[str]:
+        out = [self.error] if self.error else []
+        out += [c.reason() for c in self.comparisons if not c.passed]
+        return out + ([self.gate] if self.gate else [])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "runtime": self.runtime,
+            "shape": self.shape,
+            "sizes": self.sizes,
+            "seed": self.seed,
+            "expected_from": self.expected_from,
+            "passed": self.passed,
+            "error": self.error,
+            "gate": self.gate,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "latency": None
+            if self.onnx_latency is None
+            else {
+                "onnx": self.onnx_latency.to_dict(),
+                "torch": self.torch_latency.to_dict() if self.torch_latency else None,
+                "ratio": self.ratio,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CaseResult:
+        lat = d.get("latency") or {}
+        return cls(
+            model=d["model"],
+            runtime=d["runtime"],
+            shape=d["shape"],
+            sizes=dict(d["sizes"]),
+            seed=d["seed"],
+            expected_from=d["expected_from"],
+            comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
+            error=d.get("error"),
+            gate=d.get("gate"),
+            onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
+            torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
+        )
+
+
+@dataclass
+class ModelCheck:
+    """Per-model checks that come before any run: artifact integrity and graph axes."""
+
+    model: str
+    file: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class VerifyReport:
+    """Everything one verify run found; the JSON report is ``to_dict``."""
+
+    artifacts: str
+    seed: int
+    settings: dict[str, Any]
+    checks: list[ModelCheck] = field(default_factory=list)
+    cases: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks) and all(c.passed for c in self.cases)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def models(self) -> list[str]:
+        return [c.model for c in self.checks]
+
+    def reproduce(self, case: CaseResult) -> str:
+        """The one command that reruns exactly this case."""
+        runtime = "--runtime onnx-reference" if case.runtime == "onnx-reference" else (
+            f"--provider {case.runtime.split('[')[1].rstrip(']')}"
+        )
+        file = shlex.quote(str(Path(self.artifacts) / next(c.file for c in self.checks if c.model == case.model)))
+        if case.expected_from == "golden":
+            return f"attn-export verify {file} {runtime} --golden --no-latency"
+        shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
+        return (
+            f"attn-export verify {file} {runtime} --shapes {shlex.quote(shape)} --seed {case.seed} --no-latency"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "attn-export/verify-report",
+            "schema_version": 1,
+            "artifacts": self.artifacts,
+            "seed": self.seed,
+            "settings": self.settings,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "summary": {
+                "models": len(self.checks),
+                "cases": len(self.cases),
+                "failed_cases": sum(not c.passed for c in self.cases),
+                "failed_checks": sum(not c.passed for c in self.checks),
+            },
+            "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
+            "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+        return cls(
+            artifacts=d["artifacts"],
+            seed=d["seed"],
+            settings=dict(d["settings"]),
+            checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
+            cases=[CaseResult.from_dict(c) for c in d["cases"]],
+            seconds=d["seconds"],
+        )
+
+
+def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str]:
+    """Deterministic round-robin over sorted names; shard is 1-based ``(i, n)``."""
+    ordered = sorted(names)
+    if shard is None:
+        return ordered
+    i, n = shard
+    if not (n >= 1 and 1 <= i <= n):
+        raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
+    return [name for k, name in enumerate(ordered) if k % n == i - 1]
+
+
+def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
+    """Resolve ``DIR`` or ``FILES...`` (all in one build folder) to a manifest and model names."""
+    if not paths:
+        raise UsageError("give a build folder or .onnx files from one")
+    if len(paths) == 1 and paths[0].is_dir():
+        manifest = load_manifest(paths[0])
+        return paths[0], manifest, sorted(manifest.models)
+    folders = {p.parent.resolve() for p in paths}
+    if len(folders) != 1:
+        raise UsageError("all files given to verify must come from one build folder")
+    for p in paths:
+        if p.is_dir():
+            raise UsageError(f"{p}: give either one build folder or .onnx files")
+        if not p.exists():
+            raise ArtifactError(f"{p}: no such file")
+    out_dir = paths[0].parent
+    manifest = load_manifest(out_dir)
+    by_file = {e.file: name for name, e in manifest.models.items()}
+    names = []
+    for p in paths:
+        if p.name not in by_file:
+            raise ArtifactError(f"{p}: not listed in {out_dir / 'manifest.json'}")
+        names.append(by_file[p.name])
+    return out_dir, manifest, names
+
+
+def _integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
+    problems = []
+    files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
+    for name, want in files:
+        got = sha256_file(out_dir / name)
+        if got != want:
+            problems.append(
+                f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
+            )
+    return problems
+
+
+def _graph_problems(out_dir: Path, entry: ManifestEntry) -> list[str]:
+    try:
+        proto = onnx.load(out_dir / entry.file, load_external_data=False)
+        check_dynamic_axes(proto, entry.name, entry.input_specs(), entry.output_specs())
+    except AttnExportError as e:
+        return [str(e)]
+    except Exception as e:  # a corrupt protobuf
+        return [f"{entry.name}: {entry.file} cannot be parsed as ONNX ({type(e).__name__}: {e})"]
+    return []
+
+
+def _tolerances(spec: ModelSpec, options: VerifyOptions) -> dict[str, Tolerance]:
+    out = {}
+    for t in spec.outputs:
+        tol = spec.tolerance_for(t.name)
+        out[t.name] = Tolerance(
+            tol.atol if options.atol is None else options.atol,
+            tol.rtol if options.rtol is None else options.rtol,
+        )
+    return out
+
+
+def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
+    if options.shapes:
+        points = []
+        for i, sizes in enumerate(options.shapes):
+            validate_sizes(spec, sizes)
+            points.append(ShapePoint(f"shape-{i}", {k: int(sizes[k]) for k in spec.dims}))
+        return points
+    return sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+
+
+@dataclass
+class _Expected:
+    """Where expected outputs come from: golden vectors or the PyTorch original."""
+
+    label: str
+    cases: list[tuple[ShapePoint, int, dict[str, np.ndarray], dict[str, np.ndarray]]]
+
+
+def _golden_expected(out_dir: Path, entry: ManifestEntry, spec: ModelSpec) -> _Expected:
+    path = out_dir / entry.golden
+    cases = []
+    for i, (label, sizes, feeds, outputs) in enumerate(read_golden(path)):
+        for section, got, want in (("inputs", feeds, spec.inputs), ("outputs", outputs, spec.outputs)):
+            names = sorted(t.name for t in want)
+            if sorted(got) != names:
+                raise ArtifactError(f"{path}: case '{label}' has {section} {sorted(got)}, expected {names}")
+            for t in want:
+                if got[t.name].dtype != np.dtype(t.dtype):
+                    raise ArtifactError(
+                        f"{path}: case '{label}' {section[:-1]} '{t.name}' has dtype {got[t.name].dtype}, "
+                        f"expected {t.dtype}"
+                    )
+        cases.append((ShapePoint(label, sizes), i, feeds, outputs))
+    return _Expected("golden", cases)
+
+
+def _torch_expected(torch_rt: Runtime, spec: ModelSpec, points: list[ShapePoint], seed: int) -> _Expected:
+    cases = []
+    for i, point in enumerate(points):
+        feeds = make_feeds(spec, point.sizes, seed + i)
+        cases.append((point, seed + i, feeds, torch_rt.run(feeds)))
+    return _Expected(torch_rt.name, cases)
+
+
+def _run_target(
+    entry: ManifestEntry,
+    spec: ModelSpec,
+    target: Runtime,
+    expected: _Expected,
+    tolerances: dict[str, Tolerance],
+    torch_rt: Runtime | None,
+    options: VerifyOptions,
+) -> list[CaseResult]:
+    results = []
+    try:
+        target.activate()
+    except AttnExportError as e:
+        return [
+            CaseResult(entry.name, target.name, p.label, p.sizes, s, expected.label, error=str(e))
+            for p, s, _, _ in expected.cases
+        ]
+    try:
+        for point, seed, feeds, want in expected.cases:
+            case = CaseResult(entry.name, target.name, point.label, dict(point.sizes), seed, expected.label)
+            results.append(case)
+            try:
+                got = target.run(feeds)
+            except AttnExportError as e:
+                case.error = str(e)
+                continue
+            case.comparisons = compare_outputs(want, got, tolerances)
+            if options.latency and target.name.startswith("onnxruntime"):
+                case.onnx_latency = measure(target.prepare(feeds), budget_s=options.latency_budget_s)
+                if torch_rt is not None:
+                    case.torch_latency = measure(torch_rt.prepare(feeds), budget_s=options.latency_budget_s)
+                if options.max_slowdown is not None and case.ratio is not None and case.ratio > options.max_slowdown:
+                    case.gate = (
+                        f"onnxruntime p50 {case.onnx_latency.p50_ms:.3f} ms is {case.ratio:.2f}x PyTorch's "
+                        f"{case.torch_latency.p50_ms:.3f} ms (--max-slowdown {options.max_slowdown:g})"  # type: ignore[union-attr]
+                    )
+    finally:
+        target.deactivate()
+    return results
+
+
+def verify_artifacts(
+    out_dir: Path,
+    manifest: Manifest,
+    names: Sequence[str],
+    options: VerifyOptions,
+    on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None = None,
+) -> VerifyReport:
+    """Verify each named model; problems become failed checks or cases, never exceptions,
+    except bad usage (unknown provider, shapes outside the declared ranges)."""
+    for provider in options.providers:
+        require_provider(provider)
+    started = time.perf_counter()
+    report = VerifyReport(
+        artifacts=str(out_dir),
+        seed=options.seed,
+        settings={
+            "providers": list(options.providers),
+            "reference": options.reference,
+            "golden": options.golden,
+            "threads": options.threads,
+            "latency": options.latency,
+            "atol": options.atol,
+            "rtol": options.rtol,
+            "max_slowdown": options.max_slowdown,
+            "shapes": [dict(s) for s in options.shapes] if options.shapes else None,
+        },
+    )
+    for name in names:
+        entry = manifest.models[name]
+        spec = entry.model_spec()
+        if options.shapes:
+            for sizes in options.shapes:
+                validate_sizes(spec, sizes)
+        check = ModelCheck(name, entry.file, _integrity(out_dir, entry, options.golden))
+        report.checks.append(check)
+        cases: list[CaseResult] = []
+        if check.passed:
+            check.problems += _graph_problems(out_dir, entry)
+            try:
+                cases = _verify_model(out_dir, entry, spec, options)
+            except UsageError:
+                raise
+            except AttnExportError as e:
+                check.problems.append(str(e))
+        report.cases += cases
+        if on_model:
+            on_model(name, cases, check)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _verify_model(
+    out_dir: Path,
+    entry: ManifestEntry,
+    spec: ModelSpec,
+    options: VerifyOptions,
+) -> list[CaseResult]:
+    tolerances = _tolerances(spec, options)
+    path = out_dir / entry.file
+    cases: list[CaseResult] = []
+    if options.golden:
+        expected = _golden_expected(out_dir, entry, spec)
+        for provider in options.providers:
+            target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
+            cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+        if options.reference:
+            target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
+            cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+        return cases
+
+    from attn_export.factory import instantiate
+    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+
+    module = instantiate(spec)
+    for provider in options.providers:
+        device = torch_device_for(provider)
+        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=options.threads) as eager:
+            expected = _torch_expected(eager, spec, _points(spec, options, None), options.seed)
+            target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
+            cases += _run_target(entry, spec, target, expected, tolerances, eager, options)
+    if options.reference:
+        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+            expected = _torch_expected(eager, spec, _points(spec, options, REFERENCE_CAP), options.seed)
+        target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
+        cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+    return cases

@@ -1,0 +1,85 @@
+"""The comparison measures honestly: NaN never passes, shapes and dtypes must match exactly."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from attn_export.compare import OutputComparison, compare_output
+from attn_export.spec import Tolerance
+
+TOL = Tolerance(1e-5, 1e-4)
+
+
+def test_identical_outputs_pass_with_zero_error() -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    c = compare_output("o", a, a.copy(), TOL)
+    assert c.passed and c.max_abs_error == 0 and c.min_passing_atol == 0 and c.reason() == ""
+
+
+def test_pass_rule_is_atol_plus_rtol_times_expected() -> None:
+    expected = np.array([1.0, 100.0], dtype=np.float32)
+    inside = expected + np.array([1e-5 + 1e-4 * 1.0, 1e-5 + 1e-4 * 100.0], dtype=np.float32) * 0.99
+    outside = expected + np.array([0.0, 1e-5 + 1e-4 * 100.0], dtype=np.float32) * 1.5
+    assert compare_output("o", expected, inside, TOL).passed
+    c = compare_output("o", expected, outside, TOL)
+    assert not c.passed and c.mismatched == 1 and c.worst_index == [1]
+    assert math.isclose(c.min_passing_atol, c.max_abs_error - 1e-4 * 100.0, rel_tol=1e-6)
+
+
+def test_nan_where_expected_is_finite_always_fails_and_says_where() -> None:
+    expected = np.zeros((2, 3), dtype=np.float32)
+    actual = expected.copy()
+    actual[1, 2] = np.nan
+    c = compare_output("o", expected, actual, Tolerance(1e9, 1e9))
+    assert not c.passed and c.unexpected_nonfinite == 1 and c.worst_index == [1, 2]
+    assert c.reason() == "o: 1 NaN/Inf where expected is finite, first at [1, 2]"
+    assert c.min_passing_atol == math.inf
+
+
+def test_inf_where_expected_is_finite_fails() -> None:
+    c = compare_output("o", np.ones(3, np.float32), np.array([1, np.inf, 1], np.float32), TOL)
+    assert not c.passed and c.unexpected_nonfinite == 1
+
+
+def test_matching_nonfinite_values_agree() -> None:
+    e = np.array([np.nan, np.inf, 1.0], np.float32)
+    assert compare_output("o", e, e.copy(), TOL).passed
+    assert not compare_output("o", e, np.array([np.nan, -np.inf, 1.0], np.float32), TOL).passed
+
+
+def test_shape_and_dtype_must_match_exactly() -> None:
+    a = np.zeros((2, 3), np.float32)
+    assert compare_output("o", a, np.zeros((3, 2), np.float32), TOL).reason() == "o: shape [3, 2] != expected [2, 3]"
+    assert compare_output("o", a, np.zeros((2, 3), np.float64), TOL).reason() == "o: dtype float64 != expected float32"
+    assert compare_output("o", a, None, TOL).reason() == "o: output missing"
+
+
+def test_round_trips_through_dict() -> None:
+    c = compare_output("o", np.ones(4, np.float32), np.array([1, 2, 1, 1], np.float32), TOL)
+    assert OutputComparison.from_dict(c.to_dict()) == c
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    expected=hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=4, max_side=6),
+                        elements=st.floats(-1e3, 1e3, width=32)),
+    noise=st.floats(0, 1e-2),
+    atol=st.floats(0, 1e-2),
+    rtol=st.floats(0, 1e-2),
+)
+def test_property_verdict_matches_the_rule_elementwise(expected, noise, atol, rtol) -> None:
+    rng = np.random.default_rng(0)
+    actual = (expected + rng.uniform(-noise, noise, expected.shape)).astype(np.float32)
+    c = compare_output("o", expected, actual, Tolerance(atol, rtol))
+    diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    within = diff <= atol + rtol * np.abs(expected.astype(np.float64))
+    assert c.passed == bool(within.all())
+    assert c.mismatched == int((~within).sum())
+    assert c.max_abs_error == float(diff.max())
+    # the reported smallest passing atol really passes at this rtol
+    assert compare_output("o", expected, actual, Tolerance(c.min_passing_atol * (1 + 1e-9) + 1e-30, rtol)).passed

@@ -1,0 +1,230 @@
+"""verify: planted faults fail for the right reason; the correct zoo raises no false alarm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.export import export_onnx
+from attn_export.factory import instantiate
+from attn_export.inputs import make_feeds
+from attn_export.manifest import load_manifest
+from attn_export.spec import load_spec
+from attn_export.verify import VerifyOptions, shard_names, verify_artifacts
+from tests.conftest import node, plant, set_initializer, tiny_spec
+
+FAST = ("--no-latency",)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.fixture
+def tiny_build(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    summary = build_models([tiny_spec(tmp_path / "models")], BuildOptions(out))
+    assert summary.exit_code == 0, summary.results[0].error
+    return out
+
+
+def _faulty_export(tiny_build: Path, module_path: str, exporter: str, feeds: dict) -> onnx.ModelProto:
+    """Export a faulty module with the tiny model's weights and spec, as a user script might."""
+    spec = load_manifest(tiny_build).models["tiny"].model_spec()
+    faulty = spec.__class__(**{**spec.__dict__, "module": module_path, "exporter": exporter})
+    return export_onnx(instantiate(faulty), faulty, feeds)
+
+
+def _failures(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("FAIL ")]
+
+
+def test_correct_zoo_raises_no_false_alarm_five_runs_in_a_row(zoo_dir: Path) -> None:
+    for seed in range(5):
+        result = invoke("verify", str(zoo_dir), "--seed", str(seed), *FAST)
+        assert result.exit_code == 0, result.output
+        assert "verify PASSED: 42 of 42 cases agree across 6 models" in result.output
+
+
+def test_planted_baked_batch_is_caught(tiny_build: Path) -> None:
+    feeds = make_feeds(load_spec(tiny_spec(tiny_build.parent / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
+    module = "tests.faulty_modules:BakedBatchAttention"
+    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module)
+    result = invoke("verify", str(tiny_build), *FAST)
+    assert result.exit_code == 1
+    failures = _failures(result)
+    assert failures and all("onnxruntime[cpu]: inference failed" in f for f in failures)
+    assert any("Reshape" in f for f in failures)
+    assert "batch=2,kv_seq=5,seq=3" not in "".join(failures)  # the example shape itself still passes
+
+
+def test_planted_merged_axes_are_caught(tiny_build: Path) -> None:
+    x = torch.randn(2, 5, 16)
+    plant(tiny_build, "tiny", _faulty_export(tiny_build, "attn_export.reference.seed:MultiHeadAttention",
+                                             "dynamo", {"query": x, "keys": x, "values": x}))
+    result = invoke("verify", str(tiny_build), *FAST)
+    assert result.exit_code == 1
+    failures = _failures(result)
+    assert failures[0] == (
+        "FAIL tiny: dynamic axes 'seq' and 'kv_seq' were merged into one symbol 'seq' "
+        "(input 'keys', axis 1); the exporter saw equal sizes for them"
+    )
+    # ...and ONNX Runtime returns wrong-shaped results as soon as the lengths differ
+    assert any("max (seed 2): output: shape [4, 40, 16] != expected [4, 24, 16]" in f for f in failures)
+
+
+def test_planted_shape_branch_is_caught(tiny_build: Path) -> None:
+    feeds = make_feeds(load_spec(tiny_spec(tiny_build.parent / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
+    module = "tests.faulty_modules:ShapeBranchAttention"
+    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module)
+    report = verify_artifacts(tiny_build, load_manifest(tiny_build), ["tiny"], VerifyOptions(latency=False))
+    failed = [c for c in report.cases if not c.passed]
+    assert failed and all(c.sizes["seq"] == 1 and c.sizes["kv_seq"] > 1 for c in failed)
+    assert all(c.comparisons[0].mismatched > 0 and c.error is None for c in failed)
+    assert all(c.passed for c in report.cases if c.sizes["seq"] > 1)
+
+
+def test_planted_wrong_scale_is_caught(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "sdpa.onnx")
+    set_initializer(proto, node(proto, "Div").input[1], 4.0)  # sqrt(d_k) is 8
+    plant(zoo_copy, "sdpa", proto)
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), *FAST)
+    assert result.exit_code == 1
+    failures = _failures(result)
+    assert any("attn_weights:" in f and "outside atol=1e-05 rtol=0.0001" in f for f in failures)
+    assert "reproduce: attn-export verify" in result.output
+
+
+def test_planted_flipped_mask_is_caught(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "sdpa_masked.onnx")
+    where = node(proto, "Where")
+    where.input[1], where.input[2] = where.input[2], where.input[1]
+    plant(zoo_copy, "sdpa_masked", proto)
+    report = verify_artifacts(zoo_copy, load_manifest(zoo_copy), ["sdpa_masked"], VerifyOptions(latency=False))
+    assert not report.passed
+    weights = [c.comparisons[1] for c in report.cases if c.sizes["kv_seq"] > 1]
+    assert all(w.name == "attn_weights" and w.mismatched > 0 for w in weights)
+
+
+def test_planted_nan_on_fully_masked_row_is_caught(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "sdpa_masked.onnx")
+    set_initializer(proto, node(proto, "Where").input[1], -np.inf)  # -inf instead of the seed's -1e9
+    plant(zoo_copy, "sdpa_masked", proto)
+    report = verify_artifacts(zoo_copy, load_manifest(zoo_copy), ["sdpa_masked"], VerifyOptions(latency=False))
+    failed = [c for c in report.cases if not c.passed]
+    assert len(failed) == len(report.cases)  # every sweep point has a fully masked row
+    for c in failed:
+        out = c.comparisons[0]
+        assert out.unexpected_nonfinite >= 4 * 32  # at least the planted row, all heads
+        assert out.reason().startswith("output: ") and "NaN/Inf where expected is finite, first at [" in out.reason()
+
+
+def test_artifact_edited_after_build_is_a_failure(zoo_copy: Path) -> None:
+    path = zoo_copy / "mha.onnx"
+    path.write_bytes(path.read_bytes() + b"\0")
+    result = invoke("verify", str(path), *FAST)
+    assert result.exit_code == 1
+    assert "FAIL mha: mha.onnx changed after the build: sha256 " in result.output
+    assert "verify FAILED (mha)" in result.output
+
+
+def test_missing_provider_exits_2_naming_available_ones(zoo_dir: Path) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is installed here")
+    result = invoke("verify", str(zoo_dir), "--provider", "cuda", *FAST)
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: provider 'cuda' is not available in this onnxruntime; available: ")
+    assert "cpu" in result.output and "pip install 'attn-export[gpu]'" in result.output
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider'")
+def test_silent_fallback_to_cpu_is_a_failure(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA is really installed here; the GPU test covers it")
+    real = ort.get_available_providers()
+    # Claim CUDA is installed: the CPU-only build then silently falls back to CPU.
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--provider", "cuda", *FAST)
+    assert result.exit_code == 1
+    assert "onnxruntime[cuda]: session fell back to CPUExecutionProvider instead of CUDAExecutionProvider" in result.output
+
+
+def test_reference_runtime_cross_checks_small_shapes(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "mha_cross.onnx"), "--runtime", "onnx-reference", *FAST)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("mha_cross")]
+    assert len(rows) >= 6 and all("onnx-reference" in r for r in rows)
+    assert "kv_seq=320" not in result.output  # capped for the slow evaluator
+
+
+def test_shapes_override_and_out_of_range(zoo_dir: Path) -> None:
+    ok = invoke("verify", str(zoo_dir / "mha_cross.onnx"), "--shapes", "batch=1,seq=2,kv_seq=9", *FAST)
+    assert ok.exit_code == 0 and "batch=1,kv_seq=9,seq=2" in ok.output
+    bad = invoke("verify", str(zoo_dir / "mha_cross.onnx"), "--shapes", "batch=1,seq=100000,kv_seq=9", *FAST)
+    assert bad.exit_code == 2
+    assert bad.output.endswith("Error: mha_cross: seq=100000 is outside its declared range [1, 256]\n")
+
+
+def test_tolerance_override_turns_small_differences_into_failures(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "mha.onnx"), "--atol", "0", "--rtol", "0", *FAST)
+    assert result.exit_code == 1 and "outside atol=0 rtol=0" in result.output
+
+
+def test_max_slowdown_gate(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--max-slowdown", "0.000001", "--latency-budget", "0.005")
+    assert result.exit_code == 1
+    assert "x PyTorch's" in result.output and "(--max-slowdown 1e-06)" in result.output
+
+
+def test_sharding_covers_every_model_exactly_once() -> None:
+    names = [f"m{i}" for i in range(7)]
+    for n in (1, 2, 3, 7, 9):
+        shards = [shard_names(names, (i, n)) for i in range(1, n + 1)]
+        flat = [x for s in shards for x in s]
+        assert sorted(flat) == sorted(names)
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_shard_option_runs_a_subset(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir), "--shard", "2/3", *FAST)
+    assert result.exit_code == 0
+    models = {line.split()[0] for line in result.output.splitlines()[1:-1]}
+    assert models == set(shard_names(sorted(load_manifest(zoo_dir).models), (2, 3)))
+    bad = invoke("verify", str(zoo_dir), "--shard", "4/3")
+    assert bad.exit_code == 2 and "'4/3' is not i/n with 1 <= i <= n" in bad.output
+
+
+def test_golden_and_shapes_are_exclusive(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir), "--golden", "--shapes", "batch=1")
+    assert result.exit_code == 2 and "--shapes cannot be combined with --golden" in result.output
+
+
+def test_missing_manifest_exits_2(tmp_path: Path) -> None:
+    result = invoke("verify", str(tmp_path))
+    assert result.exit_code == 2
+    assert result.output == f"Error: {tmp_path / 'manifest.json'}: no manifest; run 'attn-export build --out {tmp_path}' first\n"
+
+
+def test_json_report_has_documented_fields(zoo_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    invoke("verify", str(zoo_dir / "sdpa.onnx"), "--json", str(out), "--latency-budget", "0.005")
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "attn-export/verify-report" and doc["schema_version"] == 1
+    case = doc["cases"][0]
+    assert set(case) >= {"model", "runtime", "shape", "sizes", "seed", "passed", "comparisons", "latency", "reproduce"}
+    assert set(case["comparisons"][0]) >= {
+        "name", "max_abs_error", "max_rel_error", "mismatch_fraction", "min_passing_atol", "passed",
+    }
+    assert set(case["latency"]) == {"onnx", "torch", "ratio"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import Any
 
 from attn_export._deps import require
@@ -47,7 +48,9 @@ def _load_state_dict(spec: ModelSpec, module: Any) -> None:
     torch = require("torch", "loading weights")
     assert spec.weights.path is not None
     try:
-        state = torch.load(spec.weights.path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about pickle protocols before refusing
+            state = torch.load(spec.weights.path, map_location="cpu", weights_only=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(

@@ -8,20 +8,27 @@ declared dims merged into one symbol.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import onnx
 
 from attn_export.errors import GraphCheckError
+from attn_export.onnx_file import external_data_files
 from attn_export.spec import TensorSpec
 
 __all__ = ["check_dynamic_axes", "check_model", "graph_shapes"]
 
 
-def check_model(proto: onnx.ModelProto, name: str) -> None:
-    """onnx.checker with full_check (which includes strict shape inference)."""
+def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> None:
+    """onnx.checker with full_check (which includes strict shape inference).
+
+    A model with external data is checked from ``path``, whose folder holds that data;
+    callers validate the data's locations first (``onnx_file.check_external_data``).
+    """
+    uses_external = path is not None and bool(external_data_files(proto))
     try:
-        onnx.checker.check_model(proto, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        onnx.checker.check_model(str(path) if uses_external else proto, full_check=True)
+    except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first}") from e
 

@@ -6,12 +6,13 @@ Schema (version 1) is documented in the README; ``Manifest.from_json`` rejects a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts import atomic_write
-from attn_export.errors import ArtifactError
+from attn_export.errors import ArtifactError, SpecError
 from attn_export.spec import ModelSpec, TensorSpec, spec_from_dict
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
@@ -44,10 +45,7 @@ class ManifestEntry:
 
     def model_spec(self) -> ModelSpec:
         """The spec as built (opset and exporter included), for rebuilding the original."""
-        try:
-            return spec_from_dict(self.spec)
-        except Exception as e:
-            raise ArtifactError(f"manifest entry '{self.name}' holds an invalid spec: {e}") from e
+        return spec_from_dict(self.spec)
 
     def input_specs(self) -> list[TensorSpec]:
         return [TensorSpec.from_dict(t) for t in self.inputs]
@@ -87,16 +85,55 @@ class Manifest:
         models = doc.get("models")
         if not isinstance(models, dict):
             raise ArtifactError(f"{where}: 'models' must be an object")
-        entries: dict[str, ManifestEntry] = {}
-        for name, raw in models.items():
-            try:
-                entry = ManifestEntry(**raw)
-            except TypeError as e:
-                raise ArtifactError(f"{where}: entry '{name}' does not fit the schema ({e})") from e
-            if Path(entry.file).name != entry.file or Path(entry.golden).name != entry.golden:
-                raise ArtifactError(f"{where}: entry '{name}' names a file outside the output directory")
-            entries[name] = entry
+        entries = {name: _entry(name, raw, where) for name, raw in models.items()}
         return cls(str(doc.get("toolkit_version", "")), entries)
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
+    """Validate one entry; its tensor, dim and tolerance copies must agree with its spec."""
+
+    def bad(why: str) -> ArtifactError:
+        return ArtifactError(f"{where}: entry '{name}' {why}")
+
+    if not isinstance(raw, dict):
+        raise bad("is not an object")
+    try:
+        entry = ManifestEntry(**raw)
+    except TypeError as e:
+        raise bad(f"does not fit the schema ({e})") from e
+    for key in ("name", "file", "golden", "exporter", "build_key", "variant"):
+        if not isinstance(getattr(entry, key), str):
+            raise bad(f"has a non-string '{key}'")
+    for key in ("sha256", "golden_sha256", "spec_hash"):
+        value = getattr(entry, key)
+        if not isinstance(value, str) or not _HEX64.fullmatch(value):
+            raise bad(f"has an invalid '{key}' (expected 64 hex digits)")
+    if entry.name != name:
+        raise bad(f"is named '{entry.name}'")
+    for key in ("file", "golden"):
+        value = getattr(entry, key)
+        if not value or Path(value).name != value or value in (".", ".."):
+            raise bad("names a file outside the output directory")
+    if not isinstance(entry.versions, dict) or not all(isinstance(v, str) for v in entry.versions.values()):
+        raise bad("has invalid 'versions'")
+    if not isinstance(entry.spec, dict):
+        raise bad("has no spec")
+    try:
+        spec = spec_from_dict(entry.spec)
+    except SpecError as e:
+        raise bad(f"holds an invalid spec: {e}") from e
+    derived = spec.to_dict()
+    if spec.name != name:
+        raise bad(f"holds the spec of '{spec.name}'")
+    for key in ("inputs", "outputs", "dims", "tolerance"):
+        if getattr(entry, key) != derived[key]:
+            raise bad(f"'{key}' disagrees with its spec")
+    if (entry.opset, entry.exporter) != (spec.opset, spec.exporter):
+        raise bad("opset or exporter disagrees with its spec")
+    return entry
 
 
 def load_manifest(out_dir: Path) -> Manifest:

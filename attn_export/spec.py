@@ -321,7 +321,10 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         _number(where, raw_tol.get("rtol", 1e-4), "tolerance.rtol", "rtol"),
     )
     per_output: dict[str, Tolerance] = {}
-    for out_name, tol in raw_tol.get("outputs", {}).items():
+    raw_per_output = raw_tol.get("outputs", {})
+    if not isinstance(raw_per_output, dict):
+        raise where.error("'tolerance.outputs' must be a table of per-output tolerances", "outputs")
+    for out_name, tol in raw_per_output.items():
         if out_name not in {t.name for t in outputs}:
             raise where.error(f"tolerance for unknown output '{out_name}'", out_name)
         if not isinstance(tol, dict):
@@ -336,6 +339,8 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
     if not isinstance(description, str):
         raise where.error("'description' must be a string", "description")
     search_path = raw.get("search_path", str(path.parent.resolve()) if path else None)
+    if search_path is not None and not isinstance(search_path, str):
+        raise where.error("'search_path' must be a string", "search_path")
     return ModelSpec(
         name=name,
         module=module,

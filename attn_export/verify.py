@@ -21,10 +21,11 @@ import onnx
 from attn_export.artifacts import read_golden, sha256_file
 from attn_export.bench.timing import LatencyStats, measure
 from attn_export.compare import OutputComparison, compare_outputs
-from attn_export.errors import ArtifactError, AttnExportError, UsageError
-from attn_export.graph_checks import check_dynamic_axes
+from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
+from attn_export.graph_checks import check_dynamic_axes, check_model
 from attn_export.inputs import make_feeds
 from attn_export.manifest import Manifest, ManifestEntry, load_manifest
+from attn_export.onnx_file import load_model_file
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.ort import OnnxRuntime, require_provider
 from attn_export.runtimes.reference import ReferenceRuntime
@@ -262,15 +263,22 @@ def _integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
     return problems
 
 
-def _graph_problems(out_dir: Path, entry: ManifestEntry) -> list[str]:
+def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:
+    """Problems found in the graph itself, and whether it is sound enough to run.
+
+    A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
+    checker rejects is not run; one with wrong dynamic axes is, to show the consequences.
+    """
+    proto = load_model_file(out_dir / entry.file)
     try:
-        proto = onnx.load(out_dir / entry.file, load_external_data=False)
+        check_model(proto, entry.name, out_dir / entry.file)
+    except GraphCheckError as e:
+        return [str(e)], False
+    try:
         check_dynamic_axes(proto, entry.name, entry.input_specs(), entry.output_specs())
-    except AttnExportError as e:
-        return [str(e)]
-    except Exception as e:  # a corrupt protobuf
-        return [f"{entry.name}: {entry.file} cannot be parsed as ONNX ({type(e).__name__}: {e})"]
-    return []
+    except GraphCheckError as e:
+        return [str(e)], True
+    return [], True
 
 
 def _tolerances(spec: ModelSpec, options: VerifyOptions) -> dict[str, Tolerance]:
@@ -340,6 +348,8 @@ def _run_target(
     results = []
     try:
         target.activate()
+    except UsageError:
+        raise
     except AttnExportError as e:
         return [
             CaseResult(entry.name, target.name, p.label, p.sizes, s, expected.label, error=str(e))
@@ -351,6 +361,8 @@ def _run_target(
             results.append(case)
             try:
                 got = target.run(feeds)
+            except UsageError:
+                raise
             except AttnExportError as e:
                 case.error = str(e)
                 continue
@@ -405,8 +417,11 @@ def verify_artifacts(
         check = ModelCheck(name, entry.file, _integrity(out_dir, entry, options.golden))
         report.checks.append(check)
         cases: list[CaseResult] = []
-        if check.passed:
-            check.problems += _graph_problems(out_dir, entry)
+        runnable = check.passed
+        if runnable:
+            problems, runnable = _graph_problems(out_dir, entry)
+            check.problems += problems
+        if runnable:
             try:
                 cases = _verify_model(out_dir, entry, spec, options)
             except UsageError:

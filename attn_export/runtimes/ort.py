@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export.errors import ProviderError, RuntimeFailure
+from attn_export.onnx_file import load_model_file
 from attn_export.runtimes.base import Runtime, check_feeds
 from attn_export.spec import DimRange, TensorSpec
 
@@ -65,6 +66,8 @@ class OnnxRuntime(Runtime):
         import onnxruntime as ort
 
         ep = require_provider(self.provider)
+        if isinstance(self.model, Path):
+            load_model_file(self.model)  # refuses corrupt files and external data outside its folder
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if self.threads:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export.errors import RuntimeFailure
+from attn_export.onnx_file import load_model_file
 from attn_export.runtimes.base import Runtime
 from attn_export.spec import DimRange, TensorSpec
 
@@ -33,6 +34,7 @@ class ReferenceRuntime(Runtime):
     def _activate(self) -> None:
         from onnx.reference import ReferenceEvaluator
 
+        load_model_file(self.path)  # refuses corrupt files and external data outside its folder
         try:
             self.evaluator = ReferenceEvaluator(str(self.path))
         except Exception as e:

@@ -1,0 +1,131 @@
+"""``attn-export inspect``: what an ONNX file holds, and whether a provider can run it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attn_export.artifacts import sha256_file
+from attn_export.errors import GraphCheckError
+from attn_export.graph_checks import check_model, graph_shapes
+from attn_export.onnx_file import external_data_files, load_model_file
+from attn_export.runtimes.ort import require_provider
+
+__all__ = ["InspectResult", "TensorInfo", "inspect_file"]
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int | str | None]
+
+
+@dataclass
+class InspectResult:
+    """Facts about one ONNX file; ``kernels_ok`` is the only check."""
+
+    file: str
+    size_bytes: int
+    sha256: str
+    ir_version: int
+    producer: str
+    opsets: dict[str, int]
+    metadata: dict[str, str]
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    ops: dict[str, int]
+    nodes: int
+    parameters: int
+    parameter_bytes: int
+    initializers: int
+    external_data: list[str]
+    #: None when onnx.checker accepts the model, else its first line.
+    checker_problem: str | None
+    provider: str
+    kernels_ok: bool
+    kernel_problem: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _dtype(elem_type: int) -> str:
+    try:
+        return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, ValueError):
+        return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else "unknown"
+
+
+def _tensor_infos(values: Any, shapes: dict[str, tuple[int | str | None, ...]]) -> list[TensorInfo]:
+    return [TensorInfo(v.name, _dtype(v.type.tensor_type.elem_type), list(shapes[v.name])) for v in values]
+
+
+def _kernel_check(path: Path, provider: str) -> tuple[bool, str | None]:
+    """Load the model with fallback to CPU disabled: a node without a kernel on the
+    provider makes the session fail, naming the op."""
+    import onnxruntime as ort
+
+    ep = require_provider(provider)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if ep != "CPUExecutionProvider":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=[ep])
+    except Exception as e:
+        text = str(e).strip()
+        return False, text.splitlines()[0] if text else type(e).__name__
+    if session.get_providers()[0] != ep:
+        return False, f"session fell back to {session.get_providers()[0]}"
+    return True, None
+
+
+def _itemsize(data_type: int) -> int:
+    try:
+        return int(onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize)
+    except (KeyError, ValueError, TypeError):
+        return 0
+
+
+def inspect_file(path: Path, provider: str = "cpu") -> InspectResult:
+    """Read ``path`` safely (no external data outside its folder) and describe it."""
+    proto = load_model_file(path)
+    shapes = graph_shapes(proto)
+    counts = [(int(np.prod(i.dims)) if i.dims else 1, _itemsize(i.data_type)) for i in proto.graph.initializer]
+    ops = Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
+    try:
+        check_model(proto, path.name, path)
+        checker_problem = None
+        ok, problem = _kernel_check(path, provider)
+    except GraphCheckError as e:
+        checker_problem = str(e)
+        # a model the checker rejects is never handed to ONNX Runtime
+        ok, problem = False, "not checked: onnx.checker rejected the model"
+    return InspectResult(
+        file=str(path),
+        size_bytes=path.stat().st_size,
+        sha256=sha256_file(path),
+        ir_version=proto.ir_version,
+        producer=f"{proto.producer_name} {proto.producer_version}".strip(),
+        opsets={(o.domain or "ai.onnx"): o.version for o in proto.opset_import},
+        metadata={p.key: p.value for p in proto.metadata_props},
+        inputs=_tensor_infos(proto.graph.input, shapes),
+        outputs=_tensor_infos(proto.graph.output, shapes),
+        ops=dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        nodes=len(proto.graph.node),
+        parameters=sum(n for n, _ in counts),
+        parameter_bytes=sum(n * size for n, size in counts),
+        initializers=len(counts),
+        external_data=external_data_files(proto),
+        checker_problem=checker_problem,
+        provider=provider,
+        kernels_ok=ok,
+        kernel_problem=problem,
+    )

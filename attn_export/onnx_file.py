@@ -1,0 +1,107 @@
+"""Reading ONNX files that may come from anywhere: every malformed file is one clear
+ArtifactError, and external data that points outside the model's folder is refused
+before anything reads it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from attn_export.errors import ArtifactError
+
+__all__ = ["check_external_data", "external_data_files", "load_model_file", "max_supported_opset"]
+
+
+def max_supported_opset() -> int:
+    """The newest default-domain opset the installed onnx package defines; a model stamped
+    with a newer one cannot be checked here (ONNX Runtime refuses unknown opsets too)."""
+    return onnx.defs.onnx_opset_version()
+
+
+def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _tensors(sub)
+
+
+def external_data_files(proto: onnx.ModelProto) -> list[str]:
+    """The external data locations a model names, in order of first use."""
+    seen: dict[str, None] = {}
+    for t in _tensors(proto.graph):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in t.external_data if e.key == "location"), "")
+            seen.setdefault(location, None)
+    return list(seen)
+
+
+def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[str]:
+    """Refuse external data outside ``model_dir`` (``..``, absolute paths, symlinks out)."""
+    root = model_dir.resolve()
+    files = external_data_files(proto)
+    for location in files:
+        candidate = Path(location)
+        if not location or candidate.is_absolute() or ".." in candidate.parts:
+            raise ArtifactError(f"refused external data location {location!r}: it must be a file inside {model_dir}")
+        resolved = (root / candidate).resolve()
+        if not resolved.is_relative_to(root):
+            raise ArtifactError(f"refused external data location {location!r}: it resolves outside {model_dir}")
+        if not resolved.is_file():
+            raise ArtifactError(f"external data file {location!r} is missing next to the model")
+    return files
+
+
+def _strings_are_text(message: Message) -> bool:
+    """ONNX strings are UTF-8; protobuf hands back bytes where a corrupt file holds others."""
+    for field, value in message.ListFields():
+        repeated = getattr(field, "is_repeated", None)  # protobuf >= 5; older ones have label
+        if repeated is None:
+            repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        values = value if repeated else [value]
+        if field.type == FieldDescriptor.TYPE_STRING:
+            if not all(isinstance(v, str) for v in values):
+                return False
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and not all(_strings_are_text(v) for v in values):
+            return False
+    return True
+
+
+def load_model_file(path: Path) -> onnx.ModelProto:
+    """Parse an ONNX file without loading external data; refuse anything that is not a
+    model this installation can run."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise ArtifactError(f"{path}: no such file") from e
+    except IsADirectoryError as e:
+        raise ArtifactError(f"{path}: is a directory, not an ONNX file") from e
+    except OSError as e:
+        raise ArtifactError(f"{path}: cannot read: {e.strerror}") from e
+    if not data:
+        raise ArtifactError(f"{path}: empty file, not an ONNX model")
+    try:
+        proto = onnx.load_from_string(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ArtifactError(
+            f"{path}: not an ONNX model (does not parse as a ModelProto: truncated, corrupt or another format)"
+        ) from e
+    if not _strings_are_text(proto):
+        raise ArtifactError(f"{path}: not an ONNX model (holds strings that are not valid UTF-8)")
+    if proto.ir_version <= 0 or not proto.HasField("graph") or not proto.opset_import:
+        raise ArtifactError(f"{path}: a protobuf, but not an ONNX model (no IR version, graph or opset)")
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    limit = max_supported_opset()
+    if opset is not None and opset > limit:
+        raise ArtifactError(f"{path}: uses opset {opset}, newer than this installation supports (up to {limit})")
+    check_external_data(proto, path.parent)
+    return proto

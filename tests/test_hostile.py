@@ -1,0 +1,329 @@
+"""Hostile and broken inputs: one clear line, the right exit code, nothing half-written."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from attn_export import artifacts
+from attn_export.cli import cli
+from attn_export.errors import InputError
+from attn_export.manifest import load_manifest
+from attn_export.runtimes.ort import OnnxRuntime
+from tests.conftest import tiny_spec
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(cli, list(args))
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def _error_line(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+# -- files that are not (runnable) ONNX models ------------------------------------------------
+
+def _bad_files(tmp_path: Path, zoo_dir: Path) -> dict[str, tuple[Path, str]]:
+    good = (zoo_dir / "mha.onnx").read_bytes()
+    files = {
+        "empty": (b"", "empty file, not an ONNX model"),
+        "truncated": (good[: len(good) // 3], "not an ONNX model (does not parse as a ModelProto"),
+        "random": (np.random.default_rng(0).bytes(4096), "not an ONNX model (does not parse as a ModelProto"),
+        "not_a_model": (helper.make_graph([], "g", [], []).SerializeToString(),
+                        "a protobuf, but not an ONNX model (no IR version, graph or opset)"),
+    }
+    out = {}
+    for name, (data, message) in files.items():
+        path = tmp_path / f"{name}.onnx"
+        path.write_bytes(data)
+        out[name] = (path, message)
+    model = onnx.load(zoo_dir / "sdpa.onnx")
+    model.opset_import[0].version = 99
+    onnx.save(model, tmp_path / "future.onnx")
+    out["future_opset"] = (tmp_path / "future.onnx", "uses opset 99, newer than this installation supports (up to ")
+    out["missing"] = (tmp_path / "absent.onnx", "no such file")
+    return out
+
+
+@pytest.mark.parametrize("case", ["empty", "truncated", "random", "not_a_model", "future_opset", "missing"])
+def test_inspect_refuses_broken_files(tmp_path: Path, zoo_dir: Path, case: str) -> None:
+    path, message = _bad_files(tmp_path, zoo_dir)[case]
+    result = invoke("inspect", str(path))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {path}: {message}" or _error_line(result).startswith(f"Error: {path}: {message}")
+
+
+@pytest.mark.parametrize("case", ["empty", "truncated", "random", "not_a_model", "future_opset"])
+def test_verify_refuses_broken_artifacts_even_with_matching_hash(zoo_copy: Path, tmp_path: Path, case: str) -> None:
+    from tests.conftest import plant
+
+    source, message = _bad_files(tmp_path, zoo_copy)[case]
+    plant(zoo_copy, "sdpa", source.read_bytes())
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--no-latency")
+    assert result.exit_code == 2
+    assert message in _error_line(result)
+
+
+def _external_model(folder: Path, location: str) -> Path:
+    weight = numpy_helper.from_array(np.ones((4,), np.float32), "w")
+    weight.ClearField("raw_data")
+    weight.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+        weight.external_data.add(key=k, value=v)
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        initializer=[weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/hostname", "link.bin"])
+def test_external_data_outside_the_folder_is_refused(tmp_path: Path, location: str) -> None:
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(4, dtype=np.float32).tobytes())
+    folder = tmp_path / "models"
+    path = _external_model(folder, location)
+    if location == "link.bin":
+        (folder / "link.bin").symlink_to(secret)
+    result = invoke("inspect", str(path))
+    assert result.exit_code == 2
+    assert _error_line(result).startswith(f"Error: refused external data location '{location}'")
+    with pytest.raises(Exception, match="refused external data location"):
+        OnnxRuntime(path, [], []).activate()
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+class _Evil:
+    def __reduce__(self):  # runs os.system at unpickling time
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_carrying_code_is_refused_and_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = _Evil()
+    evil.marker = marker  # type: ignore[attr-defined]
+    weights = tmp_path / "models" / "evil.pt"
+    weights.parent.mkdir()
+    with weights.open("wb") as f:
+        pickle.dump({"q_linear.weight": evil}, f)
+    spec = tiny_spec(tmp_path / "models")
+    spec.write_text(spec.read_text() + '\n[weights]\npath = "evil.pt"\n')
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert "refused weights file" in result.output and "weights_only=True" in result.output
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda sd: sd.pop("out_linear.bias"), "missing out_linear.bias"),
+    (lambda sd: sd.__setitem__("extra.weight", torch.zeros(1)), "unexpected extra.weight"),
+    (lambda sd: sd.__setitem__("q_linear.weight", torch.zeros(3, 3)), "wrong shape q_linear.weight (3, 3) != (16, 16)"),
+])
+def test_state_dict_that_does_not_fit_is_refused(tmp_path: Path, edit, message: str) -> None:
+    from attn_export.reference import MultiHeadAttention
+
+    state = MultiHeadAttention(16, 2).state_dict()
+    edit(state)
+    torch.save(state, tmp_path / "w.pt")
+    spec = tiny_spec(tmp_path)
+    spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
+    result = invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert f"tiny: weights do not fit attn_export.reference.seed:MultiHeadAttention: {message}" in result.output
+
+
+def test_state_dict_weights_are_used(tmp_path: Path) -> None:
+    from attn_export.reference import MultiHeadAttention
+
+    torch.manual_seed(123)
+    torch.save(MultiHeadAttention(16, 2).state_dict(), tmp_path / "w.pt")
+    spec = tiny_spec(tmp_path)
+    spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
+    assert invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out")).exit_code == 0
+    assert invoke("verify", str(tmp_path / "out"), "--no-latency").exit_code == 0
+    torch.save({k: v + 1 for k, v in torch.load(tmp_path / "w.pt").items()}, tmp_path / "w.pt")
+    assert invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out")).output.startswith("built")
+
+
+# -- feeds -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sdpa_runtime(zoo_dir: Path):
+    entry = load_manifest(zoo_dir).models["sdpa"]
+    spec = entry.model_spec()
+    with OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as rt:
+        yield rt
+
+
+def _feeds(**override: np.ndarray) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {
+        "q": rng.standard_normal((2, 3, 64)).astype(np.float32),
+        "k": rng.standard_normal((2, 5, 64)).astype(np.float32),
+        "v": rng.standard_normal((2, 5, 96)).astype(np.float32),
+    }
+    feeds.update(override)
+    return feeds
+
+
+@pytest.mark.parametrize(("feeds", "message"), [
+    ({**_feeds(), "query": _feeds()["q"]}, "feeds do not match the inputs ['q', 'k', 'v']: unexpected ['query']"),
+    ({k: v for k, v in _feeds().items() if k != "v"}, "feeds do not match the inputs ['q', 'k', 'v']: missing ['v']"),
+    (_feeds(q=np.zeros((2, 3, 64), np.float64)), "input 'q' has dtype float64, expected float32"),
+    (_feeds(q=np.zeros((2, 3), np.float32)), "input 'q' has rank 2, expected 3 ['batch', 'seq', 64]"),
+    (_feeds(q=np.full((2, 3, 64), np.nan, np.float32)), "input 'q' holds NaN or Inf"),
+    (_feeds(k=np.full((2, 5, 64), np.inf, np.float32)), "input 'k' holds NaN or Inf"),
+    (_feeds(v=np.zeros((2, 6, 96), np.float32)), "dim 'kv_seq' has two sizes: 5 and 6 (input 'v', axis 1)"),
+    (_feeds(q=np.zeros((2, 3, 63), np.float32)), "input 'q' axis 2 is 63, expected 64"),
+])
+def test_bad_feeds_are_refused(sdpa_runtime, feeds, message: str) -> None:
+    with pytest.raises(InputError) as info:
+        sdpa_runtime.run(feeds)
+    assert str(info.value) == message
+
+
+def test_dim_far_above_its_range_is_refused_before_allocating(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--shapes", "batch=1,seq=4000000000,kv_seq=2")
+    assert result.exit_code == 2
+    assert _error_line(result) == "Error: sdpa: seq=4000000000 is outside its declared range [1, 256]"
+
+
+# -- manifests and golden files ----------------------------------------------------------------
+
+def test_manifest_that_is_not_json(zoo_copy: Path) -> None:
+    (zoo_copy / "manifest.json").write_text("{not json")
+    result = invoke("verify", str(zoo_copy))
+    assert result.exit_code == 2
+    assert _error_line(result).startswith(f"Error: {zoo_copy / 'manifest.json'}: not valid JSON (")
+
+
+def test_manifest_listing_a_missing_file(zoo_copy: Path) -> None:
+    (zoo_copy / "mha.onnx").unlink()
+    result = invoke("verify", str(zoo_copy), "--no-latency")
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {zoo_copy / 'mha.onnx'}: file listed in the manifest is missing"
+
+
+def test_manifest_naming_a_file_outside_its_folder(zoo_copy: Path) -> None:
+    doc = json.loads((zoo_copy / "manifest.json").read_text())
+    doc["models"]["mha"]["file"] = "../../etc/passwd"
+    (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+    result = invoke("verify", str(zoo_copy))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {zoo_copy / 'manifest.json'}: entry 'mha' names a file outside the output directory"
+
+
+def _rewrite_golden(folder: Path, name: str, change) -> None:
+    from tests.conftest import plant  # noqa: F401  (same idea as plant, for the golden file)
+    from attn_export.artifacts import sha256_file
+
+    path = folder / f"{name}.golden.npz"
+    with np.load(path) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    change(arrays)
+    np.savez(path, **arrays)
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["models"][name]["golden_sha256"] = sha256_file(path)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda a: a.pop("min/inputs/k"), "case 'min' has inputs ['q', 'v'], expected ['k', 'q', 'v']"),
+    (lambda a: a.__setitem__("min/inputs/q", a["min/inputs/q"].astype(np.float64)),
+     "case 'min' input 'q' has dtype float64, expected float32"),
+    (lambda a: a.__setitem__("min/whatever/q", np.zeros(1)), "unexpected entry 'min/whatever/q' in golden file"),
+])
+def test_golden_file_with_wrong_keys_or_dtypes(zoo_copy: Path, change, message: str) -> None:
+    _rewrite_golden(zoo_copy, "sdpa", change)
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {zoo_copy / 'sdpa.golden.npz'}: {message}"
+
+
+def test_golden_file_that_is_not_npz(zoo_copy: Path) -> None:
+    _rewrite_golden(zoo_copy, "sdpa", lambda a: None)
+    (zoo_copy / "sdpa.golden.npz").write_bytes(b"garbage")
+    doc = json.loads((zoo_copy / "manifest.json").read_text())
+    doc["models"]["sdpa"]["golden_sha256"] = artifacts.sha256_file(zoo_copy / "sdpa.golden.npz")
+    (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden")
+    assert result.exit_code == 2
+    assert "sdpa.golden.npz: not a readable golden .npz" in _error_line(result)
+
+
+# -- output folder problems --------------------------------------------------------------------
+
+def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models = tmp_path / "models"
+    spec = tiny_spec(models)
+    out = tmp_path / "out"
+    assert invoke("build", "--models", str(models), "--out", str(out)).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(artifacts.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    spec.write_text(spec.read_text().replace("max = 24", "max = 28"))
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 2
+    assert f"cannot write {out / 'tiny.onnx'}: disk full" in result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temp files, nothing changed
+
+
+def test_read_only_output_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models = tmp_path / "models"
+    tiny_spec(models)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(artifacts.tempfile, "mkstemp", denied)
+    result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert f"cannot write {tmp_path / 'out' / 'tiny.onnx'}: Permission denied" in result.output
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_output_path_that_is_a_file(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    (tmp_path / "out").write_text("a file")
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: Invalid value for '--out': Directory '{tmp_path / 'out'}' is a file."

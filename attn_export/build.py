@@ -1,8 +1,9 @@
-"""The build pipeline: spec -> module -> ONNX -> checks -> smoke run -> artifacts + manifest.
+"""The build pipeline: spec -> module -> ONNX -> variants -> checks -> smoke run ->
+artifacts + manifest.
 
-Each model's stages fill a ``BuildResult``; one model failing does not stop the others
-unless ``fail_fast``. Artifacts are written only after every check passed, each atomically,
-and the manifest is rewritten after every model so it always matches the files on disk.
+Each (model, variant) fills a ``BuildResult``; one failing does not stop the others unless
+``fail_fast``. Artifacts are written only after every check passed, each atomically, and
+the manifest is rewritten after every graph so it always matches the files on disk.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -23,7 +25,7 @@ from attn_export import __version__
 from attn_export._deps import require
 from attn_export.artifacts import atomic_write, build_lock, sha256_bytes, sha256_file, write_golden
 from attn_export.compare import compare_outputs
-from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError
+from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
 from attn_export.export import export_onnx, stamp_metadata
 from attn_export.factory import instantiate
 from attn_export.graph_checks import check_dynamic_axes, check_model
@@ -33,12 +35,13 @@ from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.shapes import ShapePoint, example_sizes, golden_points
 from attn_export.spec import ModelSpec, load_spec
+from attn_export.variants import VARIANTS, make_variant, variant_key
 
 __all__ = ["BuildOptions", "BuildResult", "BuildSummary", "build_models", "versions"]
 
 #: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
 BUILD_SEED = 0
-STAGES = ("spec", "module", "export", "checker", "axes", "smoke", "write")
+STAGES = ("spec", "module", "export", "variant", "checker", "axes", "smoke", "write")
 
 
 @dataclass
@@ -50,13 +53,18 @@ class BuildOptions:
     exporter: str | None = None
     force: bool = False
     fail_fast: bool = False
+    #: Graph variants to build ("fp32", ..., or "auto"); see ``attn_export.variants``.
+    variants: tuple[str, ...] = ("fp32",)
+    #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
+    provider: str = "cpu"
 
 
 @dataclass
 class BuildResult:
-    """One model's build: each stage True (passed), False (failed) or None (did not run)."""
+    """One graph's build: each stage True (passed), False (failed) or None (did not run)."""
 
     name: str
+    variant: str = "fp32"
     status: str = "failed"  # built | skipped | failed
     seconds: float = 0.0
     file: str | None = None
@@ -64,6 +72,7 @@ class BuildResult:
     error: str | None = None
     exit_code: int = 0
     warnings: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(STAGES))
 
     @property
@@ -98,6 +107,8 @@ class BuildSummary:
 
 def versions() -> dict[str, str]:
     """Versions that shape an exported graph; recorded in metadata and the manifest."""
+    import onnxruntime
+
     torch = require("torch", "building")
     onnxscript = require("onnxscript", "building")
     return {
@@ -105,6 +116,7 @@ def versions() -> dict[str, str]:
         "torch": str(torch.__version__),
         "onnx": onnx.__version__,
         "onnxscript": str(getattr(onnxscript, "__version__", "unknown")),
+        "onnxruntime": onnxruntime.__version__,
     }
 
 
@@ -116,8 +128,104 @@ def _stage(result: BuildResult, name: str) -> Iterator[None]:
     result.stages[name] = True
 
 
-def _build_key(spec: ModelSpec, vers: dict[str, str]) -> str:
-    blob = json.dumps({"spec": spec.content_hash(), "versions": vers}, sort_keys=True)
+class _Once:
+    """A lazily computed value whose failure is remembered, so shared stages run once."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        self._compute = compute
+        self._done = False
+        self._value: Any = None
+        self._error: AttnExportError | None = None
+
+    def get(self) -> Any:
+        if not self._done:
+            self._done = True
+            try:
+                self._value = self._compute()
+            except AttnExportError as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _SpecBuild:
+    """What every variant of one spec shares: the module, the fp32 export, golden cases."""
+
+    def __init__(self, spec: ModelSpec, vers: dict[str, str], options: BuildOptions) -> None:
+        self.spec = spec
+        self.vers = vers
+        self.options = options
+        self.sizes = example_sizes(spec)
+        self.module = _Once(lambda: instantiate(spec))
+        self.fp32 = _Once(lambda: self._export(spec.opset))
+        self.cases = _Once(self._golden_cases)
+        self.variants: dict[str, _Once] = {}
+
+    def _export(self, opset: int) -> onnx.ModelProto:
+        example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
+        proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        check_model(proto, self.spec.name)
+        check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
+        return proto
+
+    def _golden_cases(self) -> list[tuple[ShapePoint, dict[str, np.ndarray], dict[str, np.ndarray]]]:
+        """PyTorch's outputs at the example shape and the golden shapes, computed once."""
+        points = [ShapePoint("example", self.sizes), *golden_points(self.spec)]
+        cases = []
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            for i, point in enumerate(points):
+                feeds = make_feeds(self.spec, point.sizes, BUILD_SEED + i)
+                cases.append((point, feeds, eager.run(feeds)))
+        return cases
+
+    def variant(self, name: str) -> _Once:
+        """The variant's graph as serialized bytes with metadata, checked but not smoke-tested."""
+        if name not in self.variants:
+            self.variants[name] = _Once(lambda: self._make_variant(name))
+        return self.variants[name]
+
+    def _make_variant(self, name: str) -> tuple[bytes, dict[str, Any], list[str]]:
+        spec = self.spec
+        try:
+            graph = make_variant(name, self.fp32.get(), self._export, self.options.provider)
+        except (ExportFailure, GraphCheckError) as e:
+            raise type(e)(f"{variant_key(spec.name, name)}: {e}") from e
+        proto = stamp_metadata(
+            graph.proto,
+            {
+                "attn_export.model": spec.name,
+                "attn_export.variant": name,
+                "attn_export.source_module": spec.module,
+                "attn_export.spec_hash": spec.content_hash(),
+                "attn_export.exporter": spec.exporter,
+                "attn_export.opset": str(spec.opset),
+                **{f"attn_export.version.{k}": v for k, v in self.vers.items()},
+            },
+        )
+        check_model(proto, variant_key(spec.name, name))
+        check_dynamic_axes(proto, variant_key(spec.name, name), spec.inputs, spec.outputs)
+        return proto.SerializeToString(deterministic=True), graph.info, graph.warnings
+
+    def smoke(self, name: str, model: bytes, tolerance_variant: str) -> None:
+        """ONNX Runtime (CPU) against PyTorch at the example and golden shapes."""
+        spec = self.spec
+        tolerances = {t.name: spec.tolerance_for(t.name, tolerance_variant) for t in spec.outputs}
+        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
+            for point, feeds, expected in self.cases.get():
+                failed = [c.reason() for c in compare_outputs(expected, session.run(feeds), tolerances) if not c.passed]
+                if failed:
+                    raise GraphCheckError(
+                        f"{variant_key(spec.name, name)}: smoke check at {point.label} "
+                        f"({point.describe()}) failed: {failed[0]}"
+                    )
+
+
+def _build_key(spec: ModelSpec, vers: dict[str, str], variant: str, provider: str) -> str:
+    target = provider if variant in ("ort-optimized", "auto") else None
+    blob = json.dumps(
+        {"spec": spec.content_hash(), "versions": vers, "variant": variant, "provider": target}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -133,71 +241,88 @@ def _up_to_date(entry: ManifestEntry | None, key: str, out_dir: Path) -> bool:
         return False
 
 
-def _smoke(spec: ModelSpec, module: object, model: bytes, points: list[ShapePoint]):
-    """Run PyTorch and ONNX Runtime at each point; return golden cases, raise on mismatch."""
+def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
+    """Time each candidate at the spec's typical shape; the fastest within the model's own
+    tolerance wins. Candidates that fail to build or to agree are recorded, not chosen."""
+    from attn_export.bench.timing import measure, physical_cores
+
+    spec = ctx.spec
+    candidates = ["fp32", "attention-op", "ort-fused", "int8", "ort-optimized"]
+    if ctx.options.provider == "cuda":
+        candidates.append("fp16")
+    feeds = make_feeds(spec, spec.typical, BUILD_SEED)
+    with TorchRuntime(ctx.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
+        expected = eager.run(feeds)
     tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
-    cases = []
-    with (
-        TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager,
-        OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as ort_cpu,
-    ):
-        for i, point in enumerate(points):
-            feeds = make_feeds(spec, point.sizes, BUILD_SEED + i)
-            expected = eager.run(feeds)
-            actual = ort_cpu.run(feeds)
-            failed = [c.reason() for c in compare_outputs(expected, actual, tolerances) if not c.passed]
-            if failed:
-                raise GraphCheckError(
-                    f"{spec.name}: smoke check at {point.label} ({point.describe()}) failed: {failed[0]}"
-                )
-            cases.append((point.label, point.sizes, feeds, expected))
-    return cases
+    figures: dict[str, dict[str, Any]] = {}
+    for name in candidates:
+        try:
+            model, _, _ = ctx.variant(name).get()
+            with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider=ctx.options.provider,
+                             threads=physical_cores()) as session:
+                comparisons = compare_outputs(expected, session.run(feeds), tolerances)
+                stats = measure(session.prepare(feeds), budget_s=0.3, warmup=3)
+        except AttnExportError as e:
+            figures[name] = {"error": str(e)}
+            continue
+        figures[name] = {
+            "p50_ms": stats.p50_ms,
+            "p90_ms": stats.p90_ms,
+            "max_abs_error": max(c.max_abs_error for c in comparisons),
+            "within_tolerance": all(c.passed for c in comparisons),
+        }
+    passing = [n for n, f in figures.items() if f.get("within_tolerance")]
+    if not passing:
+        raise GraphCheckError(f"{spec.name}: auto found no variant within the model's tolerance: {figures}")
+    chosen = min(passing, key=lambda n: figures[n]["p50_ms"])
+    return chosen, {
+        "chosen": chosen,
+        "provider": ctx.options.provider,
+        "shape": dict(spec.typical),
+        "figures": figures,
+    }
 
 
-def _build_one(
-    spec: ModelSpec, out_dir: Path, manifest: Manifest, vers: dict[str, str], force: bool, result: BuildResult
+def _build_variant(
+    ctx: _SpecBuild, variant: str, out_dir: Path, manifest: Manifest, force: bool, result: BuildResult
 ) -> None:
-    key = _build_key(spec, vers)
-    previous = manifest.models.get(spec.name)
+    spec = ctx.spec
+    key = _build_key(spec, ctx.vers, variant, ctx.options.provider)
+    name = variant_key(spec.name, variant)
+    previous = manifest.models.get(name)
     if not force and _up_to_date(previous, key, out_dir):
         result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256  # type: ignore[union-attr]
+        result.info = previous.variant_info  # type: ignore[union-attr]
         return
     if spec.mode != "eval":
         result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
 
     with _stage(result, "module"):
-        module = instantiate(spec)
-    sizes = example_sizes(spec)
-    example = make_feeds(spec, sizes, BUILD_SEED, masked_row=False)
+        ctx.module.get()
     with _stage(result, "export"):
-        proto = export_onnx(module, spec, example)
-    stamp_metadata(
-        proto,
-        {
-            "attn_export.model": spec.name,
-            "attn_export.source_module": spec.module,
-            "attn_export.spec_hash": spec.content_hash(),
-            "attn_export.exporter": spec.exporter,
-            "attn_export.opset": str(spec.opset),
-            **{f"attn_export.version.{k}": v for k, v in vers.items()},
-        },
-    )
-    with _stage(result, "checker"):
-        check_model(proto, spec.name)
-    with _stage(result, "axes"):
-        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs)
-    model_bytes = proto.SerializeToString(deterministic=True)
+        ctx.fp32.get()
+    info: dict[str, Any] = {}
+    tolerance_variant = variant
+    with _stage(result, "variant"):
+        if variant == "auto":
+            chosen, info = _auto_choice(ctx)
+            tolerance_variant = "fp32"  # auto only chooses graphs within the model's own tolerance
+            model, _, warns = ctx.variant(chosen).get()
+        else:
+            model, info, warns = ctx.variant(variant).get()
+    result.warnings += warns
+    result.stages["checker"] = result.stages["axes"] = True  # checked when the variant was made
     with _stage(result, "smoke"):
-        cases = _smoke(spec, module, model_bytes, [ShapePoint("example", sizes), *golden_points(spec)])
+        ctx.smoke(variant, model, tolerance_variant)
 
-    onnx_name, golden_name = f"{spec.name}.onnx", f"{spec.name}.golden.npz"
+    golden_name = f"{spec.name}.golden.npz"
     with _stage(result, "write"):
-        atomic_write(out_dir / onnx_name, model_bytes)
-        write_golden(out_dir / golden_name, cases[1:])
-        manifest.models[spec.name] = ManifestEntry(
-            name=spec.name,
-            file=onnx_name,
-            sha256=sha256_bytes(model_bytes),
+        atomic_write(out_dir / f"{name}.onnx", model)
+        write_golden(out_dir / golden_name, [(p.label, p.sizes, f, o) for p, f, o in ctx.cases.get()[1:]])
+        manifest.models[name] = ManifestEntry(
+            name=name,
+            file=f"{name}.onnx",
+            sha256=sha256_bytes(model),
             golden=golden_name,
             golden_sha256=sha256_file(out_dir / golden_name),
             opset=spec.opset,
@@ -208,11 +333,14 @@ def _build_one(
             outputs=[t.to_dict() for t in spec.outputs],
             dims={k: dataclasses.asdict(v) for k, v in spec.dims.items()},
             tolerance=spec.to_dict()["tolerance"],
-            versions=vers,
+            versions=ctx.vers,
             spec=spec.to_dict(),
+            variant=variant,
+            variant_info=info,
         )
         save_manifest(out_dir, manifest)
-    result.status, result.file, result.sha256 = "built", onnx_name, manifest.models[spec.name].sha256
+    result.status, result.file, result.sha256 = "built", f"{name}.onnx", manifest.models[name].sha256
+    result.info = info
 
 
 def _open_manifest(out_dir: Path, force: bool) -> Manifest:
@@ -226,33 +354,53 @@ def _open_manifest(out_dir: Path, force: bool) -> Manifest:
         raise ArtifactError(f"{e}; fix or delete it, or rebuild everything with --force") from e
 
 
+def _build_spec(path: Path, options: BuildOptions, manifest: Manifest, vers: dict[str, str]) -> Iterator[BuildResult]:
+    t0 = time.perf_counter()
+    first = BuildResult(name=path.stem)
+    try:
+        with _stage(first, "spec"):
+            spec = load_spec(path)
+            overrides = {k: v for k, v in (("opset", options.opset), ("exporter", options.exporter)) if v}
+            spec = dataclasses.replace(spec, **overrides) if overrides else spec
+    except AttnExportError as e:
+        first.error, first.exit_code, first.seconds = str(e), e.exit_code, time.perf_counter() - t0
+        yield first
+        return
+    ctx = _SpecBuild(spec, vers, options)
+    for variant in options.variants:
+        result = BuildResult(name=variant_key(spec.name, variant), variant=variant)
+        result.stages["spec"] = True
+        try:
+            _build_variant(ctx, variant, options.out_dir, manifest, options.force, result)
+        except AttnExportError as e:
+            result.status, result.error, result.exit_code = "failed", str(e), e.exit_code
+        result.seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        yield result
+
+
 def build_models(
     spec_paths: Sequence[Path],
     options: BuildOptions,
     on_result: Callable[[BuildResult], None] | None = None,
 ) -> BuildSummary:
-    """Build each spec file into ``options.out_dir``; never raises for a single model's failure."""
+    """Build each spec file's variants into ``options.out_dir``; a failing graph never
+    raises, it becomes a failed result."""
+    unknown = [v for v in options.variants if v not in (*VARIANTS, "auto")]
+    if unknown:
+        raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)}, auto)")
     started = time.perf_counter()
     results: list[BuildResult] = []
     with build_lock(options.out_dir):
         manifest = _open_manifest(options.out_dir, options.force)
         vers = versions()
         for path in spec_paths:
-            t0 = time.perf_counter()
-            result = BuildResult(name=path.stem)
-            try:
-                with _stage(result, "spec"):
-                    spec = load_spec(path)
-                result.name = spec.name
-                overrides = {k: v for k, v in (("opset", options.opset), ("exporter", options.exporter)) if v}
-                spec = dataclasses.replace(spec, **overrides) if overrides else spec
-                _build_one(spec, options.out_dir, manifest, vers, options.force, result)
-            except AttnExportError as e:
-                result.status, result.error, result.exit_code = "failed", str(e), e.exit_code
-            result.seconds = time.perf_counter() - t0
-            results.append(result)
-            if on_result:
-                on_result(result)
-            if options.fail_fast and not result.ok:
+            for result in _build_spec(path, options, manifest, vers):
+                results.append(result)
+                if on_result:
+                    on_result(result)
+                if options.fail_fast and not result.ok:
+                    break
+            if options.fail_fast and results and not results[-1].ok:
                 break
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)

@@ -81,6 +81,12 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
 @click.option("--exporter", type=click.Choice(["dynamo", "torchscript"]), help="Override every spec's exporter.")
 @click.option("--force", is_flag=True, help="Rebuild models even when nothing changed.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first model that fails.")
+@click.option("--variant", "variants", multiple=True,
+              type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
+              help="Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
+                   "at the spec's typical shape and keeps the fastest within tolerance.")
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Provider that ort-optimized optimizes for and auto times on.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -90,6 +96,8 @@ def build(
     exporter: str | None,
     force: bool,
     fail_fast: bool,
+    variants: tuple[str, ...],
+    provider: str,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES) to ONNX with dynamic batch and sequence axes.
@@ -102,6 +110,7 @@ def build(
 
         attn-export build --out build
         attn-export build mha mha_cross --force
+        attn-export build mha --variant fp32 --variant int8 --variant auto
     """
     from attn_export.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
@@ -109,7 +118,10 @@ def build(
 
     paths = spec_paths(models_dir, names)
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
-    summary = build_models(paths, BuildOptions(out_dir, opset, exporter, force, fail_fast), on_result)
+    options = BuildOptions(
+        out_dir, opset, exporter, force, fail_fast, tuple(dict.fromkeys(variants or ("fp32",))), provider
+    )
+    summary = build_models(paths, options, on_result)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
     else:

@@ -13,7 +13,7 @@ from typing import Any
 
 from attn_export.artifacts import atomic_write
 from attn_export.errors import ArtifactError, SpecError
-from attn_export.spec import ModelSpec, TensorSpec, spec_from_dict
+from attn_export.spec import VARIANT_NAMES, ModelSpec, TensorSpec, spec_from_dict
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
 
@@ -42,6 +42,8 @@ class ManifestEntry:
     versions: dict[str, str]
     spec: dict[str, Any]
     variant: str = "fp32"
+    #: What the variant's transformation did (fusions, provider, auto's figures).
+    variant_info: dict[str, Any] = field(default_factory=dict)
 
     def model_spec(self) -> ModelSpec:
         """The spec as built (opset and exporter included), for rebuilding the original."""
@@ -126,8 +128,13 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
     except SpecError as e:
         raise bad(f"holds an invalid spec: {e}") from e
     derived = spec.to_dict()
-    if spec.name != name:
-        raise bad(f"holds the spec of '{spec.name}'")
+    if entry.variant not in (*VARIANT_NAMES, "auto"):
+        raise bad(f"has an unknown variant {entry.variant!r}")
+    if not isinstance(entry.variant_info, dict):
+        raise bad("has invalid 'variant_info'")
+    expected_name = spec.name if entry.variant == "fp32" else f"{spec.name}.{entry.variant}"
+    if expected_name != name:
+        raise bad(f"holds the spec of '{spec.name}' (variant {entry.variant})")
     for key in ("inputs", "outputs", "dims", "tolerance"):
         if getattr(entry, key) != derived[key]:
             raise bad(f"'{key}' disagrees with its spec")

@@ -32,13 +32,15 @@ __all__ = [
 DTYPES = ("float32", "float16", "float64", "int32", "int64", "bool")
 MASK_KINDS = ("random", "padding", "causal")
 EXPORTERS = ("dynamo", "torchscript")
+#: Graph variants a spec may give tolerances for (see ``attn_export.variants``).
+VARIANT_NAMES = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized")
 MODES = ("eval", "train")
 #: Refused before allocating: sizes above this would not fit any machine we verify on.
 MAX_DIM = 1 << 20
 
 _TOP_KEYS = {
     "description", "module", "kwargs", "inputs", "outputs", "dims",
-    "opset", "exporter", "mode", "weights", "tolerance",
+    "opset", "exporter", "mode", "weights", "tolerance", "variants", "typical",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
@@ -108,11 +110,22 @@ class ModelSpec:
     weights: WeightsSpec = field(default_factory=WeightsSpec)
     tolerance: Tolerance = field(default_factory=lambda: Tolerance(1e-5, 1e-4))
     output_tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    #: Tolerances for graph variants (int8, fp16, ...), replacing the model's own.
+    variant_tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    #: The shape that matters most in deployment; ``build --variant auto`` times graphs here.
+    typical: dict[str, int] = field(default_factory=dict)
     description: str = ""
     #: Directory searched first when importing ``module`` (the spec file's folder).
     search_path: str | None = None
 
-    def tolerance_for(self, output: str) -> Tolerance:
+    def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
+        """A variant's own tolerance (spec, else the variant's default), else the output's."""
+        from attn_export.variants import DEFAULT_TOLERANCES
+
+        if variant in self.variant_tolerances:
+            return self.variant_tolerances[variant]
+        if variant in DEFAULT_TOLERANCES:
+            return DEFAULT_TOLERANCES[variant]
         return self.output_tolerances.get(output, self.tolerance)
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +147,8 @@ class ModelSpec:
                 "rtol": self.tolerance.rtol,
                 "outputs": {k: asdict(v) for k, v in self.output_tolerances.items()},
             },
+            "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
+            "typical": dict(self.typical),
             "search_path": self.search_path,
         }
 
@@ -335,6 +350,32 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
             _number(where, tol.get("rtol", tolerance.rtol), "rtol", "rtol"),
         )
 
+    raw_variants = raw.get("variants", {})
+    if not isinstance(raw_variants, dict):
+        raise where.error("'variants' must be a table of per-variant tolerances", "variants")
+    variant_tolerances: dict[str, Tolerance] = {}
+    for variant, tol in raw_variants.items():
+        if variant not in VARIANT_NAMES:
+            raise where.error(f"unknown variant '{variant}' (known: {', '.join(VARIANT_NAMES)})", variant)
+        if not isinstance(tol, dict):
+            raise where.error(f"variants.{variant} must be a table with atol and rtol", variant)
+        _check_keys(where, tol, {"atol", "rtol"}, f"variants.{variant}")
+        variant_tolerances[variant] = Tolerance(
+            _number(where, tol.get("atol", tolerance.atol), "atol", "atol"),
+            _number(where, tol.get("rtol", tolerance.rtol), "rtol", "rtol"),
+        )
+    raw_typical = raw.get("typical", {})
+    if not isinstance(raw_typical, dict):
+        raise where.error("'typical' must be a table of dim sizes", "typical")
+    typical = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
+    for dim_name, size in raw_typical.items():
+        if dim_name not in dims:
+            raise where.error(f"typical size for undeclared dim '{dim_name}'", dim_name)
+        size = _int(where, size, f"typical.{dim_name}", dim_name)
+        if not dims[dim_name].min <= size <= dims[dim_name].max:
+            raise where.error(f"typical.{dim_name} = {size} is outside its range", dim_name)
+        typical[dim_name] = size
+
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise where.error("'description' must be a string", "description")
@@ -354,6 +395,8 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         weights=weights,
         tolerance=tolerance,
         output_tolerances=per_output,
+        variant_tolerances=variant_tolerances,
+        typical=typical,
         description=description,
         search_path=search_path,
     )

@@ -241,5 +241,5 @@ def test_manifest_records_the_contract(zoo_dir: Path) -> None:
     assert entry["dims"]["kv_seq"] == {"min": 1, "max": 320}
     assert entry["tolerance"]["atol"] == 1e-5
     assert entry["sha256"] == sha256_file(zoo_dir / "mha_cross.onnx")
-    assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript"}
+    assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript", "onnxruntime"}
     assert os.stat(zoo_dir / "mha_cross.onnx").st_mode & 0o044  # readable by others, like any build output

@@ -40,7 +40,7 @@ def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
     first = invoke(*args)
     assert first.exit_code == 0, first.output
     assert first.output.startswith("built   tiny ")
-    assert first.output.splitlines()[-1].startswith("1 models: 1 built, 0 skipped, 0 failed in ")
+    assert first.output.splitlines()[-1].startswith("1 graphs: 1 built, 0 skipped, 0 failed in ")
     second = invoke(*args)
     assert "skipped tiny" in second.output and "(unchanged; --force rebuilds)" in second.output
     forced = invoke(*args, "--force", "--json")

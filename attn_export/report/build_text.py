@@ -11,9 +11,13 @@ __all__ = ["format_build_line", "format_build_summary", "format_spec_table"]
 def format_build_line(r: BuildResult) -> str:
     """One line per model as it finishes."""
     status = {"built": "built  ", "skipped": "skipped", "failed": "FAILED "}[r.status]
-    line = f"{status} {r.name:<24} {r.seconds:7.2f} s"
+    line = f"{status} {r.name:<30} {r.seconds:7.2f} s"
     if r.status == "skipped":
         line += "  (unchanged; --force rebuilds)"
+    if "chosen" in r.info:
+        line += f"  (auto chose {r.info['chosen']} on {r.info['provider']})"
+    elif r.info.get("fusions"):
+        line += "  (fused: " + ", ".join(f"{k} {v}" for k, v in r.info["fusions"].items()) + ")"
     if r.error:
         failed = next((k for k, v in r.stages.items() if v is False), None)
         line += f"  [{failed}] {r.error}" if failed else f"  {r.error}"
@@ -25,7 +29,7 @@ def format_build_line(r: BuildResult) -> str:
 def format_build_summary(s: BuildSummary) -> str:
     c = s.counts()
     return (
-        f"{len(s.results)} models: {c['built']} built, {c['skipped']} skipped, {c['failed']} failed "
+        f"{len(s.results)} graphs: {c['built']} built, {c['skipped']} skipped, {c['failed']} failed "
         f"in {s.seconds:.1f} s -> {s.out_dir}/manifest.json"
     )
 

@@ -1,0 +1,116 @@
+"""Graph variants: each builds, verifies within its own tolerance, and is in the manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.manifest import load_manifest
+from attn_export.spec import load_spec
+from attn_export.variants import DEFAULT_TOLERANCES
+from tests.conftest import ZOO, write_spec
+
+ALL = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto")
+
+
+@pytest.fixture(scope="module")
+def variant_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mha_cross (seed MHA) and mha_attention_op (SDPA) with every variant."""
+    out = tmp_path_factory.mktemp("variants")
+    paths = [ZOO / "mha_cross.toml", ZOO / "mha_attention_op.toml"]
+    summary = build_models(paths, BuildOptions(out, variants=ALL))
+    status = {r.name: (r.status, r.error) for r in summary.results}
+    assert status["mha_cross.attention-op"][0] == "failed"  # the seed module has no SDPA call
+    assert all(s == "built" for n, (s, _) in status.items() if n != "mha_cross.attention-op"), status
+    return out
+
+
+def _ops(path: Path) -> set[str]:
+    return {f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in onnx.load(path).graph.node}
+
+
+def test_every_variant_is_in_the_manifest(variant_build: Path) -> None:
+    models = load_manifest(variant_build).models
+    for variant in ALL:
+        assert models[f"mha_attention_op{'' if variant == 'fp32' else '.' + variant}"].variant == variant
+    assert "mha_cross.attention-op" not in models
+
+
+def test_every_variant_verifies_within_its_tolerance(variant_build: Path) -> None:
+    result = CliRunner().invoke(cli, ["verify", str(variant_build), "--no-latency"])
+    assert result.exit_code == 0, result.output
+    rows = [line.split()[0] for line in result.output.splitlines()[1:-1]]
+    assert {"mha_cross.int8", "mha_cross.fp16", "mha_cross.ort-fused", "mha_attention_op.attention-op"} <= set(rows)
+
+
+def test_ort_fused_holds_fused_multi_head_attention(variant_build: Path) -> None:
+    entry = load_manifest(variant_build).models["mha_cross.ort-fused"]
+    assert entry.variant_info["fusions"] == {"sdpa": 1, "mha2": 1, "mha_bias": 1}
+    assert "com.microsoft.MultiHeadAttention" in _ops(variant_build / entry.file)
+
+
+def test_attention_op_variant_holds_the_attention_op(variant_build: Path) -> None:
+    assert "Attention" in _ops(variant_build / "mha_attention_op.attention-op.onnx")
+
+
+def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_build: Path) -> None:
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} & _ops(variant_build / "mha_cross.int8.onnx")
+    result = CliRunner().invoke(cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency"])
+    assert result.exit_code == 0
+    errors = [float(line.split()[4]) for line in result.output.splitlines() if line.startswith("mha_cross.int8")]
+    assert max(errors) > 1e-4  # a real, visible quantization error, within int8's tolerance
+    assert max(errors) <= DEFAULT_TOLERANCES["int8"].atol
+    strict = CliRunner().invoke(cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency",
+                                      "--atol", "1e-5", "--rtol", "1e-4"])
+    assert strict.exit_code == 1  # judged by the fp32 tolerance it fails, as it should
+
+
+def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = build_models([ZOO / "mha_causal.toml"], BuildOptions(out, variants=("fp16",)))
+    assert summary.results[0].status == "built", summary.results[0].error
+    proto = onnx.load(out / "mha_causal.fp16.onnx")
+    assert all(i.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.BOOL) for i in proto.graph.input)
+    fills = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
+    assert all(abs(float(f.min())) <= 65504 for f in fills if f.size)  # -1e9 was clamped, not -inf
+    # every sweep point has a fully masked row: fp16 must keep it finite
+    result = CliRunner().invoke(cli, ["verify", str(out), "--no-latency"])
+    assert result.exit_code == 0, result.output
+
+
+def test_ort_optimized_records_its_provider(variant_build: Path) -> None:
+    assert load_manifest(variant_build).models["mha_cross.ort-optimized"].variant_info["provider"] == "cpu"
+
+
+def test_auto_records_its_choice_and_figures(variant_build: Path) -> None:
+    entry = load_manifest(variant_build).models["mha_cross.auto"]
+    info = entry.variant_info
+    spec = load_spec(ZOO / "mha_cross.toml")
+    assert info["provider"] == "cpu" and info["shape"] == spec.typical
+    figures = info["figures"]
+    assert set(figures) == {"fp32", "attention-op", "ort-fused", "int8", "ort-optimized"}
+    assert "error" in figures["attention-op"]
+    assert figures["int8"]["within_tolerance"] is False  # int8 misses the model's own 1e-5
+    chosen = info["chosen"]
+    assert figures[chosen]["within_tolerance"] is True
+    assert all(figures[chosen]["p50_ms"] <= f["p50_ms"] for f in figures.values() if f.get("within_tolerance"))
+    chosen_file = variant_build / f"mha_cross{'' if chosen == 'fp32' else '.' + chosen}.onnx"
+    assert (variant_build / entry.file).read_bytes() == chosen_file.read_bytes()
+
+
+def test_variant_tolerance_from_the_spec(tmp_path: Path) -> None:
+    text = (ZOO / "sdpa.toml").read_text() + "\n[variants.int8]\natol = 0.5\nrtol = 0.25\n"
+    spec = load_spec(write_spec(tmp_path, "sdpa", text))
+    assert (spec.tolerance_for("output", "int8").atol, spec.tolerance_for("output", "int8").rtol) == (0.5, 0.25)
+    assert spec.tolerance_for("output", "fp16") == DEFAULT_TOLERANCES["fp16"]
+    assert spec.tolerance_for("output") == spec.tolerance
+
+
+def test_unknown_variant_is_a_usage_error() -> None:
+    result = CliRunner().invoke(cli, ["build", "--variant", "int4"])
+    assert result.exit_code == 2 and "'int4' is not one of" in result.output

@@ -10,7 +10,7 @@ from attn_export.errors import MissingDependencyError
 _HINTS = {
     "torch": "pip install 'attn-export[export]'",
     "onnxscript": "pip install 'attn-export[export]'",
-    "matplotlib": "pip install matplotlib",
+    "matplotlib": "pip install 'attn-export[plot]'",
 }
 
 

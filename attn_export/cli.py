@@ -286,6 +286,111 @@ def verify(
     sys.exit(report.exit_code)
 
 
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """'1,8' or a doubling run written '64,128,...,2048'."""
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    try:
+        if len(parts) == 4 and parts[2] == "...":
+            start, step, stop = int(parts[0]), int(parts[1]), int(parts[3])
+            if not 0 < start < step <= stop:
+                raise ValueError
+            out = [start]
+            while out[-1] * step // start <= stop and len(out) < 64:
+                out.append(out[-1] * step // start)
+            return out
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of sizes like 1,8 or 64,128,...,2048") from None
+    if not values or min(values) < 1:
+        raise click.BadParameter(f"{value!r}: sizes must be positive integers")
+    return values
+
+
+@cli.command()
+@click.argument("names", nargs=-1)
+@models_option
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=Path("build"),
+              show_default=True, help="Build folder; missing variants are built into it first.")
+@click.option("--batch", "batches", default="1", show_default=True, callback=_int_list, help="Batch sizes, e.g. 1,8.")
+@click.option("--seq", "seqs", default="64,128,...,512", show_default=True, callback=_int_list,
+              help="Sequence lengths (every non-batch dim), e.g. 128,512 or 64,128,...,2048.")
+@click.option("--variant", "variants", multiple=True,
+              type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
+              help="ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.")
+@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--threads", type=click.IntRange(1), help="Threads for every runner. Default: physical cores.")
+@click.option("--budget", type=click.FloatRange(0.01), default=0.2, show_default=True,
+              help="Seconds of timed repeats per runner and shape.")
+@click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
+@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Markdown table.")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False),
+              help="Draw latency against sequence length to this PNG (needs matplotlib).")
+def bench(
+    names: tuple[str, ...],
+    models_dir: Path,
+    out_dir: Path,
+    batches: list[int],
+    seqs: list[int],
+    variants: tuple[str, ...],
+    provider: str,
+    threads: int | None,
+    budget: float,
+    no_memory: bool,
+    json_path: Path | None,
+    markdown_path: Path | None,
+    plot_path: Path | None,
+) -> None:
+    """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side.
+
+    Reports p50/p90 latency, tokens per second, the ratio to PyTorch eager, achieved
+    GFLOP/s and its share of this machine's float32 GEMM peak (measured in the same run),
+    and each runner's peak memory. Figures belong here, never in tests.
+
+    Example:
+
+        attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
+    """
+    from attn_export._deps import require
+    from attn_export.artifacts import atomic_write
+    from attn_export.bench.run import BenchOptions, run_bench
+    from attn_export.bench.timing import physical_cores
+    from attn_export.build import BuildOptions, build_models
+    from attn_export.manifest import load_manifest
+    from attn_export.report.bench_text import (
+        BENCH_HEADER,
+        format_bench_row,
+        format_bench_summary,
+        markdown_bench_table,
+    )
+    from attn_export.report.build_text import format_build_line
+    from attn_export.spec import load_spec, spec_paths
+
+    if plot_path:
+        require("matplotlib", "--plot")
+    variants = tuple(dict.fromkeys(variants or ("fp32", "ort-fused", "int8")))
+    paths = spec_paths(models_dir, names)
+    built = build_models(paths, BuildOptions(out_dir, variants=variants, provider=provider))
+    failed = [r for r in built.results if not r.ok]
+    for r in failed:
+        click.echo(format_build_line(r), err=True)
+    if failed:
+        sys.exit(built.exit_code)
+    options = BenchOptions(batches, seqs, variants, provider, threads or physical_cores(), budget, not no_memory)
+    click.echo(BENCH_HEADER)
+    report = run_bench(out_dir, load_manifest(out_dir), [load_spec(p) for p in paths], options,
+                       on_row=lambda row: click.echo(format_bench_row(row)))
+    click.echo(format_bench_summary(report))
+    if json_path:
+        atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    if markdown_path:
+        atomic_write(markdown_path, markdown_bench_table(report).encode())
+    if plot_path:
+        from attn_export.report.plot import plot_latency
+
+        plot_latency(report, plot_path)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="attn-export")

@@ -1,0 +1,68 @@
+"""Peak resident memory of one runner, measured in a fresh process so runners do not mix.
+
+Run as ``python -m attn_export.bench.memory SPEC_JSON`` by ``peak_rss_mb``; it loads the
+runner, runs it once on the given sizes, and prints its peak RSS in MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["peak_rss_mb"]
+
+
+def peak_rss_mb(request: dict[str, Any], timeout_s: float = 300) -> float | None:
+    """Peak RSS (MiB) of running ``request`` once in a child process; None if it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "attn_export.bench.memory", json.dumps(request)],
+        capture_output=True, text=True, timeout=timeout_s,
+    )
+    if done.returncode != 0:
+        return None
+    try:
+        return float(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def _run(request: dict[str, Any]) -> None:
+    from attn_export.inputs import make_feeds
+    from attn_export.spec import spec_from_dict
+
+    spec = spec_from_dict(request["spec"])
+    feeds = make_feeds(spec, request["sizes"], 0)
+    if request["runner"] == "onnxruntime":
+        from attn_export.runtimes.ort import OnnxRuntime
+
+        runtime: Any = OnnxRuntime(Path(request["file"]), spec.inputs, spec.outputs,
+                                   provider=request["provider"], threads=request["threads"])
+    else:
+        from attn_export.factory import instantiate
+        from attn_export.runtimes.torch_eager import TorchRuntime
+
+        runtime = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=request["threads"])
+    with runtime:
+        runtime.prepare(feeds)()
+    print(_peak_rss_kib() / 1024)
+
+
+def _peak_rss_kib() -> float:
+    """VmHWM belongs to this process image alone; ru_maxrss can carry the parent's peak
+    across fork and exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+if __name__ == "__main__":
+    _run(json.loads(sys.argv[1]))

@@ -1,0 +1,50 @@
+"""Terminal and Markdown tables for ``attn-export bench``."""
+
+from __future__ import annotations
+
+from attn_export.bench.run import BenchReport, BenchRow
+
+__all__ = ["BENCH_HEADER", "format_bench_row", "format_bench_summary", "markdown_bench_table"]
+
+BENCH_HEADER = (
+    f"{'MODEL':<14} {'RUNNER':<18} {'BATCH':>5} {'SEQ':>6} {'P50_MS':>9} {'P90_MS':>9} "
+    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'GFLOP/S':>8} {'PEAK%':>6}"
+)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def format_bench_row(r: BenchRow) -> str:
+    flag = "" if r.in_verified_range else "  (outside the verified range)"
+    return (
+        f"{r.model:<14} {r.runner:<18} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
+        f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} {100 * r.peak_share:>5.1f}%{flag}"
+    )
+
+
+def format_bench_summary(report: BenchReport) -> str:
+    peak = report.peak_gflops
+    lines = [
+        f"machine: {report.machine}; threads {report.threads}; provider {report.provider}",
+        f"float32 GEMM peak (2048^3): {peak['peak']:.1f} GFLOP/s "
+        f"(torch {peak['torch']:.1f}, onnxruntime {peak['onnxruntime']:.1f})",
+    ]
+    for model, runners in report.memory_mb.items():
+        mems = ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
+        lines.append(f"peak memory {model}: {mems}")
+    return "\n".join(lines)
+
+
+def markdown_bench_table(report: BenchReport) -> str:
+    lines = [
+        "| model | runner | batch | seq | p50 (ms) | p90 (ms) | tokens/s | vs eager | GFLOP/s | % of peak |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report.rows:
+        lines.append(
+            f"| {r.model} | {r.runner} | {r.batch} | {r.seq} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
+            f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {r.gflops:.1f} | {100 * r.peak_share:.1f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,97 @@
+"""bench: JSON holds every requested shape and runner; the plot is a real PNG. No timing
+assertions: figures belong to the benchmark, not the tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from attn_export.bench.run import BenchReport
+from attn_export.cli import cli
+from tests.conftest import tiny_spec
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    folder = tmp_path_factory.mktemp("bench")
+    tiny_spec(folder / "models")
+    result = CliRunner().invoke(cli, [
+        "bench", "--models", str(folder / "models"), "--out", str(folder / "out"),
+        "--batch", "1,2", "--seq", "4,8,...,32", "--variant", "fp32", "--variant", "int8",
+        "--budget", "0.01", "--threads", "1", "--json", str(folder / "bench.json"),
+        "--markdown", str(folder / "bench.md"), "--plot", str(folder / "latency.png"),
+    ])
+    return folder, result
+
+
+def test_bench_json_holds_every_shape_and_runner(bench_run) -> None:
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    report = BenchReport.from_dict(json.loads((folder / "bench.json").read_text()))
+    runners = {"torch-eager", "torch-sdpa", "ort:fp32", "ort:int8"}
+    got = {(r.runner, r.batch, r.seq) for r in report.rows}
+    assert got == {(run, b, s) for run in runners for b in (1, 2) for s in (4, 8, 16, 32)}
+    for r in report.rows:
+        assert r.latency.p50_ms > 0 and r.latency.p90_ms >= r.latency.p50_ms and r.latency.repeats >= 3
+        assert r.flops > 0 and r.gflops > 0 and r.tokens_per_s > 0
+        assert r.in_verified_range == (r.seq <= 24)
+    eager = [r for r in report.rows if r.runner == "torch-eager"]
+    assert all(r.ratio_to_eager == 1.0 for r in eager)
+    assert report.peak_gflops["peak"] == max(report.peak_gflops["torch"], report.peak_gflops["onnxruntime"])
+    assert set(report.memory_mb["tiny"]) == {"torch-eager", "ort:fp32", "ort:int8"}
+    assert all(v is not None and v > 0 for v in report.memory_mb["tiny"].values())
+    assert report.to_dict() == BenchReport.from_dict(report.to_dict()).to_dict()
+
+
+def test_bench_flops_count_projections_and_both_attention_matmuls(bench_run) -> None:
+    folder, _ = bench_run
+    report = BenchReport.from_dict(json.loads((folder / "bench.json").read_text()))
+    row = next(r for r in report.rows if (r.batch, r.seq, r.runner) == (2, 8, "torch-eager"))
+    hidden, b, s = 16, 2, 8
+    projections = 4 * 2 * b * s * hidden * hidden
+    attention = 2 * (2 * b * s * s * hidden)
+    assert row.flops == projections + attention
+
+
+def test_bench_markdown_and_table(bench_run) -> None:
+    folder, result = bench_run
+    lines = (folder / "bench.md").read_text().splitlines()
+    assert lines[0].startswith("| model | runner | batch | seq | p50 (ms)")
+    assert len(lines) == 2 + 32
+    assert "float32 GEMM peak (2048^3):" in result.output
+    assert "(outside the verified range)" in result.output  # seq 32 > the spec's 24
+
+
+def test_bench_plot_is_a_png(bench_run) -> None:
+    pytest.importorskip("matplotlib")
+    folder, _ = bench_run
+    data = (folder / "latency.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    tiny_spec(tmp_path / "models")
+    result = CliRunner().invoke(cli, ["bench", "--models", str(tmp_path / "models"), "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2
+    assert result.output == "Error: --plot needs matplotlib, which is not installed (pip install 'attn-export[plot]')\n"
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("64,x", "'64,x' is not a list of sizes like 1,8 or 64,128,...,2048"),
+    ("0,4", "'0,4': sizes must be positive integers"),
+])
+def test_bench_bad_size_lists(value: str, message: str) -> None:
+    result = CliRunner().invoke(cli, ["bench", "--seq", value])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_doubling_run_expands() -> None:
+    from attn_export.cli import _int_list
+
+    assert _int_list(None, None, "64,128,...,2048") == [64, 128, 256, 512, 1024, 2048]  # type: ignore[arg-type]

@@ -210,6 +210,17 @@ def _number(where: _Where, value: Any, what: str, key: str) -> float:
     return float(value)
 
 
+def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, key: str) -> Tolerance:
+    """An {atol, rtol} table; a missing value falls back to ``default``."""
+    if not isinstance(raw, dict):
+        raise where.error(f"{context} must be a table with atol and rtol", key)
+    _check_keys(where, raw, {"atol", "rtol"}, context)
+    return Tolerance(
+        _number(where, raw.get("atol", default.atol), f"{context}.atol", "atol"),
+        _number(where, raw.get("rtol", default.rtol), f"{context}.rtol", "rtol"),
+    )
+
+
 def _tensor(where: _Where, raw: Any, context: str, is_input: bool) -> TensorSpec:
     if not isinstance(raw, dict):
         raise where.error(f"{context} must be a table with name, dtype and shape")
@@ -342,13 +353,7 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
     for out_name, tol in raw_per_output.items():
         if out_name not in {t.name for t in outputs}:
             raise where.error(f"tolerance for unknown output '{out_name}'", out_name)
-        if not isinstance(tol, dict):
-            raise where.error(f"tolerance.outputs.{out_name} must be a table", out_name)
-        _check_keys(where, tol, {"atol", "rtol"}, f"tolerance.outputs.{out_name}")
-        per_output[out_name] = Tolerance(
-            _number(where, tol.get("atol", tolerance.atol), "atol", "atol"),
-            _number(where, tol.get("rtol", tolerance.rtol), "rtol", "rtol"),
-        )
+        per_output[out_name] = _tolerance_table(where, tol, tolerance, f"tolerance.outputs.{out_name}", out_name)
 
     raw_variants = raw.get("variants", {})
     if not isinstance(raw_variants, dict):
@@ -357,13 +362,7 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
     for variant, tol in raw_variants.items():
         if variant not in VARIANT_NAMES:
             raise where.error(f"unknown variant '{variant}' (known: {', '.join(VARIANT_NAMES)})", variant)
-        if not isinstance(tol, dict):
-            raise where.error(f"variants.{variant} must be a table with atol and rtol", variant)
-        _check_keys(where, tol, {"atol", "rtol"}, f"variants.{variant}")
-        variant_tolerances[variant] = Tolerance(
-            _number(where, tol.get("atol", tolerance.atol), "atol", "atol"),
-            _number(where, tol.get("rtol", tolerance.rtol), "rtol", "rtol"),
-        )
+        variant_tolerances[variant] = _tolerance_table(where, tol, tolerance, f"variants.{variant}", variant)
     raw_typical = raw.get("typical", {})
     if not isinstance(raw_typical, dict):
         raise where.error("'typical' must be a table of dim sizes", "typical")

@@ -228,3 +228,32 @@ def test_json_report_has_documented_fields(zoo_dir: Path, tmp_path: Path) -> Non
         "name", "max_abs_error", "max_rel_error", "mismatch_fraction", "min_passing_atol", "passed",
     }
     assert set(case["latency"]) == {"onnx", "torch", "ratio"}
+
+
+def test_property_any_shape_within_the_declared_ranges_agrees(zoo_dir: Path) -> None:
+    """Hypothesis draws shapes inside mha_causal's declared ranges (mask with a fully masked
+    row included); ONNX Runtime must agree with PyTorch at every one."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from attn_export.compare import compare_outputs
+    from attn_export.runtimes.ort import OnnxRuntime
+    from attn_export.runtimes.torch_eager import TorchRuntime
+
+    entry = load_manifest(zoo_dir).models["mha_causal"]
+    spec = entry.model_spec()
+    tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
+    sizes = st.fixed_dictionaries({k: st.integers(r.min, min(r.max, 96)) for k, r in spec.dims.items()})
+    with (
+        TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager,
+        OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as session,
+    ):
+
+        @settings(max_examples=25, deadline=None)
+        @given(sizes=sizes, seed=st.integers(0, 2**16))
+        def check(sizes: dict[str, int], seed: int) -> None:
+            feeds = make_feeds(spec, sizes, seed)
+            results = compare_outputs(eager.run(feeds), session.run(feeds), tolerances)
+            assert all(r.passed for r in results), [r.reason() for r in results]
+
+        check()

@@ -44,6 +44,16 @@ class MaskedMultiHeadAttention(MultiHeadAttention):
         super().__init__(hidden_dim, num_heads)
         self.causal = causal
 
+    def _project_heads(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Project and split into [batch, heads, len, head_dim], as the seed does."""
+        return (
+            _split_heads(self.q_linear(query), self.num_heads, self.head_dim),
+            _split_heads(self.k_linear(keys), self.num_heads, self.head_dim),
+            _split_heads(self.v_linear(values), self.num_heads, self.head_dim),
+        )
+
     def forward(  # type: ignore[override]
         self,
         query: torch.Tensor,
@@ -51,9 +61,7 @@ class MaskedMultiHeadAttention(MultiHeadAttention):
         values: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q = _split_heads(self.q_linear(query), self.num_heads, self.head_dim)
-        k = _split_heads(self.k_linear(keys), self.num_heads, self.head_dim)
-        v = _split_heads(self.v_linear(values), self.num_heads, self.head_dim)
+        q, k, v = self._project_heads(query, keys, values)
 
         scores = torch.matmul(q, k.transpose(-2, -1)) / (self.head_dim**0.5)
         keep = _keep_mask(q, k, mask, self.causal)
@@ -79,9 +87,7 @@ class SDPAMultiHeadAttention(MaskedMultiHeadAttention):
         values: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        q = _split_heads(self.q_linear(query), self.num_heads, self.head_dim)
-        k = _split_heads(self.k_linear(keys), self.num_heads, self.head_dim)
-        v = _split_heads(self.v_linear(values), self.num_heads, self.head_dim)
+        q, k, v = self._project_heads(query, keys, values)
 
         keep = _keep_mask(q, k, mask, self.causal)
         if keep is not None:

@@ -161,6 +161,8 @@ class _SpecBuild:
         self.fp32 = _Once(lambda: self._export(spec.opset))
         self.cases = _Once(self._golden_cases)
         self.variants: dict[str, _Once] = {}
+        #: sha256 of the golden file once this build has written it (shared by all variants).
+        self.golden_sha256: str | None = None
 
     def _export(self, opset: int) -> onnx.ModelProto:
         example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
@@ -318,13 +320,15 @@ def _build_variant(
     golden_name = f"{spec.name}.golden.npz"
     with _stage(result, "write"):
         atomic_write(out_dir / f"{name}.onnx", model)
-        write_golden(out_dir / golden_name, [(p.label, p.sizes, f, o) for p, f, o in ctx.cases.get()[1:]])
+        if ctx.golden_sha256 is None:
+            write_golden(out_dir / golden_name, [(p.label, p.sizes, f, o) for p, f, o in ctx.cases.get()[1:]])
+            ctx.golden_sha256 = sha256_file(out_dir / golden_name)
         manifest.models[name] = ManifestEntry(
             name=name,
             file=f"{name}.onnx",
             sha256=sha256_bytes(model),
             golden=golden_name,
-            golden_sha256=sha256_file(out_dir / golden_name),
+            golden_sha256=ctx.golden_sha256,
             opset=spec.opset,
             exporter=spec.exporter,
             build_key=key,

@@ -85,6 +85,10 @@ class Tolerance:
     rtol: float
 
 
+#: Used when a spec gives no [variants.<name>] tolerance; int8 and fp16 trade accuracy for speed.
+VARIANT_DEFAULT_TOLERANCES = {"int8": Tolerance(0.1, 0.1), "fp16": Tolerance(1e-2, 1e-2)}
+
+
 @dataclass(frozen=True)
 class WeightsSpec:
     """Where the weights come from: a seeded random init, or a state_dict file."""
@@ -120,12 +124,10 @@ class ModelSpec:
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (spec, else the variant's default), else the output's."""
-        from attn_export.variants import DEFAULT_TOLERANCES
-
         if variant in self.variant_tolerances:
             return self.variant_tolerances[variant]
-        if variant in DEFAULT_TOLERANCES:
-            return DEFAULT_TOLERANCES[variant]
+        if variant in VARIANT_DEFAULT_TOLERANCES:
+            return VARIANT_DEFAULT_TOLERANCES[variant]
         return self.output_tolerances.get(output, self.tolerance)
 
     def to_dict(self) -> dict[str, Any]:

@@ -23,13 +23,12 @@ import onnx
 
 from attn_export._deps import require
 from attn_export.errors import ExportFailure, UsageError
-from attn_export.spec import VARIANT_NAMES, Tolerance
+from attn_export.spec import VARIANT_DEFAULT_TOLERANCES, VARIANT_NAMES
 
 __all__ = ["DEFAULT_TOLERANCES", "VARIANTS", "VariantGraph", "make_variant", "variant_key"]
 
 VARIANTS = VARIANT_NAMES
-#: Used when a spec gives no [variants.<name>] tolerance; int8 and fp16 trade accuracy for speed.
-DEFAULT_TOLERANCES = {"int8": Tolerance(0.1, 0.1), "fp16": Tolerance(1e-2, 1e-2)}
+DEFAULT_TOLERANCES = VARIANT_DEFAULT_TOLERANCES
 #: Attention ops a fused or attention-op graph must contain to be worth building.
 ATTENTION_OPS = {"Attention", "com.microsoft.MultiHeadAttention", "com.microsoft.Attention"}
 

@@ -19,6 +19,8 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 def format_case(c: CaseResult) -> str:
     max_abs = max((x.max_abs_error for x in c.comparisons), default=None)
     max_rel = max((x.max_rel_error for x in c.comparisons), default=None)
+    if any(not (x.shape_ok and x.dtype_ok) for x in c.comparisons):
+        max_abs = max_rel = None  # nothing numeric was compared
     shape = ",".join(f"{k}={v}" for k, v in c.sizes.items())
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")

@@ -100,7 +100,9 @@ def build_lock(out_dir: Path) -> Iterator[None]:
         handle.close()
 
 
-def write_golden(path: Path, cases: list[tuple[str, Mapping[str, int], dict[str, np.ndarray], dict[str, np.ndarray]]]) -> None:
+def write_golden(
+    path: Path, cases: list[tuple[str, Mapping[str, int], dict[str, np.ndarray], dict[str, np.ndarray]]]
+) -> None:
     """Write golden vectors as a deterministic .npz: fixed timestamps, sorted entries.
 
     Keys: ``<case>/sizes/<dim>``, ``<case>/inputs/<name>``, ``<case>/outputs/<name>``.

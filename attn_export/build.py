@@ -260,8 +260,9 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     for name in candidates:
         try:
             model, _, _ = ctx.variant(name).get()
-            with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider=ctx.options.provider,
-                             threads=physical_cores()) as session:
+            with OnnxRuntime(
+                model, spec.inputs, spec.outputs, spec.dims, provider=ctx.options.provider, threads=physical_cores()
+            ) as session:
                 comparisons = compare_outputs(expected, session.run(feeds), tolerances)
                 stats = measure(session.prepare(feeds), budget_s=0.3, warmup=3)
         except AttnExportError as e:

@@ -75,18 +75,33 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
 @cli.command()
 @click.argument("names", nargs=-1)
 @models_option
-@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=Path("build"),
-              show_default=True, help="Output folder for .onnx files, golden vectors and manifest.json.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("build"),
+    show_default=True,
+    help="Output folder for .onnx files, golden vectors and manifest.json.",
+)
 @click.option("--opset", type=click.IntRange(7, 30), help="Override every spec's opset.")
 @click.option("--exporter", type=click.Choice(["dynamo", "torchscript"]), help="Override every spec's exporter.")
 @click.option("--force", is_flag=True, help="Rebuild models even when nothing changed.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first model that fails.")
-@click.option("--variant", "variants", multiple=True,
-              type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
-              help="Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
-                   "at the spec's typical shape and keeps the fastest within tolerance.")
-@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Provider that ort-optimized optimizes for and auto times on.")
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
+    help="Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
+    "at the spec's typical shape and keeps the fastest within tolerance.",
+)
+@click.option(
+    "--provider",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Provider that ort-optimized optimizes for and auto times on.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -134,8 +149,13 @@ def build(
 
 @cli.command("inspect")
 @click.argument("file", type=click.Path(path_type=Path))
-@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="Check that every op has a kernel on this ONNX Runtime provider.")
+@click.option(
+    "--provider",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Check that every op has a kernel on this ONNX Runtime provider.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     """Describe any ONNX file: IR version, opsets, producer, metadata, inputs and outputs
@@ -167,27 +187,61 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option("--provider", "providers", multiple=True, type=click.Choice(["cpu", "cuda", "all"]),
-              help="ONNX Runtime execution provider (repeatable; 'all' = every one installed). Default: cpu.")
-@click.option("--runtime", "runtimes", multiple=True, type=click.Choice(["onnxruntime", "onnx-reference"]),
-              help="Runtime to check (repeatable). onnx-reference runs onnx.reference at small shapes.")
+@click.option(
+    "--provider",
+    "providers",
+    multiple=True,
+    type=click.Choice(["cpu", "cuda", "all"]),
+    help="ONNX Runtime execution provider (repeatable; 'all' = every one installed). Default: cpu.",
+)
+@click.option(
+    "--runtime",
+    "runtimes",
+    multiple=True,
+    type=click.Choice(["onnxruntime", "onnx-reference"]),
+    help="Runtime to check (repeatable). onnx-reference runs onnx.reference at small shapes.",
+)
 @click.option("--golden", is_flag=True, help="Compare with the recorded golden vectors; needs no torch.")
-@click.option("--shapes", help='Shape points instead of the sweep, e.g. "batch=1,seq=3,kv_seq=9;batch=2,seq=5,kv_seq=7".')
-@click.option("--random", "n_random", type=click.IntRange(0, 100), default=2, show_default=True,
-              help="Seeded random shape points added to the sweep.")
+@click.option(
+    "--shapes", help='Shape points instead of the sweep, e.g. "batch=1,seq=3,kv_seq=9;batch=2,seq=5,kv_seq=7".'
+)
+@click.option(
+    "--random",
+    "n_random",
+    type=click.IntRange(0, 100),
+    default=2,
+    show_default=True,
+    help="Seeded random shape points added to the sweep.",
+)
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
 @click.option("--atol", type=click.FloatRange(0), help="Override every output's absolute tolerance.")
 @click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
-@click.option("--threads", type=click.IntRange(1), help="Threads for both PyTorch and ONNX Runtime. Default: physical cores.")
+@click.option(
+    "--threads", type=click.IntRange(1), help="Threads for both PyTorch and ONNX Runtime. Default: physical cores."
+)
 @click.option("--no-latency", is_flag=True, help="Skip timing.")
-@click.option("--latency-budget", type=click.FloatRange(0.001), default=0.05, show_default=True,
-              help="Seconds of timed repeats per side and shape.")
-@click.option("--max-slowdown", type=click.FloatRange(0, min_open=True),
-              help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the JSON report here.")
+@click.option(
+    "--latency-budget",
+    type=click.FloatRange(0.001),
+    default=0.05,
+    show_default=True,
+    help="Seconds of timed repeats per side and shape.",
+)
+@click.option(
+    "--max-slowdown",
+    type=click.FloatRange(0, min_open=True),
+    help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
+)
+@click.option(
+    "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the JSON report here."
+)
 @click.option("--junit", "junit_path", type=click.Path(path_type=Path, dir_okay=False), help="Write JUnit XML here.")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="Write a Markdown report here (also appended to $GITHUB_STEP_SUMMARY when set).")
+@click.option(
+    "--markdown",
+    "markdown_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write a Markdown report here (also appended to $GITHUB_STEP_SUMMARY when set).",
+)
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
     paths: tuple[Path, ...],
@@ -309,23 +363,50 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @cli.command()
 @click.argument("names", nargs=-1)
 @models_option
-@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False), default=Path("build"),
-              show_default=True, help="Build folder; missing variants are built into it first.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("build"),
+    show_default=True,
+    help="Build folder; missing variants are built into it first.",
+)
 @click.option("--batch", "batches", default="1", show_default=True, callback=_int_list, help="Batch sizes, e.g. 1,8.")
-@click.option("--seq", "seqs", default="64,128,...,512", show_default=True, callback=_int_list,
-              help="Sequence lengths (every non-batch dim), e.g. 128,512 or 64,128,...,2048.")
-@click.option("--variant", "variants", multiple=True,
-              type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
-              help="ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.")
+@click.option(
+    "--seq",
+    "seqs",
+    default="64,128,...,512",
+    show_default=True,
+    callback=_int_list,
+    help="Sequence lengths (every non-batch dim), e.g. 128,512 or 64,128,...,2048.",
+)
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
+    help="ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.",
+)
 @click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(1), help="Threads for every runner. Default: physical cores.")
-@click.option("--budget", type=click.FloatRange(0.01), default=0.2, show_default=True,
-              help="Seconds of timed repeats per runner and shape.")
+@click.option(
+    "--budget",
+    type=click.FloatRange(0.01),
+    default=0.2,
+    show_default=True,
+    help="Seconds of timed repeats per runner and shape.",
+)
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
-@click.option("--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Markdown table.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path, dir_okay=False),
-              help="Draw latency against sequence length to this PNG (needs matplotlib).")
+@click.option(
+    "--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Markdown table."
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Draw latency against sequence length to this PNG (needs matplotlib).",
+)
 def bench(
     names: tuple[str, ...],
     models_dir: Path,
@@ -378,8 +459,13 @@ def bench(
         sys.exit(built.exit_code)
     options = BenchOptions(batches, seqs, variants, provider, threads or physical_cores(), budget, not no_memory)
     click.echo(BENCH_HEADER)
-    report = run_bench(out_dir, load_manifest(out_dir), [load_spec(p) for p in paths], options,
-                       on_row=lambda row: click.echo(format_bench_row(row)))
+    report = run_bench(
+        out_dir,
+        load_manifest(out_dir),
+        [load_spec(p) for p in paths],
+        options,
+        on_row=lambda row: click.echo(format_bench_row(row)),
+    )
     click.echo(format_bench_summary(report))
     if json_path:
         atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())

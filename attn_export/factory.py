@@ -28,9 +28,7 @@ def resolve_factory(spec: ModelSpec) -> Any:
     except ModuleNotFoundError as e:
         raise SpecError(f"{spec.name}: cannot import module '{module_name}': {e}") from e
     except Exception as e:  # a user module may raise anything at import
-        raise SpecError(
-            f"{spec.name}: importing '{module_name}' raised {type(e).__name__}: {e}"
-        ) from e
+        raise SpecError(f"{spec.name}: importing '{module_name}' raised {type(e).__name__}: {e}") from e
     finally:
         if added:
             sys.path.remove(spec.search_path)  # type: ignore[arg-type]
@@ -93,9 +91,7 @@ def instantiate(spec: ModelSpec) -> Any:
         except TypeError as e:
             raise SpecError(f"{spec.name}: kwargs {spec.kwargs} do not fit {spec.module}: {e}") from e
         except Exception as e:
-            raise SpecError(
-                f"{spec.name}: constructing {spec.module} raised {type(e).__name__}: {e}"
-            ) from e
+            raise SpecError(f"{spec.name}: constructing {spec.module} raised {type(e).__name__}: {e}") from e
     if not isinstance(module, torch.nn.Module):
         raise SpecError(f"{spec.name}: {spec.module} did not return a torch.nn.Module")
     if spec.weights.path is not None:

@@ -38,9 +38,7 @@ def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ..
     shapes: dict[str, tuple[int | str | None, ...]] = {}
     for vi in list(proto.graph.input) + list(proto.graph.output):
         dims = vi.type.tensor_type.shape.dim
-        shapes[vi.name] = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims
-        )
+        shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims)
     return shapes
 
 
@@ -56,9 +54,7 @@ def check_dynamic_axes(
     if declared_in != [t.name for t in inputs]:
         raise GraphCheckError(f"{name}: graph inputs {declared_in} != spec inputs {[t.name for t in inputs]}")
     if declared_out != [t.name for t in outputs]:
-        raise GraphCheckError(
-            f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}"
-        )
+        raise GraphCheckError(f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}")
     shapes = graph_shapes(proto)
     symbol_of: dict[str, str] = {}
     dims_of_symbol: dict[str, str] = {}

@@ -85,8 +85,7 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
     ]
     rng = random.Random(seed)
     candidates += [
-        ShapePoint(f"random-{i}", {k: rng.randint(r.min, r.max) for k, r in dims.items()})
-        for i in range(n_random)
+        ShapePoint(f"random-{i}", {k: rng.randint(r.min, r.max) for k, r in dims.items()}) for i in range(n_random)
     ]
     points: list[ShapePoint] = []
     seen: set[tuple[int, ...]] = set()

@@ -39,8 +39,19 @@ MODES = ("eval", "train")
 MAX_DIM = 1 << 20
 
 _TOP_KEYS = {
-    "description", "module", "kwargs", "inputs", "outputs", "dims",
-    "opset", "exporter", "mode", "weights", "tolerance", "variants", "typical",
+    "description",
+    "module",
+    "kwargs",
+    "inputs",
+    "outputs",
+    "dims",
+    "opset",
+    "exporter",
+    "mode",
+    "weights",
+    "tolerance",
+    "variants",
+    "typical",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
@@ -240,9 +251,7 @@ def _tensor(where: _Where, raw: Any, context: str, is_input: bool) -> TensorSpec
         ok_static = isinstance(dim, int) and not isinstance(dim, bool) and 0 < dim <= MAX_DIM
         ok_symbolic = isinstance(dim, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", dim)
         if not (ok_static or ok_symbolic):
-            raise where.error(
-                f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape"
-            )
+            raise where.error(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
     mask = raw.get("mask")
     if mask is not None:
         if mask not in MASK_KINDS:
@@ -435,7 +444,5 @@ def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
     by_name = {p.stem: p for p in paths}
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise SpecError(
-            f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})"
-        )
+        raise SpecError(f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})")
     return [by_name[n] for n in dict.fromkeys(names)]

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 from attn_export.artifacts import read_golden, sha256_file
 from attn_export.bench.timing import LatencyStats, measure
@@ -172,16 +171,16 @@ class VerifyReport:
 
     def reproduce(self, case: CaseResult) -> str:
         """The one command that reruns exactly this case."""
-        runtime = "--runtime onnx-reference" if case.runtime == "onnx-reference" else (
-            f"--provider {case.runtime.split('[')[1].rstrip(']')}"
+        runtime = (
+            "--runtime onnx-reference"
+            if case.runtime == "onnx-reference"
+            else (f"--provider {case.runtime.split('[')[1].rstrip(']')}")
         )
         file = shlex.quote(str(Path(self.artifacts) / next(c.file for c in self.checks if c.model == case.model)))
         if case.expected_from == "golden":
             return f"attn-export verify {file} {runtime} --golden --no-latency"
         shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
-        return (
-            f"attn-export verify {file} {runtime} --shapes {shlex.quote(shape)} --seed {case.seed} --no-latency"
-        )
+        return f"attn-export verify {file} {runtime} --shapes {shlex.quote(shape)} --seed {case.seed} --no-latency"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -294,12 +293,8 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
 
 
 def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
-    if options.shapes:
-        points = []
-        for i, sizes in enumerate(options.shapes):
-            validate_sizes(spec, sizes)
-            points.append(ShapePoint(f"shape-{i}", {k: int(sizes[k]) for k in spec.dims}))
-        return points
+    if options.shapes:  # validated by verify_artifacts before any work
+        return [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
     return sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
 
 
@@ -339,7 +334,6 @@ def _torch_expected(torch_rt: Runtime, spec: ModelSpec, points: list[ShapePoint]
 
 def _run_target(
     entry: ManifestEntry,
-    spec: ModelSpec,
     target: Runtime,
     expected: _Expected,
     tolerances: dict[str, Tolerance],
@@ -449,10 +443,10 @@ def _verify_model(
         expected = _golden_expected(out_dir, entry, spec)
         for provider in options.providers:
             target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
-            cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+            cases += _run_target(entry, target, expected, tolerances, None, options)
         if options.reference:
             target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
-            cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+            cases += _run_target(entry, target, expected, tolerances, None, options)
         return cases
 
     from attn_export.factory import instantiate
@@ -461,13 +455,15 @@ def _verify_model(
     module = instantiate(spec)
     for provider in options.providers:
         device = torch_device_for(provider)
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=options.threads) as eager:
+        with TorchRuntime(
+            module, spec.inputs, spec.outputs, spec.dims, device=device, threads=options.threads
+        ) as eager:
             expected = _torch_expected(eager, spec, _points(spec, options, None), options.seed)
             target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
-            cases += _run_target(entry, spec, target, expected, tolerances, eager, options)
+            cases += _run_target(entry, target, expected, tolerances, eager, options)
     if options.reference:
         with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
             expected = _torch_expected(eager, spec, _points(spec, options, REFERENCE_CAP), options.seed)
         target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
-        cases += _run_target(entry, spec, target, expected, tolerances, None, options)
+        cases += _run_target(entry, target, expected, tolerances, None, options)
     return cases

@@ -40,8 +40,10 @@ def _profile(model: Path, seq: int, threads: int) -> dict[str, float]:
         options.profile_file_prefix = str(Path(tmp) / "profile")
         options.intra_op_num_threads = threads
         session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
-        feeds = {i.name: np.random.default_rng(0).standard_normal((1, seq, 512)).astype(np.float32)
-                 for i in session.get_inputs()}
+        feeds = {
+            i.name: np.random.default_rng(0).standard_normal((1, seq, 512)).astype(np.float32)
+            for i in session.get_inputs()
+        }
         for _ in range(10):
             session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
@@ -75,7 +77,9 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     threads = physical_cores()
     report = run_bench(
-        args.out, load_manifest(args.out), [load_spec(spec_path)],
+        args.out,
+        load_manifest(args.out),
+        [load_spec(spec_path)],
         BenchOptions([1], [128, 512, 2048], variants, "cpu", threads, args.budget),
     )
 
@@ -91,8 +95,10 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "attn_export", *cmd], cwd=ROOT, check=True, capture_output=True)
             timings[label] = time.perf_counter() - start
 
-    print(f"Measured {datetime.date.today().isoformat()} on {report.machine}, {threads} threads, "
-          f"with `python benchmarks/perf_table.py` ({', '.join(f'{k} {v}' for k, v in report.versions.items())}).\n")
+    print(
+        f"Measured {datetime.date.today().isoformat()} on {report.machine}, {threads} threads, "
+        f"with `python benchmarks/perf_table.py` ({', '.join(f'{k} {v}' for k, v in report.versions.items())}).\n"
+    )
     print(markdown_bench_table(report))
     print(format_bench_summary(report))
     eager = {s: _row(report, "torch-eager", s).latency.p50_ms for s in (128, 512, 2048)}
@@ -103,15 +109,22 @@ def main() -> None:
     best_2048 = max(_row(report, r, 2048).gflops for r in ("ort:fp32", "ort:ort-fused"))
     targets = [
         ("fp32 <= 0.45x eager at seq 512", f"{fp32[512] / eager[512]:.2f}x (ort-fused {fused[512] / eager[512]:.2f}x)"),
-        ("fp32 <= 0.45x eager at seq 2048", f"{fp32[2048] / eager[2048]:.2f}x (ort-fused {fused[2048] / eager[2048]:.2f}x)"),
+        (
+            "fp32 <= 0.45x eager at seq 2048",
+            f"{fp32[2048] / eager[2048]:.2f}x (ort-fused {fused[2048] / eager[2048]:.2f}x)",
+        ),
         ("fp32 <= 0.9x eager at seq 128", f"{fp32[128] / eager[128]:.2f}x"),
-        (">= 90% of GEMM peak at (1, 2048)",
-         f"{100 * best_2048 / peak:.0f}% of the best GEMM ({peak:.0f} GFLOP/s), "
-         f"{100 * best_2048 / ort_peak:.0f}% of ONNX Runtime's own GEMM ({ort_peak:.0f})"),
+        (
+            ">= 90% of GEMM peak at (1, 2048)",
+            f"{100 * best_2048 / peak:.0f}% of the best GEMM ({peak:.0f} GFLOP/s), "
+            f"{100 * best_2048 / ort_peak:.0f}% of ONNX Runtime's own GEMM ({ort_peak:.0f})",
+        ),
         ("int8 >= 1.6x fp32 at seq 512", f"{fp32[512] / int8:.2f}x"),
         ("bench model build (3 variants)", f"{build_s:.1f} s"),
-        *((f"zoo {k} (<= {'30' if 'cold' in k else '2' if 'unchanged' in k else '60'} s)", f"{v:.1f} s")
-          for k, v in timings.items()),
+        *(
+            (f"zoo {k} (<= {'30' if 'cold' in k else '2' if 'unchanged' in k else '60'} s)", f"{v:.1f} s")
+            for k, v in timings.items()
+        ),
     ]
     print("\n| target | measured |\n|---|---|")
     for name, value in targets:

@@ -19,12 +19,34 @@ from tests.conftest import tiny_spec
 def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     folder = tmp_path_factory.mktemp("bench")
     tiny_spec(folder / "models")
-    result = CliRunner().invoke(cli, [
-        "bench", "--models", str(folder / "models"), "--out", str(folder / "out"),
-        "--batch", "1,2", "--seq", "4,8,...,32", "--variant", "fp32", "--variant", "int8",
-        "--budget", "0.01", "--threads", "1", "--json", str(folder / "bench.json"),
-        "--markdown", str(folder / "bench.md"), "--plot", str(folder / "latency.png"),
-    ])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "bench",
+            "--models",
+            str(folder / "models"),
+            "--out",
+            str(folder / "out"),
+            "--batch",
+            "1,2",
+            "--seq",
+            "4,8,...,32",
+            "--variant",
+            "fp32",
+            "--variant",
+            "int8",
+            "--budget",
+            "0.01",
+            "--threads",
+            "1",
+            "--json",
+            str(folder / "bench.json"),
+            "--markdown",
+            str(folder / "bench.md"),
+            "--plot",
+            str(folder / "latency.png"),
+        ],
+    )
     return folder, result
 
 
@@ -82,10 +104,13 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("64,x", "'64,x' is not a list of sizes like 1,8 or 64,128,...,2048"),
-    ("0,4", "'0,4': sizes must be positive integers"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("64,x", "'64,x' is not a list of sizes like 1,8 or 64,128,...,2048"),
+        ("0,4", "'0,4': sizes must be positive integers"),
+    ],
+)
 def test_bench_bad_size_lists(value: str, message: str) -> None:
     result = CliRunner().invoke(cli, ["bench", "--seq", value])
     assert result.exit_code == 2 and message in result.output

@@ -154,7 +154,8 @@ def test_crash_while_writing_leaves_previous_artifacts_intact(tmp_path: Path, mo
 def test_user_module_outside_the_package_builds(tmp_path: Path) -> None:
     models = tmp_path / "user_models"
     models.mkdir()
-    (models / "my_attention.py").write_text(textwrap.dedent('''
+    (models / "my_attention.py").write_text(
+        textwrap.dedent("""
         import torch
         import torch.nn as nn
 
@@ -167,8 +168,12 @@ def test_user_module_outside_the_package_builds(tmp_path: Path) -> None:
             def forward(self, x, memory):
                 scores = self.proj(x) @ memory.transpose(-2, -1) / self.temperature
                 return torch.softmax(scores, dim=-1) @ memory
-    '''))
-    path = write_spec(models, "user", '''
+    """)
+    )
+    path = write_spec(
+        models,
+        "user",
+        """
         module = "my_attention:TemperatureAttention"
         kwargs = { dim = 8, temperature = 3.0 }
         [[inputs]]
@@ -184,7 +189,8 @@ def test_user_module_outside_the_package_builds(tmp_path: Path) -> None:
         batch = { min = 1, max = 4 }
         seq = { min = 1, max = 16 }
         mem = { min = 1, max = 32 }
-    ''')
+    """,
+    )
     summary = _build([path], tmp_path / "out")
     assert summary.results[0].status == "built", summary.results[0].error
     assert load_manifest(tmp_path / "out").models["user"].spec["module"] == "my_attention:TemperatureAttention"
@@ -207,9 +213,11 @@ def test_one_failing_model_does_not_stop_the_others(tmp_path: Path) -> None:
 
 def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
     path = tiny_spec(tmp_path / "models", exporter="torchscript")
-    path.write_text(path.read_text().replace(
-        "attn_export.reference.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention"
-    ))
+    path.write_text(
+        path.read_text().replace(
+            "attn_export.reference.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention"
+        )
+    )
     summary = _build([path], tmp_path / "out")
     r = summary.results[0]
     assert r.stages["smoke"] is False and summary.exit_code == 1

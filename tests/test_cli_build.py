@@ -52,8 +52,18 @@ def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
 def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
     tiny_spec(tmp_path / "models")
     out = tmp_path / "out"
-    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(out),
-                    "--opset", "17", "--exporter", "torchscript", "--json")
+    result = invoke(
+        "build",
+        "--models",
+        str(tmp_path / "models"),
+        "--out",
+        str(out),
+        "--opset",
+        "17",
+        "--exporter",
+        "torchscript",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())["models"]["tiny"]
     assert (manifest["opset"], manifest["exporter"]) == (17, "torchscript")
@@ -61,15 +71,31 @@ def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
 
 BAD_SPECS = [
     ("toml", lambda t: t.replace('name = "query"', 'name = "query'), "[spec] {p}: invalid TOML: "),
-    ("unknown_key", lambda t: "colour = 1\n" + t, "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: description, dims,"),
-    ("unknown_module", lambda t: t.replace("attn_export.reference.seed:", "no_such_pkg.attn:"),
-     "tiny: cannot import module 'no_such_pkg.attn': No module named 'no_such_pkg'"),
-    ("unknown_class", lambda t: t.replace("seed:MultiHeadAttention", "seed:Nope"),
-     "tiny: module 'attn_export.reference.seed' has no attribute 'Nope'"),
-    ("bad_kwargs", lambda t: t.replace("num_heads = 2", "heads = 2"),
-     "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.reference.seed:MultiHeadAttention"),
-    ("min_gt_max", lambda t: t.replace("min = 1, max = 24", "min = 30, max = 24"),
-     "[spec] {p}:21: dim 'seq': min 30 is greater than max 24"),
+    (
+        "unknown_key",
+        lambda t: "colour = 1\n" + t,
+        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: description, dims,",
+    ),
+    (
+        "unknown_module",
+        lambda t: t.replace("attn_export.reference.seed:", "no_such_pkg.attn:"),
+        "tiny: cannot import module 'no_such_pkg.attn': No module named 'no_such_pkg'",
+    ),
+    (
+        "unknown_class",
+        lambda t: t.replace("seed:MultiHeadAttention", "seed:Nope"),
+        "tiny: module 'attn_export.reference.seed' has no attribute 'Nope'",
+    ),
+    (
+        "bad_kwargs",
+        lambda t: t.replace("num_heads = 2", "heads = 2"),
+        "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.reference.seed:MultiHeadAttention",
+    ),
+    (
+        "min_gt_max",
+        lambda t: t.replace("min = 1, max = 24", "min = 30, max = 24"),
+        "[spec] {p}:21: dim 'seq': min 30 is greater than max 24",
+    ),
 ]
 
 

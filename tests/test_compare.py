@@ -66,8 +66,9 @@ def test_round_trips_through_dict() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    expected=hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=4, max_side=6),
-                        elements=st.floats(-1e3, 1e3, width=32)),
+    expected=hnp.arrays(
+        np.float32, hnp.array_shapes(min_dims=1, max_dims=4, max_side=6), elements=st.floats(-1e3, 1e3, width=32)
+    ),
     noise=st.floats(0, 1e-2),
     atol=st.floats(0, 1e-2),
     rtol=st.floats(0, 1e-2),

@@ -34,8 +34,18 @@ def test_cuda_session_really_runs_on_cuda_and_matches_cpu(zoo_dir: Path) -> None
 
 
 def test_verify_on_cuda_with_latency(zoo_dir: Path) -> None:
-    result = CliRunner().invoke(cli, ["verify", str(zoo_dir / "sdpa.onnx"), str(zoo_dir / "mha_cross.onnx"),
-                                      "--provider", "cuda", "--latency-budget", "0.02"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "verify",
+            str(zoo_dir / "sdpa.onnx"),
+            str(zoo_dir / "mha_cross.onnx"),
+            "--provider",
+            "cuda",
+            "--latency-budget",
+            "0.02",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "onnxruntime[cuda]" in result.output
 

@@ -38,14 +38,17 @@ def _error_line(result) -> str:
 
 # -- files that are not (runnable) ONNX models ------------------------------------------------
 
+
 def _bad_files(tmp_path: Path, zoo_dir: Path) -> dict[str, tuple[Path, str]]:
     good = (zoo_dir / "mha.onnx").read_bytes()
     files = {
         "empty": (b"", "empty file, not an ONNX model"),
         "truncated": (good[: len(good) // 3], "not an ONNX model (does not parse as a ModelProto"),
         "random": (np.random.default_rng(0).bytes(4096), "not an ONNX model (does not parse as a ModelProto"),
-        "not_a_model": (helper.make_graph([], "g", [], []).SerializeToString(),
-                        "a protobuf, but not an ONNX model (no IR version, graph or opset)"),
+        "not_a_model": (
+            helper.make_graph([], "g", [], []).SerializeToString(),
+            "a protobuf, but not an ONNX model (no IR version, graph or opset)",
+        ),
     }
     out = {}
     for name, (data, message) in files.items():
@@ -65,7 +68,9 @@ def test_inspect_refuses_broken_files(tmp_path: Path, zoo_dir: Path, case: str) 
     path, message = _bad_files(tmp_path, zoo_dir)[case]
     result = invoke("inspect", str(path))
     assert result.exit_code == 2
-    assert _error_line(result) == f"Error: {path}: {message}" or _error_line(result).startswith(f"Error: {path}: {message}")
+    assert _error_line(result) == f"Error: {path}: {message}" or _error_line(result).startswith(
+        f"Error: {path}: {message}"
+    )
 
 
 @pytest.mark.parametrize("case", ["empty", "truncated", "random", "not_a_model", "future_opset"])
@@ -86,7 +91,8 @@ def _external_model(folder: Path, location: str) -> Path:
     for k, v in (("location", location), ("offset", "0"), ("length", "16")):
         weight.external_data.add(key=k, value=v)
     graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
         initializer=[weight],
@@ -116,6 +122,7 @@ def test_external_data_outside_the_folder_is_refused(tmp_path: Path, location: s
 
 # -- weights -----------------------------------------------------------------------------------
 
+
 class _Evil:
     def __reduce__(self):  # runs os.system at unpickling time
         return (os.system, (f"touch {self.marker}",))
@@ -137,11 +144,17 @@ def test_pickle_carrying_code_is_refused_and_never_run(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.parametrize(("edit", "message"), [
-    (lambda sd: sd.pop("out_linear.bias"), "missing out_linear.bias"),
-    (lambda sd: sd.__setitem__("extra.weight", torch.zeros(1)), "unexpected extra.weight"),
-    (lambda sd: sd.__setitem__("q_linear.weight", torch.zeros(3, 3)), "wrong shape q_linear.weight (3, 3) != (16, 16)"),
-])
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda sd: sd.pop("out_linear.bias"), "missing out_linear.bias"),
+        (lambda sd: sd.__setitem__("extra.weight", torch.zeros(1)), "unexpected extra.weight"),
+        (
+            lambda sd: sd.__setitem__("q_linear.weight", torch.zeros(3, 3)),
+            "wrong shape q_linear.weight (3, 3) != (16, 16)",
+        ),
+    ],
+)
 def test_state_dict_that_does_not_fit_is_refused(tmp_path: Path, edit, message: str) -> None:
     from attn_export.reference import MultiHeadAttention
 
@@ -170,6 +183,7 @@ def test_state_dict_weights_are_used(tmp_path: Path) -> None:
 
 # -- feeds -------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def sdpa_runtime(zoo_dir: Path):
     entry = load_manifest(zoo_dir).models["sdpa"]
@@ -189,16 +203,22 @@ def _feeds(**override: np.ndarray) -> dict[str, np.ndarray]:
     return feeds
 
 
-@pytest.mark.parametrize(("feeds", "message"), [
-    ({**_feeds(), "query": _feeds()["q"]}, "feeds do not match the inputs ['q', 'k', 'v']: unexpected ['query']"),
-    ({k: v for k, v in _feeds().items() if k != "v"}, "feeds do not match the inputs ['q', 'k', 'v']: missing ['v']"),
-    (_feeds(q=np.zeros((2, 3, 64), np.float64)), "input 'q' has dtype float64, expected float32"),
-    (_feeds(q=np.zeros((2, 3), np.float32)), "input 'q' has rank 2, expected 3 ['batch', 'seq', 64]"),
-    (_feeds(q=np.full((2, 3, 64), np.nan, np.float32)), "input 'q' holds NaN or Inf"),
-    (_feeds(k=np.full((2, 5, 64), np.inf, np.float32)), "input 'k' holds NaN or Inf"),
-    (_feeds(v=np.zeros((2, 6, 96), np.float32)), "dim 'kv_seq' has two sizes: 5 and 6 (input 'v', axis 1)"),
-    (_feeds(q=np.zeros((2, 3, 63), np.float32)), "input 'q' axis 2 is 63, expected 64"),
-])
+@pytest.mark.parametrize(
+    ("feeds", "message"),
+    [
+        ({**_feeds(), "query": _feeds()["q"]}, "feeds do not match the inputs ['q', 'k', 'v']: unexpected ['query']"),
+        (
+            {k: v for k, v in _feeds().items() if k != "v"},
+            "feeds do not match the inputs ['q', 'k', 'v']: missing ['v']",
+        ),
+        (_feeds(q=np.zeros((2, 3, 64), np.float64)), "input 'q' has dtype float64, expected float32"),
+        (_feeds(q=np.zeros((2, 3), np.float32)), "input 'q' has rank 2, expected 3 ['batch', 'seq', 64]"),
+        (_feeds(q=np.full((2, 3, 64), np.nan, np.float32)), "input 'q' holds NaN or Inf"),
+        (_feeds(k=np.full((2, 5, 64), np.inf, np.float32)), "input 'k' holds NaN or Inf"),
+        (_feeds(v=np.zeros((2, 6, 96), np.float32)), "dim 'kv_seq' has two sizes: 5 and 6 (input 'v', axis 1)"),
+        (_feeds(q=np.zeros((2, 3, 63), np.float32)), "input 'q' axis 2 is 63, expected 64"),
+    ],
+)
 def test_bad_feeds_are_refused(sdpa_runtime, feeds, message: str) -> None:
     with pytest.raises(InputError) as info:
         sdpa_runtime.run(feeds)
@@ -212,6 +232,7 @@ def test_dim_far_above_its_range_is_refused_before_allocating(zoo_dir: Path) -> 
 
 
 # -- manifests and golden files ----------------------------------------------------------------
+
 
 def test_manifest_that_is_not_json(zoo_copy: Path) -> None:
     (zoo_copy / "manifest.json").write_text("{not json")
@@ -233,12 +254,15 @@ def test_manifest_naming_a_file_outside_its_folder(zoo_copy: Path) -> None:
     (zoo_copy / "manifest.json").write_text(json.dumps(doc))
     result = invoke("verify", str(zoo_copy))
     assert result.exit_code == 2
-    assert _error_line(result) == f"Error: {zoo_copy / 'manifest.json'}: entry 'mha' names a file outside the output directory"
+    assert (
+        _error_line(result)
+        == f"Error: {zoo_copy / 'manifest.json'}: entry 'mha' names a file outside the output directory"
+    )
 
 
 def _rewrite_golden(folder: Path, name: str, change) -> None:
-    from tests.conftest import plant  # noqa: F401  (same idea as plant, for the golden file)
     from attn_export.artifacts import sha256_file
+    from tests.conftest import plant  # noqa: F401  (same idea as plant, for the golden file)
 
     path = folder / f"{name}.golden.npz"
     with np.load(path) as npz:
@@ -250,12 +274,17 @@ def _rewrite_golden(folder: Path, name: str, change) -> None:
     (folder / "manifest.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda a: a.pop("min/inputs/k"), "case 'min' has inputs ['q', 'v'], expected ['k', 'q', 'v']"),
-    (lambda a: a.__setitem__("min/inputs/q", a["min/inputs/q"].astype(np.float64)),
-     "case 'min' input 'q' has dtype float64, expected float32"),
-    (lambda a: a.__setitem__("min/whatever/q", np.zeros(1)), "unexpected entry 'min/whatever/q' in golden file"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.pop("min/inputs/k"), "case 'min' has inputs ['q', 'v'], expected ['k', 'q', 'v']"),
+        (
+            lambda a: a.__setitem__("min/inputs/q", a["min/inputs/q"].astype(np.float64)),
+            "case 'min' input 'q' has dtype float64, expected float32",
+        ),
+        (lambda a: a.__setitem__("min/whatever/q", np.zeros(1)), "unexpected entry 'min/whatever/q' in golden file"),
+    ],
+)
 def test_golden_file_with_wrong_keys_or_dtypes(zoo_copy: Path, change, message: str) -> None:
     _rewrite_golden(zoo_copy, "sdpa", change)
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
@@ -275,6 +304,7 @@ def test_golden_file_that_is_not_npz(zoo_copy: Path) -> None:
 
 
 # -- output folder problems --------------------------------------------------------------------
+
 
 def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     models = tmp_path / "models"

@@ -47,7 +47,8 @@ def _foreign_model(tmp_path: Path, op: str = "Relu", domain: str = "") -> Path:
         weight.external_data.add(key=k, value=v)
     nodes = [helper.make_node("Add", ["x", "w"], ["h"]), helper.make_node(op, ["h"], ["y"], domain=domain)]
     graph = helper.make_graph(
-        nodes, "foreign",
+        nodes,
+        "foreign",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", None, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", None, 4])],
         initializer=[weight],

@@ -37,10 +37,21 @@ def reports(failing_zoo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     paths = {k: folder / f"report.{k}" for k in ("json", "xml", "md")}
     summary = folder / "step_summary.md"
     summary.write_text("earlier step\n")
-    result = CliRunner(env={"GITHUB_STEP_SUMMARY": str(summary)}).invoke(cli, [
-        "verify", str(failing_zoo), "--latency-budget", "0.002",
-        "--json", str(paths["json"]), "--junit", str(paths["xml"]), "--markdown", str(paths["md"]),
-    ])
+    result = CliRunner(env={"GITHUB_STEP_SUMMARY": str(summary)}).invoke(
+        cli,
+        [
+            "verify",
+            str(failing_zoo),
+            "--latency-budget",
+            "0.002",
+            "--json",
+            str(paths["json"]),
+            "--junit",
+            str(paths["xml"]),
+            "--markdown",
+            str(paths["md"]),
+        ],
+    )
     assert result.exit_code == 1, result.output
     paths["summary"] = summary
     return paths
@@ -52,21 +63,32 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     assert dump_json_report(report) == text
     doc = json.loads(text)
     assert doc["passed"] is False
-    assert doc["summary"] == {"models": 6, "cases": 42, "failed_cases": 5, "failed_checks": 0}  # kv_seq=1 hides a wrong scale
+    assert doc["summary"] == {
+        "models": 6,
+        "cases": 42,
+        "failed_cases": 5,
+        "failed_checks": 0,
+    }  # kv_seq=1 hides a wrong scale
     failing = [c for c in doc["cases"] if not c["passed"]]
     assert {c["model"] for c in failing} == {"sdpa"}
     assert failing[0]["reproduce"].startswith("attn-export verify ")
 
 
 def test_json_report_is_strict_json_even_with_nan(tmp_path: Path, zoo_dir: Path) -> None:
+    import numpy as np
+
     from attn_export.compare import compare_output
     from attn_export.spec import Tolerance
     from attn_export.verify import CaseResult, ModelCheck, VerifyReport
-    import numpy as np
 
     nan_case = compare_output("o", np.zeros(2, np.float32), np.array([0, np.nan], np.float32), Tolerance(0, 0))
-    report = VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")],
-                          [CaseResult("m", "onnxruntime[cpu]", "min", {"seq": 1}, 0, "golden", [nan_case])])
+    report = VerifyReport(
+        "out",
+        0,
+        {},
+        [ModelCheck("m", "m.onnx")],
+        [CaseResult("m", "onnxruntime[cpu]", "min", {"seq": 1}, 0, "golden", [nan_case])],
+    )
     text = dump_json_report(report)
     assert "NaN" not in text and "Infinity" not in text
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -79,7 +101,14 @@ def test_junit_counts_the_right_failures(reports: dict[str, Path]) -> None:
     assert suite is not None
     assert (suite.get("tests"), suite.get("failures")) == ("6", "1")
     cases = suite.findall("testcase")
-    assert {c.get("classname") for c in cases} == {"sdpa", "sdpa_masked", "mha", "mha_cross", "mha_causal", "mha_attention_op"}
+    assert {c.get("classname") for c in cases} == {
+        "sdpa",
+        "sdpa_masked",
+        "mha",
+        "mha_cross",
+        "mha_causal",
+        "mha_attention_op",
+    }
     failed = [c for c in cases if c.find("failure") is not None]
     assert [(c.get("classname"), c.get("name")) for c in failed] == [("sdpa", "onnxruntime[cpu]")]
     failure = failed[0].find("failure")
@@ -91,7 +120,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
     lines = md.splitlines()
     assert lines[0] == "### attn-export verify: ❌ failed"
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
-    rows = [line for line in lines[header + 2:] if line.startswith("| ")]
+    rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
     assert len(rows) == 42 and all(row.count("|") == 10 for row in rows)
     assert sum("**FAIL**" in row for row in rows) == 5
     assert "#### Failures" in md
@@ -118,9 +147,22 @@ main(sys.argv[1:])
 
 def test_golden_mode_runs_without_torch(zoo_dir: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, "verify", str(zoo_dir), "--golden", "--no-latency",
-         "--runtime", "onnxruntime", "--runtime", "onnx-reference"],
-        capture_output=True, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-c",
+            TORCH_FREE,
+            "verify",
+            str(zoo_dir),
+            "--golden",
+            "--no-latency",
+            "--runtime",
+            "onnxruntime",
+            "--runtime",
+            "onnx-reference",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr + done.stdout
     assert "verify PASSED" in done.stdout and "Traceback" not in done.stderr
@@ -131,12 +173,13 @@ def test_golden_mode_runs_without_torch(zoo_dir: Path) -> None:
 def test_without_torch_a_torch_command_says_what_to_install(zoo_dir: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", TORCH_FREE, "verify", str(zoo_dir), "--no-latency"],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "Error: building the PyTorch module needs torch, which is not installed "
-        "(pip install 'attn-export[export]')"
+        "Error: building the PyTorch module needs torch, which is not installed (pip install 'attn-export[export]')"
     )
 
 
@@ -146,4 +189,6 @@ def test_golden_mode_catches_a_planted_fault(zoo_copy: Path) -> None:
     plant(zoo_copy, "sdpa", proto)
     result = CliRunner().invoke(cli, ["verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency"])
     assert result.exit_code == 1
-    assert f"reproduce: attn-export verify {zoo_copy / 'sdpa.onnx'} --provider cpu --golden --no-latency" in result.output
+    assert (
+        f"reproduce: attn-export verify {zoo_copy / 'sdpa.onnx'} --provider cpu --golden --no-latency" in result.output
+    )

@@ -35,7 +35,11 @@ def test_content_hash_ignores_location_but_not_content(tmp_path: Path) -> None:
 BAD = [
     ("toml", 'module = "x:Y"\n[[inputs]\n', r"invalid TOML: .*line 2"),
     ("unknown_key", 'module = "a.b:C"\ncolour = 1\n', r"bad.toml:2: unknown key 'colour' in the spec"),
-    ("name_key", 'name = "other"\n', r"bad.toml:1: unknown key 'name' in the spec \(the model's name is the file's name\)"),
+    (
+        "name_key",
+        'name = "other"\n',
+        r"bad.toml:1: unknown key 'name' in the spec \(the model's name is the file's name\)",
+    ),
     ("module_form", 'module = "not a path"\n', r"'module' must look like 'package.module:Class'"),
 ]
 
@@ -49,18 +53,35 @@ def test_bad_spec_text(tmp_path: Path, case: str, text: str, pattern: str) -> No
 
 
 EDITS = [
-    ("min_gt_max", ("seq = { min = 1, max = 24 }", "seq = { min = 30, max = 24 }"),
-     r"tiny.toml:\d+: dim 'seq': min 30 is greater than max 24"),
-    ("undeclared_dim", ('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "len", 16]\n[[inputs]]'),
-     r"'query' uses dim 'len', which \[dims\] does not declare"),
+    (
+        "min_gt_max",
+        ("seq = { min = 1, max = 24 }", "seq = { min = 30, max = 24 }"),
+        r"tiny.toml:\d+: dim 'seq': min 30 is greater than max 24",
+    ),
+    (
+        "undeclared_dim",
+        ('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "len", 16]\n[[inputs]]'),
+        r"'query' uses dim 'len', which \[dims\] does not declare",
+    ),
     ("bad_dtype", ('name = "query"', 'name = "query"\ndtype = "complex64"'), r"dtype 'complex64' is not one of"),
     ("bad_exporter", ('exporter = "dynamo"', 'exporter = "jit"'), r"exporter 'jit' is not one of dynamo, torchscript"),
-    ("unknown_dim_key", ("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 4, step = 2 }"),
-     r"unknown key 'step' in dims.batch"),
+    (
+        "unknown_dim_key",
+        ("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 4, step = 2 }"),
+        r"unknown key 'step' in dims.batch",
+    ),
     ("mask_not_bool", ('name = "values"', 'name = "values"\nmask = "random"'), r"a mask must have dtype bool"),
     ("unused_dim", ("[dims]", "[dims]\nextra = { min = 1, max = 4 }"), r"dim 'extra' is declared but no input"),
-    ("tolerance_output", ("[dims]", "[tolerance.outputs.nope]\natol = 1.0\n[dims]"), r"tolerance for unknown output 'nope'"),
-    ("missing_weights", ("[dims]", '[weights]\npath = "nowhere.pt"\n[dims]'), r"weights file nowhere.pt does not exist"),
+    (
+        "tolerance_output",
+        ("[dims]", "[tolerance.outputs.nope]\natol = 1.0\n[dims]"),
+        r"tolerance for unknown output 'nope'",
+    ),
+    (
+        "missing_weights",
+        ("[dims]", '[weights]\npath = "nowhere.pt"\n[dims]'),
+        r"weights file nowhere.pt does not exist",
+    ),
 ]
 
 

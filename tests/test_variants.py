@@ -65,8 +65,9 @@ def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_bui
     errors = [float(line.split()[4]) for line in result.output.splitlines() if line.startswith("mha_cross.int8")]
     assert max(errors) > 1e-4  # a real, visible quantization error, within int8's tolerance
     assert max(errors) <= DEFAULT_TOLERANCES["int8"].atol
-    strict = CliRunner().invoke(cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency",
-                                      "--atol", "1e-5", "--rtol", "1e-4"])
+    strict = CliRunner().invoke(
+        cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--atol", "1e-5", "--rtol", "1e-4"]
+    )
     assert strict.exit_code == 1  # judged by the fp32 tolerance it fails, as it should
 
 
@@ -75,7 +76,9 @@ def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     summary = build_models([ZOO / "mha_causal.toml"], BuildOptions(out, variants=("fp16",)))
     assert summary.results[0].status == "built", summary.results[0].error
     proto = onnx.load(out / "mha_causal.fp16.onnx")
-    assert all(i.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.BOOL) for i in proto.graph.input)
+    assert all(
+        i.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.BOOL) for i in proto.graph.input
+    )
     fills = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert all(abs(float(f.min())) <= 65504 for f in fills if f.size)  # -1e9 was clamped, not -inf
     # every sweep point has a fully masked row: fp16 must keep it finite

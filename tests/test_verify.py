@@ -68,8 +68,13 @@ def test_planted_baked_batch_is_caught(tiny_build: Path) -> None:
 
 def test_planted_merged_axes_are_caught(tiny_build: Path) -> None:
     x = torch.randn(2, 5, 16)
-    plant(tiny_build, "tiny", _faulty_export(tiny_build, "attn_export.reference.seed:MultiHeadAttention",
-                                             "dynamo", {"query": x, "keys": x, "values": x}))
+    plant(
+        tiny_build,
+        "tiny",
+        _faulty_export(
+            tiny_build, "attn_export.reference.seed:MultiHeadAttention", "dynamo", {"query": x, "keys": x, "values": x}
+        ),
+    )
     result = invoke("verify", str(tiny_build), *FAST)
     assert result.exit_code == 1
     failures = _failures(result)
@@ -158,7 +163,9 @@ def test_silent_fallback_to_cpu_is_a_failure(zoo_dir: Path, monkeypatch: pytest.
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
     result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--provider", "cuda", *FAST)
     assert result.exit_code == 1
-    assert "onnxruntime[cuda]: session fell back to CPUExecutionProvider instead of CUDAExecutionProvider" in result.output
+    assert (
+        "onnxruntime[cuda]: session fell back to CPUExecutionProvider instead of CUDAExecutionProvider" in result.output
+    )
 
 
 def test_reference_runtime_cross_checks_small_shapes(zoo_dir: Path) -> None:
@@ -214,7 +221,10 @@ def test_golden_and_shapes_are_exclusive(zoo_dir: Path) -> None:
 def test_missing_manifest_exits_2(tmp_path: Path) -> None:
     result = invoke("verify", str(tmp_path))
     assert result.exit_code == 2
-    assert result.output == f"Error: {tmp_path / 'manifest.json'}: no manifest; run 'attn-export build --out {tmp_path}' first\n"
+    assert (
+        result.output
+        == f"Error: {tmp_path / 'manifest.json'}: no manifest; run 'attn-export build --out {tmp_path}' first\n"
+    )
 
 
 def test_json_report_has_documented_fields(zoo_dir: Path, tmp_path: Path) -> None:
@@ -225,7 +235,12 @@ def test_json_report_has_documented_fields(zoo_dir: Path, tmp_path: Path) -> Non
     case = doc["cases"][0]
     assert set(case) >= {"model", "runtime", "shape", "sizes", "seed", "passed", "comparisons", "latency", "reproduce"}
     assert set(case["comparisons"][0]) >= {
-        "name", "max_abs_error", "max_rel_error", "mismatch_fraction", "min_passing_atol", "passed",
+        "name",
+        "max_abs_error",
+        "max_rel_error",
+        "mismatch_fraction",
+        "min_passing_atol",
+        "passed",
     }
     assert set(case["latency"]) == {"onnx", "torch", "ratio"}
 

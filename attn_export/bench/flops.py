@@ -57,7 +57,8 @@ def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> dict[st
         torch.set_num_threads(saved)
 
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
+        [helper.make_node("MatMul", ["a", "b"], ["c"])],
+        "gemm",
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [n, n]) for x in ("a", "b")],
         [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
     )

@@ -20,7 +20,9 @@ def peak_rss_mb(request: dict[str, Any], timeout_s: float = 300) -> float | None
     """Peak RSS (MiB) of running ``request`` once in a child process; None if it failed."""
     done = subprocess.run(
         [sys.executable, "-m", "attn_export.bench.memory", json.dumps(request)],
-        capture_output=True, text=True, timeout=timeout_s,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     if done.returncode != 0:
         return None
@@ -39,8 +41,9 @@ def _run(request: dict[str, Any]) -> None:
     if request["runner"] == "onnxruntime":
         from attn_export.runtimes.ort import OnnxRuntime
 
-        runtime: Any = OnnxRuntime(Path(request["file"]), spec.inputs, spec.outputs,
-                                   provider=request["provider"], threads=request["threads"])
+        runtime: Any = OnnxRuntime(
+            Path(request["file"]), spec.inputs, spec.outputs, provider=request["provider"], threads=request["threads"]
+        )
     else:
         from attn_export.factory import instantiate
         from attn_export.runtimes.torch_eager import TorchRuntime

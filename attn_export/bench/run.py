@@ -84,9 +84,7 @@ def machine_description() -> str:
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            name = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name
-            )
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
     return f"{name}, {physical_cores()} cores"
@@ -138,7 +136,9 @@ def run_bench(
         }
         twin = _sdpa_twin(spec, module)
         if twin is not None:
-            runners["torch-sdpa"] = TorchRuntime(twin, spec.inputs, spec.outputs, device=device, threads=options.threads)
+            runners["torch-sdpa"] = TorchRuntime(
+                twin, spec.inputs, spec.outputs, device=device, threads=options.threads
+            )
         for variant in options.variants:
             entry = manifest.models[variant_key(spec.name, variant)]
             runners[f"ort:{variant}"] = OnnxRuntime(

@@ -48,9 +48,7 @@ def measure(
         call()
         times.append(time.perf_counter() - t0)
     ms = np.asarray(times) * 1e3
-    return LatencyStats(
-        float(np.percentile(ms, 50)), float(np.percentile(ms, 90)), float(ms.mean()), len(times)
-    )
+    return LatencyStats(float(np.percentile(ms, 50)), float(np.percentile(ms, 90)), float(ms.mean()), len(times))
 
 
 def physical_cores() -> int:

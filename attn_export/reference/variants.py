@@ -22,9 +22,7 @@ def _merge_heads(x: torch.Tensor, hidden_dim: int) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().view(x.size(0), -1, hidden_dim)
 
 
-def _keep_mask(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool
-) -> torch.Tensor | None:
+def _keep_mask(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor | None:
     """Combine a user mask (True = attend) with a top-left-aligned causal mask."""
     if causal:
         ones = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)

@@ -46,6 +46,5 @@ def format_spec_table(specs: list[ModelSpec]) -> str:
         rows.append((s.name, s.module, inputs, str(s.opset), s.exporter))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join(
-        "  ".join(cell.ljust(widths[i]) if i < 4 else cell for i, cell in enumerate(row)).rstrip()
-        for row in rows
+        "  ".join(cell.ljust(widths[i]) if i < 4 else cell for i, cell in enumerate(row)).rstrip() for row in rows
     )

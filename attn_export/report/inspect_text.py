@@ -32,7 +32,6 @@ def format_inspect(r: InspectResult) -> str:
         f"parameters:  {r.parameters:,} ({_mb(r.parameter_bytes)}) in {r.initializers} initializers",
         "external:    " + (", ".join(r.external_data) if r.external_data else "none"),
         "checker:     " + (f"REJECTED: {r.checker_problem}" if r.checker_problem else "ok"),
-        f"kernels:     {r.provider}: "
-        + ("every op has a kernel" if r.kernels_ok else f"MISSING: {r.kernel_problem}"),
+        f"kernels:     {r.provider}: " + ("every op has a kernel" if r.kernels_ok else f"MISSING: {r.kernel_problem}"),
     ]
     return "\n".join(lines)

@@ -22,9 +22,7 @@ def junit_xml(report: VerifyReport) -> str:
     suite = ET.Element("testsuite", name="attn-export verify")
     failures = 0
     for (model, runtime), cases in sorted(groups.items()):
-        seconds = sum(
-            (c.onnx_latency.mean_ms * c.onnx_latency.repeats if c.onnx_latency else 0.0) for c in cases
-        ) / 1e3
+        seconds = sum((c.onnx_latency.mean_ms * c.onnx_latency.repeats if c.onnx_latency else 0.0) for c in cases) / 1e3
         case_el = ET.SubElement(suite, "testcase", classname=model, name=runtime, time=f"{seconds:.3f}")
         problems = next((c.problems for c in report.checks if c.model == model), [])
         failing = [c for c in cases if not c.passed]

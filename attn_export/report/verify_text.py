@@ -52,7 +52,9 @@ def format_failures(report: VerifyReport) -> str:
 
 def format_summary(report: VerifyReport) -> str:
     failed = sum(not c.passed for c in report.cases)
-    bad_models = sorted({c.model for c in report.cases if not c.passed} | {c.model for c in report.checks if not c.passed})
+    bad_models = sorted(
+        {c.model for c in report.cases if not c.passed} | {c.model for c in report.checks if not c.passed}
+    )
     verdict = "PASSED" if report.passed else f"FAILED ({', '.join(bad_models)})"
     return (
         f"verify {verdict}: {len(report.cases) - failed} of {len(report.cases)} cases agree across "

@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/attn-export verify $(OUT)
 
 test: $(STAMP)
+	$(BIN)/ruff check attn_export tests benchmarks
 	$(BIN)/python -m pytest -q
 
 clean:

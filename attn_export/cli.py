@@ -15,6 +15,7 @@ import click
 
 from attn_export import __version__
 from attn_export.errors import AttnExportError
+from attn_export.spec import EXPORTERS, VARIANT_NAMES
 
 __all__ = ["main"]
 
@@ -40,6 +41,32 @@ class _Group(click.Group):
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
+
+
+VARIANT_CHOICES = click.Choice([*VARIANT_NAMES, "auto"])
+PROVIDER_CHOICES = ["cpu", "cuda"]
+
+
+def out_option(help: str):  # noqa: A002 - mirrors click's keyword
+    """--out, shared by build and bench (both write into a build folder)."""
+    return click.option(
+        "--out",
+        "out_dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        default=Path("build"),
+        show_default=True,
+        help=help,
+    )
+
+
+def variant_option(help: str):  # noqa: A002
+    """--variant (repeatable), shared by build and bench."""
+    return click.option("--variant", "variants", multiple=True, type=VARIANT_CHOICES, help=help)
+
+
+def provider_option(help: str):  # noqa: A002
+    """A single --provider for ONNX Runtime, shared by build, bench and inspect."""
+    return click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="cpu", show_default=True, help=help)
 
 
 models_option = click.option(
@@ -75,33 +102,16 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
 @cli.command()
 @click.argument("names", nargs=-1)
 @models_option
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("build"),
-    show_default=True,
-    help="Output folder for .onnx files, golden vectors and manifest.json.",
-)
+@out_option("Output folder for .onnx files, golden vectors and manifest.json.")
 @click.option("--opset", type=click.IntRange(7, 30), help="Override every spec's opset.")
-@click.option("--exporter", type=click.Choice(["dynamo", "torchscript"]), help="Override every spec's exporter.")
+@click.option("--exporter", type=click.Choice(EXPORTERS), help="Override every spec's exporter.")
 @click.option("--force", is_flag=True, help="Rebuild models even when nothing changed.")
 @click.option("--fail-fast", is_flag=True, help="Stop at the first model that fails.")
-@click.option(
-    "--variant",
-    "variants",
-    multiple=True,
-    type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
-    help="Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
-    "at the spec's typical shape and keeps the fastest within tolerance.",
+@variant_option(
+    "Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
+    "at the spec's typical shape and keeps the fastest within tolerance."
 )
-@click.option(
-    "--provider",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Provider that ort-optimized optimizes for and auto times on.",
-)
+@provider_option("Provider that ort-optimized optimizes for and auto times on.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -149,13 +159,7 @@ def build(
 
 @cli.command("inspect")
 @click.argument("file", type=click.Path(path_type=Path))
-@click.option(
-    "--provider",
-    type=click.Choice(["cpu", "cuda"]),
-    default="cpu",
-    show_default=True,
-    help="Check that every op has a kernel on this ONNX Runtime provider.",
-)
+@provider_option("Check that every op has a kernel on this ONNX Runtime provider.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     """Describe any ONNX file: IR version, opsets, producer, metadata, inputs and outputs
@@ -191,7 +195,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--provider",
     "providers",
     multiple=True,
-    type=click.Choice(["cpu", "cuda", "all"]),
+    type=click.Choice([*PROVIDER_CHOICES, "all"]),
     help="ONNX Runtime execution provider (repeatable; 'all' = every one installed). Default: cpu.",
 )
 @click.option(
@@ -363,14 +367,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @cli.command()
 @click.argument("names", nargs=-1)
 @models_option
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("build"),
-    show_default=True,
-    help="Build folder; missing variants are built into it first.",
-)
+@out_option("Build folder; missing variants are built into it first.")
 @click.option("--batch", "batches", default="1", show_default=True, callback=_int_list, help="Batch sizes, e.g. 1,8.")
 @click.option(
     "--seq",
@@ -380,14 +377,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     callback=_int_list,
     help="Sequence lengths (every non-batch dim), e.g. 128,512 or 64,128,...,2048.",
 )
-@click.option(
-    "--variant",
-    "variants",
-    multiple=True,
-    type=click.Choice(["fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto"]),
-    help="ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.",
-)
-@click.option("--provider", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@variant_option("ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.")
+@provider_option("ONNX Runtime provider to time on (PyTorch runs on the matching device).")
 @click.option("--threads", type=click.IntRange(1), help="Threads for every runner. Default: physical cores.")
 @click.option(
     "--budget",

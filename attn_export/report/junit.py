@@ -22,8 +22,8 @@ def junit_xml(report: VerifyReport) -> str:
     suite = ET.Element("testsuite", name="attn-export verify")
     failures = 0
     for (model, runtime), cases in sorted(groups.items()):
-        seconds = sum((c.onnx_latency.mean_ms * c.onnx_latency.repeats if c.onnx_latency else 0.0) for c in cases) / 1e3
-        case_el = ET.SubElement(suite, "testcase", classname=model, name=runtime, time=f"{seconds:.3f}")
+        # No per-testcase time: only the whole run's duration is measured (on the suite).
+        case_el = ET.SubElement(suite, "testcase", classname=model, name=runtime)
         problems = next((c.problems for c in report.checks if c.model == model), [])
         failing = [c for c in cases if not c.passed]
         if problems or failing:

@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check attn_export tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 clean:

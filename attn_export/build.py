@@ -16,32 +16,36 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
-import numpy as np
 import onnx
 
 from attn_export import __version__
 from attn_export._deps import require
-from attn_export.artifacts import atomic_write, build_lock, sha256_bytes, sha256_file, write_golden
+from attn_export.artifacts.files import atomic_write, build_lock, sha256_bytes, sha256_file
+from attn_export.artifacts.golden import GoldenCase, write_golden
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest, save_manifest
 from attn_export.compare import compare_outputs
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
-from attn_export.export import export_onnx, stamp_metadata
-from attn_export.factory import instantiate
-from attn_export.graph_checks import check_dynamic_axes, check_model
-from attn_export.inputs import make_feeds
-from attn_export.manifest import Manifest, ManifestEntry, load_manifest, save_manifest
+from attn_export.export.factory import instantiate
+from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.export.torch_export import export_onnx, stamp_metadata
+from attn_export.export.variants import make_variant
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.shapes import ShapePoint, example_sizes, golden_points
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.variants import VARIANTS, make_variant, variant_key
+from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import example_sizes, golden_points
+from attn_export.spec.variants import auto_candidates
+from attn_export.timing import measure, physical_cores
 
-__all__ = ["BuildOptions", "BuildResult", "BuildSummary", "build_models", "versions"]
+__all__ = ["BuildOptions", "BuildResult", "BuildStatus", "BuildSummary", "build_models", "versions"]
 
 #: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
 BUILD_SEED = 0
 STAGES = ("spec", "module", "export", "variant", "checker", "axes", "smoke", "write")
+BuildStatus = Literal["built", "skipped", "failed"]
+STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")
 
 
 @dataclass
@@ -53,7 +57,7 @@ class BuildOptions:
     exporter: str | None = None
     force: bool = False
     fail_fast: bool = False
-    #: Graph variants to build ("fp32", ..., or "auto"); see ``attn_export.variants``.
+    #: Graph variants to build (keys of ``spec.VARIANTS``).
     variants: tuple[str, ...] = ("fp32",)
     #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
     provider: str = "cpu"
@@ -65,7 +69,7 @@ class BuildResult:
 
     name: str
     variant: str = "fp32"
-    status: str = "failed"  # built | skipped | failed
+    status: BuildStatus = "failed"
     seconds: float = 0.0
     file: str | None = None
     sha256: str | None = None
@@ -78,6 +82,10 @@ class BuildResult:
     @property
     def ok(self) -> bool:
         return self.status != "failed"
+
+    @property
+    def failed_stage(self) -> str | None:
+        return next((k for k, v in self.stages.items() if v is False), None)
 
 
 @dataclass
@@ -92,17 +100,22 @@ class BuildSummary:
     def exit_code(self) -> int:
         return max((r.exit_code for r in self.results), default=0)
 
+    @property
     def counts(self) -> dict[str, int]:
-        return {s: sum(r.status == s for r in self.results) for s in ("built", "skipped", "failed")}
+        return {s: sum(r.status == s for r in self.results) for s in STATUSES}
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "out_dir": self.out_dir,
             "seconds": round(self.seconds, 3),
-            "counts": self.counts(),
+            "counts": self.counts,
             "exit_code": self.exit_code,
             "results": [dataclasses.asdict(r) for r in self.results],
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BuildSummary:
+        return cls(d["out_dir"], [BuildResult(**r) for r in d["results"]], d["seconds"])
 
 
 def versions() -> dict[str, str]:
@@ -128,16 +141,19 @@ def _stage(result: BuildResult, name: str) -> Iterator[None]:
     result.stages[name] = True
 
 
-class _Once:
+V = TypeVar("V")
+
+
+class _Once(Generic[V]):
     """A lazily computed value whose failure is remembered, so shared stages run once."""
 
-    def __init__(self, compute: Callable[[], Any]) -> None:
+    def __init__(self, compute: Callable[[], V]) -> None:
         self._compute = compute
         self._done = False
-        self._value: Any = None
+        self._value: V | None = None
         self._error: AttnExportError | None = None
 
-    def get(self) -> Any:
+    def get(self) -> V:
         if not self._done:
             self._done = True
             try:
@@ -146,11 +162,20 @@ class _Once:
                 self._error = e
         if self._error is not None:
             raise self._error
-        return self._value
+        return self._value  # type: ignore[return-value]
+
+
+@dataclass
+class _Graph:
+    """A variant's serialized graph with metadata, checked but not yet smoke-tested."""
+
+    model: bytes
+    info: dict[str, Any]
+    warnings: list[str]
 
 
 class _SpecBuild:
-    """What every variant of one spec shares: the module, the fp32 export, golden cases."""
+    """What every variant of one spec shares: the module, its exports, PyTorch's outputs."""
 
     def __init__(self, spec: ModelSpec, vers: dict[str, str], options: BuildOptions) -> None:
         self.spec = spec
@@ -158,11 +183,18 @@ class _SpecBuild:
         self.options = options
         self.sizes = example_sizes(spec)
         self.module = _Once(lambda: instantiate(spec))
-        self.fp32 = _Once(lambda: self._export(spec.opset))
-        self.cases = _Once(self._golden_cases)
-        self.variants: dict[str, _Once] = {}
+        self.exports: dict[int, _Once[onnx.ModelProto]] = {}
+        self.example = _Once(self._example)
+        self.golden = _Once(self._golden_cases)
+        self.graphs: dict[str, _Once[_Graph]] = {}
         #: sha256 of the golden file once this build has written it (shared by all variants).
         self.golden_sha256: str | None = None
+
+    def export(self, opset: int) -> onnx.ModelProto:
+        """The module exported at ``opset``, checked; exported once per opset."""
+        if opset not in self.exports:
+            self.exports[opset] = _Once(lambda: self._export(opset))
+        return self.exports[opset].get()
 
     def _export(self, opset: int) -> onnx.ModelProto:
         example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
@@ -171,28 +203,35 @@ class _SpecBuild:
         check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
         return proto
 
-    def _golden_cases(self) -> list[tuple[ShapePoint, dict[str, np.ndarray], dict[str, np.ndarray]]]:
-        """PyTorch's outputs at the example shape and the golden shapes, computed once."""
-        points = [ShapePoint("example", self.sizes), *golden_points(self.spec)]
+    def _cases(self, points: list[tuple[str, dict[str, int]]], first_seed: int) -> list[GoldenCase]:
+        spec = self.spec
         cases = []
-        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
-            for i, point in enumerate(points):
-                feeds = make_feeds(self.spec, point.sizes, BUILD_SEED + i)
-                cases.append((point, feeds, eager.run(feeds)))
+        with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
+            for i, (label, sizes) in enumerate(points):
+                feeds = make_feeds(spec, sizes, first_seed + i)
+                cases.append(GoldenCase(label, dict(sizes), feeds, eager.run(feeds)))
         return cases
 
-    def variant(self, name: str) -> _Once:
-        """The variant's graph as serialized bytes with metadata, checked but not smoke-tested."""
-        if name not in self.variants:
-            self.variants[name] = _Once(lambda: self._make_variant(name))
-        return self.variants[name]
+    def _example(self) -> GoldenCase:
+        return self._cases([("example", self.sizes)], BUILD_SEED)[0]
 
-    def _make_variant(self, name: str) -> tuple[bytes, dict[str, Any], list[str]]:
-        spec = self.spec
+    def _golden_cases(self) -> list[GoldenCase]:
+        """PyTorch's outputs at the golden shapes (recorded, and smoke-checked)."""
+        return self._cases([(p.label, p.sizes) for p in golden_points(self.spec)], BUILD_SEED + 1)
+
+    def graph(self, name: str) -> _Graph:
+        if name not in self.graphs:
+            self.graphs[name] = _Once(lambda: self._make_graph(name))
+        return self.graphs[name].get()
+
+    def _make_graph(self, name: str) -> _Graph:
+        spec, info = self.spec, VARIANTS[name]
+        key = variant_key(spec.name, name)
+        opset = max(spec.opset, info.export_opset or 0)
         try:
-            graph = make_variant(name, self.fp32.get(), self._export, self.options.provider)
+            graph = make_variant(name, self.export(opset), self.options.provider)
         except (ExportFailure, GraphCheckError) as e:
-            raise type(e)(f"{variant_key(spec.name, name)}: {e}") from e
+            raise type(e)(f"{key}: {e}") from e
         proto = stamp_metadata(
             graph.proto,
             {
@@ -201,30 +240,32 @@ class _SpecBuild:
                 "attn_export.source_module": spec.module,
                 "attn_export.spec_hash": spec.content_hash(),
                 "attn_export.exporter": spec.exporter,
-                "attn_export.opset": str(spec.opset),
+                "attn_export.opset": str(opset),
                 **{f"attn_export.version.{k}": v for k, v in self.vers.items()},
             },
         )
-        check_model(proto, variant_key(spec.name, name))
-        check_dynamic_axes(proto, variant_key(spec.name, name), spec.inputs, spec.outputs)
-        return proto.SerializeToString(deterministic=True), graph.info, graph.warnings
+        check_model(proto, key)
+        check_dynamic_axes(proto, key, spec.inputs, spec.outputs)
+        return _Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
-    def smoke(self, name: str, model: bytes, tolerance_variant: str) -> None:
-        """ONNX Runtime (CPU) against PyTorch at the example and golden shapes."""
+    def smoke(self, variant: str, model: bytes) -> None:
+        """ONNX Runtime (CPU) against PyTorch at the example and golden shapes, at the
+        variant's tolerance."""
         spec = self.spec
-        tolerances = {t.name: spec.tolerance_for(t.name, tolerance_variant) for t in spec.outputs}
+        tolerances = spec.tolerances(variant)
         with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
-            for point, feeds, expected in self.cases.get():
-                failed = [c.reason() for c in compare_outputs(expected, session.run(feeds), tolerances) if not c.passed]
+            for case in [self.example.get(), *self.golden.get()]:
+                failed = [c.reason() for c in compare_outputs(case.outputs, session.run(case.inputs), tolerances)]
+                failed = [r for r in failed if r]
                 if failed:
+                    shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
                     raise GraphCheckError(
-                        f"{variant_key(spec.name, name)}: smoke check at {point.label} "
-                        f"({point.describe()}) failed: {failed[0]}"
+                        f"{variant_key(spec.name, variant)}: smoke check at {case.label} ({shape}) failed: {failed[0]}"
                     )
 
 
 def _build_key(spec: ModelSpec, vers: dict[str, str], variant: str, provider: str) -> str:
-    target = provider if variant in ("ort-optimized", "auto") else None
+    target = provider if VARIANTS[variant].provider_dependent else None
     blob = json.dumps(
         {"spec": spec.content_hash(), "versions": vers, "variant": variant, "provider": target}, sort_keys=True
     )
@@ -246,22 +287,17 @@ def _up_to_date(entry: ManifestEntry | None, key: str, out_dir: Path) -> bool:
 def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     """Time each candidate at the spec's typical shape; the fastest within the model's own
     tolerance wins. Candidates that fail to build or to agree are recorded, not chosen."""
-    from attn_export.bench.timing import measure, physical_cores
-
-    spec = ctx.spec
-    candidates = ["fp32", "attention-op", "ort-fused", "int8", "ort-optimized"]
-    if ctx.options.provider == "cuda":
-        candidates.append("fp16")
+    spec, provider = ctx.spec, ctx.options.provider
     feeds = make_feeds(spec, spec.typical, BUILD_SEED)
     with TorchRuntime(ctx.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
         expected = eager.run(feeds)
-    tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
+    tolerances = spec.tolerances("auto")
     figures: dict[str, dict[str, Any]] = {}
-    for name in candidates:
+    for name in auto_candidates(provider):
         try:
-            model, _, _ = ctx.variant(name).get()
+            model = ctx.graph(name).model
             with OnnxRuntime(
-                model, spec.inputs, spec.outputs, spec.dims, provider=ctx.options.provider, threads=physical_cores()
+                model, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=physical_cores()
             ) as session:
                 comparisons = compare_outputs(expected, session.run(feeds), tolerances)
                 stats = measure(session.prepare(feeds), budget_s=0.3, warmup=3)
@@ -278,24 +314,17 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     if not passing:
         raise GraphCheckError(f"{spec.name}: auto found no variant within the model's tolerance: {figures}")
     chosen = min(passing, key=lambda n: figures[n]["p50_ms"])
-    return chosen, {
-        "chosen": chosen,
-        "provider": ctx.options.provider,
-        "shape": dict(spec.typical),
-        "figures": figures,
-    }
+    return chosen, {"chosen": chosen, "provider": provider, "shape": dict(spec.typical), "figures": figures}
 
 
-def _build_variant(
-    ctx: _SpecBuild, variant: str, out_dir: Path, manifest: Manifest, force: bool, result: BuildResult
-) -> None:
-    spec = ctx.spec
+def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
+    spec, out_dir = ctx.spec, ctx.options.out_dir
     key = _build_key(spec, ctx.vers, variant, ctx.options.provider)
     name = variant_key(spec.name, variant)
     previous = manifest.models.get(name)
-    if not force and _up_to_date(previous, key, out_dir):
-        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256  # type: ignore[union-attr]
-        result.info = previous.variant_info  # type: ignore[union-attr]
+    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
+        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
+        result.info = previous.variant_info
         return
     if spec.mode != "eval":
         result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
@@ -303,41 +332,33 @@ def _build_variant(
     with _stage(result, "module"):
         ctx.module.get()
     with _stage(result, "export"):
-        ctx.fp32.get()
-    info: dict[str, Any] = {}
-    tolerance_variant = variant
+        ctx.export(spec.opset)
     with _stage(result, "variant"):
-        if variant == "auto":
+        if VARIANTS[variant].chooser:
             chosen, info = _auto_choice(ctx)
-            tolerance_variant = "fp32"  # auto only chooses graphs within the model's own tolerance
-            model, _, warns = ctx.variant(chosen).get()
+            graph = ctx.graph(chosen)
         else:
-            model, info, warns = ctx.variant(variant).get()
-    result.warnings += warns
-    result.stages["checker"] = result.stages["axes"] = True  # checked when the variant was made
+            graph = ctx.graph(variant)
+            info = graph.info
+    result.warnings += graph.warnings
+    result.stages["checker"] = result.stages["axes"] = True  # checked when the graph was made
     with _stage(result, "smoke"):
-        ctx.smoke(variant, model, tolerance_variant)
+        ctx.smoke(variant, graph.model)
 
     golden_name = f"{spec.name}.golden.npz"
     with _stage(result, "write"):
-        atomic_write(out_dir / f"{name}.onnx", model)
+        atomic_write(out_dir / f"{name}.onnx", graph.model)
         if ctx.golden_sha256 is None:
-            write_golden(out_dir / golden_name, [(p.label, p.sizes, f, o) for p, f, o in ctx.cases.get()[1:]])
+            write_golden(out_dir / golden_name, ctx.golden.get())
             ctx.golden_sha256 = sha256_file(out_dir / golden_name)
         manifest.models[name] = ManifestEntry(
             name=name,
             file=f"{name}.onnx",
-            sha256=sha256_bytes(model),
+            sha256=sha256_bytes(graph.model),
             golden=golden_name,
             golden_sha256=ctx.golden_sha256,
-            opset=spec.opset,
-            exporter=spec.exporter,
             build_key=key,
             spec_hash=spec.content_hash(),
-            inputs=[t.to_dict() for t in spec.inputs],
-            outputs=[t.to_dict() for t in spec.outputs],
-            dims={k: dataclasses.asdict(v) for k, v in spec.dims.items()},
-            tolerance=spec.to_dict()["tolerance"],
             versions=ctx.vers,
             spec=spec.to_dict(),
             variant=variant,
@@ -366,7 +387,7 @@ def _build_spec(path: Path, options: BuildOptions, manifest: Manifest, vers: dic
         with _stage(first, "spec"):
             spec = load_spec(path)
             overrides = {k: v for k, v in (("opset", options.opset), ("exporter", options.exporter)) if v}
-            spec = dataclasses.replace(spec, **overrides) if overrides else spec
+            spec = dataclasses.replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]
     except AttnExportError as e:
         first.error, first.exit_code, first.seconds = str(e), e.exit_code, time.perf_counter() - t0
         yield first
@@ -376,7 +397,7 @@ def _build_spec(path: Path, options: BuildOptions, manifest: Manifest, vers: dic
         result = BuildResult(name=variant_key(spec.name, variant), variant=variant)
         result.stages["spec"] = True
         try:
-            _build_variant(ctx, variant, options.out_dir, manifest, options.force, result)
+            _build_variant(ctx, variant, manifest, result)
         except AttnExportError as e:
             result.status, result.error, result.exit_code = "failed", str(e), e.exit_code
         result.seconds = time.perf_counter() - t0
@@ -391,9 +412,9 @@ def build_models(
 ) -> BuildSummary:
     """Build each spec file's variants into ``options.out_dir``; a failing graph never
     raises, it becomes a failed result."""
-    unknown = [v for v in options.variants if v not in (*VARIANTS, "auto")]
+    unknown = [v for v in options.variants if v not in VARIANTS]
     if unknown:
-        raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)}, auto)")
+        raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     started = time.perf_counter()
     results: list[BuildResult] = []
     with build_lock(options.out_dir):

@@ -1,4 +1,5 @@
-"""The command line: a thin layer over the library.
+"""The command line: a thin layer over the library. Commands parse, call one library
+function, and render.
 
 Every command turns the library's errors into one line on stderr and an exit code
 (0 success, 1 a check failed, 2 bad usage or input); ``--debug`` shows the traceback.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,14 @@ import click
 
 from attn_export import __version__
 from attn_export.errors import AttnExportError
-from attn_export.spec import EXPORTERS, VARIANT_NAMES
+from attn_export.report import FORMATS
+from attn_export.runtimes import PROVIDERS, RUNTIMES
+from attn_export.runtimes.target import DEFAULT_RUNTIME
+from attn_export.spec import EXPORTERS, VARIANTS
 
-__all__ = ["main"]
+__all__ = ["cli", "main"]
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
 class _Group(click.Group):
@@ -43,11 +50,7 @@ def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
 
 
-VARIANT_CHOICES = click.Choice([*VARIANT_NAMES, "auto"])
-PROVIDER_CHOICES = ["cpu", "cuda"]
-
-
-def out_option(help: str):  # noqa: A002 - mirrors click's keyword
+def out_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
     """--out, shared by build and bench (both write into a build folder)."""
     return click.option(
         "--out",
@@ -59,14 +62,27 @@ def out_option(help: str):  # noqa: A002 - mirrors click's keyword
     )
 
 
-def variant_option(help: str):  # noqa: A002
+def variant_option(help: str) -> Decorator:  # noqa: A002
     """--variant (repeatable), shared by build and bench."""
-    return click.option("--variant", "variants", multiple=True, type=VARIANT_CHOICES, help=help)
+    return click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)), help=help)
 
 
-def provider_option(help: str):  # noqa: A002
+def provider_option(help: str) -> Decorator:  # noqa: A002
     """A single --provider for ONNX Runtime, shared by build, bench and inspect."""
-    return click.option("--provider", type=click.Choice(PROVIDER_CHOICES), default="cpu", show_default=True, help=help)
+    return click.option("--provider", type=click.Choice(list(PROVIDERS)), default="cpu", show_default=True, help=help)
+
+
+def threads_option(help: str) -> Decorator:  # noqa: A002
+    return click.option("--threads", type=click.IntRange(1), help=f"{help} Default: physical cores.")
+
+
+def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One ``--<format> FILE`` option per registered report format."""
+    for fmt in reversed(list(FORMATS.values())):
+        command = click.option(
+            f"--{fmt.name}", f"report_{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
+        )(command)
+    return command
 
 
 models_option = click.option(
@@ -141,19 +157,24 @@ def build(
     from attn_export.report.build_text import format_build_line, format_build_summary
     from attn_export.spec import spec_paths
 
-    paths = spec_paths(models_dir, names)
-    on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     options = BuildOptions(
-        out_dir, opset, exporter, force, fail_fast, tuple(dict.fromkeys(variants or ("fp32",))), provider
+        out_dir=out_dir,
+        opset=opset,
+        exporter=exporter,
+        force=force,
+        fail_fast=fail_fast,
+        variants=tuple(dict.fromkeys(variants or ("fp32",))),
+        provider=provider,
     )
-    summary = build_models(paths, options, on_result)
+    on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
+    summary = build_models(spec_paths(models_dir, names), options, on_result)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
+        for r in summary.results:
+            if r.error:
+                click.echo(f"Error: {r.error}", err=True)
     else:
         click.echo(format_build_summary(summary))
-    for r in summary.results:
-        if r.error and as_json:
-            click.echo(f"Error: {r.error}", err=True)
     sys.exit(summary.exit_code)
 
 
@@ -184,7 +205,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     if value is None:
         return None
     i, sep, n = value.partition("/")
-    if not (sep and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
         raise click.BadParameter(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
     return int(i), int(n)
 
@@ -195,15 +216,15 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--provider",
     "providers",
     multiple=True,
-    type=click.Choice([*PROVIDER_CHOICES, "all"]),
+    type=click.Choice([*PROVIDERS, "all"]),
     help="ONNX Runtime execution provider (repeatable; 'all' = every one installed). Default: cpu.",
 )
 @click.option(
     "--runtime",
     "runtimes",
     multiple=True,
-    type=click.Choice(["onnxruntime", "onnx-reference"]),
-    help="Runtime to check (repeatable). onnx-reference runs onnx.reference at small shapes.",
+    type=click.Choice(list(RUNTIMES)),
+    help="Runtime to check (repeatable): " + "; ".join(f"{k.name}: {k.help}" for k in RUNTIMES.values()) + ".",
 )
 @click.option("--golden", is_flag=True, help="Compare with the recorded golden vectors; needs no torch.")
 @click.option(
@@ -218,11 +239,9 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seeded random shape points added to the sweep.",
 )
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
-@click.option("--atol", type=click.FloatRange(0), help="Override every output's absolute tolerance.")
+@click.option("--atol", type=click.FloatRange(0, max_open=False), help="Override every output's absolute tolerance.")
 @click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
-@click.option(
-    "--threads", type=click.IntRange(1), help="Threads for both PyTorch and ONNX Runtime. Default: physical cores."
-)
+@threads_option("Threads for both PyTorch and ONNX Runtime.")
 @click.option("--no-latency", is_flag=True, help="Skip timing.")
 @click.option(
     "--latency-budget",
@@ -236,16 +255,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=click.FloatRange(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
-@click.option(
-    "--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the JSON report here."
-)
-@click.option("--junit", "junit_path", type=click.Path(path_type=Path, dir_okay=False), help="Write JUnit XML here.")
-@click.option(
-    "--markdown",
-    "markdown_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Write a Markdown report here (also appended to $GITHUB_STEP_SUMMARY when set).",
-)
+@report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
     paths: tuple[Path, ...],
@@ -261,10 +271,8 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
-    json_path: Path | None,
-    junit_path: Path | None,
-    markdown_path: Path | None,
     shard: tuple[int, int] | None,
+    **reports: Path | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
 
@@ -280,29 +288,18 @@ def verify(
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
-    import os
-
-    from attn_export.artifacts import atomic_write
-    from attn_export.bench.timing import physical_cores
-    from attn_export.report.json_report import dump_json_report
-    from attn_export.report.junit import junit_xml
-    from attn_export.report.markdown import markdown_report
+    from attn_export.report import write_reports
     from attn_export.report.verify_text import HEADER, format_failures, format_model_rows, format_summary
-    from attn_export.runtimes.ort import available_providers
-    from attn_export.shapes import parse_shapes
+    from attn_export.runtimes import resolve_targets
+    from attn_export.spec.shapes import parse_shapes
     from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
 
     if golden and shapes:
         raise click.UsageError("--shapes cannot be combined with --golden (golden files fix their shapes)")
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
-    runtimes = runtimes or ("onnxruntime",)
-    chosen = list(dict.fromkeys(providers or ("cpu",)))
-    if "all" in chosen:
-        chosen = [p for p in available_providers() if p in ("cpu", "cuda")]
     options = VerifyOptions(
-        providers=chosen if "onnxruntime" in runtimes else (),
-        reference="onnx-reference" in runtimes,
+        targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         golden=golden,
         shapes=parse_shapes(shapes) if shapes else None,
         n_random=n_random,
@@ -310,37 +307,26 @@ def verify(
         atol=atol,
         rtol=rtol,
         latency=not no_latency,
-        threads=threads or physical_cores(),
+        threads=threads,
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
     )
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
         return
-    printed: list[str] = []
-
-    def on_model(name: str, cases: list, check: object) -> None:
-        if not printed:
-            printed.append(HEADER)
-            click.echo(HEADER)
-        click.echo(format_model_rows(name, cases, check))  # type: ignore[arg-type]
-
-    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model)
+    click.echo(HEADER)
+    report = verify_artifacts(
+        out_dir,
+        manifest,
+        names,
+        options,
+        on_model=lambda name, cases, check: click.echo(format_model_rows(name, cases, check)),
+    )
     failures = format_failures(report)
     if failures:
         click.echo(failures)
     click.echo(format_summary(report))
-    if json_path:
-        atomic_write(json_path, dump_json_report(report).encode())
-    if junit_path:
-        atomic_write(junit_path, junit_xml(report).encode())
-    markdown = markdown_report(report)
-    if markdown_path:
-        atomic_write(markdown_path, markdown.encode())
-    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary_file:
-        with open(summary_file, "a", encoding="utf-8") as f:
-            f.write(markdown)
+    write_reports(report, {name.removeprefix("report_"): path for name, path in reports.items()})
     sys.exit(report.exit_code)
 
 
@@ -348,6 +334,8 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     """'1,8' or a doubling run written '64,128,...,2048'."""
     parts = [p.strip() for p in value.split(",") if p.strip()]
     try:
+        if not all(p == "..." or (p.isascii() and p.isdigit()) for p in parts):
+            raise ValueError
         if len(parts) == 4 and parts[2] == "...":
             start, step, stop = int(parts[0]), int(parts[1]), int(parts[3])
             if not 0 < start < step <= stop:
@@ -379,7 +367,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 )
 @variant_option("ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.")
 @provider_option("ONNX Runtime provider to time on (PyTorch runs on the matching device).")
-@click.option("--threads", type=click.IntRange(1), help="Threads for every runner. Default: physical cores.")
+@threads_option("Threads for every runner.")
 @click.option(
     "--budget",
     type=click.FloatRange(0.01),
@@ -424,11 +412,8 @@ def bench(
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
     """
     from attn_export._deps import require
-    from attn_export.artifacts import atomic_write
-    from attn_export.bench.run import BenchOptions, run_bench
-    from attn_export.bench.timing import physical_cores
-    from attn_export.build import BuildOptions, build_models
-    from attn_export.manifest import load_manifest
+    from attn_export.artifacts.files import atomic_write
+    from attn_export.bench.run import BenchOptions, bench_models
     from attn_export.report.bench_text import (
         BENCH_HEADER,
         format_bench_row,
@@ -436,27 +421,33 @@ def bench(
         markdown_bench_table,
     )
     from attn_export.report.build_text import format_build_line
-    from attn_export.spec import load_spec, spec_paths
+    from attn_export.spec import spec_paths
 
     if plot_path:
         require("matplotlib", "--plot")
-    variants = tuple(dict.fromkeys(variants or ("fp32", "ort-fused", "int8")))
-    paths = spec_paths(models_dir, names)
-    built = build_models(paths, BuildOptions(out_dir, variants=variants, provider=provider))
-    failed = [r for r in built.results if not r.ok]
-    for r in failed:
-        click.echo(format_build_line(r), err=True)
-    if failed:
-        sys.exit(built.exit_code)
-    options = BenchOptions(batches, seqs, variants, provider, threads or physical_cores(), budget, not no_memory)
-    click.echo(BENCH_HEADER)
-    report = run_bench(
-        out_dir,
-        load_manifest(out_dir),
-        [load_spec(p) for p in paths],
-        options,
-        on_row=lambda row: click.echo(format_bench_row(row)),
+    options = BenchOptions(
+        batches=batches,
+        seqs=seqs,
+        variants=tuple(dict.fromkeys(variants)) or BenchOptions.variants,
+        provider=provider,
+        threads=threads,
+        budget_s=budget,
+        memory=not no_memory,
     )
+    printed: list[bool] = []
+
+    def on_row(row: Any) -> None:
+        if not printed:
+            printed.append(True)
+            click.echo(BENCH_HEADER)
+        click.echo(format_bench_row(row))
+
+    built, report = bench_models(spec_paths(models_dir, names), out_dir, options, on_row)
+    if report is None:
+        for r in built.results:
+            if not r.ok:
+                click.echo(format_build_line(r), err=True)
+        sys.exit(built.exit_code)
     click.echo(format_bench_summary(report))
     if json_path:
         atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())

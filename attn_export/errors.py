@@ -1,6 +1,7 @@
 """One error hierarchy: the CLI turns each class into a one-line message and an exit code.
 
-Exit codes across the CLI: 0 success, 1 a check failed, 2 bad usage or bad input.
+Exit codes across the CLI: 0 success, 1 a check failed (``CheckFailed``), 2 bad usage or
+bad input (``UsageError``).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "ArtifactError",
     "AttnExportError",
+    "CheckFailed",
     "ExportFailure",
     "GraphCheckError",
     "InputError",
@@ -17,11 +19,24 @@ __all__ = [
     "RuntimeFailure",
     "SpecError",
     "UsageError",
+    "first_line",
 ]
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, or its type name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class AttnExportError(Exception):
-    """Raised when a command's checks fail; the base of every error raised on purpose."""
+    """Raised on purpose by attn-export; the CLI maps it to one line and ``exit_code``."""
+
+    exit_code = 1
+
+
+class CheckFailed(AttnExportError):
+    """Raised when a model fails a check: export, graph structure, runtime (exit 1)."""
 
     exit_code = 1
 
@@ -56,13 +71,13 @@ class LockError(UsageError):
     """Raised when another build holds the output directory."""
 
 
-class ExportFailure(AttnExportError):
+class ExportFailure(CheckFailed):
     """Raised when torch cannot export a module to ONNX."""
 
 
-class GraphCheckError(AttnExportError):
+class GraphCheckError(CheckFailed):
     """Raised when an exported graph fails a structural check (checker, dynamic axes)."""
 
 
-class RuntimeFailure(AttnExportError):
+class RuntimeFailure(CheckFailed):
     """Raised when a runtime cannot load a graph, uses the wrong provider, or fails to run."""

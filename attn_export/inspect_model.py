@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from attn_export.artifacts import sha256_file
-from attn_export.errors import GraphCheckError
-from attn_export.graph_checks import check_model, graph_shapes
-from attn_export.onnx_file import external_data_files, load_model_file
-from attn_export.runtimes.ort import require_provider
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.onnx_file import external_data_files, load_model_file
+from attn_export.errors import GraphCheckError, RuntimeFailure
+from attn_export.export.graph_checks import check_model, graph_shapes
+from attn_export.runtimes.ort import load_session, require_provider
 
 __all__ = ["InspectResult", "TensorInfo", "inspect_file"]
 
@@ -54,6 +54,11 @@ class InspectResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> InspectResult:
+        tensors = {k: [TensorInfo(**t) for t in d[k]] for k in ("inputs", "outputs")}
+        return cls(**{**d, **tensors})
+
 
 def _dtype(elem_type: int) -> str:
     try:
@@ -67,23 +72,13 @@ def _tensor_infos(values: Any, shapes: dict[str, tuple[int | str | None, ...]]) 
 
 
 def _kernel_check(path: Path, provider: str) -> tuple[bool, str | None]:
-    """Load the model with fallback to CPU disabled: a node without a kernel on the
-    provider makes the session fail, naming the op."""
-    import onnxruntime as ort
-
-    ep = require_provider(provider)
-    options = ort.SessionOptions()
-    options.log_severity_level = 4
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    if ep != "CPUExecutionProvider":
-        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    """Load the model unoptimized with fallback to CPU disabled: a node without a kernel
+    on the provider makes the session fail, naming the op."""
+    require_provider(provider)
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=[ep])
-    except Exception as e:
-        text = str(e).strip()
-        return False, text.splitlines()[0] if text else type(e).__name__
-    if session.get_providers()[0] != ep:
-        return False, f"session fell back to {session.get_providers()[0]}"
+        load_session(path, provider, level="disabled", no_fallback=True)
+    except RuntimeFailure as e:
+        return False, str(e)
     return True, None
 
 

@@ -1,8 +1,7 @@
-"""The verify pipeline: manifest -> integrity and graph checks -> shape sweep on each
-runtime -> comparison with PyTorch (or golden vectors) -> latency -> a VerifyReport.
+"""The verify pipeline: manifest -> integrity and graph checks -> expected outputs (PyTorch
+or golden vectors) -> each target runs the sweep -> comparison -> timing -> a VerifyReport.
 
-Verify only measures and collects; ``CaseResult.passed`` and ``VerifyReport.exit_code``
-are the pass/fail policy, and renderers in ``report/`` format the report.
+Verify measures and collects; ``compare.policy`` judges, and ``report/`` renders.
 """
 
 from __future__ import annotations
@@ -17,19 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.artifacts import read_golden, sha256_file
-from attn_export.bench.timing import LatencyStats, measure
-from attn_export.compare import OutputComparison, compare_outputs
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.golden import GoldenCase, read_golden
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.compare import OutputComparison, compare_outputs, latency_gate
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
-from attn_export.graph_checks import check_dynamic_axes, check_model
-from attn_export.inputs import make_feeds
-from attn_export.manifest import Manifest, ManifestEntry, load_manifest
-from attn_export.onnx_file import load_model_file
-from attn_export.runtimes.base import Runtime
-from attn_export.runtimes.ort import OnnxRuntime, require_provider
-from attn_export.runtimes.reference import ReferenceRuntime
-from attn_export.shapes import ShapePoint, sweep, validate_sizes
+from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import ShapePoint, sweep, validate_sizes
+from attn_export.timing import LatencyStats, measure, physical_cores
 
 __all__ = [
     "CaseResult",
@@ -41,17 +39,12 @@ __all__ = [
     "verify_artifacts",
 ]
 
-#: The ONNX reference evaluator is pure numpy: keep its shapes small.
-REFERENCE_CAP = 16
-
 
 @dataclass
 class VerifyOptions:
     """What ``attn-export verify`` was asked to do (defaults are the CLI's)."""
 
-    #: ONNX Runtime providers to run; empty when only the reference evaluator is asked for.
-    providers: Sequence[str] = ("cpu",)
-    reference: bool = False
+    targets: Sequence[Target] = (Target("onnxruntime", "cpu"),)
     golden: bool = False
     shapes: Sequence[Mapping[str, int]] | None = None
     n_random: int = 2
@@ -59,17 +52,31 @@ class VerifyOptions:
     atol: float | None = None
     rtol: float | None = None
     latency: bool = True
+    #: Threads for both PyTorch and ONNX Runtime; None means the physical cores.
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
 
+    def settings(self) -> dict[str, Any]:
+        """The options as the JSON report records them."""
+        return {
+            "targets": [t.label for t in self.targets],
+            "golden": self.golden,
+            "threads": self.threads,
+            "latency": self.latency,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "max_slowdown": self.max_slowdown,
+            "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
+        }
+
 
 @dataclass
 class CaseResult:
-    """One model x runtime x shape: numbers, errors and timings."""
+    """One model x target x shape: numbers, errors and timings."""
 
     model: str
-    runtime: str
+    target: Target
     shape: str
     sizes: dict[str, int]
     seed: int
@@ -81,10 +88,25 @@ class CaseResult:
     gate: str | None = None
 
     @property
+    def runtime(self) -> str:
+        return self.target.label
+
+    @property
     def ratio(self) -> float | None:
         if self.torch_latency and self.onnx_latency and self.torch_latency.p50_ms > 0:
             return self.onnx_latency.p50_ms / self.torch_latency.p50_ms
         return None
+
+    @property
+    def max_abs_error(self) -> float | None:
+        """The largest absolute error over outputs; None when nothing numeric was compared."""
+        numeric = [c for c in self.comparisons if c.numeric]
+        return max((c.max_abs_error for c in numeric), default=None) if numeric == self.comparisons else None
+
+    @property
+    def max_rel_error(self) -> float | None:
+        numeric = [c for c in self.comparisons if c.numeric]
+        return max((c.max_rel_error for c in numeric), default=None) if numeric == self.comparisons else None
 
     @property
     def passed(self) -> bool:
@@ -99,6 +121,7 @@ class CaseResult:
         return {
             "model": self.model,
             "runtime": self.runtime,
+            "target": self.target.to_dict(),
             "shape": self.shape,
             "sizes": self.sizes,
             "seed": self.seed,
@@ -121,7 +144,7 @@ class CaseResult:
         lat = d.get("latency") or {}
         return cls(
             model=d["model"],
-            runtime=d["runtime"],
+            target=Target(**d["target"]),
             shape=d["shape"],
             sizes=dict(d["sizes"]),
             seed=d["seed"],
@@ -166,21 +189,35 @@ class VerifyReport:
     def exit_code(self) -> int:
         return 0 if self.passed else 1
 
+    @property
+    def failed_cases(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.passed]
+
+    @property
+    def failed_models(self) -> list[str]:
+        return sorted({c.model for c in self.failed_cases} | {c.model for c in self.checks if not c.passed})
+
+    @property
+    def summary(self) -> dict[str, int]:
+        return {
+            "models": len(self.checks),
+            "cases": len(self.cases),
+            "failed_cases": len(self.failed_cases),
+            "failed_checks": sum(not c.passed for c in self.checks),
+        }
+
     def models(self) -> list[str]:
         return [c.model for c in self.checks]
 
     def reproduce(self, case: CaseResult) -> str:
         """The one command that reruns exactly this case."""
-        runtime = (
-            "--runtime onnx-reference"
-            if case.runtime == "onnx-reference"
-            else (f"--provider {case.runtime.split('[')[1].rstrip(']')}")
-        )
-        file = shlex.quote(str(Path(self.artifacts) / next(c.file for c in self.checks if c.model == case.model)))
+        file = next(c.file for c in self.checks if c.model == case.model)
+        args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
         if case.expected_from == "golden":
-            return f"attn-export verify {file} {runtime} --golden --no-latency"
-        shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
-        return f"attn-export verify {file} {runtime} --shapes {shlex.quote(shape)} --seed {case.seed} --no-latency"
+            args += ["--golden"]
+        else:
+            args += ["--shapes", ",".join(f"{k}={v}" for k, v in case.sizes.items()), "--seed", str(case.seed)]
+        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -191,12 +228,7 @@ class VerifyReport:
             "settings": self.settings,
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
-            "summary": {
-                "models": len(self.checks),
-                "cases": len(self.cases),
-                "failed_cases": sum(not c.passed for c in self.cases),
-                "failed_checks": sum(not c.passed for c in self.checks),
-            },
+            "summary": self.summary,
             "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
             "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
         }
@@ -268,28 +300,26 @@ def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], boo
     A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
     checker rejects is not run; one with wrong dynamic axes is, to show the consequences.
     """
+    spec = entry.model_spec
     proto = load_model_file(out_dir / entry.file)
     try:
         check_model(proto, entry.name, out_dir / entry.file)
     except GraphCheckError as e:
         return [str(e)], False
     try:
-        check_dynamic_axes(proto, entry.name, entry.input_specs(), entry.output_specs())
+        check_dynamic_axes(proto, entry.name, spec.inputs, spec.outputs)
     except GraphCheckError as e:
         return [str(e)], True
     return [], True
 
 
 def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
-    # auto only ever chooses a graph within the model's own tolerance
-    out = {}
-    for t in spec.outputs:
-        tol = spec.tolerance_for(t.name, "fp32" if variant == "auto" else variant)
-        out[t.name] = Tolerance(
-            tol.atol if options.atol is None else options.atol,
-            tol.rtol if options.rtol is None else options.rtol,
+    return {
+        name: Tolerance(
+            tol.atol if options.atol is None else options.atol, tol.rtol if options.rtol is None else options.rtol
         )
-    return out
+        for name, tol in spec.tolerances(variant).items()
+    }
 
 
 def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
@@ -300,79 +330,90 @@ def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[Sh
 
 @dataclass
 class _Expected:
-    """Where expected outputs come from: golden vectors or the PyTorch original."""
+    """Expected outputs for a list of cases, and where they came from."""
 
     label: str
-    cases: list[tuple[ShapePoint, int, dict[str, np.ndarray], dict[str, np.ndarray]]]
+    cases: list[GoldenCase]
+    seeds: list[int]
 
 
-def _golden_expected(out_dir: Path, entry: ManifestEntry, spec: ModelSpec) -> _Expected:
-    path = out_dir / entry.golden
-    cases = []
-    for i, (label, sizes, feeds, outputs) in enumerate(read_golden(path)):
-        for section, got, want in (("inputs", feeds, spec.inputs), ("outputs", outputs, spec.outputs)):
+def _golden_expected(out_dir: Path, entry: ManifestEntry) -> _Expected:
+    spec, path = entry.model_spec, out_dir / entry.golden
+    cases = read_golden(path)
+    for case in cases:
+        for section, got, want in (("inputs", case.inputs, spec.inputs), ("outputs", case.outputs, spec.outputs)):
             names = sorted(t.name for t in want)
             if sorted(got) != names:
-                raise ArtifactError(f"{path}: case '{label}' has {section} {sorted(got)}, expected {names}")
+                raise ArtifactError(f"{path}: case '{case.label}' has {section} {sorted(got)}, expected {names}")
             for t in want:
                 if got[t.name].dtype != np.dtype(t.dtype):
                     raise ArtifactError(
-                        f"{path}: case '{label}' {section[:-1]} '{t.name}' has dtype {got[t.name].dtype}, "
+                        f"{path}: case '{case.label}' {section[:-1]} '{t.name}' has dtype {got[t.name].dtype}, "
                         f"expected {t.dtype}"
                     )
-        cases.append((ShapePoint(label, sizes), i, feeds, outputs))
-    return _Expected("golden", cases)
+    return _Expected("golden", cases, list(range(len(cases))))
 
 
 def _torch_expected(torch_rt: Runtime, spec: ModelSpec, points: list[ShapePoint], seed: int) -> _Expected:
     cases = []
     for i, point in enumerate(points):
         feeds = make_feeds(spec, point.sizes, seed + i)
-        cases.append((point, seed + i, feeds, torch_rt.run(feeds)))
-    return _Expected(torch_rt.name, cases)
+        cases.append(GoldenCase(point.label, dict(point.sizes), feeds, torch_rt.run(feeds)))
+    return _Expected(torch_rt.name, cases, [seed + i for i in range(len(points))])
 
 
-def _run_target(
-    entry: ManifestEntry,
-    target: Runtime,
+def _run(runtime: Runtime, feeds: Mapping[str, np.ndarray], case: CaseResult) -> dict[str, np.ndarray] | None:
+    """The runtime's outputs, or None with ``case.error`` set when it fails."""
+    try:
+        return runtime.run(feeds)
+    except UsageError:
+        raise
+    except AttnExportError as e:
+        case.error = str(e)
+        return None
+
+
+def _time(
+    case: CaseResult, target: Runtime, torch_rt: Runtime | None, feeds: Mapping[str, np.ndarray], budget: float
+) -> None:
+    case.onnx_latency = measure(target.prepare(feeds), budget_s=budget)
+    if torch_rt is not None:
+        case.torch_latency = measure(torch_rt.prepare(feeds), budget_s=budget)
+
+
+def _check_target(
+    model: str,
+    target: Target,
+    runtime: Runtime,
     expected: _Expected,
     tolerances: dict[str, Tolerance],
     torch_rt: Runtime | None,
     options: VerifyOptions,
 ) -> list[CaseResult]:
-    results = []
+    """Run ``runtime`` on every expected case: compare, time where the kind is timed, gate."""
+    results = [
+        CaseResult(model, target, c.label, dict(c.sizes), seed, expected.label)
+        for c, seed in zip(expected.cases, expected.seeds, strict=True)
+    ]
     try:
-        target.activate()
+        runtime.activate()
     except UsageError:
         raise
     except AttnExportError as e:
-        return [
-            CaseResult(entry.name, target.name, p.label, p.sizes, s, expected.label, error=str(e))
-            for p, s, _, _ in expected.cases
-        ]
+        for r in results:
+            r.error = str(e)
+        return results
     try:
-        for point, seed, feeds, want in expected.cases:
-            case = CaseResult(entry.name, target.name, point.label, dict(point.sizes), seed, expected.label)
-            results.append(case)
-            try:
-                got = target.run(feeds)
-            except UsageError:
-                raise
-            except AttnExportError as e:
-                case.error = str(e)
+        for result, case in zip(results, expected.cases, strict=True):
+            got = _run(runtime, case.inputs, result)
+            if got is None:
                 continue
-            case.comparisons = compare_outputs(want, got, tolerances)
-            if options.latency and target.name.startswith("onnxruntime"):
-                case.onnx_latency = measure(target.prepare(feeds), budget_s=options.latency_budget_s)
-                if torch_rt is not None:
-                    case.torch_latency = measure(torch_rt.prepare(feeds), budget_s=options.latency_budget_s)
-                if options.max_slowdown is not None and case.ratio is not None and case.ratio > options.max_slowdown:
-                    case.gate = (
-                        f"onnxruntime p50 {case.onnx_latency.p50_ms:.3f} ms is {case.ratio:.2f}x PyTorch's "
-                        f"{case.torch_latency.p50_ms:.3f} ms (--max-slowdown {options.max_slowdown:g})"  # type: ignore[union-attr]
-                    )
+            result.comparisons = compare_outputs(case.outputs, got, tolerances)
+            if options.latency and RUNTIMES[target.runtime].timed:
+                _time(result, runtime, torch_rt, case.inputs, options.latency_budget_s)
+                result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
     finally:
-        target.deactivate()
+        runtime.deactivate()
     return results
 
 
@@ -385,27 +426,12 @@ def verify_artifacts(
 ) -> VerifyReport:
     """Verify each named model; problems become failed checks or cases, never exceptions,
     except bad usage (unknown provider, shapes outside the declared ranges)."""
-    for provider in options.providers:
-        require_provider(provider)
+    options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
-    report = VerifyReport(
-        artifacts=str(out_dir),
-        seed=options.seed,
-        settings={
-            "providers": list(options.providers),
-            "reference": options.reference,
-            "golden": options.golden,
-            "threads": options.threads,
-            "latency": options.latency,
-            "atol": options.atol,
-            "rtol": options.rtol,
-            "max_slowdown": options.max_slowdown,
-            "shapes": [dict(s) for s in options.shapes] if options.shapes else None,
-        },
-    )
+    report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())
     for name in names:
         entry = manifest.models[name]
-        spec = entry.model_spec()
+        spec = entry.model_spec
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
@@ -418,7 +444,7 @@ def verify_artifacts(
             check.problems += problems
         if runnable:
             try:
-                cases = _verify_model(out_dir, entry, spec, options)
+                cases = _verify_model(out_dir, entry, options)
             except UsageError:
                 raise
             except AttnExportError as e:
@@ -430,40 +456,31 @@ def verify_artifacts(
     return report
 
 
-def _verify_model(
-    out_dir: Path,
-    entry: ManifestEntry,
-    spec: ModelSpec,
-    options: VerifyOptions,
-) -> list[CaseResult]:
+def _verify_model(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[CaseResult]:
+    spec = entry.model_spec
     tolerances = _tolerances(spec, entry.variant, options)
     path = out_dir / entry.file
     cases: list[CaseResult] = []
+
+    def make(target: Target) -> Runtime:
+        return RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+
     if options.golden:
-        expected = _golden_expected(out_dir, entry, spec)
-        for provider in options.providers:
-            target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
-            cases += _run_target(entry, target, expected, tolerances, None, options)
-        if options.reference:
-            target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
-            cases += _run_target(entry, target, expected, tolerances, None, options)
+        expected = _golden_expected(out_dir, entry)
+        for target in options.targets:
+            cases += _check_target(entry.name, target, make(target), expected, tolerances, None, options)
         return cases
 
-    from attn_export.factory import instantiate
+    from attn_export.export.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
     module = instantiate(spec)
-    for provider in options.providers:
-        device = torch_device_for(provider)
-        with TorchRuntime(
-            module, spec.inputs, spec.outputs, spec.dims, device=device, threads=options.threads
-        ) as eager:
-            expected = _torch_expected(eager, spec, _points(spec, options, None), options.seed)
-            target = OnnxRuntime(path, spec.inputs, spec.outputs, spec.dims, provider=provider, threads=options.threads)
-            cases += _run_target(entry, target, expected, tolerances, eager, options)
-    if options.reference:
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
-            expected = _torch_expected(eager, spec, _points(spec, options, REFERENCE_CAP), options.seed)
-        target = ReferenceRuntime(path, spec.inputs, spec.outputs, spec.dims)
-        cases += _run_target(entry, target, expected, tolerances, None, options)
+    for target in options.targets:
+        kind = RUNTIMES[target.runtime]
+        device = torch_device_for(target.provider) if kind.timed else "cpu"
+        threads = options.threads if kind.timed else None
+        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
+            expected = _torch_expected(eager, spec, _points(spec, options, kind.shape_cap), options.seed)
+            torch_rt = eager if kind.timed else None
+            cases += _check_target(entry.name, target, make(target), expected, tolerances, torch_rt, options)
     return cases

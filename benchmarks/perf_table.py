@@ -32,14 +32,11 @@ def _row(report, runner: str, seq: int):
 def _profile(model: Path, seq: int, threads: int) -> dict[str, float]:
     """Share of ONNX Runtime's kernel time per op type, from SessionOptions.enable_profiling."""
     import numpy as np
-    import onnxruntime as ort
+
+    from attn_export.runtimes.ort import load_session
 
     with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tmp) / "profile")
-        options.intra_op_num_threads = threads
-        session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        session = load_session(model, "cpu", threads=threads, profile_prefix=Path(tmp) / "profile")
         feeds = {
             i.name: np.random.default_rng(0).standard_normal((1, seq, 512)).astype(np.float32)
             for i in session.get_inputs()
@@ -62,12 +59,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
+    from attn_export.artifacts.manifest import load_manifest
     from attn_export.bench.run import BenchOptions, run_bench
-    from attn_export.bench.timing import physical_cores
     from attn_export.build import BuildOptions, build_models
-    from attn_export.manifest import load_manifest
     from attn_export.report.bench_text import format_bench_summary, markdown_bench_table
     from attn_export.spec import load_spec
+    from attn_export.timing import physical_cores
 
     spec_path = HERE / "models" / "mha_512.toml"
     variants = ("fp32", "ort-fused", "int8")

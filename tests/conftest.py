@@ -41,7 +41,7 @@ def write_spec(folder: Path, name: str, body: str) -> Path:
 
 
 TINY_MHA = """
-module = "attn_export.reference.seed:MultiHeadAttention"
+module = "attn_export.zoo.seed:MultiHeadAttention"
 kwargs = { hidden_dim = 16, num_heads = 2 }
 exporter = "{exporter}"
 
@@ -79,7 +79,7 @@ def plant(out_dir: Path, name: str, proto_or_bytes: object, module: str | None =
 
     import onnx
 
-    from attn_export.artifacts import sha256_file
+    from attn_export.artifacts.files import sha256_file
 
     path = out_dir / f"{name}.onnx"
     if isinstance(proto_or_bytes, onnx.ModelProto):

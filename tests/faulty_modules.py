@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_export.reference.seed import MultiHeadAttention
+from attn_export.zoo.seed import MultiHeadAttention
 
 
 class BakedBatchAttention(MultiHeadAttention):

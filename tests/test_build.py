@@ -12,20 +12,21 @@ import onnx
 import pytest
 import torch
 
-from attn_export import artifacts
-from attn_export.artifacts import build_lock, read_golden, sha256_file
+from attn_export.artifacts import files as artifacts
+from attn_export.artifacts.files import build_lock, sha256_file
+from attn_export.artifacts.golden import read_golden
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.build import BuildOptions, build_models
 from attn_export.compare import compare_outputs
 from attn_export.errors import GraphCheckError
-from attn_export.export import export_onnx
-from attn_export.factory import instantiate
-from attn_export.graph_checks import check_dynamic_axes, graph_shapes
-from attn_export.inputs import make_feeds
-from attn_export.manifest import load_manifest
+from attn_export.export.factory import instantiate
+from attn_export.export.graph_checks import check_dynamic_axes, graph_shapes
+from attn_export.export.torch_export import export_onnx
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.shapes import sweep
 from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import sweep
 from tests.conftest import ZOO, tiny_spec, write_spec
 
 ZOO_NAMES = sorted(p.stem for p in ZOO.glob("*.toml"))
@@ -34,7 +35,7 @@ ZOO_NAMES = sorted(p.stem for p in ZOO.glob("*.toml"))
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_model_matches_pytorch_across_shapes(zoo_dir: Path, name: str) -> None:
     entry = load_manifest(zoo_dir).models[name]
-    spec = entry.model_spec()
+    spec = entry.model_spec
     points = sweep(spec)[:5]  # min, distinct, max, and the two skewed points
     assert any(len(set(p.sizes.values())) > 1 for p in points)
     tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
@@ -52,9 +53,9 @@ def test_zoo_model_matches_pytorch_across_shapes(zoo_dir: Path, name: str) -> No
 def test_declared_axes_are_symbolic_and_distinct(zoo_dir: Path, name: str) -> None:
     entry = load_manifest(zoo_dir).models[name]
     proto = onnx.load(zoo_dir / entry.file)
-    check_dynamic_axes(proto, name, entry.input_specs(), entry.output_specs())
+    check_dynamic_axes(proto, name, entry.model_spec.inputs, entry.model_spec.outputs)
     shapes = graph_shapes(proto)
-    for t in entry.input_specs() + entry.output_specs():
+    for t in entry.model_spec.inputs + entry.model_spec.outputs:
         assert list(shapes[t.name]) == list(t.shape)
 
 
@@ -66,7 +67,7 @@ def test_attention_op_model_holds_the_onnx_attention_op(zoo_dir: Path) -> None:
 
 def test_metadata_records_provenance(zoo_dir: Path) -> None:
     meta = {p.key: p.value for p in onnx.load(zoo_dir / "mha.onnx").metadata_props}
-    assert meta["attn_export.source_module"] == "attn_export.reference.seed:MultiHeadAttention"
+    assert meta["attn_export.source_module"] == "attn_export.zoo.seed:MultiHeadAttention"
     assert meta["attn_export.exporter"] == "dynamo" and meta["attn_export.opset"] == "18"
     assert meta["attn_export.version.torch"] == torch.__version__
     assert meta["attn_export.spec_hash"] == load_manifest(zoo_dir).models["mha"].spec_hash
@@ -75,12 +76,12 @@ def test_metadata_records_provenance(zoo_dir: Path) -> None:
 
 def test_golden_vectors_cover_batch_one_and_unequal_lengths(zoo_dir: Path) -> None:
     cases = read_golden(zoo_dir / "mha_cross.golden.npz")
-    sizes = [c[1] for c in cases]
+    sizes = [c.sizes for c in cases]
     assert {"batch": 1, "seq": 1, "kv_seq": 1} in sizes
     assert any(s["seq"] != s["kv_seq"] for s in sizes)
-    label, case_sizes, feeds, outputs = cases[0]
-    assert feeds["query"].shape == (case_sizes["batch"], case_sizes["seq"], 256)
-    assert outputs["output"].dtype == np.float32
+    case = cases[0]
+    assert case.inputs["query"].shape == (case.sizes["batch"], case.sizes["seq"], 256)
+    assert case.outputs["output"].dtype == np.float32
 
 
 def test_merged_axes_export_is_caught(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_torchscript_exporter_builds_with_dynamic_axes(tmp_path: Path) -> None:
     summary = _build([tiny_spec(tmp_path / "models", exporter="torchscript")], tmp_path / "out")
     assert summary.results[0].status == "built", summary.results[0].error
     entry = load_manifest(tmp_path / "out").models["tiny"]
-    assert entry.exporter == "torchscript"
+    assert entry.model_spec.exporter == "torchscript"
     assert graph_shapes(onnx.load(tmp_path / "out" / "tiny.onnx"))["keys"] == ("batch", "kv_seq", 16)
 
 
@@ -214,9 +215,7 @@ def test_one_failing_model_does_not_stop_the_others(tmp_path: Path) -> None:
 def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
     path = tiny_spec(tmp_path / "models", exporter="torchscript")
     path.write_text(
-        path.read_text().replace(
-            "attn_export.reference.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention"
-        )
+        path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention")
     )
     summary = _build([path], tmp_path / "out")
     r = summary.results[0]
@@ -243,11 +242,14 @@ def test_build_lock_refuses_a_second_build(tmp_path: Path) -> None:
 
 def test_manifest_records_the_contract(zoo_dir: Path) -> None:
     doc = json.loads((zoo_dir / "manifest.json").read_text())
-    assert doc["schema"] == "attn-export/manifest" and doc["schema_version"] == 1
+    assert doc["schema"] == "attn-export/manifest" and doc["schema_version"] == 2
     entry = doc["models"]["mha_cross"]
-    assert entry["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 256]}
-    assert entry["dims"]["kv_seq"] == {"min": 1, "max": 320}
-    assert entry["tolerance"]["atol"] == 1e-5
+    # the spec is stored once; nothing beside it repeats its fields
+    assert not {"inputs", "outputs", "dims", "tolerance", "opset", "exporter"} & set(entry)
+    spec = entry["spec"]
+    assert spec["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 256]}
+    assert spec["dims"]["kv_seq"] == {"min": 1, "max": 320}
+    assert spec["tolerance"]["atol"] == 1e-5
     assert entry["sha256"] == sha256_file(zoo_dir / "mha_cross.onnx")
     assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript", "onnxruntime"}
     assert os.stat(zoo_dir / "mha_cross.onnx").st_mode & 0o044  # readable by others, like any build output

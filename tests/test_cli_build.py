@@ -49,6 +49,18 @@ def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
     assert doc["results"][0]["stages"]["axes"] is True
 
 
+def test_build_json_summary_round_trips(tmp_path: Path) -> None:
+    from attn_export.build import BuildSummary
+
+    tiny_spec(tmp_path / "models")
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"), "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    summary = BuildSummary.from_dict(doc)
+    assert summary.to_dict() == doc
+    assert summary.counts == {"built": 1, "skipped": 0, "failed": 0} and summary.results[0].status == "built"
+
+
 def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
     tiny_spec(tmp_path / "models")
     out = tmp_path / "out"
@@ -66,7 +78,7 @@ def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())["models"]["tiny"]
-    assert (manifest["opset"], manifest["exporter"]) == (17, "torchscript")
+    assert (manifest["spec"]["opset"], manifest["spec"]["exporter"]) == (17, "torchscript")
 
 
 BAD_SPECS = [
@@ -78,18 +90,18 @@ BAD_SPECS = [
     ),
     (
         "unknown_module",
-        lambda t: t.replace("attn_export.reference.seed:", "no_such_pkg.attn:"),
+        lambda t: t.replace("attn_export.zoo.seed:", "no_such_pkg.attn:"),
         "tiny: cannot import module 'no_such_pkg.attn': No module named 'no_such_pkg'",
     ),
     (
         "unknown_class",
         lambda t: t.replace("seed:MultiHeadAttention", "seed:Nope"),
-        "tiny: module 'attn_export.reference.seed' has no attribute 'Nope'",
+        "tiny: module 'attn_export.zoo.seed' has no attribute 'Nope'",
     ),
     (
         "bad_kwargs",
         lambda t: t.replace("num_heads = 2", "heads = 2"),
-        "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.reference.seed:MultiHeadAttention",
+        "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.zoo.seed:MultiHeadAttention",
     ),
     (
         "min_gt_max",
@@ -114,7 +126,7 @@ def test_import_error_in_user_module_exits_2(tmp_path: Path) -> None:
     models = tmp_path / "models"
     path = tiny_spec(models)
     (models / "broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
-    path.write_text(path.read_text().replace("attn_export.reference.seed:MultiHeadAttention", "broken_mod:X"))
+    path.write_text(path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "broken_mod:X"))
     result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
     assert "tiny: importing 'broken_mod' raised RuntimeError: boom at import" in result.output

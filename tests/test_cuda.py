@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.inputs import make_feeds
-from attn_export.manifest import load_manifest
 from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.spec.inputs import make_feeds
 
 pytestmark = pytest.mark.skipif(
     "CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_cuda_session_really_runs_on_cuda_and_matches_cpu(zoo_dir: Path) -> None:
     entry = load_manifest(zoo_dir).models["mha_cross"]
-    spec = entry.model_spec()
+    spec = entry.model_spec
     feeds = make_feeds(spec, {"batch": 2, "seq": 3, "kv_seq": 7}, 0)
     with OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, provider="cuda") as gpu:
         assert gpu.session.get_providers()[0] == "CUDAExecutionProvider"

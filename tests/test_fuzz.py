@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attn_export.artifacts import sha256_file
+from attn_export.artifacts.files import sha256_file
 from attn_export.cli import cli
 
 COUNT = int(os.environ.get("ATTN_EXPORT_FUZZ", "1000"))

@@ -15,10 +15,10 @@ import torch
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from attn_export import artifacts
+from attn_export.artifacts import files as artifacts
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.errors import InputError
-from attn_export.manifest import load_manifest
 from attn_export.runtimes.ort import OnnxRuntime
 from tests.conftest import tiny_spec
 
@@ -156,7 +156,7 @@ def test_pickle_carrying_code_is_refused_and_never_run(tmp_path: Path) -> None:
     ],
 )
 def test_state_dict_that_does_not_fit_is_refused(tmp_path: Path, edit, message: str) -> None:
-    from attn_export.reference import MultiHeadAttention
+    from attn_export.zoo import MultiHeadAttention
 
     state = MultiHeadAttention(16, 2).state_dict()
     edit(state)
@@ -165,11 +165,11 @@ def test_state_dict_that_does_not_fit_is_refused(tmp_path: Path, edit, message: 
     spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
     result = invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
-    assert f"tiny: weights do not fit attn_export.reference.seed:MultiHeadAttention: {message}" in result.output
+    assert f"tiny: weights do not fit attn_export.zoo.seed:MultiHeadAttention: {message}" in result.output
 
 
 def test_state_dict_weights_are_used(tmp_path: Path) -> None:
-    from attn_export.reference import MultiHeadAttention
+    from attn_export.zoo import MultiHeadAttention
 
     torch.manual_seed(123)
     torch.save(MultiHeadAttention(16, 2).state_dict(), tmp_path / "w.pt")
@@ -187,7 +187,7 @@ def test_state_dict_weights_are_used(tmp_path: Path) -> None:
 @pytest.fixture
 def sdpa_runtime(zoo_dir: Path):
     entry = load_manifest(zoo_dir).models["sdpa"]
-    spec = entry.model_spec()
+    spec = entry.model_spec
     with OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as rt:
         yield rt
 
@@ -261,7 +261,7 @@ def test_manifest_naming_a_file_outside_its_folder(zoo_copy: Path) -> None:
 
 
 def _rewrite_golden(folder: Path, name: str, change) -> None:
-    from attn_export.artifacts import sha256_file
+    from attn_export.artifacts.files import sha256_file
     from tests.conftest import plant  # noqa: F401  (same idea as plant, for the golden file)
 
     path = folder / f"{name}.golden.npz"

@@ -29,6 +29,13 @@ def test_inspect_our_model(zoo_dir: Path) -> None:
     assert doc["kernels_ok"] is True and doc["external_data"] == []
 
 
+def test_inspect_json_round_trips(zoo_dir: Path) -> None:
+    from attn_export.inspect_model import InspectResult, inspect_file
+
+    result = inspect_file(zoo_dir / "mha.onnx")
+    assert InspectResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+
+
 def test_inspect_text(zoo_dir: Path) -> None:
     result = invoke("inspect", str(zoo_dir / "sdpa.onnx"))
     assert result.exit_code == 0

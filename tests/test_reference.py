@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attn_export.reference import (
+from attn_export.zoo import (
     MaskedMultiHeadAttention,
     MultiHeadAttention,
     ScaledDotProductAttention,

@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -78,6 +79,7 @@ def test_json_report_is_strict_json_even_with_nan(tmp_path: Path, zoo_dir: Path)
     import numpy as np
 
     from attn_export.compare import compare_output
+    from attn_export.runtimes import Target
     from attn_export.spec import Tolerance
     from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
@@ -87,7 +89,7 @@ def test_json_report_is_strict_json_even_with_nan(tmp_path: Path, zoo_dir: Path)
         0,
         {},
         [ModelCheck("m", "m.onnx")],
-        [CaseResult("m", "onnxruntime[cpu]", "min", {"seq": 1}, 0, "golden", [nan_case])],
+        [CaseResult("m", Target("onnxruntime", "cpu"), "min", {"seq": 1}, 0, "golden", [nan_case])],
     )
     text = dump_json_report(report)
     assert "NaN" not in text and "Infinity" not in text
@@ -128,7 +130,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
 
 
 def test_markdown_of_a_passing_report(zoo_dir: Path) -> None:
-    from attn_export.manifest import load_manifest
+    from attn_export.artifacts.manifest import load_manifest
     from attn_export.verify import VerifyOptions, verify_artifacts
 
     report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), ["sdpa"], VerifyOptions(latency=False))
@@ -191,4 +193,30 @@ def test_golden_mode_catches_a_planted_fault(zoo_copy: Path) -> None:
     assert result.exit_code == 1
     assert (
         f"reproduce: attn-export verify {zoo_copy / 'sdpa.onnx'} --provider cpu --golden --no-latency" in result.output
+    )
+
+
+def test_every_renderer_prints_the_same_numbers_for_a_shape_mismatch() -> None:
+    from attn_export.compare import compare_output
+    from attn_export.report.verify_text import format_case
+    from attn_export.runtimes import Target
+    from attn_export.spec import Tolerance
+    from attn_export.verify import CaseResult, ModelCheck, VerifyReport
+
+    wrong_shape = compare_output("o", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), Tolerance(0, 0))
+    case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {"seq": 3}, 0, "golden", [wrong_shape])
+    report = VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")], [case])
+    assert case.max_abs_error is None and case.max_rel_error is None  # nothing numeric was compared
+    row = next(line for line in markdown_report(report).splitlines() if line.startswith("| m |"))
+    assert row.split("|")[5:7] == [" - ", " - "]
+    assert format_case(case).split()[4:6] == ["-", "-"]
+    assert (
+        json.loads(dump_json_report(report))["summary"]
+        == report.summary
+        == {
+            "models": 1,
+            "cases": 1,
+            "failed_cases": 1,
+            "failed_checks": 0,
+        }
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from attn_export.errors import InputError
-from attn_export.shapes import example_sizes, golden_points, parse_shapes, sizes_from_feeds, sweep
 from attn_export.spec import load_spec, spec_paths
+from attn_export.spec.shapes import example_sizes, golden_points, parse_shapes, sizes_from_feeds, sweep
 from tests.conftest import ZOO
 
 SPECS = [load_spec(p) for p in spec_paths(ZOO)]

@@ -104,3 +104,36 @@ def test_spec_paths_unknown_name(tmp_path: Path) -> None:
 def test_spec_paths_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="no such model directory"):
         spec_paths(tmp_path / "absent")
+
+
+def _line(text: str, needle: str, occurrence: int = 1) -> int:
+    hits = [i for i, line in enumerate(text.splitlines(), 1) if line.strip() == needle]
+    return hits[occurrence - 1]
+
+
+def test_errors_cite_the_exact_line_or_the_table(tmp_path: Path) -> None:
+    """A key that occurs once is cited by its line; one that occurs several times by the
+    header of the table that holds the bad value (never the first occurrence elsewhere)."""
+    path = tiny_spec(tmp_path)
+    base = path.read_text()
+    text = base + "\n[tolerance]\natol = 1e-5\n\n[tolerance.outputs.output]\natol = -1\n"
+    path.write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"{path}:{_line(text, '[tolerance.outputs.output]')}: ")
+
+    text = base.replace('name = "values"', 'name = "values"\ndtype = "complex64"')
+    path.write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    bad_dtype = 'dtype = "complex64"'
+    assert str(err.value).startswith(f"{path}:{_line(text, bad_dtype)}: ")
+
+    text = base.replace(
+        'shape = ["batch", "kv_seq", 16]\n\n[[outputs]]', 'shape = ["batch", "kv_seq", 0]\n\n[[outputs]]'
+    )
+    assert text != base
+    path.write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"{path}:{_line(text, '[[inputs]]', 3)}: ")

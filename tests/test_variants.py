@@ -8,11 +8,10 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.manifest import load_manifest
-from attn_export.spec import load_spec
-from attn_export.variants import DEFAULT_TOLERANCES
+from attn_export.spec import VARIANTS, load_spec
 from tests.conftest import ZOO, write_spec
 
 ALL = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto")
@@ -64,7 +63,7 @@ def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_bui
     assert result.exit_code == 0
     errors = [float(line.split()[4]) for line in result.output.splitlines() if line.startswith("mha_cross.int8")]
     assert max(errors) > 1e-4  # a real, visible quantization error, within int8's tolerance
-    assert max(errors) <= DEFAULT_TOLERANCES["int8"].atol
+    assert max(errors) <= VARIANTS["int8"].tolerance.atol
     strict = CliRunner().invoke(
         cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--atol", "1e-5", "--rtol", "1e-4"]
     )
@@ -110,7 +109,7 @@ def test_variant_tolerance_from_the_spec(tmp_path: Path) -> None:
     text = (ZOO / "sdpa.toml").read_text() + "\n[variants.int8]\natol = 0.5\nrtol = 0.25\n"
     spec = load_spec(write_spec(tmp_path, "sdpa", text))
     assert (spec.tolerance_for("output", "int8").atol, spec.tolerance_for("output", "int8").rtol) == (0.5, 0.25)
-    assert spec.tolerance_for("output", "fp16") == DEFAULT_TOLERANCES["fp16"]
+    assert spec.tolerance_for("output", "fp16") == VARIANTS["fp16"].tolerance
     assert spec.tolerance_for("output") == spec.tolerance
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export import export_onnx
-from attn_export.factory import instantiate
-from attn_export.inputs import make_feeds
-from attn_export.manifest import load_manifest
+from attn_export.export.factory import instantiate
+from attn_export.export.torch_export import export_onnx
 from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
 from attn_export.verify import VerifyOptions, shard_names, verify_artifacts
 from tests.conftest import node, plant, set_initializer, tiny_spec
 
@@ -38,7 +38,7 @@ def tiny_build(tmp_path: Path) -> Path:
 
 def _faulty_export(tiny_build: Path, module_path: str, exporter: str, feeds: dict) -> onnx.ModelProto:
     """Export a faulty module with the tiny model's weights and spec, as a user script might."""
-    spec = load_manifest(tiny_build).models["tiny"].model_spec()
+    spec = load_manifest(tiny_build).models["tiny"].model_spec
     faulty = spec.__class__(**{**spec.__dict__, "module": module_path, "exporter": exporter})
     return export_onnx(instantiate(faulty), faulty, feeds)
 
@@ -47,11 +47,23 @@ def _failures(result) -> list[str]:
     return [line for line in result.output.splitlines() if line.startswith("FAIL ")]
 
 
-def test_correct_zoo_raises_no_false_alarm_five_runs_in_a_row(zoo_dir: Path) -> None:
-    for seed in range(5):
-        result = invoke("verify", str(zoo_dir), "--seed", str(seed), *FAST)
-        assert result.exit_code == 0, result.output
-        assert "verify PASSED: 42 of 42 cases agree across 6 models" in result.output
+@pytest.mark.parametrize("seed", range(5))
+def test_correct_zoo_raises_no_false_alarm_five_runs_in_a_row(zoo_dir: Path, seed: int) -> None:
+    result = invoke("verify", str(zoo_dir), "--seed", str(seed), *FAST)
+    assert result.exit_code == 0, result.output
+    assert "verify PASSED: 42 of 42 cases agree across 6 models" in result.output
+
+
+def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
+    from attn_export.artifacts.golden import read_golden, write_golden
+
+    path = zoo_copy / "sdpa.golden.npz"
+    cases = read_golden(path)
+    cases[0].outputs["output"] = cases[0].outputs["output"] * 2  # PyTorch's answer, doctored
+    write_golden(path, cases)
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", *FAST)
+    assert result.exit_code == 1, result.output
+    assert "FAIL sdpa: sdpa.golden.npz changed after the build" in result.output
 
 
 def test_planted_baked_batch_is_caught(tiny_build: Path) -> None:
@@ -72,7 +84,7 @@ def test_planted_merged_axes_are_caught(tiny_build: Path) -> None:
         tiny_build,
         "tiny",
         _faulty_export(
-            tiny_build, "attn_export.reference.seed:MultiHeadAttention", "dynamo", {"query": x, "keys": x, "values": x}
+            tiny_build, "attn_export.zoo.seed:MultiHeadAttention", "dynamo", {"query": x, "keys": x, "values": x}
         ),
     )
     result = invoke("verify", str(tiny_build), *FAST)
@@ -256,7 +268,7 @@ def test_property_any_shape_within_the_declared_ranges_agrees(zoo_dir: Path) -> 
     from attn_export.runtimes.torch_eager import TorchRuntime
 
     entry = load_manifest(zoo_dir).models["mha_causal"]
-    spec = entry.model_spec()
+    spec = entry.model_spec
     tolerances = {t.name: spec.tolerance_for(t.name) for t in spec.outputs}
     sizes = st.fixed_dictionaries({k: st.integers(r.min, min(r.max, 96)) for k, r in spec.dims.items()})
     with (

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from attn_export._deps import require
+from attn_export.runtimes.ort import load_session
 
 __all__ = ["count_flops", "matmul_peak_gflops"]
 
@@ -42,7 +43,6 @@ def _best_seconds(call: Any, repeats: int) -> float:
 def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> dict[str, float]:
     """GFLOP/s of a large float32 GEMM in PyTorch and in ONNX Runtime with ``threads``
     threads; the larger is this machine's peak for the report's efficiency column."""
-    import onnxruntime as ort
     from onnx import TensorProto, helper
 
     torch = require("torch", "measuring the matmul peak")
@@ -64,9 +64,7 @@ def matmul_peak_gflops(threads: int, n: int = 2048, repeats: int = 5) -> dict[st
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = load_session(model.SerializeToString(), "cpu", threads=threads)
     feeds = {"a": a.numpy(), "b": b.numpy()}
     ort_gflops = flops / _best_seconds(lambda: session.run(None, feeds), repeats) / 1e9
     return {"torch": torch_gflops, "onnxruntime": ort_gflops, "peak": max(torch_gflops, ort_gflops)}

@@ -33,8 +33,8 @@ def peak_rss_mb(request: dict[str, Any], timeout_s: float = 300) -> float | None
 
 
 def _run(request: dict[str, Any]) -> None:
-    from attn_export.inputs import make_feeds
     from attn_export.spec import spec_from_dict
+    from attn_export.spec.inputs import make_feeds
 
     spec = spec_from_dict(request["spec"])
     feeds = make_feeds(spec, request["sizes"], 0)
@@ -45,7 +45,7 @@ def _run(request: dict[str, Any]) -> None:
             Path(request["file"]), spec.inputs, spec.outputs, provider=request["provider"], threads=request["threads"]
         )
     else:
-        from attn_export.factory import instantiate
+        from attn_export.export.factory import instantiate
         from attn_export.runtimes.torch_eager import TorchRuntime
 
         runtime = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=request["threads"])

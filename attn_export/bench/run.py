@@ -14,15 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attn_export.artifacts.manifest import Manifest, load_manifest
+from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.bench.flops import count_flops, matmul_peak_gflops
 from attn_export.bench.memory import peak_rss_mb
-from attn_export.bench.timing import LatencyStats, measure
+from attn_export.build import BuildOptions, BuildSummary, build_models, versions
 from attn_export.errors import InputError
-from attn_export.inputs import make_feeds
-from attn_export.manifest import Manifest
-from attn_export.spec import ModelSpec
+from attn_export.export.graph_checks import check_model
+from attn_export.spec import ModelSpec, load_spec, variant_key
+from attn_export.spec.inputs import make_feeds
+from attn_export.timing import LatencyStats, measure, physical_cores
 
-__all__ = ["BenchOptions", "BenchReport", "BenchRow", "machine_description", "run_bench"]
+__all__ = ["BenchOptions", "BenchReport", "BenchRow", "bench_models", "machine_description", "run_bench"]
 
 
 @dataclass
@@ -31,9 +34,10 @@ class BenchOptions:
 
     batches: Sequence[int]
     seqs: Sequence[int]
-    variants: Sequence[str] = ("fp32",)
+    variants: Sequence[str] = ("fp32", "ort-fused", "int8")
     provider: str = "cpu"
-    threads: int = 1
+    #: Threads for every runner; None means the physical cores.
+    threads: int | None = None
     budget_s: float = 0.2
     memory: bool = True
 
@@ -79,8 +83,6 @@ class BenchReport:
 
 def machine_description() -> str:
     """CPU model and usable cores, for titles and reports."""
-    from attn_export.bench.timing import physical_cores
-
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -98,7 +100,7 @@ def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
 
 def _sdpa_twin(spec: ModelSpec, module: Any) -> Any | None:
     """The same weights in SDPAMultiHeadAttention, for seed-style multi-head modules."""
-    from attn_export.reference import MultiHeadAttention, SDPAMultiHeadAttention
+    from attn_export.zoo import MultiHeadAttention, SDPAMultiHeadAttention
 
     if not isinstance(module, MultiHeadAttention) or isinstance(module, SDPAMultiHeadAttention):
         return None
@@ -115,18 +117,18 @@ def run_bench(
     on_row: Callable[[BenchRow], None] | None = None,
 ) -> BenchReport:
     """Measure every requested runner at every shape; graphs come from ``out_dir``."""
-    from attn_export.build import versions
-    from attn_export.factory import instantiate
+    from attn_export.export.factory import instantiate
     from attn_export.runtimes.ort import OnnxRuntime
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
-    from attn_export.variants import variant_key
 
+    threads = options.threads or physical_cores()
+    options = dataclasses.replace(options, threads=threads)
     report = BenchReport(
         machine=machine_description(),
         versions=versions(),
-        threads=options.threads,
+        threads=threads,
         provider=options.provider,
-        peak_gflops=matmul_peak_gflops(options.threads),
+        peak_gflops=matmul_peak_gflops(threads),
     )
     device = torch_device_for(options.provider)
     for spec in specs:
@@ -141,8 +143,10 @@ def run_bench(
             )
         for variant in options.variants:
             entry = manifest.models[variant_key(spec.name, variant)]
+            path = out_dir / entry.file
+            check_model(load_model_file(path), entry.name, path)  # never time a graph verify would refuse
             runners[f"ort:{variant}"] = OnnxRuntime(
-                out_dir / entry.file, spec.inputs, spec.outputs, provider=options.provider, threads=options.threads
+                path, spec.inputs, spec.outputs, provider=options.provider, threads=options.threads
             )
         for batch in options.batches:
             for seq in options.seqs:
@@ -183,3 +187,20 @@ def run_bench(
                     {**base, "runner": "onnxruntime", "file": str(out_dir / entry.file)}
                 )
     return report
+
+
+def bench_models(
+    spec_paths: Sequence[Path],
+    out_dir: Path,
+    options: BenchOptions,
+    on_row: Callable[[BenchRow], None] | None = None,
+) -> tuple[BuildSummary, BenchReport | None]:
+    """Build the variants still missing from ``out_dir``, then measure them; no report
+    when a graph failed to build."""
+    built = build_models(
+        spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
+    )
+    if any(not r.ok for r in built.results):
+        return built, None
+    specs = [load_spec(p) for p in spec_paths]
+    return built, run_bench(out_dir, load_manifest(out_dir), specs, options, on_row)

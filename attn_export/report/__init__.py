@@ -1,1 +1,43 @@
-"""Renderers: they format result dataclasses and compute nothing."""
+"""Stage 6, the reports: renderers format result dataclasses and compute nothing.
+
+``FORMATS`` is the registry of verify report formats, each written by ``--<name> FILE``:
+a new format is one module defining a ``ReportFormat`` and one line here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from attn_export.artifacts.files import atomic_write
+from attn_export.errors import UsageError
+from attn_export.report import json_report, junit, markdown
+from attn_export.report.base import ReportFormat
+
+if TYPE_CHECKING:
+    from attn_export.verify import VerifyReport
+
+__all__ = ["FORMATS", "ReportFormat", "write_reports"]
+
+FORMATS: dict[str, ReportFormat] = {
+    json_report.FORMAT.name: json_report.FORMAT,
+    junit.FORMAT.name: junit.FORMAT,
+    markdown.FORMAT.name: markdown.FORMAT,
+}
+
+
+def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> None:
+    """Write each requested format atomically, and append the Markdown report to
+    ``$GITHUB_STEP_SUMMARY`` when it is set."""
+    for name, path in paths.items():
+        if path is not None:
+            atomic_write(path, FORMATS[name].render(report).encode())
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary_file:
+        try:
+            with open(summary_file, "a", encoding="utf-8") as f:
+                f.write(markdown.markdown_report(report))
+        except OSError as e:
+            raise UsageError(f"cannot append to $GITHUB_STEP_SUMMARY ({summary_file}): {e.strerror}") from e

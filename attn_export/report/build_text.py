@@ -19,15 +19,14 @@ def format_build_line(r: BuildResult) -> str:
     elif r.info.get("fusions"):
         line += "  (fused: " + ", ".join(f"{k} {v}" for k, v in r.info["fusions"].items()) + ")"
     if r.error:
-        failed = next((k for k, v in r.stages.items() if v is False), None)
-        line += f"  [{failed}] {r.error}" if failed else f"  {r.error}"
+        line += f"  [{r.failed_stage}] {r.error}" if r.failed_stage else f"  {r.error}"
     for w in r.warnings:
         line += f"\n        warning: {w}"
     return line
 
 
 def format_build_summary(s: BuildSummary) -> str:
-    c = s.counts()
+    c = s.counts
     return (
         f"{len(s.results)} graphs: {c['built']} built, {c['skipped']} skipped, {c['failed']} failed "
         f"in {s.seconds:.1f} s -> {s.out_dir}/manifest.json"

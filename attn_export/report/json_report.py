@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from attn_export.verify import VerifyReport
+from attn_export.report.base import ReportFormat
 
-__all__ = ["dump_json_report", "load_json_report"]
+if TYPE_CHECKING:
+    from attn_export.verify import VerifyReport
+
+__all__ = ["FORMAT", "dump_json_report", "load_json_report"]
 
 
 def _encode(value: Any) -> Any:
@@ -42,4 +45,9 @@ def dump_json_report(report: VerifyReport) -> str:
 
 
 def load_json_report(text: str) -> VerifyReport:
+    from attn_export.verify import VerifyReport
+
     return VerifyReport.from_dict(_decode(json.loads(text)))
+
+
+FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from attn_export.verify import CaseResult, VerifyReport
+from attn_export.report.base import ReportFormat
 
-__all__ = ["junit_xml"]
+if TYPE_CHECKING:
+    from attn_export.verify import CaseResult, VerifyReport
+
+__all__ = ["FORMAT", "junit_xml"]
 
 
 def junit_xml(report: VerifyReport) -> str:
@@ -46,3 +50,6 @@ def junit_xml(report: VerifyReport) -> str:
     root.append(suite)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+FORMAT = ReportFormat("junit", junit_xml, "Write JUnit XML here (one testcase per model x runtime).")

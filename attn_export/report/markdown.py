@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from attn_export.verify import VerifyReport
+from typing import TYPE_CHECKING
 
-__all__ = ["markdown_report"]
+from attn_export.report.base import ReportFormat
+
+if TYPE_CHECKING:
+    from attn_export.verify import VerifyReport
+
+__all__ = ["FORMAT", "markdown_report"]
 
 
 def _cell(value: float | None, fmt: str) -> str:
-    return "–" if value is None else format(value, fmt)
+    return "-" if value is None else format(value, fmt)
 
 
 def markdown_report(report: VerifyReport) -> str:
@@ -16,7 +21,8 @@ def markdown_report(report: VerifyReport) -> str:
     lines = [
         f"### attn-export verify: {verdict}",
         "",
-        f"{len(report.checks)} models, {len(report.cases)} cases, seed {report.seed}, {report.seconds:.1f} s.",
+        f"{report.summary['models']} models, {report.summary['cases']} cases, seed {report.seed}, "
+        f"{report.seconds:.1f} s.",
         "",
         "| model | runtime | shape | result | max abs | max rel | torch p50 (ms) | ORT p50 (ms) | ratio |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
@@ -25,8 +31,8 @@ def markdown_report(report: VerifyReport) -> str:
         shape = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
         lines.append(
             f"| {c.model} | {c.runtime} | {shape} | {'PASS' if c.passed else '**FAIL**'} | "
-            f"{_cell(max((x.max_abs_error for x in c.comparisons), default=None), '.2e')} | "
-            f"{_cell(max((x.max_rel_error for x in c.comparisons), default=None), '.2e')} | "
+            f"{_cell(c.max_abs_error, '.2e')} | "
+            f"{_cell(c.max_rel_error, '.2e')} | "
             f"{_cell(c.torch_latency.p50_ms if c.torch_latency else None, '.3f')} | "
             f"{_cell(c.onnx_latency.p50_ms if c.onnx_latency else None, '.3f')} | "
             f"{_cell(c.ratio, '.2f')} |"
@@ -34,9 +40,13 @@ def markdown_report(report: VerifyReport) -> str:
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
     problems += [
         f"- **{c.model}** {c.runtime} {c.shape}: {'; '.join(c.reasons())}  \n  `{report.reproduce(c)}`"
-        for c in report.cases
-        if not c.passed
+        for c in report.failed_cases
     ]
     if problems:
         lines += ["", "#### Failures", "", *problems]
     return "\n".join(lines) + "\n"
+
+
+FORMAT = ReportFormat(
+    "markdown", markdown_report, "Write a Markdown report here (also appended to $GITHUB_STEP_SUMMARY when set)."
+)

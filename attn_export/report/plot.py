@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 
 from attn_export._deps import require
-from attn_export.artifacts import atomic_write
+from attn_export.artifacts.files import atomic_write
 from attn_export.bench.run import BenchReport
 
 __all__ = ["plot_latency"]

@@ -17,16 +17,12 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 
 
 def format_case(c: CaseResult) -> str:
-    max_abs = max((x.max_abs_error for x in c.comparisons), default=None)
-    max_rel = max((x.max_rel_error for x in c.comparisons), default=None)
-    if any(not (x.shape_ok and x.dtype_ok) for x in c.comparisons):
-        max_abs = max_rel = None  # nothing numeric was compared
     shape = ",".join(f"{k}={v}" for k, v in c.sizes.items())
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
     return (
         f"{c.model:<18} {c.runtime:<18} {shape:<30} {'PASS' if c.passed else 'FAIL':<6} "
-        f"{_num(max_abs, '9.2e'):>9} {_num(max_rel, '9.2e'):>9} "
+        f"{_num(c.max_abs_error, '9.2e'):>9} {_num(c.max_rel_error, '9.2e'):>9} "
         f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}"
     )
 
@@ -43,20 +39,16 @@ def format_failures(report: VerifyReport) -> str:
     lines = []
     for check in report.checks:
         lines += [f"FAIL {p}" for p in check.problems]
-    for c in report.cases:
-        if not c.passed:
-            lines.append(f"FAIL {c.model} {c.runtime} {c.shape} (seed {c.seed}): {'; '.join(c.reasons())}")
-            lines.append(f"     reproduce: {report.reproduce(c)}")
+    for c in report.failed_cases:
+        lines.append(f"FAIL {c.model} {c.runtime} {c.shape} (seed {c.seed}): {'; '.join(c.reasons())}")
+        lines.append(f"     reproduce: {report.reproduce(c)}")
     return "\n".join(lines)
 
 
 def format_summary(report: VerifyReport) -> str:
-    failed = sum(not c.passed for c in report.cases)
-    bad_models = sorted(
-        {c.model for c in report.cases if not c.passed} | {c.model for c in report.checks if not c.passed}
-    )
-    verdict = "PASSED" if report.passed else f"FAILED ({', '.join(bad_models)})"
+    n = report.summary
+    verdict = "PASSED" if report.passed else f"FAILED ({', '.join(report.failed_models)})"
     return (
-        f"verify {verdict}: {len(report.cases) - failed} of {len(report.cases)} cases agree across "
-        f"{len(report.checks)} models in {report.seconds:.1f} s (seed {report.seed})"
+        f"verify {verdict}: {n['cases'] - n['failed_cases']} of {n['cases']} cases agree across "
+        f"{n['models']} models in {report.seconds:.1f} s (seed {report.seed})"
     )

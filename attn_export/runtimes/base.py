@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
 from attn_export.errors import InputError, RuntimeFailure
-from attn_export.shapes import sizes_from_feeds
-from attn_export.spec import DimRange, TensorSpec
+from attn_export.runtimes.target import Target
+from attn_export.spec import DimRange, ModelSpec, TensorSpec
+from attn_export.spec.shapes import sizes_from_feeds
 
-__all__ = ["Runtime", "check_feeds"]
+__all__ = ["Runtime", "RuntimeKind", "check_feeds"]
 
 
 def check_feeds(
@@ -112,3 +115,25 @@ class Runtime(ABC):
 
     @abstractmethod
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class RuntimeKind:
+    """One row of the runtime registry (``runtimes.RUNTIMES``): how to run an ONNX graph."""
+
+    name: str
+    #: ``make(model, spec, target, threads)``: a Runtime for the graph at ``model``.
+    make: Callable[[Path | bytes, ModelSpec, Target, int | None], Runtime]
+    #: Providers it runs on; empty for a runtime without providers.
+    providers: tuple[str, ...] = ()
+    #: Every size is capped to this for slow runtimes.
+    shape_cap: int | None = None
+    #: Latency is measured against PyTorch on this runtime.
+    timed: bool = False
+    help: str = ""
+
+    def targets(self, providers: Sequence[str]) -> list[Target]:
+        """This runtime on each requested provider it supports (once if it has none)."""
+        if not self.providers:
+            return [Target(self.name)]
+        return [Target(self.name, p) for p in providers if p in self.providers]

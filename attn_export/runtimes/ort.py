@@ -1,28 +1,32 @@
-"""ONNX Runtime, on one execution provider, with a check that the session really uses it."""
+"""ONNX Runtime, on one execution provider, with a check that the session really uses it.
+
+``load_session`` is the one place an InferenceSession is made: verify, build's smoke
+check, variants, inspect and bench all go through it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from attn_export.errors import ProviderError, RuntimeFailure
-from attn_export.onnx_file import load_model_file
-from attn_export.runtimes.base import Runtime, check_feeds
-from attn_export.spec import DimRange, TensorSpec
+from attn_export.errors import ProviderError, RuntimeFailure, first_line
+from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
+from attn_export.runtimes.target import PROVIDERS, Target
+from attn_export.spec import DimRange, ModelSpec, TensorSpec
 
-__all__ = ["PROVIDERS", "OnnxRuntime", "available_providers", "require_provider"]
+__all__ = ["KIND", "OnnxRuntime", "available_providers", "load_session", "require_provider"]
 
-#: Our short names for ONNX Runtime execution providers.
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
 
 
 def available_providers() -> list[str]:
     """Short names of the providers this onnxruntime build offers."""
     import onnxruntime as ort
 
-    by_ep = {v: k for k, v in PROVIDERS.items()}
+    by_ep = {p.execution_provider: name for name, p in PROVIDERS.items()}
     return [by_ep.get(p, p) for p in ort.get_available_providers()]
 
 
@@ -32,14 +36,63 @@ def require_provider(provider: str) -> str:
 
     if provider not in PROVIDERS:
         raise ProviderError(f"unknown provider '{provider}' (known: {', '.join(PROVIDERS)})")
-    ep = PROVIDERS[provider]
-    if ep not in ort.get_available_providers():
-        hint = " (install onnxruntime-gpu: pip install 'attn-export[gpu]')" if provider == "cuda" else ""
+    info = PROVIDERS[provider]
+    if info.execution_provider not in ort.get_available_providers():
+        hint = f" ({info.install_hint})" if info.install_hint else ""
         raise ProviderError(
             f"provider '{provider}' is not available in this onnxruntime; available: "
             f"{', '.join(available_providers())}{hint}"
         )
-    return ep
+    return info.execution_provider
+
+
+def load_session(
+    model: Path | bytes,
+    provider: str = "cpu",
+    *,
+    threads: int | None = None,
+    level: str | None = None,
+    optimized_path: Path | None = None,
+    no_fallback: bool = False,
+    profile_prefix: Path | None = None,
+) -> Any:
+    """An InferenceSession on ``provider`` alone; RuntimeFailure if it cannot load or
+    silently runs elsewhere.
+
+    ``threads`` pins intra-op threads (inter-op 1); ``level`` is disabled/basic/extended
+    (ORT's default otherwise); ``optimized_path`` saves the optimized graph there;
+    ``no_fallback`` makes a node without a kernel on the provider fail the load;
+    ``profile_prefix`` turns on ONNX Runtime's per-node profiling.
+    """
+    import onnxruntime as ort
+
+    ep = require_provider(provider)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # failures raise with their message; no log lines
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    if level is not None:
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile_prefix)
+    if no_fallback and provider != "cpu":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    label = f"onnxruntime[{provider}]"
+    what = model.name if isinstance(model, Path) else "the graph"
+    try:
+        session = ort.InferenceSession(
+            str(model) if isinstance(model, Path) else model, sess_options=options, providers=[ep]
+        )
+    except Exception as e:
+        raise RuntimeFailure(f"{label}: cannot load {what}: {first_line(e)}") from e
+    used = session.get_providers()
+    if not used or used[0] != ep:
+        raise RuntimeFailure(f"{label}: session fell back to {', '.join(used) or 'no provider'} instead of {ep}")
+    return session
 
 
 class OnnxRuntime(Runtime):
@@ -60,32 +113,15 @@ class OnnxRuntime(Runtime):
         self.provider = provider
         self.threads = threads
         self.name = f"onnxruntime[{provider}]"
-        self.session = None
+        self.session: Any = None
 
     def _activate(self) -> None:
-        import onnxruntime as ort
+        from attn_export.artifacts.onnx_file import load_model_file
 
-        ep = require_provider(self.provider)
+        require_provider(self.provider)
         if isinstance(self.model, Path):
             load_model_file(self.model)  # refuses corrupt files and external data outside its folder
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if self.threads:
-            options.intra_op_num_threads = self.threads
-            options.inter_op_num_threads = 1
-        try:
-            source = str(self.model) if isinstance(self.model, Path) else self.model
-            session = ort.InferenceSession(source, sess_options=options, providers=[ep])
-        except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            what = self.model.name if isinstance(self.model, Path) else "the graph"
-            raise RuntimeFailure(f"{self.name}: cannot load {what}: {first}") from e
-        used = session.get_providers()
-        if not used or used[0] != ep:
-            raise RuntimeFailure(
-                f"{self.name}: session fell back to {', '.join(used) or 'no provider'} instead of {ep}"
-            )
-        self.session = session
+        self.session = load_session(self.model, self.provider, threads=self.threads)
 
     def _deactivate(self) -> None:
         self.session = None
@@ -96,8 +132,7 @@ class OnnxRuntime(Runtime):
         try:
             values = self.session.run(names, dict(feeds))
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeFailure(f"{self.name}: inference failed: {first}") from e
+            raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}") from e
         return dict(zip(names, values, strict=True))
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
@@ -120,3 +155,16 @@ class OnnxRuntime(Runtime):
             binding.synchronize_outputs()
 
         return call
+
+
+def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None) -> Runtime:
+    return OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider=target.provider or "cpu", threads=threads)
+
+
+KIND = RuntimeKind(
+    name="onnxruntime",
+    make=_make,
+    providers=tuple(PROVIDERS),
+    timed=True,
+    help="ONNX Runtime on --provider (each provider its own target)",
+)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from attn_export.errors import RuntimeFailure
-from attn_export.onnx_file import load_model_file
-from attn_export.runtimes.base import Runtime
-from attn_export.spec import DimRange, TensorSpec
+from attn_export.errors import RuntimeFailure, first_line
+from attn_export.runtimes.base import Runtime, RuntimeKind
+from attn_export.runtimes.target import Target
+from attn_export.spec import DimRange, ModelSpec, TensorSpec
 
-__all__ = ["ReferenceRuntime"]
+__all__ = ["KIND", "ReferenceRuntime"]
 
 
 class ReferenceRuntime(Runtime):
@@ -22,23 +23,31 @@ class ReferenceRuntime(Runtime):
 
     def __init__(
         self,
-        path: Path,
+        model: Path | bytes,
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
         dims: Mapping[str, DimRange] | None = None,
     ) -> None:
         super().__init__(inputs, outputs, dims)
-        self.path = path
-        self.evaluator = None
+        self.model = model
+        self.evaluator: Any = None
 
     def _activate(self) -> None:
+        import onnx
         from onnx.reference import ReferenceEvaluator
 
-        load_model_file(self.path)  # refuses corrupt files and external data outside its folder
+        from attn_export.artifacts.onnx_file import load_model_file
+
+        if isinstance(self.model, Path):
+            proto = load_model_file(self.model)  # refuses corrupt files and external data outside its folder
+            source: Any = str(self.model)
+        else:
+            proto = source = onnx.load_from_string(self.model)
+        what = self.model.name if isinstance(self.model, Path) else proto.graph.name
         try:
-            self.evaluator = ReferenceEvaluator(str(self.path))
+            self.evaluator = ReferenceEvaluator(source)
         except Exception as e:
-            raise RuntimeFailure(f"{self.name}: cannot load {self.path.name}: {type(e).__name__}: {e}") from e
+            raise RuntimeFailure(f"{self.name}: cannot load {what}: {type(e).__name__}: {first_line(e)}") from e
 
     def _deactivate(self) -> None:
         self.evaluator = None
@@ -49,5 +58,13 @@ class ReferenceRuntime(Runtime):
         try:
             values = self.evaluator.run(names, dict(feeds))
         except Exception as e:
-            raise RuntimeFailure(f"{self.name}: inference failed: {type(e).__name__}: {e}") from e
+            raise RuntimeFailure(f"{self.name}: inference failed: {type(e).__name__}: {first_line(e)}") from e
         return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+
+
+def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None) -> Runtime:
+    return ReferenceRuntime(model, spec.inputs, spec.outputs, spec.dims)
+
+
+#: onnx.reference is pure numpy: its shapes are capped to 16.
+KIND = RuntimeKind(name="onnx-reference", make=_make, shape_cap=16, help="onnx.reference at sizes capped to 16")

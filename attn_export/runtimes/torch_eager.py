@@ -10,16 +10,19 @@ import numpy as np
 from attn_export._deps import require
 from attn_export.errors import RuntimeFailure
 from attn_export.runtimes.base import Runtime, check_feeds
+from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, TensorSpec
 
 __all__ = ["TorchRuntime", "torch_device_for"]
 
 
-def torch_device_for(provider: str) -> str:
-    """The torch device matching an ONNX Runtime provider: CUDA where this torch has it,
-    else CPU (reports name the device, so a CPU-only torch is visible)."""
+def torch_device_for(provider: str | None) -> str:
+    """The torch device matching an ONNX Runtime provider, where this torch has it, else
+    CPU (reports name the device, so a CPU-only torch is visible)."""
     torch = require("torch", "running the PyTorch original")
-    return "cuda" if provider == "cuda" and torch.cuda.is_available() else "cpu"
+    device = PROVIDERS[provider].torch_device if provider in PROVIDERS else "cpu"
+    available = device == "cpu" or getattr(torch, device).is_available()
+    return device if available else "cpu"
 
 
 class TorchRuntime(Runtime):

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from attn_export._deps import require
-from attn_export.errors import ExportFailure
+from attn_export.errors import ExportFailure, first_line
 from attn_export.spec import ModelSpec
 
 __all__ = ["export_onnx", "stamp_metadata"]
@@ -92,11 +92,9 @@ def export_onnx(
                 )
                 proto = onnx.load_from_string(buf.getvalue())
     except Exception as e:
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else ""
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
         raise ExportFailure(
-            f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first}"
+            f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
             f" (rerun with --debug for the traceback{hint})"
         ) from e
     return proto

@@ -1,6 +1,8 @@
 """The manifest: ``<out>/manifest.json``, the contract between ``build`` and ``verify``.
 
-Schema (version 1) is documented in the README; ``Manifest.from_json`` rejects anything else.
+Each entry stores the spec it was built from once; opset, exporter, tensors, dims and
+tolerances are read from that spec, never stored beside it. The schema (version 2) is in
+the README; ``Manifest.from_json`` rejects anything else.
 """
 
 from __future__ import annotations
@@ -8,57 +10,50 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts import atomic_write
+from attn_export.artifacts.files import atomic_write
 from attn_export.errors import ArtifactError, SpecError
-from attn_export.spec import VARIANT_NAMES, ModelSpec, TensorSpec, spec_from_dict
+from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA = "attn-export/manifest"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass
 class ManifestEntry:
-    """One built model: its files, their hashes, and the spec it came from."""
+    """One built graph: its files, their hashes, and the spec it came from."""
 
     name: str
     file: str
     sha256: str
     golden: str
     golden_sha256: str
-    opset: int
-    exporter: str
     build_key: str
     spec_hash: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    dims: dict[str, dict[str, int]]
-    tolerance: dict[str, Any]
     versions: dict[str, str]
     spec: dict[str, Any]
     variant: str = "fp32"
     #: What the variant's transformation did (fusions, provider, auto's figures).
     variant_info: dict[str, Any] = field(default_factory=dict)
 
+    @cached_property
     def model_spec(self) -> ModelSpec:
-        """The spec as built (opset and exporter included), for rebuilding the original."""
+        """The spec as built (opset and exporter included)."""
         return spec_from_dict(self.spec)
 
-    def input_specs(self) -> list[TensorSpec]:
-        return [TensorSpec.from_dict(t) for t in self.inputs]
-
-    def output_specs(self) -> list[TensorSpec]:
-        return [TensorSpec.from_dict(t) for t in self.outputs]
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k != "model_spec"}
 
 
 @dataclass
 class Manifest:
-    """All models built into one output directory, keyed by name."""
+    """All graphs built into one output directory, keyed by name."""
 
     toolkit_version: str
     models: dict[str, ManifestEntry] = field(default_factory=dict)
@@ -68,7 +63,7 @@ class Manifest:
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
             "toolkit_version": self.toolkit_version,
-            "models": {k: asdict(v) for k, v in sorted(self.models.items())},
+            "models": {k: v.to_dict() for k, v in sorted(self.models.items())},
         }
         return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
@@ -76,13 +71,14 @@ class Manifest:
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ArtifactError(f"{where}: not valid JSON ({e})") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ArtifactError(f"{where}: not valid JSON ({str(e) or 'nested too deeply'})") from e
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
             raise ArtifactError(f"{where}: not an attn-export manifest")
         if doc.get("schema_version") != SCHEMA_VERSION:
             raise ArtifactError(
-                f"{where}: manifest schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}"
+                f"{where}: manifest schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}; "
+                "rebuild the folder with this version (attn-export build --force)"
             )
         models = doc.get("models")
         if not isinstance(models, dict):
@@ -95,7 +91,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
-    """Validate one entry; its tensor, dim and tolerance copies must agree with its spec."""
+    """Validate one entry: types, hashes, file names inside the folder, and its spec."""
 
     def bad(why: str) -> ArtifactError:
         return ArtifactError(f"{where}: entry '{name}' {why}")
@@ -106,7 +102,7 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         entry = ManifestEntry(**raw)
     except TypeError as e:
         raise bad(f"does not fit the schema ({e})") from e
-    for key in ("name", "file", "golden", "exporter", "build_key", "variant"):
+    for key in ("name", "file", "golden", "build_key", "variant"):
         if not isinstance(getattr(entry, key), str):
             raise bad(f"has a non-string '{key}'")
     for key in ("sha256", "golden_sha256", "spec_hash"):
@@ -121,25 +117,18 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
             raise bad("names a file outside the output directory")
     if not isinstance(entry.versions, dict) or not all(isinstance(v, str) for v in entry.versions.values()):
         raise bad("has invalid 'versions'")
-    if not isinstance(entry.spec, dict):
-        raise bad("has no spec")
-    try:
-        spec = spec_from_dict(entry.spec)
-    except SpecError as e:
-        raise bad(f"holds an invalid spec: {e}") from e
-    derived = spec.to_dict()
-    if entry.variant not in (*VARIANT_NAMES, "auto"):
+    if entry.variant not in VARIANTS:
         raise bad(f"has an unknown variant {entry.variant!r}")
     if not isinstance(entry.variant_info, dict):
         raise bad("has invalid 'variant_info'")
-    expected_name = spec.name if entry.variant == "fp32" else f"{spec.name}.{entry.variant}"
-    if expected_name != name:
+    if not isinstance(entry.spec, dict):
+        raise bad("has no spec")
+    try:
+        spec = entry.model_spec
+    except SpecError as e:
+        raise bad(f"holds an invalid spec: {e}") from e
+    if variant_key(spec.name, entry.variant) != name:
         raise bad(f"holds the spec of '{spec.name}' (variant {entry.variant})")
-    for key in ("inputs", "outputs", "dims", "tolerance"):
-        if getattr(entry, key) != derived[key]:
-            raise bad(f"'{key}' disagrees with its spec")
-    if (entry.opset, entry.exporter) != (spec.opset, spec.exporter):
-        raise bad("opset or exporter disagrees with its spec")
     return entry
 
 

@@ -11,7 +11,7 @@ import warnings
 from typing import Any
 
 from attn_export._deps import require
-from attn_export.errors import SpecError
+from attn_export.errors import SpecError, first_line
 from attn_export.spec import ModelSpec
 
 __all__ = ["instantiate", "resolve_factory"]
@@ -50,10 +50,9 @@ def _load_state_dict(spec: ModelSpec, module: Any) -> None:
             warnings.simplefilter("ignore")  # torch warns about pickle protocols before refusing
             state = torch.load(spec.weights.path, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SpecError(
             f"{spec.name}: refused weights file {spec.weights.path}: not a plain state_dict "
-            f"loadable with weights_only=True ({first})"
+            f"loadable with weights_only=True ({first_line(e)})"
         ) from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise SpecError(f"{spec.name}: weights file {spec.weights.path} is not a state_dict of tensors")

@@ -1,4 +1,4 @@
-"""Variants of the seed multi-head attention: the same parameters, more features.
+"""Masked and SDPA forms of the seed multi-head attention: the same parameters, more features.
 
 Both subclass the seed ``MultiHeadAttention`` so a state_dict moves freely between them,
 and both equal the seed where their features are off (tested).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attn_export.reference.seed import MultiHeadAttention
+from attn_export.zoo.seed import MultiHeadAttention
 
 __all__ = ["MaskedMultiHeadAttention", "SDPAMultiHeadAttention"]
 

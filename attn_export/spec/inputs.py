@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from attn_export.shapes import concrete_shape
-from attn_export.spec import ModelSpec, TensorSpec
+from attn_export.spec.model import ModelSpec, TensorSpec
+from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["make_feeds", "make_tensor"]
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attn_export.errors import InputError
-from attn_export.spec import DimRange, ModelSpec, TensorSpec
+from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
     "ShapePoint",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import onnx
 
-from attn_export.errors import GraphCheckError
-from attn_export.onnx_file import external_data_files
+from attn_export.artifacts.onnx_file import external_data_files
+from attn_export.errors import GraphCheckError, first_line
 from attn_export.spec import TensorSpec
 
 __all__ = ["check_dynamic_axes", "check_model", "graph_shapes"]
@@ -29,8 +29,7 @@ def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> 
     try:
         onnx.checker.check_model(str(path) if uses_external else proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first}") from e
+        raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first_line(e)}") from e
 
 
 def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:

@@ -1,9 +1,8 @@
-"""Stage: compare one runtime's outputs with the expected ones, output by output.
+"""Measure how one runtime's outputs differ from the expected ones, output by output.
 
-Measuring and judging meet in one place only: ``OutputComparison.passed``, which applies
-the pass rule |actual - expected| <= atol + rtol * |expected| with the output's tolerance.
-A NaN or Inf where the expected value is finite never passes, and mismatched shapes or
-dtypes fail before any number is compared.
+The numbers are data; whether they pass is ``compare.policy``'s call. A NaN or Inf where
+the expected value is finite is counted, and mismatched shapes or dtypes are recorded
+before any number is compared.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from attn_export.compare.policy import allowed_error, output_passed
 from attn_export.spec import Tolerance
 
 __all__ = ["OutputComparison", "compare_output", "compare_outputs"]
@@ -54,8 +54,13 @@ class OutputComparison:
         return self.mismatched / self.total if self.total else 0.0
 
     @property
+    def numeric(self) -> bool:
+        """Whether numbers were compared at all (shape and dtype matched)."""
+        return self.shape_ok and self.dtype_ok
+
+    @property
     def passed(self) -> bool:
-        return self.shape_ok and self.dtype_ok and self.unexpected_nonfinite == 0 and self.mismatched == 0
+        return output_passed(self)
 
     def reason(self) -> str:
         """One line saying why it failed, or '' when it passed."""
@@ -128,7 +133,7 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     with np.errstate(invalid="ignore", over="ignore"):
         abs_err = np.where(both, np.abs(a - e), 0.0)
     rel_err = np.where(both, abs_err / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
-    allowed = tol.atol + tol.rtol * np.abs(np.where(both, e, 0.0))
+    allowed = allowed_error(tol, np.where(both, e, 0.0))
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0

@@ -1,0 +1,20 @@
+"""attention-op: the module re-exported at opset 23, where F.scaled_dot_product_attention
+becomes the ONNX ``Attention`` op."""
+
+from __future__ import annotations
+
+import onnx
+
+from attn_export.errors import ExportFailure
+from attn_export.export.variants import VariantGraph, op_counts
+
+
+def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
+    """``proto`` is already the opset-23 export; refuse it unless it holds an Attention op."""
+    ops = op_counts(proto)
+    if "Attention" not in ops:
+        raise ExportFailure(
+            "variant attention-op needs a module that calls F.scaled_dot_product_attention "
+            "(the opset 23 graph holds no Attention op)"
+        )
+    return VariantGraph(proto, {"ops": dict(ops)})

@@ -1,0 +1,33 @@
+"""Stage 1, the spec: TOML model specs, the variant table, shape sweeps and seeded feeds."""
+
+from __future__ import annotations
+
+from attn_export.spec.model import (
+    DTYPES,
+    EXPORTERS,
+    MASK_KINDS,
+    DimRange,
+    ModelSpec,
+    TensorSpec,
+    WeightsSpec,
+)
+from attn_export.spec.parse import load_spec, spec_from_dict, spec_paths
+from attn_export.spec.tolerance import Tolerance
+from attn_export.spec.variants import VARIANTS, VariantInfo, variant_key
+
+__all__ = [
+    "DTYPES",
+    "EXPORTERS",
+    "MASK_KINDS",
+    "VARIANTS",
+    "DimRange",
+    "ModelSpec",
+    "TensorSpec",
+    "Tolerance",
+    "VariantInfo",
+    "WeightsSpec",
+    "load_spec",
+    "spec_from_dict",
+    "spec_paths",
+    "variant_key",
+]

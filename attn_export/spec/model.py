@@ -1,0 +1,158 @@
+"""Model specs as frozen dataclasses: what to build, how to feed it, how strictly to judge it.
+
+Everything downstream (export, manifest, verify) reads these classes; ``parse`` makes them
+from TOML.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attn_export.errors import SpecError
+from attn_export.spec.tolerance import Tolerance
+from attn_export.spec.variants import VARIANTS
+
+__all__ = [
+    "DTYPES",
+    "EXPORTERS",
+    "MASK_KINDS",
+    "MAX_DIM",
+    "MODES",
+    "DimRange",
+    "ModelSpec",
+    "TensorSpec",
+    "WeightsSpec",
+]
+
+DTYPES = ("float32", "float16", "float64", "int32", "int64", "bool")
+MASK_KINDS = ("random", "padding", "causal")
+EXPORTERS = ("dynamo", "torchscript")
+MODES = ("eval", "train")
+#: Refused before allocating: sizes above this would not fit any machine we verify on.
+MAX_DIM = 1 << 20
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """The sizes a symbolic dimension may take, inclusive."""
+
+    min: int
+    max: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named input or output: dtype and shape, where a string is a symbolic dim."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+    #: For boolean mask inputs: how verification fills them ("random", "padding", "causal").
+    mask: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.mask is not None:
+            d["mask"] = self.mask
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
+        return cls(d["name"], d["dtype"], tuple(d["shape"]), d.get("mask"))
+
+
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Where the weights come from: a seeded random init, or a state_dict file."""
+
+    seed: int = 0
+    #: Absolute path of a state_dict saved with torch.save; None means seeded init.
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to build, feed and judge one model."""
+
+    name: str
+    module: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dims: dict[str, DimRange]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    opset: int = 18
+    exporter: str = "dynamo"
+    mode: str = "eval"
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
+    tolerance: Tolerance = field(default_factory=lambda: Tolerance(1e-5, 1e-4))
+    output_tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    #: Tolerances for graph variants (int8, fp16, ...), replacing the model's own.
+    variant_tolerances: dict[str, Tolerance] = field(default_factory=dict)
+    #: The shape that matters most in deployment; ``build --variant auto`` times graphs here.
+    typical: dict[str, int] = field(default_factory=dict)
+    description: str = ""
+    #: Directory searched first when importing ``module`` (the spec file's folder).
+    search_path: str | None = None
+
+    def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
+        """A variant's own tolerance (the spec's, else the table's default), else the output's.
+
+        ``auto`` only ever chooses a graph within the model's own tolerance, so it is
+        judged at it."""
+        info = VARIANTS.get(variant)
+        if info is not None and not info.chooser:
+            if variant in self.variant_tolerances:
+                return self.variant_tolerances[variant]
+            if info.tolerance is not None:
+                return info.tolerance
+        return self.output_tolerances.get(output, self.tolerance)
+
+    def tolerances(self, variant: str = "fp32") -> dict[str, Tolerance]:
+        """Every output's tolerance for ``variant``."""
+        return {t.name: self.tolerance_for(t.name, variant) for t in self.outputs}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form; ``spec_from_dict`` reads it back."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "module": self.module,
+            "kwargs": self.kwargs,
+            "inputs": [t.to_dict() for t in self.inputs],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "dims": {k: asdict(v) for k, v in self.dims.items()},
+            "opset": self.opset,
+            "exporter": self.exporter,
+            "mode": self.mode,
+            "weights": asdict(self.weights),
+            "tolerance": {
+                "atol": self.tolerance.atol,
+                "rtol": self.tolerance.rtol,
+                "outputs": {k: asdict(v) for k, v in self.output_tolerances.items()},
+            },
+            "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
+            "typical": dict(self.typical),
+            "search_path": self.search_path,
+        }
+
+    def content_hash(self) -> str:
+        """sha256 of what determines the exported graph (not where the spec lives)."""
+        d = self.to_dict()
+        d.pop("search_path")
+        d.pop("description")
+        d["weights"] = dict(d["weights"])
+        if self.weights.path is not None:
+            d["weights"]["path"] = _file_sha256(Path(self.weights.path))
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise SpecError(f"cannot read weights file {path}: {e.strerror}") from e

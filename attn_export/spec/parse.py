@@ -1,0 +1,357 @@
+"""TOML model specs -> validated ``ModelSpec``: one small parser per table.
+
+Every problem is a SpecError naming the file and, where it can be told exactly, the line:
+a key's line when the key occurs once in the file, else the line of its table's header.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from attn_export.errors import SpecError
+from attn_export.spec.model import (
+    DTYPES,
+    EXPORTERS,
+    MASK_KINDS,
+    MAX_DIM,
+    MODES,
+    DimRange,
+    ModelSpec,
+    TensorSpec,
+    WeightsSpec,
+)
+from attn_export.spec.tolerance import Tolerance
+from attn_export.spec.variants import VARIANTS
+
+__all__ = ["load_spec", "spec_from_dict", "spec_paths"]
+
+_TOP_KEYS = {
+    "description",
+    "module",
+    "kwargs",
+    "inputs",
+    "outputs",
+    "dims",
+    "opset",
+    "exporter",
+    "mode",
+    "weights",
+    "tolerance",
+    "variants",
+    "typical",
+}
+_TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
+_DIM_KEYS = {"min", "max"}
+_WEIGHT_KEYS = {"seed", "path"}
+_TOL_KEYS = {"atol", "rtol", "outputs"}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: Variants a spec may give a tolerance for: ``auto`` is judged at the model's own.
+_TOLERANCE_VARIANTS = tuple(n for n, v in VARIANTS.items() if not v.chooser)
+
+
+class _Where:
+    """Error messages naming the spec file and, when it can be told exactly, a line."""
+
+    def __init__(self, path: Path | None, text: str) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+
+    def _key_lines(self, key: str) -> list[int]:
+        pattern = re.compile(rf"(^|[{{,])\s*(\"{re.escape(key)}\"|{re.escape(key)})\s*=")
+        return [i for i, line in enumerate(self.lines, 1) if pattern.search(line.split("#", 1)[0])]
+
+    def _table_line(self, table: str, index: int = 0) -> int | None:
+        header = re.compile(rf"^\s*\[\[?\s*{re.escape(table)}\s*\]\]?\s*(#.*)?$")
+        hits = [i for i, line in enumerate(self.lines, 1) if header.match(line)]
+        return hits[index] if index < len(hits) else None
+
+    def error(self, message: str, key: str | None = None, table: str | None = None, index: int = 0) -> SpecError:
+        where = str(self.path) if self.path else "<spec>"
+        line = None
+        if key is not None:
+            hits = self._key_lines(key)
+            line = hits[0] if len(hits) == 1 else None
+        if line is None and table is not None:
+            line = self._table_line(table, index)
+        if line is not None and self.lines:
+            where += f":{line}"
+        return SpecError(f"{where}: {message}")
+
+
+def _check_keys(where: _Where, table: dict[str, Any], allowed: set[str], context: str, header: str | None) -> None:
+    for key in table:
+        if key not in allowed:
+            raise where.error(
+                f"unknown key '{key}' in {context} (expected one of: {', '.join(sorted(allowed))})", key, header
+            )
+
+
+def _int(where: _Where, value: Any, what: str, key: str, table: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise where.error(f"{what} must be an integer, got {value!r}", key, table)
+    return value
+
+
+def _number(where: _Where, value: Any, what: str, key: str, table: str | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+        raise where.error(f"{what} must be a finite non-negative number, got {value!r}", key, table)
+    return float(value)
+
+
+def _table(where: _Where, raw: dict[str, Any], key: str, what: str) -> dict[str, Any]:
+    value = raw.get(key, {})
+    if not isinstance(value, dict):
+        raise where.error(f"'{key}' must be {what}", key)
+    return value
+
+
+def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, key: str) -> Tolerance:
+    """An {atol, rtol} table; a missing value falls back to ``default``."""
+    if not isinstance(raw, dict):
+        raise where.error(f"{context} must be a table with atol and rtol", key, context)
+    _check_keys(where, raw, {"atol", "rtol"}, context, context)
+    return Tolerance(
+        _number(where, raw.get("atol", default.atol), f"{context}.atol", "atol", context),
+        _number(where, raw.get("rtol", default.rtol), f"{context}.rtol", "rtol", context),
+    )
+
+
+def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
+    context, is_input = f"{kind}[{index}]", kind == "inputs"
+
+    def bad(message: str, key: str | None = None) -> SpecError:
+        return where.error(message, key, kind, index)
+
+    if not isinstance(raw, dict):
+        raise bad(f"{context} must be a table with name, dtype and shape")
+    for key in raw:
+        allowed = _TENSOR_KEYS if is_input else _TENSOR_KEYS - {"mask"}
+        if key not in allowed:
+            raise bad(f"unknown key '{key}' in {context} (expected one of: {', '.join(sorted(allowed))})", key)
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad(f"{context} needs a non-empty string 'name'", "name")
+    dtype = raw.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise bad(f"{context} '{name}': dtype {dtype!r} is not one of {', '.join(DTYPES)}", "dtype")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or not shape:
+        raise bad(f"{context} '{name}': 'shape' must be a non-empty list", "shape")
+    for dim in shape:
+        ok_static = isinstance(dim, int) and not isinstance(dim, bool) and 0 < dim <= MAX_DIM
+        ok_symbolic = isinstance(dim, str) and _NAME.fullmatch(dim)
+        if not (ok_static or ok_symbolic):
+            raise bad(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
+    mask = raw.get("mask")
+    if mask is not None:
+        if mask not in MASK_KINDS:
+            raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
+        if dtype != "bool":
+            raise bad(f"input '{name}': a mask must have dtype bool, not {dtype}", "dtype")
+        if len(shape) < 2:
+            raise bad(f"input '{name}': a mask needs at least [seq, kv_seq] dims", "shape")
+    return TensorSpec(name, dtype, tuple(shape), mask)
+
+
+def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec, ...]:
+    items = raw.get(kind)
+    if not isinstance(items, list) or not items:
+        raise where.error(f"the spec needs at least one [[{kind}]] entry", kind)
+    return tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+
+
+def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
+    dims: dict[str, DimRange] = {}
+    for name, rng in _table(where, raw, "dims", "a table of {min, max} ranges").items():
+        context = f"dims.{name}"
+
+        def bad(message: str, name: str = name) -> SpecError:
+            return where.error(f"dim '{name}': {message}", name, "dims")
+
+        if not isinstance(rng, dict):
+            raise bad("must be a table like { min = 1, max = 64 }")
+        if not _NAME.fullmatch(name):
+            raise bad("a dim name must be letters, digits and '_'")
+        _check_keys(where, rng, _DIM_KEYS, context, "dims")
+        lo = _int(where, rng.get("min", 1), f"{context}.min", name, "dims")
+        hi = _int(where, rng.get("max"), f"{context}.max", name, "dims")
+        if lo < 1:
+            raise bad(f"min must be at least 1, got {lo}")
+        if lo > hi:
+            raise bad(f"min {lo} is greater than max {hi}")
+        if hi < 2:
+            raise bad("max must be at least 2 for the axis to be dynamic")
+        if hi > MAX_DIM:
+            raise bad(f"max {hi} is above the limit {MAX_DIM}")
+        dims[name] = DimRange(lo, hi)
+    return dims
+
+
+def _check_dim_use(
+    where: _Where, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...], dims: dict[str, DimRange]
+) -> None:
+    names = [t.name for t in inputs + outputs]
+    for n in names:
+        if names.count(n) > 1:
+            raise where.error(f"tensor name '{n}' is used twice among inputs and outputs")
+    used = {d for t in inputs + outputs for d in t.shape if isinstance(d, str)}
+    for t in inputs + outputs:
+        for d in t.shape:
+            if isinstance(d, str) and d not in dims:
+                raise where.error(f"'{t.name}' uses dim '{d}', which [dims] does not declare", "shape")
+    for d in dims:
+        if d not in used:
+            raise where.error(f"dim '{d}' is declared but no input or output uses it", d, "dims")
+    input_dims = {d for t in inputs for d in t.shape if isinstance(d, str)}
+    for t in outputs:
+        for d in t.shape:
+            if isinstance(d, str) and d not in input_dims:
+                raise where.error(f"output '{t.name}' uses dim '{d}', which no input has", "shape")
+
+
+def _choice(where: _Where, raw: dict[str, Any], key: str, default: str, choices: tuple[str, ...]) -> str:
+    value = raw.get(key, default)
+    if value not in choices:
+        raise where.error(f"{key} {value!r} is not one of {', '.join(choices)}", key)
+    return str(value)
+
+
+def _weights(where: _Where, raw: dict[str, Any], path: Path | None) -> WeightsSpec:
+    table = _table(where, raw, "weights", "a table with 'seed' or 'path'")
+    _check_keys(where, table, _WEIGHT_KEYS, "[weights]", "weights")
+    seed = _int(where, table.get("seed", 0), "weights.seed", "seed", "weights")
+    wpath = table.get("path")
+    if wpath is None:
+        return WeightsSpec(seed)
+    if not isinstance(wpath, str):
+        raise where.error("weights.path must be a string", "path", "weights")
+    resolved = Path(wpath) if Path(wpath).is_absolute() or path is None else path.parent / wpath
+    if not resolved.is_file():
+        what = "is not a file" if resolved.exists() else "does not exist"
+        raise where.error(f"weights file {wpath} {what}", "path", "weights")
+    return WeightsSpec(seed, str(resolved.resolve()))
+
+
+def _tolerances(
+    where: _Where, raw: dict[str, Any], outputs: tuple[TensorSpec, ...]
+) -> tuple[Tolerance, dict[str, Tolerance], dict[str, Tolerance]]:
+    table = _table(where, raw, "tolerance", "a table with atol and rtol")
+    _check_keys(where, table, _TOL_KEYS, "[tolerance]", "tolerance")
+    tolerance = Tolerance(
+        _number(where, table.get("atol", 1e-5), "tolerance.atol", "atol", "tolerance"),
+        _number(where, table.get("rtol", 1e-4), "tolerance.rtol", "rtol", "tolerance"),
+    )
+    per_output: dict[str, Tolerance] = {}
+    raw_per_output = table.get("outputs", {})
+    if not isinstance(raw_per_output, dict):
+        raise where.error("'tolerance.outputs' must be a table of per-output tolerances", "outputs", "tolerance")
+    for name, tol in raw_per_output.items():
+        if name not in {t.name for t in outputs}:
+            raise where.error(f"tolerance for unknown output '{name}'", name, f"tolerance.outputs.{name}")
+        per_output[name] = _tolerance_table(where, tol, tolerance, f"tolerance.outputs.{name}", name)
+    per_variant: dict[str, Tolerance] = {}
+    for variant, tol in _table(where, raw, "variants", "a table of per-variant tolerances").items():
+        if variant not in _TOLERANCE_VARIANTS:
+            raise where.error(
+                f"unknown variant '{variant}' (known: {', '.join(_TOLERANCE_VARIANTS)})", variant, f"variants.{variant}"
+            )
+        per_variant[variant] = _tolerance_table(where, tol, tolerance, f"variants.{variant}", variant)
+    return tolerance, per_output, per_variant
+
+
+def _typical(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> dict[str, int]:
+    typical = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
+    for name, size in _table(where, raw, "typical", "a table of dim sizes").items():
+        if name not in dims:
+            raise where.error(f"typical size for undeclared dim '{name}'", name, "typical")
+        size = _int(where, size, f"typical.{name}", name, "typical")
+        if not dims[name].min <= size <= dims[name].max:
+            raise where.error(f"typical.{name} = {size} is outside its range", name, "typical")
+        typical[name] = size
+    return typical
+
+
+def _string(where: _Where, raw: dict[str, Any], key: str, default: str | None, check: Callable[[str], bool]) -> Any:
+    value = raw.get(key, default)
+    if value is not None and (not isinstance(value, str) or not check(value)):
+        raise where.error(f"'{key}' must be a string{'' if key != 'module' else ' like package.module:Class'}", key)
+    return value
+
+
+def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str = "") -> ModelSpec:
+    """Validate a parsed spec; every problem is a SpecError naming the file and key."""
+    where = _Where(path, text)
+    # A manifest's copy of a spec (no path) also carries its name and search path.
+    _check_keys(where, raw, _TOP_KEYS | ({"name", "search_path"} if path is None else set()), "the spec", None)
+    name = raw.get("name", path.stem if path else None)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
+    module = raw.get("module")
+    if not isinstance(module, str) or not re.fullmatch(r"[\w.]+:[\w.]+", module):
+        raise where.error(f"'module' must look like 'package.module:Class', got {module!r}", "module")
+    kwargs = _table(where, raw, "kwargs", "a table")
+    inputs, outputs = _tensors(where, raw, "inputs"), _tensors(where, raw, "outputs")
+    dims = _dims(where, raw)
+    _check_dim_use(where, inputs, outputs, dims)
+    opset = _int(where, raw.get("opset", 18), "opset", "opset")
+    if not 7 <= opset <= 30:
+        raise where.error(f"opset {opset} is outside 7..30", "opset")
+    tolerance, per_output, per_variant = _tolerances(where, raw, outputs)
+    return ModelSpec(
+        name=name,
+        module=module,
+        inputs=inputs,
+        outputs=outputs,
+        dims=dims,
+        kwargs=dict(kwargs),
+        opset=opset,
+        exporter=_choice(where, raw, "exporter", "dynamo", EXPORTERS),
+        mode=_choice(where, raw, "mode", "eval", MODES),
+        weights=_weights(where, raw, path),
+        tolerance=tolerance,
+        output_tolerances=per_output,
+        variant_tolerances=per_variant,
+        typical=_typical(where, raw, dims),
+        description=_string(where, raw, "description", "", lambda s: True),
+        search_path=_string(where, raw, "search_path", str(path.parent.resolve()) if path else None, lambda s: True),
+    )
+
+
+def load_spec(path: Path) -> ModelSpec:
+    """Read and validate one TOML spec file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise SpecError(f"{path}: no such spec file") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read spec: {e}") from e
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: invalid TOML: {e}") from e
+    for key in ("name", "search_path"):
+        if key in raw:
+            raise _Where(path, text).error(
+                f"unknown key '{key}' in the spec (the model's name is the file's name)", key
+            )
+    return spec_from_dict(raw, path=path, text=text)
+
+
+def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
+    """The spec files of a model folder (sorted), or just the named models'."""
+    if not models_dir.is_dir():
+        raise SpecError(f"{models_dir}: no such model directory (pass --models DIR)")
+    paths = sorted(models_dir.glob("*.toml"))
+    if not paths:
+        raise SpecError(f"{models_dir}: no *.toml model specs found")
+    if not names:
+        return paths
+    by_name = {p.stem: p for p in paths}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SpecError(f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})")
+    return [by_name[n] for n in dict.fromkeys(names)]

@@ -29,6 +29,7 @@ from attn_export.compare import compare_outputs
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
 from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.export.source import module_sources
 from attn_export.export.torch_export import export_onnx, stamp_metadata
 from attn_export.export.variants import make_variant
 from attn_export.runtimes.ort import OnnxRuntime
@@ -182,6 +183,7 @@ class _SpecBuild:
         self.vers = vers
         self.options = options
         self.sizes = example_sizes(spec)
+        self.sources = module_sources(spec)
         self.module = _Once(lambda: instantiate(spec))
         self.exports: dict[int, _Once[onnx.ModelProto]] = {}
         self.example = _Once(self._example)
@@ -264,10 +266,19 @@ class _SpecBuild:
                     )
 
 
-def _build_key(spec: ModelSpec, vers: dict[str, str], variant: str, provider: str) -> str:
+def _build_key(spec: ModelSpec, sources: dict[str, str], vers: dict[str, str], variant: str, provider: str) -> str:
+    """What a graph depends on: the spec and weights, the module's source files, the tool
+    versions, the variant and, where the variant depends on it, the provider."""
     target = provider if VARIANTS[variant].provider_dependent else None
     blob = json.dumps(
-        {"spec": spec.content_hash(), "versions": vers, "variant": variant, "provider": target}, sort_keys=True
+        {
+            "spec": spec.content_hash(),
+            "sources": sources,
+            "versions": vers,
+            "variant": variant,
+            "provider": target,
+        },
+        sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -319,7 +330,7 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
 
 def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
     spec, out_dir = ctx.spec, ctx.options.out_dir
-    key = _build_key(spec, ctx.vers, variant, ctx.options.provider)
+    key = _build_key(spec, ctx.sources, ctx.vers, variant, ctx.options.provider)
     name = variant_key(spec.name, variant)
     previous = manifest.models.get(name)
     if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
@@ -359,6 +370,7 @@ def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: Bu
             golden_sha256=ctx.golden_sha256,
             build_key=key,
             spec_hash=spec.content_hash(),
+            sources=ctx.sources,
             versions=ctx.vers,
             spec=spec.to_dict(),
             variant=variant,

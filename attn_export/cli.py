@@ -213,6 +213,14 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @click.option(
+    "--models",
+    "models_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("models"),
+    show_default=True,
+    help="The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest.",
+)
+@click.option(
     "--provider",
     "providers",
     multiple=True,
@@ -259,6 +267,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
     paths: tuple[Path, ...],
+    models_dir: Path,
     providers: tuple[str, ...],
     runtimes: tuple[str, ...],
     golden: bool,
@@ -300,6 +309,7 @@ def verify(
     names = shard_names(names, shard)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
+        models_dir=models_dir,
         golden=golden,
         shapes=parse_shapes(shapes) if shapes else None,
         n_random=n_random,

@@ -23,8 +23,9 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.compare import OutputComparison, compare_outputs, latency_gate
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
 from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.export.source import module_sources
 from attn_export.runtimes import RUNTIMES, Runtime, Target
-from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec import ModelSpec, Tolerance, load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import ShapePoint, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure, physical_cores
@@ -45,6 +46,8 @@ class VerifyOptions:
     """What ``attn-export verify`` was asked to do (defaults are the CLI's)."""
 
     targets: Sequence[Target] = (Target("onnxruntime", "cpu"),)
+    #: The checkout's spec folder: PyTorch originals are rebuilt from these specs only.
+    models_dir: Path = Path("models")
     golden: bool = False
     shapes: Sequence[Mapping[str, int]] | None = None
     n_random: int = 2
@@ -61,6 +64,7 @@ class VerifyOptions:
         """The options as the JSON report records them."""
         return {
             "targets": [t.label for t in self.targets],
+            "models": None if self.golden else str(self.models_dir),
             "golden": self.golden,
             "threads": self.threads,
             "latency": self.latency,
@@ -417,6 +421,39 @@ def _check_target(
     return results
 
 
+#: Spec fields that do not change the PyTorch original or how it is judged (build overrides).
+_EXPORT_ONLY = ("description", "opset", "exporter")
+
+
+def checkout_spec(models_dir: Path, entry: ManifestEntry) -> ModelSpec:
+    """The checkout's spec for a built graph: the only source of code verify runs."""
+    name = entry.model_spec.name
+    path = models_dir / f"{name}.toml"
+    if not path.is_file():
+        raise UsageError(
+            f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
+            "checkout's specs (pass --models DIR), or compares with golden vectors (--golden)"
+        )
+    return load_spec(path)
+
+
+def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:
+    """What changed in the checkout since the graph was built; empty when nothing did.
+
+    Compares data only (the spec's fields, the weights' and module files' hashes): nothing
+    the manifest names is imported or run."""
+    built, now = entry.spec, spec.to_dict()
+    fields = sorted(k for k in set(built) | set(now) if k not in _EXPORT_ONLY and built.get(k) != now.get(k))
+    reasons = [f"spec field{'s' if len(fields) > 1 else ''} {', '.join(fields)} differ"] if fields else []
+    if not fields and spec.weights.path is not None and spec.content_hash() != entry.spec_hash:
+        reasons.append(f"weights file {built['weights']['path']} changed")
+    sources = module_sources(spec)
+    changed = sorted(k for k in set(entry.sources) | set(sources) if entry.sources.get(k) != sources.get(k))
+    if changed:
+        reasons.append(f"module source {', '.join(changed)} changed")
+    return reasons
+
+
 def verify_artifacts(
     out_dir: Path,
     manifest: Manifest,
@@ -425,18 +462,26 @@ def verify_artifacts(
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None = None,
 ) -> VerifyReport:
     """Verify each named model; problems become failed checks or cases, never exceptions,
-    except bad usage (unknown provider, shapes outside the declared ranges)."""
+    except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
+    checkout for a model verified against PyTorch)."""
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
     report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())
-    for name in names:
-        entry = manifest.models[name]
-        spec = entry.model_spec
+    entries = [manifest.models[name] for name in names]
+    specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
+    for name, entry, spec in zip(names, entries, specs, strict=True):
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
         check = ModelCheck(name, entry.file, _integrity(out_dir, entry, options.golden))
         report.checks.append(check)
+        if check.passed and not options.golden:
+            stale = stale_reasons(entry, spec)
+            if stale:
+                check.problems.append(
+                    f"{name}: stale build: {'; '.join(stale)} since it was built from "
+                    f"{options.models_dir / (spec.name + '.toml')}; run attn-export build"
+                )
         cases: list[CaseResult] = []
         runnable = check.passed
         if runnable:
@@ -444,7 +489,7 @@ def verify_artifacts(
             check.problems += problems
         if runnable:
             try:
-                cases = _verify_model(out_dir, entry, options)
+                cases = _verify_model(out_dir, entry, spec, options)
             except UsageError:
                 raise
             except AttnExportError as e:
@@ -456,8 +501,8 @@ def verify_artifacts(
     return report
 
 
-def _verify_model(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[CaseResult]:
-    spec = entry.model_spec
+def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[CaseResult]:
+    """``spec`` is the manifest's (golden mode: data only) or the checkout's (PyTorch mode)."""
     tolerances = _tolerances(spec, entry.variant, options)
     path = out_dir / entry.file
     cases: list[CaseResult] = []

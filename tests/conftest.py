@@ -71,15 +71,20 @@ def tiny_spec(folder: Path, name: str = "tiny", exporter: str = "dynamo", body: 
     return write_spec(folder, name, body.replace("{exporter}", exporter))
 
 
-def plant(out_dir: Path, name: str, proto_or_bytes: object, module: str | None = None) -> None:
+def plant(
+    out_dir: Path, name: str, proto_or_bytes: object, module: str | None = None, models: Path | None = None
+) -> None:
     """Replace a built model's graph and fix up its manifest hash, as a careless edit would;
-    ``module`` also swaps the PyTorch original the manifest names (an artifact made by a
-    script that never compared the two)."""
+    ``module`` also swaps the PyTorch original in the checkout's spec (``models``) and
+    records it in the manifest, as a script that exported the module without comparing
+    the two would."""
     import json
 
     import onnx
 
     from attn_export.artifacts.files import sha256_file
+    from attn_export.export.source import module_sources
+    from attn_export.spec import load_spec
 
     path = out_dir / f"{name}.onnx"
     if isinstance(proto_or_bytes, onnx.ModelProto):
@@ -88,9 +93,16 @@ def plant(out_dir: Path, name: str, proto_or_bytes: object, module: str | None =
         path.write_bytes(proto_or_bytes)  # type: ignore[arg-type]
     manifest_path = out_dir / "manifest.json"
     doc = json.loads(manifest_path.read_text())
-    doc["models"][name]["sha256"] = sha256_file(path)
+    entry = doc["models"][name]
+    entry["sha256"] = sha256_file(path)
     if module is not None:
-        doc["models"][name]["spec"]["module"] = module
+        assert models is not None
+        spec_path = models / f"{entry['spec']['name']}.toml"
+        text = spec_path.read_text()
+        old = entry["spec"]["module"]
+        spec_path.write_text(text.replace(f'module = "{old}"', f'module = "{module}"'))
+        spec = load_spec(spec_path)
+        entry.update(spec=spec.to_dict(), spec_hash=spec.content_hash(), sources=module_sources(spec))
     manifest_path.write_text(json.dumps(doc, indent=2))
 
 

@@ -28,3 +28,13 @@ class ShapeBranchAttention(MultiHeadAttention):
         if query.shape[1] == 1:  # single-token decode path: skip attention entirely
             return self.out_linear(self.v_linear(values).mean(dim=1, keepdim=True))
         return out
+
+
+class LongSequenceBranchAttention(MultiHeadAttention):
+    """Seed MHA that halves its output past 64 query positions: the trace keeps one branch."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().forward(query, keys, values)
+        if query.shape[1] > 64:
+            out = out * 0.5
+        return out

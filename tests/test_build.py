@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import textwrap
@@ -26,8 +27,8 @@ from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import sweep
-from tests.conftest import ZOO, tiny_spec, write_spec
+from attn_export.spec.shapes import golden_points, sweep
+from tests.conftest import ROOT, ZOO, tiny_spec, write_spec
 
 ZOO_NAMES = sorted(p.stem for p in ZOO.glob("*.toml"))
 
@@ -213,15 +214,29 @@ def test_one_failing_model_does_not_stop_the_others(tmp_path: Path) -> None:
 
 
 def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
+    """With the frozen branch accepted, the export succeeds; the smoke check at the range's
+    corners (seq = 1) still refuses the graph."""
     path = tiny_spec(tmp_path / "models", exporter="torchscript")
-    path.write_text(
-        path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention")
+    text = path.read_text().replace(
+        "attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:ShapeBranchAttention"
     )
+    path.write_text("accept_guards = true\n" + text)
     summary = _build([path], tmp_path / "out")
     r = summary.results[0]
-    assert r.stages["smoke"] is False and summary.exit_code == 1
-    assert r.error.startswith("tiny: smoke check at skew-b (batch=4,seq=1,kv_seq=16) failed: output: 64/64 elements")
+    assert r.stages["export"] is True and r.stages["smoke"] is False and summary.exit_code == 1
+    assert r.error.startswith(
+        "tiny: smoke check at corner-min-min-max (batch=1,seq=1,kv_seq=40) failed: output: 16/16 elements"
+    )
     assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_a_frozen_python_value_fails_the_torchscript_export(tmp_path: Path) -> None:
+    path = tiny_spec(tmp_path / "models", exporter="torchscript")
+    module = "tests.faulty_modules:ShapeBranchAttention"
+    path.write_text(path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", module))
+    r = _build([path], tmp_path / "out").results[0]
+    assert r.failed_stage == "export"
+    assert "the trace froze a value computed from a tensor at " in r.error and "faulty_modules.py:" in r.error
 
 
 def test_train_mode_warns_and_exports_in_eval_mode(tmp_path: Path) -> None:
@@ -253,3 +268,41 @@ def test_manifest_records_the_contract(zoo_dir: Path) -> None:
     assert entry["sha256"] == sha256_file(zoo_dir / "mha_cross.onnx")
     assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript", "onnxruntime"}
     assert os.stat(zoo_dir / "mha_cross.onnx").st_mode & 0o044  # readable by others, like any build output
+
+
+def _branch_spec(folder: Path, extra: str = "") -> Path:
+    path = tiny_spec(folder)
+    text = path.read_text().replace(
+        "attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:LongSequenceBranchAttention"
+    )
+    path.write_text(extra + text.replace("seq = { min = 1, max = 24 }", "seq = { min = 1, max = 128 }"))
+    return path
+
+
+def _branch_line() -> int:
+    source = (ROOT / "tests" / "faulty_modules.py").read_text().splitlines()
+    return next(i for i, line in enumerate(source, 1) if "query.shape[1] > 64" in line)
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_a_branch_on_a_shape_fails_the_build_naming_its_line(tmp_path: Path, exporter: str) -> None:
+    summary = _build([_branch_spec(tmp_path / "models")], tmp_path / "out", exporter=exporter)
+    result = summary.results[0]
+    assert result.status == "failed" and result.failed_stage == "export"
+    assert f"tests/faulty_modules.py:{_branch_line()}" in result.error
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_an_accepted_guard_is_still_judged_on_the_whole_range(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    summary = _build([_branch_spec(models, "accept_guards = true\n")], tmp_path / "out")
+    assert summary.results[0].status == "failed"  # the golden corners reach seq = 128: smoke fails there
+    assert "smoke check at corner" in summary.results[0].error or "smoke check at max" in summary.results[0].error
+
+
+def test_golden_points_cover_every_corner_of_the_declared_range(tmp_path: Path) -> None:
+    spec = load_spec(tiny_spec(tmp_path))
+    sizes = [p.sizes for p in golden_points(spec)]
+    for mix in itertools.product(("min", "max"), repeat=3):
+        corner = {k: getattr(spec.dims[k], m) for k, m in zip(spec.dims, mix, strict=True)}
+        assert corner in sizes, corner

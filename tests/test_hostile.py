@@ -176,7 +176,7 @@ def test_state_dict_weights_are_used(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path)
     spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
     assert invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out")).exit_code == 0
-    assert invoke("verify", str(tmp_path / "out"), "--no-latency").exit_code == 0
+    assert invoke("verify", str(tmp_path / "out"), "--models", str(tmp_path), "--no-latency").exit_code == 0
     torch.save({k: v + 1 for k, v in torch.load(tmp_path / "w.pt").items()}, tmp_path / "w.pt")
     assert invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out")).output.startswith("built")
 

@@ -179,7 +179,7 @@ def test_without_torch_a_torch_command_says_what_to_install(zoo_dir: Path) -> No
         text=True,
         cwd=ROOT,
     )
-    assert done.returncode == 2
+    assert done.returncode == 2, done.stdout
     assert done.stderr.strip() == (
         "Error: building the PyTorch module needs torch, which is not installed (pip install 'attn-export[export]')"
     )

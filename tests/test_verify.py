@@ -43,6 +43,11 @@ def _faulty_export(tiny_build: Path, module_path: str, exporter: str, feeds: dic
     return export_onnx(instantiate(faulty), faulty, feeds)
 
 
+def _models(out: Path) -> Path:
+    """The checkout spec folder of ``tiny_build``."""
+    return out.parent / "models"
+
+
 def _failures(result) -> list[str]:
     return [line for line in result.output.splitlines() if line.startswith("FAIL ")]
 
@@ -69,8 +74,8 @@ def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
 def test_planted_baked_batch_is_caught(tiny_build: Path) -> None:
     feeds = make_feeds(load_spec(tiny_spec(tiny_build.parent / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
     module = "tests.faulty_modules:BakedBatchAttention"
-    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module)
-    result = invoke("verify", str(tiny_build), *FAST)
+    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module, _models(tiny_build))
+    result = invoke("verify", str(tiny_build), "--models", str(_models(tiny_build)), *FAST)
     assert result.exit_code == 1
     failures = _failures(result)
     assert failures and all("onnxruntime[cpu]: inference failed" in f for f in failures)
@@ -87,7 +92,7 @@ def test_planted_merged_axes_are_caught(tiny_build: Path) -> None:
             tiny_build, "attn_export.zoo.seed:MultiHeadAttention", "dynamo", {"query": x, "keys": x, "values": x}
         ),
     )
-    result = invoke("verify", str(tiny_build), *FAST)
+    result = invoke("verify", str(tiny_build), "--models", str(_models(tiny_build)), *FAST)
     assert result.exit_code == 1
     failures = _failures(result)
     assert failures[0] == (
@@ -101,8 +106,9 @@ def test_planted_merged_axes_are_caught(tiny_build: Path) -> None:
 def test_planted_shape_branch_is_caught(tiny_build: Path) -> None:
     feeds = make_feeds(load_spec(tiny_spec(tiny_build.parent / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
     module = "tests.faulty_modules:ShapeBranchAttention"
-    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module)
-    report = verify_artifacts(tiny_build, load_manifest(tiny_build), ["tiny"], VerifyOptions(latency=False))
+    plant(tiny_build, "tiny", _faulty_export(tiny_build, module, "torchscript", feeds), module, _models(tiny_build))
+    options = VerifyOptions(latency=False, models_dir=_models(tiny_build))
+    report = verify_artifacts(tiny_build, load_manifest(tiny_build), ["tiny"], options)
     failed = [c for c in report.cases if not c.passed]
     assert failed and all(c.sizes["seq"] == 1 and c.sizes["kv_seq"] > 1 for c in failed)
     assert all(c.comparisons[0].mismatched > 0 and c.error is None for c in failed)

@@ -36,6 +36,8 @@ class ManifestEntry:
     golden_sha256: str
     build_key: str
     spec_hash: str
+    #: sha256 of each source file of the module (``export.source``), for stale-build checks.
+    sources: dict[str, str]
     versions: dict[str, str]
     spec: dict[str, Any]
     variant: str = "fp32"
@@ -44,11 +46,12 @@ class ManifestEntry:
 
     @cached_property
     def model_spec(self) -> ModelSpec:
-        """The spec as built (opset and exporter included)."""
+        """The spec as built (opset and exporter included), as data: it names no file that
+        is resolved and no folder that is searched."""
         return spec_from_dict(self.spec)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "model_spec"}
+        return asdict(self)
 
 
 @dataclass
@@ -115,8 +118,10 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         value = getattr(entry, key)
         if not value or Path(value).name != value or value in (".", ".."):
             raise bad("names a file outside the output directory")
-    if not isinstance(entry.versions, dict) or not all(isinstance(v, str) for v in entry.versions.values()):
-        raise bad("has invalid 'versions'")
+    for key in ("versions", "sources"):
+        value = getattr(entry, key)
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise bad(f"has invalid '{key}'")
     if entry.variant not in VARIANTS:
         raise bad(f"has an unknown variant {entry.variant!r}")
     if not isinstance(entry.variant_info, dict):

@@ -36,7 +36,7 @@ def _run(request: dict[str, Any]) -> None:
     from attn_export.spec import spec_from_dict
     from attn_export.spec.inputs import make_feeds
 
-    spec = spec_from_dict(request["spec"])
+    spec = spec_from_dict(request["spec"], folder=Path(request["folder"]) if request["folder"] else None)
     feeds = make_feeds(spec, request["sizes"], 0)
     if request["runner"] == "onnxruntime":
         from attn_export.runtimes.ort import OnnxRuntime

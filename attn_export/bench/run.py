@@ -179,7 +179,13 @@ def run_bench(
                         on_row(row)
         if options.memory:
             largest = _sizes(spec, max(options.batches), max(options.seqs))
-            base = {"spec": spec.to_dict(), "sizes": largest, "provider": options.provider, "threads": options.threads}
+            base = {
+                "spec": spec.to_dict(),
+                "folder": spec.search_path,
+                "sizes": largest,
+                "provider": options.provider,
+                "threads": options.threads,
+            }
             report.memory_mb[spec.name] = {"torch-eager": peak_rss_mb({**base, "runner": "torch"})}
             for variant in options.variants:
                 entry = manifest.models[variant_key(spec.name, variant)]

@@ -66,6 +66,12 @@ def check_dynamic_axes(
             )
         for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
             if isinstance(want, int):
+                if isinstance(have, str):
+                    raise GraphCheckError(
+                        f"{name}: {kind} '{t.name}' axis {axis} should be {want} but the graph computes it "
+                        f"('{have}') from a constant the trace recorded: a size taken from the example "
+                        "(e.g. a batch baked into a Reshape) became part of the graph"
+                    )
                 if have != want:
                     raise GraphCheckError(
                         f"{name}: {kind} '{t.name}' axis {axis} is {have!r} in the graph, spec says {want}"

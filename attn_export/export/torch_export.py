@@ -1,10 +1,18 @@
-"""Stage: export a PyTorch module to an ONNX ModelProto with the spec's dynamic axes."""
+"""Stage: export a PyTorch module to an ONNX ModelProto with the spec's dynamic axes.
+
+The exporter is given the spec's dim ranges. Where the module's Python code narrows or
+fixes one (a branch on a shape, a Python int taken from a tensor), the export fails and
+names the module's source line, unless the spec sets ``accept_guards = true``: a graph
+traced through such code is right only for part of the range it was declared for.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import logging
+import os
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,24 +26,102 @@ from attn_export.spec import ModelSpec
 
 __all__ = ["export_onnx", "stamp_metadata"]
 
+#: Logger on which torch's shape environment reports each guard it adds, with its source.
+_GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
+#: TracerWarnings that mean a traced value was frozen into the graph.
+_FROZEN = re.compile(r"Python (boolean|integer|float|index)|Converting a tensor to a Python")
+
+
+class _GuardSources(logging.Handler):
+    """Collects the user source lines (outside torch) at which the exporter added guards."""
+
+    def __init__(self, torch_dir: str) -> None:
+        super().__init__(logging.INFO)
+        self.torch_dir = torch_dir
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "guard added" not in str(record.msg) or not isinstance(record.args, tuple):
+            return
+        for arg in record.args:
+            frame = getattr(arg, "framework_loc", None)
+            filename = getattr(frame, "filename", None)
+            if frame is not None and filename and not os.path.abspath(filename).startswith(self.torch_dir):
+                code = (getattr(frame, "line", "") or "").strip()
+                self.lines.append(f"{filename}:{frame.lineno}" + (f" `{code}`" if code else ""))
+
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence the exporters' progress prints, warnings and log lines; errors still raise."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.WarningMessage]]]:
+    """Silence the exporters' prints, warnings and log lines, keeping what we judge by:
+    guard sources and warnings."""
+    onnx_logger, guard_logger = logging.getLogger("torch.onnx"), logging.getLogger(_GUARD_LOGGER)
+    saved = (onnx_logger.level, guard_logger.level, guard_logger.propagate, guard_logger.handlers)
+    onnx_logger.setLevel(logging.ERROR)
+    guard_logger.setLevel(logging.INFO)
+    guard_logger.propagate = False
+    guards = _GuardSources(torch_dir)
+    guard_logger.handlers = [guards]  # torch's own handler would print every guard
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            warnings.simplefilter("ignore")
-            yield
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            warnings.simplefilter("always")
+            yield guards, caught
     finally:
-        logger.setLevel(level)
+        onnx_logger.setLevel(saved[0])
+        guard_logger.setLevel(saved[1])
+        guard_logger.propagate = saved[2]
+        guard_logger.handlers = saved[3]
 
 
 def _axes(shape: tuple[int | str, ...]) -> dict[int, str]:
     return {i: d for i, d in enumerate(shape) if isinstance(d, str)}
+
+
+def _where(lines: list[str]) -> str:
+    unique = list(dict.fromkeys(lines))
+    return f" (at {'; '.join(unique[:3])})" if unique else ""
+
+
+def _dim_shapes(torch: Any, spec: ModelSpec) -> tuple[dict[int, Any], ...]:
+    """``dynamic_shapes`` for torch.export: one ``Dim`` per spec dim, with its range."""
+    dims = {name: torch.export.Dim(name, min=r.min, max=r.max) for name, r in spec.dims.items()}
+    return tuple({i: dims[d] for i, d in _axes(t.shape).items()} for t in spec.inputs)
+
+
+def _dynamo(torch: Any, module: Any, args: tuple[Any, ...], spec: ModelSpec, guards: _GuardSources) -> Any:
+    """torch.export with the spec's ranges; a narrowed or fixed range fails here."""
+    try:
+        return torch.export.export(module, args, dynamic_shapes=_dim_shapes(torch, spec), strict=False)
+    except Exception as e:
+        text = str(e)
+        if "Constraints violated" not in text and "specialized" not in text:
+            raise
+        if spec.accept_guards:
+            return None  # torch.onnx.export falls back to its own, narrower, export
+        found = [line.strip(" -") for line in text.splitlines() if line.strip().startswith("- ")]
+        why = found[0] if found else first_line(e)
+        raise ExportFailure(
+            f"{spec.name}: the module's Python code does not hold for the whole declared range: {why}"
+            f"{_where(guards.lines)}; remove the shape-dependent code, narrow [dims], or set "
+            "accept_guards = true in the spec"
+        ) from None
+
+
+def _frozen_values(caught: list[warnings.WarningMessage], spec: ModelSpec) -> None:
+    """TracerWarnings about Python values taken from tensors: the trace froze them."""
+    frozen = [w for w in caught if type(w.message).__name__ == "TracerWarning" and _FROZEN.search(str(w.message))]
+    if frozen and not spec.accept_guards:
+        w = frozen[0]
+        raise ExportFailure(
+            f"{spec.name}: the trace froze a value computed from a tensor at {w.filename}:{w.lineno}: "
+            f"{first_line(w.message)}; the graph keeps the example's value for every shape "
+            "(set accept_guards = true in the spec to build it anyway)"
+        )
 
 
 def export_onnx(
@@ -61,21 +147,24 @@ def export_onnx(
     )
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
-                program = torch.onnx.export(
-                    module,
+                program = _dynamo(torch, module, args, spec, guards)
+                onnx_program = torch.onnx.export(
+                    module if program is None else program,
                     args,
                     dynamo=True,
                     opset_version=opset,
                     input_names=input_names,
                     output_names=output_names,
-                    dynamic_shapes=tuple(_axes(t.shape) for t in spec.inputs),
+                    # names the graph's symbolic dims after the spec's
+                    dynamic_shapes=_dim_shapes(torch, spec),
                     verbose=False,
                     report=False,
                 )
-                proto = program.model_proto
+                proto = onnx_program.model_proto
             else:
                 buf = io.BytesIO()
                 axes = {t.name: _axes(t.shape) for t in spec.inputs + spec.outputs}
@@ -91,6 +180,9 @@ def export_onnx(
                     do_constant_folding=True,
                 )
                 proto = onnx.load_from_string(buf.getvalue())
+                _frozen_values(caught, spec)
+    except ExportFailure:
+        raise
     except Exception as e:
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
         raise ExportFailure(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ class WeightsSpec:
     """Where the weights come from: a seeded random init, or a state_dict file."""
 
     seed: int = 0
-    #: Absolute path of a state_dict saved with torch.save; None means seeded init.
+    #: A state_dict saved with torch.save (absolute when read from a spec file; as recorded,
+    #: relative to the spec's folder, when read from a manifest); None means seeded init.
     path: str | None = None
 
 
@@ -95,7 +97,11 @@ class ModelSpec:
     #: The shape that matters most in deployment; ``build --variant auto`` times graphs here.
     typical: dict[str, int] = field(default_factory=dict)
     description: str = ""
-    #: Directory searched first when importing ``module`` (the spec file's folder).
+    #: Build even where the module's Python code narrows a declared range or freezes a
+    #: traced value (the export then holds only for part of the range; verify judges it).
+    accept_guards: bool = False
+    #: The spec file's folder: searched first when importing ``module``. Only ever set from
+    #: a spec file in the checkout, never from a manifest.
     search_path: str | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
@@ -116,7 +122,13 @@ class ModelSpec:
         return {t.name: self.tolerance_for(t.name, variant) for t in self.outputs}
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready form; ``spec_from_dict`` reads it back."""
+        """A JSON-ready, portable form (no absolute paths); ``spec_from_dict`` reads it back.
+
+        Where the spec lives is not part of it: a weights path is written relative to the
+        spec's folder, and the folder itself is left out."""
+        weights = asdict(self.weights)
+        if self.weights.path is not None and self.search_path is not None:
+            weights["path"] = os.path.relpath(self.weights.path, self.search_path)
         return {
             "name": self.name,
             "description": self.description,
@@ -128,7 +140,7 @@ class ModelSpec:
             "opset": self.opset,
             "exporter": self.exporter,
             "mode": self.mode,
-            "weights": asdict(self.weights),
+            "weights": weights,
             "tolerance": {
                 "atol": self.tolerance.atol,
                 "rtol": self.tolerance.rtol,
@@ -136,15 +148,14 @@ class ModelSpec:
             },
             "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
-            "search_path": self.search_path,
+            "accept_guards": self.accept_guards,
         }
 
     def content_hash(self) -> str:
-        """sha256 of what determines the exported graph (not where the spec lives)."""
+        """sha256 of what determines the exported graph: the spec's content and the weights
+        file's bytes (not where either lives). Needs the weights file."""
         d = self.to_dict()
-        d.pop("search_path")
         d.pop("description")
-        d["weights"] = dict(d["weights"])
         if self.weights.path is not None:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

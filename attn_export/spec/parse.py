@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ _TOP_KEYS = {
     "tolerance",
     "variants",
     "typical",
+    "accept_guards",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
@@ -220,16 +220,20 @@ def _choice(where: _Where, raw: dict[str, Any], key: str, default: str, choices:
     return str(value)
 
 
-def _weights(where: _Where, raw: dict[str, Any], path: Path | None) -> WeightsSpec:
+def _weights(where: _Where, raw: dict[str, Any], folder: Path | None) -> WeightsSpec:
+    """Weights paths are resolved against the spec's folder and must exist; without a
+    folder (a manifest's copy, which is data) the path is kept as recorded, unchecked."""
     table = _table(where, raw, "weights", "a table with 'seed' or 'path'")
     _check_keys(where, table, _WEIGHT_KEYS, "[weights]", "weights")
     seed = _int(where, table.get("seed", 0), "weights.seed", "seed", "weights")
     wpath = table.get("path")
     if wpath is None:
         return WeightsSpec(seed)
-    if not isinstance(wpath, str):
-        raise where.error("weights.path must be a string", "path", "weights")
-    resolved = Path(wpath) if Path(wpath).is_absolute() or path is None else path.parent / wpath
+    if not isinstance(wpath, str) or not wpath:
+        raise where.error("weights.path must be a non-empty string", "path", "weights")
+    if folder is None:
+        return WeightsSpec(seed, wpath)
+    resolved = folder / wpath
     if not resolved.is_file():
         what = "is not a file" if resolved.exists() else "does not exist"
         raise where.error(f"weights file {wpath} {what}", "path", "weights")
@@ -275,18 +279,32 @@ def _typical(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> d
     return typical
 
 
-def _string(where: _Where, raw: dict[str, Any], key: str, default: str | None, check: Callable[[str], bool]) -> Any:
-    value = raw.get(key, default)
-    if value is not None and (not isinstance(value, str) or not check(value)):
-        raise where.error(f"'{key}' must be a string{'' if key != 'module' else ' like package.module:Class'}", key)
+def _flag(where: _Where, raw: dict[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise where.error(f"'{key}' must be true or false, got {value!r}", key)
     return value
 
 
-def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str = "") -> ModelSpec:
-    """Validate a parsed spec; every problem is a SpecError naming the file and key."""
+def _description(where: _Where, raw: dict[str, Any]) -> str:
+    value = raw.get("description", "")
+    if not isinstance(value, str):
+        raise where.error("'description' must be a string", "description")
+    return value
+
+
+def spec_from_dict(
+    raw: dict[str, Any], *, path: Path | None = None, text: str = "", folder: Path | None = None
+) -> ModelSpec:
+    """Validate a parsed spec; every problem is a SpecError naming the file and key.
+
+    ``path`` is the spec file (its folder becomes the search path); ``folder`` gives a
+    copy made by ``ModelSpec.to_dict`` its folder back. Without either, the spec is data
+    (a manifest's copy): nothing it names is resolved, checked or importable."""
     where = _Where(path, text)
-    # A manifest's copy of a spec (no path) also carries its name and search path.
-    _check_keys(where, raw, _TOP_KEYS | ({"name", "search_path"} if path is None else set()), "the spec", None)
+    folder = path.parent.resolve() if path is not None else folder
+    # A copy made by to_dict (no path) also carries its name.
+    _check_keys(where, raw, _TOP_KEYS | ({"name"} if path is None else set()), "the spec", None)
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
@@ -311,13 +329,14 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         opset=opset,
         exporter=_choice(where, raw, "exporter", "dynamo", EXPORTERS),
         mode=_choice(where, raw, "mode", "eval", MODES),
-        weights=_weights(where, raw, path),
+        weights=_weights(where, raw, folder),
         tolerance=tolerance,
         output_tolerances=per_output,
         variant_tolerances=per_variant,
         typical=_typical(where, raw, dims),
-        description=_string(where, raw, "description", "", lambda s: True),
-        search_path=_string(where, raw, "search_path", str(path.parent.resolve()) if path else None, lambda s: True),
+        description=_description(where, raw),
+        accept_guards=_flag(where, raw, "accept_guards"),
+        search_path=str(folder) if folder is not None else None,
     )
 
 
@@ -333,11 +352,8 @@ def load_spec(path: Path) -> ModelSpec:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: invalid TOML: {e}") from e
-    for key in ("name", "search_path"):
-        if key in raw:
-            raise _Where(path, text).error(
-                f"unknown key '{key}' in the spec (the model's name is the file's name)", key
-            )
+    if "name" in raw:
+        raise _Where(path, text).error("unknown key 'name' in the spec (the model's name is the file's name)", "name")
     return spec_from_dict(raw, path=path, text=text)
 
 

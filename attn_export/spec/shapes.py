@@ -7,6 +7,7 @@ include points where the query and key/value lengths differ.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 __all__ = [
     "ShapePoint",
     "concrete_shape",
+    "corner_points",
     "example_sizes",
     "golden_points",
     "parse_shapes",
@@ -106,16 +108,37 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
     return points
 
 
-def golden_points(spec: ModelSpec) -> list[ShapePoint]:
-    """The few shapes recorded as golden vectors: small, but covering the traps."""
+def corner_points(spec: ModelSpec) -> list[ShapePoint]:
+    """The corners of the declared range: every dim at its min or its max (all 2^n mixes
+    up to four dims; beyond, all-min, all-max and each dim alone at the other end)."""
     dims = spec.dims
-    small = {k: min(r.max, max(r.min, 16)) for k, r in dims.items()}
+    names = list(dims)
+    if len(names) <= 4:
+        mixes = list(itertools.product((False, True), repeat=len(names)))
+    else:
+        mixes = [(False,) * len(names), (True,) * len(names)]
+        mixes += [tuple(j == i for j in range(len(names))) for i in range(len(names))]
+        mixes += [tuple(j != i for j in range(len(names))) for i in range(len(names))]
+    points = []
+    for mix in mixes:
+        label = (
+            "max" if all(mix) else "min" if not any(mix) else "corner-" + "-".join("max" if m else "min" for m in mix)
+        )
+        points.append(
+            ShapePoint(label, {k: (dims[k].max if m else dims[k].min) for k, m in zip(names, mix, strict=True)})
+        )
+    return points
+
+
+def golden_points(spec: ModelSpec) -> list[ShapePoint]:
+    """The shapes build smoke-checks and records as golden vectors: distinct sizes, every
+    corner of the declared range, and a long point; so ``verify --golden`` covers the
+    range's ends as the PyTorch sweep does."""
+    dims = spec.dims
     long = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
-        ShapePoint("min", {k: r.min for k, r in dims.items()}),
         ShapePoint("distinct", example_sizes(spec)),
-        ShapePoint("skew-a", {k: (small[k] if i % 2 else dims[k].min) for i, k in enumerate(dims)}),
-        ShapePoint("skew-b", {k: (dims[k].min if i % 2 else small[k]) for i, k in enumerate(dims)}),
+        *corner_points(spec),
         ShapePoint("long", {k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)}),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}

@@ -119,7 +119,7 @@ def _frozen_values(caught: list[warnings.WarningMessage], spec: ModelSpec) -> No
         w = frozen[0]
         raise ExportFailure(
             f"{spec.name}: the trace froze a value computed from a tensor at {w.filename}:{w.lineno}: "
-            f"{first_line(w.message)}; the graph keeps the example's value for every shape "
+            f"{str(w.message).splitlines()[0]}; the graph keeps the example's value for every shape "
             "(set accept_guards = true in the spec to build it anyway)"
         )
 
@@ -147,7 +147,7 @@ def export_onnx(
     )
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
     try:
         with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":

@@ -26,19 +26,22 @@ from attn_export.artifacts.files import atomic_write, build_lock, sha256_bytes, 
 from attn_export.artifacts.golden import GoldenCase, write_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest, save_manifest
 from attn_export.compare import compare_outputs
+from attn_export.compare.policy import clearly_faster, noise
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
 from attn_export.export.factory import instantiate
-from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.export.source import module_sources
 from attn_export.export.torch_export import export_onnx, stamp_metadata
 from attn_export.export.variants import make_variant
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes, golden_points
+from attn_export.spec.shapes import ShapePoint, example_sizes, golden_points
 from attn_export.spec.variants import auto_candidates
-from attn_export.timing import measure, physical_cores
+from attn_export.timing import LatencyStats, measure, physical_cores
 
 __all__ = ["BuildOptions", "BuildResult", "BuildStatus", "BuildSummary", "build_models", "versions"]
 
@@ -205,21 +208,30 @@ class _SpecBuild:
         check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
         return proto
 
-    def _cases(self, points: list[tuple[str, dict[str, int]]], first_seed: int) -> list[GoldenCase]:
+    def _cases(self, points: list[tuple[ShapePoint, str]], first_seed: int) -> list[GoldenCase]:
         spec = self.spec
         cases = []
         with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
-            for i, (label, sizes) in enumerate(points):
-                feeds = make_feeds(spec, sizes, first_seed + i)
-                cases.append(GoldenCase(label, dict(sizes), feeds, eager.run(feeds)))
+            for i, (point, distribution) in enumerate(points):
+                feeds = make_feeds(spec, point.sizes, first_seed + i, distribution=distribution)
+                label = case_label(point.label, distribution)
+                outputs = eager.run(feeds)
+                floors = eager.precision_floor(feeds, outputs)
+                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors))
         return cases
 
     def _example(self) -> GoldenCase:
-        return self._cases([("example", self.sizes)], BUILD_SEED)[0]
+        return self._cases([(ShapePoint("example", self.sizes), DEFAULT_DISTRIBUTION)], BUILD_SEED)[0]
 
     def _golden_cases(self) -> list[GoldenCase]:
-        """PyTorch's outputs at the golden shapes (recorded, and smoke-checked)."""
-        return self._cases([(p.label, p.sizes) for p in golden_points(self.spec)], BUILD_SEED + 1)
+        """PyTorch's outputs at the golden shapes with unit-normal values (smoke-checked and
+        recorded), and at the distinct shape with each other distribution (recorded only:
+        those are verify's to judge)."""
+        points = golden_points(self.spec)
+        distinct = [p for p in points if p.label == "distinct"]
+        plan = [(p, DEFAULT_DISTRIBUTION) for p in points]
+        plan += [(p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in distinct]
+        return self._cases(plan, BUILD_SEED + 1)
 
     def graph(self, name: str) -> _Graph:
         if name not in self.graphs:
@@ -247,6 +259,7 @@ class _SpecBuild:
             },
         )
         check_model(proto, key)
+        check_deterministic(proto, key)
         check_dynamic_axes(proto, key, spec.inputs, spec.outputs)
         return _Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
@@ -257,7 +270,10 @@ class _SpecBuild:
         tolerances = spec.tolerances(variant)
         with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
             for case in [self.example.get(), *self.golden.get()]:
-                failed = [c.reason() for c in compare_outputs(case.outputs, session.run(case.inputs), tolerances)]
+                if split_label(case.label)[1] != DEFAULT_DISTRIBUTION:
+                    continue
+                got = session.run(case.inputs)
+                failed = [c.reason() for c in compare_outputs(case.outputs, got, tolerances, case.floors)]
                 failed = [r for r in failed if r]
                 if failed:
                     shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
@@ -297,13 +313,16 @@ def _up_to_date(entry: ManifestEntry | None, key: str, out_dir: Path) -> bool:
 
 def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     """Time each candidate at the spec's typical shape; the fastest within the model's own
-    tolerance wins. Candidates that fail to build or to agree are recorded, not chosen."""
+    tolerance wins, but only if it beats the plain graph by more than the noise (and the
+    timings are not noisy): otherwise the plain graph stays. Candidates that fail to
+    build or to agree are recorded, not chosen."""
     spec, provider = ctx.spec, ctx.options.provider
     feeds = make_feeds(spec, spec.typical, BUILD_SEED)
     with TorchRuntime(ctx.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
         expected = eager.run(feeds)
     tolerances = spec.tolerances("auto")
     figures: dict[str, dict[str, Any]] = {}
+    timings: dict[str, LatencyStats] = {}
     for name in auto_candidates(provider):
         try:
             model = ctx.graph(name).model
@@ -315,17 +334,28 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
         except AttnExportError as e:
             figures[name] = {"error": str(e)}
             continue
+        timings[name] = stats
         figures[name] = {
             "p50_ms": stats.p50_ms,
             "p90_ms": stats.p90_ms,
             "max_abs_error": max(c.max_abs_error for c in comparisons),
             "within_tolerance": all(c.passed for c in comparisons),
+            "noise": noise(stats),
         }
     passing = [n for n, f in figures.items() if f.get("within_tolerance")]
     if not passing:
         raise GraphCheckError(f"{spec.name}: auto found no variant within the model's tolerance: {figures}")
-    chosen = min(passing, key=lambda n: figures[n]["p50_ms"])
-    return chosen, {"chosen": chosen, "provider": provider, "shape": dict(spec.typical), "figures": figures}
+    fastest = min(passing, key=lambda n: figures[n]["p50_ms"])
+    base = "fp32" if "fp32" in passing else fastest
+    noisy = noise(*(timings[n] for n in passing))
+    if noisy:
+        chosen, why = base, f"timings {noisy}: kept {base}"
+    elif fastest != base and not clearly_faster(timings[fastest], timings[base]):
+        chosen, why = base, f"{fastest} is not faster than {base} beyond the noise (its p90 >= {base}'s p50)"
+    else:
+        chosen, why = fastest, "fastest within the model's tolerance"
+    info = {"chosen": chosen, "why": why, "provider": provider, "shape": dict(spec.typical), "figures": figures}
+    return chosen, info
 
 
 def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:

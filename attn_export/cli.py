@@ -21,6 +21,7 @@ from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
+from attn_export.spec.distributions import DISTRIBUTIONS
 
 __all__ = ["cli", "main"]
 
@@ -239,6 +240,22 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--shapes", help='Shape points instead of the sweep, e.g. "batch=1,seq=3,kv_seq=9;batch=2,seq=5,kv_seq=7".'
 )
 @click.option(
+    "--distribution",
+    "distributions",
+    multiple=True,
+    type=click.Choice(list(DISTRIBUTIONS)),
+    help="Value distribution of float inputs, at every shape (repeatable). Default: "
+    + ", ".join(f"{k} ({v[1]})" for k, v in DISTRIBUTIONS.items())
+    + "; unit normal at every shape, the others at the distinct and largest shapes.",
+)
+@click.option(
+    "--inputs",
+    "inputs_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Verify with recorded inputs from this .npz (keys '<input>' for one case, or "
+    "'<case>/inputs/<input>'; golden mode also needs '<case>/outputs/<output>').",
+)
+@click.option(
     "--random",
     "n_random",
     type=click.IntRange(0, 100),
@@ -272,6 +289,8 @@ def verify(
     runtimes: tuple[str, ...],
     golden: bool,
     shapes: str | None,
+    distributions: tuple[str, ...],
+    inputs_file: Path | None,
     n_random: int,
     seed: int,
     atol: float | None,
@@ -298,13 +317,23 @@ def verify(
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
     from attn_export.report import write_reports
-    from attn_export.report.verify_text import HEADER, format_failures, format_model_rows, format_summary
+    from attn_export.report.verify_text import (
+        HEADER,
+        format_distributions,
+        format_failures,
+        format_model_rows,
+        format_summary,
+    )
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.shapes import parse_shapes
     from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
 
-    if golden and shapes:
-        raise click.UsageError("--shapes cannot be combined with --golden (golden files fix their shapes)")
+    if inputs_file and (shapes or distributions):
+        raise click.UsageError("--inputs replaces the sweep: it cannot be combined with --shapes or --distribution")
+    if golden and (shapes or distributions):
+        raise click.UsageError(
+            "--shapes and --distribution cannot be combined with --golden (golden files fix their cases)"
+        )
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
     options = VerifyOptions(
@@ -312,6 +341,8 @@ def verify(
         models_dir=models_dir,
         golden=golden,
         shapes=parse_shapes(shapes) if shapes else None,
+        distributions=distributions or None,
+        inputs_file=inputs_file,
         n_random=n_random,
         seed=seed,
         atol=atol,
@@ -332,10 +363,9 @@ def verify(
         options,
         on_model=lambda name, cases, check: click.echo(format_model_rows(name, cases, check)),
     )
-    failures = format_failures(report)
-    if failures:
-        click.echo(failures)
-    click.echo(format_summary(report))
+    for text in (format_distributions(report), format_failures(report), format_summary(report)):
+        if text:
+            click.echo(text)
     write_reports(report, {name.removeprefix("report_"): path for name, path in reports.items()})
     sys.exit(report.exit_code)
 

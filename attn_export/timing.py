@@ -13,20 +13,48 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["LatencyStats", "measure", "physical_cores"]
+__all__ = ["LatencyStats", "load_average", "measure", "measure_alternating", "physical_cores"]
 
 
 @dataclass
 class LatencyStats:
-    """Wall-clock latency of repeated calls, in milliseconds."""
+    """Wall-clock latency of repeated calls, in milliseconds, and how loaded the machine
+    was (1-minute load average and usable cores when the timing ended)."""
 
     p50_ms: float
     p90_ms: float
     mean_ms: float
     repeats: int
+    load: float | None = None
+    cores: int | None = None
 
-    def to_dict(self) -> dict[str, float | int]:
+    @property
+    def spread(self) -> float:
+        """p90 / p50: how much the repeats disagree."""
+        return self.p90_ms / self.p50_ms if self.p50_ms > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, where the OS reports one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _stats(times: list[float]) -> LatencyStats:
+    ms = np.asarray(times) * 1e3
+    return LatencyStats(
+        float(np.percentile(ms, 50)),
+        float(np.percentile(ms, 90)),
+        float(ms.mean()),
+        len(times),
+        load_average(),
+        physical_cores(),
+    )
 
 
 def measure(
@@ -47,8 +75,27 @@ def measure(
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
-    ms = np.asarray(times) * 1e3
-    return LatencyStats(float(np.percentile(ms, 50)), float(np.percentile(ms, 90)), float(ms.mean()), len(times))
+    return _stats(times)
+
+
+def measure_alternating(
+    calls: dict[str, Callable[[], object]], *, warmup: int = 2, budget_s: float = 0.05, blocks: int = 4
+) -> dict[str, LatencyStats]:
+    """Time several calls fairly in one process: each is warmed up, then they take turns
+    in ``blocks`` blocks of ``budget_s / blocks`` seconds each, so a slow phase of the
+    machine (or another runtime's threads still spinning) falls on all of them alike."""
+    for call in calls.values():
+        for _ in range(warmup):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(blocks):
+        for name, call in calls.items():
+            deadline = time.perf_counter() + budget_s / blocks
+            while len(times[name]) < 10_000 and (not times[name] or time.perf_counter() < deadline):
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+    return {name: _stats(t) for name, t in times.items()}
 
 
 def physical_cores() -> int:

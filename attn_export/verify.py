@@ -20,15 +20,20 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.compare import OutputComparison, compare_outputs, latency_gate
-from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
-from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.compare.policy import noise as latency_noise
+from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, InputError, UsageError
+from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.export.source import module_sources
-from attn_export.runtimes import RUNTIMES, Runtime, Target
+from attn_export.runtimes import RUNTIMES, Runtime, Target, check_feeds
+from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance, load_spec
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import ShapePoint, sweep, validate_sizes
-from attn_export.timing import LatencyStats, measure, physical_cores
+from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep, validate_sizes
+from attn_export.timing import LatencyStats, measure_alternating, physical_cores
 
 __all__ = [
     "CaseResult",
@@ -50,6 +55,11 @@ class VerifyOptions:
     models_dir: Path = Path("models")
     golden: bool = False
     shapes: Sequence[Mapping[str, int]] | None = None
+    #: Value distributions to run at every shape; None: unit normal everywhere, the others
+    #: at the distinct and largest shapes.
+    distributions: Sequence[str] | None = None
+    #: Recorded inputs (``artifacts.recorded``) to verify with instead of the sweep.
+    inputs_file: Path | None = None
     n_random: int = 2
     seed: int = 0
     atol: float | None = None
@@ -72,6 +82,8 @@ class VerifyOptions:
             "rtol": self.rtol,
             "max_slowdown": self.max_slowdown,
             "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
+            "distributions": list(self.distributions) if self.distributions else None,
+            "inputs": str(self.inputs_file) if self.inputs_file else None,
         }
 
 
@@ -90,6 +102,8 @@ class CaseResult:
     torch_latency: LatencyStats | None = None
     onnx_latency: LatencyStats | None = None
     gate: str | None = None
+    #: The float inputs' value distribution (``spec.distributions``), or "recorded".
+    distribution: str = DEFAULT_DISTRIBUTION
 
     @property
     def runtime(self) -> str:
@@ -100,6 +114,11 @@ class CaseResult:
         if self.torch_latency and self.onnx_latency and self.torch_latency.p50_ms > 0:
             return self.onnx_latency.p50_ms / self.torch_latency.p50_ms
         return None
+
+    @property
+    def noise(self) -> str | None:
+        """Why this case's timings are too noisy to decide on, or None."""
+        return latency_noise(self.onnx_latency, self.torch_latency)
 
     @property
     def max_abs_error(self) -> float | None:
@@ -130,6 +149,7 @@ class CaseResult:
             "sizes": self.sizes,
             "seed": self.seed,
             "expected_from": self.expected_from,
+            "distribution": self.distribution,
             "passed": self.passed,
             "error": self.error,
             "gate": self.gate,
@@ -140,6 +160,7 @@ class CaseResult:
                 "onnx": self.onnx_latency.to_dict(),
                 "torch": self.torch_latency.to_dict() if self.torch_latency else None,
                 "ratio": self.ratio,
+                "noise": self.noise,
             },
         }
 
@@ -153,6 +174,7 @@ class CaseResult:
             sizes=dict(d["sizes"]),
             seed=d["seed"],
             expected_from=d["expected_from"],
+            distribution=d["distribution"],
             comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
             error=d.get("error"),
             gate=d.get("gate"),
@@ -202,12 +224,25 @@ class VerifyReport:
         return sorted({c.model for c in self.failed_cases} | {c.model for c in self.checks if not c.passed})
 
     @property
+    def errors_by_distribution(self) -> dict[tuple[str, str], dict[str, float | None]]:
+        """Largest absolute error per (model, runtime) and value distribution; None where
+        no number was compared."""
+        out: dict[tuple[str, str], dict[str, float | None]] = {}
+        for c in self.cases:
+            errors = out.setdefault((c.model, c.runtime), {})
+            worst = errors.get(c.distribution)
+            value = c.max_abs_error
+            errors[c.distribution] = value if worst is None else (worst if value is None else max(worst, value))
+        return out
+
+    @property
     def summary(self) -> dict[str, int]:
         return {
             "models": len(self.checks),
             "cases": len(self.cases),
             "failed_cases": len(self.failed_cases),
             "failed_checks": sum(not c.passed for c in self.checks),
+            "noisy_timings": sum(c.noise is not None for c in self.cases),
         }
 
     def models(self) -> list[str]:
@@ -217,10 +252,13 @@ class VerifyReport:
         """The one command that reruns exactly this case."""
         file = next(c.file for c in self.checks if c.model == case.model)
         args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
+        if case.distribution == RECORDED:
+            args += ["--inputs", str(self.settings.get("inputs"))]
         if case.expected_from == "golden":
             args += ["--golden"]
-        else:
-            args += ["--shapes", ",".join(f"{k}={v}" for k, v in case.sizes.items()), "--seed", str(case.seed)]
+        elif case.distribution != RECORDED:
+            shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
+            args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
         return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -311,6 +349,10 @@ def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], boo
     except GraphCheckError as e:
         return [str(e)], False
     try:
+        check_deterministic(proto, entry.name)
+    except GraphCheckError as e:
+        return [str(e)], False
+    try:
         check_dynamic_axes(proto, entry.name, spec.inputs, spec.outputs)
     except GraphCheckError as e:
         return [str(e)], True
@@ -326,10 +368,19 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
     }
 
 
-def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
+def _plan(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[tuple[ShapePoint, str]]:
+    """(shape, value distribution) pairs: by default every shape with unit-normal values,
+    and each other distribution at the distinct and the largest shapes."""
     if options.shapes:  # validated by verify_artifacts before any work
-        return [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
-    return sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+        points = [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
+    else:
+        points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+    if options.distributions:
+        return [(p, d) for d in options.distributions for p in points]
+    extra = [p for p in points if p.label in ("distinct", "max")] or points
+    return [(p, DEFAULT_DISTRIBUTION) for p in points] + [
+        (p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in extra
+    ]
 
 
 @dataclass
@@ -339,6 +390,7 @@ class _Expected:
     label: str
     cases: list[GoldenCase]
     seeds: list[int]
+    distributions: list[str]
 
 
 def _golden_expected(out_dir: Path, entry: ManifestEntry) -> _Expected:
@@ -355,15 +407,44 @@ def _golden_expected(out_dir: Path, entry: ManifestEntry) -> _Expected:
                         f"{path}: case '{case.label}' {section[:-1]} '{t.name}' has dtype {got[t.name].dtype}, "
                         f"expected {t.dtype}"
                     )
-    return _Expected("golden", cases, list(range(len(cases))))
+    labels = [split_label(c.label) for c in cases]
+    for case, (label, _) in zip(cases, labels, strict=True):
+        case.label = label
+    return _Expected("golden", cases, list(range(len(cases))), [d for _, d in labels])
 
 
-def _torch_expected(torch_rt: Runtime, spec: ModelSpec, points: list[ShapePoint], seed: int) -> _Expected:
+def _torch_expected(
+    torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[ShapePoint, str]], seed: int
+) -> _Expected:
     cases = []
-    for i, point in enumerate(points):
-        feeds = make_feeds(spec, point.sizes, seed + i)
-        cases.append(GoldenCase(point.label, dict(point.sizes), feeds, torch_rt.run(feeds)))
-    return _Expected(torch_rt.name, cases, [seed + i for i in range(len(points))])
+    for i, (point, distribution) in enumerate(plan):
+        feeds = make_feeds(spec, point.sizes, seed + i, distribution=distribution)
+        outputs = torch_rt.run(feeds)
+        floors = torch_rt.precision_floor(feeds, outputs)
+        cases.append(GoldenCase(point.label, dict(point.sizes), feeds, outputs, floors))
+    return _Expected(torch_rt.name, cases, [seed + i for i in range(len(plan))], [d for _, d in plan])
+
+
+def _recorded_expected(spec: ModelSpec, path: Path, torch_rt: TorchRuntime | None = None) -> _Expected:
+    """The user's recorded inputs, checked against the spec like any feeds; expected
+    outputs from PyTorch, or (golden mode) from the file."""
+    cases = read_recorded(path)
+    for case in cases:
+        try:
+            check_feeds(case.inputs, spec.inputs, spec.dims)
+        except InputError as e:
+            raise InputError(f"{path}: case '{case.label}': {e}") from e
+        case.sizes = sizes_from_feeds(spec.inputs, {k: v.shape for k, v in case.inputs.items()})
+        if torch_rt is not None:
+            case.outputs = torch_rt.run(case.inputs)
+            case.floors = torch_rt.precision_floor(case.inputs, case.outputs)
+        elif sorted(case.outputs) != sorted(t.name for t in spec.outputs):
+            raise InputError(
+                f"{path}: case '{case.label}' holds no expected outputs {[t.name for t in spec.outputs]}; "
+                "golden mode needs them (<case>/outputs/<name>), or verify against PyTorch"
+            )
+    label = "golden" if torch_rt is None else torch_rt.name
+    return _Expected(label, cases, [0] * len(cases), [RECORDED] * len(cases))
 
 
 def _run(runtime: Runtime, feeds: Mapping[str, np.ndarray], case: CaseResult) -> dict[str, np.ndarray] | None:
@@ -380,9 +461,12 @@ def _run(runtime: Runtime, feeds: Mapping[str, np.ndarray], case: CaseResult) ->
 def _time(
     case: CaseResult, target: Runtime, torch_rt: Runtime | None, feeds: Mapping[str, np.ndarray], budget: float
 ) -> None:
-    case.onnx_latency = measure(target.prepare(feeds), budget_s=budget)
+    """Both sides in alternating blocks (``timing.measure_alternating``), with the same threads."""
+    calls = {"onnx": target.prepare(feeds)}
     if torch_rt is not None:
-        case.torch_latency = measure(torch_rt.prepare(feeds), budget_s=budget)
+        calls["torch"] = torch_rt.prepare(feeds)
+    stats = measure_alternating(calls, budget_s=2 * budget)
+    case.onnx_latency, case.torch_latency = stats["onnx"], stats.get("torch")
 
 
 def _check_target(
@@ -396,8 +480,8 @@ def _check_target(
 ) -> list[CaseResult]:
     """Run ``runtime`` on every expected case: compare, time where the kind is timed, gate."""
     results = [
-        CaseResult(model, target, c.label, dict(c.sizes), seed, expected.label)
-        for c, seed in zip(expected.cases, expected.seeds, strict=True)
+        CaseResult(model, target, c.label, dict(c.sizes), seed, expected.label, distribution=d)
+        for c, seed, d in zip(expected.cases, expected.seeds, expected.distributions, strict=True)
     ]
     try:
         runtime.activate()
@@ -412,8 +496,8 @@ def _check_target(
             got = _run(runtime, case.inputs, result)
             if got is None:
                 continue
-            result.comparisons = compare_outputs(case.outputs, got, tolerances)
-            if options.latency and RUNTIMES[target.runtime].timed:
+            result.comparisons = compare_outputs(case.outputs, got, tolerances, case.floors)
+            if options.latency and RUNTIMES[target.runtime].timed and result.distribution == DEFAULT_DISTRIBUTION:
                 _time(result, runtime, torch_rt, case.inputs, options.latency_budget_s)
                 result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
     finally:
@@ -511,13 +595,15 @@ def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options:
         return RUNTIMES[target.runtime].make(path, spec, target, options.threads)
 
     if options.golden:
-        expected = _golden_expected(out_dir, entry)
+        expected = (
+            _recorded_expected(spec, options.inputs_file) if options.inputs_file else _golden_expected(out_dir, entry)
+        )
         for target in options.targets:
             cases += _check_target(entry.name, target, make(target), expected, tolerances, None, options)
         return cases
 
     from attn_export.export.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+    from attn_export.runtimes.torch_eager import torch_device_for
 
     module = instantiate(spec)
     for target in options.targets:
@@ -525,7 +611,10 @@ def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options:
         device = torch_device_for(target.provider) if kind.timed else "cpu"
         threads = options.threads if kind.timed else None
         with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
-            expected = _torch_expected(eager, spec, _points(spec, options, kind.shape_cap), options.seed)
+            if options.inputs_file:
+                expected = _recorded_expected(spec, options.inputs_file, eager)
+            else:
+                expected = _torch_expected(eager, spec, _plan(spec, options, kind.shape_cap), options.seed)
             torch_rt = eager if kind.timed else None
             cases += _check_target(entry.name, target, make(target), expected, tolerances, torch_rt, options)
     return cases

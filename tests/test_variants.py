@@ -40,11 +40,28 @@ def test_every_variant_is_in_the_manifest(variant_build: Path) -> None:
     assert "mha_cross.attention-op" not in models
 
 
-def test_every_variant_verifies_within_its_tolerance(variant_build: Path) -> None:
-    result = CliRunner().invoke(cli, ["verify", str(variant_build), "--no-latency"])
+def _rows(output: str) -> list[list[str]]:
+    return [line.split() for line in output.splitlines() if "onnxruntime[cpu]" in line.split()[1:2]]
+
+
+def test_every_variant_verifies_within_its_tolerance_at_unit_scale(variant_build: Path) -> None:
+    args = ["verify", str(variant_build), "--no-latency", "--distribution", "normal", "--distribution", "tiny"]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    rows = [line.split()[0] for line in result.output.splitlines()[1:-1]]
-    assert {"mha_cross.int8", "mha_cross.fp16", "mha_cross.ort-fused", "mha_attention_op.attention-op"} <= set(rows)
+    rows = {row[0] for row in _rows(result.output)}
+    assert {"mha_cross.int8", "mha_cross.fp16", "mha_cross.ort-fused", "mha_attention_op.attention-op"} <= rows
+
+
+def test_quantized_graphs_show_where_they_break(variant_build: Path) -> None:
+    """int8's per-tensor activation scale collapses on outlier channels; the plain graph
+    does not: verify says so per distribution."""
+    graphs = [variant_build / "mha_cross.onnx", variant_build / "mha_cross.int8.onnx"]
+    result = CliRunner().invoke(cli, ["verify", *map(str, graphs), "--no-latency"])
+    assert result.exit_code == 1
+    failing = {(row[0], row[3]) for row in _rows(result.output) if row[4] == "FAIL"}
+    assert ("mha_cross.int8", "outliers") in failing and all(model == "mha_cross.int8" for model, _ in failing)
+    summary = next(line for line in result.output.splitlines() if "max abs by values  mha_cross.int8" in line)
+    assert all(f"{d} " in summary for d in ("normal", "large", "outliers", "tiny"))
 
 
 def test_ort_fused_holds_fused_multi_head_attention(variant_build: Path) -> None:
@@ -59,13 +76,17 @@ def test_attention_op_variant_holds_the_attention_op(variant_build: Path) -> Non
 
 def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_build: Path) -> None:
     assert {"DynamicQuantizeLinear", "MatMulInteger"} & _ops(variant_build / "mha_cross.int8.onnx")
-    result = CliRunner().invoke(cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency"])
+    result = CliRunner().invoke(
+        cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--distribution", "normal"]
+    )
     assert result.exit_code == 0
-    errors = [float(line.split()[4]) for line in result.output.splitlines() if line.startswith("mha_cross.int8")]
+    errors = [float(row[5]) for row in _rows(result.output) if row[0] == "mha_cross.int8"]
     assert max(errors) > 1e-4  # a real, visible quantization error, within int8's tolerance
     assert max(errors) <= VARIANTS["int8"].tolerance.atol
     strict = CliRunner().invoke(
-        cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--atol", "1e-5", "--rtol", "1e-4"]
+        cli,
+        ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--distribution", "normal"]
+        + ["--atol", "1e-5", "--rtol", "1e-4"],
     )
     assert strict.exit_code == 1  # judged by the fp32 tolerance it fails, as it should
 
@@ -81,7 +102,7 @@ def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     fills = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert all(abs(float(f.min())) <= 65504 for f in fills if f.size)  # -1e9 was clamped, not -inf
     # every sweep point has a fully masked row: fp16 must keep it finite
-    result = CliRunner().invoke(cli, ["verify", str(out), "--no-latency"])
+    result = CliRunner().invoke(cli, ["verify", str(out), "--no-latency", "--distribution", "normal"])
     assert result.exit_code == 0, result.output
 
 

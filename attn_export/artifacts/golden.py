@@ -1,7 +1,8 @@
 """Golden vector files: PyTorch's outputs at fixed shapes, so ``verify --golden`` needs no torch.
 
-Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>`` and
-``<case>/outputs/<name>``; written with fixed timestamps and sorted entries (deterministic).
+Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
+``<case>/outputs/<name>`` and ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
+float32 error on the case); written with fixed timestamps and sorted entries (deterministic).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class GoldenCase:
     sizes: dict[str, int]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Per output, PyTorch's own float32 error against float64 on these inputs.
+    floors: dict[str, float] = field(default_factory=dict)
 
 
 def write_golden(path: Path, cases: list[GoldenCase]) -> None:
@@ -39,6 +42,8 @@ def write_golden(path: Path, cases: list[GoldenCase]) -> None:
             arrays[f"{case.label}/inputs/{k}"] = a
         for k, a in case.outputs.items():
             arrays[f"{case.label}/outputs/{k}"] = a
+        for k, f in case.floors.items():
+            arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for key in sorted(arrays):
@@ -62,7 +67,7 @@ def read_golden(path: Path) -> list[GoldenCase]:
     cases: dict[str, GoldenCase] = {}
     for key, value in arrays.items():
         parts = key.split("/")
-        if len(parts) != 3 or parts[1] not in ("sizes", "inputs", "outputs"):
+        if len(parts) != 3 or parts[1] not in ("sizes", "inputs", "outputs", "floors"):
             raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
         label, section, name = parts
         case = cases.setdefault(label, GoldenCase(label, {}))
@@ -70,6 +75,10 @@ def read_golden(path: Path) -> list[GoldenCase]:
             if value.shape != () or value.dtype.kind not in "iu":
                 raise ArtifactError(f"{path}: size entry '{key}' is not an integer scalar")
             case.sizes[name] = int(value)
+        elif section == "floors":
+            if value.shape != () or value.dtype != np.float64 or not np.isfinite(value) or value < 0:
+                raise ArtifactError(f"{path}: floor entry '{key}' is not a finite non-negative float64 scalar")
+            case.floors[name] = float(value)
         else:
             (case.inputs if section == "inputs" else case.outputs)[name] = value
     if not cases:

@@ -19,6 +19,7 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.bench.flops import count_flops, matmul_peak_gflops
 from attn_export.bench.memory import peak_rss_mb
 from attn_export.build import BuildOptions, BuildSummary, build_models, versions
+from attn_export.compare.policy import noise
 from attn_export.errors import InputError
 from attn_export.export.graph_checks import check_model
 from attn_export.spec import ModelSpec, load_spec, variant_key
@@ -57,6 +58,11 @@ class BenchRow:
     gflops: float
     peak_share: float
     in_verified_range: bool
+
+    @property
+    def noise(self) -> str | None:
+        """Why this row's timing is too noisy to compare, or None."""
+        return noise(self.latency)
 
 
 @dataclass
@@ -145,8 +151,8 @@ def run_bench(
             entry = manifest.models[variant_key(spec.name, variant)]
             path = out_dir / entry.file
             check_model(load_model_file(path), entry.name, path)  # never time a graph verify would refuse
-            runners[f"ort:{variant}"] = OnnxRuntime(
-                path, spec.inputs, spec.outputs, provider=options.provider, threads=options.threads
+            runners[f"ort:{variant}"] = OnnxRuntime(  # no spinning threads to slow the PyTorch runners
+                path, spec.inputs, spec.outputs, provider=options.provider, threads=options.threads, spinning=False
             )
         for batch in options.batches:
             for seq in options.seqs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from attn_export._deps import require
@@ -17,9 +18,21 @@ from attn_export.spec import ModelSpec
 __all__ = ["instantiate", "resolve_factory"]
 
 
+def _forget_other_copy(module_name: str, search_path: str | None) -> None:
+    """A module that lives in the spec's folder is imported afresh: another spec's folder
+    may hold a module of the same name, and the file may have been edited since."""
+    if search_path is None or module_name not in sys.modules:
+        return
+    base = Path(search_path).joinpath(*module_name.split("."))
+    if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+        for name in [n for n in sys.modules if n == module_name or n.startswith(module_name + ".")]:
+            del sys.modules[name]
+
+
 def resolve_factory(spec: ModelSpec) -> Any:
     """Import ``package.module:Attr``, searching the spec's own folder first."""
     module_name, _, attr_path = spec.module.partition(":")
+    _forget_other_copy(module_name, spec.search_path)
     added = spec.search_path is not None and spec.search_path not in sys.path
     if added:
         sys.path.insert(0, spec.search_path)  # type: ignore[arg-type]

@@ -16,7 +16,10 @@ from attn_export.artifacts.onnx_file import external_data_files
 from attn_export.errors import GraphCheckError, first_line
 from attn_export.spec import TensorSpec
 
-__all__ = ["check_dynamic_axes", "check_model", "graph_shapes"]
+__all__ = ["check_deterministic", "check_dynamic_axes", "check_model", "graph_shapes"]
+
+#: Ops whose result is drawn at random on every run.
+RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
 
 
 def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> None:
@@ -93,3 +96,33 @@ def check_dynamic_axes(
                     f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
                     f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
                 )
+
+
+def _constant_true(proto: onnx.ModelProto, name: str) -> bool:
+    """Whether tensor ``name`` is a constant (initializer or Constant node) holding True."""
+    from onnx import numpy_helper
+
+    for init in proto.graph.initializer:
+        if init.name == name:
+            return bool(numpy_helper.to_array(init).all())
+    for n in proto.graph.node:
+        if n.op_type == "Constant" and name in n.output:
+            value = next((a for a in n.attribute if a.name == "value"), None)
+            return value is not None and bool(numpy_helper.to_array(value.t).all())
+    return False
+
+
+def check_deterministic(proto: onnx.ModelProto, name: str) -> None:
+    """Refuse a graph whose result depends on randomness or on training mode (a Dropout
+    in training mode, random ops): two runs on the same inputs would differ. ONNX
+    Runtime's optimizer may remove such a node at its default level; other runtimes and
+    levels do not, so the graph itself is judged."""
+    for n in proto.graph.node:
+        label = f"{n.op_type} node '{n.name or n.output[0]}'"
+        if n.op_type in RANDOM_OPS:
+            raise GraphCheckError(f"{name}: the graph holds a random op, {label}: its result changes on every run")
+        if n.op_type == "Dropout" and len(n.input) > 2 and n.input[2] and _constant_true(proto, n.input[2]):
+            raise GraphCheckError(
+                f"{name}: the graph holds {label} with training_mode = true: it drops values at random "
+                "(export the module in eval mode)"
+            )

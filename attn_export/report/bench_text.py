@@ -17,7 +17,7 @@ def _ratio(value: float | None) -> str:
 
 
 def format_bench_row(r: BenchRow) -> str:
-    flag = "" if r.in_verified_range else "  (outside the verified range)"
+    flag = ("" if r.in_verified_range else "  (outside the verified range)") + (f"  {r.noise}" if r.noise else "")
     return (
         f"{r.model:<14} {r.runner:<18} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
         f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} {100 * r.peak_share:>5.1f}%{flag}"

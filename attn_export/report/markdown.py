@@ -24,19 +24,27 @@ def markdown_report(report: VerifyReport) -> str:
         f"{report.summary['models']} models, {report.summary['cases']} cases, seed {report.seed}, "
         f"{report.seconds:.1f} s.",
         "",
-        "| model | runtime | shape | result | max abs | max rel | torch p50 (ms) | ORT p50 (ms) | ratio |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| model | runtime | shape | values | result | max abs | max rel | torch p50 (ms) | ORT p50 (ms) | ratio |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for c in report.cases:
         shape = ", ".join(f"{k}={v}" for k, v in c.sizes.items())
         lines.append(
-            f"| {c.model} | {c.runtime} | {shape} | {'PASS' if c.passed else '**FAIL**'} | "
+            f"| {c.model} | {c.runtime} | {shape} | {c.distribution} | {'PASS' if c.passed else '**FAIL**'} | "
             f"{_cell(c.max_abs_error, '.2e')} | "
             f"{_cell(c.max_rel_error, '.2e')} | "
             f"{_cell(c.torch_latency.p50_ms if c.torch_latency else None, '.3f')} | "
             f"{_cell(c.onnx_latency.p50_ms if c.onnx_latency else None, '.3f')} | "
-            f"{_cell(c.ratio, '.2f')} |"
+            f"{_cell(c.ratio, '.2f')}{' (noisy)' if c.noise else ''} |"
         )
+    by_distribution = report.errors_by_distribution
+    if by_distribution:
+        names = list(dict.fromkeys(d for errors in by_distribution.values() for d in errors))
+        lines += ["", "#### Max abs error by value distribution", ""]
+        lines += ["| model | runtime | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+        for (model, runtime), errors in by_distribution.items():
+            cells = " | ".join(_cell(errors.get(n), ".2e") for n in names)
+            lines.append(f"| {model} | {runtime} | {cells} |")
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
     problems += [
         f"- **{c.model}** {c.runtime} {c.shape}: {'; '.join(c.reasons())}  \n  `{report.reproduce(c)}`"

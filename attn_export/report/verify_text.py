@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
-__all__ = ["HEADER", "format_case", "format_failures", "format_model_rows", "format_summary"]
+__all__ = ["HEADER", "format_case", "format_distributions", "format_failures", "format_model_rows", "format_summary"]
 
 HEADER = (
-    f"{'MODEL':<18} {'RUNTIME':<18} {'SHAPE':<30} {'RESULT':<6} {'MAX_ABS':>9} {'MAX_REL':>9} "
+    f"{'MODEL':<18} {'RUNTIME':<18} {'SHAPE':<30} {'VALUES':<8} {'RESULT':<6} {'MAX_ABS':>9} {'MAX_REL':>9} "
     f"{'TORCH_P50':>10} {'ORT_P50':>9} {'RATIO':>6}"
 )
 
@@ -21,16 +21,16 @@ def format_case(c: CaseResult) -> str:
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
     return (
-        f"{c.model:<18} {c.runtime:<18} {shape:<30} {'PASS' if c.passed else 'FAIL':<6} "
+        f"{c.model:<18} {c.runtime:<18} {shape:<30} {c.distribution:<8} {'PASS' if c.passed else 'FAIL':<6} "
         f"{_num(c.max_abs_error, '9.2e'):>9} {_num(c.max_rel_error, '9.2e'):>9} "
-        f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}"
+        f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}" + ("  noisy" if c.noise else "")
     )
 
 
 def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> str:
     """The rows for one model, printed as soon as it is verified."""
     lines = [format_case(c) for c in cases]
-    lines += [f"{name:<18} {'checks':<18} {'-':<30} FAIL    {p}" for p in check.problems]
+    lines += [f"{name:<18} {'checks':<18} {'-':<30} {'-':<8} FAIL   {p}" for p in check.problems]
     return "\n".join(lines)
 
 
@@ -40,15 +40,32 @@ def format_failures(report: VerifyReport) -> str:
     for check in report.checks:
         lines += [f"FAIL {p}" for p in check.problems]
     for c in report.failed_cases:
-        lines.append(f"FAIL {c.model} {c.runtime} {c.shape} (seed {c.seed}): {'; '.join(c.reasons())}")
+        lines.append(f"FAIL {c.model} {c.runtime} {c.shape} {c.distribution} (seed {c.seed}): {'; '.join(c.reasons())}")
         lines.append(f"     reproduce: {report.reproduce(c)}")
+    return "\n".join(lines)
+
+
+def format_distributions(report: VerifyReport) -> str:
+    """Per model and runtime, the largest error under each value distribution: where a
+    quantized or half-precision graph breaks."""
+    lines = []
+    for (model, runtime), errors in report.errors_by_distribution.items():
+        cells = ", ".join(f"{d} {_num(e, '.2e')}" for d, e in errors.items())
+        lines.append(f"max abs by values  {model:<18} {runtime:<18} {cells}")
     return "\n".join(lines)
 
 
 def format_summary(report: VerifyReport) -> str:
     n = report.summary
     verdict = "PASSED" if report.passed else f"FAILED ({', '.join(report.failed_models)})"
-    return (
+    line = (
         f"verify {verdict}: {n['cases'] - n['failed_cases']} of {n['cases']} cases agree across "
         f"{n['models']} models in {report.seconds:.1f} s (seed {report.seed})"
     )
+    if n["noisy_timings"]:
+        first = next(c.noise for c in report.cases if c.noise)
+        line += (
+            f"\n{n['noisy_timings']} cases have noisy timings ({first}): their latency figures decide "
+            "nothing (--max-slowdown is not applied to them); rerun on an idle machine"
+        )
+    return line

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class Runtime(ABC):
         self.dims = dict(dims or {})
         self.active = False
 
-    def __enter__(self) -> Runtime:
+    def __enter__(self) -> Self:
         self.activate()
         return self
 

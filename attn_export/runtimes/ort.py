@@ -55,6 +55,7 @@ def load_session(
     optimized_path: Path | None = None,
     no_fallback: bool = False,
     profile_prefix: Path | None = None,
+    spinning: bool = True,
 ) -> Any:
     """An InferenceSession on ``provider`` alone; RuntimeFailure if it cannot load or
     silently runs elsewhere.
@@ -62,7 +63,9 @@ def load_session(
     ``threads`` pins intra-op threads (inter-op 1); ``level`` is disabled/basic/extended
     (ORT's default otherwise); ``optimized_path`` saves the optimized graph there;
     ``no_fallback`` makes a node without a kernel on the provider fail the load;
-    ``profile_prefix`` turns on ONNX Runtime's per-node profiling.
+    ``profile_prefix`` turns on ONNX Runtime's per-node profiling; ``spinning=False``
+    stops idle intra-op threads from spinning after a run, so they do not steal the cores
+    from PyTorch timed in the same process.
     """
     import onnxruntime as ort
 
@@ -76,6 +79,8 @@ def load_session(
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[level])
     if optimized_path is not None:
         options.optimized_model_filepath = str(optimized_path)
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = str(profile_prefix)
@@ -107,11 +112,13 @@ class OnnxRuntime(Runtime):
         *,
         provider: str = "cpu",
         threads: int | None = None,
+        spinning: bool = True,
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.model = model
         self.provider = provider
         self.threads = threads
+        self.spinning = spinning
         self.name = f"onnxruntime[{provider}]"
         self.session: Any = None
 
@@ -121,7 +128,7 @@ class OnnxRuntime(Runtime):
         require_provider(self.provider)
         if isinstance(self.model, Path):
             load_model_file(self.model)  # refuses corrupt files and external data outside its folder
-        self.session = load_session(self.model, self.provider, threads=self.threads)
+        self.session = load_session(self.model, self.provider, threads=self.threads, spinning=self.spinning)
 
     def _deactivate(self) -> None:
         self.session = None

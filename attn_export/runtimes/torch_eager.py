@@ -44,6 +44,7 @@ class TorchRuntime(Runtime):
         self.threads = threads
         self.name = f"torch[{device}]"
         self._saved_threads: int | None = None
+        self._double: Any = None
 
     def _activate(self) -> None:
         torch = require("torch", "running the PyTorch original")
@@ -76,6 +77,37 @@ class TorchRuntime(Runtime):
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._call(self._tensors(feeds))
+
+    def precision_floor(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """How far PyTorch's own ``outputs`` (float32) are from the same module run in
+        float64 on ``feeds``, per output: the error float32 itself makes on these values."""
+        import copy
+
+        torch = require("torch", "running the PyTorch original")
+        if self._double is None:
+            self._double = copy.deepcopy(self.module).double()
+        args = [
+            a.double() if a.is_floating_point() else a
+            for a in (torch.from_numpy(np.ascontiguousarray(feeds[t.name])).to(self.device) for t in self.inputs)
+        ]
+        try:
+            with torch.no_grad():
+                result = self._double(*args)
+        except Exception:  # a module that cannot run in float64 has no floor to offer
+            return {name: 0.0 for name in outputs}
+        values = result if isinstance(result, tuple | list) else (result,)
+        floors = {}
+        for t, v in zip(self.outputs, values, strict=False):
+            exact = v.detach().cpu().numpy()
+            got = outputs[t.name]
+            if exact.shape != got.shape or got.dtype.kind != "f":
+                floors[t.name] = 0.0
+                continue
+            with np.errstate(invalid="ignore"):
+                diff = np.abs(got.astype(np.float64) - exact.astype(np.float64))
+            finite = diff[np.isfinite(diff)]
+            floors[t.name] = float(finite.max()) if finite.size else 0.0
+        return floors
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """Inputs already on the device; on CUDA the call synchronizes before returning."""

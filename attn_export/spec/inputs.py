@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attn_export.spec.distributions import DEFAULT, sample
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
@@ -32,7 +33,12 @@ def _mask(t: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator, maske
 
 
 def make_tensor(
-    t: TensorSpec, sizes: Mapping[str, int], rng: np.random.Generator, *, masked_row: bool = True
+    t: TensorSpec,
+    sizes: Mapping[str, int],
+    rng: np.random.Generator,
+    *,
+    masked_row: bool = True,
+    distribution: str = DEFAULT,
 ) -> np.ndarray:
     """One input at the given sizes; masks get their pattern and, by default, one fully
     masked query row (the last row of the first batch element)."""
@@ -43,12 +49,13 @@ def make_tensor(
         return rng.random(shape) < 0.5
     if t.dtype.startswith("int"):
         return rng.integers(0, 8, size=shape).astype(t.dtype)
-    return rng.standard_normal(shape).astype(t.dtype)
+    return sample(distribution, rng, shape, t.dtype)
 
 
 def make_feeds(
-    spec: ModelSpec, sizes: Mapping[str, int], seed: int, *, masked_row: bool = True
+    spec: ModelSpec, sizes: Mapping[str, int], seed: int, *, masked_row: bool = True, distribution: str = DEFAULT
 ) -> dict[str, np.ndarray]:
-    """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``."""
+    """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``; float
+    inputs follow ``distribution`` (``spec.distributions``)."""
     rng = np.random.default_rng(seed)
-    return {t.name: make_tensor(t, sizes, rng, masked_row=masked_row) for t in spec.inputs}
+    return {t.name: make_tensor(t, sizes, rng, masked_row=masked_row, distribution=distribution) for t in spec.inputs}

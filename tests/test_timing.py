@@ -1,0 +1,53 @@
+"""Latency figures that can be trusted: noise is flagged and decides nothing."""
+
+from __future__ import annotations
+
+import time
+
+from attn_export.compare.policy import clearly_faster, latency_gate, noise
+from attn_export.runtimes import Target
+from attn_export.timing import LatencyStats, measure_alternating
+from attn_export.verify import CaseResult, ModelCheck, VerifyReport
+
+
+def _stats(p50: float, p90: float, load: float | None = 0.1, cores: int = 2) -> LatencyStats:
+    return LatencyStats(p50, p90, p50, 100, load, cores)
+
+
+def test_noise_is_a_wide_spread_or_a_machine_busier_than_its_cores() -> None:
+    assert noise(_stats(1.0, 1.2)) is None
+    assert noise(_stats(1.0, 2.0)) == "noisy (p90 is 2.0x p50), rerun"
+    assert noise(_stats(1.0, 1.1, load=3.5)) == "noisy (load average 3.5 above 2 cores), rerun"
+    assert noise(_stats(1.0, 1.1, load=None)) is None  # no load average on this OS: judge the spread only
+
+
+def test_the_slowdown_gate_decides_only_beyond_the_noise() -> None:
+    fast = _stats(1.0, 1.1)
+    assert latency_gate(_stats(3.0, 3.2), fast, 2.0) is not None  # 3x, and beyond PyTorch's slow runs
+    assert latency_gate(_stats(2.5, 2.7), _stats(1.0, 1.5), 2.0) is None  # 2.5x, but within PyTorch's spread
+    case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {}, 0, "torch[cpu]")
+    case.onnx_latency, case.torch_latency = _stats(2.5, 2.7), _stats(1.0, 1.6)
+    report = VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")], [case])
+    assert case.passed and report.summary["noisy_timings"] == 1
+    assert report.to_dict()["cases"][0]["latency"]["noise"] == "noisy (p90 is 1.6x p50), rerun"
+
+
+def test_a_difference_inside_the_noise_is_no_win() -> None:
+    assert clearly_faster(_stats(1.0, 1.1), _stats(1.5, 1.6))
+    assert not clearly_faster(_stats(0.99, 1.2), _stats(1.0, 1.1))  # 1% faster: within the noise
+
+
+def test_alternating_blocks_time_every_call_in_turns() -> None:
+    order: list[str] = []
+
+    def call(name: str, seconds: float):
+        def run() -> None:
+            order.append(name)
+            time.sleep(seconds)
+
+        return run
+
+    stats = measure_alternating({"a": call("a", 0.001), "b": call("b", 0.002)}, budget_s=0.04, blocks=4, warmup=1)
+    assert set(stats) == {"a", "b"} and stats["a"].p50_ms < stats["b"].p50_ms
+    switches = sum(x != y for x, y in zip(order, order[1:], strict=False))
+    assert switches >= 2 * 4 - 1  # a, b, a, b, ... block by block, not all of a then all of b

@@ -255,6 +255,11 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=click.FloatRange(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
+@click.option(
+    "--max-memory",
+    help="Memory budget per case, e.g. 8GiB; a case that cannot fit is refused before anything is allocated. "
+    "Default: the spec's max_memory, else this machine's memory.",
+)
 @report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
@@ -271,6 +276,7 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    max_memory: str | None,
     shard: tuple[int, int] | None,
     **reports: Path | None,
 ) -> None:
@@ -291,6 +297,7 @@ def verify(
     from attn_export.report import write_reports
     from attn_export.report.verify_text import HEADER, format_failures, format_model_rows, format_summary
     from attn_export.runtimes import resolve_targets
+    from attn_export.spec.memory import parse_bytes
     from attn_export.spec.shapes import parse_shapes
     from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
 
@@ -310,6 +317,7 @@ def verify(
         threads=threads,
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
+        max_memory=parse_bytes(max_memory) if max_memory else None,
     )
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")

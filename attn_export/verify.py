@@ -26,6 +26,7 @@ from attn_export.export.graph_checks import check_dynamic_axes, check_model
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure, physical_cores
 
@@ -56,6 +57,8 @@ class VerifyOptions:
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
+    #: Memory budget per case in bytes; None means the spec's ``max_memory``, else the machine's.
+    max_memory: int | None = None
 
     def settings(self) -> dict[str, Any]:
         """The options as the JSON report records them."""
@@ -67,6 +70,7 @@ class VerifyOptions:
             "atol": self.atol,
             "rtol": self.rtol,
             "max_slowdown": self.max_slowdown,
+            "max_memory": self.max_memory,
             "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
         }
 
@@ -323,9 +327,13 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
 
 
 def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
+    """The cases to run, each refused before allocating when it cannot fit the memory budget."""
     if options.shapes:  # validated by verify_artifacts before any work
-        return [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
-    return sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+        points = [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
+    else:
+        points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+    check_memory(spec, points, memory_budget(spec, options.max_memory))
+    return points
 
 
 @dataclass

@@ -97,6 +97,8 @@ class ModelSpec:
     description: str = ""
     #: Directory searched first when importing ``module`` (the spec file's folder).
     search_path: str | None = None
+    #: Memory budget (bytes) for one verify case; None means this machine's memory.
+    max_memory: int | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's, else the table's default), else the output's.
@@ -137,13 +139,14 @@ class ModelSpec:
             "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "search_path": self.search_path,
-        }
+        } | ({"max_memory": self.max_memory} if self.max_memory else {})
 
     def content_hash(self) -> str:
         """sha256 of what determines the exported graph (not where the spec lives)."""
         d = self.to_dict()
         d.pop("search_path")
         d.pop("description")
+        d.pop("max_memory", None)
         d["weights"] = dict(d["weights"])
         if self.weights.path is not None:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))

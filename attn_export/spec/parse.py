@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from attn_export.errors import SpecError
+from attn_export.errors import SpecError, UsageError
+from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
     DTYPES,
     EXPORTERS,
@@ -43,6 +44,7 @@ _TOP_KEYS = {
     "tolerance",
     "variants",
     "typical",
+    "max_memory",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
@@ -282,6 +284,16 @@ def _string(where: _Where, raw: dict[str, Any], key: str, default: str | None, c
     return value
 
 
+def _max_memory(where: _Where, raw: dict[str, Any]) -> int | None:
+    value = raw.get("max_memory")
+    if value is None:
+        return None
+    try:
+        return parse_bytes(str(value), "max_memory")
+    except UsageError as e:
+        raise where.error(str(e), "max_memory") from e
+
+
 def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str = "") -> ModelSpec:
     """Validate a parsed spec; every problem is a SpecError naming the file and key."""
     where = _Where(path, text)
@@ -318,6 +330,7 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         typical=_typical(where, raw, dims),
         description=_string(where, raw, "description", "", lambda s: True),
         search_path=_string(where, raw, "search_path", str(path.parent.resolve()) if path else None, lambda s: True),
+        max_memory=_max_memory(where, raw),
     )
 
 

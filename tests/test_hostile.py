@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import pickle
+import shutil
+import signal
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +306,125 @@ def test_golden_file_that_is_not_npz(zoo_copy: Path) -> None:
     (zoo_copy / "manifest.json").write_text(json.dumps(doc))
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden")
     assert result.exit_code == 2
-    assert "sdpa.golden.npz: not a readable golden .npz" in _error_line(result)
+    assert _error_line(result) == (
+        f"Error: {zoo_copy / 'sdpa.golden.npz'}: not a golden file (not a zip archive, as every .npz is)"
+    )
+
+
+def _rewrite_golden_entries(folder: Path, name: str, entries: dict[str, object]) -> None:
+    """Replace raw entries of a golden zip (bytes, or a function writing them), fixing the manifest hash."""
+    path = folder / f"{name}.golden.npz"
+    with zipfile.ZipFile(path) as zf:
+        raw: dict[str, object] = {i.filename: zf.read(i) for i in zf.infolist()}
+    raw.update(entries)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for key, value in raw.items():
+            if isinstance(value, bytes):
+                zf.writestr(key, value)
+            else:
+                with zf.open(key, "w", force_zip64=True) as f:
+                    value(f)  # type: ignore[operator]
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["models"][name]["golden_sha256"] = artifacts.sha256_file(path)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def _npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+BOMB = 64 << 20  # bytes of zeros, about 64 KiB once deflated
+
+
+def _bomb(f) -> None:
+    f.write(_npy_header((BOMB // 4,)))
+    for _ in range(BOMB >> 20):
+        f.write(bytes(1 << 20))
+
+
+def test_golden_zip_bomb_is_refused_from_its_headers(zoo_copy: Path) -> None:
+    _rewrite_golden_entries(zoo_copy, "sdpa", {"min/inputs/q.npy": _bomb})
+    assert (zoo_copy / "sdpa.golden.npz").stat().st_size < 2 << 20
+    tracemalloc.start()
+    try:
+        result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.exit_code == 2
+    where = f"Error: {zoo_copy / 'sdpa.golden.npz'}: "
+    assert _error_line(result) == where + "case 'min' input 'q' has shape [16777216], expected [1, 1, 64]"
+    assert peak < BOMB // 4  # the 64 MiB array was never allocated
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--max-memory", "16MiB")
+    assert result.exit_code == 2
+    assert _error_line(result) == where + "golden arrays declare 64.2 MiB, over the memory budget of 16.0 MiB"
+
+
+def test_golden_header_declaring_more_than_its_entry_holds(zoo_copy: Path) -> None:
+    _rewrite_golden_entries(zoo_copy, "sdpa", {"min/inputs/q.npy": _npy_header((10**12,)) + bytes(256)})
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert _error_line(result).endswith(
+        "sdpa.golden.npz: entry 'min/inputs/q' declares shape (1000000000000,) of float32, which does not fit its "
+        "384 bytes"
+    )
+
+
+# -- devices, FIFOs and links out of the folder -----------------------------------------------
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail instead of hanging: reading a FIFO or /dev/zero never ends."""
+
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo", "outside", "directory"])
+@pytest.mark.parametrize("name", ["sdpa.onnx", "sdpa.golden.npz", "manifest.json"])
+def test_artifact_that_is_not_a_regular_file_in_its_folder(zoo_copy: Path, tmp_path: Path, kind: str, name: str):
+    path = zoo_copy / name
+    elsewhere = tmp_path / name
+    shutil.move(path, elsewhere)
+    if kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "outside":
+        path.symlink_to(elsewhere)
+    else:
+        path.mkdir()
+    with _deadline(60):
+        result = invoke("verify", str(zoo_copy), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    message = {
+        "fifo": "refused: not a regular file (a device, FIFO or socket)",
+        "directory": "is a directory, not a file",
+    }.get(kind, f"refused: a symbolic link to a file outside {zoo_copy}")
+    assert _error_line(result) == f"Error: {path}: {message}"
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
+def test_inspect_refuses_devices_and_fifos(tmp_path: Path, kind: str) -> None:
+    path = Path("/dev/zero")
+    if kind == "fifo":
+        path = tmp_path / "pipe.onnx"
+        os.mkfifo(path)
+    with _deadline(60):
+        result = invoke("inspect", str(path))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {path}: refused: not a regular file (a device, FIFO or socket)"
 
 
 # -- output folder problems --------------------------------------------------------------------
@@ -329,7 +453,10 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, mo
             self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(artifacts.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    def fdopen(fd, mode, *args):
+        return FullDisk(real_fdopen(fd, mode)) if "w" in mode else real_fdopen(fd, mode, *args)
+
+    monkeypatch.setattr(artifacts.os, "fdopen", fdopen)
     spec.write_text(spec.read_text().replace("max = 24", "max = 28"))
     result = invoke("build", "--models", str(models), "--out", str(out))
     assert result.exit_code == 2

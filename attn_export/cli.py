@@ -50,6 +50,10 @@ def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
 
 
+def _notice(line: str) -> None:
+    click.echo(f"note: {line}", err=True)
+
+
 def out_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
     """--out, shared by build and bench (both write into a build folder)."""
     return click.option(
@@ -167,7 +171,7 @@ def build(
         provider=provider,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
-    summary = build_models(spec_paths(models_dir, names), options, on_result)
+    summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
         for r in summary.results:
@@ -294,6 +298,7 @@ def verify(
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
+    from attn_export.artifacts.folder import tidy
     from attn_export.report import write_reports
     from attn_export.report.verify_text import HEADER, format_failures, format_model_rows, format_summary
     from attn_export.runtimes import resolve_targets
@@ -319,6 +324,9 @@ def verify(
         max_slowdown=max_slowdown,
         max_memory=parse_bytes(max_memory) if max_memory else None,
     )
+    notice = tidy(out_dir)
+    if notice:
+        _notice(notice)
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
         return

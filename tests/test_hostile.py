@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import tracemalloc
@@ -460,7 +461,8 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, mo
     spec.write_text(spec.read_text().replace("max = 24", "max = 28"))
     result = invoke("build", "--models", str(models), "--out", str(out))
     assert result.exit_code == 2
-    assert f"cannot write {out / 'tiny.onnx'}: disk full" in result.output
+    staged = rf"{re.escape(str(out))}/\.tiny\.onnx\.[0-9a-f]{{16}}\.staged"  # the new graph, not yet committed
+    assert re.search(rf"cannot write {staged}: disk full", result.output)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temp files, nothing changed
 
 
@@ -474,7 +476,8 @@ def test_read_only_output_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(artifacts.tempfile, "mkstemp", denied)
     result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
-    assert f"cannot write {tmp_path / 'out' / 'tiny.onnx'}: Permission denied" in result.output
+    assert f"cannot write {tmp_path / 'out' / '.tiny.onnx.'}" in result.output
+    assert ".staged: Permission denied" in result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 

@@ -23,7 +23,7 @@ import onnx
 
 from attn_export import __version__
 from attn_export._deps import require
-from attn_export.artifacts.files import build_lock, sha256_file
+from attn_export.artifacts.files import LOCK_WAIT_S, build_lock, sha256_file
 from attn_export.artifacts.folder import commit, recover, remove_leftovers, stage
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
@@ -63,6 +63,8 @@ class BuildOptions:
     variants: tuple[str, ...] = ("fp32",)
     #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
     provider: str = "cpu"
+    #: Seconds to wait for another build to release the output folder.
+    lock_wait_s: float = LOCK_WAIT_S
 
 
 @dataclass
@@ -421,14 +423,14 @@ def build_models(
     on_notice: Callable[[str], None] | None = None,
 ) -> BuildSummary:
     """Build each spec file's variants into ``options.out_dir``; a failing graph never
-    raises, it becomes a failed result. ``on_notice`` hears, in one line, that an
-    interrupted build was cleaned up."""
+    raises, it becomes a failed result. ``on_notice`` hears, in one line each, that the
+    build waits for the folder's lock and that an interrupted build was cleaned up."""
     unknown = [v for v in options.variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     started = time.perf_counter()
     results: list[BuildResult] = []
-    with build_lock(options.out_dir):
+    with build_lock(options.out_dir, options.lock_wait_s, on_notice):
         manifest = _open_manifest(options.out_dir, options.force)
         notice = recover(options.out_dir, manifest)
         if notice and on_notice:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from attn_export import __version__
+from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.errors import AttnExportError
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
@@ -132,6 +133,14 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
     "at the spec's typical shape and keeps the fastest within tolerance."
 )
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(0),
+    default=LOCK_WAIT_S,
+    show_default=True,
+    help="Seconds to wait for another build of the same --out to finish before giving up.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -143,6 +152,7 @@ def build(
     fail_fast: bool,
     variants: tuple[str, ...],
     provider: str,
+    wait_s: float,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES) to ONNX with dynamic batch and sequence axes.
@@ -169,6 +179,7 @@ def build(
         fail_fast=fail_fast,
         variants=tuple(dict.fromkeys(variants or ("fp32",))),
         provider=provider,
+        lock_wait_s=wait_s,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)

@@ -14,13 +14,15 @@ import hashlib
 import os
 import stat
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from attn_export.errors import ArtifactError, LockError, UsageError
 
 __all__ = [
+    "LOCK_WAIT_S",
     "atomic_write",
     "build_lock",
     "open_regular",
@@ -30,6 +32,9 @@ __all__ = [
 ]
 
 LOCK_NAME = ".attn-export.lock"
+#: How long a build waits for another build of the same folder: long enough for a CI job's
+#: concurrent build to finish, short enough to fail a stuck one.
+LOCK_WAIT_S = 300.0
 _CHUNK = 1 << 20
 
 
@@ -120,8 +125,9 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def build_lock(out_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes."""
+def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes;
+    wait up to ``wait_s`` seconds for another build to release it, telling ``on_wait`` once."""
     import fcntl
 
     try:
@@ -129,11 +135,24 @@ def build_lock(out_dir: Path) -> Iterator[None]:
         handle = (out_dir / LOCK_NAME).open("a")
     except OSError as e:
         raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
+    deadline = time.monotonic() + wait_s
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            raise LockError(f"{out_dir} is locked by another attn-export build; try again when it ends") from e
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    waited = f" after waiting {wait_s:g} s" if wait_s else ""
+                    raise LockError(
+                        f"{out_dir} is locked by another attn-export build{waited}; try again when it ends "
+                        "(--wait SECONDS waits longer)"
+                    ) from e
+                if on_wait is not None:
+                    on_wait(f"{out_dir} is locked by another attn-export build; waiting up to {wait_s:g} s")
+                    on_wait = None
+                time.sleep(min(0.1, left))
         yield
     finally:
         handle.close()

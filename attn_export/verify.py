@@ -319,8 +319,10 @@ def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], boo
 
 def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
     return {
-        name: Tolerance(
-            tol.atol if options.atol is None else options.atol, tol.rtol if options.rtol is None else options.rtol
+        name: dataclasses.replace(
+            tol,
+            atol=tol.atol if options.atol is None else options.atol,
+            rtol=tol.rtol if options.rtol is None else options.rtol,
         )
         for name, tol in spec.tolerances(variant).items()
     }

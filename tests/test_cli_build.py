@@ -145,3 +145,52 @@ def test_unknown_model_name_and_missing_folder_exit_2(tmp_path: Path) -> None:
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = invoke("--debug", "build", "--models", str(tmp_path / "absent"))
     assert result.exit_code != 0 and result.exception is not None
+
+
+NAN_MODULE = """
+import torch
+
+class NaNProjection(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x) * float("nan")
+"""
+
+NAN_SPEC = """
+module = "nan_projection:NaNProjection"
+kwargs = { dim = 8 }
+exporter = "torchscript"
+[[inputs]]
+name = "x"
+shape = ["batch", "seq", 8]
+[[outputs]]
+name = "y"
+shape = ["batch", "seq", 8]
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 16 }
+"""
+
+
+def test_output_that_is_nan_on_both_sides_fails_unless_the_spec_allows_it(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    models.mkdir()
+    (models / "nan_projection.py").write_text(NAN_MODULE)
+    spec = models / "nan.toml"
+    spec.write_text(NAN_SPEC)
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert (
+        "nan: smoke check at example (batch=2,seq=3) failed: y: 48/48 elements NaN on both sides, first at "
+        "[0, 0, 0] (set [tolerance] allow_nan = true in the spec if that is expected)" in result.output
+    )
+    spec.write_text(NAN_SPEC + "[tolerance]\nallow_nan = true\n")
+    assert invoke("build", "--models", str(models), "--out", str(out)).exit_code == 0
+    result = invoke("verify", str(out), "--no-latency", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    assert "note: nan: NaN on both sides in 7 of 7 cases, accepted by the spec's allow_nan" in result.output
+    cases = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert all(c["comparisons"][0]["shared_nan"] == c["comparisons"][0]["total"] > 0 for c in cases)

@@ -25,8 +25,10 @@ def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
 
 
 def output_passed(c: OutputComparison) -> bool:
-    """Same shape and dtype, no NaN/Inf where PyTorch is finite, every element within bounds."""
-    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and c.mismatched == 0
+    """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN on both sides
+    unless the spec allows it, every element within bounds."""
+    nan_ok = c.shared_nan == 0 or c.allow_nan
+    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
 
 
 def latency_gate(onnx: LatencyStats | None, torch: LatencyStats | None, max_slowdown: float | None) -> str | None:

@@ -31,6 +31,11 @@ def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> 
     """The rows for one model, printed as soon as it is verified."""
     lines = [format_case(c) for c in cases]
     lines += [f"{name:<18} {'checks':<18} {'-':<30} FAIL    {p}" for p in check.problems]
+    nan = sum(any(o.shared_nan and o.passed for o in c.comparisons) for c in cases)
+    if nan:  # passing, but not silently: the spec allowed it
+        lines.append(
+            f"note: {name}: NaN on both sides in {nan} of {len(cases)} cases, accepted by the spec's allow_nan"
+        )
     return "\n".join(lines)
 
 

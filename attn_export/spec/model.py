@@ -6,6 +6,7 @@ from TOML.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -110,7 +111,7 @@ class ModelSpec:
             if variant in self.variant_tolerances:
                 return self.variant_tolerances[variant]
             if info.tolerance is not None:
-                return info.tolerance
+                return dataclasses.replace(info.tolerance, allow_nan=self.tolerance.allow_nan)
         return self.output_tolerances.get(output, self.tolerance)
 
     def tolerances(self, variant: str = "fp32") -> dict[str, Tolerance]:
@@ -132,11 +133,10 @@ class ModelSpec:
             "mode": self.mode,
             "weights": asdict(self.weights),
             "tolerance": {
-                "atol": self.tolerance.atol,
-                "rtol": self.tolerance.rtol,
-                "outputs": {k: asdict(v) for k, v in self.output_tolerances.items()},
+                **_tolerance_dict(self.tolerance),
+                "outputs": {k: _tolerance_dict(v) for k, v in self.output_tolerances.items()},
             },
-            "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
+            "variants": {k: _tolerance_dict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "search_path": self.search_path,
         } | ({"max_memory": self.max_memory} if self.max_memory else {})
@@ -152,6 +152,11 @@ class ModelSpec:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def _tolerance_dict(t: Tolerance) -> dict[str, Any]:
+    """atol and rtol, and allow_nan only where set, so specs without it keep their hashes."""
+    return {"atol": t.atol, "rtol": t.rtol} | ({"allow_nan": True} if t.allow_nan else {})
 
 
 def _file_sha256(path: Path) -> str:

@@ -49,7 +49,7 @@ _TOP_KEYS = {
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
-_TOL_KEYS = {"atol", "rtol", "outputs"}
+_TOL_KEYS = {"atol", "rtol", "allow_nan", "outputs"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Variants a spec may give a tolerance for: ``auto`` is judged at the model's own.
 _TOLERANCE_VARIANTS = tuple(n for n, v in VARIANTS.items() if not v.chooser)
@@ -104,6 +104,12 @@ def _number(where: _Where, value: Any, what: str, key: str, table: str | None = 
     return float(value)
 
 
+def _bool(where: _Where, value: Any, what: str, key: str, table: str | None = None) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(f"{what} must be true or false, got {value!r}", key, table)
+    return value
+
+
 def _table(where: _Where, raw: dict[str, Any], key: str, what: str) -> dict[str, Any]:
     value = raw.get(key, {})
     if not isinstance(value, dict):
@@ -115,10 +121,11 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     """An {atol, rtol} table; a missing value falls back to ``default``."""
     if not isinstance(raw, dict):
         raise where.error(f"{context} must be a table with atol and rtol", key, context)
-    _check_keys(where, raw, {"atol", "rtol"}, context, context)
+    _check_keys(where, raw, {"atol", "rtol", "allow_nan"}, context, context)
     return Tolerance(
         _number(where, raw.get("atol", default.atol), f"{context}.atol", "atol", context),
         _number(where, raw.get("rtol", default.rtol), f"{context}.rtol", "rtol", context),
+        _bool(where, raw.get("allow_nan", default.allow_nan), f"{context}.allow_nan", "allow_nan", context),
     )
 
 
@@ -246,6 +253,7 @@ def _tolerances(
     tolerance = Tolerance(
         _number(where, table.get("atol", 1e-5), "tolerance.atol", "atol", "tolerance"),
         _number(where, table.get("rtol", 1e-4), "tolerance.rtol", "rtol", "tolerance"),
+        _bool(where, table.get("allow_nan", False), "tolerance.allow_nan", "allow_nan", "tolerance"),
     )
     per_output: dict[str, Tolerance] = {}
     raw_per_output = table.get("outputs", {})

@@ -202,7 +202,10 @@ class _SpecBuild:
 
     def _export(self, opset: int) -> onnx.ModelProto:
         example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
-        proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        try:
+            proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        except SystemExit as e:  # forward() exited: a failed export, not a successful build
+            raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         check_model(proto, self.spec.name)
         check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
         return proto

@@ -8,6 +8,7 @@ Every command turns the library's errors into one line on stderr and an exit cod
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,17 @@ class _Group(click.Group):
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
+
+
+class _FiniteFloat(click.FloatRange):
+    """A FloatRange that refuses nan and inf: nan passes every range comparison, and would
+    fail every case (--atol nan) or switch a gate off (--max-slowdown nan)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
 
 
 def _notice(line: str) -> None:
@@ -136,7 +148,7 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
 @click.option(
     "--wait",
     "wait_s",
-    type=click.FloatRange(0),
+    type=_FiniteFloat(0),
     default=LOCK_WAIT_S,
     show_default=True,
     help="Seconds to wait for another build of the same --out to finish before giving up.",
@@ -254,20 +266,20 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seeded random shape points added to the sweep.",
 )
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
-@click.option("--atol", type=click.FloatRange(0, max_open=False), help="Override every output's absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
+@click.option("--atol", type=_FiniteFloat(0), help="Override every output's absolute tolerance.")
+@click.option("--rtol", type=_FiniteFloat(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
 @click.option("--no-latency", is_flag=True, help="Skip timing.")
 @click.option(
     "--latency-budget",
-    type=click.FloatRange(0.001),
+    type=_FiniteFloat(0.001),
     default=0.05,
     show_default=True,
     help="Seconds of timed repeats per side and shape.",
 )
 @click.option(
     "--max-slowdown",
-    type=click.FloatRange(0, min_open=True),
+    type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
 @click.option(
@@ -397,7 +409,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @threads_option("Threads for every runner.")
 @click.option(
     "--budget",
-    type=click.FloatRange(0.01),
+    type=_FiniteFloat(0.01),
     default=0.2,
     show_default=True,
     help="Seconds of timed repeats per runner and shape.",

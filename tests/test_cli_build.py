@@ -147,6 +147,58 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     assert result.exit_code != 0 and result.exception is not None
 
 
+def test_spec_named_like_a_variant_is_refused(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    tiny_spec(models, exporter="torchscript")
+    tiny_spec(models, "tiny.int8", exporter="torchscript")  # would be replaced by tiny's int8 variant
+    out = tmp_path / "out"
+    result = invoke("build", "--models", str(models), "--out", str(out), "--variant", "fp32", "--variant", "int8")
+    assert result.exit_code == 2, result.output
+    failed = [line for line in result.output.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1
+    assert failed[0].endswith(
+        f"{models / 'tiny.int8.toml'}: model name 'tiny.int8' ends in the variant name '.int8'; rename the spec"
+    )
+    assert result.output.splitlines()[-1].startswith("3 graphs: 2 built, 0 skipped, 1 failed")
+    manifest = json.loads((out / "manifest.json").read_text())["models"]
+    assert sorted(manifest) == ["tiny", "tiny.int8"] and manifest["tiny.int8"]["spec"]["name"] == "tiny"
+
+
+QUITTER = """
+import sys
+import torch
+
+class QuitInInit(torch.nn.Module):
+    def __init__(self, **kwargs):
+        sys.exit(0)
+
+class QuitInForward(torch.nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+
+    def forward(self, query, keys, values):
+        sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("cls", "code", "message"),
+    [
+        ("QuitInInit", 2, "tiny: constructing quitting_mod:QuitInInit raised SystemExit: 0"),
+        ("QuitInForward", 1, "tiny: export failed: forward raised SystemExit: 0"),
+    ],
+)
+def test_module_that_calls_sys_exit_fails_the_build(tmp_path: Path, cls: str, code: int, message: str) -> None:
+    models = tmp_path / "models"
+    path = tiny_spec(models, exporter="torchscript")
+    (models / "quitting_mod.py").write_text(QUITTER)
+    path.write_text(path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", f"quitting_mod:{cls}"))
+    result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
+    assert result.exit_code == code, result.output
+    assert message in result.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 NAN_MODULE = """
 import torch
 

@@ -428,6 +428,26 @@ def test_inspect_refuses_devices_and_fifos(tmp_path: Path, kind: str) -> None:
     assert _error_line(result) == f"Error: {path}: refused: not a regular file (a device, FIFO or socket)"
 
 
+# -- numbers and names that slip through -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("verify", "--atol", "nan"), "--atol"),
+        (("verify", "--rtol", "inf"), "--rtol"),
+        (("verify", "--max-slowdown", "nan"), "--max-slowdown"),
+        (("verify", "--latency-budget", "inf"), "--latency-budget"),
+        (("bench", "--budget", "nan"), "--budget"),
+        (("build", "--wait", "nan"), "--wait"),
+    ],
+)
+def test_non_finite_numbers_are_refused(args: tuple[str, ...], option: str) -> None:
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}': '{args[-1]}' is not a finite number." in result.output
+
+
 # -- output folder problems --------------------------------------------------------------------
 
 

@@ -310,6 +310,10 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
+    suffix = name.rpartition(".")[2]
+    if "." in name and suffix in VARIANTS:
+        # model 'mha' built with --variant int8 is 'mha.int8' too: one would silently replace the other
+        raise where.error(f"model name {name!r} ends in the variant name '.{suffix}'; rename the spec", "name")
     module = raw.get("module")
     if not isinstance(module, str) or not re.fullmatch(r"[\w.]+:[\w.]+", module):
         raise where.error(f"'module' must look like 'package.module:Class', got {module!r}", "module")

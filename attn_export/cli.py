@@ -7,6 +7,7 @@ Every command turns the library's errors into one line on stderr and an exit cod
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -50,6 +51,11 @@ class _Group(click.Group):
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
+    # A path that is not UTF-8 reaches us as lone surrogates; print its original bytes, as
+    # ls does, instead of failing mid-report (PYTHONIOENCODING=utf-8 makes that strict).
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="surrogateescape")
 
 
 class _FiniteFloat(click.FloatRange):

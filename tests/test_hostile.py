@@ -448,6 +448,68 @@ def test_non_finite_numbers_are_refused(args: tuple[str, ...], option: str) -> N
     assert f"Invalid value for '{option}': '{args[-1]}' is not a finite number." in result.output
 
 
+# -- input that used to end in a traceback ----------------------------------------------------
+
+
+def test_non_ascii_digits_are_refused(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--shapes", "batch=²")
+    assert result.exit_code == 2
+    assert _error_line(result) == "Error: --shapes: cannot read 'batch=²'; expected NAME=SIZE, e.g. seq=16"
+    result = invoke("verify", str(zoo_dir), "--shard", "²/3")
+    assert result.exit_code == 2
+    assert "Invalid value for '--shard': '²/3' is not i/n with 1 <= i <= n (e.g. 2/4)" in result.output
+
+
+def test_deeply_nested_manifest_is_one_line_and_build_force_recovers(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    tiny_spec(models, exporter="torchscript")
+    out.mkdir()
+    (out / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    result = invoke("verify", str(out))
+    assert result.exit_code == 2
+    assert _error_line(result).startswith(f"Error: {out / 'manifest.json'}: not valid JSON (")
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 2
+    assert _error_line(result).endswith("; fix or delete it, or rebuild everything with --force")
+    assert invoke("build", "--models", str(models), "--out", str(out), "--force").exit_code == 0
+    assert invoke("verify", str(out), "--golden", "--no-latency").exit_code == 0
+
+
+def test_weights_path_that_is_a_directory(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path)
+    (tmp_path / "w.pt").mkdir()
+    spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
+    result = invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert "weights file w.pt is not a file" in result.output
+
+
+def test_folder_named_in_another_encoding(zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / os.fsdecode(b"build-\xff")
+    folder.mkdir()
+    for name in ("sdpa.onnx", "sdpa.golden.npz", "manifest.json"):
+        shutil.copy(zoo_dir / name, folder / name)
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["models"] = {"sdpa": doc["models"]["sdpa"]}
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(folder / "summary.md"))
+    reports = [a for f in ("json", "junit", "markdown") for a in (f"--{f}", str(folder / f"report.{f}"))]
+    result = invoke("verify", str(folder), "--no-latency", "--atol", "0", "--rtol", "0", *reports)
+    assert result.exit_code == 1  # a zero tolerance fails, so every report names the folder
+    assert "cannot load" not in result.output
+    for f in ("json", "junit", "markdown"):
+        assert "build-\\udcff" in (folder / f"report.{f}").read_text(), f
+    assert "build-\\udcff" in (folder / "summary.md").read_text()
+
+
+def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert "verify PASSED" in result.output
+    assert _error_line(result) == f"Error: cannot append to $GITHUB_STEP_SUMMARY ({tmp_path}): Is a directory"
+
+
 # -- output folder problems --------------------------------------------------------------------
 
 

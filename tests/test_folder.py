@@ -138,6 +138,7 @@ def test_a_build_killed_after_any_file_operation_leaves_a_folder_that_verifies(
         note = f"note: an earlier build of {image} was interrupted; removed "
         assert (note in result.output) == left, (i, result.output)
         assert not _leftovers(image)
+        assert (image / LOCK_NAME).exists() == left  # verify writes nothing unless it has something to clean
 
         image = _restore(snapshot, tmp_path / f"build{i}")
         notes = _rebuild(spec, image)

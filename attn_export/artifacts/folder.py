@@ -138,6 +138,8 @@ def tidy(out_dir: Path) -> str | None:
     """For verify: remove an interrupted build's leftovers if no build is running, and say
     so in one line. Verify never reads them (it reads only what the manifest names)."""
     try:
+        if not leftovers(out_dir, load_manifest(out_dir)):
+            return None  # the usual case: nothing to clean, and nothing written (not even the lock file)
         with build_lock(out_dir):
             manifest = load_manifest(out_dir)  # again, under the lock: a build may have just committed
             found = leftovers(out_dir, manifest)

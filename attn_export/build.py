@@ -2,8 +2,9 @@
 artifacts + manifest.
 
 Each (model, variant) fills a ``BuildResult``; one failing does not stop the others unless
-``fail_fast``. Artifacts are written only after every check passed, each atomically, and
-the manifest is rewritten after every graph so it always matches the files on disk.
+``fail_fast``. Artifacts are written only after every check passed, and committed graph by
+graph through the manifest (``artifacts.folder``), so an interrupted build leaves every
+graph's previous or new build, never a mix.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import onnx
 
 from attn_export import __version__
 from attn_export._deps import require
-from attn_export.artifacts.files import atomic_write, build_lock, sha256_bytes, sha256_file
-from attn_export.artifacts.golden import GoldenCase, write_golden
-from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest, save_manifest
+from attn_export.artifacts.files import LOCK_WAIT_S, build_lock, sha256_file
+from attn_export.artifacts.folder import commit, recover, remove_leftovers, stage
+from attn_export.artifacts.golden import GoldenCase, encode_golden
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.compare import compare_outputs
 from attn_export.compare.policy import clearly_faster, noise
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
@@ -65,6 +67,8 @@ class BuildOptions:
     variants: tuple[str, ...] = ("fp32",)
     #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
     provider: str = "cpu"
+    #: Seconds to wait for another build to release the output folder.
+    lock_wait_s: float = LOCK_WAIT_S
 
 
 @dataclass
@@ -191,9 +195,9 @@ class _SpecBuild:
         self.exports: dict[int, _Once[onnx.ModelProto]] = {}
         self.example = _Once(self._example)
         self.golden = _Once(self._golden_cases)
+        #: The golden file's bytes, shared by every variant.
+        self.golden_file = _Once(lambda: encode_golden(self.golden.get()))
         self.graphs: dict[str, _Once[_Graph]] = {}
-        #: sha256 of the golden file once this build has written it (shared by all variants).
-        self.golden_sha256: str | None = None
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""
@@ -203,7 +207,10 @@ class _SpecBuild:
 
     def _export(self, opset: int) -> onnx.ModelProto:
         example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
-        proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        try:
+            proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        except SystemExit as e:  # forward() exited: a failed export, not a successful build
+            raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         check_model(proto, self.spec.name)
         check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
         return proto
@@ -304,8 +311,8 @@ def _up_to_date(entry: ManifestEntry | None, key: str, out_dir: Path) -> bool:
         return False
     try:
         return (
-            sha256_file(out_dir / entry.file) == entry.sha256
-            and sha256_file(out_dir / entry.golden) == entry.golden_sha256
+            sha256_file(out_dir / entry.file, out_dir) == entry.sha256
+            and sha256_file(out_dir / entry.golden, out_dir) == entry.golden_sha256
         )
     except ArtifactError:
         return False
@@ -386,18 +393,15 @@ def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: Bu
     with _stage(result, "smoke"):
         ctx.smoke(variant, graph.model)
 
-    golden_name = f"{spec.name}.golden.npz"
     with _stage(result, "write"):
-        atomic_write(out_dir / f"{name}.onnx", graph.model)
-        if ctx.golden_sha256 is None:
-            write_golden(out_dir / golden_name, ctx.golden.get())
-            ctx.golden_sha256 = sha256_file(out_dir / golden_name)
-        manifest.models[name] = ManifestEntry(
+        file, sha = stage(out_dir, f"{name}.onnx", graph.model)
+        golden, golden_sha = stage(out_dir, f"{spec.name}.golden.npz", ctx.golden_file.get())
+        entry = ManifestEntry(
             name=name,
-            file=f"{name}.onnx",
-            sha256=sha256_bytes(graph.model),
-            golden=golden_name,
-            golden_sha256=ctx.golden_sha256,
+            file=file,
+            sha256=sha,
+            golden=golden,
+            golden_sha256=golden_sha,
             build_key=key,
             spec_hash=spec.content_hash(),
             sources=ctx.sources,
@@ -406,8 +410,8 @@ def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: Bu
             variant=variant,
             variant_info=info,
         )
-        save_manifest(out_dir, manifest)
-    result.status, result.file, result.sha256 = "built", f"{name}.onnx", manifest.models[name].sha256
+        commit(out_dir, manifest, name, entry)
+    result.status, result.file, result.sha256 = "built", manifest.models[name].file, sha
     result.info = info
 
 
@@ -447,28 +451,46 @@ def _build_spec(path: Path, options: BuildOptions, manifest: Manifest, vers: dic
         yield result
 
 
+def _remove_leftovers(out_dir: Path, manifest: Manifest) -> None:
+    """After the last graph, remove the staged files that neither this build's manifest nor
+    the one on disk names (a write that failed half-way): no orphans outlive the build."""
+    manifests = [manifest]
+    with contextlib.suppress(ArtifactError):
+        manifests.append(load_manifest(out_dir))
+    with contextlib.suppress(OSError):
+        remove_leftovers(out_dir, *manifests)
+
+
 def build_models(
     spec_paths: Sequence[Path],
     options: BuildOptions,
     on_result: Callable[[BuildResult], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> BuildSummary:
     """Build each spec file's variants into ``options.out_dir``; a failing graph never
-    raises, it becomes a failed result."""
+    raises, it becomes a failed result. ``on_notice`` hears, in one line each, that the
+    build waits for the folder's lock and that an interrupted build was cleaned up."""
     unknown = [v for v in options.variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     started = time.perf_counter()
     results: list[BuildResult] = []
-    with build_lock(options.out_dir):
+    with build_lock(options.out_dir, options.lock_wait_s, on_notice):
         manifest = _open_manifest(options.out_dir, options.force)
+        notice = recover(options.out_dir, manifest)
+        if notice and on_notice:
+            on_notice(notice)
         vers = versions()
-        for path in spec_paths:
-            for result in _build_spec(path, options, manifest, vers):
-                results.append(result)
-                if on_result:
-                    on_result(result)
-                if options.fail_fast and not result.ok:
+        try:
+            for path in spec_paths:
+                for result in _build_spec(path, options, manifest, vers):
+                    results.append(result)
+                    if on_result:
+                        on_result(result)
+                    if options.fail_fast and not result.ok:
+                        break
+                if options.fail_fast and results and not results[-1].ok:
                     break
-            if options.fail_fast and results and not results[-1].ok:
-                break
+        finally:
+            _remove_leftovers(options.out_dir, manifest)
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)

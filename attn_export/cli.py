@@ -7,7 +7,9 @@ Every command turns the library's errors into one line on stderr and an exit cod
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import click
 
 from attn_export import __version__
+from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.errors import AttnExportError
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
@@ -49,6 +52,26 @@ class _Group(click.Group):
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors.")
 def cli(debug: bool) -> None:
     """Export PyTorch attention modules to ONNX and prove they run correctly in ONNX Runtime."""
+    # A path that is not UTF-8 reaches us as lone surrogates; print its original bytes, as
+    # ls does, instead of failing mid-report (PYTHONIOENCODING=utf-8 makes that strict).
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="surrogateescape")
+
+
+class _FiniteFloat(click.FloatRange):
+    """A FloatRange that refuses nan and inf: nan passes every range comparison, and would
+    fail every case (--atol nan) or switch a gate off (--max-slowdown nan)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+def _notice(line: str) -> None:
+    click.echo(f"note: {line}", err=True)
 
 
 def out_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
@@ -129,6 +152,14 @@ def list_cmd(models_dir: Path, as_json: bool) -> None:
     "at the spec's typical shape and keeps the fastest within tolerance."
 )
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=_FiniteFloat(0),
+    default=LOCK_WAIT_S,
+    show_default=True,
+    help="Seconds to wait for another build of the same --out to finish before giving up.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -140,6 +171,7 @@ def build(
     fail_fast: bool,
     variants: tuple[str, ...],
     provider: str,
+    wait_s: float,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES) to ONNX with dynamic batch and sequence axes.
@@ -166,9 +198,10 @@ def build(
         fail_fast=fail_fast,
         variants=tuple(dict.fromkeys(variants or ("fp32",))),
         provider=provider,
+        lock_wait_s=wait_s,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
-    summary = build_models(spec_paths(models_dir, names), options, on_result)
+    summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
         for r in summary.results:
@@ -264,21 +297,26 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seeded random shape points added to the sweep.",
 )
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
-@click.option("--atol", type=click.FloatRange(0, max_open=False), help="Override every output's absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
+@click.option("--atol", type=_FiniteFloat(0), help="Override every output's absolute tolerance.")
+@click.option("--rtol", type=_FiniteFloat(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
 @click.option("--no-latency", is_flag=True, help="Skip timing.")
 @click.option(
     "--latency-budget",
-    type=click.FloatRange(0.001),
+    type=_FiniteFloat(0.001),
     default=0.05,
     show_default=True,
     help="Seconds of timed repeats per side and shape.",
 )
 @click.option(
     "--max-slowdown",
-    type=click.FloatRange(0, min_open=True),
+    type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
+)
+@click.option(
+    "--max-memory",
+    help="Memory budget per case, e.g. 8GiB; a case that cannot fit is refused before anything is allocated. "
+    "Default: the spec's max_memory, else this machine's memory.",
 )
 @report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
@@ -299,6 +337,7 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    max_memory: str | None,
     shard: tuple[int, int] | None,
     **reports: Path | None,
 ) -> None:
@@ -316,6 +355,7 @@ def verify(
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
+    from attn_export.artifacts.folder import tidy
     from attn_export.report import write_reports
     from attn_export.report.verify_text import (
         HEADER,
@@ -325,6 +365,7 @@ def verify(
         format_summary,
     )
     from attn_export.runtimes import resolve_targets
+    from attn_export.spec.memory import parse_bytes
     from attn_export.spec.shapes import parse_shapes
     from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
 
@@ -351,7 +392,11 @@ def verify(
         threads=threads,
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
+        max_memory=parse_bytes(max_memory) if max_memory else None,
     )
+    notice = tidy(out_dir)
+    if notice:
+        _notice(notice)
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
         return
@@ -410,7 +455,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @threads_option("Threads for every runner.")
 @click.option(
     "--budget",
-    type=click.FloatRange(0.01),
+    type=_FiniteFloat(0.01),
     default=0.2,
     show_default=True,
     help="Seconds of timed repeats per runner and shape.",

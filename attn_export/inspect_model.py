@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 
 from attn_export.artifacts.files import sha256_file
@@ -61,10 +63,13 @@ class InspectResult:
 
 
 def _dtype(elem_type: int) -> str:
-    try:
+    """numpy's name for an element type, else ONNX's, else the number (a hostile file may hold any)."""
+    with contextlib.suppress(KeyError, ValueError):
         return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-    except (KeyError, ValueError):
-        return onnx.TensorProto.DataType.Name(elem_type).lower() if elem_type else "unknown"
+    with contextlib.suppress(ValueError):
+        if elem_type:
+            return onnx.TensorProto.DataType.Name(elem_type).lower()
+    return f"unknown ({elem_type})"
 
 
 def _tensor_infos(values: Any, shapes: dict[str, tuple[int | str | None, ...]]) -> list[TensorInfo]:
@@ -82,6 +87,12 @@ def _kernel_check(path: Path, provider: str) -> tuple[bool, str | None]:
     return True, None
 
 
+def _elements(dims: Sequence[int]) -> int:
+    """Elements of an initializer, in Python ints (numpy's int64 product overflows on hostile
+    dims); a negative dim, which the checker rejects, counts as none."""
+    return math.prod(dims) if all(d >= 0 for d in dims) else 0
+
+
 def _itemsize(data_type: int) -> int:
     try:
         return int(onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize)
@@ -93,7 +104,7 @@ def inspect_file(path: Path, provider: str = "cpu") -> InspectResult:
     """Read ``path`` safely (no external data outside its folder) and describe it."""
     proto = load_model_file(path)
     shapes = graph_shapes(proto)
-    counts = [(int(np.prod(i.dims)) if i.dims else 1, _itemsize(i.data_type)) for i in proto.graph.initializer]
+    counts = [(_elements(i.dims), _itemsize(i.data_type)) for i in proto.graph.initializer]
     ops = Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
     try:
         check_model(proto, path.name, path)

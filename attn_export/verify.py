@@ -32,6 +32,7 @@ from attn_export.spec import ModelSpec, Tolerance, load_spec
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure_alternating, physical_cores
 
@@ -69,6 +70,8 @@ class VerifyOptions:
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
+    #: Memory budget per case in bytes; None means the spec's ``max_memory``, else the machine's.
+    max_memory: int | None = None
 
     def settings(self) -> dict[str, Any]:
         """The options as the JSON report records them."""
@@ -81,6 +84,7 @@ class VerifyOptions:
             "atol": self.atol,
             "rtol": self.rtol,
             "max_slowdown": self.max_slowdown,
+            "max_memory": self.max_memory,
             "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
             "distributions": list(self.distributions) if self.distributions else None,
             "inputs": str(self.inputs_file) if self.inputs_file else None,
@@ -328,7 +332,7 @@ def _integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
     problems = []
     files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
     for name, want in files:
-        got = sha256_file(out_dir / name)
+        got = sha256_file(out_dir / name, out_dir)
         if got != want:
             problems.append(
                 f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
@@ -361,8 +365,10 @@ def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], boo
 
 def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
     return {
-        name: Tolerance(
-            tol.atol if options.atol is None else options.atol, tol.rtol if options.rtol is None else options.rtol
+        name: dataclasses.replace(
+            tol,
+            atol=tol.atol if options.atol is None else options.atol,
+            rtol=tol.rtol if options.rtol is None else options.rtol,
         )
         for name, tol in spec.tolerances(variant).items()
     }
@@ -370,11 +376,13 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
 
 def _plan(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[tuple[ShapePoint, str]]:
     """(shape, value distribution) pairs: by default every shape with unit-normal values,
-    and each other distribution at the distinct and the largest shapes."""
+    and each other distribution at the distinct and the largest shapes. A shape that
+    cannot fit the memory budget is refused before anything is allocated."""
     if options.shapes:  # validated by verify_artifacts before any work
         points = [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+    check_memory(spec, points, memory_budget(spec, options.max_memory))
     if options.distributions:
         return [(p, d) for d in options.distributions for p in points]
     extra = [p for p in points if p.label in ("distinct", "max")] or points
@@ -393,20 +401,9 @@ class _Expected:
     distributions: list[str]
 
 
-def _golden_expected(out_dir: Path, entry: ManifestEntry) -> _Expected:
-    spec, path = entry.model_spec, out_dir / entry.golden
-    cases = read_golden(path)
-    for case in cases:
-        for section, got, want in (("inputs", case.inputs, spec.inputs), ("outputs", case.outputs, spec.outputs)):
-            names = sorted(t.name for t in want)
-            if sorted(got) != names:
-                raise ArtifactError(f"{path}: case '{case.label}' has {section} {sorted(got)}, expected {names}")
-            for t in want:
-                if got[t.name].dtype != np.dtype(t.dtype):
-                    raise ArtifactError(
-                        f"{path}: case '{case.label}' {section[:-1]} '{t.name}' has dtype {got[t.name].dtype}, "
-                        f"expected {t.dtype}"
-                    )
+def _golden_expected(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> _Expected:
+    spec = entry.model_spec
+    cases = read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
     labels = [split_label(c.label) for c in cases]
     for case, (label, _) in zip(cases, labels, strict=True):
         case.label = label
@@ -596,7 +593,9 @@ def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options:
 
     if options.golden:
         expected = (
-            _recorded_expected(spec, options.inputs_file) if options.inputs_file else _golden_expected(out_dir, entry)
+            _recorded_expected(spec, options.inputs_file)
+            if options.inputs_file
+            else _golden_expected(out_dir, entry, options)
         )
         for target in options.targets:
             cases += _check_target(entry.name, target, make(target), expected, tolerances, None, options)

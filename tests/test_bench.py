@@ -4,15 +4,17 @@ assertions: figures belong to the benchmark, not the tests."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 from click.testing import CliRunner
 
 from attn_export.bench.run import BenchReport
 from attn_export.cli import cli
-from tests.conftest import tiny_spec
+from tests.conftest import plant, tiny_spec
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +122,17 @@ def test_doubling_run_expands() -> None:
     from attn_export.cli import _int_list
 
     assert _int_list(None, None, "64,128,...,2048") == [64, 128, 256, 512, 1024, 2048]  # type: ignore[arg-type]
+
+
+def test_bench_refuses_a_graph_the_checker_rejects(bench_run, tmp_path: Path) -> None:
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    shutil.copytree(folder / "out", out)
+    proto = onnx.load(out / "tiny.onnx")
+    proto.graph.node[0].op_type = "NoSuchOp"
+    plant(out, "tiny", proto)
+    args = ["--models", str(folder / "models"), "--out", str(out), "--seq", "4", "--variant", "fp32", "--no-memory"]
+    result = CliRunner().invoke(cli, ["bench", *args, "--budget", "0.01"])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Error: tiny: onnx.checker rejected the graph: ")

@@ -6,6 +6,8 @@ import itertools
 import json
 import os
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from attn_export.artifacts.golden import read_golden
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.build import BuildOptions, build_models
 from attn_export.compare import compare_outputs
-from attn_export.errors import GraphCheckError
+from attn_export.errors import GraphCheckError, LockError
 from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_dynamic_axes, graph_shapes
 from attn_export.export.torch_export import export_onnx
@@ -248,11 +250,43 @@ def test_train_mode_warns_and_exports_in_eval_mode(tmp_path: Path) -> None:
 
 
 def test_build_lock_refuses_a_second_build(tmp_path: Path) -> None:
-    from attn_export.errors import LockError
-
     path = tiny_spec(tmp_path / "models")
     with build_lock(tmp_path / "out"), pytest.raises(LockError, match="locked by another attn-export build"):
-        _build([path], tmp_path / "out")
+        _build([path], tmp_path / "out", lock_wait_s=0)
+
+
+def test_second_build_waits_for_the_lock_then_gives_up(tmp_path: Path) -> None:
+    path, out = tiny_spec(tmp_path / "models"), tmp_path / "out"
+    notes: list[str] = []
+    with build_lock(out), pytest.raises(LockError) as info:
+        started = time.monotonic()
+        build_models([path], BuildOptions(out, lock_wait_s=0.5), on_notice=notes.append)
+    assert 0.5 <= time.monotonic() - started < 5
+    assert notes == [f"{out} is locked by another attn-export build; waiting up to 0.5 s"]
+    assert str(info.value) == (
+        f"{out} is locked by another attn-export build after waiting 0.5 s; try again when it ends "
+        "(--wait SECONDS waits longer)"
+    )
+
+
+def test_second_build_runs_once_the_first_releases_the_lock(tmp_path: Path) -> None:
+    path, out = tiny_spec(tmp_path / "models", exporter="torchscript"), tmp_path / "out"
+    held, release = threading.Event(), threading.Event()
+
+    def first_build() -> None:
+        with build_lock(out):
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=first_build)
+    thread.start()
+    held.wait(10)
+    threading.Timer(0.5, release.set).start()
+    notes: list[str] = []
+    summary = build_models([path], BuildOptions(out, lock_wait_s=30), on_notice=notes.append)
+    thread.join()
+    assert [r.status for r in summary.results] == ["built"]
+    assert notes == [f"{out} is locked by another attn-export build; waiting up to 30 s"]
 
 
 def test_manifest_records_the_contract(zoo_dir: Path) -> None:

@@ -145,3 +145,104 @@ def test_unknown_model_name_and_missing_folder_exit_2(tmp_path: Path) -> None:
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = invoke("--debug", "build", "--models", str(tmp_path / "absent"))
     assert result.exit_code != 0 and result.exception is not None
+
+
+def test_spec_named_like_a_variant_is_refused(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    tiny_spec(models, exporter="torchscript")
+    tiny_spec(models, "tiny.int8", exporter="torchscript")  # would be replaced by tiny's int8 variant
+    out = tmp_path / "out"
+    result = invoke("build", "--models", str(models), "--out", str(out), "--variant", "fp32", "--variant", "int8")
+    assert result.exit_code == 2, result.output
+    failed = [line for line in result.output.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1
+    assert failed[0].endswith(
+        f"{models / 'tiny.int8.toml'}: model name 'tiny.int8' ends in the variant name '.int8'; rename the spec"
+    )
+    assert result.output.splitlines()[-1].startswith("3 graphs: 2 built, 0 skipped, 1 failed")
+    manifest = json.loads((out / "manifest.json").read_text())["models"]
+    assert sorted(manifest) == ["tiny", "tiny.int8"] and manifest["tiny.int8"]["spec"]["name"] == "tiny"
+
+
+QUITTER = """
+import sys
+import torch
+
+class QuitInInit(torch.nn.Module):
+    def __init__(self, **kwargs):
+        sys.exit(0)
+
+class QuitInForward(torch.nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+
+    def forward(self, query, keys, values):
+        sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    ("cls", "code", "message"),
+    [
+        ("QuitInInit", 2, "tiny: constructing quitting_mod:QuitInInit raised SystemExit: 0"),
+        ("QuitInForward", 1, "tiny: export failed: forward raised SystemExit: 0"),
+    ],
+)
+def test_module_that_calls_sys_exit_fails_the_build(tmp_path: Path, cls: str, code: int, message: str) -> None:
+    models = tmp_path / "models"
+    path = tiny_spec(models, exporter="torchscript")
+    (models / "quitting_mod.py").write_text(QUITTER)
+    path.write_text(path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", f"quitting_mod:{cls}"))
+    result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
+    assert result.exit_code == code, result.output
+    assert message in result.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+NAN_MODULE = """
+import torch
+
+class NaNProjection(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x) * float("nan")
+"""
+
+NAN_SPEC = """
+module = "nan_projection:NaNProjection"
+kwargs = { dim = 8 }
+exporter = "torchscript"
+[[inputs]]
+name = "x"
+shape = ["batch", "seq", 8]
+[[outputs]]
+name = "y"
+shape = ["batch", "seq", 8]
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 16 }
+"""
+
+
+def test_output_that_is_nan_on_both_sides_fails_unless_the_spec_allows_it(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    models.mkdir()
+    (models / "nan_projection.py").write_text(NAN_MODULE)
+    spec = models / "nan.toml"
+    spec.write_text(NAN_SPEC)
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert (
+        "nan: smoke check at example (batch=2,seq=3) failed: y: 48/48 elements NaN on both sides, first at "
+        "[0, 0, 0] (set [tolerance] allow_nan = true in the spec if that is expected)" in result.output
+    )
+    spec.write_text(NAN_SPEC + "[tolerance]\nallow_nan = true\n")
+    assert invoke("build", "--models", str(models), "--out", str(out)).exit_code == 0
+    result = invoke("verify", str(out), "--no-latency", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    assert "note: nan: NaN on both sides in 7 of 7 cases, accepted by the spec's allow_nan" in result.output
+    cases = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert all(c["comparisons"][0]["shared_nan"] == c["comparisons"][0]["total"] > 0 for c in cases)

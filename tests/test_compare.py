@@ -46,10 +46,25 @@ def test_inf_where_expected_is_finite_fails() -> None:
     assert not c.passed and c.unexpected_nonfinite == 1
 
 
-def test_matching_nonfinite_values_agree() -> None:
-    e = np.array([np.nan, np.inf, 1.0], np.float32)
+def test_matching_infinities_agree() -> None:
+    e = np.array([-np.inf, np.inf, 1.0], np.float32)
     assert compare_output("o", e, e.copy(), TOL).passed
-    assert not compare_output("o", e, np.array([np.nan, -np.inf, 1.0], np.float32), TOL).passed
+    assert not compare_output("o", e, np.array([np.inf, np.inf, 1.0], np.float32), TOL).passed
+
+
+def test_nan_on_both_sides_is_counted_and_fails_unless_allowed() -> None:
+    e = np.array([[1.0, np.nan], [np.nan, 2.0]], np.float32)
+    c = compare_output("o", e, e.copy(), TOL)
+    assert not c.passed and c.shared_nan == 2 and c.mismatched == 0 and c.worst_index == [0, 1]
+    assert c.reason() == (
+        "o: 2/4 elements NaN on both sides, first at [0, 1] (set [tolerance] allow_nan = true in the spec "
+        "if that is expected)"
+    )
+    allow = Tolerance(1e-5, 1e-4, allow_nan=True)
+    allowed = compare_output("o", e, e.copy(), allow)
+    assert allowed.passed and allowed.shared_nan == 2 and allowed.reason() == ""
+    assert OutputComparison.from_dict(allowed.to_dict()) == allowed
+    assert not compare_output("o", e, np.array([[1, np.nan], [0, 2]], np.float32), allow).passed  # NaN vs finite
 
 
 def test_shape_and_dtype_must_match_exactly() -> None:

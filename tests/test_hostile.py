@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import pickle
+import re
+import shutil
+import signal
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -300,7 +307,207 @@ def test_golden_file_that_is_not_npz(zoo_copy: Path) -> None:
     (zoo_copy / "manifest.json").write_text(json.dumps(doc))
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden")
     assert result.exit_code == 2
-    assert "sdpa.golden.npz: not a readable golden .npz" in _error_line(result)
+    assert _error_line(result) == (
+        f"Error: {zoo_copy / 'sdpa.golden.npz'}: not a golden file (not a zip archive, as every .npz is)"
+    )
+
+
+def _rewrite_golden_entries(folder: Path, name: str, entries: dict[str, object]) -> None:
+    """Replace raw entries of a golden zip (bytes, or a function writing them), fixing the manifest hash."""
+    path = folder / f"{name}.golden.npz"
+    with zipfile.ZipFile(path) as zf:
+        raw: dict[str, object] = {i.filename: zf.read(i) for i in zf.infolist()}
+    raw.update(entries)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for key, value in raw.items():
+            if isinstance(value, bytes):
+                zf.writestr(key, value)
+            else:
+                with zf.open(key, "w", force_zip64=True) as f:
+                    value(f)  # type: ignore[operator]
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["models"][name]["golden_sha256"] = artifacts.sha256_file(path)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def _npy_header(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+BOMB = 64 << 20  # bytes of zeros, about 64 KiB once deflated
+
+
+def _bomb(f) -> None:
+    f.write(_npy_header((BOMB // 4,)))
+    for _ in range(BOMB >> 20):
+        f.write(bytes(1 << 20))
+
+
+def test_golden_zip_bomb_is_refused_from_its_headers(zoo_copy: Path) -> None:
+    _rewrite_golden_entries(zoo_copy, "sdpa", {"min/inputs/q.npy": _bomb})
+    assert (zoo_copy / "sdpa.golden.npz").stat().st_size < 2 << 20
+    tracemalloc.start()
+    try:
+        result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert result.exit_code == 2
+    where = f"Error: {zoo_copy / 'sdpa.golden.npz'}: "
+    assert _error_line(result) == where + "case 'min' input 'q' has shape [16777216], expected [1, 1, 64]"
+    assert peak < BOMB // 4  # the 64 MiB array was never allocated
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--max-memory", "16MiB")
+    assert result.exit_code == 2
+    assert _error_line(result) == where + "golden arrays declare 64.2 MiB, over the memory budget of 16.0 MiB"
+
+
+def test_golden_header_declaring_more_than_its_entry_holds(zoo_copy: Path) -> None:
+    _rewrite_golden_entries(zoo_copy, "sdpa", {"min/inputs/q.npy": _npy_header((10**12,)) + bytes(256)})
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert _error_line(result).endswith(
+        "sdpa.golden.npz: entry 'min/inputs/q' declares shape (1000000000000,) of float32, which does not fit its "
+        "384 bytes"
+    )
+
+
+# -- devices, FIFOs and links out of the folder -----------------------------------------------
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail instead of hanging: reading a FIFO or /dev/zero never ends."""
+
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo", "outside", "directory"])
+@pytest.mark.parametrize("name", ["sdpa.onnx", "sdpa.golden.npz", "manifest.json"])
+def test_artifact_that_is_not_a_regular_file_in_its_folder(zoo_copy: Path, tmp_path: Path, kind: str, name: str):
+    path = zoo_copy / name
+    elsewhere = tmp_path / name
+    shutil.move(path, elsewhere)
+    if kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "outside":
+        path.symlink_to(elsewhere)
+    else:
+        path.mkdir()
+    with _deadline(60):
+        result = invoke("verify", str(zoo_copy), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    message = {
+        "fifo": "refused: not a regular file (a device, FIFO or socket)",
+        "directory": "is a directory, not a file",
+    }.get(kind, f"refused: a symbolic link to a file outside {zoo_copy}")
+    assert _error_line(result) == f"Error: {path}: {message}"
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
+def test_inspect_refuses_devices_and_fifos(tmp_path: Path, kind: str) -> None:
+    path = Path("/dev/zero")
+    if kind == "fifo":
+        path = tmp_path / "pipe.onnx"
+        os.mkfifo(path)
+    with _deadline(60):
+        result = invoke("inspect", str(path))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: {path}: refused: not a regular file (a device, FIFO or socket)"
+
+
+# -- numbers and names that slip through -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("verify", "--atol", "nan"), "--atol"),
+        (("verify", "--rtol", "inf"), "--rtol"),
+        (("verify", "--max-slowdown", "nan"), "--max-slowdown"),
+        (("verify", "--latency-budget", "inf"), "--latency-budget"),
+        (("bench", "--budget", "nan"), "--budget"),
+        (("build", "--wait", "nan"), "--wait"),
+    ],
+)
+def test_non_finite_numbers_are_refused(args: tuple[str, ...], option: str) -> None:
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}': '{args[-1]}' is not a finite number." in result.output
+
+
+# -- input that used to end in a traceback ----------------------------------------------------
+
+
+def test_non_ascii_digits_are_refused(zoo_dir: Path) -> None:
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--shapes", "batch=²")
+    assert result.exit_code == 2
+    assert _error_line(result) == "Error: --shapes: cannot read 'batch=²'; expected NAME=SIZE, e.g. seq=16"
+    result = invoke("verify", str(zoo_dir), "--shard", "²/3")
+    assert result.exit_code == 2
+    assert "Invalid value for '--shard': '²/3' is not i/n with 1 <= i <= n (e.g. 2/4)" in result.output
+
+
+def test_deeply_nested_manifest_is_one_line_and_build_force_recovers(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    tiny_spec(models, exporter="torchscript")
+    out.mkdir()
+    (out / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    result = invoke("verify", str(out))
+    assert result.exit_code == 2
+    assert _error_line(result).startswith(f"Error: {out / 'manifest.json'}: not valid JSON (")
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 2
+    assert _error_line(result).endswith("; fix or delete it, or rebuild everything with --force")
+    assert invoke("build", "--models", str(models), "--out", str(out), "--force").exit_code == 0
+    assert invoke("verify", str(out), "--golden", "--no-latency").exit_code == 0
+
+
+def test_weights_path_that_is_a_directory(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path)
+    (tmp_path / "w.pt").mkdir()
+    spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
+    result = invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert "weights file w.pt is not a file" in result.output
+
+
+def test_folder_named_in_another_encoding(zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / os.fsdecode(b"build-\xff")
+    folder.mkdir()
+    for name in ("sdpa.onnx", "sdpa.golden.npz", "manifest.json"):
+        shutil.copy(zoo_dir / name, folder / name)
+    doc = json.loads((folder / "manifest.json").read_text())
+    doc["models"] = {"sdpa": doc["models"]["sdpa"]}
+    (folder / "manifest.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(folder / "summary.md"))
+    reports = [a for f in ("json", "junit", "markdown") for a in (f"--{f}", str(folder / f"report.{f}"))]
+    result = invoke("verify", str(folder), "--no-latency", "--atol", "0", "--rtol", "0", *reports)
+    assert result.exit_code == 1  # a zero tolerance fails, so every report names the folder
+    assert "cannot load" not in result.output
+    for f in ("json", "junit", "markdown"):
+        assert "build-\\udcff" in (folder / f"report.{f}").read_text(), f
+    assert "build-\\udcff" in (folder / "summary.md").read_text()
+
+
+def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert "verify PASSED" in result.output
+    assert _error_line(result) == f"Error: cannot append to $GITHUB_STEP_SUMMARY ({tmp_path}): Is a directory"
 
 
 # -- output folder problems --------------------------------------------------------------------
@@ -329,11 +536,15 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, mo
             self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(artifacts.os, "fdopen", lambda fd, mode: FullDisk(real_fdopen(fd, mode)))
+    def fdopen(fd, mode, *args):
+        return FullDisk(real_fdopen(fd, mode)) if "w" in mode else real_fdopen(fd, mode, *args)
+
+    monkeypatch.setattr(artifacts.os, "fdopen", fdopen)
     spec.write_text(spec.read_text().replace("max = 24", "max = 28"))
     result = invoke("build", "--models", str(models), "--out", str(out))
     assert result.exit_code == 2
-    assert f"cannot write {out / 'tiny.onnx'}: disk full" in result.output
+    staged = rf"{re.escape(str(out))}/\.tiny\.onnx\.[0-9a-f]{{16}}\.staged"  # the new graph, not yet committed
+    assert re.search(rf"cannot write {staged}: disk full", result.output)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temp files, nothing changed
 
 
@@ -347,7 +558,8 @@ def test_read_only_output_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(artifacts.tempfile, "mkstemp", denied)
     result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
-    assert f"cannot write {tmp_path / 'out' / 'tiny.onnx'}: Permission denied" in result.output
+    assert f"cannot write {tmp_path / 'out' / '.tiny.onnx.'}" in result.output
+    assert ".staged: Permission denied" in result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 

@@ -81,3 +81,28 @@ def test_inspect_reports_an_op_without_kernel(tmp_path: Path) -> None:
     result = invoke("inspect", str(_foreign_model(tmp_path, op="NoSuchOp", domain="custom.domain")))
     assert result.exit_code == 1
     assert "kernels:     cpu: MISSING: " in result.output and "NoSuchOp" in result.output
+
+
+def test_inspect_a_model_with_an_unknown_element_type(zoo_dir: Path, tmp_path: Path) -> None:
+    model = onnx.load(zoo_dir / "sdpa.onnx")
+    model.graph.input[0].type.tensor_type.elem_type = 999
+    onnx.save(model, tmp_path / "odd.onnx")
+    result = invoke("inspect", str(tmp_path / "odd.onnx"))
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert "  q                unknown (999) [batch, seq, 64]" in result.output
+    assert "checker:     REJECTED: " in result.output
+
+
+def test_inspect_counts_parameters_without_overflow(zoo_dir: Path, tmp_path: Path) -> None:
+    model = onnx.load(zoo_dir / "sdpa.onnx")
+    for name, dims in (("huge", [2**40, 2**40]), ("negative", [4, -3])):
+        tensor = onnx.TensorProto(name=name, data_type=TensorProto.FLOAT)
+        tensor.dims.extend(dims)
+        model.graph.initializer.append(tensor)
+    onnx.save(model, tmp_path / "big.onnx")
+    before = json.loads(invoke("inspect", str(zoo_dir / "sdpa.onnx"), "--json").output)
+    result = invoke("inspect", str(tmp_path / "big.onnx"), "--json")
+    assert result.exit_code == 1, result.output  # the checker rejects both tensors
+    doc = json.loads(result.output)
+    assert doc["parameters"] == before["parameters"] + 2**80  # numpy's int64 product wrapped this to 1
+    assert doc["parameter_bytes"] == before["parameter_bytes"] + 4 * 2**80

@@ -52,6 +52,8 @@ def test_parse_shapes() -> None:
     assert parse_shapes("batch=1,seq=3;batch=2,seq=5") == [{"batch": 1, "seq": 3}, {"batch": 2, "seq": 5}]
     with pytest.raises(InputError, match=r"cannot read 'seq'; expected NAME=SIZE"):
         parse_shapes("batch=1,seq")
+    with pytest.raises(InputError, match=r"cannot read 'batch=²'; expected NAME=SIZE"):
+        parse_shapes("batch=²")  # a digit to str.isdigit, not to int()
 
 
 def test_sizes_from_feeds_refuses_one_dim_with_two_sizes() -> None:

@@ -3,21 +3,33 @@
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>`` and ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
 float32 error on the case); written with fixed timestamps and sorted entries (deterministic).
+
+A golden file may come from anywhere, so it is read from its zip directory and .npy
+headers first: every entry's declared size, dtype and shape (against the spec, at the
+case's sizes) and the total against the memory budget are checked before any array is
+loaded. A 1 MB zip bomb declaring gigabytes costs nothing.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
-from attn_export.artifacts.files import atomic_write
-from attn_export.errors import ArtifactError
+from attn_export.artifacts.files import atomic_write, open_regular
+from attn_export.errors import ArtifactError, InputError, first_line
+from attn_export.spec import ModelSpec
+from attn_export.spec.memory import check_memory, format_bytes, machine_memory
+from attn_export.spec.shapes import ShapePoint, concrete_shape, validate_sizes
 
-__all__ = ["GoldenCase", "read_golden", "write_golden"]
+__all__ = ["GoldenCase", "encode_golden", "read_golden", "write_golden"]
+
+_SECTIONS = ("sizes", "inputs", "outputs", "floors")
 
 
 @dataclass
@@ -32,8 +44,8 @@ class GoldenCase:
     floors: dict[str, float] = field(default_factory=dict)
 
 
-def write_golden(path: Path, cases: list[GoldenCase]) -> None:
-    """Write ``cases`` as a deterministic .npz (fixed timestamps, sorted entries)."""
+def encode_golden(cases: list[GoldenCase]) -> bytes:
+    """``cases`` as a deterministic .npz (fixed timestamps, sorted entries)."""
     arrays: dict[str, np.ndarray] = {}
     for case in cases:
         for k, v in case.sizes.items():
@@ -52,35 +64,139 @@ def write_golden(path: Path, cases: list[GoldenCase]) -> None:
             npy = io.BytesIO()
             np.lib.format.write_array(npy, np.asarray(arrays[key]), allow_pickle=False)
             zf.writestr(info, npy.getvalue())
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()
 
 
-def read_golden(path: Path) -> list[GoldenCase]:
-    """Read golden vectors back; a malformed file is an ArtifactError, never a crash."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{path}: golden file is missing") from e
-    except Exception as e:
-        raise ArtifactError(f"{path}: not a readable golden .npz ({type(e).__name__}: {e})") from e
-    cases: dict[str, GoldenCase] = {}
-    for key, value in arrays.items():
-        parts = key.split("/")
-        if len(parts) != 3 or parts[1] not in ("sizes", "inputs", "outputs", "floors"):
-            raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
-        label, section, name = parts
-        case = cases.setdefault(label, GoldenCase(label, {}))
-        if section == "sizes":
-            if value.shape != () or value.dtype.kind not in "iu":
-                raise ArtifactError(f"{path}: size entry '{key}' is not an integer scalar")
-            case.sizes[name] = int(value)
-        elif section == "floors":
-            if value.shape != () or value.dtype != np.float64 or not np.isfinite(value) or value < 0:
-                raise ArtifactError(f"{path}: floor entry '{key}' is not a finite non-negative float64 scalar")
-            case.floors[name] = float(value)
+def write_golden(path: Path, cases: list[GoldenCase]) -> None:
+    atomic_write(path, encode_golden(cases))
+
+
+@dataclass
+class _Entry:
+    """One array in the zip, known from its headers only."""
+
+    info: zipfile.ZipInfo
+    label: str
+    section: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def where(self) -> str:
+        return f"case '{self.label}' {self.section[:-1]} '{self.name}'"
+
+
+def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype, int]:
+    with zf.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
         else:
-            (case.inputs if section == "inputs" else case.outputs)[name] = value
-    if not cases:
-        raise ArtifactError(f"{path}: golden file holds no cases")
+            raise ValueError(f".npy format version {version} is not supported")
+        return tuple(int(d) for d in shape), dtype, f.tell()
+
+
+def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
+    key = info.filename.removesuffix(".npy")
+    parts = key.split("/")
+    if key == info.filename or len(parts) != 3 or parts[1] not in _SECTIONS:
+        raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
+    try:
+        shape, dtype, header_bytes = _header(zf, info)
+    except Exception as e:  # numpy and zipfile raise many types on hostile bytes
+        raise ArtifactError(f"{path}: entry '{key}' is not a readable .npy array ({first_line(e)})") from e
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise ArtifactError(f"{path}: entry '{key}' has dtype {dtype}, not a plain number or bool")
+    if min(shape, default=0) < 0 or header_bytes + math.prod(shape) * dtype.itemsize != info.file_size:
+        raise ArtifactError(
+            f"{path}: entry '{key}' declares shape {shape} of {dtype}, which does not fit its {info.file_size} bytes"
+        )
+    return _Entry(info, parts[0], parts[1], parts[2], shape, dtype)
+
+
+def _load(path: Path, zf: zipfile.ZipFile, e: _Entry) -> np.ndarray:
+    try:
+        with zf.open(e.info) as f:
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except Exception as exc:
+        raise ArtifactError(f"{path}: entry '{e.info.filename}' cannot be read ({first_line(exc)})") from exc
+
+
+def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_Entry], budget: int) -> None:
+    """Names, dtypes, sizes and shapes as the spec says, and a case that fits the budget."""
+    try:
+        validate_sizes(spec, case.sizes)
+    except InputError as exc:
+        raise ArtifactError(f"{path}: case '{case.label}': {exc}") from exc
+    check_memory(spec, [ShapePoint(case.label, case.sizes)], budget)
+    for section, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
+        got = {e.name: e for e in entries if e.section == section}
+        names = sorted(t.name for t in tensors)
+        if sorted(got) != names:
+            raise ArtifactError(f"{path}: case '{case.label}' has {section} {sorted(got)}, expected {names}")
+        for t in tensors:
+            e = got[t.name]
+            if e.dtype != np.dtype(t.dtype):
+                raise ArtifactError(f"{path}: {e.where} has dtype {e.dtype}, expected {t.dtype}")
+            if e.shape != concrete_shape(t, case.sizes):
+                raise ArtifactError(
+                    f"{path}: {e.where} has shape {list(e.shape)}, expected {list(concrete_shape(t, case.sizes))}"
+                )
+
+
+def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int) -> list[GoldenCase]:
+    try:
+        zf = zipfile.ZipFile(f)
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: not a golden file (not a zip archive, as every .npz is)") from exc
+    with zf:
+        entries = [_entry(path, zf, info) for info in zf.infolist()]
+        keys = [(e.label, e.section, e.name) for e in entries]
+        if len(set(keys)) != len(keys):
+            raise ArtifactError(f"{path}: golden file holds an entry twice")
+        declared = sum(e.info.file_size for e in entries)
+        if declared > budget:
+            raise ArtifactError(
+                f"{path}: golden arrays declare {format_bytes(declared)}, over the memory budget of "
+                f"{format_bytes(budget)}"
+            )
+        cases: dict[str, GoldenCase] = {}
+        for e in entries:
+            case = cases.setdefault(e.label, GoldenCase(e.label, {}))
+            if e.section == "sizes":
+                if e.shape != () or e.dtype.kind not in "iu":
+                    raise ArtifactError(f"{path}: size entry '{e.label}/sizes/{e.name}' is not an integer scalar")
+                case.sizes[e.name] = int(_load(path, zf, e))
+        if not cases:
+            raise ArtifactError(f"{path}: golden file holds no cases")
+        if spec is not None:
+            for case in cases.values():
+                _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
+        for e in entries:
+            if e.section == "floors":
+                value = _load(path, zf, e)
+                if e.shape != () or e.dtype != np.float64 or not np.isfinite(value) or value < 0:
+                    raise ArtifactError(
+                        f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
+                    )
+                cases[e.label].floors[e.name] = float(value)
+            elif e.section != "sizes":
+                section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
+                section[e.name] = _load(path, zf, e)
     return list(cases.values())
+
+
+def read_golden(
+    path: Path, spec: ModelSpec | None = None, budget: int | None = None, root: Path | None = None
+) -> list[GoldenCase]:
+    """Read golden vectors back, checking every header first (see the module's docstring);
+    with ``spec``, each array must have the spec's dtype and shape at its case's sizes.
+    ``budget`` defaults to this machine's memory; ``root`` is the folder the file must stay in.
+    A malformed file is an ArtifactError, never a crash."""
+    if not path.exists() and not path.is_symlink():
+        raise ArtifactError(f"{path}: golden file is missing")
+    with open_regular(path, root) as (f, _):
+        return _read(path, f, spec, budget or machine_memory())

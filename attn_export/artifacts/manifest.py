@@ -14,13 +14,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import atomic_write
+from attn_export.artifacts.files import atomic_write, read_regular
 from attn_export.errors import ArtifactError, SpecError
 from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
 
 MANIFEST_NAME = "manifest.json"
+#: A manifest is a few KiB per graph; anything near this is not one.
+MAX_MANIFEST_BYTES = 64 << 20
 SCHEMA = "attn-export/manifest"
 SCHEMA_VERSION = 2
 
@@ -140,11 +142,11 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
 def load_manifest(out_dir: Path) -> Manifest:
     """Read ``<out_dir>/manifest.json``; a missing or malformed one is an ArtifactError."""
     path = out_dir / MANIFEST_NAME
+    if not path.exists():
+        raise ArtifactError(f"{path}: no manifest; run 'attn-export build --out {out_dir}' first")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{path}: no manifest; run 'attn-export build --out {out_dir}' first") from e
-    except (OSError, UnicodeDecodeError) as e:
+        text = read_regular(path, out_dir, MAX_MANIFEST_BYTES).decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ArtifactError(f"{path}: cannot read manifest: {e}") from e
     return Manifest.from_json(text, str(path))
 

@@ -11,9 +11,13 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from attn_export.artifacts.files import read_regular
 from attn_export.errors import ArtifactError
 
 __all__ = ["check_external_data", "external_data_files", "load_model_file", "max_supported_opset"]
+
+#: protobuf cannot parse a message this large; bigger models keep their weights as external data.
+MAX_MODEL_BYTES = 2 << 30
 
 
 def max_supported_opset() -> int:
@@ -77,16 +81,9 @@ def _strings_are_text(message: Message) -> bool:
 
 
 def load_model_file(path: Path) -> onnx.ModelProto:
-    """Parse an ONNX file without loading external data; refuse anything that is not a
-    model this installation can run."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{path}: no such file") from e
-    except IsADirectoryError as e:
-        raise ArtifactError(f"{path}: is a directory, not an ONNX file") from e
-    except OSError as e:
-        raise ArtifactError(f"{path}: cannot read: {e.strerror}") from e
+    """Parse an ONNX file (a regular file, read no further than its size) without loading
+    external data; refuse anything that is not a model this installation can run."""
+    data = read_regular(path, limit=MAX_MODEL_BYTES)
     if not data:
         raise ArtifactError(f"{path}: empty file, not an ONNX model")
     try:

@@ -1,8 +1,8 @@
 """Measure how one runtime's outputs differ from the expected ones, output by output.
 
 The numbers are data; whether they pass is ``compare.policy``'s call. A NaN or Inf where
-the expected value is finite is counted, and mismatched shapes or dtypes are recorded
-before any number is compared.
+the expected value is finite is counted, so is a NaN on both sides, and mismatched shapes
+or dtypes are recorded before any number is compared.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ class OutputComparison:
     min_passing_atol: float = 0.0
     #: Count of NaN/Inf in the actual output where the expected value is finite.
     unexpected_nonfinite: int = 0
-    #: Index of the first such NaN/Inf, or of the worst error when all are finite.
+    #: Count of elements that are NaN on both sides (agreement, but not a number).
+    shared_nan: int = 0
+    #: Whether the spec accepts NaN on both sides (``[tolerance] allow_nan``).
+    allow_nan: bool = False
+    #: Index of the first unexpected NaN/Inf, else of the first shared NaN, else of the worst error.
     worst_index: list[int] | None = None
     missing: bool = False
 
@@ -75,6 +79,11 @@ class OutputComparison:
                 f"{self.name}: {self.unexpected_nonfinite} NaN/Inf where expected is finite, "
                 f"first at {self.worst_index}"
             )
+        if self.shared_nan and not self.allow_nan:
+            return (
+                f"{self.name}: {self.shared_nan}/{self.total} elements NaN on both sides, first at {self.worst_index} "
+                "(set [tolerance] allow_nan = true in the spec if that is expected)"
+            )
         if self.mismatched:
             return (
                 f"{self.name}: {self.mismatched}/{self.total} elements "
@@ -110,6 +119,7 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
         tol.atol,
         tol.rtol,
         total=int(expected.size),
+        allow_nan=tol.allow_nan,
     )
     if not (result.shape_ok and result.dtype_ok) or expected.size == 0:
         return result
@@ -125,9 +135,11 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     a = actual.astype(np.float64)
     e_finite = np.isfinite(e)
     # Where expected is NaN/Inf itself, the actual must be the same non-finite value.
-    same_nonfinite = ~e_finite & ((np.isnan(e) & np.isnan(a)) | (e == a))
+    both_nan = np.isnan(e) & np.isnan(a)
+    same_nonfinite = ~e_finite & (both_nan | (e == a))
     bad_nonfinite = e_finite & ~np.isfinite(a)
     result.unexpected_nonfinite = int(bad_nonfinite.sum())
+    result.shared_nan = int(both_nan.sum())
 
     both = e_finite & np.isfinite(a)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -147,6 +159,8 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
         result.min_passing_atol = float(max(needed.max(), 0.0))
         if result.mismatched and not both.all():
             result.min_passing_atol = float("inf")
+        if result.shared_nan and not result.allow_nan:
+            result.worst_index = [int(i) for i in np.argwhere(both_nan)[0]]
     return result
 
 

@@ -6,6 +6,7 @@ Everything else measures (``numbers``, ``timing``) or renders (``report``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +39,7 @@ def case_tolerance(tol: Tolerance, floor: float) -> Tolerance:
     """The output's tolerance on one case, widened by ``FLOOR_FACTOR`` x PyTorch's own
     float32 error there: large-magnitude inputs are judged by what float32 can do, and a
     graph wrong only for large values still fails (its error is far above the floor)."""
-    return Tolerance(tol.atol + FLOOR_FACTOR * floor, tol.rtol)
+    return dataclasses.replace(tol, atol=tol.atol + FLOOR_FACTOR * floor)
 
 
 def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
@@ -47,8 +48,10 @@ def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
 
 
 def output_passed(c: OutputComparison) -> bool:
-    """Same shape and dtype, no NaN/Inf where PyTorch is finite, every element within bounds."""
-    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and c.mismatched == 0
+    """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN on both sides
+    unless the spec allows it, every element within bounds."""
+    nan_ok = c.shared_nan == 0 or c.allow_nan
+    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
 
 
 def noise(*stats: LatencyStats | None) -> str | None:

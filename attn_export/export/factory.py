@@ -40,7 +40,7 @@ def resolve_factory(spec: ModelSpec) -> Any:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise SpecError(f"{spec.name}: cannot import module '{module_name}': {e}") from e
-    except Exception as e:  # a user module may raise anything at import
+    except (Exception, SystemExit) as e:  # a user module may raise anything at import, or exit
         raise SpecError(f"{spec.name}: importing '{module_name}' raised {type(e).__name__}: {e}") from e
     finally:
         if added:
@@ -102,7 +102,7 @@ def instantiate(spec: ModelSpec) -> Any:
             module = factory(**spec.kwargs)
         except TypeError as e:
             raise SpecError(f"{spec.name}: kwargs {spec.kwargs} do not fit {spec.module}: {e}") from e
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit(0) would end the build with success and nothing built
             raise SpecError(f"{spec.name}: constructing {spec.module} raised {type(e).__name__}: {e}") from e
     if not isinstance(module, torch.nn.Module):
         raise SpecError(f"{spec.name}: {spec.module} did not return a torch.nn.Module")

@@ -28,16 +28,21 @@ FORMATS: dict[str, ReportFormat] = {
 }
 
 
+#: Paths that are not UTF-8 (a folder named in another encoding) reach the reports as
+#: lone surrogates; they are written as ``\udcff`` escapes instead of failing the write.
+_ERRORS = "backslashreplace"
+
+
 def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> None:
     """Write each requested format atomically, and append the Markdown report to
     ``$GITHUB_STEP_SUMMARY`` when it is set."""
     for name, path in paths.items():
         if path is not None:
-            atomic_write(path, FORMATS[name].render(report).encode())
+            atomic_write(path, FORMATS[name].render(report).encode("utf-8", _ERRORS))
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_file:
         try:
-            with open(summary_file, "a", encoding="utf-8") as f:
+            with open(summary_file, "a", encoding="utf-8", errors=_ERRORS) as f:
                 f.write(markdown.markdown_report(report))
         except OSError as e:
             raise UsageError(f"cannot append to $GITHUB_STEP_SUMMARY ({summary_file}): {e.strerror}") from e

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.errors import ProviderError, RuntimeFailure, first_line
+from attn_export.errors import ArtifactError, ProviderError, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.target import PROVIDERS, Target
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
@@ -44,6 +44,29 @@ def require_provider(provider: str) -> str:
             f"{', '.join(available_providers())}{hint}"
         )
     return info.execution_provider
+
+
+def _source(model: Path | bytes) -> str | bytes:
+    """What InferenceSession gets: ONNX Runtime takes paths only as UTF-8, so a model in a
+    folder named in another encoding is passed as bytes (unless it has external data,
+    which ONNX Runtime finds only next to a path)."""
+    if isinstance(model, bytes):
+        return model
+    path = str(model)
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        pass
+    import onnx
+
+    from attn_export.artifacts.files import read_regular
+    from attn_export.artifacts.onnx_file import external_data_files
+
+    data = read_regular(model)
+    if external_data_files(onnx.load_from_string(data)):
+        raise ArtifactError(f"{model}: ONNX Runtime cannot open a path that is not UTF-8 (rename the folder)")
+    return data
 
 
 def load_session(
@@ -89,9 +112,7 @@ def load_session(
     label = f"onnxruntime[{provider}]"
     what = model.name if isinstance(model, Path) else "the graph"
     try:
-        session = ort.InferenceSession(
-            str(model) if isinstance(model, Path) else model, sess_options=options, providers=[ep]
-        )
+        session = ort.InferenceSession(_source(model), sess_options=options, providers=[ep])
     except Exception as e:
         raise RuntimeFailure(f"{label}: cannot load {what}: {first_line(e)}") from e
     used = session.get_providers()

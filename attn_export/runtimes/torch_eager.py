@@ -67,7 +67,7 @@ class TorchRuntime(Runtime):
         try:
             with torch.no_grad():
                 result = self.module(*args)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise RuntimeFailure(f"{self.name}: forward failed: {type(e).__name__}: {e}") from e
         values = result if isinstance(result, tuple | list) else (result,)
         names = [t.name for t in self.outputs]

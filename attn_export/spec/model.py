@@ -6,6 +6,7 @@ from TOML.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -103,6 +104,8 @@ class ModelSpec:
     #: The spec file's folder: searched first when importing ``module``. Only ever set from
     #: a spec file in the checkout, never from a manifest.
     search_path: str | None = None
+    #: Memory budget (bytes) for one verify case; None means this machine's memory.
+    max_memory: int | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's, else the table's default), else the output's.
@@ -114,7 +117,7 @@ class ModelSpec:
             if variant in self.variant_tolerances:
                 return self.variant_tolerances[variant]
             if info.tolerance is not None:
-                return info.tolerance
+                return dataclasses.replace(info.tolerance, allow_nan=self.tolerance.allow_nan)
         return self.output_tolerances.get(output, self.tolerance)
 
     def tolerances(self, variant: str = "fp32") -> dict[str, Tolerance]:
@@ -142,24 +145,29 @@ class ModelSpec:
             "mode": self.mode,
             "weights": weights,
             "tolerance": {
-                "atol": self.tolerance.atol,
-                "rtol": self.tolerance.rtol,
-                "outputs": {k: asdict(v) for k, v in self.output_tolerances.items()},
+                **_tolerance_dict(self.tolerance),
+                "outputs": {k: _tolerance_dict(v) for k, v in self.output_tolerances.items()},
             },
-            "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
+            "variants": {k: _tolerance_dict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "accept_guards": self.accept_guards,
-        }
+        } | ({"max_memory": self.max_memory} if self.max_memory else {})
 
     def content_hash(self) -> str:
         """sha256 of what determines the exported graph: the spec's content and the weights
         file's bytes (not where either lives). Needs the weights file."""
         d = self.to_dict()
         d.pop("description")
+        d.pop("max_memory", None)
         if self.weights.path is not None:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def _tolerance_dict(t: Tolerance) -> dict[str, Any]:
+    """atol and rtol, and allow_nan only where set, so specs without it keep their hashes."""
+    return {"atol": t.atol, "rtol": t.rtol} | ({"allow_nan": True} if t.allow_nan else {})
 
 
 def _file_sha256(path: Path) -> str:

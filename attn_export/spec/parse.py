@@ -11,7 +11,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from attn_export.errors import SpecError
+from attn_export.errors import SpecError, UsageError
+from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
     DTYPES,
     EXPORTERS,
@@ -43,11 +44,12 @@ _TOP_KEYS = {
     "variants",
     "typical",
     "accept_guards",
+    "max_memory",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
-_TOL_KEYS = {"atol", "rtol", "outputs"}
+_TOL_KEYS = {"atol", "rtol", "allow_nan", "outputs"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Variants a spec may give a tolerance for: ``auto`` is judged at the model's own.
 _TOLERANCE_VARIANTS = tuple(n for n, v in VARIANTS.items() if not v.chooser)
@@ -102,6 +104,12 @@ def _number(where: _Where, value: Any, what: str, key: str, table: str | None = 
     return float(value)
 
 
+def _bool(where: _Where, value: Any, what: str, key: str, table: str | None = None) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(f"{what} must be true or false, got {value!r}", key, table)
+    return value
+
+
 def _table(where: _Where, raw: dict[str, Any], key: str, what: str) -> dict[str, Any]:
     value = raw.get(key, {})
     if not isinstance(value, dict):
@@ -113,10 +121,11 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     """An {atol, rtol} table; a missing value falls back to ``default``."""
     if not isinstance(raw, dict):
         raise where.error(f"{context} must be a table with atol and rtol", key, context)
-    _check_keys(where, raw, {"atol", "rtol"}, context, context)
+    _check_keys(where, raw, {"atol", "rtol", "allow_nan"}, context, context)
     return Tolerance(
         _number(where, raw.get("atol", default.atol), f"{context}.atol", "atol", context),
         _number(where, raw.get("rtol", default.rtol), f"{context}.rtol", "rtol", context),
+        _bool(where, raw.get("allow_nan", default.allow_nan), f"{context}.allow_nan", "allow_nan", context),
     )
 
 
@@ -248,6 +257,7 @@ def _tolerances(
     tolerance = Tolerance(
         _number(where, table.get("atol", 1e-5), "tolerance.atol", "atol", "tolerance"),
         _number(where, table.get("rtol", 1e-4), "tolerance.rtol", "rtol", "tolerance"),
+        _bool(where, table.get("allow_nan", False), "tolerance.allow_nan", "allow_nan", "tolerance"),
     )
     per_output: dict[str, Tolerance] = {}
     raw_per_output = table.get("outputs", {})
@@ -286,6 +296,16 @@ def _flag(where: _Where, raw: dict[str, Any], key: str) -> bool:
     return value
 
 
+def _max_memory(where: _Where, raw: dict[str, Any]) -> int | None:
+    value = raw.get("max_memory")
+    if value is None:
+        return None
+    try:
+        return parse_bytes(str(value), "max_memory")
+    except UsageError as e:
+        raise where.error(str(e), "max_memory") from e
+
+
 def _description(where: _Where, raw: dict[str, Any]) -> str:
     value = raw.get("description", "")
     if not isinstance(value, str):
@@ -308,6 +328,10 @@ def spec_from_dict(
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
+    suffix = name.rpartition(".")[2]
+    if "." in name and suffix in VARIANTS:
+        # model 'mha' built with --variant int8 is 'mha.int8' too: one would silently replace the other
+        raise where.error(f"model name {name!r} ends in the variant name '.{suffix}'; rename the spec", "name")
     module = raw.get("module")
     if not isinstance(module, str) or not re.fullmatch(r"[\w.]+:[\w.]+", module):
         raise where.error(f"'module' must look like 'package.module:Class', got {module!r}", "module")
@@ -337,6 +361,7 @@ def spec_from_dict(
         description=_description(where, raw),
         accept_guards=_flag(where, raw, "accept_guards"),
         search_path=str(folder) if folder is not None else None,
+        max_memory=_max_memory(where, raw),
     )
 
 

@@ -168,7 +168,8 @@ def parse_shapes(text: str) -> list[dict[str, int]]:
         for item in chunk.split(","):
             key, sep, value = item.partition("=")
             key = key.strip()
-            if not sep or not key or not value.strip().isdigit():
+            digits = value.strip()
+            if not sep or not key or not (digits.isascii() and digits.isdigit()):  # '²'.isdigit(), but int('²') fails
                 raise InputError(f"--shapes: cannot read {item.strip()!r}; expected NAME=SIZE, e.g. seq=16")
             sizes[key] = int(value)
         points.append(sizes)

@@ -1,4 +1,4 @@
-"""The pass rule's two numbers, shared by specs, the variant table and the comparison."""
+"""The pass rule's numbers, shared by specs, the variant table and the comparison."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ __all__ = ["Tolerance"]
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Pass rule |actual - expected| <= atol + rtol * |expected|."""
+    """Pass rule |actual - expected| <= atol + rtol * |expected|; NaN on both sides fails
+    unless ``allow_nan`` (a module whose every output is NaN must not pass silently)."""
 
     atol: float
     rtol: float
+    allow_nan: bool = False

@@ -367,7 +367,14 @@ def verify(
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.memory import parse_bytes
     from attn_export.spec.shapes import parse_shapes
-    from attn_export.verify import VerifyOptions, select_models, shard_names, verify_artifacts
+    from attn_export.verify import (
+        CaseResult,
+        ModelCheck,
+        VerifyOptions,
+        select_models,
+        shard_names,
+        verify_artifacts,
+    )
 
     if inputs_file and (shapes or distributions):
         raise click.UsageError("--inputs replaces the sweep: it cannot be combined with --shapes or --distribution")
@@ -400,14 +407,15 @@ def verify(
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
         return
-    click.echo(HEADER)
-    report = verify_artifacts(
-        out_dir,
-        manifest,
-        names,
-        options,
-        on_model=lambda name, cases, check: click.echo(format_model_rows(name, cases, check)),
-    )
+    printed: list[bool] = []
+
+    def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
+        if not printed:  # the header only once a model has rows: an error stays one line
+            printed.append(True)
+            click.echo(HEADER)
+        click.echo(format_model_rows(name, cases, check))
+
+    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model)
     for text in (format_distributions(report), format_failures(report), format_summary(report)):
         if text:
             click.echo(text)

@@ -347,7 +347,7 @@ def _bomb(f) -> None:
 
 def test_golden_zip_bomb_is_refused_from_its_headers(zoo_copy: Path) -> None:
     _rewrite_golden_entries(zoo_copy, "sdpa", {"min/inputs/q.npy": _bomb})
-    assert (zoo_copy / "sdpa.golden.npz").stat().st_size < 2 << 20
+    assert (zoo_copy / "sdpa.golden.npz").stat().st_size < BOMB // 4  # the bomb is small on disk
     tracemalloc.start()
     try:
         result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency")
@@ -360,7 +360,10 @@ def test_golden_zip_bomb_is_refused_from_its_headers(zoo_copy: Path) -> None:
     assert peak < BOMB // 4  # the 64 MiB array was never allocated
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--max-memory", "16MiB")
     assert result.exit_code == 2
-    assert _error_line(result) == where + "golden arrays declare 64.2 MiB, over the memory budget of 16.0 MiB"
+    assert re.fullmatch(
+        re.escape(where) + r"golden arrays declare \d+\.\d MiB, over the memory budget of 16\.0 MiB",
+        _error_line(result),
+    )
 
 
 def test_golden_header_declaring_more_than_its_entry_holds(zoo_copy: Path) -> None:
@@ -494,8 +497,9 @@ def test_folder_named_in_another_encoding(zoo_dir: Path, tmp_path: Path, monkeyp
     (folder / "manifest.json").write_text(json.dumps(doc))
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(folder / "summary.md"))
     reports = [a for f in ("json", "junit", "markdown") for a in (f"--{f}", str(folder / f"report.{f}"))]
-    result = invoke("verify", str(folder), "--no-latency", "--atol", "0", "--rtol", "0", *reports)
-    assert result.exit_code == 1  # a zero tolerance fails, so every report names the folder
+    # any failing case: a gate no graph meets (a slowdown far beyond the noise)
+    result = invoke("verify", str(folder), "--max-slowdown", "1e-9", "--latency-budget", "0.002", *reports)
+    assert result.exit_code == 1  # a failure, so every report names the folder
     assert "cannot load" not in result.output
     for f in ("json", "junit", "markdown"):
         assert "build-\\udcff" in (folder / f"report.{f}").read_text(), f

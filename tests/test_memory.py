@@ -64,7 +64,7 @@ def test_verify_refuses_a_case_over_max_memory(zoo_dir: Path) -> None:
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir / "sdpa.onnx"), "--no-latency", "--max-memory", "1MiB"])
     assert result.exit_code == 2, result.output
     assert result.output.splitlines()[-1] == (
-        "Error: sdpa: case max (batch=8,kv_seq=320,seq=256) needs at least 13.8 MiB, over the memory budget of "
+        "Error: sdpa: case max (batch=8,seq=256,kv_seq=320) needs at least 13.8 MiB, over the memory budget of "
         "1.0 MiB; narrow the dims or raise --max-memory (or max_memory in the spec)"
     )
     bad = CliRunner().invoke(cli, ["verify", str(zoo_dir / "sdpa.onnx"), "--max-memory", "lots"])

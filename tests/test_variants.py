@@ -121,7 +121,11 @@ def test_auto_records_its_choice_and_figures(variant_build: Path) -> None:
     assert figures["int8"]["within_tolerance"] is False  # int8 misses the model's own 1e-5
     chosen = info["chosen"]
     assert figures[chosen]["within_tolerance"] is True
-    assert all(figures[chosen]["p50_ms"] <= f["p50_ms"] for f in figures.values() if f.get("within_tolerance"))
+    # the fastest within tolerance, unless it does not beat the plain graph beyond the noise
+    fastest = min((n for n, f in figures.items() if f.get("within_tolerance")), key=lambda n: figures[n]["p50_ms"])
+    assert chosen in (fastest, "fp32") and info["why"]
+    if chosen != fastest:
+        assert "noise" in info["why"] or "noisy" in info["why"]
     chosen_file = variant_build / f"mha_cross{'' if chosen == 'fp32' else '.' + chosen}.onnx"
     assert (variant_build / entry.file).read_bytes() == chosen_file.read_bytes()
 

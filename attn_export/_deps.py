@@ -11,6 +11,7 @@ _HINTS = {
     "torch": "pip install 'attn-export[export]'",
     "onnxscript": "pip install 'attn-export[export]'",
     "matplotlib": "pip install 'attn-export[plot]'",
+    "transformers": "pip install 'attn-export[hf]'",
 }
 
 

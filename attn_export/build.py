@@ -31,19 +31,29 @@ from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_dynamic_axes, check_model
 from attn_export.export.torch_export import export_onnx, stamp_metadata
 from attn_export.export.variants import make_variant
+from attn_export.fully_masked import settle
+from attn_export.mask_probe import check_masks
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes, golden_points
+from attn_export.spec.masks import CASES
+from attn_export.spec.shapes import ShapePoint, example_sizes, golden_points
 from attn_export.spec.variants import auto_candidates
 from attn_export.timing import measure, physical_cores
 
-__all__ = ["BuildOptions", "BuildResult", "BuildStatus", "BuildSummary", "build_models", "versions"]
+__all__ = [
+    "BuildOptions",
+    "BuildResult",
+    "BuildStatus",
+    "BuildSummary",
+    "build_models",
+    "versions",
+]
 
 #: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
 BUILD_SEED = 0
-STAGES = ("spec", "module", "export", "variant", "checker", "axes", "smoke", "write")
+STAGES = ("spec", "module", "masks", "export", "variant", "checker", "axes", "smoke", "fully_masked", "write")
 BuildStatus = Literal["built", "skipped", "failed"]
 STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")
 
@@ -183,12 +193,18 @@ class _SpecBuild:
         self.options = options
         self.sizes = example_sizes(spec)
         self.module = _Once(lambda: instantiate(spec))
+        self.masks = _Once(self._check_masks)
         self.exports: dict[int, _Once[onnx.ModelProto]] = {}
         self.example = _Once(self._example)
         self.golden = _Once(self._golden_cases)
         self.graphs: dict[str, _Once[_Graph]] = {}
         #: sha256 of the golden file once this build has written it (shared by all variants).
         self.golden_sha256: str | None = None
+
+    def _check_masks(self) -> None:
+        """The module reads every mask as the spec says (``mask_probe``)."""
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            check_masks(self.spec, eager, self.sizes, BUILD_SEED)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""
@@ -197,27 +213,28 @@ class _SpecBuild:
         return self.exports[opset].get()
 
     def _export(self, opset: int) -> onnx.ModelProto:
-        example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
+        example = make_feeds(self.spec, self.sizes, BUILD_SEED)
         proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
         check_model(proto, self.spec.name)
         check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
         return proto
 
-    def _cases(self, points: list[tuple[str, dict[str, int]]], first_seed: int) -> list[GoldenCase]:
+    def _cases(self, points: list[ShapePoint], first_seed: int) -> list[GoldenCase]:
         spec = self.spec
         cases = []
         with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
-            for i, (label, sizes) in enumerate(points):
-                feeds = make_feeds(spec, sizes, first_seed + i)
-                cases.append(GoldenCase(label, dict(sizes), feeds, eager.run(feeds)))
+            for i, p in enumerate(points):
+                feeds = make_feeds(spec, p.sizes, first_seed + i, case=p.case)
+                cases.append(GoldenCase(p.label, dict(p.sizes), feeds, eager.run(feeds)))
         return cases
 
     def _example(self) -> GoldenCase:
-        return self._cases([("example", self.sizes)], BUILD_SEED)[0]
+        return self._cases([ShapePoint("example", self.sizes)], BUILD_SEED)[0]
 
     def _golden_cases(self) -> list[GoldenCase]:
-        """PyTorch's outputs at the golden shapes (recorded, and smoke-checked)."""
-        return self._cases([(p.label, p.sizes) for p in golden_points(self.spec)], BUILD_SEED + 1)
+        """PyTorch's outputs at the golden shapes and the named mask cases (recorded; the
+        shapes are smoke-checked, the mask cases settle fully masked rows)."""
+        return self._cases(golden_points(self.spec), BUILD_SEED + 1)
 
     def graph(self, name: str) -> _Graph:
         if name not in self.graphs:
@@ -253,8 +270,9 @@ class _SpecBuild:
         variant's tolerance."""
         spec = self.spec
         tolerances = spec.tolerances(variant)
+        cases = [c for c in self.golden.get() if c.label not in CASES]
         with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
-            for case in [self.example.get(), *self.golden.get()]:
+            for case in [self.example.get(), *cases]:
                 failed = [c.reason() for c in compare_outputs(case.outputs, session.run(case.inputs), tolerances)]
                 failed = [r for r in failed if r]
                 if failed:
@@ -317,20 +335,14 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     return chosen, {"chosen": chosen, "provider": provider, "shape": dict(spec.typical), "figures": figures}
 
 
-def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
-    spec, out_dir = ctx.spec, ctx.options.out_dir
-    key = _build_key(spec, ctx.vers, variant, ctx.options.provider)
-    name = variant_key(spec.name, variant)
-    previous = manifest.models.get(name)
-    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
-        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
-        result.info = previous.variant_info
-        return
-    if spec.mode != "eval":
-        result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
-
+def _checked_graph(ctx: _SpecBuild, variant: str, result: BuildResult) -> tuple[_Graph, dict[str, Any]]:
+    """The variant's graph through every check (fully masked rows repaired where they
+    differ from PyTorch), and what its making recorded; the stages fill ``result``."""
+    spec = ctx.spec
     with _stage(result, "module"):
         ctx.module.get()
+    with _stage(result, "masks"):
+        ctx.masks.get()
     with _stage(result, "export"):
         ctx.export(spec.opset)
     with _stage(result, "variant"):
@@ -344,7 +356,30 @@ def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: Bu
     result.stages["checker"] = result.stages["axes"] = True  # checked when the graph was made
     with _stage(result, "smoke"):
         ctx.smoke(variant, graph.model)
+    with _stage(result, "fully_masked"):
+        model, masked = settle(
+            spec, variant_key(spec.name, variant), graph.model, ctx.golden.get(), spec.tolerances(variant)
+        )
+        if model is not graph.model:
+            ctx.smoke(variant, model)  # the repaired graph, checked like any other
+        info = {**info, **({"fully_masked": masked} if masked else {})}
+        graph = dataclasses.replace(graph, model=model)
+    return graph, info
 
+
+def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
+    spec, out_dir = ctx.spec, ctx.options.out_dir
+    key = _build_key(spec, ctx.vers, variant, ctx.options.provider)
+    name = variant_key(spec.name, variant)
+    previous = manifest.models.get(name)
+    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
+        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
+        result.info = previous.variant_info
+        return
+    if spec.mode != "eval":
+        result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
+
+    graph, info = _checked_graph(ctx, variant, result)
     golden_name = f"{spec.name}.golden.npz"
     with _stage(result, "write"):
         atomic_write(out_dir / f"{name}.onnx", graph.model)

@@ -21,6 +21,7 @@ from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
+from attn_export.spec.masks import CASES
 
 __all__ = ["cli", "main"]
 
@@ -239,6 +240,11 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seeded random shape points added to the sweep.",
 )
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
+@click.option(
+    "--mask-case",
+    type=click.Choice(CASES),
+    help="With --shapes: feed this named mask case instead of the mask's pattern (as reproduce commands do).",
+)
 @click.option("--atol", type=click.FloatRange(0, max_open=False), help="Override every output's absolute tolerance.")
 @click.option("--rtol", type=click.FloatRange(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
@@ -265,6 +271,7 @@ def verify(
     shapes: str | None,
     n_random: int,
     seed: int,
+    mask_case: str | None,
     atol: float | None,
     rtol: float | None,
     threads: int | None,
@@ -296,6 +303,8 @@ def verify(
 
     if golden and shapes:
         raise click.UsageError("--shapes cannot be combined with --golden (golden files fix their shapes)")
+    if mask_case and not shapes:
+        raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
     options = VerifyOptions(
@@ -310,6 +319,7 @@ def verify(
         threads=threads,
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
+        mask_case=mask_case,
     )
     if not names:
         click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")

@@ -20,13 +20,15 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.compare import OutputComparison, compare_outputs, latency_gate
+from attn_export.compare import OutputComparison, latency_gate
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
 from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.fully_masked import FullyMaskedRows
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import ShapePoint, sweep, validate_sizes
+from attn_export.spec.masks import CASES
+from attn_export.spec.shapes import ShapePoint, mask_cases, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure, physical_cores
 
 __all__ = [
@@ -56,6 +58,8 @@ class VerifyOptions:
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
+    #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
+    mask_case: str | None = None
 
     def settings(self) -> dict[str, Any]:
         """The options as the JSON report records them."""
@@ -68,6 +72,7 @@ class VerifyOptions:
             "rtol": self.rtol,
             "max_slowdown": self.max_slowdown,
             "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
+            "mask_case": self.mask_case,
         }
 
 
@@ -86,6 +91,8 @@ class CaseResult:
     torch_latency: LatencyStats | None = None
     onnx_latency: LatencyStats | None = None
     gate: str | None = None
+    #: What the report must say beside the numbers (what fully masked rows give, rows left out).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def runtime(self) -> str:
@@ -129,6 +136,7 @@ class CaseResult:
             "passed": self.passed,
             "error": self.error,
             "gate": self.gate,
+            "notes": self.notes,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "latency": None
             if self.onnx_latency is None
@@ -152,6 +160,7 @@ class CaseResult:
             comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
             error=d.get("error"),
             gate=d.get("gate"),
+            notes=list(d.get("notes", [])),
             onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
             torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
         )
@@ -217,6 +226,7 @@ class VerifyReport:
             args += ["--golden"]
         else:
             args += ["--shapes", ",".join(f"{k}={v}" for k, v in case.sizes.items()), "--seed", str(case.seed)]
+            args += ["--mask-case", case.shape] if case.shape in CASES else []
         return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -324,7 +334,11 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
 
 def _points(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[ShapePoint]:
     if options.shapes:  # validated by verify_artifacts before any work
-        return [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
+        case = options.mask_case
+        return [
+            ShapePoint(case or f"shape-{i}", {k: int(s[k]) for k in spec.dims}, case or ShapePoint.case)
+            for i, s in enumerate(options.shapes)
+        ]
     return sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
 
 
@@ -357,7 +371,7 @@ def _golden_expected(out_dir: Path, entry: ManifestEntry) -> _Expected:
 def _torch_expected(torch_rt: Runtime, spec: ModelSpec, points: list[ShapePoint], seed: int) -> _Expected:
     cases = []
     for i, point in enumerate(points):
-        feeds = make_feeds(spec, point.sizes, seed + i)
+        feeds = make_feeds(spec, point.sizes, seed + i, case=point.case)
         cases.append(GoldenCase(point.label, dict(point.sizes), feeds, torch_rt.run(feeds)))
     return _Expected(torch_rt.name, cases, [seed + i for i in range(len(points))])
 
@@ -386,7 +400,7 @@ def _check_target(
     target: Target,
     runtime: Runtime,
     expected: _Expected,
-    tolerances: dict[str, Tolerance],
+    rows: FullyMaskedRows,
     torch_rt: Runtime | None,
     options: VerifyOptions,
 ) -> list[CaseResult]:
@@ -408,7 +422,7 @@ def _check_target(
             got = _run(runtime, case.inputs, result)
             if got is None:
                 continue
-            result.comparisons = compare_outputs(case.outputs, got, tolerances)
+            result.comparisons, result.notes = rows.compare(case, got, (expected.label, result.runtime))
             if options.latency and RUNTIMES[target.runtime].timed:
                 _time(result, runtime, torch_rt, case.inputs, options.latency_budget_s)
                 result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
@@ -435,6 +449,10 @@ def verify_artifacts(
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
+        if options.mask_case and options.mask_case not in mask_cases(spec):
+            raise UsageError(
+                f"{name}: --mask-case {options.mask_case} does not apply (it has: {mask_cases(spec) or 'no mask'})"
+            )
         check = ModelCheck(name, entry.file, _integrity(out_dir, entry, options.golden))
         report.checks.append(check)
         cases: list[CaseResult] = []
@@ -457,30 +475,28 @@ def verify_artifacts(
 
 
 def _verify_model(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[CaseResult]:
-    spec = entry.model_spec
-    tolerances = _tolerances(spec, entry.variant, options)
-    path = out_dir / entry.file
+    spec, path = entry.model_spec, out_dir / entry.file
     cases: list[CaseResult] = []
+    with FullyMaskedRows(spec, path, _tolerances(spec, entry.variant, options)) as rows:
+        if options.golden:
+            expected = _golden_expected(out_dir, entry)
+            for target in options.targets:
+                runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+                cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
+            return cases
 
-    def make(target: Target) -> Runtime:
-        return RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+        from attn_export.export.factory import instantiate
+        from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
-    if options.golden:
-        expected = _golden_expected(out_dir, entry)
+        module = instantiate(spec)
         for target in options.targets:
-            cases += _check_target(entry.name, target, make(target), expected, tolerances, None, options)
-        return cases
-
-    from attn_export.export.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
-
-    module = instantiate(spec)
-    for target in options.targets:
-        kind = RUNTIMES[target.runtime]
-        device = torch_device_for(target.provider) if kind.timed else "cpu"
-        threads = options.threads if kind.timed else None
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
-            expected = _torch_expected(eager, spec, _points(spec, options, kind.shape_cap), options.seed)
-            torch_rt = eager if kind.timed else None
-            cases += _check_target(entry.name, target, make(target), expected, tolerances, torch_rt, options)
+            kind = RUNTIMES[target.runtime]
+            device = torch_device_for(target.provider) if kind.timed else "cpu"
+            threads = options.threads if kind.timed else None
+            with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
+                expected = _torch_expected(eager, spec, _points(spec, options, kind.shape_cap), options.seed)
+                runtime = kind.make(path, spec, target, options.threads)
+                cases += _check_target(
+                    entry.name, target, runtime, expected, rows, eager if kind.timed else None, options
+                )
     return cases

@@ -9,17 +9,22 @@ from pathlib import Path
 import pytest
 
 from attn_export.build import BuildOptions, build_models
-from attn_export.spec import spec_paths
+from attn_export.spec import load_spec, spec_paths
+from attn_export.spec.shapes import sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "models"
+#: The zoo's spec files.
+ZOO_SPECS = spec_paths(ZOO)
+#: Cases a default verify of that zoo runs: every model's sweep, named mask cases included.
+ZOO_CASES = sum(len(sweep(load_spec(p))) for p in ZOO_SPECS)
 
 
 @pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The whole built-in zoo, built once; tests that modify it take a copy (``zoo_copy``)."""
+    """The built-in zoo, built once; tests that modify it take a copy (``zoo_copy``)."""
     out = tmp_path_factory.mktemp("zoo")
-    summary = build_models(spec_paths(ZOO), BuildOptions(out))
+    summary = build_models(ZOO_SPECS, BuildOptions(out))
     failed = [r.error for r in summary.results if not r.ok]
     assert not failed, failed
     return out

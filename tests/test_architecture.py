@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"base", "spec", "runtimes", "report", "pipelines", "artifacts"},
 }
 BASE = {"errors", "_deps", "timing", "__init__"}
-PIPELINES = {"build", "verify", "bench", "inspect_model"}
+PIPELINES = {"build", "verify", "bench", "inspect_model", "fully_masked", "mask_probe"}
 
 
 def _stage(module: str) -> str:

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.report.json_report import dump_json_report, load_json_report
 from attn_export.report.markdown import markdown_report
-from tests.conftest import ROOT, node, plant, set_initializer
+from tests.conftest import ROOT, ZOO_CASES, ZOO_SPECS, node, plant, set_initializer
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     doc = json.loads(text)
     assert doc["passed"] is False
     assert doc["summary"] == {
-        "models": 6,
-        "cases": 42,
+        "models": len(ZOO_SPECS),
+        "cases": ZOO_CASES,
         "failed_cases": 5,
         "failed_checks": 0,
     }  # kv_seq=1 hides a wrong scale
@@ -101,16 +101,9 @@ def test_junit_counts_the_right_failures(reports: dict[str, Path]) -> None:
     root = ET.parse(reports["xml"]).getroot()
     suite = root.find("testsuite")
     assert suite is not None
-    assert (suite.get("tests"), suite.get("failures")) == ("6", "1")
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(ZOO_SPECS)), "1")
     cases = suite.findall("testcase")
-    assert {c.get("classname") for c in cases} == {
-        "sdpa",
-        "sdpa_masked",
-        "mha",
-        "mha_cross",
-        "mha_causal",
-        "mha_attention_op",
-    }
+    assert {c.get("classname") for c in cases} == {p.stem for p in ZOO_SPECS}
     failed = [c for c in cases if c.find("failure") is not None]
     assert [(c.get("classname"), c.get("name")) for c in failed] == [("sdpa", "onnxruntime[cpu]")]
     failure = failed[0].find("failure")
@@ -123,7 +116,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
     assert lines[0] == "### attn-export verify: ❌ failed"
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     rows = [line for line in lines[header + 2 :] if line.startswith("| ")]
-    assert len(rows) == 42 and all(row.count("|") == 10 for row in rows)
+    assert len(rows) == ZOO_CASES and all(row.count("|") == 10 for row in rows)
     assert sum("**FAIL**" in row for row in rows) == 5
     assert "#### Failures" in md
     assert reports["summary"].read_text() == "earlier step\n" + md

@@ -59,3 +59,12 @@ def test_sizes_from_feeds_refuses_one_dim_with_two_sizes() -> None:
     shapes = {"query": (2, 5, 256), "keys": (2, 6, 256), "values": (2, 5, 256)}
     with pytest.raises(InputError, match=r"dim 'seq' has two sizes: 5 and 6 \(input 'keys', axis 1\)"):
         sizes_from_feeds(spec.inputs, shapes)
+
+
+def test_named_mask_cases_come_last_and_only_where_they_apply() -> None:
+    by_name = {s.name: s for s in SPECS}
+    assert [p.case for p in sweep(by_name["mha"])] == ["pattern"] * len(sweep(by_name["mha"]))
+    tail = sweep(by_name["mha_causal"])[-2:]
+    assert [(p.label, p.case) for p in tail] == [("fully-masked-row",) * 2, ("fully-padded-sequence",) * 2]
+    assert tail[0].sizes == example_sizes(by_name["mha_causal"])
+    assert [p.case for p in golden_points(by_name["sdpa_masked"])][-2:] == ["fully-masked-row", "fully-padded-sequence"]

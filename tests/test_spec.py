@@ -20,6 +20,23 @@ def test_zoo_has_the_required_models() -> None:
         assert spec_from_dict(spec.to_dict()) == spec
 
 
+def test_mask_keys_round_trip_through_the_manifest_form(tmp_path: Path) -> None:
+    text = (
+        tiny_spec(tmp_path).read_text().replace('exporter = "dynamo"', 'exporter = "dynamo"\nfully_masked = "ignore"')
+    )
+    path = tmp_path / "new.toml"
+    path.write_text(
+        text
+        + '[[inputs]]\nname = "pad"\ndtype = "int64"\nshape = ["batch", "kv_seq"]\n'
+        + 'mask = "left-padding"\nconvention = "binary"\n'
+    )
+    spec = load_spec(path)
+    assert spec_from_dict(spec.to_dict()) == spec
+    assert spec.masks[0].layout == "key-padding" and spec.masks[0].convention == "binary"
+    assert spec.fully_masked == "ignore"
+    assert "fully_masked" not in load_spec(tiny_spec(tmp_path / "plain")).to_dict()  # old specs keep their hash
+
+
 def test_attention_op_model_uses_opset_23() -> None:
     assert load_spec(ZOO / "mha_attention_op.toml").opset == 23
 
@@ -70,7 +87,45 @@ EDITS = [
         ("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 4, step = 2 }"),
         r"unknown key 'step' in dims.batch",
     ),
-    ("mask_not_bool", ('name = "values"', 'name = "values"\nmask = "random"'), r"a mask must have dtype bool"),
+    (
+        "float_mask_without_convention",
+        ('name = "values"', 'name = "values"\nmask = "random"'),
+        r"input 'values': a float32 mask needs a convention \(additive, additive-min\)",
+    ),
+    (
+        "convention_dtype",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "binary"'),
+        r"a mask with convention 'binary' must have dtype int32, int64, not float32",
+    ),
+    (
+        "unknown_convention",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "inverted"'),
+        r"convention 'inverted' is not one of attend, ignore, additive, additive-min, binary",
+    ),
+    (
+        "convention_without_mask",
+        ('name = "values"', 'name = "values"\nconvention = "additive"'),
+        r"'convention' applies to masks; add mask = one of random, padding, left-padding, causal",
+    ),
+    (
+        "layout_rank",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "additive"\nlayout = "key-padding"'),
+        r"layout 'key-padding' does not fit its 3 dims \(fits: batch-query-key\)",
+    ),
+    (
+        "causal_key_padding",
+        (
+            'shape = ["batch", "kv_seq", 16]\n\n[[outputs]]',
+            'shape = ["batch", "kv_seq", 16]\n[[inputs]]\nname = "m"\n'
+            'dtype = "bool"\nshape = ["batch", "kv_seq"]\nmask = "causal"\n\n[[outputs]]',
+        ),
+        r"input 'm': a causal mask needs a query axis; key-padding has none",
+    ),
+    (
+        "bad_fully_masked",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\nfully_masked = "nan"'),
+        r"fully_masked 'nan' is not one of match, ignore",
+    ),
     ("unused_dim", ("[dims]", "[dims]\nextra = { min = 1, max = 4 }"), r"dim 'extra' is declared but no input"),
     (
         "tolerance_output",

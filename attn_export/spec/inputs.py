@@ -10,35 +10,22 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attn_export.spec.masks import PATTERN, fill_mask
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["make_feeds", "make_tensor"]
 
 
-def _mask(t: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator, masked_row: bool) -> np.ndarray:
-    seq, kv = shape[-2], shape[-1]
-    if t.mask == "causal":
-        mask = np.broadcast_to(np.tril(np.ones((seq, kv), dtype=bool)), shape).copy()
-    elif t.mask == "padding":
-        mask = np.zeros(shape, dtype=bool)
-        for b in range(shape[0]):
-            mask[b, ..., : rng.integers(1, kv + 1)] = True
-    else:
-        mask = rng.random(shape) < 0.75
-    if masked_row:
-        mask[(0,) * (len(shape) - 2) + (seq - 1,)] = False
-    return mask
-
-
 def make_tensor(
-    t: TensorSpec, sizes: Mapping[str, int], rng: np.random.Generator, *, masked_row: bool = True
+    t: TensorSpec, sizes: Mapping[str, int], rng: np.random.Generator, *, case: str = PATTERN
 ) -> np.ndarray:
-    """One input at the given sizes; masks get their pattern and, by default, one fully
-    masked query row (the last row of the first batch element)."""
+    """One input at the given sizes; masks get their pattern, in the module's convention,
+    and the named ``case`` (``masks.CASES``) where one is asked for."""
     shape = concrete_shape(t, sizes)
     if t.mask is not None:
-        return _mask(t, shape, rng, masked_row)
+        assert t.convention is not None and t.layout is not None  # resolved by the parser
+        return fill_mask(t.mask, t.convention, t.layout, t.dtype, shape, rng, case)
     if t.dtype == "bool":
         return rng.random(shape) < 0.5
     if t.dtype.startswith("int"):
@@ -46,9 +33,7 @@ def make_tensor(
     return rng.standard_normal(shape).astype(t.dtype)
 
 
-def make_feeds(
-    spec: ModelSpec, sizes: Mapping[str, int], seed: int, *, masked_row: bool = True
-) -> dict[str, np.ndarray]:
+def make_feeds(spec: ModelSpec, sizes: Mapping[str, int], seed: int, *, case: str = PATTERN) -> dict[str, np.ndarray]:
     """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``."""
     rng = np.random.default_rng(seed)
-    return {t.name: make_tensor(t, sizes, rng, masked_row=masked_row) for t in spec.inputs}
+    return {t.name: make_tensor(t, sizes, rng, case=case) for t in spec.inputs}

@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError
+from attn_export.spec.masks import PATTERNS
 from attn_export.spec.tolerance import Tolerance
 from attn_export.spec.variants import VARIANTS
 
 __all__ = [
     "DTYPES",
     "EXPORTERS",
+    "FULLY_MASKED",
     "MASK_KINDS",
     "MAX_DIM",
     "MODES",
@@ -29,7 +31,10 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "float16", "float64", "int32", "int64", "bool")
-MASK_KINDS = ("random", "padding", "causal")
+MASK_KINDS = PATTERNS
+#: What build and verify do where PyTorch and the graph disagree on a fully masked row:
+#: "match" repairs the graph or fails; "ignore" compares only rows that attend to something.
+FULLY_MASKED = ("match", "ignore")
 EXPORTERS = ("dynamo", "torchscript")
 MODES = ("eval", "train")
 #: Refused before allocating: sizes above this would not fit any machine we verify on.
@@ -51,18 +56,19 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int | str, ...]
-    #: For boolean mask inputs: how verification fills them ("random", "padding", "causal").
+    #: For mask inputs: how verification fills them (``masks.PATTERNS``).
     mask: str | None = None
+    #: For mask inputs: how the module reads a value (``masks.CONVENTIONS``).
+    convention: str | None = None
+    #: For mask inputs: which axes are batch, heads, query and key (``masks.LAYOUTS``).
+    layout: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        if self.mask is not None:
-            d["mask"] = self.mask
+        for key in ("mask", "convention", "layout"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
-        return cls(d["name"], d["dtype"], tuple(d["shape"]), d.get("mask"))
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class ModelSpec:
     #: The shape that matters most in deployment; ``build --variant auto`` times graphs here.
     typical: dict[str, int] = field(default_factory=dict)
     description: str = ""
+    fully_masked: str = "match"
     #: Directory searched first when importing ``module`` (the spec file's folder).
     search_path: str | None = None
 
@@ -137,7 +144,13 @@ class ModelSpec:
             "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "search_path": self.search_path,
+            **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
         }
+
+    @property
+    def masks(self) -> tuple[TensorSpec, ...]:
+        """The mask inputs."""
+        return tuple(t for t in self.inputs if t.mask is not None)
 
     def content_hash(self) -> str:
         """sha256 of what determines the exported graph (not where the spec lives)."""

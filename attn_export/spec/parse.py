@@ -6,6 +6,7 @@ a key's line when the key occurs once in the file, else the line of its table's 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from collections.abc import Callable
@@ -13,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError
+from attn_export.spec.masks import CONVENTIONS, LAYOUTS, default_layout
 from attn_export.spec.model import (
     DTYPES,
     EXPORTERS,
+    FULLY_MASKED,
     MASK_KINDS,
     MAX_DIM,
     MODES,
@@ -43,8 +46,10 @@ _TOP_KEYS = {
     "tolerance",
     "variants",
     "typical",
+    "fully_masked",
 }
-_TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
+_TENSOR_KEYS = {"name", "dtype", "shape"}
+_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout"}
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
 _TOL_KEYS = {"atol", "rtol", "outputs"}
@@ -120,6 +125,38 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     )
 
 
+def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dtype: str, rank: int) -> dict[str, Any]:
+    """The mask keys of one input: pattern, convention (default True = attend for bool) and
+    an explicit layout (else resolved from the rank in ``_resolve_layouts``)."""
+    mask, convention, layout = raw.get("mask"), raw.get("convention"), raw.get("layout")
+    if mask is None:
+        for key in ("convention", "layout"):
+            if key in raw:
+                raise bad(f"input '{name}': '{key}' applies to masks; add mask = one of {', '.join(MASK_KINDS)}", key)
+        return {}
+    if mask not in MASK_KINDS:
+        raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
+    if convention is None and dtype != "bool":
+        fits = [c.name for c in CONVENTIONS.values() if dtype in c.dtypes]
+        raise bad(f"input '{name}': a {dtype} mask needs a convention ({', '.join(fits)})", "mask")
+    convention = convention or "attend"
+    if convention not in CONVENTIONS:
+        raise bad(f"input '{name}': convention {convention!r} is not one of {', '.join(CONVENTIONS)}", "convention")
+    if dtype not in CONVENTIONS[convention].dtypes:
+        allowed = ", ".join(CONVENTIONS[convention].dtypes)
+        raise bad(
+            f"input '{name}': a mask with convention {convention!r} must have dtype {allowed}, not {dtype}", "dtype"
+        )
+    if layout is not None and (layout not in LAYOUTS or len(LAYOUTS[layout]) != rank):
+        fits = [k for k, roles in LAYOUTS.items() if len(roles) == rank]
+        raise bad(f"input '{name}': layout {layout!r} does not fit its {rank} dims (fits: {', '.join(fits)})", "layout")
+    if rank < 2 or rank > 4:
+        raise bad(
+            f"input '{name}': a mask needs 2 to 4 dims ([batch, kv_seq] ... [batch, heads, seq, kv_seq])", "shape"
+        )
+    return {"mask": mask, "convention": convention, "layout": layout}
+
+
 def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
     context, is_input = f"{kind}[{index}]", kind == "inputs"
 
@@ -128,8 +165,8 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
 
     if not isinstance(raw, dict):
         raise bad(f"{context} must be a table with name, dtype and shape")
+    allowed = _INPUT_KEYS if is_input else _TENSOR_KEYS
     for key in raw:
-        allowed = _TENSOR_KEYS if is_input else _TENSOR_KEYS - {"mask"}
         if key not in allowed:
             raise bad(f"unknown key '{key}' in {context} (expected one of: {', '.join(sorted(allowed))})", key)
     name = raw.get("name")
@@ -146,22 +183,34 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
         ok_symbolic = isinstance(dim, str) and _NAME.fullmatch(dim)
         if not (ok_static or ok_symbolic):
             raise bad(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
-    mask = raw.get("mask")
-    if mask is not None:
-        if mask not in MASK_KINDS:
-            raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
-        if dtype != "bool":
-            raise bad(f"input '{name}': a mask must have dtype bool, not {dtype}", "dtype")
-        if len(shape) < 2:
-            raise bad(f"input '{name}': a mask needs at least [seq, kv_seq] dims", "shape")
-    return TensorSpec(name, dtype, tuple(shape), mask)
+    if not is_input:
+        return TensorSpec(name, dtype, tuple(shape))
+    return TensorSpec(name, dtype, tuple(shape), **_mask_keys(bad, raw, name, dtype, len(shape)))
+
+
+def _resolve_layouts(where: _Where, inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """Give every mask its layout; the batch dim is the first dim of the first other input."""
+    batch = next((t.shape[0] for t in inputs if t.mask is None), None)
+    resolved = []
+    for i, t in enumerate(inputs):
+        if t.mask is not None:
+            layout = t.layout or default_layout(t.shape, batch)
+            assert layout is not None  # the rank was checked
+            if t.mask == "causal" and "query" not in LAYOUTS[layout]:
+                raise where.error(
+                    f"input '{t.name}': a causal mask needs a query axis; {layout} has none", "mask", "inputs", i
+                )
+            t = dataclasses.replace(t, layout=layout)
+        resolved.append(t)
+    return tuple(resolved)
 
 
 def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec, ...]:
     items = raw.get(kind)
     if not isinstance(items, list) or not items:
         raise where.error(f"the spec needs at least one [[{kind}]] entry", kind)
-    return tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+    tensors = tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+    return _resolve_layouts(where, tensors) if kind == "inputs" else tensors
 
 
 def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
@@ -317,6 +366,7 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         variant_tolerances=per_variant,
         typical=_typical(where, raw, dims),
         description=_string(where, raw, "description", "", lambda s: True),
+        fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
         search_path=_string(where, raw, "search_path", str(path.parent.resolve()) if path else None, lambda s: True),
     )
 

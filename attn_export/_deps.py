@@ -15,10 +15,19 @@ _HINTS = {
 }
 
 
+#: Optional packages a spec's module or config may come from.
+OPTIONAL = frozenset(_HINTS)
+
+
+def missing(module: str, purpose: str) -> MissingDependencyError:
+    """The error for an uninstalled ``module``, saying what to install."""
+    hint = _HINTS.get(module.split(".")[0], f"pip install {module}")
+    return MissingDependencyError(f"{purpose} needs {module}, which is not installed ({hint})")
+
+
 def require(module: str, purpose: str) -> ModuleType:
     """Import ``module`` or raise MissingDependencyError saying what to install."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = _HINTS.get(module.split(".")[0], f"pip install {module}")
-        raise MissingDependencyError(f"{purpose} needs {module}, which is not installed ({hint})") from e
+        raise missing(module, purpose) from e

@@ -86,7 +86,7 @@ BAD_SPECS = [
     (
         "unknown_key",
         lambda t: "colour = 1\n" + t,
-        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: description, dims,",
+        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: call, config, description, dims,",
     ),
     (
         "unknown_module",

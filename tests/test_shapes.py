@@ -67,4 +67,9 @@ def test_named_mask_cases_come_last_and_only_where_they_apply() -> None:
     tail = sweep(by_name["mha_causal"])[-2:]
     assert [(p.label, p.case) for p in tail] == [("fully-masked-row",) * 2, ("fully-padded-sequence",) * 2]
     assert tail[0].sizes == example_sizes(by_name["mha_causal"])
-    assert [p.case for p in golden_points(by_name["sdpa_masked"])][-2:] == ["fully-masked-row", "fully-padded-sequence"]
+    # key padding, or a query dim broadcast as 1: a masked row is a padded sequence, run once
+    for name in ("torch_mha", "bert_attention"):
+        assert [p.case for p in sweep(by_name[name]) if p.case != "pattern"] == ["fully-padded-sequence"], name
+    assert [p.case for p in golden_points(by_name["llama_attention"])][-2:] == list(
+        ("fully-masked-row", "fully-padded-sequence")
+    )

@@ -8,7 +8,7 @@ import pytest
 
 from attn_export.errors import SpecError
 from attn_export.spec import load_spec, spec_from_dict, spec_paths
-from tests.conftest import ZOO, tiny_spec
+from tests.conftest import ZOO, tiny_spec, write_spec
 
 
 def test_zoo_has_the_required_models() -> None:
@@ -35,6 +35,28 @@ def test_mask_keys_round_trip_through_the_manifest_form(tmp_path: Path) -> None:
     assert spec.masks[0].layout == "key-padding" and spec.masks[0].convention == "binary"
     assert spec.fully_masked == "ignore"
     assert "fully_masked" not in load_spec(tiny_spec(tmp_path / "plain")).to_dict()  # old specs keep their hash
+
+
+def test_call_keys_round_trip_and_leave_old_specs_alone(tmp_path: Path) -> None:
+    text = (
+        tiny_spec(tmp_path)
+        .read_text()
+        .replace(
+            'exporter = "dynamo"',
+            'exporter = "dynamo"\nconfig = { class = "a.b:C", size = 4 }\n'
+            'call = { flag = true, pos = { positions_of = "query" } }',
+        )
+        .replace('name = "output"', 'name = "output"\npick = "last_hidden_state"')
+        .replace('name = "keys"', 'name = "keys"\narg = "key"')
+    )
+    spec = load_spec(write_spec(tmp_path, "new", text))
+    assert spec_from_dict(spec.to_dict()) == spec
+    assert spec.inputs[1].arg == "key" and spec.outputs[0].pick == "last_hidden_state"
+    assert spec.config == {"class": "a.b:C", "size": 4} and spec.call["pos"] == {"positions_of": "query"}
+    assert not {"config", "call"} & set(load_spec(tiny_spec(tmp_path / "plain")).to_dict())
+    twice = text.replace("flag = true", "key = 1")
+    with pytest.raises(SpecError, match=r"call.key: not a keyword name, or an input is already passed as it"):
+        load_spec(write_spec(tmp_path, "twice", twice))
 
 
 def test_attention_op_model_uses_opset_23() -> None:
@@ -120,6 +142,17 @@ EDITS = [
             'dtype = "bool"\nshape = ["batch", "kv_seq"]\nmask = "causal"\n\n[[outputs]]',
         ),
         r"input 'm': a causal mask needs a query axis; key-padding has none",
+    ),
+    ("bad_pick", ('name = "output"', 'name = "output"\npick = -1'), r"pick must be an index \(0, 1, ...\) or an attr"),
+    (
+        "config_class",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\nconfig = { hidden_size = 4 }'),
+        r"config needs class = 'package.module:Class', got None",
+    ),
+    (
+        "call_positions_of",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\ncall = { position_ids = { positions_of = "x" } }'),
+        r"call.position_ids: positions_of must name an input \(keys, query, values\)",
     ),
     (
         "bad_fully_masked",

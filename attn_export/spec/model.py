@@ -62,10 +62,14 @@ class TensorSpec:
     convention: str | None = None
     #: For mask inputs: which axes are batch, heads, query and key (``masks.LAYOUTS``).
     layout: str | None = None
+    #: For inputs: the forward() keyword it is passed as; None passes it by position.
+    arg: str | None = None
+    #: For outputs: the index or name it is taken from when the module returns several.
+    pick: int | str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        for key in ("mask", "convention", "layout"):
+        for key in ("mask", "convention", "layout", "arg", "pick"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -101,6 +105,10 @@ class ModelSpec:
     #: The shape that matters most in deployment; ``build --variant auto`` times graphs here.
     typical: dict[str, int] = field(default_factory=dict)
     description: str = ""
+    #: A config object built first and passed as ``config=``: its class and its kwargs.
+    config: dict[str, Any] | None = None
+    #: Extra forward() keywords: plain values, or tables computing them (``export.adapter``).
+    call: dict[str, Any] = field(default_factory=dict)
     fully_masked: str = "match"
     #: Directory searched first when importing ``module`` (the spec file's folder).
     search_path: str | None = None
@@ -144,6 +152,8 @@ class ModelSpec:
             "variants": {k: asdict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "search_path": self.search_path,
+            **({"config": self.config} if self.config is not None else {}),
+            **({"call": self.call} if self.call else {}),
             **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
         }
 

@@ -46,10 +46,14 @@ _TOP_KEYS = {
     "tolerance",
     "variants",
     "typical",
+    "config",
+    "call",
     "fully_masked",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape"}
-_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout"}
+_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg"}
+_OUTPUT_KEYS = _TENSOR_KEYS | {"pick"}
+_OBJECT = re.compile(r"[\w.]+:[\w.]+")
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
 _TOL_KEYS = {"atol", "rtol", "outputs"}
@@ -157,6 +161,14 @@ def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dt
     return {"mask": mask, "convention": convention, "layout": layout}
 
 
+def _pick(bad: Callable[..., SpecError], raw: dict[str, Any], name: str) -> int | str | None:
+    pick = raw.get("pick")
+    ok_index = isinstance(pick, int) and not isinstance(pick, bool) and pick >= 0
+    if pick is not None and not ok_index and not (isinstance(pick, str) and _NAME.fullmatch(pick)):
+        raise bad(f"output '{name}': pick must be an index (0, 1, ...) or an attribute name, got {pick!r}", "pick")
+    return pick  # type: ignore[no-any-return]
+
+
 def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
     context, is_input = f"{kind}[{index}]", kind == "inputs"
 
@@ -165,7 +177,7 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
 
     if not isinstance(raw, dict):
         raise bad(f"{context} must be a table with name, dtype and shape")
-    allowed = _INPUT_KEYS if is_input else _TENSOR_KEYS
+    allowed = _INPUT_KEYS if is_input else _OUTPUT_KEYS
     for key in raw:
         if key not in allowed:
             raise bad(f"unknown key '{key}' in {context} (expected one of: {', '.join(sorted(allowed))})", key)
@@ -184,8 +196,11 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
         if not (ok_static or ok_symbolic):
             raise bad(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
     if not is_input:
-        return TensorSpec(name, dtype, tuple(shape))
-    return TensorSpec(name, dtype, tuple(shape), **_mask_keys(bad, raw, name, dtype, len(shape)))
+        return TensorSpec(name, dtype, tuple(shape), pick=_pick(bad, raw, name))
+    arg = raw.get("arg")
+    if arg is not None and not (isinstance(arg, str) and _NAME.fullmatch(arg)):
+        raise bad(f"input '{name}': arg must be a forward() keyword name, got {arg!r}", "arg")
+    return TensorSpec(name, dtype, tuple(shape), arg=arg, **_mask_keys(bad, raw, name, dtype, len(shape)))
 
 
 def _resolve_layouts(where: _Where, inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
@@ -210,7 +225,12 @@ def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec,
     if not isinstance(items, list) or not items:
         raise where.error(f"the spec needs at least one [[{kind}]] entry", kind)
     tensors = tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
-    return _resolve_layouts(where, tensors) if kind == "inputs" else tensors
+    if kind == "inputs":
+        return _resolve_layouts(where, tensors)
+    picks = [t.pick is not None for t in tensors]
+    if any(picks) and not all(picks):
+        raise where.error("either every output has 'pick' or none has", "pick", "outputs")
+    return tensors
 
 
 def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
@@ -331,6 +351,39 @@ def _string(where: _Where, raw: dict[str, Any], key: str, default: str | None, c
     return value
 
 
+def _config(where: _Where, raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``config = { class = "package.module:Config", ... }``: built first, passed as ``config=``."""
+    if "config" not in raw:
+        return None
+    table = _table(where, raw, "config", 'a table like { class = "transformers:BertConfig", hidden_size = 64 }')
+    cls = table.get("class")
+    if not isinstance(cls, str) or not _OBJECT.fullmatch(cls):
+        raise where.error(f"config needs class = 'package.module:Class', got {cls!r}", "class", "config")
+    return dict(table)
+
+
+def _call(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """Extra forward() keywords: plain values, ``{ positions_of = "<input>" }`` (position ids
+    from that input's [batch, seq]) or ``{ rotary = "package.module:Class", positions_of =
+    "<input>" }`` (the module built from the spec's config, called with the input and its
+    position ids)."""
+    table = _table(where, raw, "call", "a table of forward() keywords")
+    names = {t.name for t in inputs}
+    taken = {t.arg for t in inputs if t.arg}
+    for key, value in table.items():
+        if not _NAME.fullmatch(key) or key in taken:
+            raise where.error(f"call.{key}: not a keyword name, or an input is already passed as it", key, "call")
+        if not isinstance(value, dict):
+            continue
+        _check_keys(where, value, {"positions_of", "rotary"}, f"call.{key}", "call")
+        if value.get("positions_of") not in names:
+            raise where.error(f"call.{key}: positions_of must name an input ({', '.join(sorted(names))})", key, "call")
+        rotary = value.get("rotary")
+        if rotary is not None and not (isinstance(rotary, str) and _OBJECT.fullmatch(rotary)):
+            raise where.error(f"call.{key}: rotary must look like 'package.module:Class'", key, "call")
+    return dict(table)
+
+
 def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str = "") -> ModelSpec:
     """Validate a parsed spec; every problem is a SpecError naming the file and key."""
     where = _Where(path, text)
@@ -340,7 +393,7 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
     module = raw.get("module")
-    if not isinstance(module, str) or not re.fullmatch(r"[\w.]+:[\w.]+", module):
+    if not isinstance(module, str) or not _OBJECT.fullmatch(module):
         raise where.error(f"'module' must look like 'package.module:Class', got {module!r}", "module")
     kwargs = _table(where, raw, "kwargs", "a table")
     inputs, outputs = _tensors(where, raw, "inputs"), _tensors(where, raw, "outputs")
@@ -366,6 +419,8 @@ def spec_from_dict(raw: dict[str, Any], *, path: Path | None = None, text: str =
         variant_tolerances=per_variant,
         typical=_typical(where, raw, dims),
         description=_string(where, raw, "description", "", lambda s: True),
+        config=_config(where, raw),
+        call=_call(where, raw, inputs),
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
         search_path=_string(where, raw, "search_path", str(path.parent.resolve()) if path else None, lambda s: True),
     )

@@ -97,19 +97,22 @@ models_option = click.option(
 
 
 @cli.command("list")
+@click.argument("names", nargs=-1)
 @models_option
 @click.option("--json", "as_json", is_flag=True, help="Print the specs as JSON.")
-def list_cmd(models_dir: Path, as_json: bool) -> None:
-    """Show the model zoo: name, module, inputs with their dims, opset, exporter.
+def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
+    """Show the model zoo (or NAMES: models or spec files): name, module, inputs with
+    their dims, opset, exporter.
 
     Example:
 
         attn-export list --models models
+        attn-export list path/to/model.toml
     """
     from attn_export.report.build_text import format_spec_table
     from attn_export.spec import load_spec, spec_paths
 
-    specs = [load_spec(p) for p in spec_paths(models_dir)]
+    specs = [load_spec(p) for p in spec_paths(models_dir, names)]
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in specs], indent=2))
     else:
@@ -142,7 +145,8 @@ def build(
     provider: str,
     as_json: bool,
 ) -> None:
-    """Export the zoo (or NAMES) to ONNX with dynamic batch and sequence axes.
+    """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
+    batch and sequence axes.
 
     Each model is exported in eval mode, checked (onnx.checker, symbolic and distinct
     dynamic axes), smoke-run in ONNX Runtime against PyTorch, and written atomically with
@@ -152,6 +156,7 @@ def build(
 
         attn-export build --out build
         attn-export build mha mha_cross --force
+        attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
     """
     from attn_export.build import BuildOptions, build_models
@@ -411,7 +416,8 @@ def bench(
     markdown_path: Path | None,
     plot_path: Path | None,
 ) -> None:
-    """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side.
+    """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
+    the zoo or NAMES (models in --models, or spec files).
 
     Reports p50/p90 latency, tokens per second, the ratio to PyTorch eager, achieved
     GFLOP/s and its share of this machine's float32 GEMM peak (measured in the same run),
@@ -420,6 +426,7 @@ def bench(
     Example:
 
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
+        attn-export bench path/to/model.toml --seq 128,512
     """
     from attn_export._deps import require
     from attn_export.artifacts.files import atomic_write

@@ -185,8 +185,17 @@ def test_bad_spec_fields(tmp_path: Path, case: str, edit: tuple[str, str], patte
 
 def test_spec_paths_unknown_name(tmp_path: Path) -> None:
     tiny_spec(tmp_path)
-    with pytest.raises(SpecError, match=r"unknown model 'nope' \(known: tiny\)"):
+    with pytest.raises(SpecError, match=r"unknown model 'nope' \(known: tiny; or give a spec file's path\)"):
         spec_paths(tmp_path, ("nope",))
+
+
+def test_spec_paths_take_spec_files_anywhere(tmp_path: Path) -> None:
+    one = tiny_spec(tmp_path / "elsewhere", "one")
+    tiny_spec(tmp_path / "models", "two")
+    assert spec_paths(tmp_path / "absent", (str(one),)) == [one]  # no model folder needed
+    assert spec_paths(tmp_path / "models", ("two", str(one))) == [tmp_path / "models" / "two.toml", one]
+    with pytest.raises(SpecError, match=r"nowhere.toml: no such spec file"):
+        spec_paths(tmp_path / "models", (str(tmp_path / "nowhere.toml"),))
 
 
 def test_spec_paths_missing_folder(tmp_path: Path) -> None:

@@ -447,7 +447,14 @@ def load_spec(path: Path) -> ModelSpec:
 
 
 def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
-    """The spec files of a model folder (sorted), or just the named models'."""
+    """The spec files of a model folder (sorted), or the named ones: a name is a model in
+    the folder or the path of a ``.toml`` spec file anywhere."""
+    files = {n: Path(n) for n in names if n.endswith(".toml")}
+    for path in files.values():
+        if not path.is_file():
+            raise SpecError(f"{path}: no such spec file")
+    if names and len(files) == len(names):
+        return [files[n] for n in dict.fromkeys(names)]
     if not models_dir.is_dir():
         raise SpecError(f"{models_dir}: no such model directory (pass --models DIR)")
     paths = sorted(models_dir.glob("*.toml"))
@@ -456,7 +463,10 @@ def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
     if not names:
         return paths
     by_name = {p.stem: p for p in paths}
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in names if n not in by_name and n not in files]
     if unknown:
-        raise SpecError(f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})")
-    return [by_name[n] for n in dict.fromkeys(names)]
+        raise SpecError(
+            f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))}; "
+            "or give a spec file's path)"
+        )
+    return [files[n] if n in files else by_name[n] for n in dict.fromkeys(names)]

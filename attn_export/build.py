@@ -48,6 +48,7 @@ __all__ = [
     "BuildStatus",
     "BuildSummary",
     "build_models",
+    "export_module",
     "versions",
 ]
 
@@ -465,3 +466,18 @@ def build_models(
             if options.fail_fast and results and not results[-1].ok:
                 break
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)
+
+
+def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:
+    """A module in hand through build's stages (mask probe, export, graph checks, smoke
+    check, fully masked rows) and written to ``path``, without manifest or golden file;
+    the first failing stage raises."""
+    ctx = _SpecBuild(spec, versions(), BuildOptions(path.parent))
+    ctx.module = _Once(lambda: module)
+    result = BuildResult(name=spec.name)
+    result.stages["spec"] = True
+    graph, info = _checked_graph(ctx, "fp32", result)
+    with _stage(result, "write"):
+        atomic_write(path, graph.model)
+    result.status, result.file, result.sha256, result.info = "built", str(path), sha256_bytes(graph.model), info
+    return result

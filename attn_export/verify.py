@@ -39,6 +39,7 @@ __all__ = [
     "select_models",
     "shard_names",
     "verify_artifacts",
+    "verify_module",
 ]
 
 
@@ -476,19 +477,28 @@ def verify_artifacts(
 
 def _verify_model(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[CaseResult]:
     spec, path = entry.model_spec, out_dir / entry.file
+    if not options.golden:
+        from attn_export.export.factory import instantiate
+
+        return verify_module(entry.name, instantiate(spec), spec, path, options, entry.variant)
+    expected = _golden_expected(out_dir, entry)
     cases: list[CaseResult] = []
     with FullyMaskedRows(spec, path, _tolerances(spec, entry.variant, options)) as rows:
-        if options.golden:
-            expected = _golden_expected(out_dir, entry)
-            for target in options.targets:
-                runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
-                cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
-            return cases
+        for target in options.targets:
+            runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+            cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
+    return cases
 
-        from attn_export.export.factory import instantiate
-        from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
-        module = instantiate(spec)
+def verify_module(
+    name: str, module: Any, spec: ModelSpec, path: Path, options: VerifyOptions, variant: str = "fp32"
+) -> list[CaseResult]:
+    """A PyTorch module against the graph at ``path`` on every target, over the sweep, judged
+    by the one pass rule: what verify does for a built model, for a module in hand too."""
+    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+
+    cases: list[CaseResult] = []
+    with FullyMaskedRows(spec, path, _tolerances(spec, variant, options)) as rows:
         for target in options.targets:
             kind = RUNTIMES[target.runtime]
             device = torch_device_for(target.provider) if kind.timed else "cpu"
@@ -496,7 +506,5 @@ def _verify_model(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -
             with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
                 expected = _torch_expected(eager, spec, _points(spec, options, kind.shape_cap), options.seed)
                 runtime = kind.make(path, spec, target, options.threads)
-                cases += _check_target(
-                    entry.name, target, runtime, expected, rows, eager if kind.timed else None, options
-                )
+                cases += _check_target(name, target, runtime, expected, rows, eager if kind.timed else None, options)
     return cases

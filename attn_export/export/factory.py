@@ -15,7 +15,7 @@ from attn_export._deps import OPTIONAL, missing, require
 from attn_export.errors import SpecError, first_line
 from attn_export.spec import ModelSpec
 
-__all__ = ["instantiate", "resolve_object"]
+__all__ = ["adapt", "instantiate", "resolve_object"]
 
 
 def resolve_object(spec: ModelSpec, target: str) -> Any:
@@ -111,3 +111,10 @@ def instantiate(spec: ModelSpec) -> Any:
     if spec.weights.path is not None:
         _load_state_dict(spec, module)
     return wrap(module.eval(), spec, config, lambda target: resolve_object(spec, target))
+
+
+def adapt(module: Any, spec: ModelSpec) -> Any:
+    """A module in hand, in eval mode, called as ``spec`` says (keywords, picks, ``[call]``)."""
+    from attn_export.export.adapter import wrap
+
+    return wrap(module.eval(), spec, None, lambda target: resolve_object(spec, target))

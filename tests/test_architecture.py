@@ -44,7 +44,7 @@ def _stage(module: str) -> str:
     top = module.split(".")[1] if "." in module else "__init__"
     if top in BASE:
         return "base"
-    if top == "__main__":
+    if top in ("__main__", "pytest_plugin"):
         return "cli"
     if top in PIPELINES:
         return "pipelines"

@@ -19,6 +19,7 @@ from attn_export.export.factory import instantiate
 from attn_export.export.torch_export import export_onnx
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
 from attn_export.verify import VerifyOptions, verify_artifacts
@@ -82,6 +83,26 @@ def test_rotary_embeddings_are_computed_in_the_graph(zoo_dir: Path) -> None:
     graph = onnx.load(zoo_dir / "llama_attention.onnx").graph
     assert [i.name for i in graph.input] == ["hidden_states", "attention_mask"]
     assert {"Cos", "Sin"} <= {n.op_type for n in graph.node}
+
+
+@needs_transformers
+def test_the_spec_calls_llama_attention_as_llama_model_does() -> None:
+    """Rotary embeddings of positions 0..seq-1 for every sequence, the mask by keyword,
+    output 0 picked: what a hand-written wrapper would do."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    spec = load_spec(ZOO / "llama_attention.toml")
+    wrapped = instantiate(spec)
+    feeds = make_feeds(spec, {"batch": 3, "seq": 7}, 0)
+    x, mask = (torch.from_numpy(feeds[t.name]) for t in spec.inputs)
+    layer = wrapped.module
+    positions = torch.arange(7).expand(3, 7)
+    with torch.no_grad():
+        want = layer(x, position_embeddings=LlamaRotaryEmbedding(layer.config)(x, positions), attention_mask=mask)[0]
+        got = wrapped(x, mask)
+    assert isinstance(got, tuple) and len(got) == 1
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
 
 
 @needs_transformers

@@ -16,7 +16,7 @@ from attn_export.errors import SpecError
 from attn_export.runtimes import Runtime
 from attn_export.spec import ModelSpec, TensorSpec
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import CONVENTIONS, LAYOUTS, keep_of
+from attn_export.spec.masks import CONVENTIONS, LAYOUTS, keep_of, role_axis
 from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["check_masks"]
@@ -26,11 +26,11 @@ _TRIES = 8
 
 
 def _dim(t: TensorSpec, role: str) -> int | str | None:
-    roles = LAYOUTS[t.layout or ""]
-    return t.shape[roles.index(role)] if role in roles else None
+    axis = role_axis(t.layout or "", role)
+    return None if axis is None else t.shape[axis]
 
 
-def _keep3(t: TensorSpec, values: np.ndarray) -> np.ndarray:
+def _by_row(t: TensorSpec, values: np.ndarray) -> np.ndarray:
     """The keep-mask as [batch, query, key] (1 where the layout lacks an axis), any head."""
     roles = LAYOUTS[t.layout or ""]
     keep = keep_of(t.convention or "", values)
@@ -41,13 +41,13 @@ def _keep3(t: TensorSpec, values: np.ndarray) -> np.ndarray:
     return keep if "batch" in roles else keep[None]
 
 
-def _row(t: TensorSpec, keep3: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+def _row(t: TensorSpec, keep: np.ndarray) -> tuple[int, int, np.ndarray] | None:
     """A (batch, query) row that hides some keys and keeps others; in self-attention (one
     dim for queries and keys) the query's own position must be kept, as it is perturbed."""
     self_attention = _dim(t, "query") == _dim(t, "key")
-    for b in range(keep3.shape[0]):
-        for q in range(keep3.shape[1]):
-            hidden = ~keep3[b, q]
+    for b in range(keep.shape[0]):
+        for q in range(keep.shape[1]):
+            hidden = ~keep[b, q]
             if hidden.any() and not hidden.all() and not (self_attention and hidden[q]):
                 return b, q, hidden
     return None
@@ -65,7 +65,7 @@ def _at(shape: tuple[int | str, ...], sizes: tuple[int, ...], picks: Mapping[int
 def _probe_one(spec: ModelSpec, t: TensorSpec, eager: Runtime, sizes: Mapping[str, int], seed: int) -> None:
     for attempt in range(_TRIES):
         feeds = make_feeds(spec, sizes, seed + attempt)
-        found = _row(t, _keep3(t, feeds[t.name]))
+        found = _row(t, _by_row(t, feeds[t.name]))
         if found is not None:
             break
     else:

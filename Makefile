@@ -10,7 +10,7 @@ OUT ?= build
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[export,test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[export,hf,test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,7 +11,18 @@ _HINTS = {
     "torch": "pip install 'attn-export[export]'",
     "onnxscript": "pip install 'attn-export[export]'",
     "matplotlib": "pip install 'attn-export[plot]'",
+    "transformers": "pip install 'attn-export[hf]'",
 }
+
+
+#: Optional packages a spec's module or config may come from.
+OPTIONAL = frozenset(_HINTS)
+
+
+def missing(module: str, purpose: str) -> MissingDependencyError:
+    """The error for an uninstalled ``module``, saying what to install."""
+    hint = _HINTS.get(module.split(".")[0], f"pip install {module}")
+    return MissingDependencyError(f"{purpose} needs {module}, which is not installed ({hint})")
 
 
 def require(module: str, purpose: str) -> ModuleType:
@@ -19,5 +30,4 @@ def require(module: str, purpose: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = _HINTS.get(module.split(".")[0], f"pip install {module}")
-        raise MissingDependencyError(f"{purpose} needs {module}, which is not installed ({hint})") from e
+        raise missing(module, purpose) from e

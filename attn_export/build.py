@@ -23,7 +23,7 @@ import onnx
 
 from attn_export import __version__
 from attn_export._deps import require
-from attn_export.artifacts.files import LOCK_WAIT_S, build_lock, sha256_file
+from attn_export.artifacts.files import LOCK_WAIT_S, atomic_write, build_lock, sha256_bytes, sha256_file
 from attn_export.artifacts.folder import commit, recover, remove_leftovers, stage
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
@@ -35,21 +35,32 @@ from attn_export.export.graph_checks import check_deterministic, check_dynamic_a
 from attn_export.export.source import module_sources
 from attn_export.export.torch_export import export_onnx, stamp_metadata
 from attn_export.export.variants import make_variant
+from attn_export.fully_masked import settle
+from attn_export.mask_probe import check_masks
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import CASES
 from attn_export.spec.shapes import ShapePoint, example_sizes, golden_points
 from attn_export.spec.variants import auto_candidates
 from attn_export.timing import LatencyStats, measure, physical_cores
 
-__all__ = ["BuildOptions", "BuildResult", "BuildStatus", "BuildSummary", "build_models", "versions"]
+__all__ = [
+    "BuildOptions",
+    "BuildResult",
+    "BuildStatus",
+    "BuildSummary",
+    "build_models",
+    "export_module",
+    "versions",
+]
 
 #: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
 BUILD_SEED = 0
-STAGES = ("spec", "module", "export", "variant", "checker", "axes", "smoke", "write")
+STAGES = ("spec", "module", "masks", "export", "variant", "checker", "axes", "smoke", "fully_masked", "write")
 BuildStatus = Literal["built", "skipped", "failed"]
 STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")
 
@@ -192,12 +203,18 @@ class _SpecBuild:
         self.sizes = example_sizes(spec)
         self.sources = module_sources(spec)
         self.module = _Once(lambda: instantiate(spec))
+        self.masks = _Once(self._check_masks)
         self.exports: dict[int, _Once[onnx.ModelProto]] = {}
         self.example = _Once(self._example)
         self.golden = _Once(self._golden_cases)
         #: The golden file's bytes, shared by every variant.
         self.golden_file = _Once(lambda: encode_golden(self.golden.get()))
         self.graphs: dict[str, _Once[_Graph]] = {}
+
+    def _check_masks(self) -> None:
+        """The module reads every mask as the spec says (``mask_probe``)."""
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            check_masks(self.spec, eager, self.sizes, BUILD_SEED)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""
@@ -206,7 +223,7 @@ class _SpecBuild:
         return self.exports[opset].get()
 
     def _export(self, opset: int) -> onnx.ModelProto:
-        example = make_feeds(self.spec, self.sizes, BUILD_SEED, masked_row=False)
+        example = make_feeds(self.spec, self.sizes, BUILD_SEED)
         try:
             proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
         except SystemExit as e:  # forward() exited: a failed export, not a successful build
@@ -220,7 +237,7 @@ class _SpecBuild:
         cases = []
         with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
             for i, (point, distribution) in enumerate(points):
-                feeds = make_feeds(spec, point.sizes, first_seed + i, distribution=distribution)
+                feeds = make_feeds(spec, point.sizes, first_seed + i, case=point.case, distribution=distribution)
                 label = case_label(point.label, distribution)
                 outputs = eager.run(feeds)
                 floors = eager.precision_floor(feeds, outputs)
@@ -232,8 +249,8 @@ class _SpecBuild:
 
     def _golden_cases(self) -> list[GoldenCase]:
         """PyTorch's outputs at the golden shapes with unit-normal values (smoke-checked and
-        recorded), and at the distinct shape with each other distribution (recorded only:
-        those are verify's to judge)."""
+        recorded), at the distinct shape with each other distribution (recorded only: those
+        are verify's to judge), and at the named mask cases (they settle fully masked rows)."""
         points = golden_points(self.spec)
         distinct = [p for p in points if p.label == "distinct"]
         plan = [(p, DEFAULT_DISTRIBUTION) for p in points]
@@ -275,8 +292,9 @@ class _SpecBuild:
         variant's tolerance."""
         spec = self.spec
         tolerances = spec.tolerances(variant)
+        cases = [c for c in self.golden.get() if c.label not in CASES]  # mask cases are settled, not smoked
         with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
-            for case in [self.example.get(), *self.golden.get()]:
+            for case in [self.example.get(), *cases]:
                 if split_label(case.label)[1] != DEFAULT_DISTRIBUTION:
                     continue
                 got = session.run(case.inputs)
@@ -365,20 +383,14 @@ def _auto_choice(ctx: _SpecBuild) -> tuple[str, dict[str, Any]]:
     return chosen, info
 
 
-def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
-    spec, out_dir = ctx.spec, ctx.options.out_dir
-    key = _build_key(spec, ctx.sources, ctx.vers, variant, ctx.options.provider)
-    name = variant_key(spec.name, variant)
-    previous = manifest.models.get(name)
-    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
-        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
-        result.info = previous.variant_info
-        return
-    if spec.mode != "eval":
-        result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
-
+def _checked_graph(ctx: _SpecBuild, variant: str, result: BuildResult) -> tuple[_Graph, dict[str, Any]]:
+    """The variant's graph through every check (fully masked rows repaired where they
+    differ from PyTorch), and what its making recorded; the stages fill ``result``."""
+    spec = ctx.spec
     with _stage(result, "module"):
         ctx.module.get()
+    with _stage(result, "masks"):
+        ctx.masks.get()
     with _stage(result, "export"):
         ctx.export(spec.opset)
     with _stage(result, "variant"):
@@ -392,7 +404,30 @@ def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: Bu
     result.stages["checker"] = result.stages["axes"] = True  # checked when the graph was made
     with _stage(result, "smoke"):
         ctx.smoke(variant, graph.model)
+    with _stage(result, "fully_masked"):
+        model, masked = settle(
+            spec, variant_key(spec.name, variant), graph.model, ctx.golden.get(), spec.tolerances(variant)
+        )
+        if model is not graph.model:
+            ctx.smoke(variant, model)  # the repaired graph, checked like any other
+        info = {**info, **({"fully_masked": masked} if masked else {})}
+        graph = dataclasses.replace(graph, model=model)
+    return graph, info
 
+
+def _build_variant(ctx: _SpecBuild, variant: str, manifest: Manifest, result: BuildResult) -> None:
+    spec, out_dir = ctx.spec, ctx.options.out_dir
+    key = _build_key(spec, ctx.sources, ctx.vers, variant, ctx.options.provider)
+    name = variant_key(spec.name, variant)
+    previous = manifest.models.get(name)
+    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
+        result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
+        result.info = previous.variant_info
+        return
+    if spec.mode != "eval":
+        result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
+
+    graph, info = _checked_graph(ctx, variant, result)
     with _stage(result, "write"):
         file, sha = stage(out_dir, f"{name}.onnx", graph.model)
         golden, golden_sha = stage(out_dir, f"{spec.name}.golden.npz", ctx.golden_file.get())
@@ -494,3 +529,18 @@ def build_models(
         finally:
             _remove_leftovers(options.out_dir, manifest)
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)
+
+
+def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:
+    """A module in hand through build's stages (mask probe, export, graph checks, smoke
+    check, fully masked rows) and written to ``path``, without manifest or golden file;
+    the first failing stage raises."""
+    ctx = _SpecBuild(spec, versions(), BuildOptions(path.parent))
+    ctx.module = _Once(lambda: module)
+    result = BuildResult(name=spec.name)
+    result.stages["spec"] = True
+    graph, info = _checked_graph(ctx, "fp32", result)
+    with _stage(result, "write"):
+        atomic_write(path, graph.model)
+    result.status, result.file, result.sha256, result.info = "built", str(path), sha256_bytes(graph.model), info
+    return result

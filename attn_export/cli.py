@@ -25,6 +25,7 @@ from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
 from attn_export.spec.distributions import DISTRIBUTIONS
+from attn_export.spec.masks import CASES
 
 __all__ = ["cli", "main"]
 
@@ -120,19 +121,22 @@ models_option = click.option(
 
 
 @cli.command("list")
+@click.argument("names", nargs=-1)
 @models_option
 @click.option("--json", "as_json", is_flag=True, help="Print the specs as JSON.")
-def list_cmd(models_dir: Path, as_json: bool) -> None:
-    """Show the model zoo: name, module, inputs with their dims, opset, exporter.
+def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
+    """Show the model zoo (or NAMES: models or spec files): name, module, inputs with
+    their dims, opset, exporter.
 
     Example:
 
         attn-export list --models models
+        attn-export list path/to/model.toml
     """
     from attn_export.report.build_text import format_spec_table
     from attn_export.spec import load_spec, spec_paths
 
-    specs = [load_spec(p) for p in spec_paths(models_dir)]
+    specs = [load_spec(p) for p in spec_paths(models_dir, names)]
     if as_json:
         click.echo(json.dumps([s.to_dict() for s in specs], indent=2))
     else:
@@ -174,7 +178,8 @@ def build(
     wait_s: float,
     as_json: bool,
 ) -> None:
-    """Export the zoo (or NAMES) to ONNX with dynamic batch and sequence axes.
+    """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
+    batch and sequence axes.
 
     Each model is exported in eval mode, checked (onnx.checker, symbolic and distinct
     dynamic axes), smoke-run in ONNX Runtime against PyTorch, and written atomically with
@@ -184,6 +189,7 @@ def build(
 
         attn-export build --out build
         attn-export build mha mha_cross --force
+        attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
     """
     from attn_export.build import BuildOptions, build_models
@@ -297,6 +303,11 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Seeded random shape points added to the sweep.",
 )
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed for inputs and random shapes.")
+@click.option(
+    "--mask-case",
+    type=click.Choice(CASES),
+    help="With --shapes: feed this named mask case instead of the mask's pattern (as reproduce commands do).",
+)
 @click.option("--atol", type=_FiniteFloat(0), help="Override every output's absolute tolerance.")
 @click.option("--rtol", type=_FiniteFloat(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
@@ -331,6 +342,7 @@ def verify(
     inputs_file: Path | None,
     n_random: int,
     seed: int,
+    mask_case: str | None,
     atol: float | None,
     rtol: float | None,
     threads: int | None,
@@ -382,6 +394,8 @@ def verify(
         raise click.UsageError(
             "--shapes and --distribution cannot be combined with --golden (golden files fix their cases)"
         )
+    if mask_case and not shapes:
+        raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
     options = VerifyOptions(
@@ -400,6 +414,7 @@ def verify(
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
         max_memory=parse_bytes(max_memory) if max_memory else None,
+        mask_case=mask_case,
     )
     notice = tidy(out_dir)
     if notice:
@@ -494,7 +509,8 @@ def bench(
     markdown_path: Path | None,
     plot_path: Path | None,
 ) -> None:
-    """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side.
+    """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
+    the zoo or NAMES (models in --models, or spec files).
 
     Reports p50/p90 latency, tokens per second, the ratio to PyTorch eager, achieved
     GFLOP/s and its share of this machine's float32 GEMM peak (measured in the same run),
@@ -503,6 +519,7 @@ def bench(
     Example:
 
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
+        attn-export bench path/to/model.toml --seq 128,512
     """
     from attn_export._deps import require
     from attn_export.artifacts.files import atomic_write

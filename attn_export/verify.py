@@ -21,19 +21,21 @@ from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED, read_recorded
-from attn_export.compare import OutputComparison, compare_outputs, latency_gate
+from attn_export.compare import OutputComparison, latency_gate
 from attn_export.compare.policy import noise as latency_noise
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, InputError, UsageError
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.export.source import module_sources
+from attn_export.fully_masked import FullyMaskedRows
 from attn_export.runtimes import RUNTIMES, Runtime, Target, check_feeds
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance, load_spec
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep, validate_sizes
+from attn_export.spec.shapes import ShapePoint, mask_cases, sizes_from_feeds, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure_alternating, physical_cores
 
 __all__ = [
@@ -41,9 +43,12 @@ __all__ = [
     "ModelCheck",
     "VerifyOptions",
     "VerifyReport",
+    "case_plan",
+    "checkout_spec",
     "select_models",
     "shard_names",
     "verify_artifacts",
+    "verify_module",
 ]
 
 
@@ -72,6 +77,8 @@ class VerifyOptions:
     max_slowdown: float | None = None
     #: Memory budget per case in bytes; None means the spec's ``max_memory``, else the machine's.
     max_memory: int | None = None
+    #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
+    mask_case: str | None = None
 
     def settings(self) -> dict[str, Any]:
         """The options as the JSON report records them."""
@@ -88,6 +95,7 @@ class VerifyOptions:
             "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
             "distributions": list(self.distributions) if self.distributions else None,
             "inputs": str(self.inputs_file) if self.inputs_file else None,
+            "mask_case": self.mask_case,
         }
 
 
@@ -108,6 +116,8 @@ class CaseResult:
     gate: str | None = None
     #: The float inputs' value distribution (``spec.distributions``), or "recorded".
     distribution: str = DEFAULT_DISTRIBUTION
+    #: What the report must say beside the numbers (what fully masked rows give, rows left out).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def runtime(self) -> str:
@@ -157,6 +167,7 @@ class CaseResult:
             "passed": self.passed,
             "error": self.error,
             "gate": self.gate,
+            "notes": self.notes,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "latency": None
             if self.onnx_latency is None
@@ -182,6 +193,7 @@ class CaseResult:
             comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
             error=d.get("error"),
             gate=d.get("gate"),
+            notes=list(d.get("notes", [])),
             onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
             torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
         )
@@ -258,11 +270,15 @@ class VerifyReport:
         args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
         if case.distribution == RECORDED:
             args += ["--inputs", str(self.settings.get("inputs"))]
+        models = self.settings.get("models")
+        if models and models != "models":  # verify's default
+            args += ["--models", models]
         if case.expected_from == "golden":
             args += ["--golden"]
         elif case.distribution != RECORDED:
             shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
             args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
+            args += ["--mask-case", case.shape] if case.shape in CASES else []
         return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
 
     def to_dict(self) -> dict[str, Any]:
@@ -374,12 +390,16 @@ def _tolerances(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[s
     }
 
 
-def _plan(spec: ModelSpec, options: VerifyOptions, cap: int | None) -> list[tuple[ShapePoint, str]]:
+def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:
     """(shape, value distribution) pairs: by default every shape with unit-normal values,
     and each other distribution at the distinct and the largest shapes. A shape that
     cannot fit the memory budget is refused before anything is allocated."""
     if options.shapes:  # validated by verify_artifacts before any work
-        points = [ShapePoint(f"shape-{i}", {k: int(s[k]) for k in spec.dims}) for i, s in enumerate(options.shapes)]
+        case = options.mask_case
+        points = [
+            ShapePoint(case or f"shape-{i}", {k: int(s[k]) for k in spec.dims}, case or PATTERN)
+            for i, s in enumerate(options.shapes)
+        ]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
     check_memory(spec, points, memory_budget(spec, options.max_memory))
@@ -415,7 +435,7 @@ def _torch_expected(
 ) -> _Expected:
     cases = []
     for i, (point, distribution) in enumerate(plan):
-        feeds = make_feeds(spec, point.sizes, seed + i, distribution=distribution)
+        feeds = make_feeds(spec, point.sizes, seed + i, case=point.case, distribution=distribution)
         outputs = torch_rt.run(feeds)
         floors = torch_rt.precision_floor(feeds, outputs)
         cases.append(GoldenCase(point.label, dict(point.sizes), feeds, outputs, floors))
@@ -471,7 +491,7 @@ def _check_target(
     target: Target,
     runtime: Runtime,
     expected: _Expected,
-    tolerances: dict[str, Tolerance],
+    rows: FullyMaskedRows,
     torch_rt: Runtime | None,
     options: VerifyOptions,
 ) -> list[CaseResult]:
@@ -493,7 +513,7 @@ def _check_target(
             got = _run(runtime, case.inputs, result)
             if got is None:
                 continue
-            result.comparisons = compare_outputs(case.outputs, got, tolerances, case.floors)
+            result.comparisons, result.notes = rows.compare(case, got, (expected.label, result.runtime))
             if options.latency and RUNTIMES[target.runtime].timed and result.distribution == DEFAULT_DISTRIBUTION:
                 _time(result, runtime, torch_rt, case.inputs, options.latency_budget_s)
                 result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
@@ -554,6 +574,10 @@ def verify_artifacts(
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
+        if options.mask_case and options.mask_case not in mask_cases(spec):
+            raise UsageError(
+                f"{name}: --mask-case {options.mask_case} does not apply (it has: {mask_cases(spec) or 'no mask'})"
+            )
         check = ModelCheck(name, entry.file, _integrity(out_dir, entry, options.golden))
         report.checks.append(check)
         if check.passed and not options.golden:
@@ -584,36 +608,42 @@ def verify_artifacts(
 
 def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[CaseResult]:
     """``spec`` is the manifest's (golden mode: data only) or the checkout's (PyTorch mode)."""
-    tolerances = _tolerances(spec, entry.variant, options)
     path = out_dir / entry.file
+    if not options.golden:
+        from attn_export.export.factory import instantiate
+
+        return verify_module(entry.name, instantiate(spec), spec, path, options, entry.variant)
+    expected = (
+        _recorded_expected(spec, options.inputs_file)
+        if options.inputs_file
+        else _golden_expected(out_dir, entry, options)
+    )
     cases: list[CaseResult] = []
-
-    def make(target: Target) -> Runtime:
-        return RUNTIMES[target.runtime].make(path, spec, target, options.threads)
-
-    if options.golden:
-        expected = (
-            _recorded_expected(spec, options.inputs_file)
-            if options.inputs_file
-            else _golden_expected(out_dir, entry, options)
-        )
+    with FullyMaskedRows(spec, path, _tolerances(spec, entry.variant, options)) as rows:
         for target in options.targets:
-            cases += _check_target(entry.name, target, make(target), expected, tolerances, None, options)
-        return cases
+            runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+            cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
+    return cases
 
-    from attn_export.export.factory import instantiate
+
+def verify_module(
+    name: str, module: Any, spec: ModelSpec, path: Path, options: VerifyOptions, variant: str = "fp32"
+) -> list[CaseResult]:
+    """A PyTorch module against the graph at ``path`` on every target, over the sweep, judged
+    by the one pass rule: what verify does for a built model, for a module in hand too."""
     from attn_export.runtimes.torch_eager import torch_device_for
 
-    module = instantiate(spec)
-    for target in options.targets:
-        kind = RUNTIMES[target.runtime]
-        device = torch_device_for(target.provider) if kind.timed else "cpu"
-        threads = options.threads if kind.timed else None
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
-            if options.inputs_file:
-                expected = _recorded_expected(spec, options.inputs_file, eager)
-            else:
-                expected = _torch_expected(eager, spec, _plan(spec, options, kind.shape_cap), options.seed)
-            torch_rt = eager if kind.timed else None
-            cases += _check_target(entry.name, target, make(target), expected, tolerances, torch_rt, options)
+    cases: list[CaseResult] = []
+    with FullyMaskedRows(spec, path, _tolerances(spec, variant, options)) as rows:
+        for target in options.targets:
+            kind = RUNTIMES[target.runtime]
+            device = torch_device_for(target.provider) if kind.timed else "cpu"
+            threads = options.threads if kind.timed else None
+            with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
+                if options.inputs_file:
+                    expected = _recorded_expected(spec, options.inputs_file, eager)
+                else:
+                    expected = _torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
+                runtime = kind.make(path, spec, target, options.threads)
+                cases += _check_target(name, target, runtime, expected, rows, eager if kind.timed else None, options)
     return cases

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import textwrap
 from pathlib import Path
@@ -9,17 +10,34 @@ from pathlib import Path
 import pytest
 
 from attn_export.build import BuildOptions, build_models
-from attn_export.spec import spec_paths
+from attn_export.spec import load_spec, spec_paths
+from attn_export.verify import VerifyOptions, case_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "models"
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+#: For tests of Hugging Face layers: CI installs the test extra, which has transformers.
+needs_transformers = pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="needs transformers (pip install -e '.[export,hf,test]')"
+)
+
+
+def _needs_hf(path: Path) -> bool:
+    spec = load_spec(path)
+    return any(t.startswith("transformers") for t in (spec.module, (spec.config or {}).get("class", "")))
+
+
+#: The zoo's spec files this environment can build (the Hugging Face ones need transformers).
+ZOO_SPECS = [p for p in spec_paths(ZOO) if HAS_TRANSFORMERS or not _needs_hf(p)]
+#: Cases a default verify of that zoo runs: every model's sweep, named mask cases included.
+ZOO_CASES = sum(len(case_plan(load_spec(p), VerifyOptions())) for p in ZOO_SPECS)
 
 
 @pytest.fixture(scope="session")
 def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The whole built-in zoo, built once; tests that modify it take a copy (``zoo_copy``)."""
+    """The built-in zoo, built once; tests that modify it take a copy (``zoo_copy``)."""
     out = tmp_path_factory.mktemp("zoo")
-    summary = build_models(spec_paths(ZOO), BuildOptions(out))
+    summary = build_models(ZOO_SPECS, BuildOptions(out))
     failed = [r.error for r in summary.results if not r.ok]
     assert not failed, failed
     return out

@@ -25,8 +25,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
         cli,
         [
             "bench",
-            "--models",
-            str(folder / "models"),
+            str(folder / "models" / "tiny.toml"),  # a spec file, no --models
             "--out",
             str(folder / "out"),
             "--batch",

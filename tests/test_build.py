@@ -30,9 +30,9 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import golden_points, sweep
-from tests.conftest import ROOT, ZOO, tiny_spec, write_spec
+from tests.conftest import ROOT, ZOO_SPECS, tiny_spec, write_spec
 
-ZOO_NAMES = sorted(p.stem for p in ZOO.glob("*.toml"))
+ZOO_NAMES = sorted(p.stem for p in ZOO_SPECS)
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)

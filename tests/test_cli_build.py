@@ -49,6 +49,17 @@ def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
     assert doc["results"][0]["stages"]["axes"] is True
 
 
+def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path / "specs", "llama_gqa")
+    listed = invoke("list", str(spec), "--models", str(tmp_path / "absent"))
+    assert listed.exit_code == 0 and listed.output.splitlines()[1].startswith("llama_gqa ")
+    built = invoke("build", str(spec), "--out", str(tmp_path / "out"))
+    assert built.exit_code == 0, built.output
+    assert built.output.startswith("built   llama_gqa ")
+    missing = invoke("build", str(tmp_path / "specs" / "nope.toml"))
+    assert (missing.exit_code, missing.output) == (2, f"Error: {tmp_path / 'specs' / 'nope.toml'}: no such spec file\n")
+
+
 def test_build_json_summary_round_trips(tmp_path: Path) -> None:
     from attn_export.build import BuildSummary
 
@@ -86,7 +97,7 @@ BAD_SPECS = [
     (
         "unknown_key",
         lambda t: "colour = 1\n" + t,
-        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: accept_guards, description, dims,",
+        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: accept_guards, call, config, description,",
     ),
     (
         "unknown_module",
@@ -136,7 +147,7 @@ def test_unknown_model_name_and_missing_folder_exit_2(tmp_path: Path) -> None:
     tiny_spec(tmp_path / "models")
     result = invoke("build", "nope", "--models", str(tmp_path / "models"))
     assert result.exit_code == 2
-    assert result.output == "Error: unknown model 'nope' (known: tiny)\n"
+    assert result.output == "Error: unknown model 'nope' (known: tiny; or give a spec file's path)\n"
     result = invoke("build", "--models", str(tmp_path / "absent"))
     assert result.exit_code == 2
     assert result.output == f"Error: {tmp_path / 'absent'}: no such model directory (pass --models DIR)\n"

@@ -1,18 +1,30 @@
-"""The one data loader: every mask pattern is what its name says, and seeds reproduce."""
+"""The one data loader: every mask pattern, layout, convention and named case is what its
+name says, patterns never mask a whole row, and seeds reproduce."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from attn_export.spec import TensorSpec
 from attn_export.spec.inputs import make_tensor
+from attn_export.spec.masks import CONVENTIONS, PATTERNS, keep_of, masked_row_selector
 
 SIZES = {"batch": 3, "seq": 5, "kv_seq": 7}
+SHAPES = {
+    "batch-heads-query-key": ("batch", 1, "seq", "kv_seq"),
+    "batch-query-key": ("batch", "seq", "kv_seq"),
+    "query-key": ("seq", "kv_seq"),
+    "key-padding": ("batch", "kv_seq"),
+}
 
 
-def _mask(kind: str, masked_row: bool = False) -> np.ndarray:
-    t = TensorSpec("mask", "bool", ("batch", 1, "seq", "kv_seq"), kind)
-    return make_tensor(t, SIZES, np.random.default_rng(0), masked_row=masked_row)
+def _mask(
+    kind: str, case: str = "pattern", layout: str = "batch-heads-query-key", convention: str = "attend"
+) -> np.ndarray:
+    dtype = CONVENTIONS[convention].dtypes[0]
+    t = TensorSpec("mask", dtype, SHAPES[layout], kind, convention, layout)
+    return make_tensor(t, SIZES, np.random.default_rng(0), case=case)
 
 
 def test_causal_mask_is_lower_triangular_in_every_batch_element() -> None:
@@ -20,29 +32,87 @@ def test_causal_mask_is_lower_triangular_in_every_batch_element() -> None:
     assert mask.shape == (3, 1, 5, 7) and mask.dtype == bool
     for b in range(3):
         np.testing.assert_array_equal(mask[b, 0], np.tril(np.ones((5, 7), dtype=bool)))
+    np.testing.assert_array_equal(_mask("causal", layout="query-key"), np.tril(np.ones((5, 7), dtype=bool)))
 
 
-def test_padding_mask_keeps_a_nonempty_prefix_of_keys_per_batch_element() -> None:
-    mask = _mask("padding")
-    for b in range(3):
-        row = mask[b, 0, 0]
-        n = int(row.sum())
-        assert 1 <= n <= 7
-        np.testing.assert_array_equal(row, np.arange(7) < n)
-        assert (mask[b, 0] == row).all()  # every query sees the same keys
-    assert len({int(mask[b, 0, 0].sum()) for b in range(3)}) > 1  # lengths differ across the batch
+@pytest.mark.parametrize("kind", ["padding", "left-padding"])
+def test_padding_keeps_a_nonempty_run_of_keys_at_its_end_per_batch_element(kind: str) -> None:
+    for layout in ("batch-heads-query-key", "key-padding"):
+        mask = _mask(kind, layout=layout).reshape(3, -1, 7)
+        lengths = set()
+        for b in range(3):
+            row = mask[b, 0]
+            n = int(row.sum())
+            lengths.add(n)
+            want = np.arange(7) < n if kind == "padding" else np.arange(7) >= 7 - n
+            np.testing.assert_array_equal(row, want)
+            assert (mask[b] == row).all()  # every query sees the same keys
+        assert len(lengths) > 1, layout  # lengths differ across the batch
 
 
-def test_random_mask_is_mixed_and_seeded() -> None:
+def test_random_mask_is_mixed_seeded_and_never_masks_a_whole_row() -> None:
     mask = _mask("random")
     assert 0.5 < mask.mean() < 0.95
     np.testing.assert_array_equal(mask, _mask("random"))
+    tiny = make_tensor(
+        TensorSpec("m", "bool", ("batch", "kv_seq"), "random", "attend", "key-padding"),
+        {"batch": 64, "kv_seq": 1},
+        np.random.default_rng(0),
+    )
+    assert tiny.all()  # one key: it must be kept, whatever the draw
 
 
-def test_masked_row_masks_exactly_the_last_query_of_the_first_element() -> None:
+@pytest.mark.parametrize("kind", PATTERNS)
+def test_no_pattern_has_a_fully_masked_row(kind: str) -> None:
+    for layout in SHAPES:
+        if kind == "causal" and layout == "key-padding":
+            continue
+        assert _mask(kind, layout=layout).any(axis=-1).all(), (kind, layout)
+
+
+@pytest.mark.parametrize("convention", list(CONVENTIONS))
+def test_each_convention_encodes_the_same_keys_its_own_way(convention: str) -> None:
+    keep = _mask("padding")
+    values = _mask("padding", convention=convention)
+    np.testing.assert_array_equal(keep_of(convention, values), keep)
+    want = {
+        "attend": keep,
+        "ignore": ~keep,
+        "additive": np.where(keep, 0.0, -np.inf),
+        "additive-min": np.where(keep, 0.0, np.finfo(np.float32).min),
+        "binary": keep.astype(np.int32),
+    }[convention]
+    np.testing.assert_array_equal(values, want)
+
+
+def test_fully_masked_row_masks_exactly_the_last_query_of_the_first_element() -> None:
     for kind in ("causal", "padding", "random"):
-        plain, masked = _mask(kind), _mask(kind, masked_row=True)
+        plain, masked = _mask(kind), _mask(kind, "fully-masked-row")
         assert not masked[0, 0, 4].any(), kind
         changed = plain != masked
         assert changed[0, 0, 4].any() and not changed[0, 0, :4].any() and not changed[1:].any(), kind
-        assert plain.any(axis=-1).all() or kind == "random", kind  # no fully masked row unless asked
+
+
+def test_fully_padded_sequence_masks_exactly_the_first_element() -> None:
+    for layout in ("batch-heads-query-key", "key-padding"):
+        plain, padded = _mask("padding", layout=layout), _mask("padding", "fully-padded-sequence", layout=layout)
+        assert not padded[0].any() and (padded[1:] == plain[1:]).all(), layout
+    ignore = _mask("padding", "fully-padded-sequence", layout="key-padding", convention="ignore")
+    assert ignore[0].all()  # True = ignore: every key of the first element ignored
+
+
+def test_masked_rows_map_to_output_elements_by_dim_name() -> None:
+    keep = _mask("padding", "fully-masked-row")
+    sel = masked_row_selector(
+        "batch-heads-query-key", SHAPES["batch-heads-query-key"], keep, ("batch", "seq", 8), (3, 5, 8)
+    )
+    assert sel[0, 4].all() and sel.sum() == 8
+    weights = masked_row_selector(
+        "batch-heads-query-key", SHAPES["batch-heads-query-key"], keep, ("batch", 4, "seq", "kv_seq"), (3, 4, 5, 7)
+    )
+    assert weights[0, :, 4].all() and weights.sum() == 4 * 7
+    padded = _mask("padding", "fully-padded-sequence", layout="key-padding")
+    sel = masked_row_selector("key-padding", SHAPES["key-padding"], padded, ("batch", "seq", 8), (3, 5, 8))
+    assert sel[0].all() and sel.sum() == 5 * 8  # every query of the padded sequence
+    pooled = masked_row_selector("key-padding", SHAPES["key-padding"], padded, (8,), (8,))
+    assert pooled.all()  # an output without the batch dim counts as wholly affected

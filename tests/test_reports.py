@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.report.json_report import dump_json_report, load_json_report
 from attn_export.report.markdown import markdown_report
-from tests.conftest import ROOT, node, plant, set_initializer
+from tests.conftest import ROOT, ZOO_CASES, ZOO_SPECS, node, plant, set_initializer
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     doc = json.loads(text)
     assert doc["passed"] is False
     summary = doc["summary"]
-    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (6, 78, 0)
+    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (len(ZOO_SPECS), ZOO_CASES, 0)
     sdpa = [c for c in doc["cases"] if c["model"] == "sdpa"]
     assert 0 < summary["failed_cases"] < len(sdpa)  # kv_seq=1 hides a wrong scale
     failing = [c for c in doc["cases"] if not c["passed"]]
@@ -99,16 +99,9 @@ def test_junit_counts_the_right_failures(reports: dict[str, Path]) -> None:
     root = ET.parse(reports["xml"]).getroot()
     suite = root.find("testsuite")
     assert suite is not None
-    assert (suite.get("tests"), suite.get("failures")) == ("6", "1")
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(ZOO_SPECS)), "1")
     cases = suite.findall("testcase")
-    assert {c.get("classname") for c in cases} == {
-        "sdpa",
-        "sdpa_masked",
-        "mha",
-        "mha_cross",
-        "mha_causal",
-        "mha_attention_op",
-    }
+    assert {c.get("classname") for c in cases} == {p.stem for p in ZOO_SPECS}
     failed = [c for c in cases if c.find("failure") is not None]
     assert [(c.get("classname"), c.get("name")) for c in failed] == [("sdpa", "onnxruntime[cpu]")]
     failure = failed[0].find("failure")
@@ -122,7 +115,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     end = next(i for i, line in enumerate(lines) if i > header + 1 and not line.startswith("| "))
     rows = lines[header + 2 : end]
-    assert len(rows) == 78 and all(row.count("|") == 11 for row in rows)
+    assert len(rows) == ZOO_CASES and all(row.count("|") == 11 for row in rows)
     failed = json.loads(reports["json"].read_text())["summary"]["failed_cases"]
     assert sum("**FAIL**" in row for row in rows) == failed
     assert "#### Max abs error by value distribution" in md

@@ -61,3 +61,17 @@ def test_sizes_from_feeds_refuses_one_dim_with_two_sizes() -> None:
     shapes = {"query": (2, 5, 256), "keys": (2, 6, 256), "values": (2, 5, 256)}
     with pytest.raises(InputError, match=r"dim 'seq' has two sizes: 5 and 6 \(input 'keys', axis 1\)"):
         sizes_from_feeds(spec.inputs, shapes)
+
+
+def test_named_mask_cases_come_last_and_only_where_they_apply() -> None:
+    by_name = {s.name: s for s in SPECS}
+    assert [p.case for p in sweep(by_name["mha"])] == ["pattern"] * len(sweep(by_name["mha"]))
+    tail = sweep(by_name["mha_causal"])[-2:]
+    assert [(p.label, p.case) for p in tail] == [("fully-masked-row",) * 2, ("fully-padded-sequence",) * 2]
+    assert tail[0].sizes == example_sizes(by_name["mha_causal"])
+    # key padding, or a query dim broadcast as 1: a masked row is a padded sequence, run once
+    for name in ("torch_mha", "bert_attention"):
+        assert [p.case for p in sweep(by_name[name]) if p.case != "pattern"] == ["fully-padded-sequence"], name
+    assert [p.case for p in golden_points(by_name["llama_attention"])][-2:] == list(
+        ("fully-masked-row", "fully-padded-sequence")
+    )

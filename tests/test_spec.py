@@ -8,7 +8,7 @@ import pytest
 
 from attn_export.errors import SpecError
 from attn_export.spec import load_spec, spec_from_dict, spec_paths
-from tests.conftest import ZOO, tiny_spec
+from tests.conftest import ZOO, tiny_spec, write_spec
 
 
 def test_zoo_has_the_required_models() -> None:
@@ -18,6 +18,45 @@ def test_zoo_has_the_required_models() -> None:
         spec = load_spec(path)
         assert spec.mode == "eval"
         assert spec_from_dict(spec.to_dict(), folder=ZOO.resolve()) == spec
+
+
+def test_mask_keys_round_trip_through_the_manifest_form(tmp_path: Path) -> None:
+    text = (
+        tiny_spec(tmp_path).read_text().replace('exporter = "dynamo"', 'exporter = "dynamo"\nfully_masked = "ignore"')
+    )
+    path = tmp_path / "new.toml"
+    path.write_text(
+        text
+        + '[[inputs]]\nname = "pad"\ndtype = "int64"\nshape = ["batch", "kv_seq"]\n'
+        + 'mask = "left-padding"\nconvention = "binary"\n'
+    )
+    spec = load_spec(path)
+    assert spec_from_dict(spec.to_dict(), folder=tmp_path) == spec
+    assert spec.masks[0].layout == "key-padding" and spec.masks[0].convention == "binary"
+    assert spec.fully_masked == "ignore"
+    assert "fully_masked" not in load_spec(tiny_spec(tmp_path / "plain")).to_dict()  # old specs keep their hash
+
+
+def test_call_keys_round_trip_and_leave_old_specs_alone(tmp_path: Path) -> None:
+    text = (
+        tiny_spec(tmp_path)
+        .read_text()
+        .replace(
+            'exporter = "dynamo"',
+            'exporter = "dynamo"\nconfig = { class = "a.b:C", size = 4 }\n'
+            'call = { flag = true, pos = { positions_of = "query" } }',
+        )
+        .replace('name = "output"', 'name = "output"\npick = "last_hidden_state"')
+        .replace('name = "keys"', 'name = "keys"\narg = "key"')
+    )
+    spec = load_spec(write_spec(tmp_path, "new", text))
+    assert spec_from_dict(spec.to_dict(), folder=tmp_path) == spec
+    assert spec.inputs[1].arg == "key" and spec.outputs[0].pick == "last_hidden_state"
+    assert spec.config == {"class": "a.b:C", "size": 4} and spec.call["pos"] == {"positions_of": "query"}
+    assert not {"config", "call"} & set(load_spec(tiny_spec(tmp_path / "plain")).to_dict())
+    twice = text.replace("flag = true", "key = 1")
+    with pytest.raises(SpecError, match=r"call.key: not a keyword name, or an input is already passed as it"):
+        load_spec(write_spec(tmp_path, "twice", twice))
 
 
 def test_attention_op_model_uses_opset_23() -> None:
@@ -70,7 +109,56 @@ EDITS = [
         ("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 4, step = 2 }"),
         r"unknown key 'step' in dims.batch",
     ),
-    ("mask_not_bool", ('name = "values"', 'name = "values"\nmask = "random"'), r"a mask must have dtype bool"),
+    (
+        "float_mask_without_convention",
+        ('name = "values"', 'name = "values"\nmask = "random"'),
+        r"input 'values': a float32 mask needs a convention \(additive, additive-min\)",
+    ),
+    (
+        "convention_dtype",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "binary"'),
+        r"a mask with convention 'binary' must have dtype int32, int64, not float32",
+    ),
+    (
+        "unknown_convention",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "inverted"'),
+        r"convention 'inverted' is not one of attend, ignore, additive, additive-min, binary",
+    ),
+    (
+        "convention_without_mask",
+        ('name = "values"', 'name = "values"\nconvention = "additive"'),
+        r"'convention' applies to masks; add mask = one of random, padding, left-padding, causal",
+    ),
+    (
+        "layout_rank",
+        ('name = "values"', 'name = "values"\nmask = "random"\nconvention = "additive"\nlayout = "key-padding"'),
+        r"layout 'key-padding' does not fit its 3 dims \(fits: batch-query-key\)",
+    ),
+    (
+        "causal_key_padding",
+        (
+            'shape = ["batch", "kv_seq", 16]\n\n[[outputs]]',
+            'shape = ["batch", "kv_seq", 16]\n[[inputs]]\nname = "m"\n'
+            'dtype = "bool"\nshape = ["batch", "kv_seq"]\nmask = "causal"\n\n[[outputs]]',
+        ),
+        r"input 'm': a causal mask needs a query axis; key-padding has none",
+    ),
+    ("bad_pick", ('name = "output"', 'name = "output"\npick = -1'), r"pick must be an index \(0, 1, ...\) or an attr"),
+    (
+        "config_class",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\nconfig = { hidden_size = 4 }'),
+        r"config needs class = 'package.module:Class', got None",
+    ),
+    (
+        "call_positions_of",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\ncall = { position_ids = { positions_of = "x" } }'),
+        r"call.position_ids: positions_of must name an input \(keys, query, values\)",
+    ),
+    (
+        "bad_fully_masked",
+        ('exporter = "dynamo"', 'exporter = "dynamo"\nfully_masked = "nan"'),
+        r"fully_masked 'nan' is not one of match, ignore",
+    ),
     ("unused_dim", ("[dims]", "[dims]\nextra = { min = 1, max = 4 }"), r"dim 'extra' is declared but no input"),
     (
         "tolerance_output",
@@ -97,8 +185,17 @@ def test_bad_spec_fields(tmp_path: Path, case: str, edit: tuple[str, str], patte
 
 def test_spec_paths_unknown_name(tmp_path: Path) -> None:
     tiny_spec(tmp_path)
-    with pytest.raises(SpecError, match=r"unknown model 'nope' \(known: tiny\)"):
+    with pytest.raises(SpecError, match=r"unknown model 'nope' \(known: tiny; or give a spec file's path\)"):
         spec_paths(tmp_path, ("nope",))
+
+
+def test_spec_paths_take_spec_files_anywhere(tmp_path: Path) -> None:
+    one = tiny_spec(tmp_path / "elsewhere", "one")
+    tiny_spec(tmp_path / "models", "two")
+    assert spec_paths(tmp_path / "absent", (str(one),)) == [one]  # no model folder needed
+    assert spec_paths(tmp_path / "models", ("two", str(one))) == [tmp_path / "models" / "two.toml", one]
+    with pytest.raises(SpecError, match=r"nowhere.toml: no such spec file"):
+        spec_paths(tmp_path / "models", (str(tmp_path / "nowhere.toml"),))
 
 
 def test_spec_paths_missing_folder(tmp_path: Path) -> None:

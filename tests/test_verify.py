@@ -20,7 +20,7 @@ from attn_export.export.torch_export import export_onnx
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.verify import VerifyOptions, shard_names, verify_artifacts
-from tests.conftest import node, plant, set_initializer, tiny_spec
+from tests.conftest import ZOO_CASES, ZOO_SPECS, node, plant, set_initializer, tiny_spec
 
 FAST = ("--no-latency",)
 
@@ -58,7 +58,8 @@ def _failures(result) -> list[str]:
 def test_correct_zoo_raises_no_false_alarm_five_runs_in_a_row(zoo_dir: Path, seed: int) -> None:
     result = invoke("verify", str(zoo_dir), "--seed", str(seed), *FAST)
     assert result.exit_code == 0, result.output
-    assert "verify PASSED: 78 of 78 cases agree across 6 models" in result.output
+    n = len(ZOO_SPECS)
+    assert f"verify PASSED: {ZOO_CASES} of {ZOO_CASES} cases agree across {n} models" in result.output
 
 
 def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
@@ -145,11 +146,13 @@ def test_planted_nan_on_fully_masked_row_is_caught(zoo_copy: Path) -> None:
     plant(zoo_copy, "sdpa_masked", proto)
     report = verify_artifacts(zoo_copy, load_manifest(zoo_copy), ["sdpa_masked"], VerifyOptions(latency=False))
     failed = [c for c in report.cases if not c.passed]
-    assert len(failed) == len(report.cases)  # every sweep point has a fully masked row
+    assert [c.shape for c in failed] == ["fully-masked-row", "fully-padded-sequence"]  # only they mask a whole row
     for c in failed:
         out = c.comparisons[0]
         assert out.unexpected_nonfinite >= 4 * 32  # at least the planted row, all heads
         assert out.reason().startswith("output: ") and "NaN/Inf where expected is finite, first at [" in out.reason()
+        assert c.notes == ["fully masked rows: torch[cpu] gives mean of V, onnxruntime[cpu] gives NaN"]
+        assert f"--mask-case {c.shape}" in report.reproduce(c)
 
 
 def test_artifact_edited_after_build_is_a_failure(zoo_copy: Path) -> None:

@@ -40,3 +40,35 @@ class LlamaStyleAttention(nn.Module):
         v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class ConventionAttention(nn.Module):
+    """Single-head attention reading its mask in one convention (``attend``, ``ignore``,
+    ``additive``, ``additive-min``, ``binary``); ``flipped`` reads it the other way round, a
+    fault its spec cannot show."""
+
+    def __init__(self, hidden: int = 8, convention: str = "attend", flipped: bool = False) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.convention, self.flipped = convention, flipped
+
+    def _bias(self, mask: torch.Tensor) -> torch.Tensor:
+        """The mask as SDPA reads it: a bool keep-mask or an additive float bias."""
+        if self.convention in ("attend", "ignore", "binary"):
+            keep = mask != 0 if self.convention == "binary" else mask
+            keep = ~keep if self.convention == "ignore" else keep
+            return ~keep if self.flipped else keep
+        if not self.flipped:
+            return mask
+        return torch.where(mask == 0, torch.finfo(mask.dtype).min, torch.zeros((), dtype=mask.dtype))
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bias = self._bias(mask)
+        bias = bias[:, None, None, :] if bias.dim() == 2 else bias[:, None]  # [batch, 1 head, seq or 1, kv_seq]
+        q, k, v = (p(t)[:, None] for p, t in ((self.q_proj, x), (self.k_proj, kv), (self.v_proj, kv)))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)[:, 0]
+
+
+def make_mha(embed_dim: int, num_heads: int, batch_first: bool) -> nn.MultiheadAttention:
+    """A factory function, as a spec's module may name instead of a class."""
+    return nn.MultiheadAttention(embed_dim, num_heads, batch_first=batch_first)

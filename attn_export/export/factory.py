@@ -1,4 +1,5 @@
-"""Instantiate a spec's PyTorch module: import it, construct it, load its weights, eval mode.
+"""Instantiate a spec's PyTorch module: import it, build its config object if it has one,
+construct it, load its weights, eval mode, and call it as the spec says (``adapter``).
 
 Used by build (to export) and verify (to rebuild the original with the same weights).
 """
@@ -11,11 +12,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from attn_export._deps import require
+from attn_export._deps import OPTIONAL, missing, require
 from attn_export.errors import SpecError, first_line
 from attn_export.spec import ModelSpec
 
-__all__ = ["instantiate", "resolve_factory"]
+__all__ = ["adapt", "instantiate", "resolve_object"]
 
 
 def _forget_other_copy(module_name: str, search_path: str | None) -> None:
@@ -29,9 +30,10 @@ def _forget_other_copy(module_name: str, search_path: str | None) -> None:
             del sys.modules[name]
 
 
-def resolve_factory(spec: ModelSpec) -> Any:
-    """Import ``package.module:Attr``, searching the spec's own folder first."""
-    module_name, _, attr_path = spec.module.partition(":")
+def resolve_object(spec: ModelSpec, target: str) -> Any:
+    """Import ``package.module:Attr`` (a class or a factory function), searching the spec's
+    own folder first."""
+    module_name, _, attr_path = target.partition(":")
     _forget_other_copy(module_name, spec.search_path)
     added = spec.search_path is not None and spec.search_path not in sys.path
     if added:
@@ -39,6 +41,9 @@ def resolve_factory(spec: ModelSpec) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top in OPTIONAL:
+            raise missing(top, f"{spec.name} ({target})") from e
         raise SpecError(f"{spec.name}: cannot import module '{module_name}': {e}") from e
     except (Exception, SystemExit) as e:  # a user module may raise anything at import, or exit
         raise SpecError(f"{spec.name}: importing '{module_name}' raised {type(e).__name__}: {e}") from e
@@ -51,8 +56,18 @@ def resolve_factory(spec: ModelSpec) -> Any:
             raise SpecError(f"{spec.name}: module '{module_name}' has no attribute '{attr_path}'")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise SpecError(f"{spec.name}: '{spec.module}' is not callable")
+        raise SpecError(f"{spec.name}: '{target}' is not callable")
     return obj
+
+
+def _construct(spec: ModelSpec, target: str, kwargs: dict[str, Any]) -> Any:
+    factory = resolve_object(spec, target)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise SpecError(f"{spec.name}: kwargs {kwargs} do not fit {target}: {e}") from e
+    except (Exception, SystemExit) as e:  # sys.exit(0) would end the build with success and nothing built
+        raise SpecError(f"{spec.name}: constructing {target} raised {type(e).__name__}: {e}") from e
 
 
 def _load_state_dict(spec: ModelSpec, module: Any) -> None:
@@ -95,17 +110,24 @@ def instantiate(spec: ModelSpec) -> Any:
     loaded with ``weights_only=True`` so a pickle carrying code is refused.
     """
     torch = require("torch", "building the PyTorch module")
-    factory = resolve_factory(spec)
+    from attn_export.export.adapter import wrap
+
+    config = None
+    if spec.config is not None:
+        options = {k: v for k, v in spec.config.items() if k != "class"}
+        config = _construct(spec, spec.config["class"], options)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.weights.seed)
-        try:
-            module = factory(**spec.kwargs)
-        except TypeError as e:
-            raise SpecError(f"{spec.name}: kwargs {spec.kwargs} do not fit {spec.module}: {e}") from e
-        except (Exception, SystemExit) as e:  # sys.exit(0) would end the build with success and nothing built
-            raise SpecError(f"{spec.name}: constructing {spec.module} raised {type(e).__name__}: {e}") from e
+        module = _construct(spec, spec.module, {**spec.kwargs, **({"config": config} if config is not None else {})})
     if not isinstance(module, torch.nn.Module):
         raise SpecError(f"{spec.name}: {spec.module} did not return a torch.nn.Module")
     if spec.weights.path is not None:
         _load_state_dict(spec, module)
-    return module.eval()
+    return wrap(module.eval(), spec, config, lambda target: resolve_object(spec, target))
+
+
+def adapt(module: Any, spec: ModelSpec) -> Any:
+    """A module in hand, in eval mode, called as ``spec`` says (keywords, picks, ``[call]``)."""
+    from attn_export.export.adapter import wrap
+
+    return wrap(module.eval(), spec, None, lambda target: resolve_object(spec, target))

@@ -42,6 +42,9 @@ def junit_xml(report: VerifyReport) -> str:
         props = ET.SubElement(case_el, "properties")
         ET.SubElement(props, "property", name="shapes", value=str(len(cases)))
         ET.SubElement(props, "property", name="seed", value=str(report.seed))
+        notes = [f"{c.shape} {c.sizes}: {n}" for c in cases for n in c.notes]
+        if notes:
+            ET.SubElement(case_el, "system-out").text = "\n".join(notes)
     suite.set("tests", str(len(groups)))
     suite.set("failures", str(failures))
     suite.set("errors", "0")

@@ -52,6 +52,9 @@ def markdown_report(report: VerifyReport) -> str:
     ]
     if problems:
         lines += ["", "#### Failures", "", *problems]
+    notes = [f"- **{c.model}** {c.runtime} {c.shape}: {n}" for c in report.cases for n in c.notes]
+    if notes:
+        lines += ["", "#### Notes", "", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from attn_export.spec.masks import CASES
 from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
 __all__ = ["HEADER", "format_case", "format_distributions", "format_failures", "format_model_rows", "format_summary"]
@@ -17,14 +18,15 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 
 
 def format_case(c: CaseResult) -> str:
-    shape = ",".join(f"{k}={v}" for k, v in c.sizes.items())
+    """One row, then the case's notes indented below it."""
+    shape = ",".join(f"{k}={v}" for k, v in c.sizes.items()) + (f" {c.shape}" if c.shape in CASES else "")
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
     return (
         f"{c.model:<18} {c.runtime:<18} {shape:<30} {c.distribution:<8} {'PASS' if c.passed else 'FAIL':<6} "
         f"{_num(c.max_abs_error, '9.2e'):>9} {_num(c.max_rel_error, '9.2e'):>9} "
         f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}" + ("  noisy" if c.noise else "")
-    )
+    ) + "".join(f"\n    note: {n}" for n in c.notes)
 
 
 def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> str:

@@ -25,7 +25,7 @@ def check_feeds(
     dims: Mapping[str, DimRange] | None = None,
 ) -> None:
     """Refuse feeds with wrong names, dtypes, ranks or static dims, inconsistent or
-    out-of-range symbolic dims, and NaN or Inf values."""
+    out-of-range symbolic dims, and NaN or Inf values (an additive mask may hold -inf)."""
     want = [t.name for t in inputs]
     missing = [n for n in want if n not in feeds]
     extra = [n for n in feeds if n not in want]
@@ -43,8 +43,11 @@ def check_feeds(
         for axis, d in enumerate(t.shape):
             if isinstance(d, int) and arr.shape[axis] != d:
                 raise InputError(f"input '{t.name}' axis {axis} is {arr.shape[axis]}, expected {d}")
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise InputError(f"input '{t.name}' holds NaN or Inf")
+        if arr.dtype.kind == "f":
+            additive = t.convention == "additive"
+            if not np.isfinite(np.where(arr == -np.inf, 0, arr) if additive else arr).all():
+                allowed = " (an additive mask may hold -inf, nothing else)" if additive else ""
+                raise InputError(f"input '{t.name}' holds NaN or Inf{allowed}")
     sizes = sizes_from_feeds(inputs, {k: v.shape for k, v in feeds.items()})
     for name, size in sizes.items():
         if dims and name in dims and not dims[name].min <= size <= dims[name].max:

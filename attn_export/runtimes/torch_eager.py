@@ -72,7 +72,10 @@ class TorchRuntime(Runtime):
         values = result if isinstance(result, tuple | list) else (result,)
         names = [t.name for t in self.outputs]
         if len(values) != len(names):
-            raise RuntimeFailure(f"{self.name}: module returned {len(values)} outputs, spec declares {len(names)}")
+            raise RuntimeFailure(
+                f"{self.name}: module returned {len(values)} outputs, spec declares {len(names)} "
+                "(choose with pick = <index or name> in each [[outputs]])"
+            )
         return {n: v.detach().cpu().numpy() for n, v in zip(names, values, strict=True)}
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError
+from attn_export.spec.masks import PATTERNS
 from attn_export.spec.tolerance import Tolerance
 from attn_export.spec.variants import VARIANTS
 
 __all__ = [
     "DTYPES",
     "EXPORTERS",
+    "FULLY_MASKED",
     "MASK_KINDS",
     "MAX_DIM",
     "MODES",
@@ -31,7 +33,10 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "float16", "float64", "int32", "int64", "bool")
-MASK_KINDS = ("random", "padding", "causal")
+MASK_KINDS = PATTERNS
+#: What build and verify do where PyTorch and the graph disagree on a fully masked row:
+#: "match" repairs the graph or fails; "ignore" compares only rows that attend to something.
+FULLY_MASKED = ("match", "ignore")
 EXPORTERS = ("dynamo", "torchscript")
 MODES = ("eval", "train")
 #: Refused before allocating: sizes above this would not fit any machine we verify on.
@@ -53,18 +58,23 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int | str, ...]
-    #: For boolean mask inputs: how verification fills them ("random", "padding", "causal").
+    #: For mask inputs: how verification fills them (``masks.PATTERNS``).
     mask: str | None = None
+    #: For mask inputs: how the module reads a value (``masks.CONVENTIONS``).
+    convention: str | None = None
+    #: For mask inputs: which axes are batch, heads, query and key (``masks.LAYOUTS``).
+    layout: str | None = None
+    #: For inputs: the forward() keyword it is passed as; None passes it by position.
+    arg: str | None = None
+    #: For outputs: the index or name it is taken from when the module returns several.
+    pick: int | str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        if self.mask is not None:
-            d["mask"] = self.mask
+        for key in ("mask", "convention", "layout", "arg", "pick"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
-        return cls(d["name"], d["dtype"], tuple(d["shape"]), d.get("mask"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,12 @@ class ModelSpec:
     #: Build even where the module's Python code narrows a declared range or freezes a
     #: traced value (the export then holds only for part of the range; verify judges it).
     accept_guards: bool = False
+    #: A config object built first and passed as ``config=``: its class and its kwargs.
+    config: dict[str, Any] | None = None
+    #: Extra forward() keywords: plain values, or tables computing them (``export.adapter``).
+    call: dict[str, Any] = field(default_factory=dict)
+    #: "match": fully masked rows must give PyTorch's result; "ignore": they are not compared.
+    fully_masked: str = "match"
     #: The spec file's folder: searched first when importing ``module``. Only ever set from
     #: a spec file in the checkout, never from a manifest.
     search_path: str | None = None
@@ -151,7 +167,15 @@ class ModelSpec:
             "variants": {k: _tolerance_dict(v) for k, v in self.variant_tolerances.items()},
             "typical": dict(self.typical),
             "accept_guards": self.accept_guards,
+            **({"config": self.config} if self.config is not None else {}),
+            **({"call": self.call} if self.call else {}),
+            **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
         } | ({"max_memory": self.max_memory} if self.max_memory else {})
+
+    @property
+    def masks(self) -> tuple[TensorSpec, ...]:
+        """The mask inputs."""
+        return tuple(t for t in self.inputs if t.mask is not None)
 
     def content_hash(self) -> str:
         """sha256 of what determines the exported graph: the spec's content and the weights

@@ -6,16 +6,20 @@ a key's line when the key occurs once in the file, else the line of its table's 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError, UsageError
+from attn_export.spec.masks import CONVENTIONS, LAYOUTS, default_layout
 from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
     DTYPES,
     EXPORTERS,
+    FULLY_MASKED,
     MASK_KINDS,
     MAX_DIM,
     MODES,
@@ -45,8 +49,14 @@ _TOP_KEYS = {
     "typical",
     "accept_guards",
     "max_memory",
+    "config",
+    "call",
+    "fully_masked",
 }
-_TENSOR_KEYS = {"name", "dtype", "shape", "mask"}
+_TENSOR_KEYS = {"name", "dtype", "shape"}
+_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg"}
+_OUTPUT_KEYS = _TENSOR_KEYS | {"pick"}
+_OBJECT = re.compile(r"[\w.]+:[\w.]+")
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
 _TOL_KEYS = {"atol", "rtol", "allow_nan", "outputs"}
@@ -129,6 +139,46 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     )
 
 
+def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dtype: str, rank: int) -> dict[str, Any]:
+    """The mask keys of one input: pattern, convention (default True = attend for bool) and
+    an explicit layout (else resolved from the rank in ``_resolve_layouts``)."""
+    mask, convention, layout = raw.get("mask"), raw.get("convention"), raw.get("layout")
+    if mask is None:
+        for key in ("convention", "layout"):
+            if key in raw:
+                raise bad(f"input '{name}': '{key}' applies to masks; add mask = one of {', '.join(MASK_KINDS)}", key)
+        return {}
+    if mask not in MASK_KINDS:
+        raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
+    if convention is None and dtype != "bool":
+        fits = [c.name for c in CONVENTIONS.values() if dtype in c.dtypes]
+        raise bad(f"input '{name}': a {dtype} mask needs a convention ({', '.join(fits)})", "mask")
+    convention = convention or "attend"
+    if convention not in CONVENTIONS:
+        raise bad(f"input '{name}': convention {convention!r} is not one of {', '.join(CONVENTIONS)}", "convention")
+    if dtype not in CONVENTIONS[convention].dtypes:
+        allowed = ", ".join(CONVENTIONS[convention].dtypes)
+        raise bad(
+            f"input '{name}': a mask with convention {convention!r} must have dtype {allowed}, not {dtype}", "dtype"
+        )
+    if layout is not None and (layout not in LAYOUTS or len(LAYOUTS[layout]) != rank):
+        fits = [k for k, roles in LAYOUTS.items() if len(roles) == rank]
+        raise bad(f"input '{name}': layout {layout!r} does not fit its {rank} dims (fits: {', '.join(fits)})", "layout")
+    if rank < 2 or rank > 4:
+        raise bad(
+            f"input '{name}': a mask needs 2 to 4 dims ([batch, kv_seq] ... [batch, heads, seq, kv_seq])", "shape"
+        )
+    return {"mask": mask, "convention": convention, "layout": layout}
+
+
+def _pick(bad: Callable[..., SpecError], raw: dict[str, Any], name: str) -> int | str | None:
+    pick = raw.get("pick")
+    ok_index = isinstance(pick, int) and not isinstance(pick, bool) and pick >= 0
+    if pick is not None and not ok_index and not (isinstance(pick, str) and _NAME.fullmatch(pick)):
+        raise bad(f"output '{name}': pick must be an index (0, 1, ...) or an attribute name, got {pick!r}", "pick")
+    return pick  # type: ignore[no-any-return]
+
+
 def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
     context, is_input = f"{kind}[{index}]", kind == "inputs"
 
@@ -137,8 +187,8 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
 
     if not isinstance(raw, dict):
         raise bad(f"{context} must be a table with name, dtype and shape")
+    allowed = _INPUT_KEYS if is_input else _OUTPUT_KEYS
     for key in raw:
-        allowed = _TENSOR_KEYS if is_input else _TENSOR_KEYS - {"mask"}
         if key not in allowed:
             raise bad(f"unknown key '{key}' in {context} (expected one of: {', '.join(sorted(allowed))})", key)
     name = raw.get("name")
@@ -155,22 +205,42 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
         ok_symbolic = isinstance(dim, str) and _NAME.fullmatch(dim)
         if not (ok_static or ok_symbolic):
             raise bad(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
-    mask = raw.get("mask")
-    if mask is not None:
-        if mask not in MASK_KINDS:
-            raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
-        if dtype != "bool":
-            raise bad(f"input '{name}': a mask must have dtype bool, not {dtype}", "dtype")
-        if len(shape) < 2:
-            raise bad(f"input '{name}': a mask needs at least [seq, kv_seq] dims", "shape")
-    return TensorSpec(name, dtype, tuple(shape), mask)
+    if not is_input:
+        return TensorSpec(name, dtype, tuple(shape), pick=_pick(bad, raw, name))
+    arg = raw.get("arg")
+    if arg is not None and not (isinstance(arg, str) and _NAME.fullmatch(arg)):
+        raise bad(f"input '{name}': arg must be a forward() keyword name, got {arg!r}", "arg")
+    return TensorSpec(name, dtype, tuple(shape), arg=arg, **_mask_keys(bad, raw, name, dtype, len(shape)))
+
+
+def _resolve_layouts(where: _Where, inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """Give every mask its layout; the batch dim is the first dim of the first other input."""
+    batch = next((t.shape[0] for t in inputs if t.mask is None), None)
+    resolved = []
+    for i, t in enumerate(inputs):
+        if t.mask is not None:
+            layout = t.layout or default_layout(t.shape, batch)
+            assert layout is not None  # the rank was checked
+            if t.mask == "causal" and "query" not in LAYOUTS[layout]:
+                raise where.error(
+                    f"input '{t.name}': a causal mask needs a query axis; {layout} has none", "mask", "inputs", i
+                )
+            t = dataclasses.replace(t, layout=layout)
+        resolved.append(t)
+    return tuple(resolved)
 
 
 def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec, ...]:
     items = raw.get(kind)
     if not isinstance(items, list) or not items:
         raise where.error(f"the spec needs at least one [[{kind}]] entry", kind)
-    return tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+    tensors = tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+    if kind == "inputs":
+        return _resolve_layouts(where, tensors)
+    picks = [t.pick is not None for t in tensors]
+    if any(picks) and not all(picks):
+        raise where.error("either every output has 'pick' or none has", "pick", "outputs")
+    return tensors
 
 
 def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
@@ -313,6 +383,39 @@ def _description(where: _Where, raw: dict[str, Any]) -> str:
     return value
 
 
+def _config(where: _Where, raw: dict[str, Any]) -> dict[str, Any] | None:
+    """``config = { class = "package.module:Config", ... }``: built first, passed as ``config=``."""
+    if "config" not in raw:
+        return None
+    table = _table(where, raw, "config", 'a table like { class = "transformers:BertConfig", hidden_size = 64 }')
+    cls = table.get("class")
+    if not isinstance(cls, str) or not _OBJECT.fullmatch(cls):
+        raise where.error(f"config needs class = 'package.module:Class', got {cls!r}", "class", "config")
+    return dict(table)
+
+
+def _call(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, Any]:
+    """Extra forward() keywords: plain values, ``{ positions_of = "<input>" }`` (position ids
+    from that input's [batch, seq]) or ``{ rotary = "package.module:Class", positions_of =
+    "<input>" }`` (the module built from the spec's config, called with the input and its
+    position ids)."""
+    table = _table(where, raw, "call", "a table of forward() keywords")
+    names = {t.name for t in inputs}
+    taken = {t.arg for t in inputs if t.arg}
+    for key, value in table.items():
+        if not _NAME.fullmatch(key) or key in taken:
+            raise where.error(f"call.{key}: not a keyword name, or an input is already passed as it", key, "call")
+        if not isinstance(value, dict):
+            continue
+        _check_keys(where, value, {"positions_of", "rotary"}, f"call.{key}", "call")
+        if value.get("positions_of") not in names:
+            raise where.error(f"call.{key}: positions_of must name an input ({', '.join(sorted(names))})", key, "call")
+        rotary = value.get("rotary")
+        if rotary is not None and not (isinstance(rotary, str) and _OBJECT.fullmatch(rotary)):
+            raise where.error(f"call.{key}: rotary must look like 'package.module:Class'", key, "call")
+    return dict(table)
+
+
 def spec_from_dict(
     raw: dict[str, Any], *, path: Path | None = None, text: str = "", folder: Path | None = None
 ) -> ModelSpec:
@@ -333,7 +436,7 @@ def spec_from_dict(
         # model 'mha' built with --variant int8 is 'mha.int8' too: one would silently replace the other
         raise where.error(f"model name {name!r} ends in the variant name '.{suffix}'; rename the spec", "name")
     module = raw.get("module")
-    if not isinstance(module, str) or not re.fullmatch(r"[\w.]+:[\w.]+", module):
+    if not isinstance(module, str) or not _OBJECT.fullmatch(module):
         raise where.error(f"'module' must look like 'package.module:Class', got {module!r}", "module")
     kwargs = _table(where, raw, "kwargs", "a table")
     inputs, outputs = _tensors(where, raw, "inputs"), _tensors(where, raw, "outputs")
@@ -362,6 +465,9 @@ def spec_from_dict(
         accept_guards=_flag(where, raw, "accept_guards"),
         search_path=str(folder) if folder is not None else None,
         max_memory=_max_memory(where, raw),
+        config=_config(where, raw),
+        call=_call(where, raw, inputs),
+        fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
     )
 
 
@@ -383,7 +489,14 @@ def load_spec(path: Path) -> ModelSpec:
 
 
 def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
-    """The spec files of a model folder (sorted), or just the named models'."""
+    """The spec files of a model folder (sorted), or the named ones: a name is a model in
+    the folder or the path of a ``.toml`` spec file anywhere."""
+    files = {n: Path(n) for n in names if n.endswith(".toml")}
+    for path in files.values():
+        if not path.is_file():
+            raise SpecError(f"{path}: no such spec file")
+    if names and len(files) == len(names):
+        return [files[n] for n in dict.fromkeys(names)]
     if not models_dir.is_dir():
         raise SpecError(f"{models_dir}: no such model directory (pass --models DIR)")
     paths = sorted(models_dir.glob("*.toml"))
@@ -392,7 +505,10 @@ def spec_paths(models_dir: Path, names: tuple[str, ...] = ()) -> list[Path]:
     if not names:
         return paths
     by_name = {p.stem: p for p in paths}
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in names if n not in by_name and n not in files]
     if unknown:
-        raise SpecError(f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))})")
-    return [by_name[n] for n in dict.fromkeys(names)]
+        raise SpecError(
+            f"unknown model {', '.join(repr(n) for n in unknown)} (known: {', '.join(sorted(by_name))}; "
+            "or give a spec file's path)"
+        )
+    return [files[n] if n in files else by_name[n] for n in dict.fromkeys(names)]

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attn_export.errors import InputError
+from attn_export.spec.masks import CASES, PATTERN, case_applies
 from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "corner_points",
     "example_sizes",
     "golden_points",
+    "mask_cases",
     "parse_shapes",
     "sizes_from_feeds",
     "sweep",
@@ -35,6 +37,8 @@ class ShapePoint:
 
     label: str
     sizes: dict[str, int] = field(hash=False)
+    #: ``masks.PATTERN``, or the named mask case (``masks.CASES``) the point feeds.
+    case: str = PATTERN
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.sizes.items())
@@ -71,10 +75,21 @@ def _clamp(dims: Mapping[str, DimRange], sizes: Mapping[str, int], cap: int | No
     return {k: max(dims[k].min, min(v, cap)) for k, v in sizes.items()}
 
 
+def mask_cases(spec: ModelSpec) -> list[str]:
+    """The named mask cases that apply to ``spec``'s masks (none without a mask)."""
+    return [c for c in CASES if any(case_applies(c, t.layout or "", t.shape) for t in spec.masks)]
+
+
+def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:
+    """Each named mask case at ``sizes``, labelled by the case: its own case, never mixed in."""
+    return [ShapePoint(case, dict(sizes), case) for case in mask_cases(spec)]
+
+
 def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None = None) -> list[ShapePoint]:
     """The default verification sweep: minimum sizes, distinct sizes, maximum sizes,
     skewed points where neighbouring dims sit at opposite ends (query length != kv length),
-    and seeded random points. Duplicates are dropped; ``cap`` bounds every size for slow runtimes.
+    seeded random points, then the named mask cases at the distinct sizes. Duplicates are
+    dropped; ``cap`` bounds every size for slow runtimes.
     """
     dims = spec.dims
     names = list(dims)
@@ -105,7 +120,7 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
         if key not in seen:
             seen.add(key)
             points.append(ShapePoint(f"random-{n_random + extra}", sizes))
-    return points
+    return points + _mask_points(spec, _clamp(dims, example_sizes(spec), cap))
 
 
 def corner_points(spec: ModelSpec) -> list[ShapePoint]:
@@ -144,7 +159,7 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     unique: dict[tuple[int, ...], ShapePoint] = {}
     for p in points:
         unique.setdefault(tuple(p.sizes.values()), p)
-    return list(unique.values())
+    return list(unique.values()) + _mask_points(spec, example_sizes(spec))
 
 
 def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:

@@ -1,0 +1,257 @@
+"""The Python API: the commands as functions that return their result objects, and two for
+a module in hand, with no TOML file.
+
+``build`` and ``verify`` report failures as data (``BuildSummary``, ``VerifyReport``), as
+the commands do; ``export`` raises the first failing check; ``assert_onnx_matches`` raises
+AssertionError with the numbers of every failing case. Bad input is a UsageError.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
+from attn_export.errors import UsageError
+from attn_export.export.factory import adapt
+from attn_export.export.graph_checks import graph_shapes
+from attn_export.runtimes import resolve_targets
+from attn_export.runtimes.target import DEFAULT_RUNTIME
+from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import example_sizes
+from attn_export.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
+
+__all__ = ["assert_onnx_matches", "build", "export", "verify"]
+
+Shape = Sequence[int | str]
+#: An input as a shape, or as a table like a spec's [[inputs]] entry (dtype, mask, ...).
+InputSpec = Shape | Mapping[str, Any]
+#: A dim's range as (min, max) or {"min": .., "max": ..}.
+DimSpec = tuple[int, int] | Mapping[str, int]
+
+
+def build(
+    specs: str | Path | Sequence[str | Path] = "models",
+    out: str | Path = "build",
+    *,
+    variants: Sequence[str] = ("fp32",),
+    force: bool = False,
+    opset: int | None = None,
+    exporter: str | None = None,
+    provider: str = "cpu",
+) -> BuildSummary:
+    """Build spec files, or every spec of a folder, into ``out``: ``attn-export build``."""
+    items = [specs] if isinstance(specs, str | Path) else list(specs)
+    folders = [Path(p) for p in items if Path(p).is_dir()]
+    paths = [p for folder in folders for p in spec_paths(folder)]
+    paths += spec_paths(Path("."), tuple(str(p) for p in items if not Path(p).is_dir()))
+    options = BuildOptions(Path(out), opset, exporter, force, variants=tuple(variants), provider=provider)
+    return build_models(paths, options)
+
+
+def verify(
+    artifacts: str | Path | Sequence[str | Path] = "build",
+    *,
+    models: str | Path = "models",
+    golden: bool = False,
+    shapes: Sequence[Mapping[str, int]] | None = None,
+    seed: int = 0,
+    n_random: int = 2,
+    atol: float | None = None,
+    rtol: float | None = None,
+    providers: Sequence[str] = ("cpu",),
+    runtimes: Sequence[str] = (DEFAULT_RUNTIME,),
+    latency: bool = False,
+) -> VerifyReport:
+    """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
+    off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``."""
+    paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
+    out_dir, manifest, names = select_models(paths)
+    options = VerifyOptions(
+        targets=resolve_targets(runtimes, providers),
+        models_dir=Path(models),
+        golden=golden,
+        shapes=shapes,
+        seed=seed,
+        n_random=n_random,
+        atol=atol,
+        rtol=rtol,
+        latency=latency,
+    )
+    return verify_artifacts(out_dir, manifest, names, options)
+
+
+def _name(module: Any, name: str | None) -> str:
+    return name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
+
+
+def _dims(dims: Mapping[str, DimSpec]) -> dict[str, dict[str, int]]:
+    out = {}
+    for k, v in dims.items():
+        lo, hi = (v["min"], v["max"]) if isinstance(v, Mapping) else v
+        out[k] = {"min": lo, "max": hi}
+    return out
+
+
+def _tensors(tensors: Mapping[str, InputSpec]) -> list[dict[str, Any]]:
+    return [{"name": n, **(dict(t) if isinstance(t, Mapping) else {"shape": list(t)})} for n, t in tensors.items()]
+
+
+def _spec(module: Any, raw: dict[str, Any]) -> ModelSpec:
+    cls = type(module)
+    raw = {"module": f"{cls.__module__}:{cls.__qualname__}", **raw}
+    return spec_from_dict(raw)
+
+
+def _output_shapes(module: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Outputs read off the module's result at two sets of sizes: an axis that follows a
+    dim is named for it, one that stays is static."""
+    probe = _spec(module, {**raw, "outputs": [{**raw["inputs"][0], "name": "_probe"}]})
+    first = example_sizes(probe)
+    second = {k: v + 1 if v < probe.dims[k].max else v - 1 for k, v in first.items()}
+    runs = []
+    for sizes in (first, second):
+        feeds = make_feeds(probe, sizes, 0)
+        runs.append(_call(adapt(module, probe), [feeds[t.name] for t in probe.inputs]))
+    outputs = []
+    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+        shape: list[int | str] = []
+        for axis, (sa, sb) in enumerate(zip(a.shape, b.shape, strict=True)):
+            dim = next((k for k in first if (first[k], second[k]) == (sa, sb)), None)
+            if sa == sb:
+                shape.append(int(sa))
+            elif dim is None:
+                raise UsageError(f"output {i} axis {axis} follows no dim; pass outputs= with its shape")
+            else:
+                shape.append(dim)
+        outputs.append({"name": "output" if i == 0 else f"output_{i}", "shape": shape})
+    return outputs
+
+
+def _call(module: Any, arrays: list[np.ndarray]) -> list[Any]:
+    import torch
+
+    with torch.no_grad():
+        result = module(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+    values = result if isinstance(result, tuple | list) else (result,)
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise UsageError("the module returns values that are not tensors; pass outputs= with a pick for each")
+    return list(values)
+
+
+def export(
+    module: Any,
+    inputs: Mapping[str, InputSpec],
+    dims: Mapping[str, DimSpec],
+    *,
+    outputs: Mapping[str, InputSpec] | None = None,
+    path: str | Path = "model.onnx",
+    name: str | None = None,
+    opset: int = 18,
+    exporter: str = "dynamo",
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    fully_masked: str = "match",
+    call: Mapping[str, Any] | None = None,
+) -> BuildResult:
+    """Export a module in hand with dynamic axes, check the graph, compare it with the
+    module (shapes and named mask cases, as build does) and write it to ``path``.
+
+    ``inputs`` maps each forward() input, in order, to its shape (strings are dims) or to a
+    table like a spec's [[inputs]] entry; ``dims`` maps each dim to (min, max).
+    ``outputs`` defaults to the module's outputs in order, their dims read off its result.
+    Raises the first failing check (CheckFailed) or UsageError.
+    """
+    raw: dict[str, Any] = {
+        "name": _name(module, name),
+        "inputs": _tensors(inputs),
+        "dims": _dims(dims),
+        "opset": opset,
+        "exporter": exporter,
+        "tolerance": {"atol": atol, "rtol": rtol},
+        "fully_masked": fully_masked,
+        **({"call": dict(call)} if call else {}),
+    }
+    raw["outputs"] = _tensors(outputs) if outputs else _output_shapes(module, raw)
+    spec = _spec(module, raw)
+    return export_module(adapt(module, spec), spec, Path(path))
+
+
+_ELEM_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
+}
+
+
+def _graph_tensors(
+    values: Sequence[Any], shapes: Mapping[str, Sequence[int | str | None]], overrides: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Graph inputs or outputs as a spec's [[inputs]]/[[outputs]] entries."""
+    out = []
+    for v in values:
+        dtype = _ELEM_TYPES.get(v.type.tensor_type.elem_type)
+        if dtype is None:
+            raise UsageError(f"'{v.name}' has an element type attn-export does not feed")
+        if None in shapes[v.name]:
+            raise UsageError(f"'{v.name}' has an axis with neither a size nor a name in the graph")
+        out.append({"name": v.name, "dtype": dtype, "shape": list(shapes[v.name]), **overrides.get(v.name, {})})
+    return out
+
+
+def assert_onnx_matches(
+    module: Any,
+    path: str | Path,
+    dims: Mapping[str, DimSpec],
+    *,
+    inputs: Mapping[str, Mapping[str, Any]] | None = None,
+    outputs: Mapping[str, Mapping[str, Any]] | None = None,
+    call: Mapping[str, Any] | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    seed: int = 0,
+    n_random: int = 2,
+    fully_masked: str = "match",
+) -> None:
+    """Assert that the ONNX file at ``path`` gives ``module``'s numbers over verify's sweep,
+    named mask cases included, by verify's pass rule.
+
+    Inputs and outputs (names, dtypes, symbolic dims) are read from the graph; ``dims``
+    gives each symbolic dim its range. ``inputs`` and ``outputs`` add keys to an entry, as
+    in a spec (``{"mask": {"mask": "padding", "convention": "ignore"}}``, ``{"output":
+    {"pick": 0}}``), and ``call`` adds forward() keywords.
+    """
+    file = Path(path)
+    proto = load_model_file(file)
+    graph, shapes = proto.graph, graph_shapes(proto)
+    weights = {i.name for i in graph.initializer}
+    raw = {
+        "name": _name(module, None),
+        "inputs": _graph_tensors([i for i in graph.input if i.name not in weights], shapes, inputs or {}),
+        "outputs": _graph_tensors(graph.output, shapes, outputs or {}),
+        "dims": _dims(dims),
+        "tolerance": {"atol": atol, "rtol": rtol},
+        "fully_masked": fully_masked,
+        **({"call": dict(call)} if call else {}),
+    }
+    spec = _spec(module, raw)
+    options = VerifyOptions(seed=seed, n_random=n_random, latency=False)
+    cases = verify_module(spec.name, adapt(module, spec), spec, file, options)
+    failed = [c for c in cases if not c.passed]
+    if failed:
+        lines = [f"{file.name} differs from {type(module).__name__} in {len(failed)} of {len(cases)} cases:"]
+        for c in failed:
+            sizes = ",".join(f"{k}={v}" for k, v in c.sizes.items())
+            lines.append(f"  {c.shape} ({sizes}, seed {c.seed}): {'; '.join(c.reasons())}")
+            lines += [f"    note: {n}" for n in c.notes]
+        raise AssertionError("\n".join(lines))

@@ -1,0 +1,96 @@
+"""Call a module the way its spec says, so library layers need no hand-written wrapper.
+
+The spec's tensors stay the graph's only inputs and outputs; around them the adapter
+passes inputs by keyword (``arg``), adds forward() keywords from ``[call]`` (plain values,
+position ids, rotary embeddings computed from the sequence length inside the graph), and
+picks outputs from a tuple or a model-output object by index or name (``pick``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from attn_export.errors import SpecError
+from attn_export.spec import ModelSpec
+
+__all__ = ["SpecCall", "needs_adapter", "pick_outputs", "wrap"]
+
+
+def needs_adapter(spec: ModelSpec) -> bool:
+    """Whether the module cannot be called as ``module(*inputs)`` with its outputs in order."""
+    return bool(spec.call) or any(t.arg for t in spec.inputs) or any(t.pick is not None for t in spec.outputs)
+
+
+def _pick(result: Any, pick: int | str) -> Any:
+    if isinstance(pick, int):
+        try:
+            return result[pick]
+        except (IndexError, KeyError, TypeError):
+            n = len(result) if isinstance(result, tuple | list) else 1
+            raise SpecError(f"pick = {pick}: the module returned {n} output(s) ({type(result).__name__})") from None
+    if hasattr(result, pick):
+        return getattr(result, pick)
+    if isinstance(result, Mapping) and pick in result:
+        return result[pick]
+    names = ", ".join(result) if isinstance(result, Mapping) else "no names"
+    raise SpecError(f"pick = {pick!r}: the module returned a {type(result).__name__} with {names}")
+
+
+def pick_outputs(result: Any, picks: list[int | str | None]) -> Any:
+    """The outputs the spec names, as a tuple; ``result`` unchanged when no output picks."""
+    if all(p is None for p in picks):
+        return result
+    return tuple(_pick(result, p) for p in picks if p is not None)
+
+
+class SpecCall(torch.nn.Module):
+    """The spec's module inside an nn.Module whose forward takes the spec's inputs in order."""
+
+    def __init__(self, module: torch.nn.Module, spec: ModelSpec, rotary: dict[str, torch.nn.Module]) -> None:
+        super().__init__()
+        self.module = module
+        self.rotary = torch.nn.ModuleDict(rotary)
+        self.spec = spec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        inputs = self.spec.inputs
+        by_name = {t.name: x for t, x in zip(inputs, tensors, strict=True)}
+        args = [x for t, x in zip(inputs, tensors, strict=True) if t.arg is None]
+        kwargs: dict[str, Any] = {t.arg: x for t, x in zip(inputs, tensors, strict=True) if t.arg is not None}
+        for key, how in self.spec.call.items():
+            if not isinstance(how, dict):
+                kwargs[key] = how
+                continue
+            x = by_name[how["positions_of"]]
+            positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0).expand(x.shape[0], -1)
+            kwargs[key] = self.rotary[key](x, positions) if key in self.rotary else positions
+        return pick_outputs(self.module(*args, **kwargs), [t.pick for t in self.spec.outputs])
+
+
+def wrap(module: torch.nn.Module, spec: ModelSpec, config: Any, resolve: Callable[[str], Any]) -> torch.nn.Module:
+    """``module`` called as ``spec`` says; rotary modules are built from the spec's config."""
+    if not needs_adapter(spec):
+        return module
+    rotary = {
+        key: resolve(how["rotary"])(**({"config": config} if config is not None else {}))
+        for key, how in spec.call.items()
+        if isinstance(how, dict) and "rotary" in how
+    }
+    return _with_arity(len(spec.inputs))(module, spec, rotary).eval()
+
+
+def _with_arity(n: int) -> type[SpecCall]:
+    """SpecCall whose forward declares ``n`` positional inputs, as torch.export matches
+    dynamic shapes to parameters (``*tensors`` would be one)."""
+
+    def forward(self: SpecCall, *tensors: torch.Tensor) -> Any:
+        return SpecCall.forward(self, *tensors)
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", kind), *(inspect.Parameter(f"input_{i}", kind) for i in range(n))]
+    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return type("SpecCall", (SpecCall,), {"forward": forward})

@@ -1,0 +1,195 @@
+"""Fully masked rows: what each runner gives there, build's repair where the graph differs
+from PyTorch, and the comparisons verify makes under the spec's ``fully_masked``.
+
+What a row gives is told apart by running the graph rewritten both ways
+(``export.masked_softmax``): "0" (PyTorch's safe softmax), "mean of V" (uniform weights),
+"NaN", "other", or "unknown" where the graph has no Softmax to rewrite. The rewrites are
+also the repairs: where PyTorch gives one of them and the graph does not, build keeps the
+rewritten graph, checked and compared like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.compare import OutputComparison, compare_outputs
+from attn_export.errors import GraphCheckError
+from attn_export.export.graph_checks import check_dynamic_axes, check_model
+from attn_export.export.masked_softmax import REWRITES, rewrite_softmax
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.masks import CASES, keep_of, masked_row_selector
+from attn_export.spec.shapes import concrete_shape
+
+__all__ = ["FullyMaskedRows", "settle"]
+
+
+def _blank(values: Mapping[str, np.ndarray], selectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``values`` with the selected elements set to 0 (where the shapes fit)."""
+    out = dict(values)
+    for name, sel in selectors.items():
+        if name in out and out[name].shape == sel.shape:
+            out[name] = np.where(sel, np.zeros((), out[name].dtype), out[name])
+    return out
+
+
+def _agree(expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], tol: Mapping[str, Tolerance]) -> bool:
+    return all(c.passed for c in compare_outputs(expected, actual, tol))
+
+
+class FullyMaskedRows:
+    """Judges the named mask cases of one graph; the rewritten graphs it classifies with
+    are made and loaded on first use (ONNX Runtime, CPU)."""
+
+    def __init__(self, spec: ModelSpec, model: Path | bytes, tolerances: Mapping[str, Tolerance]) -> None:
+        self.spec = spec
+        self.model = model
+        self.tolerances = dict(tolerances)
+        self._rewritten: dict[str, tuple[bytes, int]] = {}
+        self._sessions: dict[str, OnnxRuntime] = {}
+
+    def rewritten(self, mode: str) -> tuple[bytes, int]:
+        """The graph with every Softmax rewritten (``masked_softmax.REWRITES``), and how many were."""
+        if mode not in self._rewritten:
+            proto = load_model_file(self.model) if isinstance(self.model, Path) else onnx.load_from_string(self.model)
+            rewritten, count = rewrite_softmax(proto, mode)
+            self._rewritten[mode] = (rewritten.SerializeToString(deterministic=True), count)
+        return self._rewritten[mode]
+
+    def _run(self, mode: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if mode not in self._sessions:
+            spec = self.spec
+            self._sessions[mode] = OnnxRuntime(self.rewritten(mode)[0], spec.inputs, spec.outputs, spec.dims)
+            self._sessions[mode].activate()
+        return self._sessions[mode].run(feeds)
+
+    def __enter__(self) -> FullyMaskedRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for session in self._sessions.values():
+            session.deactivate()
+        self._sessions.clear()
+
+    def selectors(self, case: GoldenCase) -> dict[str, np.ndarray]:
+        """Per output, the elements in rows that attend to nothing (any mask's)."""
+        out = {}
+        for o in self.spec.outputs:
+            sizes = concrete_shape(o, case.sizes)
+            sel = np.zeros(sizes, dtype=bool)
+            for t in self.spec.masks:
+                assert t.convention is not None and t.layout is not None
+                keep = keep_of(t.convention, case.inputs[t.name])
+                sel = sel | masked_row_selector(t.layout, t.shape, keep, o.shape, sizes)
+            out[o.name] = sel
+        return out
+
+    def behaviours(self, case: GoldenCase, *runs: Mapping[str, np.ndarray]) -> list[str]:
+        """What each of ``runs`` gives in the fully masked rows of ``case``."""
+        sel = self.selectors(case)
+
+        def rows(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return {n: values[n][s] for n, s in sel.items() if n in values and values[n].shape == s.shape}
+
+        refs = {REWRITES[mode]: rows(self._run(mode, case.inputs)) for mode in REWRITES}
+        tol = self.tolerances
+        if _agree(refs["0"], refs["mean of V"], tol):
+            return ["unknown" for _ in runs]  # no Softmax the rewrites could tell apart
+        found = []
+        for values in runs:
+            picked = rows(values)
+            if not all(np.isfinite(v).all() for v in picked.values() if v.dtype.kind == "f"):
+                found.append("NaN")
+                continue
+            found.append(next((name for name, ref in refs.items() if _agree(ref, picked, tol)), "other"))
+        return found
+
+    def compare(
+        self, case: GoldenCase, actual: Mapping[str, np.ndarray], runners: tuple[str, str]
+    ) -> tuple[list[OutputComparison], list[str]]:
+        """Comparisons for one case, and notes for the report: a named mask case says what
+        its fully masked rows give on both sides and, under ``fully_masked = "ignore"``,
+        leaves them out."""
+        if case.label not in CASES:
+            return compare_outputs(case.outputs, actual, self.tolerances, case.floors), []
+        expected_gives, actual_gives = self.behaviours(case, case.outputs, actual)
+        notes = [f"fully masked rows: {runners[0]} gives {expected_gives}, {runners[1]} gives {actual_gives}"]
+        if self.spec.fully_masked != "ignore":
+            return compare_outputs(case.outputs, actual, self.tolerances, case.floors), notes
+        sel = self.selectors(case)
+        skipped, total = sum(int(s.sum()) for s in sel.values()), sum(s.size for s in sel.values())
+        notes.append(
+            f'fully_masked = "ignore": {skipped} of {total} output elements (rows attending to nothing) not compared'
+        )
+        return compare_outputs(_blank(case.outputs, sel), _blank(actual, sel), self.tolerances, case.floors), notes
+
+
+def settle(
+    spec: ModelSpec, key: str, model: bytes, cases: Sequence[GoldenCase], tolerances: Mapping[str, Tolerance]
+) -> tuple[bytes, dict[str, Any]]:
+    """The graph to keep, and what its fully masked rows give next to PyTorch's (``cases``
+    hold PyTorch's outputs). Where they differ and the spec says ``fully_masked = "match"``,
+    the graph rewritten to give PyTorch's result, checked again; GraphCheckError where no
+    rewrite does."""
+    cases = [c for c in cases if c.label in CASES]
+    if not cases:
+        return model, {}
+    with FullyMaskedRows(spec, model, tolerances) as rows:
+        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims) as session:
+            runs = [(c, session.run(c.inputs)) for c in cases]
+        gives = {
+            c.label: dict(zip(("torch", "onnxruntime"), rows.behaviours(c, c.outputs, got), strict=True))
+            for c, got in runs
+        }
+        info: dict[str, Any] = {"mode": spec.fully_masked, "cases": gives}
+        if all(_agree(c.outputs, got, tolerances) for c, got in runs):
+            return model, info
+        if spec.fully_masked == "ignore":
+            for c, got in runs:
+                failed = [r.reason() for r in rows.compare(c, got, ("torch", "onnxruntime"))[0] if not r.passed]
+                if failed:
+                    raise GraphCheckError(f"{key}: {c.label}: rows that attend to something differ: {failed[0]}")
+            return model, info
+        return _repair(spec, key, rows, cases, gives, tolerances, info)
+
+
+def _repair(
+    spec: ModelSpec,
+    key: str,
+    rows: FullyMaskedRows,
+    cases: list[GoldenCase],
+    gives: dict[str, dict[str, str]],
+    tolerances: Mapping[str, Tolerance],
+    info: dict[str, Any],
+) -> tuple[bytes, dict[str, Any]]:
+    label = cases[0].label
+    torch_gives, ort_gives = gives[label]["torch"], gives[label]["onnxruntime"]
+    mode = next((m for m, result in REWRITES.items() if {g["torch"] for g in gives.values()} == {result}), None)
+    if not rows.rewritten("zero")[1]:
+        why = "the graph has no Softmax to rewrite (its attention is one fused op)"
+    elif mode is None:
+        why = f"PyTorch gives {torch_gives} there, which no rewrite reproduces"
+    else:
+        model, count = rows.rewritten(mode)
+        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims) as session:
+            still = [c.label for c in cases if not _agree(c.outputs, session.run(c.inputs), tolerances)]
+        if not still:
+            proto = onnx.load_from_string(model)
+            check_model(proto, key)
+            check_dynamic_axes(proto, key, spec.inputs, spec.outputs)
+            was = {c: g["onnxruntime"] for c, g in gives.items()}
+            info["repair"] = {"rewrite": mode, "softmax_nodes": count, "gives": REWRITES[mode], "was": was}
+            return model, info
+        why = f"the graph rewritten to give {REWRITES[mode]} still differs at {', '.join(still)}"
+    told = f"PyTorch gives {torch_gives}, onnxruntime[cpu] gives {ort_gives}"
+    raise GraphCheckError(
+        f"{key}: fully masked rows ({label}): {told if torch_gives != 'unknown' else 'PyTorch and the graph differ'}; "
+        f'{why}; set fully_masked = "ignore" in the spec to accept the difference'
+    )

@@ -1,0 +1,89 @@
+"""The Python API: build and verify return the commands' result objects, export takes a
+module in hand, assert_onnx_matches judges it by verify's sweep and rule; the README's
+example runs as written."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+import attn_export
+from attn_export.build import BuildResult, BuildSummary
+from attn_export.errors import ExportFailure, SpecError
+from attn_export.verify import VerifyReport
+from tests.conftest import ROOT, ZOO, tiny_spec
+from tests.faulty_modules import ShapeBranchAttention
+from tests.user_modules import LlamaStyleAttention
+
+DIMS = {"batch": (1, 4), "seq": (1, 48)}
+
+
+def test_readme_example_runs_as_written(tmp_path: Path) -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S)
+    assert code, "the README has a Python API example"
+    (tmp_path / "models").mkdir()
+    shutil.copy(ZOO / "torch_mha.toml", tmp_path / "models")
+    done = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "'was': {'fully-padded-sequence': 'NaN'}" in done.stdout
+    assert done.stdout.strip().endswith(
+        "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0}"
+    )
+
+
+def test_build_and_verify_return_the_report_objects(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path / "specs")
+    summary = attn_export.build(spec, out=tmp_path / "out")
+    assert isinstance(summary, BuildSummary) and summary.counts["built"] == 1
+    report = attn_export.verify(tmp_path / "out", models=tmp_path / "specs", seed=3)
+    assert isinstance(report, VerifyReport) and report.passed and report.seed == 3
+    assert all(c.onnx_latency is None for c in report.cases)  # numbers only, unless latency=True
+    assert attn_export.build(tmp_path / "specs", out=tmp_path / "out").counts["skipped"] == 1  # a folder
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, BuildResult]:
+    torch.manual_seed(0)
+    module = LlamaStyleAttention()
+    path = tmp_path_factory.mktemp("export") / "llama.onnx"
+    return module, path, attn_export.export(module, inputs={"x": ["batch", "seq", 32]}, dims=DIMS, path=path)
+
+
+def test_export_takes_a_module_in_hand_and_reads_its_outputs(exported) -> None:
+    module, path, result = exported
+    assert result.status == "built" and result.file == str(path) and all(result.stages.values())
+    out = onnx.load(path).graph.output[0]
+    assert [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim] == ["batch", "seq", 32]
+
+
+def test_assert_onnx_matches_passes_and_catches_another_module(exported) -> None:
+    module, path, _ = exported
+    attn_export.assert_onnx_matches(module, path, dims=DIMS)
+    torch.manual_seed(1)
+    with pytest.raises(AssertionError) as err:
+        attn_export.assert_onnx_matches(LlamaStyleAttention(), path, dims=DIMS)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "llama.onnx differs from LlamaStyleAttention in 13 of 13 cases:"
+    assert re.match(
+        r"  min \(batch=1,seq=1, seed 0\): output: 32/32 elements \(100.00%\) outside atol=1\.?\d*e-05", lines[1]
+    )
+
+
+def test_export_raises_the_check_that_failed(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    module = ShapeBranchAttention(16, 2)
+    dims = {"batch": (1, 4), "seq": (1, 24), "kv_seq": (1, 40)}
+    inputs = {"query": ["batch", "seq", 16], "keys": ["batch", "kv_seq", 16], "values": ["batch", "kv_seq", 16]}
+    with pytest.raises(ExportFailure, match=r"shape_branch_attention: the trace froze a value .*faulty_modules.py:\d+"):
+        attn_export.export(module, inputs=inputs, dims=dims, path=tmp_path / "m.onnx", exporter="torchscript")
+    assert not (tmp_path / "m.onnx").exists()
+    with pytest.raises(SpecError, match=r"'query' uses dim 'seq', which \[dims\] does not declare"):
+        attn_export.export(module, inputs=inputs, dims={"batch": (1, 4)}, path=tmp_path / "m.onnx")

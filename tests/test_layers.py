@@ -1,0 +1,198 @@
+"""Layers without wrappers: PyTorch's and Hugging Face's attention built from their spec
+alone (config objects, forward keywords, rotary embeddings computed in the graph, outputs
+picked from tuples and model-output objects), each verified against PyTorch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from attn_export.artifacts.manifest import load_manifest
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.export.factory import instantiate
+from attn_export.export.torch_export import export_onnx
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import example_sizes
+from attn_export.verify import VerifyOptions, verify_artifacts
+from tests.conftest import ZOO, needs_transformers, write_spec
+
+#: The new zoo models, what their exported graph gave on fully masked rows, and PyTorch's.
+NEW_ZOO = [
+    pytest.param("torch_mha", {"fully-padded-sequence": "NaN"}, id="torch_mha"),
+    pytest.param(
+        "bert_attention", {"fully-padded-sequence": "mean of V"}, id="bert_attention", marks=needs_transformers
+    ),
+    pytest.param(
+        "llama_attention",
+        {"fully-masked-row": "NaN", "fully-padded-sequence": "NaN"},
+        id="llama_attention",
+        marks=needs_transformers,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "was"), NEW_ZOO)
+def test_new_zoo_model_builds_from_its_spec_alone_and_verifies(zoo_dir: Path, name: str, was: dict) -> None:
+    entry = load_manifest(zoo_dir).models[name]
+    spec = entry.model_spec
+    assert spec.module.startswith(("torch.", "transformers")), "no user code"
+    assert entry.variant_info["fully_masked"]["repair"] == {
+        "rewrite": "zero",
+        "softmax_nodes": 1,
+        "gives": "0",
+        "was": was,
+    }
+    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), [name], VerifyOptions(latency=False, n_random=4))
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+    named = [c for c in report.cases if c.shape in was]
+    assert len(named) == len(was)
+    assert all(c.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"] for c in named)
+
+
+def test_repair_turns_nan_into_pytorchs_value(zoo_dir: Path) -> None:
+    """nn.MultiheadAttention gives 0 where every key is padded (its safe softmax); the
+    exported graph gives NaN there until build rewrites its Softmax."""
+    entry = load_manifest(zoo_dir).models["torch_mha"]
+    spec = entry.model_spec
+    module = instantiate(spec)
+    raw = export_onnx(module, spec, make_feeds(spec, example_sizes(spec), 0))  # as the exporter leaves it
+    feeds = make_feeds(spec, example_sizes(spec), 1, case="fully-padded-sequence")
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        expected = eager.run(feeds)["output"]
+    with OnnxRuntime(raw.SerializeToString(), spec.inputs, spec.outputs, spec.dims) as before:
+        nan = before.run(feeds)["output"]
+    with OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as after:
+        repaired = after.run(feeds)["output"]
+    assert np.isnan(nan[0]).all() and np.isfinite(nan[1:]).all()  # only the padded sequence
+    assert (expected[0] == 0).all()  # no key attended: 0 (its out_proj bias starts at 0)
+    np.testing.assert_allclose(repaired, expected, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(nan[1:], expected[1:], atol=1e-5, rtol=1e-4)
+
+
+@needs_transformers
+def test_rotary_embeddings_are_computed_in_the_graph(zoo_dir: Path) -> None:
+    graph = onnx.load(zoo_dir / "llama_attention.onnx").graph
+    assert [i.name for i in graph.input] == ["hidden_states", "attention_mask"]
+    assert {"Cos", "Sin"} <= {n.op_type for n in graph.node}
+
+
+@needs_transformers
+def test_the_spec_calls_llama_attention_as_llama_model_does() -> None:
+    """Rotary embeddings of positions 0..seq-1 for every sequence, the mask by keyword,
+    output 0 picked: what a hand-written wrapper would do."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    spec = load_spec(ZOO / "llama_attention.toml")
+    wrapped = instantiate(spec)
+    feeds = make_feeds(spec, {"batch": 3, "seq": 7}, 0)
+    x, mask = (torch.from_numpy(feeds[t.name]) for t in spec.inputs)
+    layer = wrapped.module
+    positions = torch.arange(7).expand(3, 7)
+    with torch.no_grad():
+        want = layer(x, position_embeddings=LlamaRotaryEmbedding(layer.config)(x, positions), attention_mask=mask)[0]
+        got = wrapped(x, mask)
+    assert isinstance(got, tuple) and len(got) == 1
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
+
+
+@needs_transformers
+def test_a_difference_no_rewrite_can_repair_fails_naming_the_cause(tmp_path: Path) -> None:
+    """ort-fused turns BertAttention into one fused op: no Softmax is left to rewrite."""
+    options = BuildOptions(tmp_path / "out", variants=("ort-fused",))
+    result = build_models([ZOO / "bert_attention.toml"], options).results[0]
+    assert (result.status, result.failed_stage) == ("failed", "fully_masked"), result.error
+    assert result.error == (
+        "bert_attention.ort-fused: fully masked rows (fully-padded-sequence): PyTorch and the graph differ; "
+        "the graph has no Softmax to rewrite (its attention is one fused op); "
+        'set fully_masked = "ignore" in the spec to accept the difference'
+    )
+
+
+LLAMA_MODEL = """
+module = "transformers:LlamaModel"
+call = { use_cache = false }
+
+[config]
+class = "transformers:LlamaConfig"
+hidden_size = 32
+num_attention_heads = 4
+num_key_value_heads = 2
+intermediate_size = 64
+num_hidden_layers = 1
+vocab_size = 16
+attn_implementation = "sdpa"
+
+[[inputs]]
+name = "inputs_embeds"
+shape = ["batch", "seq", 32]
+arg = "inputs_embeds"
+[[inputs]]
+name = "attention_mask"
+dtype = "int64"
+shape = ["batch", "seq"]
+mask = "padding"
+convention = "binary"
+arg = "attention_mask"
+
+[[outputs]]
+name = "last_hidden_state"
+shape = ["batch", "seq", 32]
+pick = "last_hidden_state"
+
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 32 }
+"""
+
+
+@needs_transformers
+def test_one_layer_llama_model_with_an_integer_mask_and_an_output_picked_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = build_models([write_spec(tmp_path / "models", "llama_model", LLAMA_MODEL)], BuildOptions(out))
+    assert summary.results[0].status == "built", summary.results[0].error
+    report = verify_artifacts(out, load_manifest(out), ["llama_model"], VerifyOptions(latency=False))
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+
+
+def test_a_tuple_without_pick_says_how_to_pick(tmp_path: Path) -> None:
+    text = (ZOO / "torch_mha.toml").read_text().replace("pick = 0\n", "")
+    result = build_models([write_spec(tmp_path, "torch_mha", text)], BuildOptions(tmp_path / "out")).results[0]
+    assert result.status == "failed"
+    assert "module returned 2 outputs, spec declares 1 (choose with pick = <index or name> in each [[outputs]])" in (
+        result.error or ""
+    )
+
+
+def test_a_factory_function_and_a_missing_pick_name(tmp_path: Path) -> None:
+    text = (
+        (ZOO / "torch_mha.toml")
+        .read_text()
+        .replace('module = "torch.nn:MultiheadAttention"', 'module = "tests.user_modules:make_mha"')
+    )
+    built = build_models([write_spec(tmp_path / "m", "torch_mha", text)], BuildOptions(tmp_path / "out")).results[0]
+    assert built.status == "built", built.error
+    wrong = text.replace("pick = 0", 'pick = "attn_output"')
+    result = build_models([write_spec(tmp_path / "w", "torch_mha", wrong)], BuildOptions(tmp_path / "out2")).results[0]
+    assert "pick = 'attn_output': the module returned a tuple with no names" in (result.error or "")
+
+
+def test_missing_transformers_exits_2_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    result = CliRunner().invoke(cli, ["build", "bert_attention", "--models", str(ZOO), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert (
+        "[module] bert_attention (transformers:BertConfig) needs transformers, which is not installed "
+        "(pip install 'attn-export[hf]')"
+    ) in result.output

@@ -1,0 +1,172 @@
+"""Masks as the module sees them: a planted convention flip fails; fully masked rows are
+reported, repaired to PyTorch's result, or left out of the comparison where the spec says
+so, and every report says which."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from attn_export.artifacts.manifest import load_manifest
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.export.factory import instantiate
+from attn_export.export.masked_softmax import rewrite_softmax
+from attn_export.export.torch_export import export_onnx
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import example_sizes
+from tests.conftest import write_spec
+
+#: F.scaled_dot_product_attention with a bool mask: PyTorch gives 0 on a fully masked row
+#: (its safe softmax); the exporter fills with the float minimum, which gives the mean of V.
+SDPA_MASKED = """
+module = "attn_export.zoo.masked:SDPAMultiHeadAttention"
+kwargs = { hidden_dim = 16, num_heads = 2 }
+{extra}
+
+[[inputs]]
+name = "query"
+shape = ["batch", "seq", 16]
+[[inputs]]
+name = "keys"
+shape = ["batch", "kv_seq", 16]
+[[inputs]]
+name = "values"
+shape = ["batch", "kv_seq", 16]
+[[inputs]]
+name = "mask"
+dtype = "bool"
+shape = ["batch", 1, "seq", "kv_seq"]
+mask = "padding"
+convention = "{convention}"
+
+[[outputs]]
+name = "output"
+shape = ["batch", "seq", 16]
+
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 24 }
+kv_seq = { min = 1, max = 40 }
+"""
+
+
+def _sdpa_spec(folder: Path, convention: str = "attend", extra: str = "") -> Path:
+    return write_spec(folder, "sdpa_mha", SDPA_MASKED.replace("{extra}", extra).replace("{convention}", convention))
+
+
+@pytest.fixture(scope="module")
+def repaired(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("repaired")
+    summary = build_models([_sdpa_spec(out / "models")], BuildOptions(out / "out"))
+    assert summary.results[0].status == "built", summary.results[0].error
+    return out / "out"
+
+
+def test_planted_convention_flip_fails_the_build(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["build", "--models", str(_sdpa_spec(tmp_path, "ignore").parent)])
+    assert result.exit_code == 2
+    assert "[masks] sdpa_mha: mask 'mask' read as 'ignore' (True = ignore" in result.output
+    assert "still change output 'output' there" in result.output
+    assert "check its 'convention' and 'layout'" in result.output
+
+
+def test_repair_gives_pytorchs_value_where_the_export_gives_the_mean_of_v(repaired: Path) -> None:
+    entry = load_manifest(repaired).models["sdpa_mha"]
+    assert entry.variant_info["fully_masked"]["repair"] == {
+        "rewrite": "zero",
+        "softmax_nodes": 1,
+        "gives": "0",
+        "was": {"fully-masked-row": "mean of V", "fully-padded-sequence": "mean of V"},
+    }
+    spec = entry.model_spec
+    module = instantiate(spec)
+    raw = export_onnx(module, spec, make_feeds(spec, example_sizes(spec), 0))  # as the exporter leaves it
+    feeds = make_feeds(spec, example_sizes(spec), 1, case="fully-masked-row")
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        expected = eager.run(feeds)["output"]
+    with OnnxRuntime(raw.SerializeToString(), spec.inputs, spec.outputs, spec.dims) as before:
+        exported = before.run(feeds)["output"]
+    with OnnxRuntime(repaired / entry.file, spec.inputs, spec.outputs, spec.dims) as after:
+        fixed = after.run(feeds)["output"]
+    np.testing.assert_allclose(expected[0, -1], module.out_linear.bias.detach().numpy(), rtol=1e-6)  # attention 0
+    assert np.abs(exported[0, -1] - expected[0, -1]).max() > 1e-2  # the exporter's mean of V
+    np.testing.assert_allclose(exported[0, :-1], expected[0, :-1], atol=1e-5, rtol=1e-4)  # only that row
+    np.testing.assert_allclose(fixed, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_verify_reports_what_fully_masked_rows_give(repaired: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["verify", str(repaired), "--models", str(repaired.parent / "models"), "--no-latency"]
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "fully-" in line]
+    assert len(rows) == 2 and all(" PASS " in r for r in rows)
+    assert result.output.count("    note: fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0") == 2
+
+
+def test_rewrite_is_idempotent_and_undoes_an_earlier_one(repaired: Path) -> None:
+    graph = onnx.load(repaired / "sdpa_mha.onnx")
+    zero, count = rewrite_softmax(graph, "zero")
+    assert count == 1 and zero.SerializeToString() == graph.SerializeToString()
+    uniform, _ = rewrite_softmax(graph, "uniform")
+    assert rewrite_softmax(uniform, "zero")[0].SerializeToString() == graph.SerializeToString()
+
+
+def test_ignore_leaves_the_graph_alone_and_every_report_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = build_models([_sdpa_spec(tmp_path / "models", extra='fully_masked = "ignore"')], BuildOptions(out))
+    assert summary.results[0].status == "built", summary.results[0].error
+    info = load_manifest(out).models["sdpa_mha"].variant_info["fully_masked"]
+    assert info["mode"] == "ignore" and "repair" not in info
+    assert info["cases"]["fully-masked-row"] == {"torch": "0", "onnxruntime": "mean of V"}
+    reports = {fmt: tmp_path / f"r.{fmt}" for fmt in ("json", "junit", "markdown")}
+    args = [
+        "verify",
+        str(out),
+        "--models",
+        str(tmp_path / "models"),
+        "--no-latency",
+        *[a for f, p in reports.items() for a in (f"--{f}", str(p))],
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    said = 'fully_masked = "ignore": 16 of 96 output elements (rows attending to nothing) not compared'
+    assert f"    note: {said}" in result.output
+    assert "note: fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives mean of V" in result.output
+    case = next(c for c in json.loads(reports["json"].read_text())["cases"] if c["shape"] == "fully-masked-row")
+    assert said in case["notes"] and case["passed"]
+    assert said in (ET.parse(reports["junit"]).getroot().find("testsuite/testcase/system-out").text or "")
+    assert said in reports["markdown"].read_text()
+
+
+def test_mask_case_reproduces_one_named_case(repaired: Path, zoo_dir: Path) -> None:
+    shapes = ["--shapes", "batch=2,seq=5,kv_seq=3", "--no-latency"]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "verify",
+            str(repaired),
+            "--models",
+            str(repaired.parent / "models"),
+            *shapes,
+            "--mask-case",
+            "fully-padded-sequence",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "batch=2,seq=5,kv_seq=3 fully-padded-sequence normal   PASS" in result.output
+    wrong = CliRunner().invoke(cli, ["verify", str(zoo_dir / "mha.onnx"), *shapes[:1], "batch=2,seq=5"] + [
+        "--mask-case", "fully-masked-row"])  # fmt: skip
+    assert wrong.exit_code == 2
+    assert "mha: --mask-case fully-masked-row does not apply (it has: no mask)" in wrong.output
+    assert load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0].layout == "batch-heads-query-key"

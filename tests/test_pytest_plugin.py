@@ -1,0 +1,65 @@
+"""The pytest plugin, run as a user runs it: pytest in a subprocess on a throwaway project
+with one good model, one planted failure and a test of its own using assert_onnx_matches."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.spec import load_spec
+from attn_export.spec.distributions import case_label
+from attn_export.verify import VerifyOptions, case_plan
+from tests.conftest import TINY_MHA, plant, write_spec
+
+OWN_TEST = """
+import torch
+
+from attn_export import assert_onnx_matches
+from attn_export.zoo.seed import MultiHeadAttention
+
+
+def test_my_graph_matches_my_module():
+    torch.manual_seed(0)  # the spec's seeded weights
+    module = MultiHeadAttention(hidden_dim=16, num_heads=2)
+    dims = {"batch": (1, 4), "seq": (1, 24), "kv_seq": (1, 40)}
+    assert_onnx_matches(module, "build/good.onnx", dims=dims)
+"""
+
+
+def test_plugin_collects_every_case_and_fails_only_the_planted_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = TINY_MHA.replace("{exporter}", "dynamo")
+    specs = [write_spec(tmp_path / "models", "good", body), write_spec(tmp_path / "models", "bad", body)]
+    out = tmp_path / "build"
+    assert build_models(specs, BuildOptions(out)).exit_code == 0
+    ref = tmp_path / "ref"
+    build_models([write_spec(tmp_path / "other", "bad", body + "\n[weights]\nseed = 1\n")], BuildOptions(ref))
+    plant(out, "bad", (ref / "bad.onnx").read_bytes())  # a graph of other weights, hash fixed up
+    (tmp_path / "test_mine.py").write_text(OWN_TEST)
+
+    args = [sys.executable, "-m", "pytest", "--attn-export", "build", "-p", "no:cacheprovider", "-rf", "-q"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True)
+    output = done.stdout
+    assert done.returncode == 1, output + done.stderr
+    plan = [case_label(p.label, d) for p, d in case_plan(load_spec(specs[1]), VerifyOptions())]
+    failed = sorted(re.findall(r"^FAILED build/manifest.json::(\S+)", output, re.M))
+    unit_normal = ("min", "distinct", "max", "skew-a", "skew-b", "random-0", "random-1")
+    assert {f"bad[onnxruntime-cpu-{c}]" for c in unit_normal} <= set(failed)
+    assert set(failed) <= {f"bad[onnxruntime-cpu-{c}]" for c in plan}  # every case of good passes
+    passed = 2 * len(plan) + 1 - len(failed)  # each model's cases, and the own test
+    assert output.strip().splitlines()[-1].startswith(f"{len(failed)} failed, {passed} passed in ")
+    assert re.search(r"outside atol=1\.\d+e-05 rtol=0.0001; max abs \d", output)  # the numbers (atol with its floor)
+    reproduce = re.findall(r"^reproduce: (attn-export verify .*)$", output, re.M)
+    assert len(reproduce) == len(failed)
+    monkeypatch.chdir(tmp_path)  # where pytest ran: the project's models/ folder
+    again = CliRunner().invoke(cli, shlex.split(reproduce[0])[1:])  # the command reproduces the failure
+    assert again.exit_code == 1 and "FAIL bad onnxruntime[cpu]" in again.output

@@ -29,6 +29,7 @@ from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.compare import compare_outputs
 from attn_export.compare.policy import clearly_faster, noise
+from attn_export.decode import DEFAULT_STEPS, SCENARIOS, plan_trajectory, record_trajectory, run_trajectory
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
 from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
@@ -40,6 +41,7 @@ from attn_export.mask_probe import check_masks
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
+from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
@@ -229,7 +231,7 @@ class _SpecBuild:
         except SystemExit as e:  # forward() exited: a failed export, not a successful build
             raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         check_model(proto, self.spec.name)
-        check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs)
+        check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs, self.spec.dims)
         return proto
 
     def _cases(self, points: list[tuple[ShapePoint, str]], first_seed: int) -> list[GoldenCase]:
@@ -255,7 +257,21 @@ class _SpecBuild:
         distinct = [p for p in points if p.label == "distinct"]
         plan = [(p, DEFAULT_DISTRIBUTION) for p in points]
         plan += [(p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in distinct]
-        return self._cases(plan, BUILD_SEED + 1)
+        return self._cases(plan, BUILD_SEED + 1) + self._trajectories()
+
+    def _trajectories(self) -> list[GoldenCase]:
+        """For a model with a cache: PyTorch's decode trajectories, recorded step by step."""
+        if cache_of(self.spec) is None:
+            return []
+        cases = []
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            for scenario in SCENARIOS:
+                traj = plan_trajectory(self.spec, scenario, DEFAULT_STEPS, BUILD_SEED)
+                outputs, error = run_trajectory(eager, self.spec, traj)
+                if error:
+                    raise GraphCheckError(f"{self.spec.name}: decode {scenario}: PyTorch failed at {error}")
+                cases += record_trajectory(self.spec, traj, outputs)
+        return cases
 
     def graph(self, name: str) -> _Graph:
         if name not in self.graphs:
@@ -284,7 +300,7 @@ class _SpecBuild:
         )
         check_model(proto, key)
         check_deterministic(proto, key)
-        check_dynamic_axes(proto, key, spec.inputs, spec.outputs)
+        check_dynamic_axes(proto, key, spec.inputs, spec.outputs, spec.dims)
         return _Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
     def smoke(self, variant: str, model: bytes) -> None:

@@ -308,6 +308,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=click.Choice(CASES),
     help="With --shapes: feed this named mask case instead of the mask's pattern (as reproduce commands do).",
 )
+@click.option(
+    "--decode",
+    "decode_steps",
+    type=click.IntRange(0, 4096),
+    help="Decode steps after the prompt for models with a KV cache, both sides feeding back their own "
+    "presents (default 8; 0 skips; off by default with --shapes, --distribution or --inputs).",
+)
 @click.option("--atol", type=_FiniteFloat(0), help="Override every output's absolute tolerance.")
 @click.option("--rtol", type=_FiniteFloat(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
@@ -343,6 +350,7 @@ def verify(
     n_random: int,
     seed: int,
     mask_case: str | None,
+    decode_steps: int | None,
     atol: float | None,
     rtol: float | None,
     threads: int | None,
@@ -371,6 +379,7 @@ def verify(
     from attn_export.report import write_reports
     from attn_export.report.verify_text import (
         HEADER,
+        format_decode,
         format_distributions,
         format_failures,
         format_model_rows,
@@ -415,6 +424,7 @@ def verify(
         max_slowdown=max_slowdown,
         max_memory=parse_bytes(max_memory) if max_memory else None,
         mask_case=mask_case,
+        decode_steps=decode_steps,
     )
     notice = tidy(out_dir)
     if notice:
@@ -431,7 +441,7 @@ def verify(
         click.echo(format_model_rows(name, cases, check))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model)
-    for text in (format_distributions(report), format_failures(report), format_summary(report)):
+    for text in (format_decode(report), format_distributions(report), format_failures(report), format_summary(report)):
         if text:
             click.echo(text)
     write_reports(report, {name.removeprefix("report_"): path for name, path in reports.items()})

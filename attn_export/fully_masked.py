@@ -183,7 +183,7 @@ def _repair(
         if not still:
             proto = onnx.load_from_string(model)
             check_model(proto, key)
-            check_dynamic_axes(proto, key, spec.inputs, spec.outputs)
+            check_dynamic_axes(proto, key, spec.inputs, spec.outputs, spec.dims)
             was = {c: g["onnxruntime"] for c, g in gives.items()}
             info["repair"] = {"rewrite": mode, "softmax_nodes": count, "gives": REWRITES[mode], "was": was}
             return model, info

@@ -23,6 +23,17 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.compare import OutputComparison, latency_gate
 from attn_export.compare.policy import noise as latency_noise
+from attn_export.decode import (
+    DEFAULT_STEPS,
+    SCENARIOS,
+    DecodeResult,
+    Trajectory,
+    compare_trajectories,
+    plan_trajectory,
+    recompute,
+    run_trajectory,
+    split_recorded_label,
+)
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, InputError, UsageError
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.export.source import module_sources
@@ -30,10 +41,11 @@ from attn_export.fully_masked import FullyMaskedRows
 from attn_export.runtimes import RUNTIMES, Runtime, Target, check_feeds
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance, load_spec
+from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import CASES, PATTERN
+from attn_export.spec.masks import CASES, PATTERN, keep_of
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, mask_cases, sizes_from_feeds, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure_alternating, physical_cores
@@ -79,6 +91,17 @@ class VerifyOptions:
     max_memory: int | None = None
     #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
     mask_case: str | None = None
+    #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``
+    #: unless the run is narrowed to given shapes, values or inputs; 0: no decoding.
+    decode_steps: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """The decode steps this run takes for a model with a cache."""
+        if self.decode_steps is not None:
+            return self.decode_steps
+        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case
+        return 0 if narrowed else DEFAULT_STEPS
 
     def settings(self) -> dict[str, Any]:
         """The options as the JSON report records them."""
@@ -96,6 +119,7 @@ class VerifyOptions:
             "distributions": list(self.distributions) if self.distributions else None,
             "inputs": str(self.inputs_file) if self.inputs_file else None,
             "mask_case": self.mask_case,
+            "decode_steps": self.steps,
         }
 
 
@@ -221,11 +245,17 @@ class VerifyReport:
     settings: dict[str, Any]
     checks: list[ModelCheck] = field(default_factory=list)
     cases: list[CaseResult] = field(default_factory=list)
+    #: Decoding trajectories of the models with a cache.
+    decode: list[DecodeResult] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks) and all(c.passed for c in self.cases)
+        return (
+            all(c.passed for c in self.checks)
+            and all(c.passed for c in self.cases)
+            and all(d.passed for d in self.decode)
+        )
 
     @property
     def exit_code(self) -> int:
@@ -237,7 +267,8 @@ class VerifyReport:
 
     @property
     def failed_models(self) -> list[str]:
-        return sorted({c.model for c in self.failed_cases} | {c.model for c in self.checks if not c.passed})
+        failed = {c.model for c in self.failed_cases} | {d.model for d in self.decode if not d.passed}
+        return sorted(failed | {c.model for c in self.checks if not c.passed})
 
     @property
     def errors_by_distribution(self) -> dict[tuple[str, str], dict[str, float | None]]:
@@ -259,6 +290,11 @@ class VerifyReport:
             "failed_cases": len(self.failed_cases),
             "failed_checks": sum(not c.passed for c in self.checks),
             "noisy_timings": sum(c.noise is not None for c in self.cases),
+            **(
+                {"decode_trajectories": len(self.decode), "failed_trajectories": sum(not d.passed for d in self.decode)}
+                if self.decode
+                else {}
+            ),
         }
 
     def models(self) -> list[str]:
@@ -293,6 +329,7 @@ class VerifyReport:
             "summary": self.summary,
             "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
             "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
+            "decode": [d.to_dict() for d in self.decode],
         }
 
     @classmethod
@@ -303,6 +340,7 @@ class VerifyReport:
             settings=dict(d["settings"]),
             checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
             cases=[CaseResult.from_dict(c) for c in d["cases"]],
+            decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
             seconds=d["seconds"],
         )
 
@@ -373,7 +411,7 @@ def _graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], boo
     except GraphCheckError as e:
         return [str(e)], False
     try:
-        check_dynamic_axes(proto, entry.name, spec.inputs, spec.outputs)
+        check_dynamic_axes(proto, entry.name, spec.inputs, spec.outputs, spec.dims)
     except GraphCheckError as e:
         return [str(e)], True
     return [], True
@@ -397,8 +435,7 @@ def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -
     if options.shapes:  # validated by verify_artifacts before any work
         case = options.mask_case
         points = [
-            ShapePoint(case or f"shape-{i}", {k: int(s[k]) for k in spec.dims}, case or PATTERN)
-            for i, s in enumerate(options.shapes)
+            ShapePoint(case or f"shape-{i}", spec.with_sums(s), case or PATTERN) for i, s in enumerate(options.shapes)
         ]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
@@ -424,6 +461,7 @@ class _Expected:
 def _golden_expected(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> _Expected:
     spec = entry.model_spec
     cases = read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
+    cases = [c for c in cases if split_recorded_label(c.label) is None]  # decode steps: _decode_model's
     labels = [split_label(c.label) for c in cases]
     for case, (label, _) in zip(cases, labels, strict=True):
         case.label = label
@@ -595,6 +633,8 @@ def verify_artifacts(
         if runnable:
             try:
                 cases = _verify_model(out_dir, entry, spec, options)
+                if cache_of(spec) is not None and options.steps:
+                    report.decode += _decode_model(out_dir, entry, spec, options)
             except UsageError:
                 raise
             except AttnExportError as e:
@@ -647,3 +687,68 @@ def verify_module(
                 runtime = kind.make(path, spec, target, options.threads)
                 cases += _check_target(name, target, runtime, expected, rows, eager if kind.timed else None, options)
     return cases
+
+
+def _decode_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[DecodeResult]:
+    """Every scenario's trajectory on every target: against PyTorch (and PyTorch against its
+    own recompute), or in golden mode against the trajectories build recorded."""
+    path = out_dir / entry.file
+    tolerances = _tolerances(spec, entry.variant, options)
+    plans: list[tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None] | None]]
+    if options.golden:
+        recorded = _recorded_trajectories(out_dir, entry, spec, options)
+        plans = [(traj, outputs, None) for traj, outputs in recorded]
+        expected_from = "golden"
+    else:
+        from attn_export.export.factory import instantiate
+
+        module = instantiate(spec)
+        plans = []
+        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+            for scenario in SCENARIOS:
+                traj = plan_trajectory(spec, scenario, options.steps, options.seed)
+                outputs, error = run_trajectory(eager, spec, traj)
+                if error:
+                    raise GraphCheckError(f"{entry.name}: decode {scenario}: PyTorch failed at {error}")
+                plans.append((traj, outputs, [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))]))
+        expected_from = eager.name
+    results = []
+    for target in options.targets:
+        runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+        with runtime:
+            for traj, expected, full in plans:
+                actual, error = run_trajectory(runtime, spec, traj)
+                result = DecodeResult(entry.name, target, traj.scenario, expected_from, traj.prompt_lengths)
+                result.steps = compare_trajectories(spec, traj, expected, actual, tolerances, error, full)
+                results.append(result)
+    return results
+
+
+def _recorded_trajectories(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
+) -> list[tuple[Trajectory, list[dict[str, np.ndarray]]]]:
+    """The trajectories build recorded in the golden file: each step's feeds (the pasts
+    are replaced by the graph's own presents when replayed) and PyTorch's outputs."""
+    cases = read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
+    by_scenario: dict[str, list[GoldenCase]] = {}
+    for case in cases:
+        where = split_recorded_label(case.label)
+        if where is not None:
+            by_scenario.setdefault(where[0], []).append(case)
+    if not by_scenario:
+        raise ArtifactError(f"{entry.name}: the golden file holds no decode trajectory; rebuild with attn-export build")
+    out = []
+    cache = cache_of(spec)
+    assert cache is not None
+    for scenario, steps in by_scenario.items():
+        steps = sorted(steps, key=lambda c: split_recorded_label(c.label)[1])[: options.steps + 1]  # type: ignore[index]
+        prompt = steps[0].sizes[cache.seq_dim]
+        mask = next((t for t in spec.inputs if t.name == cache.mask), None)
+        keep = (
+            keep_of(mask.convention or "attend", steps[-1].inputs[mask.name])
+            if mask is not None
+            else np.ones((steps[0].sizes.get("batch", 1), prompt + len(steps) - 1), dtype=bool)
+        )
+        traj = Trajectory(scenario, keep, prompt, [c.inputs for c in steps], [spec.with_sums(c.sizes) for c in steps])
+        out.append((traj, [c.outputs for c in steps]))
+    return out

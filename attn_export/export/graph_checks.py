@@ -7,17 +7,19 @@ declared dims merged into one symbol.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import onnx
 
 from attn_export.artifacts.onnx_file import external_data_files
 from attn_export.errors import GraphCheckError, first_line
-from attn_export.spec import TensorSpec
+from attn_export.spec import DimRange, TensorSpec
 
 __all__ = ["check_deterministic", "check_dynamic_axes", "check_model", "graph_shapes"]
 
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Ops whose result is drawn at random on every run.
 RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
 
@@ -49,8 +51,11 @@ def check_dynamic_axes(
     name: str,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
+    dims: Mapping[str, DimRange] | None = None,
 ) -> None:
-    """Raise GraphCheckError naming the first axis that is static, unnamed or merged."""
+    """Raise GraphCheckError naming the first axis that is static, unnamed or merged, or
+    a sum dim (``dims``) whose graph expression is not the sum of its parts."""
+    dims = dims or {}
     declared_in = [i.name for i in proto.graph.input]
     declared_out = [o.name for o in proto.graph.output]
     if declared_in != [t.name for t in inputs]:
@@ -85,6 +90,15 @@ def check_dynamic_axes(
                     f"{name}: dynamic axis '{want}' of {kind} '{t.name}' (axis {axis}) is "
                     f"{'static ' + str(have) if have else 'unnamed'} in the exported graph"
                 )
+            parts = dims[want].parts if want in dims else ()
+            if parts and not _SYMBOL.fullmatch(have):
+                terms = sorted(term.strip() for term in have.split("+"))
+                if terms != sorted(symbol_of.get(p, p) for p in parts):
+                    raise GraphCheckError(
+                        f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
+                        f"declares {want} = {' + '.join(parts)}"
+                    )
+                continue
             if symbol_of.setdefault(want, have) != have:
                 raise GraphCheckError(
                     f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on one tensor and "

@@ -5,7 +5,15 @@ from __future__ import annotations
 from attn_export.spec.masks import CASES
 from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
-__all__ = ["HEADER", "format_case", "format_distributions", "format_failures", "format_model_rows", "format_summary"]
+__all__ = [
+    "HEADER",
+    "format_case",
+    "format_decode",
+    "format_distributions",
+    "format_failures",
+    "format_model_rows",
+    "format_summary",
+]
 
 HEADER = (
     f"{'MODEL':<18} {'RUNTIME':<18} {'SHAPE':<30} {'VALUES':<8} {'RESULT':<6} {'MAX_ABS':>9} {'MAX_REL':>9} "
@@ -49,6 +57,23 @@ def format_failures(report: VerifyReport) -> str:
     for c in report.failed_cases:
         lines.append(f"FAIL {c.model} {c.runtime} {c.shape} {c.distribution} (seed {c.seed}): {'; '.join(c.reasons())}")
         lines.append(f"     reproduce: {report.reproduce(c)}")
+    for d in report.decode:
+        lines += [f"FAIL {d.model} {d.runtime} decode {d.scenario}: {reason}" for reason in d.reasons()]
+    return "\n".join(lines)
+
+
+def format_decode(report: VerifyReport) -> str:
+    """One row per decode trajectory: its prompt lengths and the largest error at each step
+    (step 1 is the prompt), so the step where an error starts to grow is in view."""
+    if not report.decode:
+        return ""
+    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'SCENARIO':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
+    for d in report.decode:
+        prompts = ",".join(map(str, d.prompt_lengths))
+        errors = " ".join(_num(s.max_abs_error, ".1e") for s in d.steps)
+        lines.append(
+            f"{d.model:<18} {d.runtime:<18} {d.scenario:<12} {prompts:<8} {'PASS' if d.passed else 'FAIL':<6} {errors}"
+        )
     return "\n".join(lines)
 
 
@@ -69,6 +94,11 @@ def format_summary(report: VerifyReport) -> str:
         f"verify {verdict}: {n['cases'] - n['failed_cases']} of {n['cases']} cases agree across "
         f"{n['models']} models in {report.seconds:.1f} s (seed {report.seed})"
     )
+    if report.decode:
+        line += (
+            f"; {n['decode_trajectories'] - n['failed_trajectories']} of {n['decode_trajectories']} decode "
+            f"trajectories agree ({report.settings.get('decode_steps')} steps after the prompt)"
+        )
     if n["noisy_timings"]:
         first = next(c.noise for c in report.cases if c.noise)
         line += (

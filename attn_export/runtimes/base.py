@@ -53,6 +53,11 @@ def check_feeds(
         if dims and name in dims and not dims[name].min <= size <= dims[name].max:
             r = dims[name]
             raise InputError(f"dim '{name}' is {size}, outside its declared range [{r.min}, {r.max}]")
+    for name, r in (dims or {}).items():
+        if r.parts and name in sizes and all(p in sizes for p in r.parts):
+            total = sum(sizes[p] for p in r.parts)
+            if sizes[name] != total:
+                raise InputError(f"dim '{name}' is {sizes[name]}, but {' + '.join(r.parts)} is {total}")
 
 
 class Runtime(ABC):

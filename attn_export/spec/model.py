@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,17 @@ MAX_DIM = 1 << 20
 
 @dataclass(frozen=True)
 class DimRange:
-    """The sizes a symbolic dimension may take, inclusive."""
+    """The sizes a symbolic dimension may take, inclusive. A dim declared as a sum of
+    others (``total_seq = "past_seq + seq"``) has its ``parts``: its size is always theirs
+    added, and its range follows from theirs."""
 
     min: int
     max: int
+    parts: tuple[str, ...] = ()
+
+    def to_toml(self) -> dict[str, int] | str:
+        """The form a spec file writes: ``{min, max}``, or the sum's expression."""
+        return " + ".join(self.parts) if self.parts else {"min": self.min, "max": self.max}
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,7 @@ class ModelSpec:
             "kwargs": self.kwargs,
             "inputs": [t.to_dict() for t in self.inputs],
             "outputs": [t.to_dict() for t in self.outputs],
-            "dims": {k: asdict(v) for k, v in self.dims.items()},
+            "dims": {k: v.to_toml() for k, v in self.dims.items()},
             "opset": self.opset,
             "exporter": self.exporter,
             "mode": self.mode,
@@ -171,6 +179,16 @@ class ModelSpec:
             **({"call": self.call} if self.call else {}),
             **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
         } | ({"max_memory": self.max_memory} if self.max_memory else {})
+
+    @property
+    def free_dims(self) -> dict[str, DimRange]:
+        """The dims whose sizes are chosen; the others are sums of these."""
+        return {k: r for k, r in self.dims.items() if not r.parts}
+
+    def with_sums(self, sizes: Mapping[str, int]) -> dict[str, int]:
+        """``sizes`` of the free dims, with every sum dim's size added."""
+        out = {k: int(v) for k, v in sizes.items() if k in self.dims and not self.dims[k].parts}
+        return out | {k: sum(out[p] for p in r.parts) for k, r in self.dims.items() if r.parts}
 
     @property
     def masks(self) -> tuple[TensorSpec, ...]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError, UsageError
+from attn_export.spec.cache import cache_of
 from attn_export.spec.masks import CONVENTIONS, LAYOUTS, default_layout
 from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
@@ -244,22 +245,28 @@ def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec,
 
 
 def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
+    """``name = { min, max }`` (min may be 0: an empty KV cache), or ``name = "a + b"``: a
+    dim whose size is the sum of others (``total_seq = "past_seq + seq"``)."""
     dims: dict[str, DimRange] = {}
+    sums: dict[str, str] = {}
     for name, rng in _table(where, raw, "dims", "a table of {min, max} ranges").items():
         context = f"dims.{name}"
 
         def bad(message: str, name: str = name) -> SpecError:
             return where.error(f"dim '{name}': {message}", name, "dims")
 
-        if not isinstance(rng, dict):
-            raise bad("must be a table like { min = 1, max = 64 }")
         if not _NAME.fullmatch(name):
             raise bad("a dim name must be letters, digits and '_'")
+        if isinstance(rng, str):
+            sums[name] = rng
+            continue
+        if not isinstance(rng, dict):
+            raise bad('must be a table like { min = 1, max = 64 }, or a sum like "past_seq + seq"')
         _check_keys(where, rng, _DIM_KEYS, context, "dims")
         lo = _int(where, rng.get("min", 1), f"{context}.min", name, "dims")
         hi = _int(where, rng.get("max"), f"{context}.max", name, "dims")
-        if lo < 1:
-            raise bad(f"min must be at least 1, got {lo}")
+        if lo < 0:
+            raise bad(f"min must be at least 0, got {lo}")
         if lo > hi:
             raise bad(f"min {lo} is greater than max {hi}")
         if hi < 2:
@@ -267,6 +274,17 @@ def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
         if hi > MAX_DIM:
             raise bad(f"max {hi} is above the limit {MAX_DIM}")
         dims[name] = DimRange(lo, hi)
+    for name, text in sums.items():
+        parts = tuple(p.strip() for p in text.split("+"))
+        unknown = [p for p in parts if p not in dims]
+        if len(parts) < 2 or unknown or len(set(parts)) != len(parts):
+            raise where.error(
+                f"dim '{name}': a sum must add two or more distinct dims declared with {{min, max}}, "
+                f'like "past_seq + seq"; got {text!r}',
+                name,
+                "dims",
+            )
+        dims[name] = DimRange(sum(dims[p].min for p in parts), sum(dims[p].max for p in parts), parts)
     return dims
 
 
@@ -288,7 +306,7 @@ def _check_dim_use(
     input_dims = {d for t in inputs for d in t.shape if isinstance(d, str)}
     for t in outputs:
         for d in t.shape:
-            if isinstance(d, str) and d not in input_dims:
+            if isinstance(d, str) and d not in input_dims and not set(dims[d].parts or [d]) <= input_dims:
                 raise where.error(f"output '{t.name}' uses dim '{d}', which no input has", "shape")
 
 
@@ -446,7 +464,7 @@ def spec_from_dict(
     if not 7 <= opset <= 30:
         raise where.error(f"opset {opset} is outside 7..30", "opset")
     tolerance, per_output, per_variant = _tolerances(where, raw, outputs)
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         module=module,
         inputs=inputs,
@@ -469,6 +487,11 @@ def spec_from_dict(
         call=_call(where, raw, inputs),
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
     )
+    try:
+        cache_of(spec)
+    except SpecError as e:
+        raise where.error(str(e).removeprefix(f"{name}: ")) from e
+    return spec
 
 
 def load_spec(path: Path) -> ModelSpec:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from attn_export.errors import InputError
 from attn_export.spec.masks import CASES, PATTERN, case_applies
-from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
+from attn_export.spec.model import ModelSpec, TensorSpec
 
 __all__ = [
     "ShapePoint",
@@ -50,11 +50,12 @@ def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, .
 
 
 def example_sizes(spec: ModelSpec) -> dict[str, int]:
-    """Distinct sizes (>= 2, not equal to any static dim) for every symbolic dim, for export."""
+    """Distinct sizes (>= 2, not equal to any static dim) for every symbolic dim, sums
+    included, for export: no two dims may share a size, or the exporter merges them."""
     static = {d for t in spec.inputs + spec.outputs for d in t.shape if isinstance(d, int)}
     taken: set[int] = set(static)
     sizes: dict[str, int] = {}
-    for name, rng in spec.dims.items():
+    for name, rng in spec.free_dims.items():
         lo = max(rng.min, 2)
         choice = next((p for p in _PRIMES if lo <= p <= rng.max and p not in taken), None)
         if choice is None:
@@ -66,13 +67,17 @@ def example_sizes(spec: ModelSpec) -> dict[str, int]:
             )
         sizes[name] = choice
         taken.add(choice)
+    sizes = spec.with_sums(sizes)
+    clash = [k for k, r in spec.dims.items() if r.parts and (sizes[k] in taken or sizes[k] > r.max)]
+    if clash:
+        raise InputError(f"{spec.name}: the example size of sum dim '{clash[0]}' equals another dim's; widen a range")
     return sizes
 
 
-def _clamp(dims: Mapping[str, DimRange], sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:
-    if cap is None:
-        return dict(sizes)
-    return {k: max(dims[k].min, min(v, cap)) for k, v in sizes.items()}
+def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:
+    """The free dims of ``sizes``, each at most ``cap``, with the sum dims added."""
+    dims = spec.free_dims
+    return spec.with_sums({k: v if cap is None else max(dims[k].min, min(v, cap)) for k, v in sizes.items()})
 
 
 def mask_cases(spec: ModelSpec) -> list[str]:
@@ -91,7 +96,7 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
     seeded random points, then the named mask cases at the distinct sizes. Duplicates are
     dropped; ``cap`` bounds every size for slow runtimes.
     """
-    dims = spec.dims
+    dims = spec.free_dims
     names = list(dims)
     candidates = [
         ShapePoint("min", {k: r.min for k, r in dims.items()}),
@@ -107,26 +112,26 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
     points: list[ShapePoint] = []
     seen: set[tuple[int, ...]] = set()
     for p in candidates:
-        sizes = _clamp(dims, p.sizes, cap)
+        sizes = _clamp(spec, p.sizes, cap)
         key = tuple(sizes[k] for k in names)
         if key not in seen:
             seen.add(key)
             points.append(ShapePoint(p.label, sizes))
     extra = 0
     while len(points) < 6 and extra < 100:
-        sizes = _clamp(dims, {k: rng.randint(r.min, r.max) for k, r in dims.items()}, cap)
+        sizes = _clamp(spec, {k: rng.randint(r.min, r.max) for k, r in dims.items()}, cap)
         key = tuple(sizes[k] for k in names)
         extra += 1
         if key not in seen:
             seen.add(key)
             points.append(ShapePoint(f"random-{n_random + extra}", sizes))
-    return points + _mask_points(spec, _clamp(dims, example_sizes(spec), cap))
+    return points + _mask_points(spec, _clamp(spec, example_sizes(spec), cap))
 
 
 def corner_points(spec: ModelSpec) -> list[ShapePoint]:
     """The corners of the declared range: every dim at its min or its max (all 2^n mixes
     up to four dims; beyond, all-min, all-max and each dim alone at the other end)."""
-    dims = spec.dims
+    dims = spec.free_dims
     names = list(dims)
     if len(names) <= 4:
         mixes = list(itertools.product((False, True), repeat=len(names)))
@@ -140,7 +145,10 @@ def corner_points(spec: ModelSpec) -> list[ShapePoint]:
             "max" if all(mix) else "min" if not any(mix) else "corner-" + "-".join("max" if m else "min" for m in mix)
         )
         points.append(
-            ShapePoint(label, {k: (dims[k].max if m else dims[k].min) for k, m in zip(names, mix, strict=True)})
+            ShapePoint(
+                label,
+                spec.with_sums({k: (dims[k].max if m else dims[k].min) for k, m in zip(names, mix, strict=True)}),
+            )
         )
     return points
 
@@ -149,12 +157,12 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     """The shapes build smoke-checks and records as golden vectors: distinct sizes, every
     corner of the declared range, and a long point; so ``verify --golden`` covers the
     range's ends as the PyTorch sweep does."""
-    dims = spec.dims
+    dims = spec.free_dims
     long = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
         ShapePoint("distinct", example_sizes(spec)),
         *corner_points(spec),
-        ShapePoint("long", {k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)}),
+        ShapePoint("long", spec.with_sums({k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)})),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}
     for p in points:
@@ -163,16 +171,20 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
 
 
 def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
-    """Refuse unknown dims, missing dims and sizes outside the declared range."""
+    """Refuse unknown dims, missing dims, sizes outside the declared range and a sum dim
+    given a size other than its parts' sum (it may be left out)."""
     for k, v in sizes.items():
         if k not in spec.dims:
             raise InputError(f"{spec.name}: unknown dim '{k}' (dims: {', '.join(spec.dims)})")
         r = spec.dims[k]
         if not r.min <= v <= r.max:
             raise InputError(f"{spec.name}: {k}={v} is outside its declared range [{r.min}, {r.max}]")
-    missing = [k for k in spec.dims if k not in sizes]
+    missing = [k for k in spec.free_dims if k not in sizes]
     if missing:
         raise InputError(f"{spec.name}: no size given for dim {', '.join(missing)}")
+    for k, v in spec.with_sums(sizes).items():
+        if k in sizes and sizes[k] != v:
+            raise InputError(f"{spec.name}: {k}={sizes[k]}, but {k} = {' + '.join(spec.dims[k].parts)} = {v}")
 
 
 def parse_shapes(text: str) -> list[dict[str, int]]:

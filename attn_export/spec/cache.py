@@ -1,0 +1,80 @@
+"""A decoder's key/value cache, read from its spec by the names users' runtimes expect.
+
+Inputs ``past_key_values.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq, head_dim]`` pair
+with outputs ``present.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq + seq, head_dim]``
+(Hugging Face Optimum and onnxruntime-genai use these names); ``attention_mask``
+``[batch, past_seq + seq]`` and ``position_ids`` ``[batch, seq]`` are fed per step when the
+module takes them. Decoding (``decode.py``) needs nothing else from the spec.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from attn_export.errors import SpecError
+from attn_export.spec.model import ModelSpec
+
+__all__ = ["MASK", "POSITIONS", "CacheSpec", "cache_of"]
+
+_PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
+MASK = "attention_mask"
+POSITIONS = "position_ids"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Which inputs a decoder step feeds back, and the dims that grow."""
+
+    #: (past input, present output) pairs, in input order.
+    pairs: tuple[tuple[str, str], ...]
+    past_dim: str
+    seq_dim: str
+    total_dim: str
+    mask: str | None
+    positions: str | None
+
+
+def cache_of(spec: ModelSpec) -> CacheSpec | None:
+    """The spec's cache, or None when it declares no ``past_key_values.*`` input; a cache
+    declared half-way is a SpecError naming what is missing."""
+    pasts = [t for t in spec.inputs if _PAST.fullmatch(t.name)]
+    if not pasts:
+        return None
+    outputs = {t.name: t for t in spec.outputs}
+
+    def bad(message: str) -> SpecError:
+        return SpecError(f"{spec.name}: KV cache: {message}")
+
+    pairs, past_dims, total_dims = [], set(), set()
+    for t in pasts:
+        match = _PAST.fullmatch(t.name)
+        assert match is not None
+        present = outputs.get(f"present.{match[1]}.{match[2]}")
+        if present is None:
+            raise bad(f"input '{t.name}' has no output 'present.{match[1]}.{match[2]}'")
+        if len(t.shape) != 4 or len(present.shape) != 4 or t.dtype != present.dtype:
+            raise bad(f"'{t.name}' and '{present.name}' must both be [batch, kv_heads, seq, head_dim] of one dtype")
+        if [d for i, d in enumerate(t.shape) if i != 2] != [d for i, d in enumerate(present.shape) if i != 2]:
+            shapes = f"{list(t.shape)} vs {list(present.shape)}"
+            raise bad(f"'{t.name}' and '{present.name}' differ outside axis 2 ({shapes})")
+        past_dims.add(t.shape[2])
+        total_dims.add(present.shape[2])
+        pairs.append((t.name, present.name))
+    past, total = past_dims.pop(), total_dims.pop()
+    if past_dims or total_dims or not isinstance(past, str) or not isinstance(total, str):
+        raise bad("every past_key_values input must share one past dim on axis 2, every present one sum dim")
+    parts = spec.dims[total].parts
+    if past not in parts or len(parts) != 2:
+        raise bad(f"axis 2 of the presents is '{total}'; declare it in [dims] as \"{past} + <seq dim>\"")
+    seq = next(p for p in parts if p != past)
+    names = {t.name: t for t in spec.inputs}
+    mask, positions = names.get(MASK), names.get(POSITIONS)
+    if mask is not None and (len(mask.shape) != 2 or mask.shape[1] != total or mask.layout != "key-padding"):
+        raise bad(f"'{MASK}' must be [batch, {total}], a key-padding mask over past and new tokens")
+    if positions is not None and (list(positions.shape[1:]) != [seq] or not positions.dtype.startswith("int")):
+        raise bad(f"'{POSITIONS}' must be integer [batch, {seq}]")
+    for t in spec.inputs:
+        if t not in pasts and t is not mask and total in t.shape:
+            raise bad(f"input '{t.name}' uses '{total}'; only '{MASK}' and the presents may")
+    return CacheSpec(tuple(pairs), past, seq, total, MASK if mask else None, POSITIONS if positions else None)

@@ -1,0 +1,69 @@
+"""Decoder steps with one planted cache bug each, for the decode tests: each subclass of a
+zoo module overrides one small method."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attn_export.zoo.kv_cache import GQARopeKVCache, MHAKVCache
+
+
+def _top_left(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    return torch.arange(k_len, device=device)[None, :] <= torch.arange(q_len, device=device)[:, None]
+
+
+class TopLeftCausal(MHAKVCache):
+    """The causal mask aligned top-left (j <= i), as ``is_causal=True`` aligns it: right
+    while the cache is empty, wrong once it holds something."""
+
+    def causal_mask(self, q_len: int, k_len: int, device: torch.device) -> Tensor:
+        return _top_left(q_len, k_len, device)
+
+
+class RotaryNotOffset(GQARopeKVCache):
+    """Rotary positions ``arange(seq)``: every step's new token is rotated as position 0."""
+
+    def positions(self, position_ids: Tensor) -> Tensor:
+        return torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+
+
+class PresentDropsNewToken(MHAKVCache):
+    """The present is the past alone: the new token never reaches the cache."""
+
+    def present(self, full: Tensor) -> Tensor:
+        return full[:, :, :-1]
+
+
+class PresentWithoutNewToken(MHAKVCache):
+    """The present has the right shape, but zeros where the new tokens' keys belong."""
+
+    def forward(  # type: ignore[override]
+        self, hidden_states: Tensor, attention_mask: Tensor, past_key: Tensor, past_value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        out, key, value = super().forward(hidden_states, attention_mask, past_key, past_value)
+        new = torch.arange(key.shape[2], device=key.device) >= past_key.shape[2]
+        return out, key.masked_fill(new[:, None], 0.0), value
+
+
+class PastBaked(GQARopeKVCache):
+    """A reshape sized by a Python int taken from the example's cache length."""
+
+    def repeat_kv(self, x: Tensor) -> Tensor:
+        b, _, _, d = x.shape
+        t = int(x.shape[2])
+        n_rep = self.num_heads // self.num_kv_heads
+        return x[:, :, None].expand(b, self.num_kv_heads, n_rep, -1, d).reshape(b, self.num_heads, t, d)
+
+
+class SafeSoftmaxOnly(MHAKVCache):
+    """Attention through SDPA with a boolean mask and no has-any-key factor: PyTorch's safe
+    softmax gives 0 for a query that sees no key, the exported graph NaN."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        allowed = self.causal_mask(q.shape[2], k.shape[2], q.device)[None, None] & (
+            attention_mask[:, None, None, :] != 0
+        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return out.transpose(1, 2).flatten(2), torch.ones_like(q[:, 0, :, :1])

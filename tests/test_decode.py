@@ -23,9 +23,9 @@ from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
 from attn_export.verify import VerifyOptions, VerifyReport, verify_artifacts
-from tests.conftest import ZOO, plant, write_spec
+from tests.conftest import HAS_TRANSFORMERS, ZOO, plant, write_spec
 
-CACHE_MODELS = ["gqa_rope_kv_cache", "mha_kv_cache"]
+CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_model_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]
 MODULES = {
     "mha_kv_cache": "attn_export.zoo.kv_cache:MHAKVCache",
     "gqa_rope_kv_cache": "attn_export.zoo.kv_cache:GQARopeKVCache",

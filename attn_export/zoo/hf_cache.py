@@ -1,0 +1,47 @@
+"""Hugging Face decoders with their cache as flat tensors, the form ONNX Runtime users feed.
+
+A ``DynamicCache`` is a Python object, not a tensor: this wrapper builds one from the
+``past_key_values.{i}.key/value`` inputs and returns its layers as ``present.{i}.*``, so the
+exported graph has the inputs and outputs Optimum and onnxruntime-genai expect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["LlamaModelWithCache"]
+
+
+class LlamaModelWithCache(nn.Module):
+    """One-layer ``transformers.LlamaModel`` of ``config``, its cache flat: forward takes
+    ``input_ids``, ``attention_mask`` (1 = attend, left padding allowed), ``position_ids``
+    and the layer's past key and value; it returns the last hidden state and the layer's
+    present key and value. (torch.export matches dynamic shapes to named parameters, so
+    the layer count is fixed by the signature.)"""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers import LlamaModel
+
+        if config.num_hidden_layers != 1:
+            raise ValueError(f"LlamaModelWithCache takes one layer, got num_hidden_layers={config.num_hidden_layers}")
+        self.model = LlamaModel(config)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past_key: Tensor, past_value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        cache.update(past_key, past_value, 0)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        layer = out.past_key_values.layers[0]
+        return out.last_hidden_state, layer.keys, layer.values

@@ -46,12 +46,15 @@ def _by_scenario(report: VerifyReport) -> dict[str, DecodeResult]:
     return {d.scenario: d for d in report.decode}
 
 
-def test_spec_declares_an_empty_cache_and_a_sum_dim() -> None:
+def test_spec_declares_an_empty_cache_and_a_sum_dim(tmp_path: Path) -> None:
     spec = load_spec(ZOO / "mha_kv_cache.toml")
     assert spec.dims["past_seq"].min == 0 and spec.dims["total_seq"].parts == ("past_seq", "seq")
     assert (spec.dims["total_seq"].min, spec.dims["total_seq"].max) == (1, 320)
     sizes = example_sizes(spec)
     assert sizes["total_seq"] == sizes["past_seq"] + sizes["seq"] and len(set(sizes.values())) == len(sizes)
+    eight_heads = (ZOO / "mha_kv_cache.toml").read_text().replace('"batch", 4, ', '"batch", 8, ')
+    sizes = example_sizes(load_spec(write_spec(tmp_path, "eight_heads", eight_heads)))
+    assert sizes["total_seq"] not in (8, 16, 64) and len(set(sizes.values())) == len(sizes)  # 2+3+5 would be 8
     points = sweep(spec)
     assert points[0].sizes["past_seq"] == 0  # the sweep runs an empty cache
     assert all(p.sizes["total_seq"] == p.sizes["past_seq"] + p.sizes["seq"] for p in points)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from attn_export.errors import InputError
 from attn_export.spec.masks import CASES, PATTERN, case_applies
-from attn_export.spec.model import ModelSpec, TensorSpec
+from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
     "ShapePoint",
@@ -49,29 +49,36 @@ def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, .
     return tuple(d if isinstance(d, int) else sizes[d] for d in tensor.shape)
 
 
+def _candidates(rng: DimRange, taken: set[int]) -> list[int]:
+    """Sizes a dim may take at export, primes first (>= 2: 0 and 1 are special-cased)."""
+    lo = max(rng.min, 2)
+    primes = [p for p in _PRIMES if lo <= p <= rng.max]
+    return [n for n in primes + [n for n in range(lo, min(rng.max, lo + 256) + 1) if n not in primes] if n not in taken]
+
+
 def example_sizes(spec: ModelSpec) -> dict[str, int]:
     """Distinct sizes (>= 2, not equal to any static dim) for every symbolic dim, sums
     included, for export: no two dims may share a size, or the exporter merges them."""
     static = {d for t in spec.inputs + spec.outputs for d in t.shape if isinstance(d, int)}
     taken: set[int] = set(static)
     sizes: dict[str, int] = {}
-    for name, rng in spec.free_dims.items():
-        lo = max(rng.min, 2)
-        choice = next((p for p in _PRIMES if lo <= p <= rng.max and p not in taken), None)
-        if choice is None:
-            choice = next((n for n in range(lo, rng.max + 1) if n not in taken), None)
-        if choice is None:
+    free = list(spec.free_dims.items())
+    for i, (name, rng) in enumerate(free):
+        options = _candidates(rng, taken)
+        # The last part of a sum tries further sizes until the sums are distinct too.
+        for choice in options if i == len(free) - 1 else options[:1]:
+            trial = spec.with_sums(sizes | {name: choice}) if i == len(free) - 1 else {}
+            sums = [v for k, v in trial.items() if spec.dims[k].parts]
+            if len(set(sums)) == len(sums) and not set(sums) & (taken | {choice}):
+                sizes[name] = choice
+                break
+        if name not in sizes:
             raise InputError(
                 f"{spec.name}: no example size for dim '{name}' in [{rng.min}, {rng.max}] "
-                "differs from the other dims; widen its range"
+                "differs from the other dims and their sums; widen its range"
             )
-        sizes[name] = choice
-        taken.add(choice)
-    sizes = spec.with_sums(sizes)
-    clash = [k for k, r in spec.dims.items() if r.parts and (sizes[k] in taken or sizes[k] > r.max)]
-    if clash:
-        raise InputError(f"{spec.name}: the example size of sum dim '{clash[0]}' equals another dim's; widen a range")
-    return sizes
+        taken.add(sizes[name])
+    return spec.with_sums(sizes)
 
 
 def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:

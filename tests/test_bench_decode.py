@@ -113,6 +113,24 @@ def test_default_pasts_are_clamped_to_the_spec_range() -> None:
     assert past_lengths(load_spec(SPEC), [64, 0, 64]) == [64, 0]
 
 
+def test_window_grows_mask_and_positions_with_the_cache() -> None:
+    spec = load_spec(ZOO / "gqa_rope_kv_cache.toml")
+    plan = plan_window(spec, batch=2, past=250, window=8, seed=0)
+    assert len(plan.steps) == 7  # past 250 .. 256, where the spec's range ends
+    assert plan.pasts["past_key_values.0.key"].shape == (2, 2, 250, 8)
+    for k, feeds in enumerate(plan.steps):
+        assert feeds["attention_mask"].shape == (2, 250 + k + 1) and feeds["attention_mask"].all()
+        assert (feeds["position_ids"] == 250 + k).all() and feeds["position_ids"].shape == (2, 1)
+        assert feeds["hidden_states"] is plan.steps[0]["hidden_states"]
+
+
+def test_zoo_without_a_cache_model_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    result = CliRunner().invoke(cli, ["bench", "--decode", "--models", str(tmp_path / "models")])
+    assert result.exit_code == 2
+    assert result.output == "Error: bench --decode: none of these models has a key/value cache\n"
+
+
 def test_model_without_a_cache_is_one_line_and_exit_2(tmp_path: Path) -> None:
     tiny_spec(tmp_path / "models")
     result = CliRunner().invoke(cli, ["bench", "tiny", "--decode", "--models", str(tmp_path / "models")])

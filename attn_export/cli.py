@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -26,6 +26,9 @@ from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
+
+if TYPE_CHECKING:
+    from attn_export.bench.decode import DecodeBenchOptions
 
 __all__ = ["cli", "main"]
 
@@ -450,6 +453,15 @@ def verify(
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     """'1,8' or a doubling run written '64,128,...,2048'."""
+    return _sizes(value, minimum=1)
+
+
+def _past_list(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """--past: like --seq, but 0 (an empty cache) is a length too."""
+    return None if value is None else _sizes(value, minimum=0)
+
+
+def _sizes(value: str, minimum: int) -> list[int]:
     parts = [p.strip() for p in value.split(",") if p.strip()]
     try:
         if not all(p == "..." or (p.isascii() and p.isdigit()) for p in parts):
@@ -465,8 +477,9 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
         values = [int(p) for p in parts]
     except ValueError:
         raise click.BadParameter(f"{value!r} is not a list of sizes like 1,8 or 64,128,...,2048") from None
-    if not values or min(values) < 1:
-        raise click.BadParameter(f"{value!r}: sizes must be positive integers")
+    if not values or min(values) < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise click.BadParameter(f"{value!r}: sizes must be {kind} integers")
     return values
 
 
@@ -494,6 +507,18 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     help="Seconds of timed repeats per runner and shape.",
 )
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
+@click.option(
+    "--decode",
+    is_flag=True,
+    help="Time one decode step (seq 1) of models with a key/value cache against the past length, "
+    "ONNX Runtime with inputs and outputs bound; without NAMES, the zoo's models with a cache.",
+)
+@click.option(
+    "--past",
+    "pasts",
+    callback=_past_list,
+    help="With --decode: past lengths, e.g. 0,128,512. Default: 0,128,512,2048 clamped to the spec's range.",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
 @click.option(
     "--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Markdown table."
@@ -515,6 +540,8 @@ def bench(
     threads: int | None,
     budget: float,
     no_memory: bool,
+    decode: bool,
+    pasts: list[int] | None,
     json_path: Path | None,
     markdown_path: Path | None,
     plot_path: Path | None,
@@ -526,10 +553,15 @@ def bench(
     GFLOP/s and its share of this machine's float32 GEMM peak (measured in the same run),
     and each runner's peak memory. Figures belong here, never in tests.
 
+    With --decode: per-token latency of one decode step (seq 1) against the cache's past
+    length, PyTorch eager with its cache and ONNX Runtime (each variant) feeding their
+    presents back, tokens per second, the ratio to eager and peak memory.
+
     Example:
 
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
+        attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
     """
     from attn_export._deps import require
     from attn_export.artifacts.files import atomic_write
@@ -545,6 +577,26 @@ def bench(
 
     if plot_path:
         require("matplotlib", "--plot")
+    if decode:
+        if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
+        from attn_export.bench.decode import DecodeBenchOptions
+
+        decode_options = DecodeBenchOptions(
+            batches=batches,
+            pasts=pasts,
+            variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants,
+            provider=provider,
+            threads=threads,
+            budget_s=budget,
+            memory=not no_memory,
+        )
+        _bench_decode(
+            spec_paths(models_dir, names), out_dir, decode_options, not names, json_path, markdown_path, plot_path
+        )
+        return
+    if pasts is not None:
+        raise click.UsageError("--past needs --decode")
     options = BenchOptions(
         batches=batches,
         seqs=seqs,
@@ -577,6 +629,51 @@ def bench(
         from attn_export.report.plot import plot_latency
 
         plot_latency(report, plot_path)
+
+
+def _bench_decode(
+    paths: list[Path],
+    out_dir: Path,
+    options: DecodeBenchOptions,
+    whole_zoo: bool,
+    json_path: Path | None,
+    markdown_path: Path | None,
+    plot_path: Path | None,
+) -> None:
+    """bench --decode: build what is missing, time, print rows as they come, write the files."""
+    from attn_export.artifacts.files import atomic_write
+    from attn_export.bench.decode import bench_decode_models
+    from attn_export.report.bench_text import (
+        DECODE_HEADER,
+        format_decode_row,
+        format_decode_summary,
+        markdown_decode_table,
+    )
+    from attn_export.report.build_text import format_build_line
+
+    printed: list[bool] = []
+
+    def on_row(row: Any) -> None:
+        if not printed:
+            printed.append(True)
+            click.echo(DECODE_HEADER)
+        click.echo(format_decode_row(row))
+
+    built, report = bench_decode_models(paths, out_dir, options, on_row, skip_without_cache=whole_zoo)
+    if report is None:
+        for r in built.results:
+            if not r.ok:
+                click.echo(format_build_line(r), err=True)
+        sys.exit(built.exit_code)
+    click.echo(format_decode_summary(report))
+    if json_path:
+        atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    if markdown_path:
+        atomic_write(markdown_path, markdown_decode_table(report).encode())
+    if plot_path:
+        from attn_export.report.plot import plot_decode_latency
+
+        plot_decode_latency(report, plot_path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "root": {"pipelines"},
 }
 BASE = {"errors", "_deps", "timing", "__init__"}
-PIPELINES = {"build", "verify", "bench", "inspect_model", "fully_masked", "mask_probe", "api"}
+PIPELINES = {"build", "verify", "bench", "decode", "inspect_model", "fully_masked", "mask_probe", "api"}
 
 
 def _stage(module: str) -> str:

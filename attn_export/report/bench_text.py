@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from attn_export.bench.decode import DecodeBenchReport, DecodeRow
 from attn_export.bench.run import BenchReport, BenchRow
 
-__all__ = ["BENCH_HEADER", "format_bench_row", "format_bench_summary", "markdown_bench_table"]
+__all__ = [
+    "BENCH_HEADER",
+    "DECODE_HEADER",
+    "format_bench_row",
+    "format_bench_summary",
+    "format_decode_row",
+    "format_decode_summary",
+    "markdown_bench_table",
+    "markdown_decode_table",
+]
 
 BENCH_HEADER = (
     f"{'MODEL':<14} {'RUNNER':<18} {'BATCH':>5} {'SEQ':>6} {'P50_MS':>9} {'P90_MS':>9} "
@@ -46,5 +56,47 @@ def markdown_bench_table(report: BenchReport) -> str:
         lines.append(
             f"| {r.model} | {r.runner} | {r.batch} | {r.seq} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
             f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {r.gflops:.1f} | {100 * r.peak_share:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+DECODE_HEADER = (
+    f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'MS/TOKEN':>9} {'P90_MS':>9} "
+    f"{'TOKENS/S':>10} {'VS_EAGER':>8}  VERDICT"
+)
+
+
+def format_decode_row(r: DecodeRow) -> str:
+    flag = f"  {r.noise}" if r.noise else ""
+    return (
+        f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
+        f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8}  {r.verdict or '-'}{flag}"
+    )
+
+
+def format_decode_summary(report: DecodeBenchReport) -> str:
+    windows = sorted({r.window for r in report.rows})
+    lines = [
+        f"machine: {report.machine}; threads {report.threads}; provider {report.provider}; seed {report.seed}",
+        f"one decode step (seq 1) per token; cache prefilled with {report.prefill}; each window decodes "
+        f"{'/'.join(map(str, windows)) or '-'} steps from PAST, feeding the presents back",
+        "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
+    ]
+    for model, runners in report.memory_mb.items():
+        mems = ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
+        lines.append(f"peak memory {model}: {mems}")
+    return "\n".join(lines)
+
+
+def markdown_decode_table(report: DecodeBenchReport) -> str:
+    lines = [
+        "| model | runner | batch | past | ms/token p50 | p90 | tokens/s | vs eager | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in report.rows:
+        verdict = (r.verdict or "-") + (f" ({r.noise})" if r.noise else "")
+        lines.append(
+            f"| {r.model} | {r.runner} | {r.batch} | {r.past} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
+            f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {verdict} |"
         )
     return "\n".join(lines) + "\n"

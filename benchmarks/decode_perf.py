@@ -1,0 +1,232 @@
+"""Per-token decode latency of a KV-cache decoder against PyTorch eager and against this
+machine's memory bandwidth.
+
+    python benchmarks/decode_perf.py             # about two minutes on 2 cores (most of it the build)
+    python benchmarks/decode_perf.py --profile   # always print ONNX Runtime's breakdown by op
+
+Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads as a
+decoding step with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, past up
+to 4096) with the fp32, ort-fused and int8 variants, runs ``bench --decode`` at batch 1
+and past 128, 512 and 2048, and prints at past 512:
+
+* the best ONNX Runtime variant's per-token latency against PyTorch eager with its cache
+  (target <= 0.5x);
+* the memory-bandwidth limit: the bytes one step must read (the graph's weights plus the
+  cache) divided by this machine's copy bandwidth, measured here with a large numpy copy,
+  and the measured latency against that limit (target within 2x).
+
+Where a target is missed it says why, with ONNX Runtime's profile of the timed (bound)
+path broken down by op type. Nothing here asserts: figures are printed, from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+SPEC = HERE / "models" / "mha_kv_cache_512.toml"
+PASTS = (128, 512, 2048)
+AT = 512
+VARIANTS = ("fp32", "ort-fused", "int8")
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a large numpy copy, counting the bytes read and written (as
+    STREAM's Copy does); single-threaded, arrays far larger than any CPU cache."""
+    src = np.random.default_rng(0).standard_normal(mib * 2**20 // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the pages first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of the graph's initializers (int8 weights count one byte each)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def last_level_cache() -> str:
+    """The largest CPU cache this machine reports, e.g. '32768K', or '?'."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    sizes = []
+    for index in sorted(base.glob("index*")):
+        try:
+            sizes.append(((index / "level").read_text().strip(), (index / "size").read_text().strip()))
+        except OSError:
+            continue
+    return max(sizes)[1] if sizes else "?"
+
+
+def profile_bound_steps(
+    model: Path, spec: Any, threads: int, steps: int = 200
+) -> tuple[dict[str, float], float, float, float]:
+    """ONNX Runtime's profile of the timed path (IOBinding, presents fed back) at past
+    ``AT``: share of kernel time per op type, mean ms per run, mean ms in kernels per run,
+    and nodes run per step. Profiling slows every node: read the shares, not the times."""
+    from attn_export.bench.decode import OrtDecoder, plan_window
+    from attn_export.runtimes.ort import load_session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session = load_session(model, "cpu", threads=threads, spinning=False, profile_prefix=Path(tmp) / "profile")
+        decoder = OrtDecoder(session, spec, plan_window(spec, 1, AT, 8, 0))
+        for _ in range(steps):
+            decoder.step()
+        events = json.loads(Path(session.end_profiling()).read_text())
+    per_op: dict[str, float] = defaultdict(float)
+    runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per_op[e["args"]["op_name"]] += e["dur"]
+    nodes = sum(1 for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    kernels = sum(per_op.values())
+    shares = {op: us / kernels for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])}
+    return shares, float(np.mean(runs)) / 1e3, kernels / len(runs) / 1e3, nodes / len(runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed steps per runner and past length")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads on both sides (default 1: a batch-1 step is a few small GEMVs, and on a shared 2-core "
+        "machine PyTorch's OpenMP threads wait on a busy core and run 10x slower with 2)",
+    )
+    parser.add_argument("--profile", action="store_true", help="print the profile even when every target is met")
+    args = parser.parse_args()
+
+    from attn_export.artifacts.manifest import load_manifest
+    from attn_export.bench.decode import DecodeBenchOptions, run_decode_bench
+    from attn_export.build import BuildOptions, build_models
+    from attn_export.compare.policy import noise
+    from attn_export.report.bench_text import format_decode_summary, markdown_decode_table
+    from attn_export.spec import load_spec, variant_key
+    from attn_export.spec.cache import cache_of
+
+    command = " ".join(["python", "benchmarks/decode_perf.py", *sys.argv[1:]])
+    spec = load_spec(SPEC)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        t0 = time.perf_counter()
+        built = build_models([SPEC], BuildOptions(out, variants=VARIANTS))
+        assert all(r.ok for r in built.results), [r.error for r in built.results]
+        build_s = time.perf_counter() - t0
+        manifest = load_manifest(out)
+        report = run_decode_bench(
+            out,
+            manifest,
+            [spec],
+            DecodeBenchOptions(batches=[1], pasts=PASTS, variants=VARIANTS, threads=args.threads, budget_s=args.budget),
+        )
+        files = {v: out / manifest.models[variant_key(spec.name, v)].file for v in VARIANTS}
+        weights = {v: weight_bytes(p) for v, p in files.items()}
+        bandwidth = copy_bandwidth()
+
+        rows = {r.runner: r for r in report.rows if r.past == AT}
+        eager = rows["torch-eager"]
+        best = min((r for r in rows.values() if r.runner != "torch-eager"), key=lambda r: r.latency.p50_ms)
+        variant = best.runner.removeprefix("ort:")
+        cache = cache_of(spec)
+        assert cache is not None
+        inputs = {t.name: t for t in spec.inputs}
+        cache_bytes = sum(  # batch 1: every past's static dims x AT x its itemsize
+            AT * int(np.prod([d for d in inputs[p].shape if isinstance(d, int)])) * np.dtype(inputs[p].dtype).itemsize
+            for p, _ in cache.pairs
+        )
+        read = weights[variant] + cache_bytes
+        limit_ms = read / bandwidth * 1e3
+        vs_eager = best.latency.p50_ms / eager.latency.p50_ms
+        vs_limit = best.latency.p50_ms / limit_ms
+        flags = [f for f in (noise(best.latency, eager.latency),) if f]
+
+        print(f"Measured {datetime.date.today().isoformat()} on {report.machine} with `{command}`")
+        print(", ".join(f"{k} {v}" for k, v in report.versions.items()))
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"threads {report.threads} on both sides; load average at the end {load:.2f}; build {build_s:.1f} s\n")
+        print(markdown_decode_table(report))
+        print(format_decode_summary(report))
+        print(f"\nAt past {AT}, batch 1:")
+        print(
+            f"  PyTorch eager      {eager.latency.p50_ms:.3f} ms/token (p90 {eager.latency.p90_ms:.3f}), "
+            f"{eager.tokens_per_s:.0f} tokens/s"
+        )
+        print(
+            f"  best ORT: {variant:<8} {best.latency.p50_ms:.3f} ms/token (p90 {best.latency.p90_ms:.3f}), "
+            f"{best.tokens_per_s:.0f} tokens/s"
+        )
+        print(f"  copy bandwidth     {bandwidth / 1e9:.2f} GB/s (numpy copy of 256 MiB, read + written, 1 thread)")
+        print(
+            f"  bytes per token    {read / 2**20:.2f} MiB = weights {weights[variant] / 2**20:.2f} MiB ({variant}) "
+            f"+ cache read {cache_bytes / 2**20:.2f} MiB (fp32 weights {weights['fp32'] / 2**20:.2f} MiB)"
+        )
+        print(f"  bandwidth limit    {limit_ms:.3f} ms/token; largest CPU cache {last_level_cache()}")
+        for v in VARIANTS:  # each variant against the limit of its own weights
+            own = (weights[v] + cache_bytes) / bandwidth * 1e3
+            p50 = rows[f"ort:{v}"].latency.p50_ms
+            print(f"  ort:{v:<10}      {p50:.3f} ms/token, limit {own:.3f} ms ({p50 / own:.2f}x)")
+        eager_met = vs_eager <= 0.5
+        beyond = best.latency.p90_ms <= 0.5 * eager.latency.p50_ms
+        limit_met = vs_limit <= 2
+        print("\n| target | measured | met |\n|---|---|---|")
+        print(
+            f"| best ORT <= 0.5x eager at past {AT} | {vs_eager:.2f}x ({variant}) | "
+            f"{'yes' if eager_met and beyond else 'yes at p50, inside the noise' if eager_met else 'no'} |"
+        )
+        print(f"| within 2x of the bandwidth limit at past {AT} | {vs_limit:.2f}x | {'yes' if limit_met else 'no'} |")
+        if flags:
+            print(f"\nnote: {flags[0]} (the machine is shared; the ratios are from this one run)")
+        if vs_limit < 1:
+            print(
+                f"\nnote: faster than the limit: the {read / 2**20:.1f} MiB a step reads stay in the CPU's caches "
+                "between steps, so DRAM bandwidth does not bound this size; the limit is a ceiling only past them."
+            )
+        if not (eager_met and limit_met) or args.profile:
+            shares, run_ms, kernel_ms, nodes = profile_bound_steps(files[variant], spec, report.threads)
+            print(
+                f"\nONNX Runtime {variant}, bound decode steps at past {AT} (enable_profiling, which slows each "
+                f"node: {run_ms:.3f} ms per run here against {best.latency.p50_ms:.3f} timed): {nodes:.0f} nodes per "
+                f"step, {100 * kernel_ms / run_ms:.0f}% of a run in kernels; share of kernel time by op type:"
+            )
+            for op, share in shares.items():
+                if share >= 0.005:
+                    print(f"  {op:<22} {100 * share:5.1f}%")
+            if not eager_met:
+                top = next(iter(shares), "?")
+                print(
+                    f"why not <= 0.5x eager: {top} takes {100 * shares.get(top, 0):.0f}% of ONNX Runtime's kernel time "
+                    f"and {100 - 100 * kernel_ms / run_ms:.0f}% of a run is outside kernels"
+                )
+            if not limit_met:
+                small = sum(v for op, v in shares.items() if op not in ("Concat", "Softmax") and "MatMul" not in op)
+                print(
+                    f"why not within 2x: the limit counts each byte read once, at copy speed. A step also writes the "
+                    f"whole cache into a new present (Concat: {100 * shares.get('Concat', 0):.0f}% of kernel time, "
+                    f"reading the cache and writing it again), runs {nodes:.0f} nodes of which the ones that are not "
+                    f"MatMul, Softmax or Concat (mask, shape and layout ops) take {100 * small:.0f}% of kernel time "
+                    f"and move almost no bytes, and spends {100 - 100 * kernel_ms / run_ms:.0f}% of a run outside "
+                    "kernels (per-run and per-node overhead)."
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""bench --decode: a real small run gives one row per runner and past length with figures
+that hang together; the bound ONNX Runtime path feeds its presents back and gives what a
+plain session.run gives; a model without a cache is one line and exit 2. No timing
+assertions: figures belong to the benchmark, not the tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from attn_export.bench.decode import DecodeBenchReport, EagerDecoder, OrtDecoder, past_lengths, plan_window
+from attn_export.build import BuildOptions, build_models
+from attn_export.cli import cli
+from attn_export.export.factory import instantiate
+from attn_export.runtimes.ort import load_session
+from attn_export.spec import load_spec
+from tests.conftest import ZOO, tiny_spec
+
+SPEC = ZOO / "mha_kv_cache.toml"
+RUNNERS = {"torch-eager", "ort:fp32", "ort:int8"}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("decode") / "out"
+    summary = build_models([SPEC], BuildOptions(out, variants=("fp32", "int8")))
+    assert all(r.ok for r in summary.results), [r.error for r in summary.results]
+    return out
+
+
+@pytest.fixture(scope="module")
+def decode_run(built: Path) -> tuple[Path, object]:
+    folder = built.parent
+    args = ["bench", str(SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
+    args += ["--variant", "int8", "--budget", "0.01", "--threads", "1", "--json", str(folder / "decode.json")]
+    args += ["--markdown", str(folder / "decode.md"), "--plot", str(folder / "decode.png")]
+    return folder, CliRunner().invoke(cli, args)
+
+
+def test_one_row_per_runner_and_past_with_consistent_figures(decode_run) -> None:
+    folder, result = decode_run
+    assert result.exit_code == 0, result.output
+    report = DecodeBenchReport.from_dict(json.loads((folder / "decode.json").read_text()))
+    assert sorted((r.runner, r.past) for r in report.rows) == sorted((n, p) for n in RUNNERS for p in (0, 16))
+    for r in report.rows:
+        assert r.batch == 1 and r.window == 8
+        assert r.latency.p50_ms > 0 and r.latency.p90_ms >= r.latency.p50_ms and r.latency.repeats >= 4
+        assert r.tokens_per_s == pytest.approx(1000 / r.latency.p50_ms)
+        if r.runner == "torch-eager":
+            assert r.ratio_to_eager == 1.0 and r.verdict is None
+        else:
+            eager = next(e for e in report.rows if e.runner == "torch-eager" and e.past == r.past)
+            assert r.ratio_to_eager == pytest.approx(r.latency.p50_ms / eager.latency.p50_ms)
+            assert r.verdict in ("faster", "slower", "within noise")
+    assert set(report.memory_mb["mha_kv_cache"]) == RUNNERS
+    assert all(v is not None and v > 0 for v in report.memory_mb["mha_kv_cache"].values())
+    assert report.threads == 1 and report.seed == 0 and "random" in report.prefill
+    assert report.to_dict() == DecodeBenchReport.from_dict(report.to_dict()).to_dict()
+
+
+def test_table_markdown_and_plot(decode_run) -> None:
+    folder, result = decode_run
+    assert result.output.splitlines()[0].split()[:5] == ["MODEL", "RUNNER", "BATCH", "PAST", "MS/TOKEN"]
+    assert "peak memory mha_kv_cache: torch-eager" in result.output
+    lines = (folder / "decode.md").read_text().splitlines()
+    assert lines[0].startswith("| model | runner | batch | past | ms/token p50 |") and len(lines) == 2 + 6
+    pytest.importorskip("matplotlib")
+    assert (folder / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bound_steps_match_plain_runs_and_feed_presents_back(built: Path) -> None:
+    spec = load_spec(SPEC)
+    plan = plan_window(spec, batch=2, past=5, window=3, seed=1)
+    session = load_session(built / "mha_kv_cache.onnx", threads=1)
+    decoder = OrtDecoder(session, spec, plan)
+    names = [o.name for o in session.get_outputs()]
+    pasts = dict(plan.pasts)
+    for k in range(3):
+        decoder.step()
+        got = decoder.outputs()
+        expected = dict(zip(names, session.run(None, plan.feeds(k, pasts)), strict=True))
+        assert got["present.0.key"].shape == (2, 4, 5 + k + 1, 16)
+        for name in names:
+            np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6)
+        pasts = {
+            "past_key_values.0.key": expected["present.0.key"],
+            "past_key_values.0.value": expected["present.0.value"],
+        }
+    decoder.step()  # the window is used up: it starts again from the prefilled cache
+    assert decoder.outputs()["present.0.key"].shape == (2, 4, 6, 16)
+
+
+def test_eager_decodes_the_same_tokens_as_onnx_runtime(built: Path) -> None:
+    spec = load_spec(SPEC)
+    plan = plan_window(spec, batch=1, past=3, window=2, seed=2)
+    eager = EagerDecoder(instantiate(spec), spec, plan)
+    bound = OrtDecoder(load_session(built / "mha_kv_cache.onnx", threads=1), spec, plan)
+    for _ in range(2):
+        eager.step()
+        bound.step()
+        want, got = eager.outputs(), bound.outputs()
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
+    assert want["present.0.value"].shape == (1, 4, 5, 16)
+
+
+def test_default_pasts_are_clamped_to_the_spec_range() -> None:
+    assert past_lengths(load_spec(SPEC)) == [0, 128, 256]
+    assert past_lengths(load_spec(SPEC), [64, 0, 64]) == [64, 0]
+
+
+def test_window_grows_mask_and_positions_with_the_cache() -> None:
+    spec = load_spec(ZOO / "gqa_rope_kv_cache.toml")
+    plan = plan_window(spec, batch=2, past=250, window=8, seed=0)
+    assert len(plan.steps) == 7  # past 250 .. 256, where the spec's range ends
+    assert plan.pasts["past_key_values.0.key"].shape == (2, 2, 250, 8)
+    for k, feeds in enumerate(plan.steps):
+        assert feeds["attention_mask"].shape == (2, 250 + k + 1) and feeds["attention_mask"].all()
+        assert (feeds["position_ids"] == 250 + k).all() and feeds["position_ids"].shape == (2, 1)
+        assert feeds["hidden_states"] is plan.steps[0]["hidden_states"]
+
+
+def test_zoo_without_a_cache_model_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    result = CliRunner().invoke(cli, ["bench", "--decode", "--models", str(tmp_path / "models")])
+    assert result.exit_code == 2
+    assert result.output == "Error: bench --decode: none of these models has a key/value cache\n"
+
+
+def test_model_without_a_cache_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    result = CliRunner().invoke(cli, ["bench", "tiny", "--decode", "--models", str(tmp_path / "models")])
+    assert result.exit_code == 2
+    assert result.output == (
+        "Error: tiny: bench --decode needs a model with a key/value cache (inputs past_key_values.<i>.key/value, "
+        "outputs present.<i>.key/value); it declares none\n"
+    )
+    assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--decode", "--past", "0,300"], "Error: mha_kv_cache: past length 300 is outside 'past_seq' [0, 256]"),
+        (["--decode", "--seq", "8"], "Error: --seq has no meaning with --decode"),
+        (["--past", "0,128"], "Error: --past needs --decode"),
+        (["--decode", "--past", "-1"], "'-1' is not a list of sizes"),
+    ],
+)
+def test_bad_decode_options_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["bench", str(SPEC), "--out", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2 and message in result.output
+    assert not (tmp_path / "out").exists()

@@ -34,7 +34,8 @@ Shape = Sequence[int | str]
 #: An input as a shape, or as a table like a spec's [[inputs]] entry (dtype, mask, ...).
 InputSpec = Shape | Mapping[str, Any]
 #: A dim's range as (min, max) or {"min": .., "max": ..}.
-DimSpec = tuple[int, int] | Mapping[str, int]
+#: (min, max), {"min": .., "max": ..}, or a sum of other dims: "past_seq + seq".
+DimSpec = tuple[int, int] | Mapping[str, int] | str
 
 
 def build(
@@ -92,9 +93,12 @@ def _name(module: Any, name: str | None) -> str:
     return name or re.sub(r"(?<!^)(?=[A-Z])", "_", type(module).__name__).lower()
 
 
-def _dims(dims: Mapping[str, DimSpec]) -> dict[str, dict[str, int]]:
-    out = {}
+def _dims(dims: Mapping[str, DimSpec]) -> dict[str, dict[str, int] | str]:
+    out: dict[str, dict[str, int] | str] = {}
     for k, v in dims.items():
+        if isinstance(v, str):
+            out[k] = v
+            continue
         lo, hi = (v["min"], v["max"]) if isinstance(v, Mapping) else v
         out[k] = {"min": lo, "max": hi}
     return out

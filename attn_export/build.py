@@ -29,7 +29,7 @@ from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.compare import compare_outputs
 from attn_export.compare.policy import clearly_faster, noise
-from attn_export.decode import DEFAULT_STEPS, SCENARIOS, plan_trajectory, record_trajectory, run_trajectory
+from attn_export.decode import DEFAULT_STEPS, pytorch_trajectories, record_trajectory
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
 from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
@@ -263,15 +263,9 @@ class _SpecBuild:
         """For a model with a cache: PyTorch's decode trajectories, recorded step by step."""
         if cache_of(self.spec) is None:
             return []
-        cases = []
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
-            for scenario in SCENARIOS:
-                traj = plan_trajectory(self.spec, scenario, DEFAULT_STEPS, BUILD_SEED)
-                outputs, error = run_trajectory(eager, self.spec, traj)
-                if error:
-                    raise GraphCheckError(f"{self.spec.name}: decode {scenario}: PyTorch failed at {error}")
-                cases += record_trajectory(self.spec, traj, outputs)
-        return cases
+            recorded = pytorch_trajectories(eager, self.spec, DEFAULT_STEPS, BUILD_SEED)
+        return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs)]
 
     def graph(self, name: str) -> _Graph:
         if name not in self.graphs:

@@ -14,6 +14,7 @@ at step 2, when the cache is no longer empty.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.compare import OutputComparison, compare_outputs
-from attn_export.errors import AttnExportError, UsageError
+from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec, Tolerance
@@ -39,6 +40,10 @@ __all__ = [
     "Trajectory",
     "compare_trajectories",
     "plan_trajectory",
+    "pytorch_trajectories",
+    "scenarios",
+    "step_count",
+    "unpadded",
     "record_trajectory",
     "recompute",
     "recorded_label",
@@ -64,70 +69,90 @@ class Trajectory:
     prompt: int
     steps: list[Feeds]
     sizes: list[dict[str, int]]
+    #: Every token input over the whole trajectory (None for a recorded one).
+    tokens: Feeds | None = None
+    #: Why the trajectory checks less than asked (fewer steps, recompute left out).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def prompt_lengths(self) -> list[int]:
         return [int(k[: self.prompt].sum()) for k in self.keep]
 
 
-def _prompt_length(spec: ModelSpec, cache: CacheSpec, n_steps: int) -> int:
-    seq, past = spec.dims[cache.seq_dim], spec.dims[cache.past_dim]
-    if past.min > 0:
-        raise UsageError(f"{spec.name}: decoding starts from an empty cache; '{cache.past_dim}' needs min = 0")
-    prompt = max(2, min(example_sizes(spec)[cache.seq_dim], seq.max - n_steps))
-    if prompt > seq.max or prompt + n_steps - 1 > past.max:
-        raise UsageError(
-            f"{spec.name}: a prompt of {prompt} and {n_steps} decode steps need {cache.past_dim} up to "
-            f"{prompt + n_steps - 1}; its range is [{past.min}, {past.max}] (pass a smaller --decode N)"
-        )
-    return prompt
+def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
+    shape = next(t.shape for t in (*spec.inputs, *spec.outputs) if t.name == name)
+    return shape.index(dim) if dim in shape else None
 
 
-def _batch_keep(spec: ModelSpec, scenario: str, prompt: int, n_steps: int) -> np.ndarray:
-    """Real tokens per row: batch 1 has none padded; the left-padded batch has rows of
-    different prompt lengths, one of them all padding until its first generated token."""
-    batch_max = spec.dims["batch"].max if "batch" in spec.dims else 1
-    lengths = [prompt] if scenario == "batch-1" else [prompt, 0, max(1, prompt // 2)][: min(3, batch_max)]
-    keep = np.ones((len(lengths), prompt + n_steps), dtype=bool)
-    for row, n in enumerate(lengths):
-        keep[row, : prompt - n] = False
-    return keep
+def scenarios(spec: ModelSpec) -> list[str]:
+    """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
+    batch where it may be 2 or more (and a mask says which tokens are padding)."""
+    cache = cache_of(spec)
+    assert cache is not None, "only models with a cache decode"
+    batch = spec.dims.get(cache.batch_dim or "")
+    out = ["batch-1"] if batch is None or batch.min <= 1 else []
+    return out + (["left-padded"] if batch is not None and batch.max >= 2 and cache.mask else [])
+
+
+def step_count(spec: ModelSpec, n_steps: int) -> tuple[int, list[str]]:
+    """The decode steps that fit the spec's past range, and a note where that is fewer."""
+    cache = cache_of(spec)
+    assert cache is not None
+    prompt = _prompt_length(spec, cache)
+    fits = spec.dims[cache.past_dim].max - prompt + 1
+    if n_steps <= fits:
+        return n_steps, []
+    return fits, [
+        f"{fits} of {n_steps} decode steps: a prompt of {prompt} and {cache.past_dim} max {fits + prompt - 1}"
+    ]
+
+
+def _prompt_length(spec: ModelSpec, cache: CacheSpec) -> int:
+    return min(example_sizes(spec)[cache.seq_dim], spec.dims[cache.past_dim].max)
+
+
+def _window(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray, start: int, stop: int) -> Feeds:
+    """Feeds (pasts excepted) for tokens [start, stop) of every row: the mask covers every
+    token up to ``stop``, positions are ``cumsum(mask) - 1`` (0 on padding)."""
+    positions = np.clip(np.cumsum(keep[:, :stop], axis=1) - 1, 0, None)[:, start:stop]
+    feeds: Feeds = {}
+    for t in spec.inputs:
+        if t.name == cache.mask:
+            assert t.convention is not None
+            feeds[t.name] = CONVENTIONS[t.convention].encode(keep[:, :stop].copy(), t.dtype)
+        elif t.name == cache.positions:
+            feeds[t.name] = positions.astype(t.dtype)
+        elif t.name in tokens:
+            axis = _axis(spec, t.name, cache.seq_dim)
+            value = tokens[t.name]
+            feeds[t.name] = value if axis is None else np.take(value, range(start, stop), axis=axis)
+    return feeds
 
 
 def plan_trajectory(spec: ModelSpec, scenario: str, n_steps: int, seed: int) -> Trajectory:
-    """The feeds of one scenario: a prompt step then ``n_steps`` steps of one token."""
+    """The feeds of one scenario: a prompt step then up to ``n_steps`` steps of one token."""
     cache = cache_of(spec)
     assert cache is not None, "only models with a cache decode"
-    prompt = _prompt_length(spec, cache, n_steps)
-    keep = _batch_keep(spec, scenario, prompt, n_steps)
-    batch, length = keep.shape
-    if batch > 1 and "batch" not in spec.dims:
-        raise UsageError(f"{spec.name}: decoding a batch needs a dim named 'batch'")
-    base = example_sizes(spec) | ({"batch": batch} if "batch" in spec.dims else {})
-    rng = np.random.default_rng(seed)
+    n_steps, notes = step_count(spec, n_steps)
+    prompt = _prompt_length(spec, cache)
+    batch = 1 if scenario == "batch-1" else min(3, spec.dims[cache.batch_dim or ""].max)
+    # Rows of different prompt lengths; one is all padding until its first generated token.
+    lengths = [prompt] if batch == 1 else [prompt, 0, max(1, prompt // 2)][:batch]
+    keep = np.ones((batch, prompt + n_steps), dtype=bool)
+    for row, n in enumerate(lengths):
+        keep[row, : prompt - n] = False
+    base = example_sizes(spec) | ({cache.batch_dim: batch} if cache.batch_dim else {})
     fed_back = {past for past, _ in cache.pairs} | {cache.mask, cache.positions}
-    # Token inputs for the whole trajectory at once, sliced per step along their seq axis.
-    every_token = spec.with_sums(base | {cache.seq_dim: length, cache.past_dim: 0})
-    whole = {t.name: make_tensor(t, every_token, rng) for t in spec.inputs if t.name not in fed_back}
-    positions = np.clip(np.cumsum(keep, axis=1) - 1, 0, None)
-    steps, sizes = [], []
-    for k in range(n_steps + 1):
-        past, seq = (0, prompt) if k == 0 else (prompt + k - 1, 1)
-        step_sizes = spec.with_sums(base | {cache.seq_dim: seq, cache.past_dim: past})
-        feeds: Feeds = {}
-        for t in spec.inputs:
-            if t.name == cache.mask:
-                assert t.convention is not None
-                feeds[t.name] = CONVENTIONS[t.convention].encode(keep[:, : past + seq].copy(), t.dtype)
-            elif t.name == cache.positions:
-                feeds[t.name] = positions[:, past : past + seq].astype(t.dtype)
-            elif t.name in whole:
-                axis = t.shape.index(cache.seq_dim) if cache.seq_dim in t.shape else None
-                value = whole[t.name]
-                feeds[t.name] = value if axis is None else np.take(value, range(past, past + seq), axis=axis)
-        steps.append(feeds)
-        sizes.append(step_sizes)
-    return Trajectory(scenario, keep, prompt, steps, sizes)
+    every_token = spec.with_sums(base | {cache.seq_dim: keep.shape[1], cache.past_dim: 0})
+    rng = np.random.default_rng(seed)
+    tokens = {t.name: make_tensor(t, every_token, rng) for t in spec.inputs if t.name not in fed_back}
+    windows = [(0, prompt)] + [(prompt + k - 1, prompt + k) for k in range(1, n_steps + 1)]
+    steps = [_window(spec, cache, tokens, keep, a, b) for a, b in windows]
+    sizes = [spec.with_sums(base | {cache.seq_dim: b - a, cache.past_dim: a}) for a, b in windows]
+    seq_max = spec.dims[cache.seq_dim].max
+    if prompt + n_steps - 1 > seq_max:
+        notes.append(f"recompute checks steps up to {seq_max - prompt + 1}: {cache.seq_dim} max is {seq_max}")
+    return Trajectory(scenario, keep, prompt, steps, sizes, tokens, notes)
 
 
 def _empty_pasts(spec: ModelSpec, cache: CacheSpec, sizes: Mapping[str, int]) -> Feeds:
@@ -153,31 +178,84 @@ def run_trajectory(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> tuple
     return results, None
 
 
+def pytorch_trajectories(
+    eager: Runtime, spec: ModelSpec, n_steps: int, seed: int
+) -> list[tuple[Trajectory, list[Feeds]]]:
+    """Every scenario planned and run by the PyTorch module; a module that cannot decode
+    is a GraphCheckError."""
+    out = []
+    for scenario in scenarios(spec):
+        traj = plan_trajectory(spec, scenario, n_steps, seed)
+        outputs, error = run_trajectory(eager, spec, traj)
+        if error:
+            raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
+        out.append((traj, outputs))
+    return out
+
+
+def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
+    """One call without a cache on ``tokens`` (every position), as the module would see them."""
+    batch, length = keep.shape
+    sizes = spec.with_sums(
+        example_sizes(spec)
+        | {cache.seq_dim: length, cache.past_dim: 0}
+        | ({cache.batch_dim: batch} if cache.batch_dim else {})
+    )
+    return runtime.run({**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)})
+
+
 def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory, step: int) -> Feeds | None:
-    """PyTorch without a cache on every token up to ``step`` (1-based), or None where that
-    many tokens exceed the declared seq range."""
+    """The module without a cache on every token up to ``step`` (1-based), or None where
+    that many tokens exceed the declared seq range."""
     cache = cache_of(spec)
-    assert cache is not None
+    assert cache is not None and traj.tokens is not None
     length = traj.prompt + step - 1
     if length > spec.dims[cache.seq_dim].max:
         return None
-    feeds: Feeds = {}
-    positions = np.clip(np.cumsum(traj.keep[:, :length], axis=1) - 1, 0, None)
-    sizes = spec.with_sums(traj.sizes[0] | {cache.seq_dim: length, cache.past_dim: 0})
-    pasts = _empty_pasts(spec, cache, sizes)
-    for t in spec.inputs:
-        if t.name in pasts:
-            feeds[t.name] = pasts[t.name]
-        elif t.name == cache.mask:
-            assert t.convention is not None
-            feeds[t.name] = CONVENTIONS[t.convention].encode(traj.keep[:, :length].copy(), t.dtype)
-        elif t.name == cache.positions:
-            feeds[t.name] = positions.astype(t.dtype)
-        else:
-            axis = t.shape.index(cache.seq_dim) if cache.seq_dim in t.shape else None
-            parts = [s[t.name] for s in traj.steps[:step]]
-            feeds[t.name] = parts[0] if axis is None else np.concatenate(parts, axis=axis)
-    return runtime.run(feeds)
+    tokens = {
+        n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
+        for n, v in traj.tokens.items()
+    }
+    return _run_alone(runtime, spec, cache, tokens, traj.keep[:, :length])
+
+
+def unpadded(
+    runtime: Runtime, spec: ModelSpec, traj: Trajectory, outputs: list[Feeds], tolerances: Mapping[str, Tolerance]
+) -> list[OutputComparison]:
+    """Each left-padded row's real tokens, alone and without padding, against what the
+    batch gave them: padding must change nothing a real token sees (a mask the module
+    ignores, reads inverted or takes from another row fails here)."""
+    cache = cache_of(spec)
+    assert cache is not None and traj.tokens is not None and cache.batch_dim is not None
+    found: list[OutputComparison] = []
+    for row, keep in enumerate(traj.keep):
+        pad = int((~keep).sum())
+        if not pad or keep.size - pad > spec.dims[cache.seq_dim].max:
+            continue
+        tokens = {}
+        for name, value in traj.tokens.items():
+            v = np.take(value, [row], axis=_axis(spec, name, cache.batch_dim) or 0)
+            a = _axis(spec, name, cache.seq_dim)
+            tokens[name] = v if a is None else np.take(v, range(pad, keep.size), axis=a)
+        alone = _run_alone(runtime, spec, cache, tokens, np.ones((1, keep.size - pad), dtype=bool))
+        batched: Feeds = {}
+        for t in spec.outputs:
+            b_axis = _axis(spec, t.name, cache.batch_dim) or 0
+            if (s_axis := _axis(spec, t.name, cache.seq_dim)) is not None:
+                whole = np.concatenate(
+                    [np.take(o[t.name], [row], axis=b_axis) for o in outputs[: len(traj.steps)]], axis=s_axis
+                )
+                batched[t.name] = np.take(whole, range(pad, whole.shape[s_axis]), axis=s_axis)
+            elif (p_axis := _axis(spec, t.name, cache.total_dim)) is not None:
+                last = np.take(outputs[-1][t.name], [row], axis=b_axis)
+                batched[t.name] = np.take(last, range(pad, last.shape[p_axis]), axis=p_axis)
+            else:
+                continue
+        found += [
+            dataclasses.replace(c, name=f"{c.name} (row {row})")
+            for c in compare_outputs(batched, {n: alone[n] for n in batched}, tolerances)
+        ]
+    return found
 
 
 @dataclass
@@ -242,6 +320,9 @@ class DecodeResult:
     prompt_lengths: list[int]
     steps: list[DecodeStep] = field(default_factory=list)
     error: str | None = None
+    #: PyTorch: each left-padded row's real tokens alone, against the batch's.
+    unpadded: list[OutputComparison] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def runtime(self) -> str:
@@ -259,10 +340,21 @@ class DecodeResult:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and self.first_divergence is None and self.module_bug is None
+        return (
+            self.error is None
+            and self.first_divergence is None
+            and self.module_bug is None
+            and all(c.passed for c in self.unpadded)
+        )
 
     def reasons(self) -> list[str]:
         out = [self.error] if self.error else []
+        padded = next((c for c in self.unpadded if not c.passed), None)
+        if padded is not None:
+            out.append(
+                "module bug: padding changes what a real token sees: a left-padded row's tokens, alone and "
+                f"unpadded, give other outputs: {padded.reason()}"
+            )
         bug = self.module_bug
         if bug is not None:
             why = next(c.reason() for c in bug.recompute if not c.passed)
@@ -289,6 +381,8 @@ class DecodeResult:
             "error": self.error,
             "first_divergence": first.step if first else None,
             "module_bug_from_step": bug.step if bug else None,
+            "notes": self.notes,
+            "unpadded": [c.to_dict() for c in self.unpadded],
             "steps": [s.to_dict() for s in self.steps],
         }
 
@@ -302,6 +396,8 @@ class DecodeResult:
             list(d["prompt_lengths"]),
             [DecodeStep.from_dict(s) for s in d["steps"]],
             d.get("error"),
+            [OutputComparison.from_dict(c) for c in d.get("unpadded", [])],
+            list(d.get("notes", [])),
         )
 
 
@@ -310,11 +406,12 @@ def _padded_rows(spec: ModelSpec, cache: CacheSpec, query_keep: np.ndarray) -> d
     presents = {present for _, present in cache.pairs}
     out = {}
     for t in spec.outputs:
-        if t.name in presents or cache.seq_dim not in t.shape or t.shape[0] != "batch":
+        if t.name in presents or cache.seq_dim not in t.shape or cache.batch_dim not in t.shape:
             continue
-        axis = t.shape.index(cache.seq_dim)
+        axis, batch_axis = t.shape.index(cache.seq_dim), t.shape.index(cache.batch_dim)
         shape = [1] * len(t.shape)
-        shape[0], shape[axis] = query_keep.shape
+        shape[batch_axis], shape[axis] = query_keep.shape
+        query_keep = query_keep if batch_axis < axis else query_keep.T
         out[t.name] = ~query_keep.reshape(shape)
     return out
 

@@ -62,8 +62,10 @@ class BuildFolder(pytest.File):
 
     def collect(self) -> Iterator[CaseItem]:
         from attn_export.artifacts.manifest import load_manifest
+        from attn_export.decode import scenarios
         from attn_export.errors import AttnExportError
         from attn_export.runtimes import RUNTIMES, resolve_targets
+        from attn_export.spec.cache import cache_of
         from attn_export.spec.distributions import case_label
         from attn_export.verify import VerifyOptions, case_plan, checkout_spec
 
@@ -86,6 +88,10 @@ class BuildFolder(pytest.File):
             for target in targets:
                 for point, distribution in case_plan(spec, self.options, RUNTIMES[target.runtime].shape_cap):
                     label = case_label(point.label, distribution)
+                    name = f"{model}[{target.runtime}-{target.provider}-{label}]"
+                    yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
+                for scenario in scenarios(spec) if cache_of(spec) is not None and self.options.steps else []:
+                    label = f"decode-{scenario}"
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
 
@@ -115,10 +121,15 @@ class CaseItem(pytest.Item):
             (c for c in report.cases if c.target == self.target and case_label(c.shape, c.distribution) == self.case),
             None,
         )
-        if case is None and not lines:
+        decode = next(
+            (d for d in report.decode if d.target == self.target and f"decode-{d.scenario}" == self.case), None
+        )
+        if case is None and decode is None and not lines:
             lines.append(f"{self.model}: verify ran no case '{self.case}' on {self.target.label}")
         if case is not None and (lines or not case.passed):
             lines += _describe(case, report)
+        if decode is not None and not decode.passed:
+            lines += [f"{self.model} {decode.runtime} decode {decode.scenario}: {r}" for r in decode.reasons()]
         if lines:
             raise _CaseFailed("\n".join(lines))
 

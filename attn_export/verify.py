@@ -25,14 +25,15 @@ from attn_export.compare import OutputComparison, latency_gate
 from attn_export.compare.policy import noise as latency_noise
 from attn_export.decode import (
     DEFAULT_STEPS,
-    SCENARIOS,
     DecodeResult,
     Trajectory,
     compare_trajectories,
-    plan_trajectory,
+    pytorch_trajectories,
     recompute,
     run_trajectory,
+    scenarios,
     split_recorded_label,
+    unpadded,
 )
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, InputError, UsageError
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
@@ -691,34 +692,44 @@ def verify_module(
 
 def _decode_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[DecodeResult]:
     """Every scenario's trajectory on every target: against PyTorch (and PyTorch against its
-    own recompute), or in golden mode against the trajectories build recorded."""
+    own recompute and its rows alone), or in golden mode against what build recorded."""
     path = out_dir / entry.file
     tolerances = _tolerances(spec, entry.variant, options)
-    plans: list[tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None] | None]]
+    # (trajectory, expected outputs, recomputed outputs per step, each padded row alone)
+    plans: list[
+        tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None], list[OutputComparison]]
+    ]
     if options.golden:
-        recorded = _recorded_trajectories(out_dir, entry, spec, options)
-        plans = [(traj, outputs, None) for traj, outputs in recorded]
+        plans = [(traj, outputs, [], []) for traj, outputs in _recorded_trajectories(out_dir, entry, spec, options)]
         expected_from = "golden"
     else:
         from attn_export.export.factory import instantiate
 
-        module = instantiate(spec)
-        plans = []
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
-            for scenario in SCENARIOS:
-                traj = plan_trajectory(spec, scenario, options.steps, options.seed)
-                outputs, error = run_trajectory(eager, spec, traj)
-                if error:
-                    raise GraphCheckError(f"{entry.name}: decode {scenario}: PyTorch failed at {error}")
-                plans.append((traj, outputs, [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))]))
+        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+            plans = [
+                (
+                    traj,
+                    outputs,
+                    [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))],
+                    unpadded(eager, spec, traj, outputs, tolerances) if traj.scenario == "left-padded" else [],
+                )
+                for traj, outputs in pytorch_trajectories(eager, spec, options.steps, options.seed)
+            ]
         expected_from = eager.name
     results = []
     for target in options.targets:
-        runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
-        with runtime:
-            for traj, expected, full in plans:
+        with RUNTIMES[target.runtime].make(path, spec, target, options.threads) as runtime:
+            for traj, expected, full, alone in plans:
                 actual, error = run_trajectory(runtime, spec, traj)
-                result = DecodeResult(entry.name, target, traj.scenario, expected_from, traj.prompt_lengths)
+                result = DecodeResult(
+                    entry.name,
+                    target,
+                    traj.scenario,
+                    expected_from,
+                    traj.prompt_lengths,
+                    unpadded=alone,
+                    notes=traj.notes,
+                )
                 result.steps = compare_trajectories(spec, traj, expected, actual, tolerances, error, full)
                 results.append(result)
     return results
@@ -728,27 +739,44 @@ def _recorded_trajectories(
     out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
 ) -> list[tuple[Trajectory, list[dict[str, np.ndarray]]]]:
     """The trajectories build recorded in the golden file: each step's feeds (the pasts
-    are replaced by the graph's own presents when replayed) and PyTorch's outputs."""
-    cases = read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
-    by_scenario: dict[str, list[GoldenCase]] = {}
+    are replaced by the graph's own presents when replayed) and PyTorch's outputs. Every
+    scenario must be there, its steps from the prompt on without a gap."""
+    cache = cache_of(spec)
+    assert cache is not None
+    path = out_dir / entry.golden
+    cases = read_golden(path, spec, memory_budget(spec, options.max_memory), out_dir)
+    by_scenario: dict[str, dict[int, GoldenCase]] = {}
     for case in cases:
         where = split_recorded_label(case.label)
         if where is not None:
-            by_scenario.setdefault(where[0], []).append(case)
-    if not by_scenario:
-        raise ArtifactError(f"{entry.name}: the golden file holds no decode trajectory; rebuild with attn-export build")
+            by_scenario.setdefault(where[0], {})[where[1]] = case
     out = []
-    cache = cache_of(spec)
-    assert cache is not None
-    for scenario, steps in by_scenario.items():
-        steps = sorted(steps, key=lambda c: split_recorded_label(c.label)[1])[: options.steps + 1]  # type: ignore[index]
+    for scenario in scenarios(spec):
+        recorded = by_scenario.get(scenario, {})
+        count = len(recorded)
+        if not recorded or sorted(recorded) != list(range(1, count + 1)) or recorded[1].sizes[cache.past_dim] != 0:
+            raise ArtifactError(
+                f"{path}: the decode recording of '{scenario}' is missing or has gaps (steps {sorted(recorded)}); "
+                "rebuild with attn-export build"
+            )
+        steps = [recorded[k] for k in range(1, min(count, options.steps + 1) + 1)]
+        notes = (
+            [f"{len(steps) - 1} of {options.steps} decode steps: the recording has {count - 1}"]
+            if count <= options.steps
+            else []
+        )
         prompt = steps[0].sizes[cache.seq_dim]
-        mask = next((t for t in spec.inputs if t.name == cache.mask), None)
+        mask = next(t for t in spec.inputs if t.name == cache.mask) if cache.mask else None
         keep = (
             keep_of(mask.convention or "attend", steps[-1].inputs[mask.name])
             if mask is not None
-            else np.ones((steps[0].sizes.get("batch", 1), prompt + len(steps) - 1), dtype=bool)
+            else np.ones((steps[0].inputs[cache.pairs[0][0]].shape[0], prompt + len(steps) - 1), dtype=bool)
         )
-        traj = Trajectory(scenario, keep, prompt, [c.inputs for c in steps], [spec.with_sums(c.sizes) for c in steps])
-        out.append((traj, [c.outputs for c in steps]))
+        sizes = [spec.with_sums(c.sizes) for c in steps]
+        out.append(
+            (
+                Trajectory(scenario, keep, prompt, [c.inputs for c in steps], sizes, notes=notes),
+                [c.outputs for c in steps],
+            )
+        )
     return out

@@ -67,3 +67,17 @@ class SafeSoftmaxOnly(MHAKVCache):
         )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return out.transpose(1, 2).flatten(2), torch.ones_like(q[:, 0, :, :1])
+
+
+class IgnoresMask(MHAKVCache):
+    """attention_mask read as all ones: padding is attended."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        return super().attend(q, k, v, torch.ones_like(attention_mask))
+
+
+class FirstRowMask(MHAKVCache):
+    """Every row reads the first row's mask: right at batch 1 only."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        return super().attend(q, k, v, attention_mask[:1].expand_as(attention_mask))

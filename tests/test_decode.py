@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.golden import encode_golden, read_golden
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
@@ -18,6 +20,8 @@ from attn_export.decode import DecodeResult
 from attn_export.errors import InputError, SpecError
 from attn_export.export.factory import instantiate
 from attn_export.export.torch_export import export_onnx
+from attn_export.report.junit import junit_xml
+from attn_export.report.markdown import markdown_report
 from attn_export.runtimes import check_feeds
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
@@ -113,7 +117,7 @@ def test_decode_report_per_step_in_the_terminal_and_json(zoo_dir: Path, tmp_path
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "SCENARIO     PROMPTS  RESULT MAX_ABS BY STEP" in result.output
-    assert "2 of 2 decode trajectories agree (2 steps after the prompt)" in result.output
+    assert "2 of 2 decode trajectories agree (up to 2 steps after the prompt)" in result.output
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["summary"]["decode_trajectories"] == 2 and doc["settings"]["decode_steps"] == 2
     steps = doc["decode"][0]["steps"]
@@ -131,6 +135,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[s
         _faulty(root / "models", "zeros", "mha_kv_cache", "PresentWithoutNewToken"),
         _faulty(root / "models", "drops", "mha_kv_cache", "PresentDropsNewToken"),
         _faulty(root / "models", "baked", "gqa_rope_kv_cache", "PastBaked"),
+        _faulty(root / "models", "ignores", "mha_kv_cache", "IgnoresMask"),
+        _faulty(root / "models", "first_row", "mha_kv_cache", "FirstRowMask"),
     ]
     summary = build_models(specs, BuildOptions(root / "out"))
     return root / "out", root / "models", {r.name: r.error for r in summary.results}
@@ -186,3 +192,31 @@ def test_a_graph_that_breaks_on_a_fully_left_padded_row_diverges_at_step_1(zoo_c
         first = decode["left-padded"].first_divergence
         assert first is not None and first.step == 1, decode["left-padded"].reasons()
         assert decode["left-padded"].module_bug is None
+
+
+@pytest.mark.parametrize("name", ["ignores", "first_row"])
+def test_a_mask_the_module_misreads_fails_where_padding_is(faulty, name: str, tmp_path: Path) -> None:
+    out, models, errors = faulty
+    assert errors[name] is None, errors[name]
+    report = _decode(out, models, [name])
+    decode = _by_scenario(report)
+    assert decode["batch-1"].passed  # one row, no padding: nothing to misread
+    reasons = decode["left-padded"].reasons()
+    assert reasons and reasons[0].startswith("module bug: padding changes what a real token sees")
+    junit = junit_xml(report)
+    assert 'failures="1"' in junit and "padding changes what a real token sees" in junit
+    assert "| left-padded | 3,0,1 | **FAIL** |" in markdown_report(report)
+
+
+def test_golden_decode_refuses_a_recording_with_a_scenario_or_a_step_missing(zoo_copy: Path) -> None:
+    path = zoo_copy / "mha_kv_cache.golden.npz"
+    cases = read_golden(path)
+    for drop in ("decode-left-padded-", "decode-batch-1-4"):
+        path.write_bytes(encode_golden([c for c in cases if not c.label.startswith(drop)]))
+        doc = json.loads((zoo_copy / "manifest.json").read_text())
+        doc["models"]["mha_kv_cache"]["golden_sha256"] = sha256_file(path)
+        (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+        report = _decode(zoo_copy, ZOO, ["mha_kv_cache"], golden=True)
+        assert not report.passed and not report.decode
+        scenario = "left-padded" if "left" in drop else "batch-1"
+        assert f"the decode recording of '{scenario}' is missing or has gaps" in report.checks[0].problems[0]

@@ -1,4 +1,5 @@
-"""JUnit XML: one testcase per model x runtime, failures carrying their numbers."""
+"""JUnit XML: one testcase per model x runtime (its sweep and its decode trajectories),
+failures carrying their numbers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def junit_xml(report: VerifyReport) -> str:
     groups: dict[tuple[str, str], list[CaseResult]] = defaultdict(list)
     for c in report.cases:
         groups[(c.model, c.runtime)].append(c)
+    for d in report.decode:
+        groups.setdefault((d.model, d.runtime), [])
     runtimes = sorted({c.runtime for c in report.cases}) or ["checks"]
     for check in report.checks:
         for runtime in runtimes:
@@ -30,12 +33,14 @@ def junit_xml(report: VerifyReport) -> str:
         case_el = ET.SubElement(suite, "testcase", classname=model, name=runtime)
         problems = next((c.problems for c in report.checks if c.model == model), [])
         failing = [c for c in cases if not c.passed]
-        if problems or failing:
+        decode = [d for d in report.decode if (d.model, d.runtime) == (model, runtime) and not d.passed]
+        if problems or failing or decode:
             failures += 1
             lines = list(problems)
             for c in failing:
                 lines.append(f"{c.shape} {c.sizes} seed={c.seed}: {'; '.join(c.reasons())}")
                 lines.append(f"  reproduce: {report.reproduce(c)}")
+            lines += [f"decode {d.scenario}: {'; '.join(d.reasons())}" for d in decode]
             first = lines[0]
             fail_el = ET.SubElement(case_el, "failure", message=first, type="mismatch")
             fail_el.text = "\n".join(lines)

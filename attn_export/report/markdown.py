@@ -45,7 +45,16 @@ def markdown_report(report: VerifyReport) -> str:
         for (model, runtime), errors in by_distribution.items():
             cells = " | ".join(_cell(errors.get(n), ".2e") for n in names)
             lines.append(f"| {model} | {runtime} | {cells} |")
+    if report.decode:
+        lines += ["", "#### Decoding with a KV cache (max abs error by step; step 1 is the prompt)", ""]
+        lines += ["| model | runtime | scenario | prompts | result | by step |", "|---|---|---|---|---|---|"]
+        for d in report.decode:
+            by_step = " ".join(_cell(s.max_abs_error, ".1e") for s in d.steps)
+            prompts = ",".join(map(str, d.prompt_lengths))
+            verdict = "PASS" if d.passed else "**FAIL**"
+            lines.append(f"| {d.model} | {d.runtime} | {d.scenario} | {prompts} | {verdict} | {by_step} |")
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
+    problems += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {r}" for d in report.decode for r in d.reasons()]
     problems += [
         f"- **{c.model}** {c.runtime} {c.shape}: {'; '.join(c.reasons())}  \n  `{report.reproduce(c)}`"
         for c in report.failed_cases
@@ -53,6 +62,7 @@ def markdown_report(report: VerifyReport) -> str:
     if problems:
         lines += ["", "#### Failures", "", *problems]
     notes = [f"- **{c.model}** {c.runtime} {c.shape}: {n}" for c in report.cases for n in c.notes]
+    notes += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {n}" for d in report.decode for n in d.notes]
     if notes:
         lines += ["", "#### Notes", "", *notes]
     return "\n".join(lines) + "\n"

@@ -97,7 +97,7 @@ def format_summary(report: VerifyReport) -> str:
     if report.decode:
         line += (
             f"; {n['decode_trajectories'] - n['failed_trajectories']} of {n['decode_trajectories']} decode "
-            f"trajectories agree ({report.settings.get('decode_steps')} steps after the prompt)"
+            f"trajectories agree (up to {max(len(d.steps) for d in report.decode) - 1} steps after the prompt)"
         )
     if n["noisy_timings"]:
         first = next(c.noise for c in report.cases if c.noise)

@@ -33,6 +33,8 @@ class CacheSpec:
     total_dim: str
     mask: str | None
     positions: str | None
+    #: Axis 0 of the caches, where symbolic.
+    batch_dim: str | None = None
 
 
 def cache_of(spec: ModelSpec) -> CacheSpec | None:
@@ -46,6 +48,11 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
     def bad(message: str) -> SpecError:
         return SpecError(f"{spec.name}: KV cache: {message}")
 
+    past_names = {t.name for t in pasts}
+    for t in pasts:
+        other = t.name[: -len("key")] + "value" if t.name.endswith(".key") else t.name[: -len("value")] + "key"
+        if other not in past_names:
+            raise bad(f"input '{t.name}' has no '{other}' beside it")
     pairs, past_dims, total_dims = [], set(), set()
     for t in pasts:
         match = _PAST.fullmatch(t.name)
@@ -53,8 +60,10 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
         present = outputs.get(f"present.{match[1]}.{match[2]}")
         if present is None:
             raise bad(f"input '{t.name}' has no output 'present.{match[1]}.{match[2]}'")
-        if len(t.shape) != 4 or len(present.shape) != 4 or t.dtype != present.dtype:
-            raise bad(f"'{t.name}' and '{present.name}' must both be [batch, kv_heads, seq, head_dim] of one dtype")
+        if len(t.shape) != 4 or len(present.shape) != 4:
+            raise bad(f"'{t.name}' and '{present.name}' must both be [batch, kv_heads, seq, head_dim]")
+        if t.dtype != present.dtype:
+            raise bad(f"'{t.name}' is {t.dtype} but '{present.name}' is {present.dtype}")
         if [d for i, d in enumerate(t.shape) if i != 2] != [d for i, d in enumerate(present.shape) if i != 2]:
             shapes = f"{list(t.shape)} vs {list(present.shape)}"
             raise bad(f"'{t.name}' and '{present.name}' differ outside axis 2 ({shapes})")
@@ -67,14 +76,29 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
     parts = spec.dims[total].parts
     if past not in parts or len(parts) != 2:
         raise bad(f"axis 2 of the presents is '{total}'; declare it in [dims] as \"{past} + <seq dim>\"")
+    if spec.dims[past].min != 0:
+        raise bad(f"'{past}' needs min = 0: decoding starts from an empty cache")
     seq = next(p for p in parts if p != past)
     names = {t.name: t for t in spec.inputs}
     mask, positions = names.get(MASK), names.get(POSITIONS)
     if mask is not None and (len(mask.shape) != 2 or mask.shape[1] != total or mask.layout != "key-padding"):
         raise bad(f"'{MASK}' must be [batch, {total}], a key-padding mask over past and new tokens")
+    presents = {p for _, p in pairs}
+    stray = [t.name for t in spec.outputs if t.name.startswith("present.") and t.name not in presents]
+    if stray:
+        raise bad(f"output '{stray[0]}' has no past_key_values input")
     if positions is not None and (list(positions.shape[1:]) != [seq] or not positions.dtype.startswith("int")):
         raise bad(f"'{POSITIONS}' must be integer [batch, {seq}]")
     for t in spec.inputs:
         if t not in pasts and t is not mask and total in t.shape:
             raise bad(f"input '{t.name}' uses '{total}'; only '{MASK}' and the presents may")
-    return CacheSpec(tuple(pairs), past, seq, total, MASK if mask else None, POSITIONS if positions else None)
+    batch = pasts[0].shape[0]
+    return CacheSpec(
+        tuple(pairs),
+        past,
+        seq,
+        total,
+        MASK if mask else None,
+        POSITIONS if positions else None,
+        batch if isinstance(batch, str) else None,
+    )

@@ -349,18 +349,18 @@ class DecodeResult:
 
     def reasons(self) -> list[str]:
         out = [self.error] if self.error else []
-        padded = next((c for c in self.unpadded if not c.passed), None)
-        if padded is not None:
-            out.append(
-                "module bug: padding changes what a real token sees: a left-padded row's tokens, alone and "
-                f"unpadded, give other outputs: {padded.reason()}"
-            )
         bug = self.module_bug
         if bug is not None:
             why = next(c.reason() for c in bug.recompute if not c.passed)
             out.append(
                 f"module bug: with its cache the module disagrees with recomputing every token, from step "
                 f"{bug.step} (past {bug.past}, seq {bug.seq}): {why}"
+            )
+        padded = next((c for c in self.unpadded if not c.passed), None)
+        if padded is not None:
+            out.append(
+                "module bug: padding changes what a real token sees: a left-padded row's tokens, alone and "
+                f"unpadded, give other outputs: {padded.reason()}"
             )
         first = self.first_divergence
         if first is not None:

@@ -160,7 +160,8 @@ def test_one_layer_llama_model_with_an_integer_mask_and_an_output_picked_by_name
     out = tmp_path / "out"
     summary = build_models([write_spec(tmp_path / "models", "llama_model", LLAMA_MODEL)], BuildOptions(out))
     assert summary.results[0].status == "built", summary.results[0].error
-    report = verify_artifacts(out, load_manifest(out), ["llama_model"], VerifyOptions(latency=False))
+    options = VerifyOptions(models_dir=tmp_path / "models", latency=False)
+    report = verify_artifacts(out, load_manifest(out), ["llama_model"], options)
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
 
 

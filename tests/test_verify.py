@@ -19,7 +19,7 @@ from attn_export.export.factory import instantiate
 from attn_export.export.torch_export import export_onnx
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
-from attn_export.verify import VerifyOptions, shard_names, verify_artifacts
+from attn_export.verify import VerifyOptions, case_plan, shard_names, verify_artifacts
 from tests.conftest import ZOO_CASES, ZOO_SPECS, node, plant, set_initializer, tiny_spec
 
 FAST = ("--no-latency",)
@@ -56,10 +56,14 @@ def _failures(result) -> list[str]:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_correct_zoo_raises_no_false_alarm_five_runs_in_a_row(zoo_dir: Path, seed: int) -> None:
-    result = invoke("verify", str(zoo_dir), "--seed", str(seed), *FAST)
+    # Seed 0 runs the whole plan (every distribution, mask case and decode step); the
+    # others the unit-normal sweep, whose random shapes and values change with the seed.
+    narrowed = () if seed == 0 else ("--distribution", "normal")
+    result = invoke("verify", str(zoo_dir), "--seed", str(seed), *narrowed, *FAST)
     assert result.exit_code == 0, result.output
-    n = len(ZOO_SPECS)
-    assert f"verify PASSED: {ZOO_CASES} of {ZOO_CASES} cases agree across {n} models" in result.output
+    options = VerifyOptions(distributions=["normal"] if narrowed else None)
+    cases = sum(len(case_plan(load_spec(p), options)) for p in ZOO_SPECS) if narrowed else ZOO_CASES
+    assert f"verify PASSED: {cases} of {cases} cases agree across {len(ZOO_SPECS)} models" in result.output
 
 
 def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:

@@ -28,7 +28,7 @@ from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
 
 if TYPE_CHECKING:
-    from attn_export.bench.decode import DecodeBenchOptions
+    pass
 
 __all__ = ["cli", "main"]
 
@@ -564,23 +564,17 @@ def bench(
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
     """
     from attn_export._deps import require
-    from attn_export.artifacts.files import atomic_write
     from attn_export.bench.run import BenchOptions, bench_models
-    from attn_export.report.bench_text import (
-        BENCH_HEADER,
-        format_bench_row,
-        format_bench_summary,
-        markdown_bench_table,
-    )
-    from attn_export.report.build_text import format_build_line
+    from attn_export.report import bench_text, plot
     from attn_export.spec import spec_paths
 
     if plot_path:
         require("matplotlib", "--plot")
+    files = (json_path, markdown_path, plot_path)
     if decode:
         if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
-        from attn_export.bench.decode import DecodeBenchOptions
+        from attn_export.bench.decode import DecodeBenchOptions, bench_decode_models
 
         decode_options = DecodeBenchOptions(
             batches=batches,
@@ -591,8 +585,13 @@ def bench(
             budget_s=budget,
             memory=not no_memory,
         )
-        _bench_decode(
-            spec_paths(models_dir, names), out_dir, decode_options, not names, json_path, markdown_path, plot_path
+        _run_bench(
+            lambda on_row: bench_decode_models(
+                spec_paths(models_dir, names), out_dir, decode_options, on_row, skip_without_cache=not names
+            ),
+            (bench_text.DECODE_HEADER, bench_text.format_decode_row, bench_text.format_decode_summary),
+            (bench_text.markdown_decode_table, plot.plot_decode_latency),
+            files,
         )
         return
     if pasts is not None:
@@ -606,74 +605,48 @@ def bench(
         budget_s=budget,
         memory=not no_memory,
     )
-    printed: list[bool] = []
-
-    def on_row(row: Any) -> None:
-        if not printed:
-            printed.append(True)
-            click.echo(BENCH_HEADER)
-        click.echo(format_bench_row(row))
-
-    built, report = bench_models(spec_paths(models_dir, names), out_dir, options, on_row)
-    if report is None:
-        for r in built.results:
-            if not r.ok:
-                click.echo(format_build_line(r), err=True)
-        sys.exit(built.exit_code)
-    click.echo(format_bench_summary(report))
-    if json_path:
-        atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
-    if markdown_path:
-        atomic_write(markdown_path, markdown_bench_table(report).encode())
-    if plot_path:
-        from attn_export.report.plot import plot_latency
-
-        plot_latency(report, plot_path)
-
-
-def _bench_decode(
-    paths: list[Path],
-    out_dir: Path,
-    options: DecodeBenchOptions,
-    whole_zoo: bool,
-    json_path: Path | None,
-    markdown_path: Path | None,
-    plot_path: Path | None,
-) -> None:
-    """bench --decode: build what is missing, time, print rows as they come, write the files."""
-    from attn_export.artifacts.files import atomic_write
-    from attn_export.bench.decode import bench_decode_models
-    from attn_export.report.bench_text import (
-        DECODE_HEADER,
-        format_decode_row,
-        format_decode_summary,
-        markdown_decode_table,
+    _run_bench(
+        lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row),
+        (bench_text.BENCH_HEADER, bench_text.format_bench_row, bench_text.format_bench_summary),
+        (bench_text.markdown_bench_table, plot.plot_latency),
+        files,
     )
+
+
+def _run_bench(
+    run: Callable[[Callable[[Any], None]], tuple[Any, Any]],
+    text: tuple[str, Callable[[Any], str], Callable[[Any], str]],
+    writers: tuple[Callable[[Any], str], Callable[[Any, Path], None]],
+    files: tuple[Path | None, Path | None, Path | None],
+) -> None:
+    """Build what is missing and time (``run``), print rows as they come and the summary
+    (``text``: header, row, summary), write the JSON, Markdown and plot files asked for."""
+    from attn_export.artifacts.files import atomic_write
     from attn_export.report.build_text import format_build_line
 
+    header, format_row, format_summary = text
     printed: list[bool] = []
 
     def on_row(row: Any) -> None:
         if not printed:
             printed.append(True)
-            click.echo(DECODE_HEADER)
-        click.echo(format_decode_row(row))
+            click.echo(header)
+        click.echo(format_row(row))
 
-    built, report = bench_decode_models(paths, out_dir, options, on_row, skip_without_cache=whole_zoo)
+    built, report = run(on_row)
     if report is None:
         for r in built.results:
             if not r.ok:
                 click.echo(format_build_line(r), err=True)
         sys.exit(built.exit_code)
-    click.echo(format_decode_summary(report))
+    click.echo(format_summary(report))
+    json_path, markdown_path, plot_path = files
     if json_path:
         atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     if markdown_path:
-        atomic_write(markdown_path, markdown_decode_table(report).encode())
+        atomic_write(markdown_path, writers[0](report).encode())
     if plot_path:
-        from attn_export.report.plot import plot_decode_latency
-
-        plot_decode_latency(report, plot_path)
+        writers[1](report, plot_path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,10 +41,7 @@ def format_bench_summary(report: BenchReport) -> str:
         f"float32 GEMM peak (2048^3): {peak['peak']:.1f} GFLOP/s "
         f"(torch {peak['torch']:.1f}, onnxruntime {peak['onnxruntime']:.1f})",
     ]
-    for model, runners in report.memory_mb.items():
-        mems = ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
-        lines.append(f"peak memory {model}: {mems}")
-    return "\n".join(lines)
+    return "\n".join(lines + _memory_lines(report.memory_mb))
 
 
 def markdown_bench_table(report: BenchReport) -> str:
@@ -82,10 +79,7 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
         f"{'/'.join(map(str, windows)) or '-'} steps from PAST, feeding the presents back",
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
     ]
-    for model, runners in report.memory_mb.items():
-        mems = ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
-        lines.append(f"peak memory {model}: {mems}")
-    return "\n".join(lines)
+    return "\n".join(lines + _memory_lines(report.memory_mb))
 
 
 def markdown_decode_table(report: DecodeBenchReport) -> str:
@@ -100,3 +94,11 @@ def markdown_decode_table(report: DecodeBenchReport) -> str:
             f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _memory_lines(memory_mb: dict[str, dict[str, float | None]]) -> list[str]:
+    """Peak memory per model and runner ("-" where it was not measured)."""
+    return [
+        f"peak memory {model}: " + ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
+        for model, runners in memory_mb.items()
+    ]

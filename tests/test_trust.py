@@ -14,7 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from tests.conftest import ROOT, tiny_spec
+from attn_export.spec import load_spec
+from tests.conftest import ROOT, ZOO, needs_transformers, tiny_spec
 
 FAST = ("--no-latency",)
 
@@ -149,3 +150,13 @@ def test_a_moved_build_folder_verifies_in_golden_mode_without_torch(
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "verify PASSED" in done.stdout
+
+
+@needs_transformers
+def test_a_module_from_an_installed_library_is_covered_by_its_version() -> None:
+    import transformers
+
+    from attn_export.export.source import module_sources
+
+    sources = module_sources(load_spec(ZOO / "bert_attention.toml"))
+    assert list(sources) == [f"transformers=={transformers.__version__} (installed)"]  # not 2,500 files walked

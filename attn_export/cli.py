@@ -571,19 +571,21 @@ def bench(
     if plot_path:
         require("matplotlib", "--plot")
     files = (json_path, markdown_path, plot_path)
+    # What bench and bench --decode take alike.
+    shared: dict[str, Any] = {
+        "batches": batches,
+        "provider": provider,
+        "threads": threads,
+        "budget_s": budget,
+        "memory": not no_memory,
+    }
     if decode:
         if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
         from attn_export.bench.decode import DecodeBenchOptions, bench_decode_models
 
         decode_options = DecodeBenchOptions(
-            batches=batches,
-            pasts=pasts,
-            variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants,
-            provider=provider,
-            threads=threads,
-            budget_s=budget,
-            memory=not no_memory,
+            pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared
         )
         _run_bench(
             lambda on_row: bench_decode_models(
@@ -596,15 +598,7 @@ def bench(
         return
     if pasts is not None:
         raise click.UsageError("--past needs --decode")
-    options = BenchOptions(
-        batches=batches,
-        seqs=seqs,
-        variants=tuple(dict.fromkeys(variants)) or BenchOptions.variants,
-        provider=provider,
-        threads=threads,
-        budget_s=budget,
-        memory=not no_memory,
-    )
+    options = BenchOptions(seqs=seqs, variants=tuple(dict.fromkeys(variants)) or BenchOptions.variants, **shared)
     _run_bench(
         lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row),
         (bench_text.BENCH_HEADER, bench_text.format_bench_row, bench_text.format_bench_summary),

@@ -58,7 +58,9 @@ def test_plugin_collects_every_case_and_fails_only_the_planted_model(
     passed = 2 * len(plan) + 1 - len(failed)  # each model's cases, and the own test
     assert output.strip().splitlines()[-1].startswith(f"{len(failed)} failed, {passed} passed in ")
     assert re.search(r"outside atol=1\.\d+e-05 rtol=0.0001; max abs \d", output)  # the numbers (atol with its floor)
-    reproduce = re.findall(r"^reproduce: (attn-export verify .*)$", output, re.M)
+    # once per failure; the short summary repeats whole messages where pytest detects CI
+    failures = output.split("short test summary info")[0]
+    reproduce = re.findall(r"^reproduce: (attn-export verify .*)$", failures, re.M)
     assert len(reproduce) == len(failed)
     monkeypatch.chdir(tmp_path)  # where pytest ran: the project's models/ folder
     again = CliRunner().invoke(cli, shlex.split(reproduce[0])[1:])  # the command reproduces the failure

@@ -2,7 +2,7 @@
 
 Mutations are byte-wise and structural: manifests nested 200,000 deep or holding huge
 values, golden entries whose .npy headers declare other shapes, dtypes or sizes, a zip bomb.
-The default run feeds 1,000 mutated files (seeded); set ATTN_EXPORT_FUZZ=N for a longer one.
+The default run feeds 300 mutated files (seeded); set ATTN_EXPORT_FUZZ=N for a longer one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from attn_export.artifacts.files import sha256_file
 from attn_export.cli import cli
 
-COUNT = int(os.environ.get("ATTN_EXPORT_FUZZ", "1000"))
+COUNT = int(os.environ.get("ATTN_EXPORT_FUZZ", "300"))
 DEADLINE_S = max(120.0, COUNT * 0.5)
 
 

@@ -25,7 +25,7 @@ from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
+from attn_export.spec.shapes import example_sizes, format_sizes
 from attn_export.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 
 __all__ = ["assert_onnx_matches", "build", "export", "verify"]
@@ -255,7 +255,7 @@ def assert_onnx_matches(
     if failed:
         lines = [f"{file.name} differs from {type(module).__name__} in {len(failed)} of {len(cases)} cases:"]
         for c in failed:
-            sizes = ",".join(f"{k}={v}" for k, v in c.sizes.items())
+            sizes = format_sizes(c.sizes)
             lines.append(f"  {c.shape} ({sizes}, seed {c.seed}): {'; '.join(c.reasons())}")
             lines += [f"    note: {n}" for n in c.notes]
         raise AssertionError("\n".join(lines))

@@ -30,7 +30,14 @@ from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifes
 from attn_export.compare import compare_outputs
 from attn_export.compare.policy import clearly_faster, noise
 from attn_export.decode import DEFAULT_STEPS, pytorch_trajectories, record_trajectory
-from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, UsageError
+from attn_export.errors import (
+    ArtifactError,
+    AttnExportError,
+    ExportFailure,
+    GraphCheckError,
+    RuntimeFailure,
+    UsageError,
+)
 from attn_export.export.factory import instantiate
 from attn_export.export.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.export.source import module_sources
@@ -46,7 +53,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
-from attn_export.spec.shapes import ShapePoint, example_sizes, golden_points
+from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_points
 from attn_export.spec.variants import auto_candidates
 from attn_export.timing import LatencyStats, measure, physical_cores
 
@@ -307,14 +314,15 @@ class _SpecBuild:
             for case in [self.example.get(), *cases]:
                 if split_label(case.label)[1] != DEFAULT_DISTRIBUTION:
                     continue
-                got = session.run(case.inputs)
+                where = f"{variant_key(spec.name, variant)}: smoke check at {case.label} ({format_sizes(case.sizes)})"
+                try:
+                    got = session.run(case.inputs)
+                except RuntimeFailure as e:
+                    raise GraphCheckError(f"{where} failed: {e}") from e
                 failed = [c.reason() for c in compare_outputs(case.outputs, got, tolerances, case.floors)]
                 failed = [r for r in failed if r]
                 if failed:
-                    shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
-                    raise GraphCheckError(
-                        f"{variant_key(spec.name, variant)}: smoke check at {case.label} ({shape}) failed: {failed[0]}"
-                    )
+                    raise GraphCheckError(f"{where} failed: {failed[0]}")
 
 
 def _build_key(spec: ModelSpec, sources: dict[str, str], vers: dict[str, str], variant: str, provider: str) -> str:

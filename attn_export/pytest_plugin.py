@@ -143,7 +143,9 @@ class CaseItem(pytest.Item):
 
 
 def _describe(case: CaseResult, report: VerifyReport) -> list[str]:
-    sizes = ",".join(f"{k}={v}" for k, v in case.sizes.items())
+    from attn_export.spec.shapes import format_sizes
+
+    sizes = format_sizes(case.sizes)
     lines = [f"{case.model} {case.runtime} {case.shape} ({sizes}, seed {case.seed}):"]
     lines += [f"  {reason}" for reason in case.reasons()]
     lines += [f"  note: {note}" for note in case.notes]

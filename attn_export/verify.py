@@ -48,7 +48,7 @@ from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN, keep_of
 from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.shapes import ShapePoint, mask_cases, sizes_from_feeds, sweep, validate_sizes
+from attn_export.spec.shapes import ShapePoint, format_sizes, mask_cases, sizes_from_feeds, sweep, validate_sizes
 from attn_export.timing import LatencyStats, measure_alternating, physical_cores
 
 __all__ = [
@@ -313,7 +313,7 @@ class VerifyReport:
         if case.expected_from == "golden":
             args += ["--golden"]
         elif case.distribution != RECORDED:
-            shape = ",".join(f"{k}={v}" for k, v in case.sizes.items())
+            shape = format_sizes(case.sizes)
             args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
             args += ["--mask-case", case.shape] if case.shape in CASES else []
         return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])

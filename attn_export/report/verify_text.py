@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attn_export.spec.masks import CASES
+from attn_export.spec.shapes import format_sizes
 from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
 __all__ = [
@@ -27,7 +28,7 @@ def _num(value: float | None, fmt: str, suffix: str = "") -> str:
 
 def format_case(c: CaseResult) -> str:
     """One row, then the case's notes indented below it."""
-    shape = ",".join(f"{k}={v}" for k, v in c.sizes.items()) + (f" {c.shape}" if c.shape in CASES else "")
+    shape = format_sizes(c.sizes) + (f" {c.shape}" if c.shape in CASES else "")
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
     return (

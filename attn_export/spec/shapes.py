@@ -21,6 +21,7 @@ __all__ = [
     "concrete_shape",
     "corner_points",
     "example_sizes",
+    "format_sizes",
     "golden_points",
     "mask_cases",
     "parse_shapes",
@@ -41,7 +42,12 @@ class ShapePoint:
     case: str = PATTERN
 
     def describe(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.sizes.items())
+        return format_sizes(self.sizes)
+
+
+def format_sizes(sizes: Mapping[str, int]) -> str:
+    """Sizes as reports and commands write them: ``batch=2,seq=5``."""
+    return ",".join(f"{k}={v}" for k, v in sizes.items())
 
 
 def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:

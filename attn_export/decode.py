@@ -445,6 +445,9 @@ def compare_trajectories(
     against recompute (real tokens only: a padded query has nothing to agree on)."""
     cache = cache_of(spec)
     assert cache is not None
+    presents = {present for _, present in cache.pairs}
+    # outputs with a value per token: recompute gives every token's, the step its own
+    per_token = {t.name: _axis(spec, t.name, cache.seq_dim) for t in spec.outputs if t.name not in presents}
     steps = []
     for k, sizes in enumerate(traj.sizes[: len(expected)]):
         past, seq = sizes[cache.past_dim], sizes[cache.seq_dim]
@@ -459,10 +462,10 @@ def compare_trajectories(
             step.error = actual_error or "the graph produced no output"
         full = recomputed[k] if recomputed and k < len(recomputed) else None
         if full is not None:
-            mine = {n: v for n, v in full.items() if n not in padded}
-            for name in padded:
-                axis = spec.outputs[[t.name for t in spec.outputs].index(name)].shape.index(cache.seq_dim)
-                mine[name] = np.take(full[name], range(past, past + seq), axis=axis)
+            mine = {
+                n: v if (a := per_token.get(n)) is None else np.take(v, range(past, past + seq), axis=a)
+                for n, v in full.items()
+            }
             step.recompute = _compare(mine, expected[k], tolerances, padded)
         steps.append(step)
         if step.error:

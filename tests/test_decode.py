@@ -175,7 +175,7 @@ def test_a_present_without_the_new_token_fails_the_build_naming_the_axis(faulty)
 def test_a_past_length_baked_from_the_example_fails_the_build_naming_the_line(faulty) -> None:
     _, _, errors = faulty
     assert "specialized it to be a constant" in errors["baked"]
-    assert "faulty_decoders.py:" in errors["baked"] and "`t = int(x.shape[2])`" in errors["baked"]
+    assert "faulty_decoders.py:" in errors["baked"] and "`t = int(full.shape[2])`" in errors["baked"]
 
 
 def test_a_graph_that_breaks_on_a_fully_left_padded_row_diverges_at_step_1(zoo_copy: Path) -> None:

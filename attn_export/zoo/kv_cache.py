@@ -8,6 +8,9 @@ Each forward takes positional tensors and returns ``(output, present_key, presen
   ``j <= past_seq + i`` (``is_causal=True`` would align it top-left when past_seq > 0);
 * ``present = cat(past, new)`` along dim 2, the layout ``[batch, kv_heads, past_seq + seq,
   head_dim]`` that Optimum and onnxruntime-genai use;
+* attention goes through ``F.scaled_dot_product_attention`` with the mask as an additive
+  bias (grouped heads through ``enable_gqa``), so the opset-23 export holds the ONNX
+  ``Attention`` op and its variants can take the cache into the op;
 * a query that sees no key (a left-padded position) gives 0 in PyTorch and in the exported
   graph alike: scores get a finite minimum (never -inf) and the output is multiplied by a
   has-any-key indicator.
@@ -16,6 +19,7 @@ Each forward takes positional tensors and returns ``(output, present_key, presen
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attn_export.zoo.seed import MultiHeadAttention
@@ -44,8 +48,7 @@ class _CachedAttention(nn.Module):
         )
         lowest = torch.full((), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device)
         bias = torch.where(allowed, torch.zeros_like(lowest), lowest)
-        scores = q @ k.transpose(-1, -2) * self.head_dim**-0.5 + bias
-        out = scores.softmax(dim=-1) @ v
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=k.shape[1] != q.shape[1])
         has_key = allowed[:, 0].any(dim=-1, keepdim=True).to(q.dtype)
         return out.transpose(1, 2).flatten(2), has_key
 
@@ -101,12 +104,6 @@ class GQARopeKVCache(_CachedAttention):
         x1, x2 = x.chunk(2, dim=-1)
         return x * angles.cos() + torch.cat((-x2, x1), dim=-1) * angles.sin()
 
-    def repeat_kv(self, x: Tensor) -> Tensor:
-        """``[b, kv_heads, t, d]`` to ``[b, heads, t, d]``, each kv head shared by a group."""
-        b, _, t, d = x.shape
-        n_rep = self.num_heads // self.num_kv_heads
-        return x[:, :, None].expand(b, self.num_kv_heads, n_rep, t, d).reshape(b, self.num_heads, t, d)
-
     def forward(
         self, hidden_states: Tensor, attention_mask: Tensor, position_ids: Tensor, past_key: Tensor, past_value: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,5 +114,5 @@ class GQARopeKVCache(_CachedAttention):
         positions = self.positions(position_ids)
         q, k = self.rotate(q, positions), self.rotate(k, positions)
         key, value = torch.cat((past_key, k), dim=2), torch.cat((past_value, v), dim=2)
-        out, has_key = self.attend(q, self.repeat_kv(key), self.repeat_kv(value), attention_mask)
+        out, has_key = self.attend(q, key, value, attention_mask)
         return self.o_proj(out) * has_key, self.present(key), self.present(value)

@@ -1,0 +1,107 @@
+"""Move a decoder's key/value cache into the ONNX ``Attention`` op (opset 23).
+
+A decoder on ``F.scaled_dot_product_attention`` exports as ``Concat(past, new)`` along the
+sequence axis feeding the op's key and value, the Concat's output being the present. The
+op has inputs for exactly that (``past_key``/``past_value``, outputs ``present_key``/
+``present_value``), which lets a runtime append to the cache inside its kernel and lets
+ONNX Runtime's own cache ops (``com.microsoft.MultiHeadAttention``/``GroupQueryAttention``)
+take the node over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import helper
+
+__all__ = ["CacheAttention", "fold_cache", "rank_of"]
+
+
+@dataclass(frozen=True)
+class CacheAttention:
+    """One Attention node whose cache was folded in: its tensor names, in the op's order."""
+
+    node: onnx.NodeProto
+
+    @property
+    def query(self) -> str:
+        return self.node.input[0]
+
+    @property
+    def new_key(self) -> str:
+        return self.node.input[1]
+
+    @property
+    def new_value(self) -> str:
+        return self.node.input[2]
+
+    @property
+    def mask(self) -> str:
+        return self.node.input[3]
+
+    @property
+    def past_key(self) -> str:
+        return self.node.input[4]
+
+    @property
+    def past_value(self) -> str:
+        return self.node.input[5]
+
+
+def rank_of(proto: onnx.ModelProto, name: str) -> int | None:
+    """The rank the graph declares for tensor ``name``; None when it declares none."""
+    graph = proto.graph
+    for info in (*graph.input, *graph.value_info, *graph.output):
+        if info.name == name and info.type.tensor_type.HasField("shape"):
+            return len(info.type.tensor_type.shape.dim)
+    return None
+
+
+def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _cache_concat(
+    proto: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto], uses: dict[str, int]
+) -> onnx.NodeProto | None:
+    """The node making ``name`` if it is ``Concat(past, new)`` on the sequence axis of a
+    rank-4 ``[batch, heads, seq, head_dim]`` tensor read only by the attention (and the
+    graph's outputs)."""
+    node = producers.get(name)
+    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if _attr(node, "axis", None) not in (2, -2) or rank_of(proto, node.input[0]) != 4:
+        return None
+    return node if uses.get(name, 0) == 1 else None
+
+
+def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
+    """Fold each cache Concat pair into the Attention op it feeds, in place; the nodes folded.
+
+    Left alone: an op with ``is_causal=1`` (its causal mask is aligned top-left over the
+    concatenated keys; with past inputs the op aligns it differently), one that already has
+    past inputs or returns its scores, and keys or values that other nodes also read."""
+    graph = proto.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            uses[name] = uses.get(name, 0) + 1
+    folded = []
+    for node in graph.node:
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) > 4:
+            continue
+        if _attr(node, "is_causal", 0) or len(node.output) > 1:
+            continue
+        key, value = (_cache_concat(proto, name, producers, uses) for name in node.input[1:3])
+        if key is None or value is None or key is value:
+            continue
+        mask = node.input[3] if len(node.input) > 3 else ""
+        present = (node.input[1], node.input[2])
+        node.input[:] = [node.input[0], key.input[1], value.input[1], mask, key.input[0], value.input[0]]
+        node.output.extend(present)
+        graph.node.remove(key)
+        graph.node.remove(value)
+        folded.append(CacheAttention(node))
+    return folded

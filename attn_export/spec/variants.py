@@ -46,6 +46,12 @@ VARIANTS: dict[str, VariantInfo] = {
             "attention-op", "re-exported at opset 23 with the ONNX Attention op", "attention_op", export_opset=23
         ),
         VariantInfo("ort-fused", "onnxscript's optimize_for_ort fusions", "ort_fused"),
+        VariantInfo(
+            "ort-past",
+            "a decoder's cache attention as ONNX Runtime's MultiHeadAttention or GroupQueryAttention with past inputs",
+            "ort_past",
+            export_opset=23,
+        ),
         VariantInfo("int8", "dynamic int8 quantization of MatMuls", "int8", tolerance=Tolerance(0.1, 0.1)),
         VariantInfo(
             "fp16",

@@ -1,0 +1,162 @@
+"""ort-past: a decoder's attention with its cache as ONNX Runtime's own cache ops.
+
+From the opset-23 export with the cache folded into the ``Attention`` op, each such node
+becomes ``com.microsoft.MultiHeadAttention`` (as many key/value heads as query heads) or
+``com.microsoft.GroupQueryAttention`` (fewer), both with ``past_key``/``past_value`` inputs:
+the append to the cache runs inside the kernel. The mask goes in as ``attention_bias``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from attn_export.errors import ExportFailure
+from attn_export.export.cache_in_op import CacheAttention, fold_cache, rank_of
+from attn_export.export.variants import VariantGraph, op_counts
+
+#: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
+GQA_LIMITS = (
+    "GroupQueryAttention is always causal (aligned to the end of the keys), runs several new "
+    "tokens on a non-empty cache only at batch 1 (ONNX Runtime refuses such inputs), and on "
+    "CUDA only in float16"
+)
+
+
+def _heads(proto: onnx.ModelProto, name: str) -> int:
+    """The static head count (dim 1) of a ``[batch, heads, seq, head_dim]`` tensor."""
+    graph = proto.graph
+    for info in (*graph.input, *graph.value_info, *graph.output):
+        if info.name == name:
+            dims = info.type.tensor_type.shape.dim
+            if len(dims) == 4 and dims[1].HasField("dim_value"):
+                return int(dims[1].dim_value)
+    raise ExportFailure(f"variant ort-past needs a static head count for '{name}' (the graph declares none)")
+
+
+class _Nodes:
+    """New nodes and constants, named after the attention node they serve."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list[onnx.NodeProto] = []
+        self.constants: list[onnx.TensorProto] = []
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        full = f"{self.prefix}/{name}"
+        if all(c.name != full for c in self.constants):
+            self.constants.append(numpy_helper.from_array(value, full))
+        return full
+
+    def add(self, op: str, inputs: list[str], name: str, domain: str = "", **attrs: Any) -> str:
+        out = f"{self.prefix}/{name}"
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, domain=domain, **attrs))
+        return out
+
+    def to_bsh(self, name: str, label: str) -> str:
+        """``[batch, heads, seq, head_dim]`` to ``[batch, seq, heads * head_dim]``."""
+        moved = self.add("Transpose", [name], f"{label}_bsnh", perm=[0, 2, 1, 3])
+        return self.add("Reshape", [moved, self.const("bsh_shape", np.array([0, 0, -1], np.int64))], f"{label}_bsh")
+
+
+def _bias(nodes: _Nodes, proto: onnx.ModelProto, mask: str) -> str:
+    """The op's mask as the additive ``[batch or 1, heads or 1, seq, total]`` bias the
+    contrib ops take; a boolean mask becomes 0 / the float minimum."""
+    if not mask:
+        return ""
+    if rank_of(proto, mask) != 4:
+        raise ExportFailure("variant ort-past needs the attention mask as a 4-d [batch, heads, seq, total] tensor")
+    dtype = next(
+        (i.type.tensor_type.elem_type for i in (*proto.graph.value_info, *proto.graph.input) if i.name == mask), None
+    )
+    if dtype != TensorProto.BOOL:
+        return mask
+    zero = nodes.const("zero", np.zeros((), np.float32))
+    lowest = nodes.const("lowest", np.array(np.finfo(np.float32).min, np.float32))
+    return nodes.add("Where", [mask, zero, lowest], "bias")
+
+
+def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:
+    """GroupQueryAttention's ``seqlens_k`` (total - 1 for every row, padding being in the
+    bias) and ``total_sequence_length``, from the shapes of the past and the new keys."""
+    axis = nodes.const("seq_axis", np.array([2], np.int64))
+    past = nodes.add("Gather", [nodes.add("Shape", [op.past_key], "past_shape"), axis], "past_len")
+    new = nodes.add("Gather", [nodes.add("Shape", [op.new_key], "new_shape"), axis], "new_len")
+    total = nodes.add("Cast", [nodes.add("Add", [past, new], "total_i64")], "total_1", to=TensorProto.INT32)
+    scalar = nodes.add("Squeeze", [total], "total")
+    last = nodes.add("Sub", [total, nodes.const("one", np.array([1], np.int32))], "last")
+    batch = nodes.add(
+        "Slice",
+        [
+            nodes.add("Shape", [op.query], "q_shape"),
+            nodes.const("start", np.array([0], np.int64)),
+            nodes.const("end", np.array([1], np.int64)),
+        ],
+        "batch",
+    )
+    return nodes.add("Expand", [last, batch], "seqlens_k"), scalar
+
+
+def _replace(proto: onnx.ModelProto, op: CacheAttention, index: int) -> tuple[list[onnx.NodeProto], str]:
+    """The nodes standing in for one folded Attention node, and the contrib op they use."""
+    node = op.node
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("softcap", 0.0) or attrs.get("qk_matmul_output_mode", 0):
+        raise ExportFailure("variant ort-past cannot express an Attention op with softcap or score outputs")
+    heads, kv_heads = _heads(proto, op.query), _heads(proto, op.past_key)
+    nodes = _Nodes(f"ort_past_{index}")
+    query, key, value = (nodes.to_bsh(op.query, "q"), nodes.to_bsh(op.new_key, "k"), nodes.to_bsh(op.new_value, "v"))
+    bias = _bias(nodes, proto, op.mask)
+    scale = {"scale": attrs["scale"]} if "scale" in attrs else {}
+    y = f"{nodes.prefix}/y_bsh"
+    if heads == kv_heads:
+        kind = "MultiHeadAttention"
+        inputs = [query, key, value, "", "", bias, op.past_key, op.past_value]
+        extra: dict[str, Any] = {}
+    else:
+        kind = "GroupQueryAttention"
+        seqlens, total = _lengths(nodes, op)
+        inputs = [query, key, value, op.past_key, op.past_value, seqlens, total, "", "", "", bias]
+        extra = {"kv_num_heads": kv_heads}
+    nodes.nodes.append(
+        helper.make_node(
+            kind,
+            inputs,
+            [y, *node.output[1:3]],
+            name=f"{nodes.prefix}/{kind}",
+            domain="com.microsoft",
+            num_heads=heads,
+            **scale,
+            **extra,
+        )
+    )
+    split = nodes.add("Reshape", [y, nodes.const("bsnh_shape", np.array([0, 0, heads, -1], np.int64))], "y_bsnh")
+    back = helper.make_node("Transpose", [split], [node.output[0]], name=f"{nodes.prefix}/y", perm=[0, 2, 1, 3])
+    nodes.nodes.append(back)
+    proto.graph.initializer.extend(nodes.constants)
+    return nodes.nodes, kind
+
+
+def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
+    """``proto`` is the opset-23 export; refuse it unless an Attention op reads a cache."""
+    folded = fold_cache(proto)
+    if not folded:
+        raise ExportFailure(
+            "variant ort-past needs a decoder whose cache Concat(past, new) feeds "
+            "F.scaled_dot_product_attention without is_causal (the opset 23 graph has no such Attention op)"
+        )
+    graph = proto.graph
+    replaced = {op.node.output[0]: _replace(proto, op, i) for i, op in enumerate(folded)}
+    kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
+    graph.ClearField("node")
+    graph.node.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    kinds = sorted({kind for _, kind in replaced.values()})
+    result = VariantGraph(proto, {"cache_ops": kinds, "ops": dict(op_counts(proto))})
+    if "GroupQueryAttention" in kinds:
+        result.warnings.append(GQA_LIMITS)
+    return result

@@ -145,12 +145,12 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[s
 @pytest.mark.parametrize(
     ("name", "step", "why"),
     [
-        ("top_left", 2, "output: "),  # right while the cache is empty
-        ("rope", 2, "present.0.key: "),  # position 0 again for the first decoded token
-        ("zeros", 2, "output: "),  # the cache read back holds no keys for the tokens before
+        ("top_left", 2, {"output"}),  # right while the cache is empty
+        ("rope", 2, {"output", "present.0.key"}),  # position 0 again for the first decoded token
+        ("zeros", 2, {"output"}),  # the cache read back holds no keys for the tokens before
     ],
 )
-def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name: str, step: int, why: str) -> None:
+def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name: str, step: int, why: set[str]) -> None:
     out, models, errors = faulty
     assert errors[name] is None, errors[name]  # the graph is faithful to a wrong module
     report = _decode(out, models, [name])
@@ -161,7 +161,7 @@ def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name:
         assert d.reasons()[0].startswith(
             f"module bug: with its cache the module disagrees with recomputing every token, from step {step}"
         )
-        assert why in d.reasons()[0]
+        assert {c.name for c in d.module_bug.recompute if not c.passed} == why
 
 
 def test_a_present_without_the_new_token_fails_the_build_naming_the_axis(faulty) -> None:

@@ -116,8 +116,9 @@ def test_auto_records_its_choice_and_figures(variant_build: Path) -> None:
     spec = load_spec(ZOO / "mha_cross.toml")
     assert info["provider"] == "cpu" and info["shape"] == spec.typical
     figures = info["figures"]
-    assert set(figures) == {"fp32", "attention-op", "ort-fused", "int8", "ort-optimized"}
+    assert set(figures) == {"fp32", "attention-op", "ort-past", "ort-fused", "int8", "ort-optimized"}
     assert "error" in figures["attention-op"]
+    assert "ort-past needs a decoder whose cache" in figures["ort-past"]["error"]  # mha_cross has no cache
     assert figures["int8"]["within_tolerance"] is False  # int8 misses the model's own 1e-5
     chosen = info["chosen"]
     assert figures[chosen]["within_tolerance"] is True

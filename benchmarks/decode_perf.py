@@ -6,8 +6,8 @@ machine's memory bandwidth.
 
 Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads as a
 decoding step with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, past up
-to 4096) with the fp32, ort-fused and int8 variants, runs ``bench --decode`` at batch 1
-and past 128, 512 and 2048, and prints at past 512:
+to 4096) with the fp32, attention-op, ort-past, ort-fused and int8 variants, runs
+``bench --decode`` at batch 1 and past 128, 512 and 2048, and prints at past 512:
 
 * the best ONNX Runtime variant's per-token latency against PyTorch eager with its cache
   (target <= 0.5x);
@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 SPEC = HERE / "models" / "mha_kv_cache_512.toml"
 PASTS = (128, 512, 2048)
 AT = 512
-VARIANTS = ("fp32", "ort-fused", "int8")
+VARIANTS = ("fp32", "attention-op", "ort-past", "ort-fused", "int8")
 
 
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:

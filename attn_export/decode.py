@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
 from attn_export.spec.masks import CONVENTIONS
 from attn_export.spec.shapes import concrete_shape, example_sizes
+
+if TYPE_CHECKING:
+    from attn_export.runtimes.torch_eager import TorchRuntime
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -73,6 +76,9 @@ class Trajectory:
     tokens: Feeds | None = None
     #: Why the trajectory checks less than asked (fewer steps, recompute left out).
     notes: list[str] = field(default_factory=list)
+    #: Per step, PyTorch's own float32 error per output: widens each tolerance as the
+    #: sweep's floor does, so rounding is never reported as a divergence or a module bug.
+    floors: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def prompt_lengths(self) -> list[int]:
@@ -179,18 +185,32 @@ def run_trajectory(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> tuple
 
 
 def pytorch_trajectories(
-    eager: Runtime, spec: ModelSpec, n_steps: int, seed: int
+    eager: TorchRuntime, spec: ModelSpec, n_steps: int, seed: int
 ) -> list[tuple[Trajectory, list[Feeds]]]:
-    """Every scenario planned and run by the PyTorch module; a module that cannot decode
-    is a GraphCheckError."""
+    """Every scenario planned and run by the PyTorch module, with its float32 floor at
+    every step; a module that cannot decode is a GraphCheckError."""
     out = []
     for scenario in scenarios(spec):
         traj = plan_trajectory(spec, scenario, n_steps, seed)
         outputs, error = run_trajectory(eager, spec, traj)
         if error:
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
+        inputs = _step_inputs(spec, traj, outputs)
+        traj.floors = [eager.precision_floor(i, o) for i, o in zip(inputs, outputs, strict=True)]
         out.append((traj, outputs))
     return out
+
+
+def _step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:
+    """Each step's feeds with the pasts that ``outputs`` (one side's steps) fed back."""
+    cache = cache_of(spec)
+    assert cache is not None
+    steps = []
+    pasts = _empty_pasts(spec, cache, traj.sizes[0])
+    for feeds, out in zip(traj.steps, outputs, strict=True):
+        steps.append({t.name: pasts[t.name] if t.name in pasts else feeds[t.name] for t in spec.inputs})
+        pasts = {past: out[present] for past, present in cache.pairs}
+    return steps
 
 
 def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
@@ -228,6 +248,8 @@ def unpadded(
     cache = cache_of(spec)
     assert cache is not None and traj.tokens is not None and cache.batch_dim is not None
     found: list[OutputComparison] = []
+    # the rows' outputs span every step: the largest float32 error PyTorch made on any
+    floors = {t.name: max((f.get(t.name, 0.0) for f in traj.floors), default=0.0) for t in spec.outputs}
     for row, keep in enumerate(traj.keep):
         pad = int((~keep).sum())
         if not pad or keep.size - pad > spec.dims[cache.seq_dim].max:
@@ -253,7 +275,7 @@ def unpadded(
                 continue
         found += [
             dataclasses.replace(c, name=f"{c.name} (row {row})")
-            for c in compare_outputs(batched, {n: alone[n] for n in batched}, tolerances)
+            for c in compare_outputs(batched, {n: alone[n] for n in batched}, tolerances, floors)
         ]
     return found
 
@@ -417,9 +439,14 @@ def _padded_rows(spec: ModelSpec, cache: CacheSpec, query_keep: np.ndarray) -> d
 
 
 def _compare(
-    expected: Feeds, actual: Feeds, tolerances: Mapping[str, Tolerance], blank: Mapping[str, np.ndarray]
+    expected: Feeds,
+    actual: Feeds,
+    tolerances: Mapping[str, Tolerance],
+    blank: Mapping[str, np.ndarray],
+    floors: Mapping[str, float],
 ) -> list[OutputComparison]:
-    """compare_outputs, with the rows in ``blank`` set to 0 on both sides (not compared)."""
+    """compare_outputs (tolerances widened by ``floors``), with the rows in ``blank`` set
+    to 0 on both sides (not compared)."""
 
     def cleared(values: Feeds) -> Feeds:
         out = dict(values)
@@ -428,7 +455,7 @@ def _compare(
                 out[name] = np.where(np.broadcast_to(rows, out[name].shape), 0, out[name]).astype(out[name].dtype)
         return out
 
-    return compare_outputs(cleared(expected), cleared(actual), tolerances)
+    return compare_outputs(cleared(expected), cleared(actual), tolerances, floors)
 
 
 def compare_trajectories(
@@ -454,9 +481,10 @@ def compare_trajectories(
         query_keep = traj.keep[:, past : past + seq]
         padded = _padded_rows(spec, cache, query_keep)
         step = DecodeStep(k + 1, past, seq)
+        floors = traj.floors[k] if k < len(traj.floors) else {}
         if k < len(actual):
             step.comparisons = _compare(
-                expected[k], actual[k], tolerances, padded if spec.fully_masked == "ignore" else {}
+                expected[k], actual[k], tolerances, padded if spec.fully_masked == "ignore" else {}, floors
             )
         else:
             step.error = actual_error or "the graph produced no output"
@@ -466,7 +494,7 @@ def compare_trajectories(
                 n: v if (a := per_token.get(n)) is None else np.take(v, range(past, past + seq), axis=a)
                 for n, v in full.items()
             }
-            step.recompute = _compare(mine, expected[k], tolerances, padded)
+            step.recompute = _compare(mine, expected[k], tolerances, padded, floors)
         steps.append(step)
         if step.error:
             break
@@ -476,15 +504,10 @@ def compare_trajectories(
 def record_trajectory(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[GoldenCase]:
     """The steps as golden cases: each step's feeds with the pasts PyTorch fed itself, and
     its outputs (``verify --golden`` replays them, feeding the graph its own pasts)."""
-    cache = cache_of(spec)
-    assert cache is not None
-    cases = []
-    pasts = _empty_pasts(spec, cache, traj.sizes[0])
-    for k, (feeds, out) in enumerate(zip(traj.steps, outputs, strict=True)):
-        inputs = {t.name: pasts[t.name] if t.name in pasts else feeds[t.name] for t in spec.inputs}
-        cases.append(GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, {}))
-        pasts = {past: out[present] for past, present in cache.pairs}
-    return cases
+    return [
+        GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]))
+        for k, (inputs, out) in enumerate(zip(_step_inputs(spec, traj, outputs), outputs, strict=True))
+    ]
 
 
 def recorded_label(scenario: str, step: int) -> str:

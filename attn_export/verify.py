@@ -775,7 +775,15 @@ def _recorded_trajectories(
         sizes = [spec.with_sums(c.sizes) for c in steps]
         out.append(
             (
-                Trajectory(scenario, keep, prompt, [c.inputs for c in steps], sizes, notes=notes),
+                Trajectory(
+                    scenario,
+                    keep,
+                    prompt,
+                    [c.inputs for c in steps],
+                    sizes,
+                    notes=notes,
+                    floors=[c.floors for c in steps],
+                ),
                 [c.outputs for c in steps],
             )
         )

@@ -104,6 +104,16 @@ def test_zoo_decoders_decode_like_pytorch_and_like_their_recording(zoo_dir: Path
     assert all(len(d.steps) == 4 for d in golden.decode)
 
 
+def test_decode_judges_rounding_by_pytorchs_own_float32_error(zoo_dir: Path) -> None:
+    # no tolerance of the user's own: every step is judged by 10x PyTorch's float32 error there
+    for golden in (False, True):
+        report = _decode(zoo_dir, ZOO, ["gqa_rope_kv_cache"], golden=golden, decode_steps=3, atol=0.0, rtol=0.0)
+        assert report.decode and report.passed, [r for d in report.decode for r in d.reasons()]
+        for d in report.decode:
+            checked = [c for s in d.steps for c in (*s.comparisons, *s.recompute)]
+            assert checked and all(c.atol > 0 and c.rtol == 0 for c in checked)
+
+
 def test_decode_report_per_step_in_the_terminal_and_json(zoo_dir: Path, tmp_path: Path) -> None:
     args = [
         "verify",

@@ -20,33 +20,15 @@ __all__ = ["CacheAttention", "fold_cache", "rank_of"]
 
 @dataclass(frozen=True)
 class CacheAttention:
-    """One Attention node whose cache was folded in: its tensor names, in the op's order."""
+    """One Attention node whose cache was folded in, and its inputs in the op's order."""
 
     node: onnx.NodeProto
-
-    @property
-    def query(self) -> str:
-        return self.node.input[0]
-
-    @property
-    def new_key(self) -> str:
-        return self.node.input[1]
-
-    @property
-    def new_value(self) -> str:
-        return self.node.input[2]
-
-    @property
-    def mask(self) -> str:
-        return self.node.input[3]
-
-    @property
-    def past_key(self) -> str:
-        return self.node.input[4]
-
-    @property
-    def past_value(self) -> str:
-        return self.node.input[5]
+    query: str
+    new_key: str
+    new_value: str
+    mask: str  # "" without one
+    past_key: str
+    past_value: str
 
 
 def rank_of(proto: onnx.ModelProto, name: str) -> int | None:
@@ -103,5 +85,5 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
         node.output.extend(present)
         graph.node.remove(key)
         graph.node.remove(value)
-        folded.append(CacheAttention(node))
+        folded.append(CacheAttention(node, *node.input))
     return folded

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
@@ -93,26 +95,63 @@ def test_group_query_attention_where_onnx_runtime_refuses_a_declared_size(built)
     assert "smoke check at" in error and "batch_size must be 1 when sequence_length > 1 and past context" in error
 
 
-def _attention_graph(is_causal: int) -> onnx.ModelProto:
-    """Attention over Concat(past, new) keys and values, as the opset-23 export writes it."""
-    f = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info(n, f, [1, 2, "s", 4]) for n in ("q", "k", "v")]
-    inputs += [helper.make_tensor_value_info(n, f, [1, 2, "p", 4]) for n in ("past_k", "past_v")]
+def _attention_graph(
+    is_causal: int = 0, new_first: bool = False, mask: int | None = None, dtype: int = TensorProto.FLOAT
+) -> onnx.ModelProto:
+    """Attention over Concat(past, new) keys and values, as the opset-23 export writes it
+    (the new keys computed in the graph); ``mask`` a [1, 1, s, total] input of that type."""
+    inputs = [helper.make_tensor_value_info(n, dtype, [1, 2, "s", 4]) for n in ("q", "k_in", "v")]
+    inputs += [helper.make_tensor_value_info(n, dtype, [1, 2, "p", 4]) for n in ("past_k", "past_v")]
+    if mask is not None:
+        inputs.append(helper.make_tensor_value_info("mask", mask, [1, 1, "s", "t"]))
+
+    def cat(past: str, new: str, out: str) -> onnx.NodeProto:
+        return helper.make_node("Concat", [new, past] if new_first else [past, new], [out], axis=2)
+
     nodes = [
-        helper.make_node("Concat", ["past_k", "k"], ["present_k"], axis=2),
-        helper.make_node("Concat", ["past_v", "v"], ["present_v"], axis=2),
-        helper.make_node("Attention", ["q", "present_k", "present_v"], ["y"], is_causal=is_causal),
+        helper.make_node("Neg", ["k_in"], ["k"]),
+        cat("past_k", "k", "present_k"),
+        cat("past_v", "v", "present_v"),
+        helper.make_node(
+            "Attention", ["q", "present_k", "present_v", *(["mask"] if mask else [])], ["y"], is_causal=is_causal
+        ),
     ]
-    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("y", "present_k", "present_v")]
-    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    values = [helper.make_tensor_value_info("k", dtype, [1, 2, "s", 4])]
+    outputs = [helper.make_tensor_value_info(n, dtype, None) for n in ("y", "present_k", "present_v")]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, value_info=values)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
 
 
-def test_a_causal_attention_op_keeps_its_concat() -> None:
-    proto = _attention_graph(is_causal=1)
-    assert fold_cache(proto) == []  # the op would align its causal mask differently with past inputs
-    assert [n.op_type for n in proto.graph.node] == ["Concat", "Concat", "Attention"]
-    with pytest.raises(ExportFailure, match="ort-past needs a decoder whose cache Concat"):
-        make_variant("ort-past", proto)
-    folded = fold_cache(_attention_graph(is_causal=0))
+def _run(proto: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_only_a_cache_concat_in_past_new_order_without_is_causal_is_folded() -> None:
+    for proto in (_attention_graph(is_causal=1), _attention_graph(new_first=True)):
+        assert fold_cache(proto) == []  # causal: the op aligns its mask otherwise with past inputs
+        assert [n.op_type for n in proto.graph.node] == ["Neg", "Concat", "Concat", "Attention"]
+        with pytest.raises(ExportFailure, match="ort-past needs a decoder whose cache Concat"):
+            make_variant("ort-past", proto)
+    folded = fold_cache(_attention_graph())
     assert [list(op.node.input) for op in folded] == [["q", "k", "v", "", "past_k", "past_v"]]
+
+
+@pytest.mark.parametrize(
+    ("mask", "dtype"), [(TensorProto.BOOL, np.float32), (TensorProto.FLOAT, np.float32), (TensorProto.BOOL, np.float16)]
+)
+def test_ort_past_gives_what_the_attention_op_gives_on_rows_without_a_key(mask: int, dtype: type) -> None:
+    proto = _attention_graph(mask=mask, dtype=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    proto.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.int64), "ort_past_0/bsh_shape"))
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, 2, 3, 4)).astype(dtype) for n in ("q", "k_in", "v")}
+    feeds |= {n: rng.standard_normal((1, 2, 2, 4)).astype(dtype) for n in ("past_k", "past_v")}
+    seen = np.ones((1, 1, 3, 5), bool)
+    seen[..., 0, :] = False  # the first query sees no key: the ONNX op gives 0 there
+    feeds["mask"] = seen if mask == TensorProto.BOOL else np.where(seen, 0, -np.inf).astype(dtype)
+    expected = _run(proto, feeds)
+    variant = make_variant("ort-past", proto)  # a name already in the graph is not reused
+    assert "com.microsoft.MultiHeadAttention" in variant.info["ops"]
+    got = _run(variant.proto, feeds)
+    assert not np.any(expected[0][:, :, 0]) and not np.any(got[0][:, :, 0])
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_allclose(g, e, atol=2e-3 if dtype == np.float16 else 1e-6)

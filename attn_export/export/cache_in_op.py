@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-__all__ = ["CacheAttention", "fold_cache", "rank_of"]
+__all__ = ["CacheAttention", "fold_cache", "value_info"]
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,24 @@ class CacheAttention:
     past_value: str
 
 
-def rank_of(proto: onnx.ModelProto, name: str) -> int | None:
-    """The rank the graph declares for tensor ``name``; None when it declares none."""
+def value_info(proto: onnx.ModelProto, name: str) -> onnx.TypeProto.Tensor | None:
+    """The type the graph declares for tensor ``name`` (input, value_info or output)."""
     graph = proto.graph
-    for info in (*graph.input, *graph.value_info, *graph.output):
-        if info.name == name and info.type.tensor_type.HasField("shape"):
-            return len(info.type.tensor_type.shape.dim)
-    return None
+    return next((i.type.tensor_type for i in (*graph.input, *graph.value_info, *graph.output) if i.name == name), None)
+
+
+def _rank(proto: onnx.ModelProto, name: str) -> int | None:
+    info = value_info(proto, name)
+    return len(info.shape.dim) if info is not None and info.HasField("shape") else None
+
+
+def _seq_dim(proto: onnx.ModelProto, name: str) -> str | int | None:
+    """Axis 2 of a rank-4 tensor as the graph declares it (a symbol or a size), or None."""
+    info = value_info(proto, name)
+    if info is None or not info.HasField("shape") or len(info.shape.dim) != 4:
+        return None
+    dim = info.shape.dim[2]
+    return dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
 
 
 def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -45,15 +56,24 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
 
 
 def _cache_concat(
-    proto: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto], uses: dict[str, int]
+    proto: onnx.ModelProto, name: str, query: str, producers: dict[str, onnx.NodeProto], uses: dict[str, int]
 ) -> onnx.NodeProto | None:
     """The node making ``name`` if it is ``Concat(past, new)`` on the sequence axis of a
     rank-4 ``[batch, heads, seq, head_dim]`` tensor read only by the attention (and the
-    graph's outputs)."""
+    graph's outputs). The past must be a graph input whose length is not the query's; the
+    new keys, where the graph says, as long as the query: ``cat(new, past)`` is never taken
+    for ``cat(past, new)``."""
     node = producers.get(name)
     if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
-    if _attr(node, "axis", None) not in (2, -2) or rank_of(proto, node.input[0]) != 4:
+    inputs = {i.name for i in proto.graph.input}
+    q_len, past_len, new_len = (_seq_dim(proto, n) for n in (query, *node.input))
+    if node.input[0] not in inputs or (q_len is not None and past_len == q_len):
+        return None
+    known = None not in (new_len, q_len)
+    if (known and new_len != q_len) or (node.input[1] in inputs and not known):
+        return None  # two graph inputs: only their declared lengths tell the past from the new keys
+    if _attr(node, "axis", None) not in (2, -2) or _rank(proto, node.input[0]) != 4:
         return None
     return node if uses.get(name, 0) == 1 else None
 
@@ -76,7 +96,7 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
             continue
         if _attr(node, "is_causal", 0) or len(node.output) > 1:
             continue
-        key, value = (_cache_concat(proto, name, producers, uses) for name in node.input[1:3])
+        key, value = (_cache_concat(proto, name, node.input[0], producers, uses) for name in node.input[1:3])
         if key is None or value is None or key is value:
             continue
         mask = node.input[3] if len(node.input) > 3 else ""

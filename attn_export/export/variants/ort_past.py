@@ -8,6 +8,8 @@ the append to the cache runs inside the kernel. The mask goes in as ``attention_
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,26 +17,38 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.export.cache_in_op import CacheAttention, fold_cache, rank_of
+from attn_export.export.cache_in_op import CacheAttention, fold_cache, value_info
 from attn_export.export.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
 GQA_LIMITS = (
-    "GroupQueryAttention is always causal (aligned to the end of the keys), runs several new "
-    "tokens on a non-empty cache only at batch 1 (ONNX Runtime refuses such inputs), and on "
-    "CUDA only in float16"
+    "GroupQueryAttention is always causal (aligned to the end of the keys: a module that is not "
+    "fails verify wherever seq > 1), runs several new tokens on a non-empty cache only at batch 1 "
+    "(ONNX Runtime refuses such inputs), and on CUDA only in float16"
 )
 
 
 def _heads(proto: onnx.ModelProto, name: str) -> int:
     """The static head count (dim 1) of a ``[batch, heads, seq, head_dim]`` tensor."""
-    graph = proto.graph
-    for info in (*graph.input, *graph.value_info, *graph.output):
-        if info.name == name:
-            dims = info.type.tensor_type.shape.dim
-            if len(dims) == 4 and dims[1].HasField("dim_value"):
-                return int(dims[1].dim_value)
+    info = value_info(proto, name)
+    dims = info.shape.dim if info is not None else []
+    if len(dims) == 4 and dims[1].HasField("dim_value"):
+        return int(dims[1].dim_value)
     raise ExportFailure(f"variant ort-past needs a static head count for '{name}' (the graph declares none)")
+
+
+def _dtype(proto: onnx.ModelProto, name: str) -> np.dtype:
+    info = value_info(proto, name)
+    return np.dtype(helper.tensor_dtype_to_np_dtype(info.elem_type if info is not None else TensorProto.FLOAT))
+
+
+def _prefixes(proto: onnx.ModelProto) -> Iterator[str]:
+    """Name prefixes for new nodes and tensors that no name in the graph starts with."""
+    graph = proto.graph
+    names = {n for node in graph.node for n in (node.name, *node.output)}
+    names |= {i.name for i in (*graph.input, *graph.initializer)}
+    heads = {n.split("/", 1)[0] for n in names}
+    return (p for p in (f"ort_past_{i}" for i in itertools.count()) if p not in heads)
 
 
 class _Nodes:
@@ -62,21 +76,24 @@ class _Nodes:
         return self.add("Reshape", [moved, self.const("bsh_shape", np.array([0, 0, -1], np.int64))], f"{label}_bsh")
 
 
-def _bias(nodes: _Nodes, proto: onnx.ModelProto, mask: str) -> str:
+def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[str, str]:
     """The op's mask as the additive ``[batch or 1, heads or 1, seq, total]`` bias the
-    contrib ops take; a boolean mask becomes 0 / the float minimum."""
-    if not mask:
-        return ""
-    if rank_of(proto, mask) != 4:
+    contrib ops take (a boolean mask becomes 0 / the dtype's minimum), and a
+    ``[.., seq, 1]`` bool that is False on query rows the mask leaves no key: the ONNX op
+    gives 0 there, the contrib ops the mean of V or NaN."""
+    mask = value_info(proto, op.mask)
+    if mask is None or not mask.HasField("shape") or len(mask.shape.dim) != 4:
         raise ExportFailure("variant ort-past needs the attention mask as a 4-d [batch, heads, seq, total] tensor")
-    dtype = next(
-        (i.type.tensor_type.elem_type for i in (*proto.graph.value_info, *proto.graph.input) if i.name == mask), None
-    )
-    if dtype != TensorProto.BOOL:
-        return mask
-    zero = nodes.const("zero", np.zeros((), np.float32))
-    lowest = nodes.const("lowest", np.array(np.finfo(np.float32).min, np.float32))
-    return nodes.add("Where", [mask, zero, lowest], "bias")
+    dtype = _dtype(proto, op.query)
+    axis = nodes.const("last_axis", np.array([-1], np.int64))
+    if mask.elem_type == TensorProto.BOOL:
+        zero = nodes.const("zero", np.zeros((), dtype))
+        bias = nodes.add("Where", [op.mask, zero, nodes.const("lowest", np.array(np.finfo(dtype).min, dtype))], "bias")
+        seen = nodes.add("ReduceMax", [nodes.add("Cast", [op.mask], "mask_i32", to=TensorProto.INT32), axis], "seen")
+        return bias, nodes.add("Greater", [seen, nodes.const("none", np.zeros((), np.int32))], "has_key")
+    top = nodes.add("ReduceMax", [op.mask, axis], "top")
+    none = nodes.const("none", np.array(-np.inf, helper.tensor_dtype_to_np_dtype(mask.elem_type)))
+    return op.mask, nodes.add("Greater", [top, none], "has_key")
 
 
 def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:
@@ -100,16 +117,16 @@ def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:
     return nodes.add("Expand", [last, batch], "seqlens_k"), scalar
 
 
-def _replace(proto: onnx.ModelProto, op: CacheAttention, index: int) -> tuple[list[onnx.NodeProto], str]:
+def _replace(proto: onnx.ModelProto, op: CacheAttention, prefix: str) -> tuple[list[onnx.NodeProto], str]:
     """The nodes standing in for one folded Attention node, and the contrib op they use."""
     node = op.node
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("softcap", 0.0) or attrs.get("qk_matmul_output_mode", 0):
         raise ExportFailure("variant ort-past cannot express an Attention op with softcap or score outputs")
     heads, kv_heads = _heads(proto, op.query), _heads(proto, op.past_key)
-    nodes = _Nodes(f"ort_past_{index}")
+    nodes = _Nodes(prefix)
     query, key, value = (nodes.to_bsh(op.query, "q"), nodes.to_bsh(op.new_key, "k"), nodes.to_bsh(op.new_value, "v"))
-    bias = _bias(nodes, proto, op.mask)
+    bias, has_key = _bias(nodes, proto, op) if op.mask else ("", "")
     scale = {"scale": attrs["scale"]} if "scale" in attrs else {}
     y = f"{nodes.prefix}/y_bsh"
     if heads == kv_heads:
@@ -134,8 +151,10 @@ def _replace(proto: onnx.ModelProto, op: CacheAttention, index: int) -> tuple[li
         )
     )
     split = nodes.add("Reshape", [y, nodes.const("bsnh_shape", np.array([0, 0, heads, -1], np.int64))], "y_bsnh")
-    back = helper.make_node("Transpose", [split], [node.output[0]], name=f"{nodes.prefix}/y", perm=[0, 2, 1, 3])
-    nodes.nodes.append(back)
+    back = nodes.add("Transpose", [split], "y", perm=[0, 2, 1, 3])
+    if has_key:
+        back = nodes.add("Where", [has_key, back, nodes.const("zero", np.zeros((), _dtype(proto, op.query)))], "y_seen")
+    nodes.nodes[-1].output[0] = node.output[0]
     proto.graph.initializer.extend(nodes.constants)
     return nodes.nodes, kind
 
@@ -149,7 +168,8 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
             "F.scaled_dot_product_attention without is_causal (the opset 23 graph has no such Attention op)"
         )
     graph = proto.graph
-    replaced = {op.node.output[0]: _replace(proto, op, i) for i, op in enumerate(folded)}
+    prefixes = _prefixes(proto)
+    replaced = {op.node.output[0]: _replace(proto, op, next(prefixes)) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
     graph.ClearField("node")
     graph.node.extend(kept)

@@ -96,14 +96,18 @@ def test_group_query_attention_where_onnx_runtime_refuses_a_declared_size(built)
 
 
 def _attention_graph(
-    is_causal: int = 0, new_first: bool = False, mask: int | None = None, dtype: int = TensorProto.FLOAT
+    is_causal: int = 0,
+    new_first: bool = False,
+    mask: int | None = None,
+    dtype: int = TensorProto.FLOAT,
+    mask_shape: tuple[int | str, ...] = (1, 1, "s", "t"),
 ) -> onnx.ModelProto:
     """Attention over Concat(past, new) keys and values, as the opset-23 export writes it
-    (the new keys computed in the graph); ``mask`` a [1, 1, s, total] input of that type."""
+    (the new keys computed in the graph); ``mask`` an input of that type and shape."""
     inputs = [helper.make_tensor_value_info(n, dtype, [1, 2, "s", 4]) for n in ("q", "k_in", "v")]
     inputs += [helper.make_tensor_value_info(n, dtype, [1, 2, "p", 4]) for n in ("past_k", "past_v")]
     if mask is not None:
-        inputs.append(helper.make_tensor_value_info("mask", mask, [1, 1, "s", "t"]))
+        inputs.append(helper.make_tensor_value_info("mask", mask, list(mask_shape)))
 
     def cat(past: str, new: str, out: str) -> onnx.NodeProto:
         return helper.make_node("Concat", [new, past] if new_first else [past, new], [out], axis=2)
@@ -137,16 +141,25 @@ def test_only_a_cache_concat_in_past_new_order_without_is_causal_is_folded() -> 
 
 
 @pytest.mark.parametrize(
-    ("mask", "dtype"), [(TensorProto.BOOL, np.float32), (TensorProto.FLOAT, np.float32), (TensorProto.BOOL, np.float16)]
+    ("mask", "dtype", "rank"),
+    [
+        (TensorProto.BOOL, np.float32, 4),
+        (TensorProto.FLOAT, np.float32, 4),
+        (TensorProto.BOOL, np.float16, 4),
+        (TensorProto.BOOL, np.float32, 2),  # [seq, total]
+        (TensorProto.FLOAT, np.float32, 3),  # [heads or 1, seq, total]
+    ],
 )
-def test_ort_past_gives_what_the_attention_op_gives_on_rows_without_a_key(mask: int, dtype: type) -> None:
-    proto = _attention_graph(mask=mask, dtype=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+def test_ort_past_gives_what_the_attention_op_gives_on_rows_without_a_key(mask: int, dtype: type, rank: int) -> None:
+    shape = (1, 1, "s", "t")[4 - rank :]
+    proto = _attention_graph(mask=mask, dtype=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), mask_shape=shape)
     proto.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.int64), "ort_past_0/bsh_shape"))
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal((1, 2, 3, 4)).astype(dtype) for n in ("q", "k_in", "v")}
     feeds |= {n: rng.standard_normal((1, 2, 2, 4)).astype(dtype) for n in ("past_k", "past_v")}
-    seen = np.ones((1, 1, 3, 5), bool)
+    seen = np.ones((1, 1, 3, 5)[4 - rank :], bool)
     seen[..., 0, :] = False  # the first query sees no key: the ONNX op gives 0 there
+    seen[..., 1, 2] = False
     feeds["mask"] = seen if mask == TensorProto.BOOL else np.where(seen, 0, -np.inf).astype(dtype)
     expected = _run(proto, feeds)
     variant = make_variant("ort-past", proto)  # a name already in the graph is not reused

@@ -80,20 +80,25 @@ def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[st
     """The op's mask as the additive ``[batch or 1, heads or 1, seq, total]`` bias the
     contrib ops take (a boolean mask becomes 0 / the dtype's minimum), and a
     ``[.., seq, 1]`` bool that is False on query rows the mask leaves no key: the ONNX op
-    gives 0 there, the contrib ops the mean of V or NaN."""
+    gives 0 there, the contrib ops the mean of V or NaN. A mask of rank 2 or 3 broadcasts
+    from the right, as the ONNX op reads it: ``[seq, total]``, ``[heads or 1, seq, total]``."""
     mask = value_info(proto, op.mask)
-    if mask is None or not mask.HasField("shape") or len(mask.shape.dim) != 4:
-        raise ExportFailure("variant ort-past needs the attention mask as a 4-d [batch, heads, seq, total] tensor")
+    rank = len(mask.shape.dim) if mask is not None and mask.HasField("shape") else None
+    if mask is None or rank not in (2, 3, 4):
+        raise ExportFailure("variant ort-past needs an attention mask of known rank 2, 3 or 4 ([..., seq, total])")
+    full = op.mask
+    if rank != 4:
+        full = nodes.add("Unsqueeze", [op.mask, nodes.const(f"rank{rank}_axes", np.arange(4 - rank))], "mask_4d")
     dtype = _dtype(proto, op.query)
     axis = nodes.const("last_axis", np.array([-1], np.int64))
     if mask.elem_type == TensorProto.BOOL:
         zero = nodes.const("zero", np.zeros((), dtype))
-        bias = nodes.add("Where", [op.mask, zero, nodes.const("lowest", np.array(np.finfo(dtype).min, dtype))], "bias")
-        seen = nodes.add("ReduceMax", [nodes.add("Cast", [op.mask], "mask_i32", to=TensorProto.INT32), axis], "seen")
+        bias = nodes.add("Where", [full, zero, nodes.const("lowest", np.array(np.finfo(dtype).min, dtype))], "bias")
+        seen = nodes.add("ReduceMax", [nodes.add("Cast", [full], "mask_i32", to=TensorProto.INT32), axis], "seen")
         return bias, nodes.add("Greater", [seen, nodes.const("none", np.zeros((), np.int32))], "has_key")
-    top = nodes.add("ReduceMax", [op.mask, axis], "top")
+    top = nodes.add("ReduceMax", [full, axis], "top")
     none = nodes.const("none", np.array(-np.inf, helper.tensor_dtype_to_np_dtype(mask.elem_type)))
-    return op.mask, nodes.add("Greater", [top, none], "has_key")
+    return full, nodes.add("Greater", [top, none], "has_key")
 
 
 def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:

@@ -433,8 +433,8 @@ def _padded_rows(spec: ModelSpec, cache: CacheSpec, query_keep: np.ndarray) -> d
         axis, batch_axis = t.shape.index(cache.seq_dim), t.shape.index(cache.batch_dim)
         shape = [1] * len(t.shape)
         shape[batch_axis], shape[axis] = query_keep.shape
-        query_keep = query_keep if batch_axis < axis else query_keep.T
-        out[t.name] = ~query_keep.reshape(shape)
+        ordered = query_keep if batch_axis < axis else query_keep.T
+        out[t.name] = ~ordered.reshape(shape)
     return out
 
 

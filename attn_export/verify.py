@@ -459,13 +459,10 @@ class _Expected:
     distributions: list[str]
 
 
-def _golden_expected(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> _Expected:
-    spec = entry.model_spec
-    cases = read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
-    cases = [c for c in cases if split_recorded_label(c.label) is None]  # decode steps: _decode_model's
+def _golden_expected(golden: list[GoldenCase]) -> _Expected:
+    cases = [c for c in golden if split_recorded_label(c.label) is None]  # decode steps: _decode_model's
     labels = [split_label(c.label) for c in cases]
-    for case, (label, _) in zip(cases, labels, strict=True):
-        case.label = label
+    cases = [dataclasses.replace(c, label=label) for c, (label, _) in zip(cases, labels, strict=True)]
     return _Expected("golden", cases, list(range(len(cases))), [d for _, d in labels])
 
 
@@ -633,9 +630,15 @@ def verify_artifacts(
             check.problems += problems
         if runnable:
             try:
-                cases = _verify_model(out_dir, entry, spec, options)
+                # golden mode: the file is read once, for the sweep's cases and the decode steps alike
+                golden = (
+                    read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
+                    if options.golden and not options.inputs_file
+                    else []
+                )
+                cases = _verify_model(out_dir, entry, spec, options, golden)
                 if cache_of(spec) is not None and options.steps:
-                    report.decode += _decode_model(out_dir, entry, spec, options)
+                    report.decode += _decode_model(out_dir, entry, spec, options, golden)
             except UsageError:
                 raise
             except AttnExportError as e:
@@ -647,18 +650,17 @@ def verify_artifacts(
     return report
 
 
-def _verify_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[CaseResult]:
-    """``spec`` is the manifest's (golden mode: data only) or the checkout's (PyTorch mode)."""
+def _verify_model(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions, golden: list[GoldenCase]
+) -> list[CaseResult]:
+    """``spec`` is the manifest's (golden mode: data only, ``golden`` the file's cases) or
+    the checkout's (PyTorch mode)."""
     path = out_dir / entry.file
     if not options.golden:
         from attn_export.export.factory import instantiate
 
         return verify_module(entry.name, instantiate(spec), spec, path, options, entry.variant)
-    expected = (
-        _recorded_expected(spec, options.inputs_file)
-        if options.inputs_file
-        else _golden_expected(out_dir, entry, options)
-    )
+    expected = _recorded_expected(spec, options.inputs_file) if options.inputs_file else _golden_expected(golden)
     cases: list[CaseResult] = []
     with FullyMaskedRows(spec, path, _tolerances(spec, entry.variant, options)) as rows:
         for target in options.targets:
@@ -690,7 +692,9 @@ def verify_module(
     return cases
 
 
-def _decode_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> list[DecodeResult]:
+def _decode_model(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions, golden: list[GoldenCase]
+) -> list[DecodeResult]:
     """Every scenario's trajectory on every target: against PyTorch (and PyTorch against its
     own recompute and its rows alone), or in golden mode against what build recorded."""
     path = out_dir / entry.file
@@ -700,7 +704,8 @@ def _decode_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options:
         tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None], list[OutputComparison]]
     ]
     if options.golden:
-        plans = [(traj, outputs, [], []) for traj, outputs in _recorded_trajectories(out_dir, entry, spec, options)]
+        recorded = _recorded_trajectories(out_dir / entry.golden, golden, spec, options)
+        plans = [(traj, outputs, [], []) for traj, outputs in recorded]
         expected_from = "golden"
     else:
         from attn_export.export.factory import instantiate
@@ -736,15 +741,13 @@ def _decode_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options:
 
 
 def _recorded_trajectories(
-    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
+    path: Path, cases: list[GoldenCase], spec: ModelSpec, options: VerifyOptions
 ) -> list[tuple[Trajectory, list[dict[str, np.ndarray]]]]:
     """The trajectories build recorded in the golden file: each step's feeds (the pasts
     are replaced by the graph's own presents when replayed) and PyTorch's outputs. Every
     scenario must be there, its steps from the prompt on without a gap."""
     cache = cache_of(spec)
     assert cache is not None
-    path = out_dir / entry.golden
-    cases = read_golden(path, spec, memory_budget(spec, options.max_memory), out_dir)
     by_scenario: dict[str, dict[int, GoldenCase]] = {}
     for case in cases:
         where = split_recorded_label(case.label)

@@ -17,16 +17,16 @@ import numpy as np
 import onnx
 
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.errors import UsageError
-from attn_export.export.factory import adapt
-from attn_export.export.graph_checks import graph_shapes
+from attn_export.exporter.factory import adapt
+from attn_export.exporter.graph_checks import graph_shapes
+from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
+from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, format_sizes
-from attn_export.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 
 __all__ = ["assert_onnx_matches", "build", "export", "verify"]
 

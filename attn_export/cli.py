@@ -195,7 +195,7 @@ def build(
         attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
     """
-    from attn_export.build import BuildOptions, build_models
+    from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
     from attn_export.spec import spec_paths
 
@@ -236,7 +236,7 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
 
         attn-export inspect build/mha.onnx --json
     """
-    from attn_export.inspect_model import inspect_file
+    from attn_export.pipelines.inspect import inspect_file
     from attn_export.report.inspect_text import format_inspect
 
     result = inspect_file(file, provider)
@@ -379,6 +379,14 @@ def verify(
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
     from attn_export.artifacts.folder import tidy
+    from attn_export.pipelines.verify import (
+        CaseResult,
+        ModelCheck,
+        VerifyOptions,
+        select_models,
+        shard_names,
+        verify_artifacts,
+    )
     from attn_export.report import write_reports
     from attn_export.report.verify_text import (
         HEADER,
@@ -391,14 +399,6 @@ def verify(
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.memory import parse_bytes
     from attn_export.spec.shapes import parse_shapes
-    from attn_export.verify import (
-        CaseResult,
-        ModelCheck,
-        VerifyOptions,
-        select_models,
-        shard_names,
-        verify_artifacts,
-    )
 
     if inputs_file and (shapes or distributions):
         raise click.UsageError("--inputs replaces the sweep: it cannot be combined with --shapes or --distribution")
@@ -564,7 +564,7 @@ def bench(
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
     """
     from attn_export._deps import require
-    from attn_export.bench.run import BenchOptions, bench_models
+    from attn_export.pipelines.bench.run import BenchOptions, bench_models
     from attn_export.report import bench_text, plot
     from attn_export.spec import spec_paths
 
@@ -582,7 +582,7 @@ def bench(
     if decode:
         if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
-        from attn_export.bench.decode import DecodeBenchOptions, bench_decode_models
+        from attn_export.pipelines.bench.decode import DecodeBenchOptions, bench_decode_models
 
         decode_options = DecodeBenchOptions(
             pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared

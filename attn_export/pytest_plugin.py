@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from attn_export.pipelines.verify import CaseResult, VerifyReport
     from attn_export.runtimes import Target
-    from attn_export.verify import CaseResult, VerifyReport
 
 __all__ = ["BuildFolder", "CaseItem"]
 
@@ -62,12 +62,12 @@ class BuildFolder(pytest.File):
 
     def collect(self) -> Iterator[CaseItem]:
         from attn_export.artifacts.manifest import load_manifest
-        from attn_export.decode import scenarios
+        from attn_export.checks.decode import scenarios
         from attn_export.errors import AttnExportError
+        from attn_export.pipelines.verify import VerifyOptions, case_plan, checkout_spec
         from attn_export.runtimes import RUNTIMES, resolve_targets
         from attn_export.spec.cache import cache_of
         from attn_export.spec.distributions import case_label
-        from attn_export.verify import VerifyOptions, case_plan, checkout_spec
 
         config = self.config
         try:
@@ -97,7 +97,7 @@ class BuildFolder(pytest.File):
 
     def report(self, model: str) -> VerifyReport:
         """verify's report for one model, made when its first case runs."""
-        from attn_export.verify import verify_artifacts
+        from attn_export.pipelines.verify import verify_artifacts
 
         if model not in self.reports:
             self.reports[model] = verify_artifacts(self.path.parent, self.manifest, [model], self.options)

@@ -60,11 +60,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from attn_export.artifacts.manifest import load_manifest
-    from attn_export.bench.run import BenchOptions, run_bench
-    from attn_export.build import BuildOptions, build_models
+    from attn_export.pipelines.bench.run import BenchOptions, run_bench
+    from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.bench_text import format_bench_summary, markdown_bench_table
+    from attn_export.runtimes.timing import physical_cores
     from attn_export.spec import load_spec
-    from attn_export.timing import physical_cores
 
     spec_path = HERE / "models" / "mha_512.toml"
     variants = ("fp32", "ort-fused", "int8")

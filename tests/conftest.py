@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from attn_export.build import BuildOptions, build_models
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.spec import load_spec, spec_paths
-from attn_export.verify import VerifyOptions, case_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "models"
@@ -101,7 +101,7 @@ def plant(
     import onnx
 
     from attn_export.artifacts.files import sha256_file
-    from attn_export.export.source import module_sources
+    from attn_export.exporter.source import module_sources
     from attn_export.spec import load_spec
 
     path = out_dir / f"{name}.onnx"

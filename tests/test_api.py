@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import attn_export
-from attn_export.build import BuildResult, BuildSummary
 from attn_export.errors import ExportFailure, SpecError
-from attn_export.verify import VerifyReport
+from attn_export.pipelines.build import BuildResult, BuildSummary
+from attn_export.pipelines.verify import VerifyReport
 from tests.conftest import ROOT, ZOO, tiny_spec
 from tests.faulty_modules import ShapeBranchAttention
 from tests.user_modules import LlamaStyleAttention

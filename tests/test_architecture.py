@@ -11,9 +11,9 @@ import click
 import onnx
 import pytest
 
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export.variants import make_variant
+from attn_export.exporter.variants import make_variant
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.spec import VARIANTS
@@ -21,34 +21,41 @@ from tests.conftest import ROOT, write_spec
 
 PACKAGE = ROOT / "attn_export"
 
-#: Each stage may import only from the stages listed for it (and itself).
-ALLOWED: dict[str, set[str]] = {
-    "base": set(),
-    "spec": {"base"},
-    "zoo": set(),
-    "artifacts": {"base", "spec"},
-    "runtimes": {"base", "spec", "artifacts"},
-    "export": {"base", "spec", "artifacts", "runtimes"},
-    "compare": {"base", "spec"},
-    "pipelines": {"base", "spec", "zoo", "artifacts", "runtimes", "export", "compare"},
-    "report": {"base", "spec", "artifacts", "pipelines"},
-    "cli": {"base", "spec", "runtimes", "report", "pipelines", "artifacts"},
-    # the package root: its version is base; its API functions load the pipelines lazily
-    "root": {"pipelines"},
-}
-BASE = {"errors", "_deps", "timing", "__init__"}
-PIPELINES = {"build", "verify", "bench", "decode", "inspect_model", "fully_masked", "mask_probe", "api"}
+#: The stages in the order data flows through them: a module may import its own stage and
+#: the stages before it, never one after. Every folder is a stage; at the top sit only the
+#: bases and the faces.
+STAGES = (
+    "base",
+    "spec",
+    "zoo",
+    "artifacts",
+    "runtimes",
+    "exporter",
+    "compare",
+    "checks",
+    "pipelines",
+    "report",
+    "faces",
+)
+BASES = {"errors", "_deps"}
+FACES = {"cli", "api", "pytest_plugin", "__main__"}
+#: The one upward import: the package root loads the Python API lazily, on first use.
+LAZY_API = ("attn_export", "attn_export.api")
 
 
 def _stage(module: str) -> str:
-    top = module.split(".")[1] if "." in module else "__init__"
-    if top in BASE:
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] in BASES:
         return "base"
-    if top in ("__main__", "pytest_plugin"):
-        return "cli"
-    if top in PIPELINES:
-        return "pipelines"
-    return top
+    if parts[1] in FACES:
+        return "faces"
+    assert parts[1] in STAGES, f"{module}: neither a stage folder, a base nor a face"
+    return parts[1]
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(("attn_export", *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
 
 def _imports(path: Path) -> list[str]:
@@ -62,16 +69,47 @@ def _imports(path: Path) -> list[str]:
     return out
 
 
+def test_the_top_of_the_package_holds_only_stages_bases_and_faces() -> None:
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top <= BASES | FACES, top - BASES - FACES
+    assert folders == set(STAGES) - {"base", "faces"}, folders ^ (set(STAGES) - {"base", "faces"})
+
+
 def test_no_import_points_upward() -> None:
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        module = ".".join(("attn_export", *path.relative_to(PACKAGE).with_suffix("").parts))
-        stage = "root" if path == PACKAGE / "__init__.py" else _stage(module)
+        module = _module(path)
+        stage = STAGES.index(_stage(module))
         for imported in _imports(path):
+            if (module, imported) == LAZY_API:
+                continue
             target = _stage(imported)
-            if target != stage and target not in ALLOWED[stage]:
-                wrong.append(f"{module} ({stage}) imports {imported} ({target})")
+            if STAGES.index(target) > stage:
+                wrong.append(f"{module} ({STAGES[stage]}) imports {imported} ({target})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_import_graph_has_no_circle() -> None:
+    graph: dict[str, set[str]] = {_module(p): set(_imports(p)) - {_module(p)} for p in PACKAGE.rglob("*.py")}
+    graph["attn_export"].discard(LAZY_API[1])
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> list[str]:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done or module not in graph:
+            return []
+        for imported in sorted(graph[module]):
+            circle = visit(imported, (*path, module))
+            if circle:
+                return circle
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        circle = visit(module, ())
+        assert not circle, " -> ".join(circle)
 
 
 def _choices(command: str, option: str) -> list[str]:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from attn_export.bench.decode import DecodeBenchReport, EagerDecoder, OrtDecoder, past_lengths, plan_window
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export.factory import instantiate
+from attn_export.exporter.factory import instantiate
+from attn_export.pipelines.bench.decode import DecodeBenchReport, EagerDecoder, OrtDecoder, past_lengths, plan_window
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import load_spec
 from tests.conftest import ZOO, tiny_spec

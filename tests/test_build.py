@@ -19,12 +19,12 @@ from attn_export.artifacts import files as artifacts
 from attn_export.artifacts.files import build_lock, sha256_file
 from attn_export.artifacts.golden import read_golden
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.compare import compare_outputs
 from attn_export.errors import GraphCheckError, LockError
-from attn_export.export.factory import instantiate
-from attn_export.export.graph_checks import check_dynamic_axes, graph_shapes
-from attn_export.export.torch_export import export_onnx
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes
+from attn_export.exporter.torch_export import export_onnx
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec

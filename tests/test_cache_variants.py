@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
 from attn_export.errors import ExportFailure
-from attn_export.export.cache_in_op import fold_cache
-from attn_export.export.variants import make_variant
+from attn_export.exporter.cache_in_op import fold_cache
+from attn_export.exporter.variants import make_variant
+from attn_export.pipelines.build import BuildOptions, build_models
 from tests.conftest import ZOO, write_spec
 
 

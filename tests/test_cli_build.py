@@ -61,7 +61,7 @@ def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
 
 
 def test_build_json_summary_round_trips(tmp_path: Path) -> None:
-    from attn_export.build import BuildSummary
+    from attn_export.pipelines.build import BuildSummary
 
     tiny_spec(tmp_path / "models")
     result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"), "--json")

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.verify import VerifyOptions, verify_artifacts
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from tests.conftest import ZOO, write_spec
 
 CONVENTION_SPEC = """

@@ -14,19 +14,19 @@ from click.testing import CliRunner
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import encode_golden, read_golden
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
+from attn_export.checks.decode import DecodeResult
 from attn_export.cli import cli
-from attn_export.decode import DecodeResult
 from attn_export.errors import ArtifactError, InputError, SpecError
-from attn_export.export.factory import instantiate
-from attn_export.export.torch_export import export_onnx
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.torch_export import export_onnx
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, VerifyReport, verify_artifacts
 from attn_export.report.junit import junit_xml
 from attn_export.report.markdown import markdown_report
 from attn_export.runtimes import check_feeds
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
-from attn_export.verify import VerifyOptions, VerifyReport, verify_artifacts
 from tests.conftest import HAS_TRANSFORMERS, ZOO, plant, write_spec
 
 CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_model_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]

@@ -30,7 +30,7 @@ def test_inspect_our_model(zoo_dir: Path) -> None:
 
 
 def test_inspect_json_round_trips(zoo_dir: Path) -> None:
-    from attn_export.inspect_model import InspectResult, inspect_file
+    from attn_export.pipelines.inspect import InspectResult, inspect_file
 
     result = inspect_file(zoo_dir / "mha.onnx")
     assert InspectResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result

@@ -13,16 +13,16 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export.factory import instantiate
-from attn_export.export.torch_export import export_onnx
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.torch_export import export_onnx
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
-from attn_export.verify import VerifyOptions, verify_artifacts
 from tests.conftest import ZOO, needs_transformers, write_spec
 
 #: The new zoo models, what their exported graph gave on fully masked rows, and PyTorch's.

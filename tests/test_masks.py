@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export.factory import instantiate
-from attn_export.export.masked_softmax import rewrite_softmax
-from attn_export.export.torch_export import export_onnx
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.masked_softmax import rewrite_softmax
+from attn_export.exporter.torch_export import export_onnx
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec

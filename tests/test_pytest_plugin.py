@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.spec import load_spec
 from attn_export.spec.distributions import case_label
-from attn_export.verify import VerifyOptions, case_plan
 from tests.conftest import TINY_MHA, plant, write_spec
 
 OWN_TEST = """

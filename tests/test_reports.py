@@ -77,9 +77,9 @@ def test_json_report_is_strict_json_even_with_nan(tmp_path: Path, zoo_dir: Path)
     import numpy as np
 
     from attn_export.compare import compare_output
+    from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
     from attn_export.runtimes import Target
     from attn_export.spec import Tolerance
-    from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
     nan_case = compare_output("o", np.zeros(2, np.float32), np.array([0, np.nan], np.float32), Tolerance(0, 0))
     report = VerifyReport(
@@ -125,7 +125,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
 
 def test_markdown_of_a_passing_report(zoo_dir: Path) -> None:
     from attn_export.artifacts.manifest import load_manifest
-    from attn_export.verify import VerifyOptions, verify_artifacts
+    from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 
     report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), ["sdpa"], VerifyOptions(latency=False))
     md = markdown_report(report)
@@ -192,10 +192,10 @@ def test_golden_mode_catches_a_planted_fault(zoo_copy: Path) -> None:
 
 def test_every_renderer_prints_the_same_numbers_for_a_shape_mismatch() -> None:
     from attn_export.compare import compare_output
+    from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
     from attn_export.report.verify_text import format_case
     from attn_export.runtimes import Target
     from attn_export.spec import Tolerance
-    from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
     wrong_shape = compare_output("o", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), Tolerance(0, 0))
     case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {"seq": 3}, 0, "golden", [wrong_shape])

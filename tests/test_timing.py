@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from attn_export.compare.policy import clearly_faster, latency_gate, noise
+from attn_export.compare.latency import clearly_faster, latency_gate, noise
+from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
-from attn_export.timing import LatencyStats, measure_alternating
-from attn_export.verify import CaseResult, ModelCheck, VerifyReport
+from attn_export.runtimes.timing import LatencyStats, measure_alternating
 
 
 def _stats(p50: float, p90: float, load: float | None = 0.1, cores: int = 2) -> LatencyStats:

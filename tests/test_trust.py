@@ -156,7 +156,7 @@ def test_a_moved_build_folder_verifies_in_golden_mode_without_torch(
 def test_a_module_from_an_installed_library_is_covered_by_its_version() -> None:
     import transformers
 
-    from attn_export.export.source import module_sources
+    from attn_export.exporter.source import module_sources
 
     sources = module_sources(load_spec(ZOO / "bert_attention.toml"))
     assert list(sources) == [f"transformers=={transformers.__version__} (installed)"]  # not 2,500 files walked

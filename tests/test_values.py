@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from onnx import helper
 
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.spec import load_spec
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
@@ -139,7 +139,7 @@ def _recorded(tiny: tuple[Path, Path], path: Path, *, outputs: bool, **override:
         feeds = {**make_feeds(spec, sizes, 100 + i, distribution="outliers"), **override}
         arrays.update({f"act{i}/inputs/{k}": v for k, v in feeds.items()})
         if outputs:
-            from attn_export.export.factory import instantiate
+            from attn_export.exporter.factory import instantiate
             from attn_export.runtimes.torch_eager import TorchRuntime
 
             with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs) as eager:

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.spec import VARIANTS, load_spec
 from tests.conftest import ZOO, write_spec
 

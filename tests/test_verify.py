@@ -13,13 +13,13 @@ import torch
 from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.build import BuildOptions, build_models
 from attn_export.cli import cli
-from attn_export.export.factory import instantiate
-from attn_export.export.torch_export import export_onnx
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.torch_export import export_onnx
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, case_plan, shard_names, verify_artifacts
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
-from attn_export.verify import VerifyOptions, case_plan, shard_names, verify_artifacts
 from tests.conftest import ZOO_CASES, ZOO_SPECS, node, plant, set_initializer, tiny_spec
 
 FAST = ("--no-latency",)

@@ -1,9 +1,9 @@
-"""Stage 5, the comparison: numbers measured per output (``numbers``), and the one policy
-that judges them (``policy``)."""
+"""The comparison stage: each output measured against the expected one, with the one pass
+rule (``outputs``), and the latency policy: noise and the slowdown gate (``latency``)."""
 
 from __future__ import annotations
 
-from attn_export.compare.numbers import OutputComparison, compare_output, compare_outputs
-from attn_export.compare.policy import latency_gate
+from attn_export.compare.latency import latency_gate
+from attn_export.compare.outputs import OutputComparison, compare_output, compare_outputs
 
 __all__ = ["OutputComparison", "compare_output", "compare_outputs", "latency_gate"]

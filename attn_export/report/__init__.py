@@ -17,7 +17,7 @@ from attn_export.report import json_report, junit, markdown
 from attn_export.report.base import ReportFormat
 
 if TYPE_CHECKING:
-    from attn_export.verify import VerifyReport
+    from attn_export.pipelines.verify import VerifyReport
 
 __all__ = ["FORMATS", "ReportFormat", "write_reports"]
 

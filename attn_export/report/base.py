@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from attn_export.verify import VerifyReport
+    from attn_export.pipelines.verify import VerifyReport
 
 __all__ = ["ReportFormat"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from attn_export.bench.decode import DecodeBenchReport, DecodeRow
-from attn_export.bench.run import BenchReport, BenchRow
+from attn_export.pipelines.bench.decode import DecodeBenchReport, DecodeRow
+from attn_export.pipelines.bench.run import BenchReport, BenchRow
 
 __all__ = [
     "BENCH_HEADER",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attn_export.inspect_model import InspectResult, TensorInfo
+from attn_export.pipelines.inspect import InspectResult, TensorInfo
 
 __all__ = ["format_inspect"]
 

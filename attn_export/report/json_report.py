@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from attn_export.report.base import ReportFormat
 
 if TYPE_CHECKING:
-    from attn_export.verify import VerifyReport
+    from attn_export.pipelines.verify import VerifyReport
 
 __all__ = ["FORMAT", "dump_json_report", "load_json_report"]
 
@@ -45,7 +45,7 @@ def dump_json_report(report: VerifyReport) -> str:
 
 
 def load_json_report(text: str) -> VerifyReport:
-    from attn_export.verify import VerifyReport
+    from attn_export.pipelines.verify import VerifyReport
 
     return VerifyReport.from_dict(_decode(json.loads(text)))
 

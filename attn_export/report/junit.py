@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from attn_export.report.base import ReportFormat
 
 if TYPE_CHECKING:
-    from attn_export.verify import CaseResult, VerifyReport
+    from attn_export.pipelines.verify import CaseResult, VerifyReport
 
 __all__ = ["FORMAT", "junit_xml"]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from attn_export.report.base import ReportFormat
 
 if TYPE_CHECKING:
-    from attn_export.verify import VerifyReport
+    from attn_export.pipelines.verify import VerifyReport
 
 __all__ = ["FORMAT", "markdown_report"]
 

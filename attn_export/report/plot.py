@@ -10,8 +10,8 @@ from typing import Any
 
 from attn_export._deps import require
 from attn_export.artifacts.files import atomic_write
-from attn_export.bench.decode import DecodeBenchReport
-from attn_export.bench.run import BenchReport
+from attn_export.pipelines.bench.decode import DecodeBenchReport
+from attn_export.pipelines.bench.run import BenchReport
 
 __all__ = ["plot_decode_latency", "plot_latency"]
 

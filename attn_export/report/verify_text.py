@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.spec.masks import CASES
 from attn_export.spec.shapes import format_sizes
-from attn_export.verify import CaseResult, ModelCheck, VerifyReport
 
 __all__ = [
     "HEADER",

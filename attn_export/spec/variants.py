@@ -1,7 +1,7 @@
 """The graph-variant table: the one list that spec validation, build keys, ``auto``, the
 CLI's choices and the manifest read.
 
-A variant is made by ``attn_export.export.variants.<maker>.make``; adding one is a new
+A variant is made by ``attn_export.exporter.variants.<maker>.make``; adding one is a new
 file there plus one row here.
 """
 
@@ -20,7 +20,7 @@ class VariantInfo:
 
     name: str
     summary: str
-    #: Module under ``attn_export.export.variants`` whose ``make`` derives it; None for the plain export.
+    #: Module under ``attn_export.exporter.variants`` whose ``make`` derives it; None for the plain export.
     maker: str | None = None
     #: Default tolerance when the spec gives none; None means the model's own.
     tolerance: Tolerance | None = None

@@ -22,7 +22,7 @@ How a step is measured:
   Runtime's arena each step.
 * PyTorch and ONNX Runtime take turns in blocks (``timing.measure_alternating``) with the
   same threads, and ONNX Runtime's idle threads do not spin, so neither steals the other's
-  cores. A difference inside the noise decides nothing (``compare.policy.clearly_faster``).
+  cores. A difference inside the noise decides nothing (``compare.latency.clearly_faster``).
 
 Results are plain dataclasses; ``report/bench_text.py`` and ``report/plot.py`` render them.
 """
@@ -40,18 +40,19 @@ import numpy as np
 from attn_export._deps import require
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.bench.memory import peak_rss_mb
-from attn_export.bench.run import machine_description
-from attn_export.build import BuildOptions, BuildSummary, build_models, versions
-from attn_export.compare.policy import clearly_faster, noise
+from attn_export.artifacts.provenance import versions
+from attn_export.compare.latency import clearly_faster, noise
 from attn_export.errors import InputError, UsageError
-from attn_export.export.graph_checks import check_model
+from attn_export.exporter.graph_checks import check_model
+from attn_export.pipelines.bench.memory import peak_rss_mb
+from attn_export.pipelines.bench.run import machine_description
+from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.base import check_feeds
+from attn_export.runtimes.timing import LatencyStats, measure_alternating, physical_cores
 from attn_export.spec import ModelSpec, load_spec, variant_key
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
 from attn_export.spec.masks import CONVENTIONS
-from attn_export.timing import LatencyStats, measure_alternating, physical_cores
 
 __all__ = [
     "DEFAULT_PASTS",
@@ -338,7 +339,7 @@ def run_decode_bench(
 ) -> DecodeBenchReport:
     """Time a decode step of every requested runner at every batch and past length;
     graphs come from ``out_dir``."""
-    from attn_export.export.factory import instantiate
+    from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.ort import OnnxRuntime
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 

@@ -17,8 +17,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.export.cache_in_op import CacheAttention, fold_cache, value_info
-from attn_export.export.variants import VariantGraph, op_counts
+from attn_export.exporter.cache_in_op import CacheAttention, fold_cache, value_info
+from attn_export.exporter.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
 GQA_LIMITS = (

@@ -9,7 +9,7 @@ import warnings
 import onnx
 
 from attn_export._deps import require
-from attn_export.export.variants import ATTENTION_OPS, VariantGraph, op_counts
+from attn_export.exporter.variants import ATTENTION_OPS, VariantGraph, op_counts
 
 
 def _simplify_dims(proto: onnx.ModelProto) -> onnx.ModelProto:

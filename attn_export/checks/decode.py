@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attn_export.artifacts.golden import GoldenCase
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
@@ -47,17 +46,13 @@ __all__ = [
     "scenarios",
     "step_count",
     "unpadded",
-    "record_trajectory",
     "recompute",
-    "recorded_label",
     "run_trajectory",
-    "split_recorded_label",
 ]
 
 #: Decode steps verify runs for a model with a cache unless ``--decode N`` says otherwise.
 DEFAULT_STEPS = 8
 SCENARIOS = ("batch-1", "left-padded")
-_LABEL = "decode"
 
 Feeds = dict[str, np.ndarray]
 
@@ -195,13 +190,13 @@ def pytorch_trajectories(
         outputs, error = run_trajectory(eager, spec, traj)
         if error:
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
-        inputs = _step_inputs(spec, traj, outputs)
+        inputs = step_inputs(spec, traj, outputs)
         traj.floors = [eager.precision_floor(i, o) for i, o in zip(inputs, outputs, strict=True)]
         out.append((traj, outputs))
     return out
 
 
-def _step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:
+def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:
     """Each step's feeds with the pasts that ``outputs`` (one side's steps) fed back."""
     cache = cache_of(spec)
     assert cache is not None
@@ -499,26 +494,3 @@ def compare_trajectories(
         if step.error:
             break
     return steps
-
-
-def record_trajectory(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[GoldenCase]:
-    """The steps as golden cases: each step's feeds with the pasts PyTorch fed itself, and
-    its outputs (``verify --golden`` replays them, feeding the graph its own pasts)."""
-    return [
-        GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]))
-        for k, (inputs, out) in enumerate(zip(_step_inputs(spec, traj, outputs), outputs, strict=True))
-    ]
-
-
-def recorded_label(scenario: str, step: int) -> str:
-    """A golden case label for one recorded step: ``decode-<scenario>-<step>``."""
-    return f"{_LABEL}-{scenario}-{step}"
-
-
-def split_recorded_label(label: str) -> tuple[str, int] | None:
-    """(scenario, step) of a recorded decode step's label, else None."""
-    head, _, step = label.rpartition("-")
-    prefix, _, scenario = head.partition("-")
-    if prefix != _LABEL or scenario not in SCENARIOS or not step.isdigit():
-        return None
-    return scenario, int(step)

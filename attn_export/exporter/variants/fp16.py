@@ -7,7 +7,7 @@ import warnings
 import onnx
 
 from attn_export._deps import require
-from attn_export.export.variants import VariantGraph
+from attn_export.exporter.variants import VariantGraph
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:

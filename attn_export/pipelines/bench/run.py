@@ -16,15 +16,16 @@ from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.bench.flops import count_flops, matmul_peak_gflops
-from attn_export.bench.memory import peak_rss_mb
-from attn_export.build import BuildOptions, BuildSummary, build_models, versions
-from attn_export.compare.policy import noise
+from attn_export.artifacts.provenance import versions
+from attn_export.compare.latency import noise
 from attn_export.errors import InputError
-from attn_export.export.graph_checks import check_model
+from attn_export.exporter.graph_checks import check_model
+from attn_export.pipelines.bench.flops import count_flops, matmul_peak_gflops
+from attn_export.pipelines.bench.memory import peak_rss_mb
+from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
+from attn_export.runtimes.timing import LatencyStats, measure, physical_cores
 from attn_export.spec import ModelSpec, load_spec, variant_key
 from attn_export.spec.inputs import make_feeds
-from attn_export.timing import LatencyStats, measure, physical_cores
 
 __all__ = ["BenchOptions", "BenchReport", "BenchRow", "bench_models", "machine_description", "run_bench"]
 
@@ -123,7 +124,7 @@ def run_bench(
     on_row: Callable[[BenchRow], None] | None = None,
 ) -> BenchReport:
     """Measure every requested runner at every shape; graphs come from ``out_dir``."""
-    from attn_export.export.factory import instantiate
+    from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.ort import OnnxRuntime
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 
-from attn_export.export.variants import VariantGraph, op_counts
+from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.runtimes.ort import load_session
 
 

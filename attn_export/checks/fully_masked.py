@@ -21,8 +21,8 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import GraphCheckError
-from attn_export.export.graph_checks import check_dynamic_axes, check_model
-from attn_export.export.masked_softmax import REWRITES, rewrite_softmax
+from attn_export.exporter.graph_checks import check_dynamic_axes, check_model
+from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.masks import CASES, keep_of, masked_row_selector

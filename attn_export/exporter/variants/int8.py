@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from attn_export.export.variants import VariantGraph, op_counts
+from attn_export.exporter.variants import VariantGraph, op_counts
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:

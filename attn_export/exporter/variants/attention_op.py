@@ -6,8 +6,8 @@ from __future__ import annotations
 import onnx
 
 from attn_export.errors import ExportFailure
-from attn_export.export.cache_in_op import fold_cache
-from attn_export.export.variants import VariantGraph, op_counts
+from attn_export.exporter.cache_in_op import fold_cache
+from attn_export.exporter.variants import VariantGraph, op_counts
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:

@@ -110,7 +110,7 @@ def instantiate(spec: ModelSpec) -> Any:
     loaded with ``weights_only=True`` so a pickle carrying code is refused.
     """
     torch = require("torch", "building the PyTorch module")
-    from attn_export.export.adapter import wrap
+    from attn_export.exporter.adapter import wrap
 
     config = None
     if spec.config is not None:
@@ -128,6 +128,6 @@ def instantiate(spec: ModelSpec) -> Any:
 
 def adapt(module: Any, spec: ModelSpec) -> Any:
     """A module in hand, in eval mode, called as ``spec`` says (keywords, picks, ``[call]``)."""
-    from attn_export.export.adapter import wrap
+    from attn_export.exporter.adapter import wrap
 
     return wrap(module.eval(), spec, None, lambda target: resolve_object(spec, target))

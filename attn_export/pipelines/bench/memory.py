@@ -1,6 +1,6 @@
 """Peak resident memory of one runner, measured in a fresh process so runners do not mix.
 
-Run as ``python -m attn_export.bench.memory SPEC_JSON`` by ``peak_rss_mb``; it loads the
+Run as ``python -m attn_export.pipelines.bench.memory SPEC_JSON`` by ``peak_rss_mb``; it loads the
 runner, runs it once on the given sizes, and prints its peak RSS in MiB.
 """
 
@@ -19,7 +19,7 @@ __all__ = ["peak_rss_mb"]
 def peak_rss_mb(request: dict[str, Any], timeout_s: float = 300) -> float | None:
     """Peak RSS (MiB) of running ``request`` once in a child process; None if it failed."""
     done = subprocess.run(
-        [sys.executable, "-m", "attn_export.bench.memory", json.dumps(request)],
+        [sys.executable, "-m", "attn_export.pipelines.bench.memory", json.dumps(request)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -45,7 +45,7 @@ def _run(request: dict[str, Any]) -> None:
             Path(request["file"]), spec.inputs, spec.outputs, provider=request["provider"], threads=request["threads"]
         )
     else:
-        from attn_export.export.factory import instantiate
+        from attn_export.exporter.factory import instantiate
         from attn_export.runtimes.torch_eager import TorchRuntime
 
         runtime = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=request["threads"])

@@ -1,57 +1,14 @@
-"""The pass/fail policy, in one place: the element-wise tolerance rule, what makes an
-output pass, and the latency gate.
-
-Everything else measures (``numbers``, ``timing``) or renders (``report``).
-"""
+"""The latency policy: when timings are too noisy to decide on, when one side is clearly
+faster, and the ``--max-slowdown`` gate. Timings are measured in ``runtimes.timing``."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING
+from attn_export.runtimes.timing import LatencyStats
 
-import numpy as np
-
-from attn_export.spec import Tolerance
-from attn_export.timing import LatencyStats
-
-if TYPE_CHECKING:
-    from attn_export.compare.numbers import OutputComparison
-
-__all__ = [
-    "FLOOR_FACTOR",
-    "MAX_SPREAD",
-    "allowed_error",
-    "case_tolerance",
-    "clearly_faster",
-    "latency_gate",
-    "noise",
-    "output_passed",
-]
+__all__ = ["MAX_SPREAD", "clearly_faster", "latency_gate", "noise"]
 
 #: Timings whose p90 exceeds p50 by more than this factor are too noisy to decide on.
 MAX_SPREAD = 1.5
-
-#: A graph may differ from PyTorch by this many times PyTorch's own float32 error.
-FLOOR_FACTOR = 10.0
-
-
-def case_tolerance(tol: Tolerance, floor: float) -> Tolerance:
-    """The output's tolerance on one case, widened by ``FLOOR_FACTOR`` x PyTorch's own
-    float32 error there: large-magnitude inputs are judged by what float32 can do, and a
-    graph wrong only for large values still fails (its error is far above the floor)."""
-    return dataclasses.replace(tol, atol=tol.atol + FLOOR_FACTOR * floor)
-
-
-def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
-    """The pass rule's bound: |actual - expected| <= atol + rtol * |expected|."""
-    return tol.atol + tol.rtol * np.abs(expected)
-
-
-def output_passed(c: OutputComparison) -> bool:
-    """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN on both sides
-    unless the spec allows it, every element within bounds."""
-    nan_ok = c.shared_nan == 0 or c.allow_nan
-    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
 
 
 def noise(*stats: LatencyStats | None) -> str | None:

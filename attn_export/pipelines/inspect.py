@@ -15,7 +15,7 @@ import onnx
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.onnx_file import external_data_files, load_model_file
 from attn_export.errors import GraphCheckError, RuntimeFailure
-from attn_export.export.graph_checks import check_model, graph_shapes
+from attn_export.exporter.graph_checks import check_model, graph_shapes
 from attn_export.runtimes.ort import load_session, require_provider
 
 __all__ = ["InspectResult", "TensorInfo", "inspect_file"]

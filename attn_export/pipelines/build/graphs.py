@@ -1,0 +1,193 @@
+"""What every variant of one spec shares during a build: the module, its exports (one per
+opset), PyTorch's outputs at the golden shapes, each variant's checked graph and the smoke
+check that runs it in ONNX Runtime. Each is computed once, and a failure is remembered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import onnx
+
+from attn_export.artifacts.golden import GoldenCase, encode_golden
+from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
+from attn_export.checks.decode_record import record_trajectory
+from attn_export.checks.mask_probe import check_masks
+from attn_export.compare import compare_outputs
+from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
+from attn_export.exporter.source import module_sources
+from attn_export.exporter.torch_export import export_onnx, stamp_metadata
+from attn_export.exporter.variants import make_variant
+from attn_export.pipelines.build.results import BuildOptions
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import VARIANTS, ModelSpec, variant_key
+from attn_export.spec.cache import cache_of
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import CASES
+from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_points
+
+__all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
+
+#: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
+BUILD_SEED = 0
+
+V = TypeVar("V")
+
+
+class Once(Generic[V]):
+    """A lazily computed value whose failure is remembered, so shared stages run once."""
+
+    def __init__(self, compute: Callable[[], V]) -> None:
+        self._compute = compute
+        self._done = False
+        self._value: V | None = None
+        self._error: AttnExportError | None = None
+
+    def get(self) -> V:
+        if not self._done:
+            self._done = True
+            try:
+                self._value = self._compute()
+            except AttnExportError as e:
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+@dataclass
+class Graph:
+    """A variant's serialized graph with metadata, checked but not yet smoke-tested."""
+
+    model: bytes
+    info: dict[str, Any]
+    warnings: list[str]
+
+
+class SpecBuild:
+    """What every variant of one spec shares: the module, its exports, PyTorch's outputs."""
+
+    def __init__(self, spec: ModelSpec, vers: dict[str, str], options: BuildOptions) -> None:
+        self.spec = spec
+        self.vers = vers
+        self.options = options
+        self.sizes = example_sizes(spec)
+        self.sources = module_sources(spec)
+        self.module = Once(lambda: instantiate(spec))
+        self.masks = Once(self._check_masks)
+        self.exports: dict[int, Once[onnx.ModelProto]] = {}
+        self.example = Once(self._example)
+        self.golden = Once(self._golden_cases)
+        #: The golden file's bytes, shared by every variant.
+        self.golden_file = Once(lambda: encode_golden(self.golden.get()))
+        self.graphs: dict[str, Once[Graph]] = {}
+
+    def _check_masks(self) -> None:
+        """The module reads every mask as the spec says (``mask_probe``)."""
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            check_masks(self.spec, eager, self.sizes, BUILD_SEED)
+
+    def export(self, opset: int) -> onnx.ModelProto:
+        """The module exported at ``opset``, checked; exported once per opset."""
+        if opset not in self.exports:
+            self.exports[opset] = Once(lambda: self._export(opset))
+        return self.exports[opset].get()
+
+    def _export(self, opset: int) -> onnx.ModelProto:
+        example = make_feeds(self.spec, self.sizes, BUILD_SEED)
+        try:
+            proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+        except SystemExit as e:  # forward() exited: a failed export, not a successful build
+            raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
+        check_model(proto, self.spec.name)
+        check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs, self.spec.dims)
+        return proto
+
+    def _cases(self, points: list[tuple[ShapePoint, str]], first_seed: int) -> list[GoldenCase]:
+        spec = self.spec
+        cases = []
+        with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
+            for i, (point, distribution) in enumerate(points):
+                feeds = make_feeds(spec, point.sizes, first_seed + i, case=point.case, distribution=distribution)
+                label = case_label(point.label, distribution)
+                outputs = eager.run(feeds)
+                floors = eager.precision_floor(feeds, outputs)
+                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors))
+        return cases
+
+    def _example(self) -> GoldenCase:
+        return self._cases([(ShapePoint("example", self.sizes), DEFAULT_DISTRIBUTION)], BUILD_SEED)[0]
+
+    def _golden_cases(self) -> list[GoldenCase]:
+        """PyTorch's outputs at the golden shapes with unit-normal values (smoke-checked and
+        recorded), at the distinct shape with each other distribution (recorded only: those
+        are verify's to judge), and at the named mask cases (they settle fully masked rows)."""
+        points = golden_points(self.spec)
+        distinct = [p for p in points if p.label == "distinct"]
+        plan = [(p, DEFAULT_DISTRIBUTION) for p in points]
+        plan += [(p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in distinct]
+        return self._cases(plan, BUILD_SEED + 1) + self._trajectories()
+
+    def _trajectories(self) -> list[GoldenCase]:
+        """For a model with a cache: PyTorch's decode trajectories, recorded step by step."""
+        if cache_of(self.spec) is None:
+            return []
+        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+            recorded = pytorch_trajectories(eager, self.spec, DEFAULT_STEPS, BUILD_SEED)
+        return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs)]
+
+    def graph(self, name: str) -> Graph:
+        if name not in self.graphs:
+            self.graphs[name] = Once(lambda: self._make_graph(name))
+        return self.graphs[name].get()
+
+    def _make_graph(self, name: str) -> Graph:
+        spec, info = self.spec, VARIANTS[name]
+        key = variant_key(spec.name, name)
+        opset = max(spec.opset, info.export_opset or 0)
+        try:
+            graph = make_variant(name, self.export(opset), self.options.provider)
+        except (ExportFailure, GraphCheckError) as e:
+            raise type(e)(f"{key}: {e}") from e
+        proto = stamp_metadata(
+            graph.proto,
+            {
+                "attn_export.model": spec.name,
+                "attn_export.variant": name,
+                "attn_export.source_module": spec.module,
+                "attn_export.spec_hash": spec.content_hash(),
+                "attn_export.exporter": spec.exporter,
+                "attn_export.opset": str(opset),
+                **{f"attn_export.version.{k}": v for k, v in self.vers.items()},
+            },
+        )
+        check_model(proto, key)
+        check_deterministic(proto, key)
+        check_dynamic_axes(proto, key, spec.inputs, spec.outputs, spec.dims)
+        return Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
+
+    def smoke(self, variant: str, model: bytes) -> None:
+        """ONNX Runtime (CPU) against PyTorch at the example and golden shapes, at the
+        variant's tolerance."""
+        spec = self.spec
+        tolerances = spec.tolerances(variant)
+        cases = [c for c in self.golden.get() if c.label not in CASES]  # mask cases are settled, not smoked
+        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
+            for case in [self.example.get(), *cases]:
+                if split_label(case.label)[1] != DEFAULT_DISTRIBUTION:
+                    continue
+                where = f"{variant_key(spec.name, variant)}: smoke check at {case.label} ({format_sizes(case.sizes)})"
+                try:
+                    got = session.run(case.inputs)
+                except RuntimeFailure as e:
+                    raise GraphCheckError(f"{where} failed: {e}") from e
+                failed = [c.reason() for c in compare_outputs(case.outputs, got, tolerances, case.floors)]
+                failed = [r for r in failed if r]
+                if failed:
+                    raise GraphCheckError(f"{where} failed: {failed[0]}")

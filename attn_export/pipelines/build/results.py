@@ -1,0 +1,89 @@
+"""What a build returns: one ``BuildResult`` per graph with the stage it failed at, and the
+``BuildSummary`` of a run (round-trips through JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from attn_export.artifacts.files import LOCK_WAIT_S
+
+__all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "BuildSummary"]
+
+STAGES = ("spec", "module", "masks", "export", "variant", "checker", "axes", "smoke", "fully_masked", "write")
+BuildStatus = Literal["built", "skipped", "failed"]
+STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")
+
+
+@dataclass
+class BuildOptions:
+    """What ``attn-export build`` was asked to do."""
+
+    out_dir: Path
+    opset: int | None = None
+    exporter: str | None = None
+    force: bool = False
+    fail_fast: bool = False
+    #: Graph variants to build (keys of ``spec.VARIANTS``).
+    variants: tuple[str, ...] = ("fp32",)
+    #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
+    provider: str = "cpu"
+    #: Seconds to wait for another build to release the output folder.
+    lock_wait_s: float = LOCK_WAIT_S
+
+
+@dataclass
+class BuildResult:
+    """One graph's build: each stage True (passed), False (failed) or None (did not run)."""
+
+    name: str
+    variant: str = "fp32"
+    status: BuildStatus = "failed"
+    seconds: float = 0.0
+    file: str | None = None
+    sha256: str | None = None
+    error: str | None = None
+    exit_code: int = 0
+    warnings: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(STAGES))
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "failed"
+
+    @property
+    def failed_stage(self) -> str | None:
+        return next((k for k, v in self.stages.items() if v is False), None)
+
+
+@dataclass
+class BuildSummary:
+    """All results of one build run."""
+
+    out_dir: str
+    results: list[BuildResult]
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        return max((r.exit_code for r in self.results), default=0)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {s: sum(r.status == s for r in self.results) for s in STATUSES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "out_dir": self.out_dir,
+            "seconds": round(self.seconds, 3),
+            "counts": self.counts,
+            "exit_code": self.exit_code,
+            "results": [dataclasses.asdict(r) for r in self.results],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BuildSummary:
+        return cls(d["out_dir"], [BuildResult(**r) for r in d["results"]], d["seconds"])

@@ -1,0 +1,77 @@
+"""Verify's decode steps: every scenario's trajectory on every target, against PyTorch (with
+its own recompute and rows alone) or against build's recording in golden mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.manifest import ManifestEntry
+from attn_export.checks.decode import (
+    DecodeResult,
+    Trajectory,
+    compare_trajectories,
+    pytorch_trajectories,
+    recompute,
+    run_trajectory,
+    unpadded,
+)
+from attn_export.checks.decode_record import read_trajectories
+from attn_export.compare import OutputComparison
+from attn_export.pipelines.verify.expected import tolerances_for
+from attn_export.pipelines.verify.results import VerifyOptions
+from attn_export.runtimes import RUNTIMES
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import ModelSpec
+
+__all__ = ["decode_model"]
+
+
+def decode_model(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions, golden: list[GoldenCase]
+) -> list[DecodeResult]:
+    """Every scenario's trajectory on every target: against PyTorch (and PyTorch against its
+    own recompute and its rows alone), or in golden mode against what build recorded."""
+    path = out_dir / entry.file
+    tolerances = tolerances_for(spec, entry.variant, options)
+    # (trajectory, expected outputs, recomputed outputs per step, each padded row alone)
+    plans: list[
+        tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None], list[OutputComparison]]
+    ]
+    if options.golden:
+        recorded = read_trajectories(out_dir / entry.golden, golden, spec, options.steps)
+        plans = [(traj, outputs, [], []) for traj, outputs in recorded]
+        expected_from = "golden"
+    else:
+        from attn_export.exporter.factory import instantiate
+
+        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+            plans = [
+                (
+                    traj,
+                    outputs,
+                    [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))],
+                    unpadded(eager, spec, traj, outputs, tolerances) if traj.scenario == "left-padded" else [],
+                )
+                for traj, outputs in pytorch_trajectories(eager, spec, options.steps, options.seed)
+            ]
+        expected_from = eager.name
+    results = []
+    for target in options.targets:
+        with RUNTIMES[target.runtime].make(path, spec, target, options.threads) as runtime:
+            for traj, expected, full, alone in plans:
+                actual, error = run_trajectory(runtime, spec, traj)
+                result = DecodeResult(
+                    entry.name,
+                    target,
+                    traj.scenario,
+                    expected_from,
+                    traj.prompt_lengths,
+                    unpadded=alone,
+                    notes=traj.notes,
+                )
+                result.steps = compare_trajectories(spec, traj, expected, actual, tolerances, error, full)
+                results.append(result)
+    return results

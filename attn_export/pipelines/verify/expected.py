@@ -1,0 +1,105 @@
+"""What each case should give: PyTorch's outputs over the sweep, the golden vectors, or the
+user's recorded inputs, with the tolerances the options set."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.recorded import RECORDED, read_recorded
+from attn_export.checks.decode_record import split_recorded_label
+from attn_export.errors import InputError
+from attn_export.pipelines.verify.results import VerifyOptions
+from attn_export.runtimes import check_feeds
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS, split_label
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import PATTERN
+from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep
+
+__all__ = ["Expected", "case_plan", "golden_expected", "recorded_expected", "tolerances_for", "torch_expected"]
+
+
+def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
+    return {
+        name: dataclasses.replace(
+            tol,
+            atol=tol.atol if options.atol is None else options.atol,
+            rtol=tol.rtol if options.rtol is None else options.rtol,
+        )
+        for name, tol in spec.tolerances(variant).items()
+    }
+
+
+def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:
+    """(shape, value distribution) pairs: by default every shape with unit-normal values,
+    and each other distribution at the distinct and the largest shapes. A shape that
+    cannot fit the memory budget is refused before anything is allocated."""
+    if options.shapes:  # validated by verify_artifacts before any work
+        case = options.mask_case
+        points = [
+            ShapePoint(case or f"shape-{i}", spec.with_sums(s), case or PATTERN) for i, s in enumerate(options.shapes)
+        ]
+    else:
+        points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
+    check_memory(spec, points, memory_budget(spec, options.max_memory))
+    if options.distributions:
+        return [(p, d) for d in options.distributions for p in points]
+    extra = [p for p in points if p.label in ("distinct", "max")] or points
+    return [(p, DEFAULT_DISTRIBUTION) for p in points] + [
+        (p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in extra
+    ]
+
+
+@dataclass
+class Expected:
+    """Expected outputs for a list of cases, and where they came from."""
+
+    label: str
+    cases: list[GoldenCase]
+    seeds: list[int]
+    distributions: list[str]
+
+
+def golden_expected(golden: list[GoldenCase]) -> Expected:
+    cases = [c for c in golden if split_recorded_label(c.label) is None]  # decode steps: _decode_model's
+    labels = [split_label(c.label) for c in cases]
+    cases = [dataclasses.replace(c, label=label) for c, (label, _) in zip(cases, labels, strict=True)]
+    return Expected("golden", cases, list(range(len(cases))), [d for _, d in labels])
+
+
+def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[ShapePoint, str]], seed: int) -> Expected:
+    cases = []
+    for i, (point, distribution) in enumerate(plan):
+        feeds = make_feeds(spec, point.sizes, seed + i, case=point.case, distribution=distribution)
+        outputs = torch_rt.run(feeds)
+        floors = torch_rt.precision_floor(feeds, outputs)
+        cases.append(GoldenCase(point.label, dict(point.sizes), feeds, outputs, floors))
+    return Expected(torch_rt.name, cases, [seed + i for i in range(len(plan))], [d for _, d in plan])
+
+
+def recorded_expected(spec: ModelSpec, path: Path, torch_rt: TorchRuntime | None = None) -> Expected:
+    """The user's recorded inputs, checked against the spec like any feeds; expected
+    outputs from PyTorch, or (golden mode) from the file."""
+    cases = read_recorded(path)
+    for case in cases:
+        try:
+            check_feeds(case.inputs, spec.inputs, spec.dims)
+        except InputError as e:
+            raise InputError(f"{path}: case '{case.label}': {e}") from e
+        case.sizes = sizes_from_feeds(spec.inputs, {k: v.shape for k, v in case.inputs.items()})
+        if torch_rt is not None:
+            case.outputs = torch_rt.run(case.inputs)
+            case.floors = torch_rt.precision_floor(case.inputs, case.outputs)
+        elif sorted(case.outputs) != sorted(t.name for t in spec.outputs):
+            raise InputError(
+                f"{path}: case '{case.label}' holds no expected outputs {[t.name for t in spec.outputs]}; "
+                "golden mode needs them (<case>/outputs/<name>), or verify against PyTorch"
+            )
+    label = "golden" if torch_rt is None else torch_rt.name
+    return Expected(label, cases, [0] * len(cases), [RECORDED] * len(cases))

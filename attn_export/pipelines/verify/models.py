@@ -1,0 +1,122 @@
+"""Which built models verify runs, and whether each may run: the manifest's files intact,
+the graph sound, the checkout's spec and sources unchanged since the build."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
+from attn_export.exporter.source import module_sources
+from attn_export.spec import ModelSpec, load_spec
+
+__all__ = ["checkout_spec", "graph_problems", "integrity", "select_models", "shard_names", "stale_reasons"]
+
+
+def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str]:
+    """Deterministic round-robin over sorted names; shard is 1-based ``(i, n)``."""
+    ordered = sorted(names)
+    if shard is None:
+        return ordered
+    i, n = shard
+    if not (n >= 1 and 1 <= i <= n):
+        raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
+    return [name for k, name in enumerate(ordered) if k % n == i - 1]
+
+
+def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
+    """Resolve ``DIR`` or ``FILES...`` (all in one build folder) to a manifest and model names."""
+    if not paths:
+        raise UsageError("give a build folder or .onnx files from one")
+    if len(paths) == 1 and paths[0].is_dir():
+        manifest = load_manifest(paths[0])
+        return paths[0], manifest, sorted(manifest.models)
+    folders = {p.parent.resolve() for p in paths}
+    if len(folders) != 1:
+        raise UsageError("all files given to verify must come from one build folder")
+    for p in paths:
+        if p.is_dir():
+            raise UsageError(f"{p}: give either one build folder or .onnx files")
+        if not p.exists():
+            raise ArtifactError(f"{p}: no such file")
+    out_dir = paths[0].parent
+    manifest = load_manifest(out_dir)
+    by_file = {e.file: name for name, e in manifest.models.items()}
+    names = []
+    for p in paths:
+        if p.name not in by_file:
+            raise ArtifactError(f"{p}: not listed in {out_dir / 'manifest.json'}")
+        names.append(by_file[p.name])
+    return out_dir, manifest, names
+
+
+def integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
+    problems = []
+    files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
+    for name, want in files:
+        got = sha256_file(out_dir / name, out_dir)
+        if got != want:
+            problems.append(
+                f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
+            )
+    return problems
+
+
+def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:
+    """Problems found in the graph itself, and whether it is sound enough to run.
+
+    A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
+    checker rejects is not run; one with wrong dynamic axes is, to show the consequences.
+    """
+    spec = entry.model_spec
+    proto = load_model_file(out_dir / entry.file)
+    try:
+        check_model(proto, entry.name, out_dir / entry.file)
+    except GraphCheckError as e:
+        return [str(e)], False
+    try:
+        check_deterministic(proto, entry.name)
+    except GraphCheckError as e:
+        return [str(e)], False
+    try:
+        check_dynamic_axes(proto, entry.name, spec.inputs, spec.outputs, spec.dims)
+    except GraphCheckError as e:
+        return [str(e)], True
+    return [], True
+
+
+#: Spec fields that do not change the PyTorch original or how it is judged (build overrides).
+_EXPORT_ONLY = ("description", "opset", "exporter")
+
+
+def checkout_spec(models_dir: Path, entry: ManifestEntry) -> ModelSpec:
+    """The checkout's spec for a built graph: the only source of code verify runs."""
+    name = entry.model_spec.name
+    path = models_dir / f"{name}.toml"
+    if not path.is_file():
+        raise UsageError(
+            f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
+            "checkout's specs (pass --models DIR), or compares with golden vectors (--golden)"
+        )
+    return load_spec(path)
+
+
+def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:
+    """What changed in the checkout since the graph was built; empty when nothing did.
+
+    Compares data only (the spec's fields, the weights' and module files' hashes): nothing
+    the manifest names is imported or run."""
+    built, now = entry.spec, spec.to_dict()
+    fields = sorted(k for k in set(built) | set(now) if k not in _EXPORT_ONLY and built.get(k) != now.get(k))
+    reasons = [f"spec field{'s' if len(fields) > 1 else ''} {', '.join(fields)} differ"] if fields else []
+    if not fields and spec.weights.path is not None and spec.content_hash() != entry.spec_hash:
+        reasons.append(f"weights file {built['weights']['path']} changed")
+    sources = module_sources(spec)
+    changed = sorted(k for k in set(entry.sources) | set(sources) if entry.sources.get(k) != sources.get(k))
+    if changed:
+        reasons.append(f"module source {', '.join(changed)} changed")
+    return reasons

@@ -1,0 +1,307 @@
+"""What verify returns: the options it ran with, one ``CaseResult`` per (model, target, case),
+one ``ModelCheck`` per model, and the ``VerifyReport`` (round-trips through JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attn_export.artifacts.recorded import RECORDED
+from attn_export.checks.decode import (
+    DEFAULT_STEPS,
+    DecodeResult,
+)
+from attn_export.compare import OutputComparison
+from attn_export.compare.latency import noise as latency_noise
+from attn_export.runtimes import Target
+from attn_export.runtimes.timing import LatencyStats
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.masks import CASES
+from attn_export.spec.shapes import format_sizes
+
+__all__ = ["CaseResult", "ModelCheck", "VerifyOptions", "VerifyReport"]
+
+
+@dataclass
+class VerifyOptions:
+    """What ``attn-export verify`` was asked to do (defaults are the CLI's)."""
+
+    targets: Sequence[Target] = (Target("onnxruntime", "cpu"),)
+    #: The checkout's spec folder: PyTorch originals are rebuilt from these specs only.
+    models_dir: Path = Path("models")
+    golden: bool = False
+    shapes: Sequence[Mapping[str, int]] | None = None
+    #: Value distributions to run at every shape; None: unit normal everywhere, the others
+    #: at the distinct and largest shapes.
+    distributions: Sequence[str] | None = None
+    #: Recorded inputs (``artifacts.recorded``) to verify with instead of the sweep.
+    inputs_file: Path | None = None
+    n_random: int = 2
+    seed: int = 0
+    atol: float | None = None
+    rtol: float | None = None
+    latency: bool = True
+    #: Threads for both PyTorch and ONNX Runtime; None means the physical cores.
+    threads: int | None = None
+    latency_budget_s: float = 0.05
+    max_slowdown: float | None = None
+    #: Memory budget per case in bytes; None means the spec's ``max_memory``, else the machine's.
+    max_memory: int | None = None
+    #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
+    mask_case: str | None = None
+    #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``
+    #: unless the run is narrowed to given shapes, values or inputs; 0: no decoding.
+    decode_steps: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """The decode steps this run takes for a model with a cache."""
+        if self.decode_steps is not None:
+            return self.decode_steps
+        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case
+        return 0 if narrowed else DEFAULT_STEPS
+
+    def settings(self) -> dict[str, Any]:
+        """The options as the JSON report records them."""
+        return {
+            "targets": [t.label for t in self.targets],
+            "models": None if self.golden else str(self.models_dir),
+            "golden": self.golden,
+            "threads": self.threads,
+            "latency": self.latency,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "max_slowdown": self.max_slowdown,
+            "max_memory": self.max_memory,
+            "shapes": [dict(s) for s in self.shapes] if self.shapes else None,
+            "distributions": list(self.distributions) if self.distributions else None,
+            "inputs": str(self.inputs_file) if self.inputs_file else None,
+            "mask_case": self.mask_case,
+            "decode_steps": self.steps,
+        }
+
+
+@dataclass
+class CaseResult:
+    """One model x target x shape: numbers, errors and timings."""
+
+    model: str
+    target: Target
+    shape: str
+    sizes: dict[str, int]
+    seed: int
+    expected_from: str  # "torch[cpu]", "torch[cuda]" or "golden"
+    comparisons: list[OutputComparison] = field(default_factory=list)
+    error: str | None = None
+    torch_latency: LatencyStats | None = None
+    onnx_latency: LatencyStats | None = None
+    gate: str | None = None
+    #: The float inputs' value distribution (``spec.distributions``), or "recorded".
+    distribution: str = DEFAULT_DISTRIBUTION
+    #: What the report must say beside the numbers (what fully masked rows give, rows left out).
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def runtime(self) -> str:
+        return self.target.label
+
+    @property
+    def ratio(self) -> float | None:
+        if self.torch_latency and self.onnx_latency and self.torch_latency.p50_ms > 0:
+            return self.onnx_latency.p50_ms / self.torch_latency.p50_ms
+        return None
+
+    @property
+    def noise(self) -> str | None:
+        """Why this case's timings are too noisy to decide on, or None."""
+        return latency_noise(self.onnx_latency, self.torch_latency)
+
+    @property
+    def max_abs_error(self) -> float | None:
+        """The largest absolute error over outputs; None when nothing numeric was compared."""
+        numeric = [c for c in self.comparisons if c.numeric]
+        return max((c.max_abs_error for c in numeric), default=None) if numeric == self.comparisons else None
+
+    @property
+    def max_rel_error(self) -> float | None:
+        numeric = [c for c in self.comparisons if c.numeric]
+        return max((c.max_rel_error for c in numeric), default=None) if numeric == self.comparisons else None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.gate is None and all(c.passed for c in self.comparisons)
+
+    def reasons(self) -> list[str]:
+        out = [self.error] if self.error else []
+        out += [c.reason() for c in self.comparisons if not c.passed]
+        return out + ([self.gate] if self.gate else [])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "runtime": self.runtime,
+            "target": self.target.to_dict(),
+            "shape": self.shape,
+            "sizes": self.sizes,
+            "seed": self.seed,
+            "expected_from": self.expected_from,
+            "distribution": self.distribution,
+            "passed": self.passed,
+            "error": self.error,
+            "gate": self.gate,
+            "notes": self.notes,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "latency": None
+            if self.onnx_latency is None
+            else {
+                "onnx": self.onnx_latency.to_dict(),
+                "torch": self.torch_latency.to_dict() if self.torch_latency else None,
+                "ratio": self.ratio,
+                "noise": self.noise,
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CaseResult:
+        lat = d.get("latency") or {}
+        return cls(
+            model=d["model"],
+            target=Target(**d["target"]),
+            shape=d["shape"],
+            sizes=dict(d["sizes"]),
+            seed=d["seed"],
+            expected_from=d["expected_from"],
+            distribution=d["distribution"],
+            comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
+            error=d.get("error"),
+            gate=d.get("gate"),
+            notes=list(d.get("notes", [])),
+            onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
+            torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
+        )
+
+
+@dataclass
+class ModelCheck:
+    """Per-model checks that come before any run: artifact integrity and graph axes."""
+
+    model: str
+    file: str
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class VerifyReport:
+    """Everything one verify run found; the JSON report is ``to_dict``."""
+
+    artifacts: str
+    seed: int
+    settings: dict[str, Any]
+    checks: list[ModelCheck] = field(default_factory=list)
+    cases: list[CaseResult] = field(default_factory=list)
+    #: Decoding trajectories of the models with a cache.
+    decode: list[DecodeResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return (
+            all(c.passed for c in self.checks)
+            and all(c.passed for c in self.cases)
+            and all(d.passed for d in self.decode)
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    @property
+    def failed_cases(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.passed]
+
+    @property
+    def failed_models(self) -> list[str]:
+        failed = {c.model for c in self.failed_cases} | {d.model for d in self.decode if not d.passed}
+        return sorted(failed | {c.model for c in self.checks if not c.passed})
+
+    @property
+    def errors_by_distribution(self) -> dict[tuple[str, str], dict[str, float | None]]:
+        """Largest absolute error per (model, runtime) and value distribution; None where
+        no number was compared."""
+        out: dict[tuple[str, str], dict[str, float | None]] = {}
+        for c in self.cases:
+            errors = out.setdefault((c.model, c.runtime), {})
+            worst = errors.get(c.distribution)
+            value = c.max_abs_error
+            errors[c.distribution] = value if worst is None else (worst if value is None else max(worst, value))
+        return out
+
+    @property
+    def summary(self) -> dict[str, int]:
+        return {
+            "models": len(self.checks),
+            "cases": len(self.cases),
+            "failed_cases": len(self.failed_cases),
+            "failed_checks": sum(not c.passed for c in self.checks),
+            "noisy_timings": sum(c.noise is not None for c in self.cases),
+            **(
+                {"decode_trajectories": len(self.decode), "failed_trajectories": sum(not d.passed for d in self.decode)}
+                if self.decode
+                else {}
+            ),
+        }
+
+    def models(self) -> list[str]:
+        return [c.model for c in self.checks]
+
+    def reproduce(self, case: CaseResult) -> str:
+        """The one command that reruns exactly this case."""
+        file = next(c.file for c in self.checks if c.model == case.model)
+        args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
+        if case.distribution == RECORDED:
+            args += ["--inputs", str(self.settings.get("inputs"))]
+        models = self.settings.get("models")
+        if models and models != "models":  # verify's default
+            args += ["--models", models]
+        if case.expected_from == "golden":
+            args += ["--golden"]
+        elif case.distribution != RECORDED:
+            shape = format_sizes(case.sizes)
+            args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
+            args += ["--mask-case", case.shape] if case.shape in CASES else []
+        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "attn-export/verify-report",
+            "schema_version": 1,
+            "artifacts": self.artifacts,
+            "seed": self.seed,
+            "settings": self.settings,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "summary": self.summary,
+            "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
+            "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
+            "decode": [d.to_dict() for d in self.decode],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+        return cls(
+            artifacts=d["artifacts"],
+            seed=d["seed"],
+            settings=dict(d["settings"]),
+            checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
+            cases=[CaseResult.from_dict(c) for c in d["cases"]],
+            decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
+            seconds=d["seconds"],
+        )

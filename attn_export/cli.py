@@ -20,7 +20,7 @@ import click
 from attn_export import __version__
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.errors import AttnExportError
-from attn_export.report import FORMATS
+from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
@@ -104,13 +104,21 @@ def threads_option(help: str) -> Decorator:  # noqa: A002
     return click.option("--threads", type=click.IntRange(1), help=f"{help} Default: physical cores.")
 
 
-def report_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """One ``--<format> FILE`` option per registered report format."""
-    for fmt in reversed(list(FORMATS.values())):
-        command = click.option(
-            f"--{fmt.name}", f"report_{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
-        )(command)
-    return command
+def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
+    """One ``--<format> FILE`` option per format of a registry, named ``<prefix><format>``."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for fmt in reversed(list(formats.values())):
+            command = click.option(
+                f"--{fmt.name}", f"{prefix}{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
+            )(command)
+        return command
+
+    return decorate
+
+
+report_options = _format_options(FORMATS, "report_")
+bench_report_options = _format_options(BENCH_FORMATS, "bench_")
 
 
 models_option = click.option(
@@ -498,6 +506,15 @@ def _sizes(value: str, minimum: int) -> list[int]:
 )
 @variant_option("ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8.")
 @provider_option("ONNX Runtime provider to time on (PyTorch runs on the matching device).")
+@click.option(
+    "--runtime",
+    "runtimes",
+    multiple=True,
+    type=click.Choice(list(RUNTIMES)),
+    default=[DEFAULT_RUNTIME],
+    show_default=True,
+    help="Runtime that runs each variant's graph (repeatable); its rows read e.g. ort:fp32.",
+)
 @threads_option("Threads for every runner.")
 @click.option(
     "--budget",
@@ -519,16 +536,7 @@ def _sizes(value: str, minimum: int) -> list[int]:
     callback=_past_list,
     help="With --decode: past lengths, e.g. 0,128,512. Default: 0,128,512,2048 clamped to the spec's range.",
 )
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the figures as JSON.")
-@click.option(
-    "--markdown", "markdown_path", type=click.Path(path_type=Path, dir_okay=False), help="Write a Markdown table."
-)
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Draw latency against sequence length to this PNG (needs matplotlib).",
-)
+@bench_report_options
 def bench(
     names: tuple[str, ...],
     models_dir: Path,
@@ -542,9 +550,8 @@ def bench(
     no_memory: bool,
     decode: bool,
     pasts: list[int] | None,
-    json_path: Path | None,
-    markdown_path: Path | None,
-    plot_path: Path | None,
+    runtimes: tuple[str, ...],
+    **reports: Path | None,
 ) -> None:
     """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
     the zoo or NAMES (models in --models, or spec files).
@@ -563,14 +570,13 @@ def bench(
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
     """
-    from attn_export._deps import require
-    from attn_export.pipelines.bench.run import BenchOptions, bench_models
-    from attn_export.report import bench_text, plot
+    from attn_export.pipelines.bench.results import BenchOptions
+    from attn_export.pipelines.bench.run import bench_models
+    from attn_export.report import bench_text, check_bench_formats
     from attn_export.spec import spec_paths
 
-    if plot_path:
-        require("matplotlib", "--plot")
-    files = (json_path, markdown_path, plot_path)
+    files = {name.removeprefix("bench_"): path for name, path in reports.items()}
+    check_bench_formats(files)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {
         "batches": batches,
@@ -578,11 +584,13 @@ def bench(
         "threads": threads,
         "budget_s": budget,
         "memory": not no_memory,
+        "runtimes": tuple(dict.fromkeys(runtimes)),
     }
     if decode:
         if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
-        from attn_export.pipelines.bench.decode import DecodeBenchOptions, bench_decode_models
+        from attn_export.pipelines.bench.decode import bench_decode_models
+        from attn_export.pipelines.bench.results import DecodeBenchOptions
 
         decode_options = DecodeBenchOptions(
             pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared
@@ -592,7 +600,6 @@ def bench(
                 spec_paths(models_dir, names), out_dir, decode_options, on_row, skip_without_cache=not names
             ),
             (bench_text.DECODE_HEADER, bench_text.format_decode_row, bench_text.format_decode_summary),
-            (bench_text.markdown_decode_table, plot.plot_decode_latency),
             files,
         )
         return
@@ -602,7 +609,6 @@ def bench(
     _run_bench(
         lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row),
         (bench_text.BENCH_HEADER, bench_text.format_bench_row, bench_text.format_bench_summary),
-        (bench_text.markdown_bench_table, plot.plot_latency),
         files,
     )
 
@@ -610,12 +616,11 @@ def bench(
 def _run_bench(
     run: Callable[[Callable[[Any], None]], tuple[Any, Any]],
     text: tuple[str, Callable[[Any], str], Callable[[Any], str]],
-    writers: tuple[Callable[[Any], str], Callable[[Any, Path], None]],
-    files: tuple[Path | None, Path | None, Path | None],
+    files: dict[str, Path | None],
 ) -> None:
     """Build what is missing and time (``run``), print rows as they come and the summary
-    (``text``: header, row, summary), write the JSON, Markdown and plot files asked for."""
-    from attn_export.artifacts.files import atomic_write
+    (``text``: header, row, summary), write the report files asked for (``BENCH_FORMATS``)."""
+    from attn_export.report import write_bench_reports
     from attn_export.report.build_text import format_build_line
 
     header, format_row, format_summary = text
@@ -634,13 +639,7 @@ def _run_bench(
                 click.echo(format_build_line(r), err=True)
         sys.exit(built.exit_code)
     click.echo(format_summary(report))
-    json_path, markdown_path, plot_path = files
-    if json_path:
-        atomic_write(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
-    if markdown_path:
-        atomic_write(markdown_path, writers[0](report).encode())
-    if plot_path:
-        writers[1](report, plot_path)
+    write_bench_reports(report, files)
 
 
 def main(argv: list[str] | None = None) -> None:

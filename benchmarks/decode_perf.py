@@ -82,7 +82,8 @@ def profile_bound_steps(
     """ONNX Runtime's profile of the timed path (IOBinding, presents fed back) at past
     ``AT``: share of kernel time per op type, mean ms per run, mean ms in kernels per run,
     and nodes run per step. Profiling slows every node: read the shares, not the times."""
-    from attn_export.pipelines.bench.decode import OrtDecoder, plan_window
+    from attn_export.pipelines.bench.decode import plan_window
+    from attn_export.runtimes.decoders import OrtDecoder
     from attn_export.runtimes.ort import load_session
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +118,8 @@ def main() -> None:
 
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.compare.latency import noise
-    from attn_export.pipelines.bench.decode import DecodeBenchOptions, run_decode_bench
+    from attn_export.pipelines.bench.decode import run_decode_bench
+    from attn_export.pipelines.bench.results import DecodeBenchOptions
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.bench_text import format_decode_summary, markdown_decode_table
     from attn_export.spec import load_spec, variant_key

@@ -60,7 +60,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from attn_export.artifacts.manifest import load_manifest
-    from attn_export.pipelines.bench.run import BenchOptions, run_bench
+    from attn_export.pipelines.bench.results import BenchOptions
+    from attn_export.pipelines.bench.run import run_bench
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.bench_text import format_bench_summary, markdown_bench_table
     from attn_export.runtimes.timing import physical_cores
@@ -77,7 +78,7 @@ def main() -> None:
         args.out,
         load_manifest(args.out),
         [load_spec(spec_path)],
-        BenchOptions([1], [128, 512, 2048], variants, "cpu", threads, args.budget),
+        BenchOptions(batches=[1], seqs=[128, 512, 2048], variants=variants, threads=threads, budget_s=args.budget),
     )
 
     # The zoo's own build and verify times, cold (fresh folder) and with nothing changed.

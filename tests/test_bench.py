@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from attn_export.pipelines.bench.run import BenchReport
+from attn_export.pipelines.bench.results import BenchReport
 from tests.conftest import plant, tiny_spec
 
 

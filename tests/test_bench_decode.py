@@ -14,8 +14,10 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate
-from attn_export.pipelines.bench.decode import DecodeBenchReport, EagerDecoder, OrtDecoder, past_lengths, plan_window
+from attn_export.pipelines.bench.decode import past_lengths, plan_window
+from attn_export.pipelines.bench.results import DecodeBenchReport
 from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import load_spec
 from tests.conftest import ZOO, tiny_spec

@@ -1,7 +1,8 @@
-"""Stage 6, the reports: renderers format result dataclasses and compute nothing.
+"""The reports: renderers format result dataclasses and compute nothing.
 
-``FORMATS`` is the registry of verify report formats, each written by ``--<name> FILE``:
-a new format is one module defining a ``ReportFormat`` and one line here.
+``FORMATS`` is the registry of verify's report formats and ``BENCH_FORMATS`` that of
+bench's, each written by ``--<name> FILE``: a new format is one module defining a
+``ReportFormat`` (or ``BenchFormat``) and one line here.
 """
 
 from __future__ import annotations
@@ -11,20 +12,36 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from attn_export._deps import require
 from attn_export.artifacts.files import atomic_write
 from attn_export.errors import UsageError
-from attn_export.report import json_report, junit, markdown
-from attn_export.report.base import ReportFormat
+from attn_export.report import bench_text, json_report, junit, markdown, plot
+from attn_export.report.base import BenchFormat, ReportFormat
 
 if TYPE_CHECKING:
+    from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
     from attn_export.pipelines.verify import VerifyReport
 
-__all__ = ["FORMATS", "ReportFormat", "write_reports"]
+__all__ = [
+    "BENCH_FORMATS",
+    "FORMATS",
+    "BenchFormat",
+    "ReportFormat",
+    "check_bench_formats",
+    "write_bench_reports",
+    "write_reports",
+]
 
 FORMATS: dict[str, ReportFormat] = {
     json_report.FORMAT.name: json_report.FORMAT,
     junit.FORMAT.name: junit.FORMAT,
     markdown.FORMAT.name: markdown.FORMAT,
+}
+
+BENCH_FORMATS: dict[str, BenchFormat] = {
+    json_report.BENCH_FORMAT.name: json_report.BENCH_FORMAT,
+    bench_text.BENCH_FORMAT.name: bench_text.BENCH_FORMAT,
+    plot.BENCH_FORMAT.name: plot.BENCH_FORMAT,
 }
 
 
@@ -46,3 +63,18 @@ def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> Non
                 f.write(markdown.markdown_report(report))
         except OSError as e:
             raise UsageError(f"cannot append to $GITHUB_STEP_SUMMARY ({summary_file}): {e.strerror}") from e
+
+
+def check_bench_formats(paths: Mapping[str, Path | None]) -> None:
+    """Refuse, before anything is timed, a requested format whose package is missing."""
+    for name, path in paths.items():
+        needs = BENCH_FORMATS[name].requires
+        if path is not None and needs:
+            require(needs, f"--{name}")
+
+
+def write_bench_reports(report: BenchReport | DecodeBenchReport, paths: Mapping[str, Path | None]) -> None:
+    """Write each requested bench format."""
+    for name, path in paths.items():
+        if path is not None:
+            BENCH_FORMATS[name].write(report, path)

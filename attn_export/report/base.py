@@ -1,15 +1,18 @@
-"""What a verify report format is: a name (its ``--<name> FILE`` option) and a renderer."""
+"""What a report format is: a name (its ``--<name> FILE`` option) and what writes it; one
+table for verify's reports (``FORMATS``), one for bench's (``BENCH_FORMATS``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
     from attn_export.pipelines.verify import VerifyReport
 
-__all__ = ["ReportFormat"]
+__all__ = ["BenchFormat", "ReportFormat"]
 
 
 @dataclass(frozen=True)
@@ -19,3 +22,14 @@ class ReportFormat:
     name: str
     render: Callable[[VerifyReport], str]
     help: str
+
+
+@dataclass(frozen=True)
+class BenchFormat:
+    """One row of ``report.BENCH_FORMATS``: a file ``bench`` (and ``bench --decode``) writes."""
+
+    name: str
+    write: Callable[[BenchReport | DecodeBenchReport, Path], None]
+    help: str
+    #: An optional package the format needs, checked before anything is timed.
+    requires: str | None = None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from attn_export.pipelines.bench.decode import DecodeBenchReport, DecodeRow
-from attn_export.pipelines.bench.run import BenchReport, BenchRow
+from pathlib import Path
+
+from attn_export.artifacts.files import atomic_write
+from attn_export.pipelines.bench.results import BenchReport, BenchRow, DecodeBenchReport, DecodeRow
+from attn_export.report.base import BenchFormat
 
 __all__ = [
+    "BENCH_FORMAT",
     "BENCH_HEADER",
     "DECODE_HEADER",
     "format_bench_row",
@@ -14,6 +18,7 @@ __all__ = [
     "format_decode_summary",
     "markdown_bench_table",
     "markdown_decode_table",
+    "write_markdown",
 ]
 
 BENCH_HEADER = (
@@ -102,3 +107,12 @@ def _memory_lines(memory_mb: dict[str, dict[str, float | None]]) -> list[str]:
         f"peak memory {model}: " + ", ".join(f"{k} {'-' if v is None else f'{v:.0f} MiB'}" for k, v in runners.items())
         for model, runners in memory_mb.items()
     ]
+
+
+def write_markdown(report: BenchReport | DecodeBenchReport, path: Path) -> None:
+    """The run's table in Markdown: per shape for bench, per past length for ``--decode``."""
+    table = markdown_decode_table(report) if isinstance(report, DecodeBenchReport) else markdown_bench_table(report)
+    atomic_write(path, table.encode())
+
+
+BENCH_FORMAT = BenchFormat("markdown", write_markdown, "Write a Markdown table.")

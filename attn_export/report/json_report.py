@@ -9,12 +9,16 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from attn_export.report.base import ReportFormat
+from attn_export.artifacts.files import atomic_write
+from attn_export.report.base import BenchFormat, ReportFormat
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
     from attn_export.pipelines.verify import VerifyReport
 
-__all__ = ["FORMAT", "dump_json_report", "load_json_report"]
+__all__ = ["BENCH_FORMAT", "FORMAT", "dump_json_report", "load_json_report", "write_bench_json"]
 
 
 def _encode(value: Any) -> Any:
@@ -51,3 +55,11 @@ def load_json_report(text: str) -> VerifyReport:
 
 
 FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")
+
+
+def write_bench_json(report: BenchReport | DecodeBenchReport, path: Path) -> None:
+    """Bench figures as JSON (``BenchReport.from_dict`` reads them back)."""
+    atomic_write(path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+
+
+BENCH_FORMAT = BenchFormat("json", write_bench_json, "Write the figures as JSON.")

@@ -10,10 +10,10 @@ from typing import Any
 
 from attn_export._deps import require
 from attn_export.artifacts.files import atomic_write
-from attn_export.pipelines.bench.decode import DecodeBenchReport
-from attn_export.pipelines.bench.run import BenchReport
+from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
+from attn_export.report.base import BenchFormat
 
-__all__ = ["plot_decode_latency", "plot_latency"]
+__all__ = ["BENCH_FORMAT", "plot_decode_latency", "plot_latency", "plot_report"]
 
 
 def _plot(report: BenchReport | DecodeBenchReport, path: Path, x: str, style: Callable[[Any, str, int], None]) -> None:
@@ -75,3 +75,19 @@ def _finish(fig: Any, report: BenchReport | DecodeBenchReport, path: Path) -> No
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     atomic_write(path, buf.getvalue())
+
+
+def plot_report(report: BenchReport | DecodeBenchReport, path: Path) -> None:
+    """Latency against sequence length (bench) or past length (``--decode``)."""
+    if isinstance(report, DecodeBenchReport):
+        plot_decode_latency(report, path)
+    else:
+        plot_latency(report, path)
+
+
+BENCH_FORMAT = BenchFormat(
+    "plot",
+    plot_report,
+    "Draw latency against sequence length to this PNG (needs matplotlib).",
+    requires="matplotlib",
+)

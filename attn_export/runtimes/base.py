@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
@@ -15,6 +15,9 @@ from attn_export.errors import InputError, RuntimeFailure
 from attn_export.runtimes.target import Target
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
 from attn_export.spec.shapes import sizes_from_feeds
+
+if TYPE_CHECKING:
+    from attn_export.runtimes.decoders import Decoder, DecodeWindow
 
 __all__ = ["Runtime", "RuntimeKind", "check_feeds"]
 
@@ -65,7 +68,7 @@ class Runtime(ABC):
 
     Use as a context manager (activate/deactivate). ``run`` checks feeds and state, then
     calls the subclass's ``_run``. ``prepare`` returns a zero-argument call for timing with
-    inputs already placed where the runtime wants them; timing itself lives in ``bench``.
+    inputs already placed where the runtime wants them; timing itself lives in ``runtimes.timing``.
     """
 
     #: Short label used in reports, e.g. "onnxruntime[cpu]".
@@ -116,6 +119,13 @@ class Runtime(ABC):
         check_feeds(feeds, self.inputs, self.dims)
         return lambda: self._run(feeds)
 
+    def decoder(self, plan: DecodeWindow) -> Decoder:
+        """This runtime decoding ``plan``'s window of cache steps (activate it first); by
+        default through ``run``, with the presents fed back as numpy arrays."""
+        from attn_export.runtimes.decoders import FeedbackDecoder
+
+        return FeedbackDecoder(self, plan)
+
     @abstractmethod
     def _activate(self) -> None: ...
 
@@ -140,6 +150,12 @@ class RuntimeKind:
     #: Latency is measured against PyTorch on this runtime.
     timed: bool = False
     help: str = ""
+    #: How bench labels its rows: ``<short>:<variant>`` (the name where empty).
+    short: str = ""
+
+    def runner_label(self, variant: str) -> str:
+        """A bench row's runner: ``ort:fp32``."""
+        return f"{self.short or self.name}:{variant}"
 
     def targets(self, providers: Sequence[str]) -> list[Target]:
         """This runtime on each requested provider it supports (once if it has none)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from attn_export.errors import ArtifactError, ProviderError, RuntimeFailure, fir
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.target import PROVIDERS, Target
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
+
+if TYPE_CHECKING:
+    from attn_export.runtimes.decoders import Decoder, DecodeWindow
 
 __all__ = ["KIND", "OnnxRuntime", "available_providers", "load_session", "require_provider"]
 
@@ -184,9 +187,18 @@ class OnnxRuntime(Runtime):
 
         return call
 
+    def decoder(self, plan: DecodeWindow) -> Decoder:
+        """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own."""
+        from attn_export.runtimes.decoders import OrtDecoder
+
+        return OrtDecoder(self.session, self, plan, self.provider)
+
 
 def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None) -> Runtime:
-    return OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider=target.provider or "cpu", threads=threads)
+    # Timed against PyTorch in one process: idle threads must not spin and steal its cores.
+    return OnnxRuntime(
+        model, spec.inputs, spec.outputs, spec.dims, provider=target.provider or "cpu", threads=threads, spinning=False
+    )
 
 
 KIND = RuntimeKind(
@@ -195,4 +207,5 @@ KIND = RuntimeKind(
     providers=tuple(PROVIDERS),
     timed=True,
     help="ONNX Runtime on --provider (each provider its own target)",
+    short="ort",
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -12,6 +12,9 @@ from attn_export.errors import RuntimeFailure
 from attn_export.runtimes.base import Runtime, check_feeds
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, TensorSpec
+
+if TYPE_CHECKING:
+    from attn_export.runtimes.decoders import Decoder, DecodeWindow
 
 __all__ = ["TorchRuntime", "torch_device_for"]
 
@@ -80,6 +83,12 @@ class TorchRuntime(Runtime):
 
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._call(self._tensors(feeds))
+
+    def decoder(self, plan: DecodeWindow) -> Decoder:
+        """The presents stay torch tensors on the device between steps."""
+        from attn_export.runtimes.decoders import EagerDecoder
+
+        return EagerDecoder(self.module, self, plan, self.device)
 
     def precision_floor(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, float]:
         """How far PyTorch's own ``outputs`` (float32) are from the same module run in

@@ -1,11 +1,13 @@
 """Peak resident memory of one runner, measured in a fresh process so runners do not mix.
 
-Run as ``python -m attn_export.pipelines.bench.memory SPEC_JSON`` by ``peak_rss_mb``; it loads the
-runner, runs it once on the given sizes, and prints its peak RSS in MiB.
+Run as ``python -m attn_export.pipelines.bench.memory SPEC_JSON`` by ``peak_rss_mb``; it
+loads the runner (``torch`` or a runtime of the registry), runs it once on the given
+sizes, and prints its peak RSS in MiB.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import subprocess
@@ -38,17 +40,18 @@ def _run(request: dict[str, Any]) -> None:
 
     spec = spec_from_dict(request["spec"], folder=Path(request["folder"]) if request["folder"] else None)
     feeds = make_feeds(spec, request["sizes"], 0)
-    if request["runner"] == "onnxruntime":
-        from attn_export.runtimes.ort import OnnxRuntime
-
-        runtime: Any = OnnxRuntime(
-            Path(request["file"]), spec.inputs, spec.outputs, provider=request["provider"], threads=request["threads"]
-        )
-    else:
+    if request["runner"] == "torch":
         from attn_export.exporter.factory import instantiate
         from attn_export.runtimes.torch_eager import TorchRuntime
 
-        runtime = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=request["threads"])
+        runtime: Any = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=request["threads"])
+    else:
+        from attn_export.runtimes import RUNTIMES
+
+        kind = RUNTIMES[request["runner"]]
+        (target,) = kind.targets([request["provider"]])
+        unranged = dataclasses.replace(spec, dims={})  # bench may measure beyond the declared ranges
+        runtime = kind.make(Path(request["file"]), unranged, target, request["threads"])
     with runtime:
         runtime.prepare(feeds)()
     print(_peak_rss_kib() / 1024)

@@ -8,95 +8,23 @@ Results are plain dataclasses; ``report/bench_text.py`` and ``report/plot.py`` r
 from __future__ import annotations
 
 import dataclasses
-import platform
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
-from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
-from attn_export.compare.latency import noise
 from attn_export.errors import InputError
-from attn_export.exporter.graph_checks import check_model
 from attn_export.pipelines.bench.flops import count_flops, matmul_peak_gflops
-from attn_export.pipelines.bench.memory import peak_rss_mb
+from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
+from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
-from attn_export.runtimes.timing import LatencyStats, measure, physical_cores
-from attn_export.spec import ModelSpec, load_spec, variant_key
+from attn_export.runtimes import Runtime
+from attn_export.runtimes.timing import measure, physical_cores
+from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.inputs import make_feeds
 
-__all__ = ["BenchOptions", "BenchReport", "BenchRow", "bench_models", "machine_description", "run_bench"]
-
-
-@dataclass
-class BenchOptions:
-    """What ``attn-export bench`` was asked to measure."""
-
-    batches: Sequence[int]
-    seqs: Sequence[int]
-    variants: Sequence[str] = ("fp32", "ort-fused", "int8")
-    provider: str = "cpu"
-    #: Threads for every runner; None means the physical cores.
-    threads: int | None = None
-    budget_s: float = 0.2
-    memory: bool = True
-
-
-@dataclass
-class BenchRow:
-    """One model x runner x shape."""
-
-    model: str
-    runner: str  # torch-eager, torch-sdpa, or ort:<variant>
-    batch: int
-    seq: int
-    latency: LatencyStats
-    flops: int
-    tokens_per_s: float
-    ratio_to_eager: float | None
-    gflops: float
-    peak_share: float
-    in_verified_range: bool
-
-    @property
-    def noise(self) -> str | None:
-        """Why this row's timing is too noisy to compare, or None."""
-        return noise(self.latency)
-
-
-@dataclass
-class BenchReport:
-    """All figures of one bench run, with what they were measured on."""
-
-    machine: str
-    versions: dict[str, str]
-    threads: int
-    provider: str
-    peak_gflops: dict[str, float]
-    rows: list[BenchRow] = field(default_factory=list)
-    #: Peak resident memory (MiB) per model and runner, at the run's largest shape.
-    memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BenchReport:
-        rows = [BenchRow(**{**r, "latency": LatencyStats(**r["latency"])}) for r in d["rows"]]
-        return cls(d["machine"], d["versions"], d["threads"], d["provider"], d["peak_gflops"], rows, d["memory_mb"])
-
-
-def machine_description() -> str:
-    """CPU model and usable cores, for titles and reports."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name}, {physical_cores()} cores"
+__all__ = ["bench_models", "run_bench"]
 
 
 def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
@@ -125,7 +53,6 @@ def run_bench(
 ) -> BenchReport:
     """Measure every requested runner at every shape; graphs come from ``out_dir``."""
     from attn_export.exporter.factory import instantiate
-    from attn_export.runtimes.ort import OnnxRuntime
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
     threads = options.threads or physical_cores()
@@ -140,21 +67,15 @@ def run_bench(
     device = torch_device_for(options.provider)
     for spec in specs:
         module = instantiate(spec)
-        runners: dict[str, Any] = {
-            "torch-eager": TorchRuntime(module, spec.inputs, spec.outputs, device=device, threads=options.threads)
+        runners: dict[str, Runtime] = {
+            EAGER: TorchRuntime(module, spec.inputs, spec.outputs, device=device, threads=options.threads)
         }
         twin = _sdpa_twin(spec, module)
         if twin is not None:
             runners["torch-sdpa"] = TorchRuntime(
                 twin, spec.inputs, spec.outputs, device=device, threads=options.threads
             )
-        for variant in options.variants:
-            entry = manifest.models[variant_key(spec.name, variant)]
-            path = out_dir / entry.file
-            check_model(load_model_file(path), entry.name, path)  # never time a graph verify would refuse
-            runners[f"ort:{variant}"] = OnnxRuntime(  # no spinning threads to slow the PyTorch runners
-                path, spec.inputs, spec.outputs, provider=options.provider, threads=options.threads, spinning=False
-            )
+        runners.update(graph_runners(out_dir, manifest, spec, options))
         for batch in options.batches:
             for seq in options.seqs:
                 sizes = _sizes(spec, batch, seq)
@@ -165,7 +86,7 @@ def run_bench(
                 for label, runner in runners.items():
                     with runner:
                         stats = measure(runner.prepare(feeds), budget_s=options.budget_s, warmup=2, min_repeats=3)
-                    if label == "torch-eager":
+                    if label == EAGER:
                         eager_p50 = stats.p50_ms
                     gflops = flops / (stats.p50_ms / 1e3) / 1e9
                     row = BenchRow(
@@ -186,19 +107,7 @@ def run_bench(
                         on_row(row)
         if options.memory:
             largest = _sizes(spec, max(options.batches), max(options.seqs))
-            base = {
-                "spec": spec.to_dict(),
-                "folder": spec.search_path,
-                "sizes": largest,
-                "provider": options.provider,
-                "threads": options.threads,
-            }
-            report.memory_mb[spec.name] = {"torch-eager": peak_rss_mb({**base, "runner": "torch"})}
-            for variant in options.variants:
-                entry = manifest.models[variant_key(spec.name, variant)]
-                report.memory_mb[spec.name][f"ort:{variant}"] = peak_rss_mb(
-                    {**base, "runner": "onnxruntime", "file": str(out_dir / entry.file)}
-                )
+            report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, largest)
     return report
 
 

@@ -1,0 +1,150 @@
+"""What bench measures and returns: the options, one row per model x runner x shape (or past
+length), and the report with what the figures were measured on (round-trips through JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from attn_export.compare.latency import noise
+from attn_export.runtimes.target import DEFAULT_RUNTIME
+from attn_export.runtimes.timing import LatencyStats
+
+__all__ = [
+    "BenchOptions",
+    "BenchReport",
+    "BenchRow",
+    "DecodeBenchOptions",
+    "DecodeBenchReport",
+    "DecodeRow",
+    "RunnerOptions",
+]
+
+PREFILL = "seeded random cache values (a step's cost depends on the cache's shape, not its values)"
+
+
+@dataclass
+class RunnerOptions:
+    """What ``bench`` and ``bench --decode`` take alike: which graphs to time on what."""
+
+    batches: Sequence[int] = (1,)
+    variants: Sequence[str] = ("fp32", "ort-fused", "int8")
+    provider: str = "cpu"
+    #: Threads for every runner; None means the physical cores.
+    threads: int | None = None
+    budget_s: float = 0.2
+    memory: bool = True
+    #: Runtimes (keys of ``runtimes.RUNTIMES``) that run each variant's graph.
+    runtimes: Sequence[str] = (DEFAULT_RUNTIME,)
+
+
+@dataclass
+class BenchOptions(RunnerOptions):
+    """What ``attn-export bench`` was asked to measure."""
+
+    seqs: Sequence[int] = (64, 128, 256, 512)
+
+
+@dataclass
+class BenchRow:
+    """One model x runner x shape."""
+
+    model: str
+    runner: str  # torch-eager, torch-sdpa, or ort:<variant>
+    batch: int
+    seq: int
+    latency: LatencyStats
+    flops: int
+    tokens_per_s: float
+    ratio_to_eager: float | None
+    gflops: float
+    peak_share: float
+    in_verified_range: bool
+
+    @property
+    def noise(self) -> str | None:
+        """Why this row's timing is too noisy to compare, or None."""
+        return noise(self.latency)
+
+
+@dataclass
+class BenchReport:
+    """All figures of one bench run, with what they were measured on."""
+
+    machine: str
+    versions: dict[str, str]
+    threads: int
+    provider: str
+    peak_gflops: dict[str, float]
+    rows: list[BenchRow] = field(default_factory=list)
+    #: Peak resident memory (MiB) per model and runner, at the run's largest shape.
+    memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchReport:
+        rows = [BenchRow(**{**r, "latency": LatencyStats(**r["latency"])}) for r in d["rows"]]
+        return cls(d["machine"], d["versions"], d["threads"], d["provider"], d["peak_gflops"], rows, d["memory_mb"])
+
+
+@dataclass
+class DecodeBenchOptions(RunnerOptions):
+    """What ``attn-export bench --decode`` was asked to measure."""
+
+    #: Past lengths; None means ``DEFAULT_PASTS`` clamped to each spec's past range.
+    pasts: Sequence[int] | None = None
+    #: Decode steps per window before the cache is reset to its prefilled length.
+    window: int = 8
+    seed: int = 0
+
+
+@dataclass
+class DecodeRow:
+    """One model x runner x batch x past length: the cost of one decode step."""
+
+    model: str
+    runner: str  # torch-eager, or ort:<variant>
+    batch: int
+    past: int
+    #: Steps per window: the timed steps saw past .. past + window - 1.
+    window: int
+    latency: LatencyStats
+    tokens_per_s: float
+    ratio_to_eager: float | None
+    #: Against eager beyond the noise: "faster", "slower", "within noise"; None for eager.
+    verdict: str | None
+
+    @property
+    def noise(self) -> str | None:
+        """Why this row's timing is too noisy to compare, or None."""
+        return noise(self.latency)
+
+
+@dataclass
+class DecodeBenchReport:
+    """All figures of one ``bench --decode`` run, with what they were measured on."""
+
+    machine: str
+    versions: dict[str, str]
+    threads: int
+    provider: str
+    seed: int
+    prefill: str = PREFILL
+    rows: list[DecodeRow] = field(default_factory=list)
+    #: Peak resident memory (MiB) per model and runner: one step at the largest batch and
+    #: past, in a fresh process (a plain run, no IOBinding).
+    memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecodeBenchReport:
+        rows = [DecodeRow(**{**r, "latency": LatencyStats(**r["latency"])}) for r in d["rows"]]
+        return cls(
+            d["machine"], d["versions"], d["threads"], d["provider"], d["seed"], d["prefill"], rows, d["memory_mb"]
+        )

@@ -1,0 +1,80 @@
+"""What every bench times and how: the graph runners, built from the runtime registry for each
+requested runtime and variant, each runner's peak memory in a fresh process, and the machine
+the figures were measured on."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+from pathlib import Path
+from typing import Any
+
+from attn_export.artifacts.manifest import Manifest, ManifestEntry
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.errors import UsageError
+from attn_export.exporter.graph_checks import check_model
+from attn_export.pipelines.bench.memory import peak_rss_mb
+from attn_export.pipelines.bench.results import RunnerOptions
+from attn_export.runtimes import RUNTIMES, Runtime
+from attn_export.runtimes.timing import physical_cores
+from attn_export.spec import ModelSpec, variant_key
+
+__all__ = ["EAGER", "graph_runners", "machine_description", "peak_memory"]
+
+#: The PyTorch module as it is: every other runner's ratio is taken against it.
+EAGER = "torch-eager"
+
+
+def machine_description() -> str:
+    """CPU model and usable cores, for titles and reports."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {physical_cores()} cores"
+
+
+def _graphs(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, tuple[str, ManifestEntry]]:
+    """Runner label -> (runtime name, graph) for every requested runtime and variant."""
+    out = {}
+    for name in options.runtimes:
+        kind = RUNTIMES[name]
+        if kind.providers and options.provider not in kind.providers:
+            raise UsageError(f"runtime {name} does not run on provider {options.provider}")
+        for variant in options.variants:
+            out[kind.runner_label(variant)] = (name, manifest.models[variant_key(spec.name, variant)])
+    return out
+
+
+def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, Runtime]:
+    """One runtime per runner label, made by its registry row, with the bench's threads;
+    a graph verify would refuse is never timed. Bench may time shapes outside the declared
+    ranges (its rows say so), so the runtimes are not held to them."""
+    unranged = dataclasses.replace(spec, dims={})
+    runners = {}
+    for label, (name, entry) in _graphs(manifest, spec, options).items():
+        path = out_dir / entry.file
+        check_model(load_model_file(path), entry.name, path)
+        kind = RUNTIMES[name]
+        (target,) = kind.targets([options.provider])
+        runners[label] = kind.make(path, unranged, target, options.threads)
+    return runners
+
+
+def peak_memory(
+    out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions, sizes: dict[str, int]
+) -> dict[str, float | None]:
+    """Each runner's peak RSS (MiB) for one run at ``sizes``, each in a fresh process."""
+    base: dict[str, Any] = {
+        "spec": spec.to_dict(),
+        "folder": spec.search_path,
+        "sizes": sizes,
+        "provider": options.provider,
+        "threads": options.threads,
+    }
+    out: dict[str, float | None] = {EAGER: peak_rss_mb({**base, "runner": "torch"})}
+    for label, (name, entry) in _graphs(manifest, spec, options).items():
+        out[label] = peak_rss_mb({**base, "runner": name, "file": str(out_dir / entry.file)})
+    return out

@@ -90,7 +90,8 @@ class BuildFolder(pytest.File):
                     label = case_label(point.label, distribution)
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
-                for scenario in scenarios(spec) if cache_of(spec) is not None and self.options.steps else []:
+                cache = cache_of(spec)
+                for scenario in scenarios(spec, cache) if cache is not None and self.options.steps else []:
                     label = f"decode-{scenario}"
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)

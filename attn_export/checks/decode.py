@@ -26,9 +26,8 @@ from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.cache import CacheSpec, cache_of
+from attn_export.spec.cache import CacheSpec
 from attn_export.spec.inputs import make_tensor
-from attn_export.spec.masks import CONVENTIONS
 from attn_export.spec.shapes import concrete_shape, example_sizes
 
 if TYPE_CHECKING:
@@ -62,6 +61,8 @@ class Trajectory:
     """What a scenario feeds at every step, except the pasts (each side brings its own)."""
 
     scenario: str
+    #: The cache the steps feed back, and the dims that grow.
+    cache: CacheSpec
     #: [batch, prompt + steps] True where a token is real (False: left padding).
     keep: np.ndarray
     prompt: int
@@ -85,20 +86,16 @@ def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
     return shape.index(dim) if dim in shape else None
 
 
-def scenarios(spec: ModelSpec) -> list[str]:
+def scenarios(spec: ModelSpec, cache: CacheSpec) -> list[str]:
     """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
     batch where it may be 2 or more (and a mask says which tokens are padding)."""
-    cache = cache_of(spec)
-    assert cache is not None, "only models with a cache decode"
     batch = spec.dims.get(cache.batch_dim or "")
     out = ["batch-1"] if batch is None or batch.min <= 1 else []
     return out + (["left-padded"] if batch is not None and batch.max >= 2 and cache.mask else [])
 
 
-def step_count(spec: ModelSpec, n_steps: int) -> tuple[int, list[str]]:
+def step_count(spec: ModelSpec, cache: CacheSpec, n_steps: int) -> tuple[int, list[str]]:
     """The decode steps that fit the spec's past range, and a note where that is fewer."""
-    cache = cache_of(spec)
-    assert cache is not None
     prompt = _prompt_length(spec, cache)
     fits = spec.dims[cache.past_dim].max - prompt + 1
     if n_steps <= fits:
@@ -118,9 +115,8 @@ def _window(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray, 
     positions = np.clip(np.cumsum(keep[:, :stop], axis=1) - 1, 0, None)[:, start:stop]
     feeds: Feeds = {}
     for t in spec.inputs:
-        if t.name == cache.mask:
-            assert t.convention is not None
-            feeds[t.name] = CONVENTIONS[t.convention].encode(keep[:, :stop].copy(), t.dtype)
+        if t.name == cache.mask and t.mask is not None:
+            feeds[t.name] = t.mask.convention.encode(keep[:, :stop].copy(), t.dtype)
         elif t.name == cache.positions:
             feeds[t.name] = positions.astype(t.dtype)
         elif t.name in tokens:
@@ -130,11 +126,9 @@ def _window(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray, 
     return feeds
 
 
-def plan_trajectory(spec: ModelSpec, scenario: str, n_steps: int, seed: int) -> Trajectory:
+def plan_trajectory(spec: ModelSpec, cache: CacheSpec, scenario: str, n_steps: int, seed: int) -> Trajectory:
     """The feeds of one scenario: a prompt step then up to ``n_steps`` steps of one token."""
-    cache = cache_of(spec)
-    assert cache is not None, "only models with a cache decode"
-    n_steps, notes = step_count(spec, n_steps)
+    n_steps, notes = step_count(spec, cache, n_steps)
     prompt = _prompt_length(spec, cache)
     batch = 1 if scenario == "batch-1" else min(3, spec.dims[cache.batch_dim or ""].max)
     # Rows of different prompt lengths; one is all padding until its first generated token.
@@ -153,7 +147,7 @@ def plan_trajectory(spec: ModelSpec, scenario: str, n_steps: int, seed: int) -> 
     seq_max = spec.dims[cache.seq_dim].max
     if prompt + n_steps - 1 > seq_max:
         notes.append(f"recompute checks steps up to {seq_max - prompt + 1}: {cache.seq_dim} max is {seq_max}")
-    return Trajectory(scenario, keep, prompt, steps, sizes, tokens, notes)
+    return Trajectory(scenario, cache, keep, prompt, steps, sizes, tokens, notes)
 
 
 def _empty_pasts(spec: ModelSpec, cache: CacheSpec, sizes: Mapping[str, int]) -> Feeds:
@@ -164,8 +158,7 @@ def _empty_pasts(spec: ModelSpec, cache: CacheSpec, sizes: Mapping[str, int]) ->
 def run_trajectory(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> tuple[list[Feeds], str | None]:
     """Each step's outputs, the runtime feeding back its own presents; stops at the first
     step that cannot run, returning why."""
-    cache = cache_of(spec)
-    assert cache is not None
+    cache = traj.cache
     results: list[Feeds] = []
     pasts = _empty_pasts(spec, cache, traj.sizes[0])
     for k, feeds in enumerate(traj.steps):
@@ -180,13 +173,13 @@ def run_trajectory(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> tuple
 
 
 def pytorch_trajectories(
-    eager: TorchRuntime, spec: ModelSpec, n_steps: int, seed: int
+    eager: TorchRuntime, spec: ModelSpec, cache: CacheSpec, n_steps: int, seed: int
 ) -> list[tuple[Trajectory, list[Feeds]]]:
     """Every scenario planned and run by the PyTorch module, with its float32 floor at
     every step; a module that cannot decode is a GraphCheckError."""
     out = []
-    for scenario in scenarios(spec):
-        traj = plan_trajectory(spec, scenario, n_steps, seed)
+    for scenario in scenarios(spec, cache):
+        traj = plan_trajectory(spec, cache, scenario, n_steps, seed)
         outputs, error = run_trajectory(eager, spec, traj)
         if error:
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
@@ -198,8 +191,7 @@ def pytorch_trajectories(
 
 def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:
     """Each step's feeds with the pasts that ``outputs`` (one side's steps) fed back."""
-    cache = cache_of(spec)
-    assert cache is not None
+    cache = traj.cache
     steps = []
     pasts = _empty_pasts(spec, cache, traj.sizes[0])
     for feeds, out in zip(traj.steps, outputs, strict=True):
@@ -222,8 +214,8 @@ def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feed
 def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory, step: int) -> Feeds | None:
     """The module without a cache on every token up to ``step`` (1-based), or None where
     that many tokens exceed the declared seq range."""
-    cache = cache_of(spec)
-    assert cache is not None and traj.tokens is not None
+    cache = traj.cache
+    assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
     length = traj.prompt + step - 1
     if length > spec.dims[cache.seq_dim].max:
         return None
@@ -240,8 +232,8 @@ def unpadded(
     """Each left-padded row's real tokens, alone and without padding, against what the
     batch gave them: padding must change nothing a real token sees (a mask the module
     ignores, reads inverted or takes from another row fails here)."""
-    cache = cache_of(spec)
-    assert cache is not None and traj.tokens is not None and cache.batch_dim is not None
+    cache = traj.cache
+    assert traj.tokens is not None and cache.batch_dim is not None, "only a planned, batched trajectory pads"
     found: list[OutputComparison] = []
     # the rows' outputs span every step: the largest float32 error PyTorch made on any
     floors = {t.name: max((f.get(t.name, 0.0) for f in traj.floors), default=0.0) for t in spec.outputs}
@@ -465,8 +457,7 @@ def compare_trajectories(
     """Per step: the graph's outputs and presents against the expected side's (padded
     query rows left out under ``fully_masked = "ignore"``), and the expected side's
     against recompute (real tokens only: a padded query has nothing to agree on)."""
-    cache = cache_of(spec)
-    assert cache is not None
+    cache = traj.cache
     presents = {present for _, present in cache.pairs}
     # outputs with a value per token: recompute gives every token's, the step its own
     per_token = {t.name: _axis(spec, t.name, cache.seq_dim) for t in spec.outputs if t.name not in presents}

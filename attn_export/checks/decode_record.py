@@ -12,8 +12,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.checks.decode import SCENARIOS, Feeds, Trajectory, scenarios, step_inputs
 from attn_export.errors import ArtifactError
 from attn_export.spec import ModelSpec
-from attn_export.spec.cache import cache_of
-from attn_export.spec.masks import keep_of
+from attn_export.spec.cache import CacheSpec
 
 __all__ = ["read_trajectories", "record_trajectory", "recorded_label", "split_recorded_label"]
 
@@ -44,20 +43,18 @@ def split_recorded_label(label: str) -> tuple[str, int] | None:
 
 
 def read_trajectories(
-    path: Path, cases: list[GoldenCase], spec: ModelSpec, n_steps: int
+    path: Path, cases: list[GoldenCase], spec: ModelSpec, cache: CacheSpec, n_steps: int
 ) -> list[tuple[Trajectory, list[dict[str, np.ndarray]]]]:
     """The trajectories build recorded in the golden file: each step's feeds (the pasts
     are replaced by the graph's own presents when replayed) and PyTorch's outputs. Every
     scenario must be there, its steps from the prompt on without a gap."""
-    cache = cache_of(spec)
-    assert cache is not None
     by_scenario: dict[str, dict[int, GoldenCase]] = {}
     for case in cases:
         where = split_recorded_label(case.label)
         if where is not None:
             by_scenario.setdefault(where[0], {})[where[1]] = case
     out = []
-    for scenario in scenarios(spec):
+    for scenario in scenarios(spec, cache):
         recorded = by_scenario.get(scenario, {})
         count = len(recorded)
         if not recorded or sorted(recorded) != list(range(1, count + 1)) or recorded[1].sizes[cache.past_dim] != 0:
@@ -70,10 +67,10 @@ def read_trajectories(
             [f"{len(steps) - 1} of {n_steps} decode steps: the recording has {count - 1}"] if count <= n_steps else []
         )
         prompt = steps[0].sizes[cache.seq_dim]
-        mask = next(t for t in spec.inputs if t.name == cache.mask) if cache.mask else None
+        mask = next((t for t in spec.inputs if t.name == cache.mask), None)
         keep = (
-            keep_of(mask.convention or "attend", steps[-1].inputs[mask.name])
-            if mask is not None
+            mask.mask.keep(steps[-1].inputs[mask.name])
+            if mask is not None and mask.mask is not None
             else np.ones((steps[0].inputs[cache.pairs[0][0]].shape[0], prompt + len(steps) - 1), dtype=bool)
         )
         sizes = [spec.with_sums(c.sizes) for c in steps]
@@ -81,6 +78,7 @@ def read_trajectories(
             (
                 Trajectory(
                     scenario,
+                    cache,
                     keep,
                     prompt,
                     [c.inputs for c in steps],

@@ -25,7 +25,7 @@ from attn_export.exporter.graph_checks import check_dynamic_axes, check_model
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.masks import CASES, keep_of, masked_row_selector
+from attn_export.spec.masks import CASES, masked_row_selector
 from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["FullyMaskedRows", "settle"]
@@ -84,10 +84,9 @@ class FullyMaskedRows:
         for o in self.spec.outputs:
             sizes = concrete_shape(o, case.sizes)
             sel = np.zeros(sizes, dtype=bool)
-            for t in self.spec.masks:
-                assert t.convention is not None and t.layout is not None
-                keep = keep_of(t.convention, case.inputs[t.name])
-                sel = sel | masked_row_selector(t.layout, t.shape, keep, o.shape, sizes)
+            for t, mask in self.spec.masks:
+                keep = mask.keep(case.inputs[t.name])
+                sel = sel | masked_row_selector(mask.layout, t.shape, keep, o.shape, sizes)
             out[o.name] = sel
         return out
 

@@ -16,7 +16,7 @@ from attn_export.errors import SpecError
 from attn_export.runtimes import Runtime
 from attn_export.spec import ModelSpec, TensorSpec
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import CONVENTIONS, LAYOUTS, keep_of, role_axis
+from attn_export.spec.masks import LAYOUTS, MaskSpec
 from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["check_masks"]
@@ -25,15 +25,15 @@ __all__ = ["check_masks"]
 _TRIES = 8
 
 
-def _dim(t: TensorSpec, role: str) -> int | str | None:
-    axis = role_axis(t.layout or "", role)
+def _dim(t: TensorSpec, mask: MaskSpec, role: str) -> int | str | None:
+    axis = mask.axis(role)
     return None if axis is None else t.shape[axis]
 
 
-def _by_row(t: TensorSpec, values: np.ndarray) -> np.ndarray:
+def _by_row(mask: MaskSpec, values: np.ndarray) -> np.ndarray:
     """The keep-mask as [batch, query, key] (1 where the layout lacks an axis), any head."""
-    roles = LAYOUTS[t.layout or ""]
-    keep = keep_of(t.convention or "", values)
+    roles = LAYOUTS[mask.layout]
+    keep = mask.keep(values)
     if "heads" in roles:
         keep = np.any(keep, axis=roles.index("heads"))
     if "query" not in roles:
@@ -41,10 +41,10 @@ def _by_row(t: TensorSpec, values: np.ndarray) -> np.ndarray:
     return keep if "batch" in roles else keep[None]
 
 
-def _row(t: TensorSpec, keep: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+def _row(t: TensorSpec, mask: MaskSpec, keep: np.ndarray) -> tuple[int, int, np.ndarray] | None:
     """A (batch, query) row that hides some keys and keeps others; in self-attention (one
     dim for queries and keys) the query's own position must be kept, as it is perturbed."""
-    self_attention = _dim(t, "query") == _dim(t, "key")
+    self_attention = _dim(t, mask, "query") == _dim(t, mask, "key")
     for b in range(keep.shape[0]):
         for q in range(keep.shape[1]):
             hidden = ~keep[b, q]
@@ -62,16 +62,18 @@ def _at(shape: tuple[int | str, ...], sizes: tuple[int, ...], picks: Mapping[int
     return tuple(index)
 
 
-def _probe_one(spec: ModelSpec, t: TensorSpec, eager: Runtime, sizes: Mapping[str, int], seed: int) -> None:
+def _probe_one(
+    spec: ModelSpec, t: TensorSpec, mask: MaskSpec, eager: Runtime, sizes: Mapping[str, int], seed: int
+) -> None:
     for attempt in range(_TRIES):
         feeds = make_feeds(spec, sizes, seed + attempt)
-        found = _row(t, _by_row(t, feeds[t.name]))
+        found = _row(t, mask, _by_row(mask, feeds[t.name]))
         if found is not None:
             break
     else:
         return  # every row keeps all its keys or none at these sizes: nothing to probe
     b, q, hidden = found
-    batch, query, key = _dim(t, "batch"), _dim(t, "query"), _dim(t, "key")
+    batch, query, key = (_dim(t, mask, role) for role in ("batch", "query", "key"))
     positions = np.flatnonzero(hidden)
     rng = np.random.default_rng(seed)
     changed = dict(feeds)
@@ -90,10 +92,10 @@ def _probe_one(spec: ModelSpec, t: TensorSpec, eager: Runtime, sizes: Mapping[st
         index = _at(o.shape, out_sizes, {batch: b, key: kept, query: q})
         result = compare_output(o.name, before[o.name][index], after[o.name][index], spec.tolerance_for(o.name))
         if not result.passed:
-            convention = CONVENTIONS[t.convention or ""]
+            convention = mask.convention
             row = f"batch {b}" + (f", query {q}" if query is not None else "")
             raise SpecError(
-                f"{spec.name}: mask '{t.name}' read as '{convention.name}' ({convention.help}; layout {t.layout}): "
+                f"{spec.name}: mask '{t.name}' read as '{convention.name}' ({convention.help}; layout {mask.layout}): "
                 f"keys it hides from the row at {row} still change output '{o.name}' there "
                 f"(max abs {result.max_abs_error:.3g}); the module reads the mask another way: check its "
                 "'convention' and 'layout'"
@@ -102,5 +104,5 @@ def _probe_one(spec: ModelSpec, t: TensorSpec, eager: Runtime, sizes: Mapping[st
 
 def check_masks(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], seed: int = 0) -> None:
     """SpecError when a mask's hidden keys still change the rows they are hidden from."""
-    for t in spec.masks:
-        _probe_one(spec, t, eager, sizes, seed)
+    for t, mask in spec.masks:
+        _probe_one(spec, t, mask, eager, sizes, seed)

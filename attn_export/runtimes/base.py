@@ -47,9 +47,10 @@ def check_feeds(
             if isinstance(d, int) and arr.shape[axis] != d:
                 raise InputError(f"input '{t.name}' axis {axis} is {arr.shape[axis]}, expected {d}")
         if arr.dtype.kind == "f":
-            additive = t.convention == "additive"
-            if not np.isfinite(np.where(arr == -np.inf, 0, arr) if additive else arr).all():
-                allowed = " (an additive mask may hold -inf, nothing else)" if additive else ""
+            convention = t.mask.convention if t.mask is not None else None
+            if not (np.isfinite(arr).all() if convention is None else convention.admits(arr)):
+                infinite = convention is not None and convention.infinite_fill
+                allowed = f" (an {convention.name} mask may hold -inf, nothing else)" if infinite and convention else ""
                 raise InputError(f"input '{t.name}' holds NaN or Inf{allowed}")
     sizes = sizes_from_feeds(inputs, {k: v.shape for k, v in feeds.items()})
     for name, size in sizes.items():

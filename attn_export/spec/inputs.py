@@ -30,8 +30,7 @@ def make_tensor(
     and the named ``case`` (``masks.CASES``) where one is asked for."""
     shape = concrete_shape(t, sizes)
     if t.mask is not None:
-        assert t.convention is not None and t.layout is not None  # resolved by the parser
-        return fill_mask(t.mask, t.convention, t.layout, t.dtype, shape, rng, case)
+        return fill_mask(t.mask, t.dtype, shape, rng, case)
     if t.dtype == "bool":
         return rng.random(shape) < 0.5
     if t.dtype.startswith("int"):

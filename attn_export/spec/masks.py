@@ -2,9 +2,12 @@
 convention (how the module reads a value), a pattern (how verify fills it), and the named
 cases that mask whole rows.
 
+Each mask input carries a ``MaskSpec``: its pattern, its layout and its ``Convention``, a
+record that encodes, reads back and fills values the module's way.
+
 Patterns always leave every query row at least one key, so the ordinary sweep never holds a
 fully masked row; those exist only in the named cases, where PyTorch and exporters are known
-to disagree (``masking.py`` reports and repairs that).
+to disagree (``checks.fully_masked`` reports and repairs that).
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ __all__ = [
     "PATTERN",
     "PATTERNS",
     "Convention",
+    "MaskSpec",
     "case_applies",
     "default_layout",
     "fill_mask",
-    "keep_of",
     "masked_row_selector",
     "role_axis",
 ]
@@ -50,13 +53,6 @@ _FLOATS = ("float32", "float16", "float64")
 _INTS = ("int32", "int64")
 
 
-def _additive(fill: Callable[[np.dtype], float]) -> Callable[[np.ndarray, str], np.ndarray]:
-    def encode(keep: np.ndarray, dtype: str) -> np.ndarray:
-        return np.where(keep, 0.0, fill(np.dtype(dtype))).astype(dtype)
-
-    return encode
-
-
 def _additive_keep(values: np.ndarray) -> np.ndarray:
     """Kept where the value is far above any masking fill (-inf or the dtype's minimum)."""
     return values > np.finfo(values.dtype).min / 2
@@ -64,14 +60,39 @@ def _additive_keep(values: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Convention:
-    """How a module reads a mask value: encode turns a keep-mask (True = attend) into the
-    module's values, keep reads them back."""
+    """How a module reads a mask value: ``encode`` turns a keep-mask (True = attend) into
+    the module's values, ``keep`` reads them back. An additive convention has a ``fill``,
+    the value that hides a key (-inf, or the dtype's minimum), added to the scores."""
 
     name: str
     dtypes: tuple[str, ...]
     help: str
-    encode: Callable[[np.ndarray, str], np.ndarray]
-    keep: Callable[[np.ndarray], np.ndarray]
+    read: Callable[[np.ndarray], np.ndarray]
+    #: For additive conventions: the value that hides a key, for a dtype.
+    fill: Callable[[np.dtype], float] | None = None
+    #: For the others: the keep-mask in the module's values (additive ones add 0 or ``fill``).
+    write: Callable[[np.ndarray, str], np.ndarray] | None = None
+
+    def encode(self, keep: np.ndarray, dtype: str) -> np.ndarray:
+        """A keep-mask (True = attend) as the module's values of ``dtype``."""
+        if self.fill is not None:
+            return np.where(keep, 0.0, self.fill(np.dtype(dtype))).astype(dtype)
+        assert self.write is not None, f"convention {self.name} has neither fill nor write"
+        return self.write(keep, dtype)
+
+    def keep(self, values: np.ndarray) -> np.ndarray:
+        """Which keys ``values`` let each query attend (True = attend)."""
+        return np.asarray(self.read(values), dtype=bool)
+
+    @property
+    def infinite_fill(self) -> bool:
+        """Whether the fill is -inf: a value no other float input may hold."""
+        return self.fill is not None and bool(np.isinf(self.fill(np.dtype("float32"))))
+
+    def admits(self, values: np.ndarray) -> bool:
+        """No NaN or Inf in float ``values`` except the convention's own fill (-inf)."""
+        finite = np.where(values == -np.inf, 0, values) if self.infinite_fill else values
+        return bool(np.isfinite(finite).all())
 
 
 CONVENTIONS: dict[str, Convention] = {
@@ -81,36 +102,36 @@ CONVENTIONS: dict[str, Convention] = {
             "attend",
             ("bool",),
             "True = attend, as F.scaled_dot_product_attention reads a bool mask",
-            lambda k, d: k,
-            lambda v: v,
+            read=lambda v: v,
+            write=lambda k, d: k,
         ),
         Convention(
             "ignore",
             ("bool",),
             "True = ignore, as nn.MultiheadAttention reads its masks",
-            lambda k, d: ~k,
-            lambda v: ~v.astype(bool),
+            read=lambda v: ~v.astype(bool),
+            write=lambda k, d: ~k,
         ),
         Convention(
             "additive",
             _FLOATS,
             "added to the scores: 0 = attend, -inf = ignore",
-            _additive(lambda d: -np.inf),
-            _additive_keep,
+            read=_additive_keep,
+            fill=lambda d: -np.inf,
         ),
         Convention(
             "additive-min",
             _FLOATS,
             "added to the scores: 0 = attend, the dtype's minimum = ignore, as Hugging Face's 4-D masks",
-            _additive(lambda d: float(np.finfo(d).min)),
-            _additive_keep,
+            read=_additive_keep,
+            fill=lambda d: float(np.finfo(d).min),
         ),
         Convention(
             "binary",
             _INTS,
             "1 = attend, 0 = ignore, as Hugging Face's attention_mask",
-            lambda k, d: k.astype(d),
-            lambda v: v != 0,
+            read=lambda v: v != 0,
+            write=lambda k, d: k.astype(d),
         ),
     )
 }
@@ -154,13 +175,33 @@ def _keep3(pattern: str, b: int, q: int, k: int, rng: np.random.Generator) -> np
     return keep
 
 
-def fill_mask(
-    pattern: str, convention: str, layout: str, dtype: str, shape: tuple[int, ...], rng: np.random.Generator, case: str
-) -> np.ndarray:
+@dataclass(frozen=True)
+class MaskSpec:
+    """A mask input as the module sees it: how verify fills it (``pattern``), which axes
+    are batch, heads, query and key (``layout``), and how the module reads a value."""
+
+    pattern: str
+    layout: str
+    convention: Convention
+
+    def keep(self, values: np.ndarray) -> np.ndarray:
+        """Which keys the mask lets each query attend (True = attend)."""
+        return self.convention.keep(values)
+
+    def axis(self, role: str) -> int | None:
+        """The axis of ``role`` (batch, heads, query, key), None where the layout has none."""
+        return role_axis(self.layout, role)
+
+    def to_dict(self) -> dict[str, str]:
+        """The spec file's keys: ``mask`` (the pattern), ``convention``, ``layout``."""
+        return {"mask": self.pattern, "convention": self.convention.name, "layout": self.layout}
+
+
+def fill_mask(mask: MaskSpec, dtype: str, shape: tuple[int, ...], rng: np.random.Generator, case: str) -> np.ndarray:
     """A mask of ``shape`` in the module's convention: the pattern, then the named case."""
-    roles = LAYOUTS[layout]
+    roles = LAYOUTS[mask.layout]
     size = {r: shape[i] for i, r in enumerate(roles)}
-    keep = _keep3(pattern, size.get("batch", 1), size.get("query", 1), size["key"], rng)
+    keep = _keep3(mask.pattern, size.get("batch", 1), size.get("query", 1), size["key"], rng)
     if case == "fully-masked-row":
         keep[0, -1, :] = False
     elif case == "fully-padded-sequence":
@@ -171,12 +212,7 @@ def fill_mask(
         keep = keep[0]
     if "heads" in roles:
         keep = np.expand_dims(keep, roles.index("heads"))
-    return CONVENTIONS[convention].encode(np.broadcast_to(keep, shape).copy(), dtype)
-
-
-def keep_of(convention: str, values: np.ndarray) -> np.ndarray:
-    """Which keys a mask lets each query attend (True = attend), whatever its convention."""
-    return np.asarray(CONVENTIONS[convention].keep(values), dtype=bool)
+    return mask.convention.encode(np.broadcast_to(keep, shape).copy(), dtype)
 
 
 def masked_row_selector(

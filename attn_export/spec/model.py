@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError
-from attn_export.spec.masks import PATTERNS
+from attn_export.spec.masks import PATTERNS, MaskSpec
 from attn_export.spec.tolerance import Tolerance
 from attn_export.spec.variants import VARIANTS
 
@@ -66,12 +66,8 @@ class TensorSpec:
     name: str
     dtype: str
     shape: tuple[int | str, ...]
-    #: For mask inputs: how verification fills them (``masks.PATTERNS``).
-    mask: str | None = None
-    #: For mask inputs: how the module reads a value (``masks.CONVENTIONS``).
-    convention: str | None = None
-    #: For mask inputs: which axes are batch, heads, query and key (``masks.LAYOUTS``).
-    layout: str | None = None
+    #: For mask inputs: pattern, layout and convention (``masks.MaskSpec``).
+    mask: MaskSpec | None = None
     #: For inputs: the forward() keyword it is passed as; None passes it by position.
     arg: str | None = None
     #: For outputs: the index or name it is taken from when the module returns several.
@@ -79,7 +75,9 @@ class TensorSpec:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
-        for key in ("mask", "convention", "layout", "arg", "pick"):
+        if self.mask is not None:
+            d.update(self.mask.to_dict())
+        for key in ("arg", "pick"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d
@@ -191,9 +189,9 @@ class ModelSpec:
         return out | {k: sum(out[p] for p in r.parts) for k, r in self.dims.items() if r.parts}
 
     @property
-    def masks(self) -> tuple[TensorSpec, ...]:
-        """The mask inputs."""
-        return tuple(t for t in self.inputs if t.mask is not None)
+    def masks(self) -> tuple[tuple[TensorSpec, MaskSpec], ...]:
+        """The mask inputs, each with its ``MaskSpec``."""
+        return tuple((t, t.mask) for t in self.inputs if t.mask is not None)
 
     def content_hash(self) -> str:
         """sha256 of what determines the exported graph: the spec's content and the weights

@@ -15,7 +15,7 @@ from typing import Any
 
 from attn_export.errors import SpecError, UsageError
 from attn_export.spec.cache import cache_of
-from attn_export.spec.masks import CONVENTIONS, LAYOUTS, default_layout
+from attn_export.spec.masks import CONVENTIONS, LAYOUTS, Convention, MaskSpec, default_layout
 from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
     DTYPES,
@@ -140,7 +140,13 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     )
 
 
-def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dtype: str, rank: int) -> dict[str, Any]:
+#: A mask input's keys as written: pattern, convention, and the layout if one is given.
+_MaskKeys = tuple[str, Convention, str | None]
+
+
+def _mask_keys(
+    bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dtype: str, rank: int
+) -> _MaskKeys | None:
     """The mask keys of one input: pattern, convention (default True = attend for bool) and
     an explicit layout (else resolved from the rank in ``_resolve_layouts``)."""
     mask, convention, layout = raw.get("mask"), raw.get("convention"), raw.get("layout")
@@ -148,7 +154,7 @@ def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dt
         for key in ("convention", "layout"):
             if key in raw:
                 raise bad(f"input '{name}': '{key}' applies to masks; add mask = one of {', '.join(MASK_KINDS)}", key)
-        return {}
+        return None
     if mask not in MASK_KINDS:
         raise bad(f"input '{name}': mask {mask!r} is not one of {', '.join(MASK_KINDS)}", "mask")
     if convention is None and dtype != "bool":
@@ -169,7 +175,7 @@ def _mask_keys(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, dt
         raise bad(
             f"input '{name}': a mask needs 2 to 4 dims ([batch, kv_seq] ... [batch, heads, seq, kv_seq])", "shape"
         )
-    return {"mask": mask, "convention": convention, "layout": layout}
+    return mask, CONVENTIONS[convention], layout
 
 
 def _pick(bad: Callable[..., SpecError], raw: dict[str, Any], name: str) -> int | str | None:
@@ -180,7 +186,7 @@ def _pick(bad: Callable[..., SpecError], raw: dict[str, Any], name: str) -> int 
     return pick  # type: ignore[no-any-return]
 
 
-def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
+def _tensor(where: _Where, raw: Any, kind: str, index: int) -> tuple[TensorSpec, _MaskKeys | None]:
     context, is_input = f"{kind}[{index}]", kind == "inputs"
 
     def bad(message: str, key: str | None = None) -> SpecError:
@@ -207,26 +213,28 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> TensorSpec:
         if not (ok_static or ok_symbolic):
             raise bad(f"{context} '{name}': dim {dim!r} must be a positive integer or a dim name", "shape")
     if not is_input:
-        return TensorSpec(name, dtype, tuple(shape), pick=_pick(bad, raw, name))
+        return TensorSpec(name, dtype, tuple(shape), pick=_pick(bad, raw, name)), None
     arg = raw.get("arg")
     if arg is not None and not (isinstance(arg, str) and _NAME.fullmatch(arg)):
         raise bad(f"input '{name}': arg must be a forward() keyword name, got {arg!r}", "arg")
-    return TensorSpec(name, dtype, tuple(shape), arg=arg, **_mask_keys(bad, raw, name, dtype, len(shape)))
+    return TensorSpec(name, dtype, tuple(shape), arg=arg), _mask_keys(bad, raw, name, dtype, len(shape))
 
 
-def _resolve_layouts(where: _Where, inputs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
-    """Give every mask its layout; the batch dim is the first dim of the first other input."""
-    batch = next((t.shape[0] for t in inputs if t.mask is None), None)
+def _resolve_layouts(where: _Where, inputs: list[tuple[TensorSpec, _MaskKeys | None]]) -> tuple[TensorSpec, ...]:
+    """Give every mask its ``MaskSpec``, the layout resolved from its rank where not given;
+    the batch dim is the first dim of the first other input."""
+    batch = next((t.shape[0] for t, keys in inputs if keys is None), None)
     resolved = []
-    for i, t in enumerate(inputs):
-        if t.mask is not None:
-            layout = t.layout or default_layout(t.shape, batch)
+    for i, (t, keys) in enumerate(inputs):
+        if keys is not None:
+            pattern, convention, given = keys
+            layout = given or default_layout(t.shape, batch)
             assert layout is not None  # the rank was checked
-            if t.mask == "causal" and "query" not in LAYOUTS[layout]:
+            if pattern == "causal" and "query" not in LAYOUTS[layout]:
                 raise where.error(
                     f"input '{t.name}': a causal mask needs a query axis; {layout} has none", "mask", "inputs", i
                 )
-            t = dataclasses.replace(t, layout=layout)
+            t = dataclasses.replace(t, mask=MaskSpec(pattern, layout, convention))
         resolved.append(t)
     return tuple(resolved)
 
@@ -235,13 +243,14 @@ def _tensors(where: _Where, raw: dict[str, Any], kind: str) -> tuple[TensorSpec,
     items = raw.get(kind)
     if not isinstance(items, list) or not items:
         raise where.error(f"the spec needs at least one [[{kind}]] entry", kind)
-    tensors = tuple(_tensor(where, t, kind, i) for i, t in enumerate(items))
+    tensors = [_tensor(where, t, kind, i) for i, t in enumerate(items)]
     if kind == "inputs":
         return _resolve_layouts(where, tensors)
-    picks = [t.pick is not None for t in tensors]
+    outputs = tuple(t for t, _ in tensors)
+    picks = [t.pick is not None for t in outputs]
     if any(picks) and not all(picks):
         raise where.error("either every output has 'pick' or none has", "pick", "outputs")
-    return tensors
+    return outputs
 
 
 def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:

@@ -95,7 +95,7 @@ def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[s
 
 def mask_cases(spec: ModelSpec) -> list[str]:
     """The named mask cases that apply to ``spec``'s masks (none without a mask)."""
-    return [c for c in CASES if any(case_applies(c, t.layout or "", t.shape) for t in spec.masks)]
+    return [c for c in CASES if any(case_applies(c, m.layout, t.shape) for t, m in spec.masks)]
 
 
 def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:

@@ -169,4 +169,5 @@ def test_mask_case_reproduces_one_named_case(repaired: Path, zoo_dir: Path) -> N
         "--mask-case", "fully-masked-row"])  # fmt: skip
     assert wrong.exit_code == 2
     assert "mha: --mask-case fully-masked-row does not apply (it has: no mask)" in wrong.output
-    assert load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0].layout == "batch-heads-query-key"
+    _, mask = load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0]
+    assert mask.layout == "batch-heads-query-key"

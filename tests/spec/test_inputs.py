@@ -8,7 +8,7 @@ import pytest
 
 from attn_export.spec import TensorSpec
 from attn_export.spec.inputs import make_tensor
-from attn_export.spec.masks import CONVENTIONS, PATTERNS, keep_of, masked_row_selector
+from attn_export.spec.masks import CONVENTIONS, PATTERNS, MaskSpec, masked_row_selector
 
 SIZES = {"batch": 3, "seq": 5, "kv_seq": 7}
 SHAPES = {
@@ -23,7 +23,7 @@ def _mask(
     kind: str, case: str = "pattern", layout: str = "batch-heads-query-key", convention: str = "attend"
 ) -> np.ndarray:
     dtype = CONVENTIONS[convention].dtypes[0]
-    t = TensorSpec("mask", dtype, SHAPES[layout], kind, convention, layout)
+    t = TensorSpec("mask", dtype, SHAPES[layout], MaskSpec(kind, layout, CONVENTIONS[convention]))
     return make_tensor(t, SIZES, np.random.default_rng(0), case=case)
 
 
@@ -55,7 +55,7 @@ def test_random_mask_is_mixed_seeded_and_never_masks_a_whole_row() -> None:
     assert 0.5 < mask.mean() < 0.95
     np.testing.assert_array_equal(mask, _mask("random"))
     tiny = make_tensor(
-        TensorSpec("m", "bool", ("batch", "kv_seq"), "random", "attend", "key-padding"),
+        TensorSpec("m", "bool", ("batch", "kv_seq"), MaskSpec("random", "key-padding", CONVENTIONS["attend"])),
         {"batch": 64, "kv_seq": 1},
         np.random.default_rng(0),
     )
@@ -74,7 +74,7 @@ def test_no_pattern_has_a_fully_masked_row(kind: str) -> None:
 def test_each_convention_encodes_the_same_keys_its_own_way(convention: str) -> None:
     keep = _mask("padding")
     values = _mask("padding", convention=convention)
-    np.testing.assert_array_equal(keep_of(convention, values), keep)
+    np.testing.assert_array_equal(CONVENTIONS[convention].keep(values), keep)
     want = {
         "attend": keep,
         "ignore": ~keep,

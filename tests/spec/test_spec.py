@@ -32,7 +32,8 @@ def test_mask_keys_round_trip_through_the_manifest_form(tmp_path: Path) -> None:
     )
     spec = load_spec(path)
     assert spec_from_dict(spec.to_dict(), folder=tmp_path) == spec
-    assert spec.masks[0].layout == "key-padding" and spec.masks[0].convention == "binary"
+    _, mask = spec.masks[0]
+    assert mask.layout == "key-padding" and mask.convention.name == "binary"
     assert spec.fully_masked == "ignore"
     assert "fully_masked" not in load_spec(tiny_spec(tmp_path / "plain")).to_dict()  # old specs keep their hash
 

@@ -50,7 +50,6 @@ from attn_export.runtimes.timing import LatencyStats, measure_alternating, physi
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
-from attn_export.spec.masks import CONVENTIONS
 
 __all__ = ["DEFAULT_PASTS", "bench_decode_models", "past_lengths", "plan_window", "run_decode_bench"]
 
@@ -106,9 +105,8 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int) 
     for k in range(window):
         feeds = dict(fixed)
         for t in spec.inputs:
-            if t.name == cache.mask:
-                assert t.convention is not None
-                feeds[t.name] = CONVENTIONS[t.convention].encode(np.ones((batch, past + k + 1), dtype=bool), t.dtype)
+            if t.name == cache.mask and t.mask is not None:
+                feeds[t.name] = t.mask.convention.encode(np.ones((batch, past + k + 1), dtype=bool), t.dtype)
             elif t.name == cache.positions:
                 feeds[t.name] = np.full((batch, 1), past + k, dtype=t.dtype)
         steps.append(feeds)

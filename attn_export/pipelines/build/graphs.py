@@ -136,10 +136,11 @@ class SpecBuild:
 
     def _trajectories(self) -> list[GoldenCase]:
         """For a model with a cache: PyTorch's decode trajectories, recorded step by step."""
-        if cache_of(self.spec) is None:
+        cache = cache_of(self.spec)
+        if cache is None:
             return []
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
-            recorded = pytorch_trajectories(eager, self.spec, DEFAULT_STEPS, BUILD_SEED)
+            recorded = pytorch_trajectories(eager, self.spec, cache, DEFAULT_STEPS, BUILD_SEED)
         return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs)]
 
     def graph(self, name: str) -> Graph:

@@ -25,12 +25,18 @@ from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec
+from attn_export.spec.cache import CacheSpec
 
 __all__ = ["decode_model"]
 
 
 def decode_model(
-    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions, golden: list[GoldenCase]
+    out_dir: Path,
+    entry: ManifestEntry,
+    spec: ModelSpec,
+    cache: CacheSpec,
+    options: VerifyOptions,
+    golden: list[GoldenCase],
 ) -> list[DecodeResult]:
     """Every scenario's trajectory on every target: against PyTorch (and PyTorch against its
     own recompute and its rows alone), or in golden mode against what build recorded."""
@@ -41,7 +47,7 @@ def decode_model(
         tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None], list[OutputComparison]]
     ]
     if options.golden:
-        recorded = read_trajectories(out_dir / entry.golden, golden, spec, options.steps)
+        recorded = read_trajectories(out_dir / entry.golden, golden, spec, cache, options.steps)
         plans = [(traj, outputs, [], []) for traj, outputs in recorded]
         expected_from = "golden"
     else:
@@ -55,7 +61,7 @@ def decode_model(
                     [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))],
                     unpadded(eager, spec, traj, outputs, tolerances) if traj.scenario == "left-padded" else [],
                 )
-                for traj, outputs in pytorch_trajectories(eager, spec, options.steps, options.seed)
+                for traj, outputs in pytorch_trajectories(eager, spec, cache, options.steps, options.seed)
             ]
         expected_from = eager.name
     results = []

@@ -146,8 +146,9 @@ def verify_artifacts(
                     else []
                 )
                 cases = _verify_model(out_dir, entry, spec, options, golden)
-                if cache_of(spec) is not None and options.steps:
-                    report.decode += decode_model(out_dir, entry, spec, options, golden)
+                cache = cache_of(spec)
+                if cache is not None and options.steps:
+                    report.decode += decode_model(out_dir, entry, spec, cache, options, golden)
             except UsageError:
                 raise
             except AttnExportError as e:

@@ -1,0 +1,109 @@
+"""The docs say what the tool does: the README stays short and starts with the two commands,
+its links reach pages that exist, its quickstart runs as written and fails as shown, and the
+Python API example on the docs site runs as written. `make test` also builds the site in
+strict mode (a broken link or a missing reference fails there)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+#: A user's own module, as the README's quickstart describes it: ``x`` [batch, seq, 64] in,
+#: ``y`` out. ``SOFTMAX`` is replaced to plant the README's failing example.
+MODULE = """
+import torch
+from torch import nn
+
+
+class MyAttention(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5
+        return self.out((SOFTMAX @ v).transpose(1, 2).reshape(b, s, d))
+"""
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def test_readme_is_short_and_starts_with_the_two_commands() -> None:
+    lines = README.splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; the rest belongs in docs/"
+    assert lines[0] == "# attn-export"
+    first = re.search(r"```(\w*)\n(.*?)```", README, re.S)
+    assert first and first.group(1) == "sh"
+    commands = [line.split("#")[0].strip() for line in first.group(2).splitlines()]
+    assert commands == ["make demo", "make test"]
+
+
+def test_readme_links_reach_files_that_exist() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local), "the README links into docs/"
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+
+
+def test_every_docs_page_is_in_the_nav() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
+    assert [p for p in pages if not re.search(rf":\s*{re.escape(p)}\s*$", nav, re.M)] == []
+
+
+def _attn_export(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "attn_export", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path) -> None:
+    spec = _blocks(README.split("## Quickstart", 1)[1], "toml")[0]
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "my_attention.toml").write_text(spec)
+    (models / "my_attention.py").write_text(MODULE.replace("SOFTMAX", "scores.softmax(-1)"))
+
+    assert _attn_export(tmp_path, "build").returncode == 0
+    passed = _attn_export(tmp_path, "verify", "--no-latency")
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "verify PASSED: 13 of 13 cases agree across 1 models" in passed.stdout
+    assert "verify PASSED: 13 of 13 cases agree across 1 models" in README
+
+    overflowing = "(scores.exp() / scores.exp().sum(-1, keepdim=True))"
+    (models / "my_attention.py").write_text(MODULE.replace("SOFTMAX", overflowing))
+    assert _attn_export(tmp_path, "build").returncode == 0
+    failed = _attn_export(tmp_path, "verify", "--no-latency")
+    assert failed.returncode == 1
+    shown = [line for line in README.splitlines() if line.startswith(("FAIL ", "     reproduce: "))]
+    assert len(shown) == 2 and all(line in failed.stdout.splitlines() for line in shown), failed.stdout
+    reproduce = shown[1].split("reproduce: attn-export ", 1)[1].split()
+    assert _attn_export(tmp_path, *reproduce).returncode == 1
+
+
+def test_api_example_runs_as_written(tmp_path: Path) -> None:
+    page = (DOCS / "api.md").read_text()
+    code = re.search(r"## Python API\n.*?```python\n(.*?)```", page, re.S)
+    assert code, "docs/api.md has a Python API example"
+    (tmp_path / "models").mkdir()
+    shutil.copy(ROOT / "models" / "torch_mha.toml", tmp_path / "models")
+    done = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "'was': {'fully-padded-sequence': 'NaN'}" in done.stdout
+    assert done.stdout.strip().endswith(
+        "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0}"
+    )

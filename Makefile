@@ -1,16 +1,19 @@
-# Both targets install into .venv first (idempotent: reinstalls only when
+# Every target installs into .venv first (idempotent: reinstalls only when
 # pyproject.toml or requirements.lock changed).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= build
+# `make test` leaves out the exhaustive sweeps (marked slow; a sample of each still runs);
+# `make test-all`, which CI runs, is the same command with every test.
+MARK ?= not slow
 
-.PHONY: demo test clean
+.PHONY: demo test test-all docs clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[export,hf,test]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements.lock -e '.[export,hf,test,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,7 +23,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check attn_export tests benchmarks
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site-check
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(if $(MARK),-m "$(MARK)")
+
+test-all:
+	$(MAKE) test MARK=
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(OUT) $(VENV)
+	rm -rf $(OUT) $(VENV) site

@@ -1,4 +1,5 @@
-"""Reproduce the README's performance table and check the project's speed targets.
+"""Reproduce the performance table of the docs (docs/performance.md) and check the
+project's speed targets.
 
     python benchmarks/perf_table.py            # a few minutes on 2 cores
     python benchmarks/perf_table.py --profile  # also break ONNX Runtime's time down by op

@@ -2,7 +2,7 @@
 
 Each entry stores the spec it was built from once; opset, exporter, tensors, dims and
 tolerances are read from that spec, never stored beside it. The schema (version 2) is in
-the README; ``Manifest.from_json`` rejects anything else.
+the docs' file formats page; ``Manifest.from_json`` rejects anything else.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ManifestEntry:
     golden_sha256: str
     build_key: str
     spec_hash: str
-    #: sha256 of each source file of the module (``export.source``), for stale-build checks.
+    #: sha256 of each source file of the module (``exporter.source``), for stale-build checks.
     sources: dict[str, str]
     versions: dict[str, str]
     spec: dict[str, Any]

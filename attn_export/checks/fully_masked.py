@@ -2,7 +2,7 @@
 from PyTorch, and the comparisons verify makes under the spec's ``fully_masked``.
 
 What a row gives is told apart by running the graph rewritten both ways
-(``export.masked_softmax``): "0" (PyTorch's safe softmax), "mean of V" (uniform weights),
+(``exporter.masked_softmax``): "0" (PyTorch's safe softmax), "mean of V" (uniform weights),
 "NaN", "other", or "unknown" where the graph has no Softmax to rewrite. The rewrites are
 also the repairs: where PyTorch gives one of them and the graph does not, build keeps the
 rewritten graph, checked and compared like any other.

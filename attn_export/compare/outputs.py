@@ -202,7 +202,7 @@ def compare_outputs(
 ) -> list[OutputComparison]:
     """Compare every expected output; an output the runtime did not produce fails.
     ``floors`` (PyTorch's own float32 error per output) widen each tolerance
-    (``policy.case_tolerance``)."""
+    (``compare.outputs.case_tolerance``)."""
     floors = floors or {}
     return [
         compare_output(n, e, actual.get(n), case_tolerance(tolerances[n], floors.get(n, 0.0)))

@@ -1,8 +1,9 @@
 """Stage: structural checks on an ONNX graph, run at build time and again by verify.
 
 The dynamic-axis check reads the graph itself: each declared symbolic dim must be symbolic
-on every input and output that uses it, one graph symbol per declared dim, and no two
-declared dims merged into one symbol.
+on every input and output that uses it, one graph symbol per declared dim, no two declared
+dims merged into one symbol, and that symbol named as the spec names the dim (a deploy
+config reads these names). ``name_dims`` gives an export the spec's names.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from attn_export.artifacts.onnx_file import external_data_files
 from attn_export.errors import GraphCheckError, first_line
 from attn_export.spec import DimRange, TensorSpec
 
-__all__ = ["check_deterministic", "check_dynamic_axes", "check_model", "graph_shapes"]
+__all__ = ["check_deterministic", "check_dynamic_axes", "check_model", "graph_shapes", "name_dims"]
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Ops whose result is drawn at random on every run.
@@ -44,6 +45,37 @@ def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ..
         dims = vi.type.tensor_type.shape.dim
         shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims)
     return shapes
+
+
+def _terms(expression: str) -> list[str]:
+    return sorted(term.strip() for term in expression.split("+"))
+
+
+def name_dims(
+    proto: onnx.ModelProto, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dims: Mapping[str, DimRange]
+) -> None:
+    """Rename, in place, each graph symbol that stands for exactly one declared dim to the
+    spec's name, and each sum the exporter wrote as an expression (``past_seq + seq``) to
+    the sum dim's name when its terms are the parts'. Merged symbols and wrong sums keep
+    their names, for ``check_dynamic_axes`` to report."""
+    shapes = graph_shapes(proto)
+    wants: dict[str, set[str]] = {}
+    for t in [*inputs, *outputs]:
+        for want, have in zip(t.shape, shapes.get(t.name, ()), strict=False):
+            if isinstance(want, str) and isinstance(have, str):
+                wants.setdefault(have, set()).add(want)
+    rename = {have: next(iter(w)) for have, w in wants.items() if len(w) == 1 and _SYMBOL.fullmatch(have)}
+    symbol = {want: have for have, want in rename.items()}
+    for have, w in wants.items():
+        want = next(iter(w))
+        parts = dims[want].parts if want in dims else ()
+        if len(w) == 1 and parts and _terms(have) == sorted(symbol.get(p, p) for p in parts):
+            rename[have] = want
+    values = [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]
+    for value in values:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param in rename:
+                d.dim_param = rename[d.dim_param]
 
 
 def check_dynamic_axes(
@@ -91,14 +123,11 @@ def check_dynamic_axes(
                     f"{'static ' + str(have) if have else 'unnamed'} in the exported graph"
                 )
             parts = dims[want].parts if want in dims else ()
-            if parts and not _SYMBOL.fullmatch(have):
-                terms = sorted(term.strip() for term in have.split("+"))
-                if terms != sorted(symbol_of.get(p, p) for p in parts):
-                    raise GraphCheckError(
-                        f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
-                        f"declares {want} = {' + '.join(parts)}"
-                    )
-                continue
+            if parts and not _SYMBOL.fullmatch(have) and _terms(have) != sorted(symbol_of.get(p, p) for p in parts):
+                raise GraphCheckError(
+                    f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
+                    f"declares {want} = {' + '.join(parts)}"
+                )
             if symbol_of.setdefault(want, have) != have:
                 raise GraphCheckError(
                     f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on one tensor and "
@@ -109,6 +138,11 @@ def check_dynamic_axes(
                 raise GraphCheckError(
                     f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
                     f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
+                )
+            if have != want:
+                raise GraphCheckError(
+                    f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
+                    f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"
                 )
 
 

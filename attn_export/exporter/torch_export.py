@@ -22,6 +22,7 @@ import onnx
 
 from attn_export._deps import require
 from attn_export.errors import ExportFailure, first_line
+from attn_export.exporter.graph_checks import name_dims
 from attn_export.spec import ModelSpec
 
 __all__ = ["export_onnx", "stamp_metadata"]
@@ -189,6 +190,7 @@ def export_onnx(
             f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
             f" (rerun with --debug for the traceback{hint})"
         ) from e
+    name_dims(proto, spec.inputs, spec.outputs, spec.dims)
     return proto
 
 

@@ -41,7 +41,7 @@ def format_spec_table(specs: list[ModelSpec]) -> str:
     """The zoo: name, module, inputs with dims, opset, exporter."""
     rows = [("NAME", "MODULE", "INPUTS", "OPSET", "EXPORTER")]
     for s in specs:
-        inputs = " ".join(f"{t.name}{_shape(t.shape)}" + (f"({t.mask})" if t.mask else "") for t in s.inputs)
+        inputs = " ".join(f"{t.name}{_shape(t.shape)}" + (f"({t.mask.pattern})" if t.mask else "") for t in s.inputs)
         rows.append((s.name, s.module, inputs, str(s.opset), s.exporter))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join(

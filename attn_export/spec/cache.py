@@ -4,7 +4,7 @@ Inputs ``past_key_values.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq, he
 with outputs ``present.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq + seq, head_dim]``
 (Hugging Face Optimum and onnxruntime-genai use these names); ``attention_mask``
 ``[batch, past_seq + seq]`` and ``position_ids`` ``[batch, seq]`` are fed per step when the
-module takes them. Decoding (``decode.py``) needs nothing else from the spec.
+module takes them. Decoding (``checks.decode``) needs nothing else from the spec.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ class ModelSpec:
     accept_guards: bool = False
     #: A config object built first and passed as ``config=``: its class and its kwargs.
     config: dict[str, Any] | None = None
-    #: Extra forward() keywords: plain values, or tables computing them (``export.adapter``).
+    #: Extra forward() keywords: plain values, or tables computing them (``exporter.adapter``).
     call: dict[str, Any] = field(default_factory=dict)
     #: "match": fully masked rows must give PyTorch's result; "ignore": they are not compared.
     fully_masked: str = "match"

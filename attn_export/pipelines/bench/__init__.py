@@ -1,1 +1,2 @@
-"""Timing and benchmarks: warm-up, repeats, percentiles and synchronisation live here only."""
+"""The bench pipeline: PyTorch and ONNX Runtime side by side per shape (``run``) and per
+decode step (``decode``); timing itself lives in ``runtimes.timing``."""

@@ -20,7 +20,7 @@ How a step is measured:
   present every step (an O(cache) copy inherent to separate past/present tensors; PyTorch's
   ``torch.cat`` does the same), and on CPU the presents are newly allocated from ONNX
   Runtime's arena each step.
-* PyTorch and ONNX Runtime take turns in blocks (``timing.measure_alternating``) with the
+* PyTorch and ONNX Runtime take turns in blocks (``runtimes.timing.measure_alternating``) with the
   same threads, and ONNX Runtime's idle threads do not spin, so neither steals the other's
   cores. A difference inside the noise decides nothing (``compare.latency.clearly_faster``).
 

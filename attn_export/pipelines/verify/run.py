@@ -56,7 +56,7 @@ def _run(runtime: Runtime, feeds: Mapping[str, np.ndarray], case: CaseResult) ->
 def _time(
     case: CaseResult, target: Runtime, torch_rt: Runtime | None, feeds: Mapping[str, np.ndarray], budget: float
 ) -> None:
-    """Both sides in alternating blocks (``timing.measure_alternating``), with the same threads."""
+    """Both sides in alternating blocks (``runtimes.timing.measure_alternating``), with the same threads."""
     calls = {"onnx": target.prepare(feeds)}
     if torch_rt is not None:
         calls["torch"] = torch_rt.prepare(feeds)

@@ -1,0 +1,65 @@
+"""A declared dim has one name, the spec's, on every graph input and output: a deploy config
+reads the graph's names, so the cache's sum dim is never ``past_seq + seq`` in one graph and
+``total_seq`` in another, and a graph that names a dim otherwise fails naming both."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import onnx
+import pytest
+
+from attn_export.errors import GraphCheckError
+from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes, name_dims
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.spec import ModelSpec, load_spec
+from tests.conftest import ROOT, needs_transformers
+
+DECODERS = ["mha_kv_cache", pytest.param("llama_model_kv_cache", marks=needs_transformers)]
+
+
+@pytest.fixture(scope="module", params=DECODERS)
+def decoder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelSpec, Path]:
+    path = ROOT / "tests" / "models" / f"{request.param}.toml"
+    out = tmp_path_factory.mktemp(request.param)
+    summary = build_models([path], BuildOptions(out))
+    assert all(r.ok for r in summary.results), [r.error for r in summary.results]
+    return load_spec(path), out / f"{request.param}.onnx"
+
+
+def test_every_graph_names_each_dim_as_its_spec_does(decoder: tuple[ModelSpec, Path]) -> None:
+    spec, path = decoder
+    shapes = graph_shapes(onnx.load(path))
+    for t in (*spec.inputs, *spec.outputs):
+        assert list(shapes[t.name]) == list(t.shape), t.name
+    assert {shapes[t.name][2] for t in spec.outputs if t.name.startswith("present.")} == {"total_seq"}
+
+
+def _renamed(proto: onnx.ModelProto, old: str, new: str) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for value in (*copy.graph.input, *copy.graph.output, *copy.graph.value_info):
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param == old:
+                d.dim_param = new
+    return copy
+
+
+@pytest.mark.parametrize(("old", "new"), [("total_seq", "past_seq + seq"), ("seq", "s0"), ("batch", "s1")])
+def test_a_graph_dim_named_otherwise_fails_naming_both(decoder: tuple[ModelSpec, Path], old: str, new: str) -> None:
+    spec, path = decoder
+    proto = _renamed(onnx.load(path), old, new)
+    message = f"is named '{new}' in the graph, but the spec names that dim '{old}'"
+    with pytest.raises(GraphCheckError, match=re.escape(message)):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)
+    name_dims(proto, spec.inputs, spec.outputs, spec.dims)  # what the exporter does: the spec's names again
+    check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)
+
+
+def test_a_sum_of_the_wrong_dims_is_never_renamed_into_a_right_one(decoder: tuple[ModelSpec, Path]) -> None:
+    spec, path = decoder
+    proto = _renamed(onnx.load(path), "total_seq", "past_seq + past_seq")
+    name_dims(proto, spec.inputs, spec.outputs, spec.dims)
+    with pytest.raises(GraphCheckError, match="declares total_seq = past_seq \\+ seq"):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)

@@ -79,5 +79,10 @@ class GraphCheckError(CheckFailed):
     """Raised when an exported graph fails a structural check (checker, dynamic axes)."""
 
 
+class NondeterministicModule(CheckFailed):
+    """Raised when the PyTorch module gives two answers to one input in eval mode: it cannot
+    be the reference, and its randomness must never become tolerance."""
+
+
 class RuntimeFailure(CheckFailed):
     """Raised when a runtime cannot load a graph, uses the wrong provider, or fails to run."""

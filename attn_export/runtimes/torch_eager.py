@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from attn_export._deps import require
-from attn_export.errors import RuntimeFailure
+from attn_export.errors import NondeterministicModule, RuntimeFailure
 from attn_export.runtimes.base import Runtime, check_feeds
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, TensorSpec
@@ -91,8 +91,29 @@ class TorchRuntime(Runtime):
         return EagerDecoder(self.module, self, plan, self.device)
 
     def precision_floor(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, float]:
-        """How far PyTorch's own ``outputs`` (float32) are from the same module run in
-        float64 on ``feeds``, per output: the error float32 itself makes on these values."""
+        """How far PyTorch's own float32 ``outputs`` are from the module run in float64 on
+        ``feeds``, per output: the error float32 itself makes on these values, at this
+        runtime's threads or at one thread, whichever is larger (it changes with the thread
+        count, and a graph may round like either).
+
+        First the module must agree with itself: a second run that differs from
+        ``outputs`` raises ``NondeterministicModule``; randomness never becomes tolerance."""
+        _same_answer(outputs, self._run(feeds))
+        exact = self._float64(feeds)
+        if exact is None:  # a module that cannot run in float64 has no floor to offer
+            return {name: 0.0 for name in outputs}
+        runs = [outputs]
+        if self.threads != 1:
+            torch = require("torch", "running the PyTorch original")
+            saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                runs.append(self._run(feeds))
+            finally:
+                torch.set_num_threads(saved)
+        return {name: max(_error(run[name], exact.get(name)) for run in runs) for name in outputs}
+
+    def _float64(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         import copy
 
         torch = require("torch", "running the PyTorch original")
@@ -105,21 +126,10 @@ class TorchRuntime(Runtime):
         try:
             with torch.no_grad():
                 result = self._double(*args)
-        except Exception:  # a module that cannot run in float64 has no floor to offer
-            return {name: 0.0 for name in outputs}
+        except Exception:
+            return None
         values = result if isinstance(result, tuple | list) else (result,)
-        floors = {}
-        for t, v in zip(self.outputs, values, strict=False):
-            exact = v.detach().cpu().numpy()
-            got = outputs[t.name]
-            if exact.shape != got.shape or got.dtype.kind != "f":
-                floors[t.name] = 0.0
-                continue
-            with np.errstate(invalid="ignore"):
-                diff = np.abs(got.astype(np.float64) - exact.astype(np.float64))
-            finite = diff[np.isfinite(diff)]
-            floors[t.name] = float(finite.max()) if finite.size else 0.0
-        return floors
+        return {t.name: v.detach().cpu().numpy() for t, v in zip(self.outputs, values, strict=False)}
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """Inputs already on the device; on CUDA the call synchronizes before returning."""
@@ -135,3 +145,39 @@ class TorchRuntime(Runtime):
             sync()
 
         return call
+
+
+def _error(got: np.ndarray, exact: np.ndarray | None) -> float:
+    """The largest finite |got - exact|; 0 where there is nothing to compare."""
+    if exact is None or exact.shape != got.shape or got.dtype.kind != "f":
+        return 0.0
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(got.astype(np.float64) - exact.astype(np.float64))
+    finite = diff[np.isfinite(diff)]
+    return float(finite.max()) if finite.size else 0.0
+
+
+#: Two runs of a deterministic module agree to float32 rounding of their order of summation.
+_SAME = 1e-5
+
+
+def _same_answer(first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> None:
+    """Raise ``NondeterministicModule`` when two runs on one input differ beyond rounding."""
+    for name, a in first.items():
+        b = second[name]
+        if a.dtype.kind != "f":
+            differ = not np.array_equal(a, b)
+            by = "" if not differ else " (integer outputs differ)"
+        else:
+            both = np.isfinite(a) & np.isfinite(b)
+            gap = float(np.abs(a[both].astype(np.float64) - b[both]).max()) if both.any() else 0.0
+            scale = float(np.abs(a[both]).max()) if both.any() else 0.0
+            differ = gap > _SAME * max(1.0, scale) or not np.array_equal(np.isfinite(a), np.isfinite(b))
+            by = f" by {gap:.3g}"
+        if differ:
+            raise NondeterministicModule(
+                f"PyTorch is not deterministic in eval mode: two runs of the module on one input differ{by} in "
+                f"output '{name}', so it cannot be the reference; look for dropout_p passed to "
+                "F.scaled_dot_product_attention whatever the mode, F.dropout(..., training=True), "
+                "or torch.rand/randn in forward()"
+            )

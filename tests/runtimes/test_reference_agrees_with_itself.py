@@ -1,0 +1,80 @@
+"""PyTorch is the reference only where it agrees with itself: a module that is random in
+eval mode fails naming the cause (its randomness never becomes tolerance), and the float32
+floor is PyTorch's own error at the run's threads or at one thread, whichever is larger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from attn_export.cli import cli
+from attn_export.errors import NondeterministicModule
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import TensorSpec
+from attn_export.zoo.seed import MultiHeadAttention
+from tests.conftest import tiny_spec
+
+X = TensorSpec("x", "float32", ("batch", "seq", 32))
+Y = TensorSpec("y", "float32", ("batch", "seq", 32))
+
+
+class DropoutAlwaysAttention(MultiHeadAttention):
+    """SDPA called with ``dropout_p`` whatever the mode, as common code does."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, s, _ = query.shape
+        q = self.q_linear(query).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_linear(keys).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_linear(values).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        return self.out_linear(out.transpose(1, 2).reshape(b, s, self.hidden_dim))
+
+
+class ThreadSensitive(torch.nn.Module):
+    """Rounds differently on one thread: its float32 error there is 1e-3, elsewhere 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and torch.get_num_threads() == 1:
+            return x + 1e-3
+        return x
+
+
+def test_a_module_random_in_eval_fails_the_build_naming_pytorch(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path / "models")
+    seed_mha = 'module = "attn_export.zoo.seed:MultiHeadAttention"'
+    spec.write_text(spec.read_text().replace(seed_mha, _module_line(DropoutAlwaysAttention)))
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert "PyTorch is not deterministic in eval mode: two runs of the module on one input differ by" in result.output
+    assert "dropout_p" in result.output
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def _module_line(cls: type) -> str:
+    return f'module = "{cls.__module__}:{cls.__name__}"'
+
+
+def test_precision_floor_refuses_a_second_answer_before_measuring_anything() -> None:
+    torch.manual_seed(0)
+    module = DropoutAlwaysAttention(32, 4)
+    spec_in = [TensorSpec(n, "float32", ("batch", "seq", 32)) for n in ("q", "k", "v")]
+    feeds = {t.name: np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32) for t in spec_in}
+    with TorchRuntime(module, spec_in, [Y]) as eager:
+        outputs = eager.run(feeds)
+        with pytest.raises(NondeterministicModule, match="output 'y'"):
+            eager.precision_floor(feeds, outputs)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_the_floor_is_the_larger_of_the_runs_threads_and_one_thread(threads: int) -> None:
+    feeds = {"x": np.ones((1, 3, 32), dtype=np.float32)}
+    with TorchRuntime(ThreadSensitive(), [X], [Y], threads=threads) as eager:
+        floor = eager.precision_floor(feeds, eager.run(feeds))["y"]
+    assert floor == pytest.approx(1e-3, rel=1e-3)
+    with TorchRuntime(ThreadSensitive(), [X], [Y], threads=1) as eager:
+        assert eager.precision_floor(feeds, eager.run(feeds))["y"] == pytest.approx(1e-3, rel=1e-3)

@@ -1,10 +1,28 @@
-"""Shared fixtures: the zoo built once per session, and helpers to write small specs."""
+"""Shared fixtures and helpers.
+
+Build once and copy: ``shared_build`` builds a folder once per test session, whichever
+pytest-xdist worker asks for it first (under a file lock next to it, in the session's
+temporary root, which every worker shares), and every test that only reads it reads that
+one; a test that changes a folder takes its own copy (``copy_build``). A shared folder is
+checked unchanged when its fixture ends.
+
+The tests use the tiny zoo in ``tests/models`` (the zoo of ``models/`` at hidden sizes of
+at most 32 and lengths of at most 40: the same modules, masks, caches and Hugging Face
+layers, fast to export and to run). The production-size zoo of ``models/`` is built and
+verified by one test, ``tests/pipelines/test_build.py::test_the_production_zoo_builds_and_verifies``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
+import json
+import os
 import shutil
 import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -14,7 +32,10 @@ from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.spec import load_spec, spec_paths
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The production-size zoo, as `attn-export build` builds it by default.
 ZOO = ROOT / "models"
+#: The tiny zoo every other test builds and verifies.
+TINY_ZOO = ROOT / "tests" / "models"
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 #: For tests of Hugging Face layers: CI installs the test extra, which has transformers.
 needs_transformers = pytest.mark.skipif(
@@ -27,20 +48,114 @@ def _needs_hf(path: Path) -> bool:
     return any(t.startswith("transformers") for t in (spec.module, (spec.config or {}).get("class", "")))
 
 
-#: The zoo's spec files this environment can build (the Hugging Face ones need transformers).
-ZOO_SPECS = [p for p in spec_paths(ZOO) if HAS_TRANSFORMERS or not _needs_hf(p)]
-#: Cases a default verify of that zoo runs: every model's sweep, named mask cases included.
-ZOO_CASES = sum(len(case_plan(load_spec(p), VerifyOptions())) for p in ZOO_SPECS)
+def buildable(folder: Path) -> list[Path]:
+    """The spec files of a zoo this environment can build (the Hugging Face ones need transformers)."""
+    return [p for p in spec_paths(folder) if HAS_TRANSFORMERS or not _needs_hf(p)]
+
+
+def zoo_cases(specs: Sequence[Path], options: VerifyOptions | None = None) -> int:
+    """Cases a verify of these specs runs: every model's sweep, named mask cases included."""
+    return sum(len(case_plan(load_spec(p), options or VerifyOptions())) for p in specs)
+
+
+#: The tiny zoo's spec files this environment can build, and the cases a default verify runs.
+TINY_SPECS = buildable(TINY_ZOO)
+TINY_CASES = zoo_cases(TINY_SPECS)
+
+
+# -- build once and copy -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Built:
+    """A shared build: its output folder, the folder its specs are in, and each graph's
+    build error (None where it built)."""
+
+    out: Path
+    models: Path
+    errors: dict[str, str | None]
+
+
+def _session_root(factory: pytest.TempPathFactory) -> Path:
+    """A folder every process of this test session shares: the base temporary folder, or
+    under pytest-xdist its parent, which holds each worker's own."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def shared_build(
+    factory: pytest.TempPathFactory,
+    name: str,
+    specs: Callable[[Path], list[Path]] | Sequence[Path],
+    **options: object,
+) -> Built:
+    """Build once per test session, in whichever process asks first; the others wait on
+    the lock and read the same folder. ``specs`` is a list of spec files, or a function
+    writing them into the folder it is given. Tests must not change the folder it returns:
+    ``copy_build`` gives one to change."""
+    root = _session_root(factory) / "shared-builds"
+    root.mkdir(exist_ok=True)
+    folder = root / name
+    record = root / f"{name}.json"
+    with _locked(root / f"{name}.lock"):
+        if not record.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a process that died while building left
+            paths = specs(folder / "models") if callable(specs) else list(specs)
+            summary = build_models(paths, BuildOptions(folder / "out", **options))  # type: ignore[arg-type]
+            errors = {r.name: r.error for r in summary.results}
+            record.write_text(json.dumps({"models": str(paths[0].parent), "errors": errors}))
+        done = json.loads(record.read_text())
+    return Built(folder / "out", Path(done["models"]), done["errors"])
+
+
+def copy_build(built: Built, dest: Path) -> Built:
+    """A copy of a shared build to change: ``dest/out``, and ``dest/models`` where its specs
+    were written for it (a zoo's spec folder is never copied: it is the checkout's)."""
+    shutil.copytree(built.out, dest / "out")
+    models = built.models
+    if built.models == built.out.parent / "models":
+        models = dest / "models"
+        shutil.copytree(built.models, models)
+    return Built(dest / "out", models, built.errors)
+
+
+def _fingerprint(folder: Path) -> dict[str, tuple[int, int]]:
+    files = (p for p in sorted(folder.rglob("*")) if "__pycache__" not in p.parts)
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+
+@contextlib.contextmanager
+def unchanged(folder: Path) -> Iterator[None]:
+    """Fail if the tests that read a shared folder changed it (they must take a copy)."""
+    before = _fingerprint(folder)
+    yield
+    assert _fingerprint(folder) == before, f"a test changed the shared build {folder}; take a copy (copy_build)"
 
 
 @pytest.fixture(scope="session")
-def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The built-in zoo, built once; tests that modify it take a copy (``zoo_copy``)."""
-    out = tmp_path_factory.mktemp("zoo")
-    summary = build_models(ZOO_SPECS, BuildOptions(out))
-    failed = [r.error for r in summary.results if not r.ok]
+def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """The tiny zoo, built once per session; tests that modify it take a copy (``zoo_copy``)."""
+    built = shared_build(tmp_path_factory, "zoo", TINY_SPECS)
+    failed = {n: e for n, e in built.errors.items() if e is not None}
     assert not failed, failed
-    return out
+    with unchanged(built.out):
+        yield built
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tiny_zoo: Built) -> Path:
+    """The tiny zoo's build folder (verify it with ``--models tests/models``: ``TINY_ZOO``)."""
+    return tiny_zoo.out
 
 
 @pytest.fixture
@@ -48,6 +163,24 @@ def zoo_copy(zoo_dir: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "zoo"
     shutil.copytree(zoo_dir, dest)
     return dest
+
+
+@pytest.fixture(scope="session")
+def shared_tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """``tiny_spec`` (dynamo) built once per session."""
+    built = shared_build(tmp_path_factory, "tiny", lambda models: [tiny_spec(models)])
+    assert built.errors == {"tiny": None}, built.errors
+    with unchanged(built.out), unchanged(built.models):
+        yield built
+
+
+@pytest.fixture
+def tiny_build(shared_tiny: Built, tmp_path: Path) -> Built:
+    """A copy of ``tiny_spec``'s build to change: ``tmp_path/out`` and its specs in ``tmp_path/models``."""
+    return copy_build(shared_tiny, tmp_path)
+
+
+# -- specs ----------------------------------------------------------------------------------------
 
 
 def write_spec(folder: Path, name: str, body: str) -> Path:
@@ -89,6 +222,9 @@ def tiny_spec(folder: Path, name: str = "tiny", exporter: str = "dynamo", body: 
     return write_spec(folder, name, body.replace("{exporter}", exporter))
 
 
+# -- planting faults ------------------------------------------------------------------------------
+
+
 def plant(
     out_dir: Path, name: str, proto_or_bytes: object, module: str | None = None, models: Path | None = None
 ) -> None:
@@ -96,13 +232,10 @@ def plant(
     ``module`` also swaps the PyTorch original in the checkout's spec (``models``) and
     records it in the manifest, as a script that exported the module without comparing
     the two would."""
-    import json
-
     import onnx
 
     from attn_export.artifacts.files import sha256_file
     from attn_export.exporter.source import module_sources
-    from attn_export.spec import load_spec
 
     path = out_dir / f"{name}.onnx"
     if isinstance(proto_or_bytes, onnx.ModelProto):

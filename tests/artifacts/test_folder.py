@@ -1,6 +1,9 @@
 """The build folder's commit protocol: a rebuild interrupted at any file operation leaves a
 folder that verifies (each graph's previous or new build), and the next build or verify
-says so in one line and cleans up."""
+says so in one line and cleans up.
+
+By default a sample of the interruption points runs (before the first operation, at each
+swap of the manifest and after the last); the slow tests run every other one."""
 
 from __future__ import annotations
 
@@ -115,14 +118,30 @@ def _rebuild(spec: Path, folder: Path) -> list[str]:
     return notes
 
 
+def _sample(snapshots: list[Snapshot]) -> set[int]:
+    """The photographs taken before the first operation, after each that swapped in a new
+    manifest (the commit points) and after the last: the same every run."""
+    swaps = {
+        i
+        for i in range(1, len(snapshots))
+        if snapshots[i].get("manifest.json") != snapshots[i - 1].get("manifest.json")
+    }
+    return {0, len(snapshots) - 1} | swaps
+
+
+#: The sample of interruption points by default, every other point in the slow run.
+POINTS = [pytest.param(False, id="sample"), pytest.param(True, id="rest", marks=pytest.mark.slow)]
+
+
 def _leftovers(folder: Path) -> bool:
     """Whether the folder holds a hidden file its manifest does not name (what a killed build leaves)."""
     named = {n for e in load_manifest(folder).models.values() for n in (e.file, e.golden)}
     return any(p.name.startswith(".") and p.name not in named | {LOCK_NAME} for p in folder.iterdir())
 
 
+@pytest.mark.parametrize("rest", POINTS)
 def test_a_build_killed_after_any_file_operation_leaves_a_folder_that_verifies(
-    rebuild, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rebuild, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rest: bool
 ) -> None:
     spec, _, old, new = rebuild
     folder = _restore(old, tmp_path / "out")
@@ -131,7 +150,11 @@ def test_a_build_killed_after_any_file_operation_leaves_a_folder_that_verifies(
         _rebuild(spec, folder)
     assert ops.count >= 30 and len(ops.snapshots) == ops.count + 1
     assert _snapshot(folder) == new
+    sample = _sample(ops.snapshots)
+    assert len(sample) >= 4  # before, two commits per graph at least, after
     for i, snapshot in enumerate(ops.snapshots):  # the folder as a kill -9 after operation i leaves it
+        if (i in sample) == rest:
+            continue
         image = _restore(snapshot, tmp_path / f"verify{i}")
         _is_whole(image, old, new, tmp_path / "ref")
         left = _leftovers(image)
@@ -149,14 +172,18 @@ def test_a_build_killed_after_any_file_operation_leaves_a_folder_that_verifies(
         assert _snapshot(image) == new, i  # the next build finishes the job: the same bytes as a clean one
 
 
+@pytest.mark.parametrize("rest", POINTS)
 def test_a_build_failing_at_any_file_operation_keeps_a_folder_that_verifies(
-    rebuild, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rebuild, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rest: bool
 ) -> None:
     spec, _, old, new = rebuild
     with monkeypatch.context() as m:
         total = _FileOps(_restore(old, tmp_path / "count"), m)
         _rebuild(spec, tmp_path / "count")
+    sample = _sample(total.snapshots) - {0} | {1}  # failing the first operation, each commit and the last
     for k in range(1, total.count + 1):
+        if (k in sample) == rest:
+            continue
         folder = _restore(old, tmp_path / f"fail{k}")
         with monkeypatch.context() as m:
             _FileOps(folder, m, fail_at=k)

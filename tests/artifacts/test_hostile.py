@@ -27,7 +27,10 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.errors import InputError
 from attn_export.runtimes.ort import OnnxRuntime
-from tests.conftest import tiny_spec
+from tests.conftest import TINY_ZOO, Built, tiny_spec
+
+#: verify rebuilds the PyTorch originals of the tiny zoo from its specs
+TINY = ("--models", str(TINY_ZOO))
 
 
 def invoke(*args: str):
@@ -86,7 +89,7 @@ def test_verify_refuses_broken_artifacts_even_with_matching_hash(zoo_copy: Path,
 
     source, message = _bad_files(tmp_path, zoo_copy)[case]
     plant(zoo_copy, "sdpa", source.read_bytes())
-    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--no-latency")
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), *TINY, "--no-latency")
     assert result.exit_code == 2
     assert message in _error_line(result)
 
@@ -202,9 +205,9 @@ def sdpa_runtime(zoo_dir: Path):
 def _feeds(**override: np.ndarray) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     feeds = {
-        "q": rng.standard_normal((2, 3, 64)).astype(np.float32),
-        "k": rng.standard_normal((2, 5, 64)).astype(np.float32),
-        "v": rng.standard_normal((2, 5, 96)).astype(np.float32),
+        "q": rng.standard_normal((2, 3, 16)).astype(np.float32),
+        "k": rng.standard_normal((2, 5, 16)).astype(np.float32),
+        "v": rng.standard_normal((2, 5, 24)).astype(np.float32),
     }
     feeds.update(override)
     return feeds
@@ -218,12 +221,12 @@ def _feeds(**override: np.ndarray) -> dict[str, np.ndarray]:
             {k: v for k, v in _feeds().items() if k != "v"},
             "feeds do not match the inputs ['q', 'k', 'v']: missing ['v']",
         ),
-        (_feeds(q=np.zeros((2, 3, 64), np.float64)), "input 'q' has dtype float64, expected float32"),
-        (_feeds(q=np.zeros((2, 3), np.float32)), "input 'q' has rank 2, expected 3 ['batch', 'seq', 64]"),
-        (_feeds(q=np.full((2, 3, 64), np.nan, np.float32)), "input 'q' holds NaN or Inf"),
-        (_feeds(k=np.full((2, 5, 64), np.inf, np.float32)), "input 'k' holds NaN or Inf"),
-        (_feeds(v=np.zeros((2, 6, 96), np.float32)), "dim 'kv_seq' has two sizes: 5 and 6 (input 'v', axis 1)"),
-        (_feeds(q=np.zeros((2, 3, 63), np.float32)), "input 'q' axis 2 is 63, expected 64"),
+        (_feeds(q=np.zeros((2, 3, 16), np.float64)), "input 'q' has dtype float64, expected float32"),
+        (_feeds(q=np.zeros((2, 3), np.float32)), "input 'q' has rank 2, expected 3 ['batch', 'seq', 16]"),
+        (_feeds(q=np.full((2, 3, 16), np.nan, np.float32)), "input 'q' holds NaN or Inf"),
+        (_feeds(k=np.full((2, 5, 16), np.inf, np.float32)), "input 'k' holds NaN or Inf"),
+        (_feeds(v=np.zeros((2, 6, 24), np.float32)), "dim 'kv_seq' has two sizes: 5 and 6 (input 'v', axis 1)"),
+        (_feeds(q=np.zeros((2, 3, 15), np.float32)), "input 'q' axis 2 is 15, expected 16"),
     ],
 )
 def test_bad_feeds_are_refused(sdpa_runtime, feeds, message: str) -> None:
@@ -233,9 +236,9 @@ def test_bad_feeds_are_refused(sdpa_runtime, feeds, message: str) -> None:
 
 
 def test_dim_far_above_its_range_is_refused_before_allocating(zoo_dir: Path) -> None:
-    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--shapes", "batch=1,seq=4000000000,kv_seq=2")
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), *TINY, "--shapes", "batch=1,seq=4000000000,kv_seq=2")
     assert result.exit_code == 2
-    assert _error_line(result) == "Error: sdpa: seq=4000000000 is outside its declared range [1, 256]"
+    assert _error_line(result) == "Error: sdpa: seq=4000000000 is outside its declared range [1, 24]"
 
 
 # -- manifests and golden files ----------------------------------------------------------------
@@ -243,14 +246,14 @@ def test_dim_far_above_its_range_is_refused_before_allocating(zoo_dir: Path) -> 
 
 def test_manifest_that_is_not_json(zoo_copy: Path) -> None:
     (zoo_copy / "manifest.json").write_text("{not json")
-    result = invoke("verify", str(zoo_copy))
+    result = invoke("verify", str(zoo_copy), *TINY)
     assert result.exit_code == 2
     assert _error_line(result).startswith(f"Error: {zoo_copy / 'manifest.json'}: not valid JSON (")
 
 
 def test_manifest_listing_a_missing_file(zoo_copy: Path) -> None:
     (zoo_copy / "mha.onnx").unlink()
-    result = invoke("verify", str(zoo_copy), "--no-latency")
+    result = invoke("verify", str(zoo_copy), *TINY, "--no-latency")
     assert result.exit_code == 2
     assert _error_line(result) == f"Error: {zoo_copy / 'mha.onnx'}: file listed in the manifest is missing"
 
@@ -259,7 +262,7 @@ def test_manifest_naming_a_file_outside_its_folder(zoo_copy: Path) -> None:
     doc = json.loads((zoo_copy / "manifest.json").read_text())
     doc["models"]["mha"]["file"] = "../../etc/passwd"
     (zoo_copy / "manifest.json").write_text(json.dumps(doc))
-    result = invoke("verify", str(zoo_copy))
+    result = invoke("verify", str(zoo_copy), *TINY)
     assert result.exit_code == 2
     assert (
         _error_line(result)
@@ -356,7 +359,7 @@ def test_golden_zip_bomb_is_refused_from_its_headers(zoo_copy: Path) -> None:
         tracemalloc.stop()
     assert result.exit_code == 2
     where = f"Error: {zoo_copy / 'sdpa.golden.npz'}: "
-    assert _error_line(result) == where + "case 'min' input 'q' has shape [16777216], expected [1, 1, 64]"
+    assert _error_line(result) == where + "case 'min' input 'q' has shape [16777216], expected [1, 1, 16]"
     assert peak < BOMB // 4  # the 64 MiB array was never allocated
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--max-memory", "16MiB")
     assert result.exit_code == 2
@@ -455,10 +458,10 @@ def test_non_finite_numbers_are_refused(args: tuple[str, ...], option: str) -> N
 
 
 def test_non_ascii_digits_are_refused(zoo_dir: Path) -> None:
-    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--shapes", "batch=²")
+    result = invoke("verify", str(zoo_dir / "sdpa.onnx"), *TINY, "--shapes", "batch=²")
     assert result.exit_code == 2
     assert _error_line(result) == "Error: --shapes: cannot read 'batch=²'; expected NAME=SIZE, e.g. seq=16"
-    result = invoke("verify", str(zoo_dir), "--shard", "²/3")
+    result = invoke("verify", str(zoo_dir), *TINY, "--shard", "²/3")
     assert result.exit_code == 2
     assert "Invalid value for '--shard': '²/3' is not i/n with 1 <= i <= n (e.g. 2/4)" in result.output
 
@@ -498,7 +501,7 @@ def test_folder_named_in_another_encoding(zoo_dir: Path, tmp_path: Path, monkeyp
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(folder / "summary.md"))
     reports = [a for f in ("json", "junit", "markdown") for a in (f"--{f}", str(folder / f"report.{f}"))]
     # any failing case: a gate no graph meets (a slowdown far beyond the noise)
-    result = invoke("verify", str(folder), "--max-slowdown", "1e-9", "--latency-budget", "0.002", *reports)
+    result = invoke("verify", str(folder), *TINY, "--max-slowdown", "1e-9", "--latency-budget", "0.002", *reports)
     assert result.exit_code == 1  # a failure, so every report names the folder
     assert "cannot load" not in result.output
     for f in ("json", "junit", "markdown"):
@@ -517,11 +520,11 @@ def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeyp
 # -- output folder problems --------------------------------------------------------------------
 
 
-def test_full_disk_fails_cleanly_and_keeps_the_previous_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    models = tmp_path / "models"
-    spec = tiny_spec(models)
-    out = tmp_path / "out"
-    assert invoke("build", "--models", str(models), "--out", str(out)).exit_code == 0
+def test_full_disk_fails_cleanly_and_keeps_the_previous_build(
+    tiny_build: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models, out = tiny_build.models, tiny_build.out  # a copy of a build of tiny_spec
+    spec = models / "tiny.toml"
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     real_fdopen = os.fdopen

@@ -12,7 +12,7 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
-from tests.conftest import ZOO, write_spec
+from tests.conftest import TINY_ZOO, write_spec
 
 CONVENTION_SPEC = """
 module = "tests.user_modules:ConventionAttention"
@@ -85,7 +85,7 @@ def test_planted_convention_flip_fails_the_build(tmp_path: Path, convention: str
 
 
 def test_zoo_key_padding_mask_declared_the_wrong_way_exits_2(tmp_path: Path) -> None:
-    text = (ZOO / "torch_mha.toml").read_text()
+    text = (TINY_ZOO / "torch_mha.toml").read_text()
     write_spec(tmp_path, "torch_mha", text.replace('convention = "ignore"', 'convention = "attend"'))
     result = CliRunner().invoke(cli, ["build", "--models", str(tmp_path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2

@@ -27,7 +27,7 @@ from attn_export.runtimes import check_feeds
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
-from tests.conftest import HAS_TRANSFORMERS, ZOO, plant, write_spec
+from tests.conftest import HAS_TRANSFORMERS, TINY_ZOO, ZOO, plant, write_spec
 
 CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_model_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]
 MODULES = {
@@ -37,7 +37,7 @@ MODULES = {
 
 
 def _faulty(folder: Path, name: str, base: str, cls: str) -> Path:
-    text = (ZOO / f"{base}.toml").read_text().replace(MODULES[base], f"tests.faulty_decoders:{cls}")
+    text = (TINY_ZOO / f"{base}.toml").read_text().replace(MODULES[base], f"tests.faulty_decoders:{cls}")
     return write_spec(folder, name, text)
 
 
@@ -89,7 +89,7 @@ def test_a_cache_declared_half_way_is_refused(tmp_path: Path, edit: tuple[str, s
 
 
 def test_zoo_decoders_decode_like_pytorch_and_like_their_recording(zoo_dir: Path) -> None:
-    report = _decode(zoo_dir, ZOO, CACHE_MODELS)
+    report = _decode(zoo_dir, TINY_ZOO, CACHE_MODELS)
     assert report.passed, [r for d in report.decode for r in d.reasons()]
     assert sorted((d.model, d.scenario) for d in report.decode) == [
         (m, s) for m in CACHE_MODELS for s in ("batch-1", "left-padded")
@@ -99,7 +99,7 @@ def test_zoo_decoders_decode_like_pytorch_and_like_their_recording(zoo_dir: Path
         assert d.steps[0].past == 0 and all(s.seq == 1 for s in d.steps[1:])
         assert all(s.recompute for s in d.steps)  # each step checked against recomputing every token
     assert 0 in _by_scenario(report)["left-padded"].prompt_lengths  # one row all padding at step 1
-    golden = _decode(zoo_dir, ZOO, CACHE_MODELS, golden=True, decode_steps=3)
+    golden = _decode(zoo_dir, TINY_ZOO, CACHE_MODELS, golden=True, decode_steps=3)
     assert golden.passed and {d.expected_from for d in golden.decode} == {"golden"}
     assert all(len(d.steps) == 4 for d in golden.decode)
 
@@ -107,7 +107,7 @@ def test_zoo_decoders_decode_like_pytorch_and_like_their_recording(zoo_dir: Path
 def test_decode_judges_rounding_by_pytorchs_own_float32_error(zoo_dir: Path) -> None:
     # no tolerance of the user's own: every step is judged by 10x PyTorch's float32 error there
     for golden in (False, True):
-        report = _decode(zoo_dir, ZOO, ["gqa_rope_kv_cache"], golden=golden, decode_steps=3, atol=0.0, rtol=0.0)
+        report = _decode(zoo_dir, TINY_ZOO, ["gqa_rope_kv_cache"], golden=golden, decode_steps=3, atol=0.0, rtol=0.0)
         assert report.decode and report.passed, [r for d in report.decode for r in d.reasons()]
         for d in report.decode:
             checked = [c for s in d.steps for c in (*s.comparisons, *s.recompute)]
@@ -118,6 +118,8 @@ def test_decode_report_per_step_in_the_terminal_and_json(zoo_dir: Path, tmp_path
     args = [
         "verify",
         str(zoo_dir / "mha_kv_cache.onnx"),
+        "--models",
+        str(TINY_ZOO),
         "--no-latency",
         "--decode",
         "2",
@@ -189,15 +191,15 @@ def test_a_past_length_baked_from_the_example_fails_the_build_naming_the_line(fa
 
 
 def test_a_graph_that_breaks_on_a_fully_left_padded_row_diverges_at_step_1(zoo_copy: Path) -> None:
-    spec = load_spec(ZOO / "mha_kv_cache.toml")
+    spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
     module = instantiate(spec)  # same weights, attention through SDPA: the export gives no 0 for empty rows
     from tests.faulty_decoders import SafeSoftmaxOnly
 
-    faulty = SafeSoftmaxOnly(hidden_dim=64, num_heads=4).eval()
+    faulty = SafeSoftmaxOnly(**spec.kwargs).eval()
     faulty.load_state_dict(module.state_dict())
     plant(zoo_copy, "mha_kv_cache", export_onnx(faulty, spec, make_feeds(spec, example_sizes(spec), 0), opset=18))
     for golden in (False, True):
-        decode = _by_scenario(_decode(zoo_copy, ZOO, ["mha_kv_cache"], golden=golden, decode_steps=2))
+        decode = _by_scenario(_decode(zoo_copy, TINY_ZOO, ["mha_kv_cache"], golden=golden, decode_steps=2))
         assert decode["batch-1"].passed  # no padding, nothing to see
         first = decode["left-padded"].first_divergence
         assert first is not None and first.step == 1, decode["left-padded"].reasons()
@@ -228,4 +230,4 @@ def test_golden_decode_refuses_a_recording_with_a_scenario_or_a_step_missing(zoo
         (zoo_copy / "manifest.json").write_text(json.dumps(doc))
         scenario = "left-padded" if "left" in drop else "batch-1"
         with pytest.raises(ArtifactError, match=f"the decode recording of '{scenario}' is missing or has gaps"):
-            _decode(zoo_copy, ZOO, ["mha_kv_cache"], golden=True)
+            _decode(zoo_copy, TINY_ZOO, ["mha_kv_cache"], golden=True)

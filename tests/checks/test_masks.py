@@ -24,7 +24,7 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
-from tests.conftest import write_spec
+from tests.conftest import TINY_ZOO, write_spec
 
 #: F.scaled_dot_product_attention with a bool mask: PyTorch gives 0 on a fully masked row
 #: (its safe softmax); the exporter fills with the float minimum, which gives the mean of V.
@@ -165,8 +165,8 @@ def test_mask_case_reproduces_one_named_case(repaired: Path, zoo_dir: Path) -> N
     )
     assert result.exit_code == 0, result.output
     assert "batch=2,seq=5,kv_seq=3 fully-padded-sequence normal   PASS" in result.output
-    wrong = CliRunner().invoke(cli, ["verify", str(zoo_dir / "mha.onnx"), *shapes[:1], "batch=2,seq=5"] + [
-        "--mask-case", "fully-masked-row"])  # fmt: skip
+    wrong = CliRunner().invoke(cli, ["verify", str(zoo_dir / "mha.onnx"), "--models", str(TINY_ZOO)] + [
+        *shapes[:1], "batch=2,seq=5", "--mask-case", "fully-masked-row"])  # fmt: skip
     assert wrong.exit_code == 2
     assert "mha: --mask-case fully-masked-row does not apply (it has: no mask)" in wrong.output
     _, mask = load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0]

@@ -18,7 +18,7 @@ from attn_export.errors import ExportFailure
 from attn_export.exporter.cache_in_op import fold_cache
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
-from tests.conftest import ZOO, write_spec
+from tests.conftest import TINY_ZOO, write_spec
 
 
 def _one_stream(text: str) -> str:
@@ -32,9 +32,9 @@ def _one_stream(text: str) -> str:
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str | None]]:
     root = tmp_path_factory.mktemp("cache_variants")
     models = root / "models"
-    gqa = (ZOO / "gqa_rope_kv_cache.toml").read_text()
+    gqa = (TINY_ZOO / "gqa_rope_kv_cache.toml").read_text()
     specs = [
-        write_spec(models, "mha_kv_cache", (ZOO / "mha_kv_cache.toml").read_text()),
+        write_spec(models, "mha_kv_cache", (TINY_ZOO / "mha_kv_cache.toml").read_text()),
         write_spec(models, "gqa_rope_kv_cache", gqa),
         write_spec(models, "gqa_one_stream", _one_stream(gqa)),
     ]

@@ -23,7 +23,7 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
-from tests.conftest import ZOO, needs_transformers, write_spec
+from tests.conftest import TINY_ZOO, ZOO, needs_transformers, write_spec
 
 #: The new zoo models, what their exported graph gave on fully masked rows, and PyTorch's.
 NEW_ZOO = [
@@ -51,7 +51,8 @@ def test_new_zoo_model_builds_from_its_spec_alone_and_verifies(zoo_dir: Path, na
         "gives": "0",
         "was": was,
     }
-    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), [name], VerifyOptions(latency=False, n_random=4))
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, n_random=4)
+    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), [name], options)
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
     named = [c for c in report.cases if c.shape in was]
     assert len(named) == len(was)
@@ -109,7 +110,7 @@ def test_the_spec_calls_llama_attention_as_llama_model_does() -> None:
 def test_a_difference_no_rewrite_can_repair_fails_naming_the_cause(tmp_path: Path) -> None:
     """ort-fused turns BertAttention into one fused op: no Softmax is left to rewrite."""
     options = BuildOptions(tmp_path / "out", variants=("ort-fused",))
-    result = build_models([ZOO / "bert_attention.toml"], options).results[0]
+    result = build_models([TINY_ZOO / "bert_attention.toml"], options).results[0]
     assert (result.status, result.failed_stage) == ("failed", "fully_masked"), result.error
     assert result.error == (
         "bert_attention.ort-fused: fully masked rows (fully-padded-sequence): PyTorch and the graph differ; "
@@ -166,7 +167,7 @@ def test_one_layer_llama_model_with_an_integer_mask_and_an_output_picked_by_name
 
 
 def test_a_tuple_without_pick_says_how_to_pick(tmp_path: Path) -> None:
-    text = (ZOO / "torch_mha.toml").read_text().replace("pick = 0\n", "")
+    text = (TINY_ZOO / "torch_mha.toml").read_text().replace("pick = 0\n", "")
     result = build_models([write_spec(tmp_path, "torch_mha", text)], BuildOptions(tmp_path / "out")).results[0]
     assert result.status == "failed"
     assert "module returned 2 outputs, spec declares 1 (choose with pick = <index or name> in each [[outputs]])" in (
@@ -176,7 +177,7 @@ def test_a_tuple_without_pick_says_how_to_pick(tmp_path: Path) -> None:
 
 def test_a_factory_function_and_a_missing_pick_name(tmp_path: Path) -> None:
     text = (
-        (ZOO / "torch_mha.toml")
+        (TINY_ZOO / "torch_mha.toml")
         .read_text()
         .replace('module = "torch.nn:MultiheadAttention"', 'module = "tests.user_modules:make_mha"')
     )

@@ -12,7 +12,10 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.spec import VARIANTS, load_spec
-from tests.conftest import ZOO, write_spec
+from tests.conftest import TINY_ZOO, ZOO, write_spec
+
+#: verify rebuilds the PyTorch originals of the tiny zoo from its specs
+TINY = ["--models", str(TINY_ZOO)]
 
 ALL = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto")
 
@@ -21,7 +24,7 @@ ALL = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "au
 def variant_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """mha_cross (seed MHA) and mha_attention_op (SDPA) with every variant."""
     out = tmp_path_factory.mktemp("variants")
-    paths = [ZOO / "mha_cross.toml", ZOO / "mha_attention_op.toml"]
+    paths = [TINY_ZOO / "mha_cross.toml", TINY_ZOO / "mha_attention_op.toml"]
     summary = build_models(paths, BuildOptions(out, variants=ALL))
     status = {r.name: (r.status, r.error) for r in summary.results}
     assert status["mha_cross.attention-op"][0] == "failed"  # the seed module has no SDPA call
@@ -45,7 +48,7 @@ def _rows(output: str) -> list[list[str]]:
 
 
 def test_every_variant_verifies_within_its_tolerance_at_unit_scale(variant_build: Path) -> None:
-    args = ["verify", str(variant_build), "--no-latency", "--distribution", "normal", "--distribution", "tiny"]
+    args = ["verify", str(variant_build), *TINY, "--no-latency", "--distribution", "normal", "--distribution", "tiny"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     rows = {row[0] for row in _rows(result.output)}
@@ -56,7 +59,7 @@ def test_quantized_graphs_show_where_they_break(variant_build: Path) -> None:
     """int8's per-tensor activation scale collapses on outlier channels; the plain graph
     does not: verify says so per distribution."""
     graphs = [variant_build / "mha_cross.onnx", variant_build / "mha_cross.int8.onnx"]
-    result = CliRunner().invoke(cli, ["verify", *map(str, graphs), "--no-latency"])
+    result = CliRunner().invoke(cli, ["verify", *map(str, graphs), *TINY, "--no-latency"])
     assert result.exit_code == 1
     failing = {(row[0], row[3]) for row in _rows(result.output) if row[4] == "FAIL"}
     assert ("mha_cross.int8", "outliers") in failing and all(model == "mha_cross.int8" for model, _ in failing)
@@ -77,7 +80,7 @@ def test_attention_op_variant_holds_the_attention_op(variant_build: Path) -> Non
 def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_build: Path) -> None:
     assert {"DynamicQuantizeLinear", "MatMulInteger"} & _ops(variant_build / "mha_cross.int8.onnx")
     result = CliRunner().invoke(
-        cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--distribution", "normal"]
+        cli, ["verify", str(variant_build / "mha_cross.int8.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
     )
     assert result.exit_code == 0
     errors = [float(row[5]) for row in _rows(result.output) if row[0] == "mha_cross.int8"]
@@ -85,7 +88,7 @@ def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_bui
     assert max(errors) <= VARIANTS["int8"].tolerance.atol
     strict = CliRunner().invoke(
         cli,
-        ["verify", str(variant_build / "mha_cross.int8.onnx"), "--no-latency", "--distribution", "normal"]
+        ["verify", str(variant_build / "mha_cross.int8.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
         + ["--atol", "1e-5", "--rtol", "1e-4"],
     )
     assert strict.exit_code == 1  # judged by the fp32 tolerance it fails, as it should
@@ -93,7 +96,7 @@ def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_bui
 
 def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    summary = build_models([ZOO / "mha_causal.toml"], BuildOptions(out, variants=("fp16",)))
+    summary = build_models([TINY_ZOO / "mha_causal.toml"], BuildOptions(out, variants=("fp16",)))
     assert summary.results[0].status == "built", summary.results[0].error
     proto = onnx.load(out / "mha_causal.fp16.onnx")
     assert all(
@@ -102,7 +105,7 @@ def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     fills = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert all(abs(float(f.min())) <= 65504 for f in fills if f.size)  # -1e9 was clamped, not -inf
     # every sweep point has a fully masked row: fp16 must keep it finite
-    result = CliRunner().invoke(cli, ["verify", str(out), "--no-latency", "--distribution", "normal"])
+    result = CliRunner().invoke(cli, ["verify", str(out), *TINY, "--no-latency", "--distribution", "normal"])
     assert result.exit_code == 0, result.output
 
 
@@ -113,7 +116,7 @@ def test_ort_optimized_records_its_provider(variant_build: Path) -> None:
 def test_auto_records_its_choice_and_figures(variant_build: Path) -> None:
     entry = load_manifest(variant_build).models["mha_cross.auto"]
     info = entry.variant_info
-    spec = load_spec(ZOO / "mha_cross.toml")
+    spec = load_spec(TINY_ZOO / "mha_cross.toml")
     assert info["provider"] == "cpu" and info["shape"] == spec.typical
     figures = info["figures"]
     assert set(figures) == {"fp32", "attention-op", "ort-past", "ort-fused", "int8", "ort-optimized"}

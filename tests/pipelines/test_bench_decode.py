@@ -20,16 +20,18 @@ from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import load_spec
-from tests.conftest import ZOO, tiny_spec
+from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 
+#: The production spec, for what needs no build; the tiny zoo's for what runs.
 SPEC = ZOO / "mha_kv_cache.toml"
+TINY_SPEC = TINY_ZOO / "mha_kv_cache.toml"
 RUNNERS = {"torch-eager", "ort:fp32", "ort:int8"}
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("decode") / "out"
-    summary = build_models([SPEC], BuildOptions(out, variants=("fp32", "int8")))
+    summary = build_models([TINY_SPEC], BuildOptions(out, variants=("fp32", "int8")))
     assert all(r.ok for r in summary.results), [r.error for r in summary.results]
     return out
 
@@ -37,7 +39,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def decode_run(built: Path) -> tuple[Path, object]:
     folder = built.parent
-    args = ["bench", str(SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
+    args = ["bench", str(TINY_SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
     args += ["--variant", "int8", "--budget", "0.01", "--threads", "1", "--json", str(folder / "decode.json")]
     args += ["--markdown", str(folder / "decode.md"), "--plot", str(folder / "decode.png")]
     return folder, CliRunner().invoke(cli, args)
@@ -75,7 +77,7 @@ def test_table_markdown_and_plot(decode_run) -> None:
 
 
 def test_bound_steps_match_plain_runs_and_feed_presents_back(built: Path) -> None:
-    spec = load_spec(SPEC)
+    spec = load_spec(TINY_SPEC)
     plan = plan_window(spec, batch=2, past=5, window=3, seed=1)
     session = load_session(built / "mha_kv_cache.onnx", threads=1)
     decoder = OrtDecoder(session, spec, plan)
@@ -85,7 +87,7 @@ def test_bound_steps_match_plain_runs_and_feed_presents_back(built: Path) -> Non
         decoder.step()
         got = decoder.outputs()
         expected = dict(zip(names, session.run(None, plan.feeds(k, pasts)), strict=True))
-        assert got["present.0.key"].shape == (2, 4, 5 + k + 1, 16)
+        assert got["present.0.key"].shape == (2, 4, 5 + k + 1, 8)
         for name in names:
             np.testing.assert_allclose(got[name], expected[name], rtol=0, atol=1e-6)
         pasts = {
@@ -93,11 +95,11 @@ def test_bound_steps_match_plain_runs_and_feed_presents_back(built: Path) -> Non
             "past_key_values.0.value": expected["present.0.value"],
         }
     decoder.step()  # the window is used up: it starts again from the prefilled cache
-    assert decoder.outputs()["present.0.key"].shape == (2, 4, 6, 16)
+    assert decoder.outputs()["present.0.key"].shape == (2, 4, 6, 8)
 
 
 def test_eager_decodes_the_same_tokens_as_onnx_runtime(built: Path) -> None:
-    spec = load_spec(SPEC)
+    spec = load_spec(TINY_SPEC)
     plan = plan_window(spec, batch=1, past=3, window=2, seed=2)
     eager = EagerDecoder(instantiate(spec), spec, plan)
     bound = OrtDecoder(load_session(built / "mha_kv_cache.onnx", threads=1), spec, plan)
@@ -107,7 +109,7 @@ def test_eager_decodes_the_same_tokens_as_onnx_runtime(built: Path) -> None:
         want, got = eager.outputs(), bound.outputs()
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
-    assert want["present.0.value"].shape == (1, 4, 5, 16)
+    assert want["present.0.value"].shape == (1, 4, 5, 8)
 
 
 def test_default_pasts_are_clamped_to_the_spec_range() -> None:

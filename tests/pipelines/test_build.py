@@ -14,11 +14,13 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from click.testing import CliRunner
 
 from attn_export.artifacts import files as artifacts
 from attn_export.artifacts.files import build_lock, sha256_file
 from attn_export.artifacts.golden import read_golden
 from attn_export.artifacts.manifest import load_manifest
+from attn_export.cli import cli
 from attn_export.compare import compare_outputs
 from attn_export.errors import GraphCheckError, LockError
 from attn_export.exporter.factory import instantiate
@@ -30,9 +32,30 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import golden_points, sweep
-from tests.conftest import ROOT, ZOO_SPECS, tiny_spec, write_spec
+from tests.conftest import ROOT, TINY_SPECS, ZOO, Built, buildable, tiny_spec, write_spec, zoo_cases
 
-ZOO_NAMES = sorted(p.stem for p in ZOO_SPECS)
+ZOO_NAMES = sorted(p.stem for p in TINY_SPECS)
+#: The production zoo's models the default run builds and verifies (the slow run: all of
+#: them): a masked attention and a decoder with a key/value cache.
+PRODUCTION_SAMPLE = ("mha_causal", "mha_kv_cache")
+
+
+@pytest.mark.parametrize(
+    "names",
+    [pytest.param(PRODUCTION_SAMPLE, id="sample"), pytest.param((), id="whole", marks=pytest.mark.slow)],
+)
+def test_the_production_zoo_builds_and_verifies(tmp_path: Path, names: tuple[str, ...]) -> None:
+    """models/ at its own sizes, as `make demo` runs it: every other test uses the tiny zoo."""
+    specs = [ZOO / f"{n}.toml" for n in names] if names else buildable(ZOO)
+    names = tuple(p.stem for p in specs)
+    out = tmp_path / "build"
+    build = CliRunner().invoke(cli, ["build", *names, "--models", str(ZOO), "--out", str(out)])
+    assert build.exit_code == 0, build.output
+    assert build.output.splitlines()[-1].startswith(f"{len(specs)} graphs: {len(specs)} built, 0 skipped, 0 failed")
+    verify = CliRunner().invoke(cli, ["verify", str(out), "--models", str(ZOO), "--no-latency"])
+    assert verify.exit_code == 0, verify.output
+    cases = zoo_cases(specs)
+    assert f"verify PASSED: {cases} of {cases} cases agree across {len(specs)} models" in verify.output
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
@@ -88,7 +111,7 @@ def test_golden_vectors_cover_batch_one_and_unequal_lengths(zoo_dir: Path) -> No
     assert {"batch": 1, "seq": 1, "kv_seq": 1} in sizes
     assert any(s["seq"] != s["kv_seq"] for s in sizes)
     case = cases[0]
-    assert case.inputs["query"].shape == (case.sizes["batch"], case.sizes["seq"], 256)
+    assert case.inputs["query"].shape == (case.sizes["batch"], case.sizes["seq"], 32)
     assert case.outputs["output"].dtype == np.float32
 
 
@@ -141,10 +164,10 @@ def test_incremental_build_skips_unchanged_and_rebuilds_changed(tmp_path: Path) 
     assert _build([path], out).results[0].status == "built"
 
 
-def test_crash_while_writing_leaves_previous_artifacts_intact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tiny_spec(tmp_path / "models")
-    out = tmp_path / "out"
-    _build([path], out)
+def test_crash_while_writing_leaves_previous_artifacts_intact(
+    tiny_build: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, out = tiny_build.models / "tiny.toml", tiny_build.out  # a copy of a build of tiny_spec
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
     def killed(fd: int) -> None:
@@ -301,8 +324,8 @@ def test_manifest_records_the_contract(zoo_dir: Path) -> None:
     # the spec is stored once; nothing beside it repeats its fields
     assert not {"inputs", "outputs", "dims", "tolerance", "opset", "exporter"} & set(entry)
     spec = entry["spec"]
-    assert spec["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 256]}
-    assert spec["dims"]["kv_seq"] == {"min": 1, "max": 320}
+    assert spec["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 32]}
+    assert spec["dims"]["kv_seq"] == {"min": 1, "max": 40}
     assert spec["tolerance"]["atol"] == 1e-5
     assert entry["sha256"] == sha256_file(zoo_dir / "mha_cross.onnx")
     assert set(entry["versions"]) == {"attn_export", "torch", "onnx", "onnxscript", "onnxruntime"}

@@ -22,9 +22,9 @@ def test_inspect_our_model(zoo_dir: Path) -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["opsets"]["ai.onnx"] == 23 and doc["ops"]["Attention"] == 1
-    assert doc["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 256]}
+    assert doc["inputs"][1] == {"name": "keys", "dtype": "float32", "shape": ["batch", "kv_seq", 32]}
     assert doc["metadata"]["attn_export.model"] == "mha_attention_op"
-    weights = 4 * (256 * 256 + 256)  # four Linear layers; the rest are a few scalar constants
+    weights = 4 * (32 * 32 + 32)  # four Linear layers; the rest are a few scalar constants
     assert 0 <= doc["parameters"] - weights < 16 and doc["parameter_bytes"] >= 4 * weights
     assert doc["kernels_ok"] is True and doc["external_data"] == []
 
@@ -39,7 +39,7 @@ def test_inspect_json_round_trips(zoo_dir: Path) -> None:
 def test_inspect_text(zoo_dir: Path) -> None:
     result = invoke("inspect", str(zoo_dir / "sdpa.onnx"))
     assert result.exit_code == 0
-    assert "  q                float32  [batch, seq, 64]" in result.output
+    assert "  q                float32  [batch, seq, 16]" in result.output
     assert "kernels:     cpu: every op has a kernel" in result.output
 
 
@@ -89,7 +89,7 @@ def test_inspect_a_model_with_an_unknown_element_type(zoo_dir: Path, tmp_path: P
     onnx.save(model, tmp_path / "odd.onnx")
     result = invoke("inspect", str(tmp_path / "odd.onnx"))
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
-    assert "  q                unknown (999) [batch, seq, 64]" in result.output
+    assert "  q                unknown (999) [batch, seq, 16]" in result.output
     assert "checker:     REJECTED: " in result.output
 
 

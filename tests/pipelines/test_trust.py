@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.spec import load_spec
-from tests.conftest import ROOT, ZOO, needs_transformers, tiny_spec
+from tests.conftest import ROOT, ZOO, Built, copy_build, needs_transformers, shared_build, tiny_spec, unchanged
 
 FAST = ("--no-latency",)
 
@@ -24,11 +25,9 @@ def invoke(*args: str):
     return CliRunner().invoke(cli, list(args))
 
 
-@pytest.fixture
-def user_build(tmp_path: Path) -> tuple[Path, Path]:
-    """A user's own module next to its spec, with a trained state_dict, built once."""
-    models = tmp_path / "models"
-    models.mkdir()
+def _user_specs(models: Path) -> list[Path]:
+    """A user's own module next to its spec, with a trained state_dict."""
+    models.mkdir(parents=True)
     (models / "my_attention.py").write_text(
         "from attn_export.zoo.seed import MultiHeadAttention\n\n\nclass MyAttention(MultiHeadAttention):\n    pass\n"
     )
@@ -39,10 +38,22 @@ def user_build(tmp_path: Path) -> tuple[Path, Path]:
     spec = tiny_spec(models, "mine")
     text = spec.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "my_attention:MyAttention")
     spec.write_text(text + '\n[weights]\npath = "w.pt"\n')
-    out = tmp_path / "out"
-    result = invoke("build", "--models", str(models), "--out", str(out))
-    assert result.exit_code == 0, result.output
-    return models, out
+    return [spec]
+
+
+@pytest.fixture(scope="module")
+def shared_user_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    built = shared_build(tmp_path_factory, "user", _user_specs)
+    assert built.errors == {"mine": None}, built.errors
+    with unchanged(built.out), unchanged(built.models):
+        yield built
+
+
+@pytest.fixture
+def user_build(shared_user_build: Built, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the user's build, built once: its spec folder and its build folder."""
+    built = copy_build(shared_user_build, tmp_path)
+    return built.models, built.out
 
 
 def _verify(models: Path, out: Path, *extra: str):
@@ -134,14 +145,15 @@ main(sys.argv[1:])
 
 
 def test_a_moved_build_folder_verifies_in_golden_mode_without_torch(
-    user_build: tuple[Path, Path], tmp_path: Path
+    shared_user_build: Built, user_build: tuple[Path, Path], tmp_path: Path
 ) -> None:
     models, out = user_build
     deploy = tmp_path / "deploy" / "build"
     shutil.move(out, deploy)
     shutil.rmtree(models)  # the deploy box has no checkout: no spec, no module, no weights
     manifest = (deploy / "manifest.json").read_text()
-    assert str(tmp_path) not in manifest  # nothing in it points back to the build machine
+    built_in = shared_user_build.out.parent  # where it was built: its spec folder and build folder
+    assert str(built_in) not in manifest and str(tmp_path) not in manifest  # nothing points back to the build machine
     done = subprocess.run(
         [sys.executable, "-c", TORCH_FREE, "verify", str(deploy), "--golden", *FAST],
         capture_output=True,

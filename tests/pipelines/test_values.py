@@ -13,11 +13,10 @@ from click.testing import CliRunner
 from onnx import helper
 
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.spec import load_spec
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
-from tests.conftest import plant, tiny_spec
+from tests.conftest import Built, plant
 
 FAST = ("--no-latency",)
 
@@ -27,11 +26,9 @@ def invoke(*args: str):
 
 
 @pytest.fixture
-def tiny(tmp_path: Path) -> tuple[Path, Path]:
-    models, out = tmp_path / "models", tmp_path / "out"
-    summary = build_models([tiny_spec(models)], BuildOptions(out))
-    assert summary.exit_code == 0, summary.results[0].error
-    return models, out
+def tiny(tiny_build: Built) -> tuple[Path, Path]:
+    """A copy of a build of ``tiny_spec``: its spec folder and its build folder."""
+    return tiny_build.models, tiny_build.out
 
 
 def _verify(tiny: tuple[Path, Path], *extra: str):

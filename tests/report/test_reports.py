@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.report.json_report import dump_json_report, load_json_report
 from attn_export.report.markdown import markdown_report
-from tests.conftest import ROOT, ZOO_CASES, ZOO_SPECS, node, plant, set_initializer
+from tests.conftest import ROOT, TINY_CASES, TINY_SPECS, TINY_ZOO, node, plant, set_initializer
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def failing_zoo(zoo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     dest = tmp_path_factory.mktemp("failing") / "zoo"
     shutil.copytree(zoo_dir, dest)
     proto = onnx.load(dest / "sdpa.onnx")
-    set_initializer(proto, node(proto, "Div").input[1], 4.0)
+    set_initializer(proto, node(proto, "Div").input[1], 2.0)  # sqrt(d_k) is 4
     plant(dest, "sdpa", proto)
     return dest
 
@@ -43,6 +43,8 @@ def reports(failing_zoo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         [
             "verify",
             str(failing_zoo),
+            "--models",
+            str(TINY_ZOO),
             "--latency-budget",
             "0.002",
             "--json",
@@ -65,7 +67,7 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     doc = json.loads(text)
     assert doc["passed"] is False
     summary = doc["summary"]
-    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (len(ZOO_SPECS), ZOO_CASES, 0)
+    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (len(TINY_SPECS), TINY_CASES, 0)
     sdpa = [c for c in doc["cases"] if c["model"] == "sdpa"]
     assert 0 < summary["failed_cases"] < len(sdpa)  # kv_seq=1 hides a wrong scale
     failing = [c for c in doc["cases"] if not c["passed"]]
@@ -73,7 +75,7 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     assert failing[0]["reproduce"].startswith("attn-export verify ")
 
 
-def test_json_report_is_strict_json_even_with_nan(tmp_path: Path, zoo_dir: Path) -> None:
+def test_json_report_is_strict_json_even_with_nan() -> None:
     import numpy as np
 
     from attn_export.compare import compare_output
@@ -99,9 +101,9 @@ def test_junit_counts_the_right_failures(reports: dict[str, Path]) -> None:
     root = ET.parse(reports["xml"]).getroot()
     suite = root.find("testsuite")
     assert suite is not None
-    assert (suite.get("tests"), suite.get("failures")) == (str(len(ZOO_SPECS)), "1")
+    assert (suite.get("tests"), suite.get("failures")) == (str(len(TINY_SPECS)), "1")
     cases = suite.findall("testcase")
-    assert {c.get("classname") for c in cases} == {p.stem for p in ZOO_SPECS}
+    assert {c.get("classname") for c in cases} == {p.stem for p in TINY_SPECS}
     failed = [c for c in cases if c.find("failure") is not None]
     assert [(c.get("classname"), c.get("name")) for c in failed] == [("sdpa", "onnxruntime[cpu]")]
     failure = failed[0].find("failure")
@@ -115,7 +117,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     end = next(i for i, line in enumerate(lines) if i > header + 1 and not line.startswith("| "))
     rows = lines[header + 2 : end]
-    assert len(rows) == ZOO_CASES and all(row.count("|") == 11 for row in rows)
+    assert len(rows) == TINY_CASES and all(row.count("|") == 11 for row in rows)
     failed = json.loads(reports["json"].read_text())["summary"]["failed_cases"]
     assert sum("**FAIL**" in row for row in rows) == failed
     assert "#### Max abs error by value distribution" in md
@@ -127,7 +129,8 @@ def test_markdown_of_a_passing_report(zoo_dir: Path) -> None:
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 
-    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), ["sdpa"], VerifyOptions(latency=False))
+    options = VerifyOptions(latency=False, models_dir=TINY_ZOO)
+    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), ["sdpa"], options)
     md = markdown_report(report)
     assert md.startswith("### attn-export verify: ✅ passed") and "Failures" not in md
 
@@ -168,7 +171,7 @@ def test_golden_mode_runs_without_torch(zoo_dir: Path) -> None:
 
 def test_without_torch_a_torch_command_says_what_to_install(zoo_dir: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, "verify", str(zoo_dir), "--no-latency"],
+        [sys.executable, "-c", TORCH_FREE, "verify", str(zoo_dir), "--models", str(TINY_ZOO), "--no-latency"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -181,7 +184,7 @@ def test_without_torch_a_torch_command_says_what_to_install(zoo_dir: Path) -> No
 
 def test_golden_mode_catches_a_planted_fault(zoo_copy: Path) -> None:
     proto = onnx.load(zoo_copy / "sdpa.onnx")
-    set_initializer(proto, node(proto, "Div").input[1], 4.0)
+    set_initializer(proto, node(proto, "Div").input[1], 2.0)  # sqrt(d_k) is 4
     plant(zoo_copy, "sdpa", proto)
     result = CliRunner().invoke(cli, ["verify", str(zoo_copy / "sdpa.onnx"), "--golden", "--no-latency"])
     assert result.exit_code == 1

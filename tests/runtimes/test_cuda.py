@@ -13,6 +13,7 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec.inputs import make_feeds
+from tests.conftest import TINY_ZOO
 
 pytestmark = pytest.mark.skipif(
     "CUDAExecutionProvider" not in ort.get_available_providers(),
@@ -40,6 +41,8 @@ def test_verify_on_cuda_with_latency(zoo_dir: Path) -> None:
             "verify",
             str(zoo_dir / "sdpa.onnx"),
             str(zoo_dir / "mha_cross.onnx"),
+            "--models",
+            str(TINY_ZOO),
             "--provider",
             "cuda",
             "--latency-budget",
@@ -57,12 +60,21 @@ def test_inspect_checks_cuda_kernels(zoo_dir: Path) -> None:
 
 
 def test_fp16_variant_verifies_on_cuda(tmp_path: Path) -> None:
-    from tests.conftest import ZOO
-
     out = tmp_path / "out"
     runner = CliRunner()
-    build = runner.invoke(cli, ["build", "mha_causal", "--models", str(ZOO), "--out", str(out), "--variant", "fp16"])
+    args = ["build", "mha_causal", "--models", str(TINY_ZOO), "--out", str(out), "--variant", "fp16"]
+    build = runner.invoke(cli, args)
     assert build.exit_code == 0, build.output
-    args = ["verify", str(out), "--provider", "cuda", "--no-latency", "--distribution", "normal"]
+    args = [
+        "verify",
+        str(out),
+        "--models",
+        str(TINY_ZOO),
+        "--provider",
+        "cuda",
+        "--no-latency",
+        "--distribution",
+        "normal",
+    ]
     result = runner.invoke(cli, [*args, "--distribution", "tiny"])
     assert result.exit_code == 0, result.output

@@ -12,7 +12,7 @@ from attn_export.errors import InputError, UsageError
 from attn_export.spec import load_spec
 from attn_export.spec.memory import case_bytes, check_memory, machine_memory, memory_budget, parse_bytes
 from attn_export.spec.shapes import sweep
-from tests.conftest import ZOO, tiny_spec
+from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 
 
 def test_case_bytes_counts_inputs_outputs_and_the_largest_scores() -> None:
@@ -61,13 +61,14 @@ def test_budget_is_the_option_else_the_spec_else_the_machine(tmp_path: Path) -> 
 
 
 def test_verify_refuses_a_case_over_max_memory(zoo_dir: Path) -> None:
-    result = CliRunner().invoke(cli, ["verify", str(zoo_dir / "sdpa.onnx"), "--no-latency", "--max-memory", "1MiB"])
+    sdpa = [str(zoo_dir / "sdpa.onnx"), "--models", str(TINY_ZOO)]
+    result = CliRunner().invoke(cli, ["verify", *sdpa, "--no-latency", "--max-memory", "64KiB"])
     assert result.exit_code == 2, result.output
     assert result.output.splitlines()[-1] == (
-        "Error: sdpa: case max (batch=8,seq=256,kv_seq=320) needs at least 13.8 MiB, over the memory budget of "
-        "1.0 MiB; narrow the dims or raise --max-memory (or max_memory in the spec)"
+        "Error: sdpa: case max (batch=4,seq=24,kv_seq=40) needs at least 135.0 KiB, over the memory budget of "
+        "64.0 KiB; narrow the dims or raise --max-memory (or max_memory in the spec)"
     )
-    bad = CliRunner().invoke(cli, ["verify", str(zoo_dir / "sdpa.onnx"), "--max-memory", "lots"])
+    bad = CliRunner().invoke(cli, ["verify", *sdpa, "--max-memory", "lots"])
     assert bad.exit_code == 2 and bad.output == (
         "Error: --max-memory: 'lots' is not a memory size like 8GiB, 512MiB or 1000000\n"
     )

@@ -256,5 +256,15 @@ def test_output_that_is_nan_on_both_sides_fails_unless_the_spec_allows_it(tmp_pa
     assert result.exit_code == 0, result.output
     cases = json.loads((tmp_path / "r.json").read_text())["cases"]
     n = len(cases)
-    assert f"note: nan: NaN on both sides in {n} of {n} cases, accepted by the spec's allow_nan" in result.output
+    assert f"note: nan: NaN or Inf on both sides in {n} of {n} cases, accepted by the spec's allow_nan" in result.output
     assert all(c["comparisons"][0]["shared_nan"] == c["comparisons"][0]["total"] > 0 for c in cases)
+
+
+def test_output_that_is_inf_on_both_sides_fails_like_nan(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    models.mkdir()
+    (models / "nan_projection.py").write_text(NAN_MODULE.replace('* float("nan")', '* 0 + float("inf")'))
+    (models / "nan.toml").write_text(NAN_SPEC)
+    result = invoke("build", "--models", str(models), "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert "y: 48/48 elements Inf on both sides, first at [0, 0, 0] (set [tolerance] allow_nan = true" in result.output

@@ -42,9 +42,9 @@ def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
 
 
 def output_passed(c: OutputComparison) -> bool:
-    """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN on both sides
-    unless the spec allows it, every element within bounds."""
-    nan_ok = c.shared_nan == 0 or c.allow_nan
+    """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN (or Inf) on both
+    sides unless the spec allows it, every element within bounds."""
+    nan_ok = (c.shared_nan == 0 and c.shared_inf == 0) or c.allow_nan
     return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
 
 
@@ -69,6 +69,8 @@ class OutputComparison:
     unexpected_nonfinite: int = 0
     #: Count of elements that are NaN on both sides (agreement, but not a number).
     shared_nan: int = 0
+    #: Count of elements that are the same infinity on both sides (agreement, but no number).
+    shared_inf: int = 0
     #: Whether the spec accepts NaN on both sides (``[tolerance] allow_nan``).
     allow_nan: bool = False
     #: Index of the first unexpected NaN/Inf, else of the first shared NaN, else of the worst error.
@@ -109,9 +111,11 @@ class OutputComparison:
                 f"{self.name}: {self.unexpected_nonfinite} NaN/Inf where expected is finite, "
                 f"first at {self.worst_index}"
             )
-        if self.shared_nan and not self.allow_nan:
+        if (self.shared_nan or self.shared_inf) and not self.allow_nan:
+            kinds = [f"{self.shared_nan}/{self.total} elements NaN"] if self.shared_nan else []
+            kinds += [f"{self.shared_inf}/{self.total} elements Inf"] if self.shared_inf else []
             return (
-                f"{self.name}: {self.shared_nan}/{self.total} elements NaN on both sides, first at {self.worst_index} "
+                f"{self.name}: {' and '.join(kinds)} on both sides, first at {self.worst_index} "
                 "(set [tolerance] allow_nan = true in the spec if that is expected)"
             )
         if self.mismatched:
@@ -169,7 +173,9 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     same_nonfinite = ~e_finite & (both_nan | (e == a))
     bad_nonfinite = e_finite & ~np.isfinite(a)
     result.unexpected_nonfinite = int(bad_nonfinite.sum())
+    both_inf = np.isinf(e) & (e == a)
     result.shared_nan = int(both_nan.sum())
+    result.shared_inf = int(both_inf.sum())
 
     both = e_finite & np.isfinite(a)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -189,8 +195,8 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
         result.min_passing_atol = float(max(needed.max(), 0.0))
         if result.mismatched and not both.all():
             result.min_passing_atol = float("inf")
-        if result.shared_nan and not result.allow_nan:
-            result.worst_index = [int(i) for i in np.argwhere(both_nan)[0]]
+        if (result.shared_nan or result.shared_inf) and not result.allow_nan:
+            result.worst_index = [int(i) for i in np.argwhere(both_nan | both_inf)[0]]
     return result
 
 

@@ -42,10 +42,10 @@ def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> 
     """The rows for one model, printed as soon as it is verified."""
     lines = [format_case(c) for c in cases]
     lines += [f"{name:<18} {'checks':<18} {'-':<30} {'-':<8} FAIL   {p}" for p in check.problems]
-    nan = sum(any(o.shared_nan and o.passed for o in c.comparisons) for c in cases)
+    nan = sum(any((o.shared_nan or o.shared_inf) and o.passed for o in c.comparisons) for c in cases)
     if nan:  # passing, but not silently: the spec allowed it
         lines.append(
-            f"note: {name}: NaN on both sides in {nan} of {len(cases)} cases, accepted by the spec's allow_nan"
+            f"note: {name}: NaN or Inf on both sides in {nan} of {len(cases)} cases, accepted by the spec's allow_nan"
         )
     return "\n".join(lines)
 
@@ -90,7 +90,8 @@ def format_distributions(report: VerifyReport) -> str:
 
 def format_summary(report: VerifyReport) -> str:
     n = report.summary
-    verdict = "PASSED" if report.passed else f"FAILED ({', '.join(report.failed_models)})"
+    failed = ", ".join(report.failed_models) or "nothing was compared"
+    verdict = "PASSED" if report.passed else f"FAILED ({failed})"
     line = (
         f"verify {verdict}: {n['cases'] - n['failed_cases']} of {n['cases']} cases agree across "
         f"{n['models']} models in {report.seconds:.1f} s (seed {report.seed})"

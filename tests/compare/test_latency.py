@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from attn_export.compare import compare_output
 from attn_export.compare.latency import clearly_faster, latency_gate, noise
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
+from attn_export.spec import Tolerance
 
 
 def _stats(p50: float, p90: float, load: float | None = 0.1, cores: int = 2) -> LatencyStats:
@@ -26,6 +30,7 @@ def test_the_slowdown_gate_decides_only_beyond_the_noise() -> None:
     assert latency_gate(_stats(3.0, 3.2), fast, 2.0) is not None  # 3x, and beyond PyTorch's slow runs
     assert latency_gate(_stats(2.5, 2.7), _stats(1.0, 1.5), 2.0) is None  # 2.5x, but within PyTorch's spread
     case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {}, 0, "torch[cpu]")
+    case.comparisons = [compare_output("y", np.ones(2, np.float32), np.ones(2, np.float32), Tolerance(1e-5, 1e-4))]
     case.onnx_latency, case.torch_latency = _stats(2.5, 2.7), _stats(1.0, 1.6)
     report = VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")], [case])
     assert case.passed and report.summary["noisy_timings"] == 1

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attn_export.compare import OutputComparison, compare_output
+from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
+from attn_export.runtimes import Target
 from attn_export.spec import Tolerance
 
 TOL = Tolerance(1e-5, 1e-4)
@@ -46,10 +48,25 @@ def test_inf_where_expected_is_finite_fails() -> None:
     assert not c.passed and c.unexpected_nonfinite == 1
 
 
-def test_matching_infinities_agree() -> None:
+def test_matching_infinities_are_no_numbers_and_fail_unless_allowed_like_nan() -> None:
     e = np.array([-np.inf, np.inf, 1.0], np.float32)
-    assert compare_output("o", e, e.copy(), TOL).passed
+    c = compare_output("o", e, e.copy(), TOL)
+    assert not c.passed and c.shared_inf == 2 and c.mismatched == 0 and c.worst_index == [0]
+    assert c.reason() == (
+        "o: 2/3 elements Inf on both sides, first at [0] (set [tolerance] allow_nan = true in the spec "
+        "if that is expected)"
+    )
+    assert compare_output("o", e, e.copy(), Tolerance(1e-5, 1e-4, allow_nan=True)).passed
     assert not compare_output("o", e, np.array([np.inf, np.inf, 1.0], np.float32), TOL).passed
+
+
+def test_a_case_that_compared_no_element_proves_nothing() -> None:
+    empty = np.zeros((0, 4), np.float32)
+    case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {}, 0, "torch[cpu]")
+    case.comparisons = [compare_output("o", empty, empty.copy(), TOL)]
+    assert not case.passed
+    assert case.reasons() == ["compared no element: every output is empty at these sizes, which proves nothing"]
+    assert not VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")], []).passed  # no case at all
 
 
 def test_nan_on_both_sides_is_counted_and_fails_unless_allowed() -> None:

@@ -133,11 +133,14 @@ class CaseResult:
 
     @property
     def passed(self) -> bool:
-        return self.error is None and self.gate is None and all(c.passed for c in self.comparisons)
+        compared = sum(c.total for c in self.comparisons) > 0
+        return self.error is None and self.gate is None and compared and all(c.passed for c in self.comparisons)
 
     def reasons(self) -> list[str]:
         out = [self.error] if self.error else []
         out += [c.reason() for c in self.comparisons if not c.passed]
+        if not out and sum(c.total for c in self.comparisons) == 0:
+            out.append("compared no element: every output is empty at these sizes, which proves nothing")
         return out + ([self.gate] if self.gate else [])
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,10 +217,16 @@ class VerifyReport:
     @property
     def passed(self) -> bool:
         return (
-            all(c.passed for c in self.checks)
+            self.compared
+            and all(c.passed for c in self.checks)
             and all(c.passed for c in self.cases)
             and all(d.passed for d in self.decode)
         )
+
+    @property
+    def compared(self) -> bool:
+        """Whether any case or decode step ran: a verify that compared nothing proves nothing."""
+        return bool(self.cases or self.decode)
 
     @property
     def exit_code(self) -> int:

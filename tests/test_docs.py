@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
@@ -107,3 +109,15 @@ def test_api_example_runs_as_written(tmp_path: Path) -> None:
     assert done.stdout.strip().endswith(
         "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0}"
     )
+
+
+@pytest.mark.slow
+def test_the_gpt2_decoder_spec_of_the_decoders_page_builds_and_verifies(tmp_path: Path) -> None:
+    (spec,) = _blocks((DOCS / "decoders.md").read_text(), "toml")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "gpt2_kv_cache.toml").write_text(spec)
+    built = _attn_export(tmp_path, "build", "--models", "models", "--out", "out")
+    assert built.returncode == 0, built.stdout + built.stderr
+    verified = _attn_export(tmp_path, "verify", "out", "--models", "models", "--no-latency")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "2 of 2 decode trajectories agree" in verified.stdout

@@ -28,7 +28,63 @@ from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.masks import CASES, masked_row_selector
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["FullyMaskedRows", "settle"]
+__all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "settle"]
+
+#: Why padded query rows are treated as fully masked, in every note and message that says so.
+PADDED = "their own token is padding, and the module's causal or window mask can leave them no key"
+
+
+def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.ndarray], int]:
+    """Per output, the elements of query rows whose own token is padding, and how many such
+    rows there are. In self-attention a key-padding mask marks tokens, and a query row at a
+    masked token is padding too: the module's own causal or sliding-window mask can leave it
+    no key at all (a left-padded prompt, padding longer than the window), and there PyTorch
+    and any graph differ. The key dim is the query's own dim, or a sum whose other parts
+    come first (``total_seq = "past_seq + seq"``: the new tokens follow the cached ones)."""
+    out: dict[str, np.ndarray] = {}
+    count = 0
+    for t, mask in spec.masks:
+        if mask.layout != "key-padding" or not isinstance(t.shape[1], str):
+            continue
+        batch, key = t.shape[0], t.shape[1]
+        parts = spec.dims[key].parts if key in spec.dims else ()
+        keep = mask.keep(case.inputs[t.name])
+        for o in spec.outputs:
+            query = key if key in o.shape else next((p for p in parts if p in o.shape), None)
+            if query is None or batch not in o.shape or query == batch:
+                continue
+            offset = sum(case.sizes[p] for p in parts[: parts.index(query)]) if query != key else 0
+            rows = ~keep[:, offset : offset + case.sizes[query]]
+            b_axis, q_axis = o.shape.index(batch), o.shape.index(query)
+            shape = [1] * len(o.shape)
+            shape[b_axis], shape[q_axis] = rows.shape
+            sizes = concrete_shape(o, case.sizes)
+            picked = np.broadcast_to((rows if b_axis < q_axis else rows.T).reshape(shape), sizes)
+            out[o.name] = out[o.name] | picked if o.name in out else picked
+            count = max(count, int(rows.sum()))
+    return out, count
+
+
+def judge(
+    spec: ModelSpec, case: GoldenCase, actual: Mapping[str, np.ndarray], tolerances: Mapping[str, Tolerance]
+) -> tuple[list[OutputComparison], list[str]]:
+    """A case's comparisons with its padded query rows (``padded_query_rows``) treated as
+    fully masked: left out under ``fully_masked = "ignore"`` (and a note says how many),
+    compared under "match", where a failure found only in them says so."""
+    padded, count = padded_query_rows(spec, case)
+    if not count:
+        return compare_outputs(case.outputs, actual, tolerances, case.floors), []
+    if spec.fully_masked == "ignore":
+        comparisons = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
+        return comparisons, [f'fully_masked = "ignore": {count} padded query rows not compared ({PADDED})']
+    comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors)
+    blanked = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
+    if not all(c.passed for c in comparisons) and all(c.passed for c in blanked):
+        return comparisons, [
+            f"every difference is in the {count} padded query rows ({PADDED}); "
+            'set fully_masked = "ignore" in the spec to leave them out'
+        ]
+    return comparisons, []
 
 
 def _blank(values: Mapping[str, np.ndarray], selectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -117,16 +173,17 @@ class FullyMaskedRows:
         its fully masked rows give on both sides and, under ``fully_masked = "ignore"``,
         leaves them out."""
         if case.label not in CASES:
-            return compare_outputs(case.outputs, actual, self.tolerances, case.floors), []
+            return judge(self.spec, case, actual, self.tolerances)
         expected_gives, actual_gives = self.behaviours(case, case.outputs, actual)
         notes = [f"fully masked rows: {runners[0]} gives {expected_gives}, {runners[1]} gives {actual_gives}"]
         if self.spec.fully_masked != "ignore":
             return compare_outputs(case.outputs, actual, self.tolerances, case.floors), notes
         sel = self.selectors(case)
+        padded, count = padded_query_rows(self.spec, case)
+        sel = {n: s | padded[n] if n in padded else s for n, s in sel.items()}
         skipped, total = sum(int(s.sum()) for s in sel.values()), sum(s.size for s in sel.values())
-        notes.append(
-            f'fully_masked = "ignore": {skipped} of {total} output elements (rows attending to nothing) not compared'
-        )
+        what = "rows attending to nothing" + (", padded query rows" if count else "")
+        notes.append(f'fully_masked = "ignore": {skipped} of {total} output elements ({what}) not compared')
         return compare_outputs(_blank(case.outputs, sel), _blank(actual, sel), self.tolerances, case.floors), notes
 
 

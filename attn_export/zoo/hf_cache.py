@@ -2,7 +2,9 @@
 
 A ``DynamicCache`` is a Python object, not a tensor: this wrapper builds one from the
 ``past_key_values.{i}.key/value`` inputs and returns its layers as ``present.{i}.*``, so the
-exported graph has the inputs and outputs Optimum and onnxruntime-genai expect.
+exported graph has the inputs and outputs Optimum and onnxruntime-genai expect. It takes any
+decoder whose base model uses transformers' cache classes (GPT-2, Llama, Mistral, Qwen2,
+Gemma, ...): the config names the model, as ``AutoModel`` maps it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["LlamaModelWithCache"]
+__all__ = ["DecoderWithCache"]
 
 
-class LlamaModelWithCache(nn.Module):
-    """One-layer ``transformers.LlamaModel`` of ``config``, its cache flat: forward takes
+class DecoderWithCache(nn.Module):
+    """The one-layer base model of ``config`` (``AutoModel.from_config``: LlamaModel for a
+    LlamaConfig, MistralModel for a MistralConfig, ...), its cache flat: forward takes
     ``input_ids``, ``attention_mask`` (1 = attend, left padding allowed), ``position_ids``
     and the layer's past key and value; it returns the last hidden state and the layer's
     present key and value. (torch.export matches dynamic shapes to named parameters, so
@@ -23,18 +26,21 @@ class LlamaModelWithCache(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        from transformers import LlamaModel
+        from transformers import AutoModel
 
-        if config.num_hidden_layers != 1:
-            raise ValueError(f"LlamaModelWithCache takes one layer, got num_hidden_layers={config.num_hidden_layers}")
-        self.model = LlamaModel(config)
+        layers = getattr(config, "num_hidden_layers", getattr(config, "n_layer", None))
+        if layers != 1:
+            raise ValueError(f"{type(self).__name__} takes one layer, got {layers} in {type(config).__name__}")
+        self.model = AutoModel.from_config(config)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past_key: Tensor, past_value: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        # Without the config every layer keeps the whole cache: a sliding-window model still
+        # masks by its window, and each present stays past + new tokens long.
+        cache = DynamicCache()
         cache.update(past_key, past_value, 0)
         out = self.model(
             input_ids=input_ids,

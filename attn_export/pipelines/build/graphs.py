@@ -13,8 +13,8 @@ import onnx
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
 from attn_export.checks.decode_record import record_trajectory
+from attn_export.checks.fully_masked import judge
 from attn_export.checks.mask_probe import check_masks
-from attn_export.compare import compare_outputs
 from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
@@ -188,7 +188,7 @@ class SpecBuild:
                     got = session.run(case.inputs)
                 except RuntimeFailure as e:
                     raise GraphCheckError(f"{where} failed: {e}") from e
-                failed = [c.reason() for c in compare_outputs(case.outputs, got, tolerances, case.floors)]
-                failed = [r for r in failed if r]
+                comparisons, notes = judge(spec, case, got, tolerances)
+                failed = [c.reason() for c in comparisons if not c.passed]
                 if failed:
-                    raise GraphCheckError(f"{where} failed: {failed[0]}")
+                    raise GraphCheckError(f"{where} failed: {'; '.join([failed[0], *notes])}")

@@ -1,0 +1,79 @@
+"""Rows the module masks itself: a query row whose own token is padding may attend to
+nothing under the module's own causal or window mask (a left-padded prompt), where PyTorch's
+sdpa and any graph differ. Such rows are fully masked rows under the spec's rule: left out
+under fully_masked = "ignore" (saying how many and why), and under "match" a failure found
+only there says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from attn_export.cli import cli
+from tests.conftest import write_spec
+
+
+class LeftPaddedCausalAttention(torch.nn.Module):
+    """Self-attention through SDPA with a boolean mask: causal and key padding together, so
+    a left-padded row has no key at all."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        mask = causal[None, None] & keep[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h))
+
+
+SPEC = f"""
+module = "{__name__}:LeftPaddedCausalAttention"
+{{rule}}
+[[inputs]]
+name = "x"
+shape = ["batch", "seq", 16]
+[[inputs]]
+name = "keep"
+dtype = "bool"
+shape = ["batch", "seq"]
+mask = "left-padding"
+[[outputs]]
+name = "y"
+shape = ["batch", "seq", 16]
+[dims]
+batch = {{ min = 1, max = 3 }}
+seq = {{ min = 1, max = 12 }}
+"""
+
+
+def _build_and_verify(tmp_path: Path, rule: str) -> tuple[object, object]:
+    models = tmp_path / "models"
+    write_spec(models, "padded", SPEC.replace("{rule}", rule))
+    built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
+    if built.exit_code:
+        return built, None
+    args = ["verify", str(tmp_path / "out"), "--models", str(models), "--no-latency"]
+    return built, CliRunner().invoke(cli, args)
+
+
+def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_path: Path) -> None:
+    built, _ = _build_and_verify(tmp_path, "")
+    assert built.exit_code == 1, built.output
+    assert "[smoke] padded: smoke check at" in built.output
+    assert (
+        "padded query rows (their own token is padding, and the module's causal or window mask can leave them "
+        'no key); set fully_masked = "ignore" in the spec to leave them out' in built.output
+    )
+
+
+def test_an_ignore_spec_builds_and_verifies_leaving_out_only_the_padded_rows(tmp_path: Path) -> None:
+    built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"')
+    assert built.exit_code == 0, built.output
+    assert verified.exit_code == 0, verified.output
+    assert 'fully_masked = "ignore": ' in verified.output and "padded query rows not compared" in verified.output

@@ -80,3 +80,32 @@ class FirstRowMask(MHAKVCache):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
         return super().attend(q, k, v, attention_mask[:1].expand_as(attention_mask))
+
+
+class WithoutMask(MHAKVCache):
+    """The zoo decoder for a spec without ``attention_mask``: every token is real."""
+
+    def forward(  # type: ignore[override]
+        self, hidden_states: Tensor, past_key: Tensor, past_value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, _ = hidden_states.shape
+        ones = torch.ones(b, past_key.shape[2] + s, dtype=torch.int64, device=hidden_states.device)
+        return super().forward(hidden_states, ones, past_key, past_value)
+
+
+class NoCausalMask(WithoutMask):
+    """Every query sees every key: the prompt's tokens see the ones after them."""
+
+    def causal_mask(self, q_len: int, k_len: int, device: torch.device) -> Tensor:
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+
+
+class KeyCountScale(WithoutMask):
+    """Scores scaled by 1/sqrt(number of keys) instead of 1/sqrt(head_dim)."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        allowed = self.causal_mask(q.shape[2], k.shape[2], q.device)[None, None]
+        keys = torch.ones_like(k[..., :1]).sum(dim=2, keepdim=True)  # the key count as a tensor: no baked int
+        scores = (q @ k.transpose(-2, -1)) * keys.rsqrt().transpose(-2, -1)
+        weights = torch.softmax(scores.masked_fill(~allowed, torch.finfo(q.dtype).min), dim=-1)
+        return (weights @ v).transpose(1, 2).flatten(2), torch.ones_like(q[:, 0, :, :1])

@@ -211,13 +211,16 @@ def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feed
     return runtime.run({**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)})
 
 
-def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory, step: int) -> Feeds | None:
-    """The module without a cache on every token up to ``step`` (1-based), or None where
-    that many tokens exceed the declared seq range."""
+def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | None:
+    """The module without a cache, in one pass over every token of the trajectory (as many
+    as the declared seq range holds), or None where not even the prompt fits. Every row of
+    every step is compared with the same row of this one pass: a module whose later tokens
+    change earlier outputs (no causal mask) or whose result depends on how many keys it
+    sees (a scale from the key count) disagrees with it from the first step on."""
     cache = traj.cache
     assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
-    length = traj.prompt + step - 1
-    if length > spec.dims[cache.seq_dim].max:
+    length = min(traj.keep.shape[1], spec.dims[cache.seq_dim].max)
+    if length < traj.prompt:
         return None
     tokens = {
         n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
@@ -362,8 +365,9 @@ class DecodeResult:
         if bug is not None:
             why = next(c.reason() for c in bug.recompute if not c.passed)
             out.append(
-                f"module bug: with its cache the module disagrees with recomputing every token, from step "
-                f"{bug.step} (past {bug.past}, seq {bug.seq}): {why}"
+                f"module bug: with its cache the module disagrees with one pass over every token, from step "
+                f"{bug.step} (past {bug.past}, seq {bug.seq}): its rows {bug.past} to {bug.past + bug.seq - 1} "
+                f"differ from the same rows of the pass: {why}"
             )
         padded = next((c for c in self.unpadded if not c.passed), None)
         if padded is not None:
@@ -452,15 +456,22 @@ def compare_trajectories(
     actual: list[Feeds],
     tolerances: Mapping[str, Tolerance],
     actual_error: str | None,
-    recomputed: list[Feeds | None] | None = None,
+    recomputed: Feeds | None = None,
 ) -> list[DecodeStep]:
     """Per step: the graph's outputs and presents against the expected side's (padded
     query rows left out under ``fully_masked = "ignore"``), and the expected side's
     against recompute (real tokens only: a padded query has nothing to agree on)."""
     cache = traj.cache
     presents = {present for _, present in cache.pairs}
-    # outputs with a value per token: recompute gives every token's, the step its own
-    per_token = {t.name: _axis(spec, t.name, cache.seq_dim) for t in spec.outputs if t.name not in presents}
+    # the rows of the one pass that each step's outputs hold: its own tokens of a per-token
+    # output, every token so far of a present; an output without either is not compared
+    rows: dict[str, tuple[int, bool]] = {}
+    for t in spec.outputs:
+        whole = t.name in presents
+        axis = _axis(spec, t.name, cache.total_dim if whole else cache.seq_dim)
+        if axis is not None:
+            rows[t.name] = (axis, whole)
+    length = next((recomputed[n].shape[a] for n, (a, _) in rows.items()), 0) if recomputed is not None else 0
     steps = []
     for k, sizes in enumerate(traj.sizes[: len(expected)]):
         past, seq = sizes[cache.past_dim], sizes[cache.seq_dim]
@@ -474,13 +485,12 @@ def compare_trajectories(
             )
         else:
             step.error = actual_error or "the graph produced no output"
-        full = recomputed[k] if recomputed and k < len(recomputed) else None
-        if full is not None:
+        if recomputed is not None and past + seq <= length:
             mine = {
-                n: v if (a := per_token.get(n)) is None else np.take(v, range(past, past + seq), axis=a)
-                for n, v in full.items()
+                n: np.take(recomputed[n], range(0 if whole else past, past + seq), axis=a)
+                for n, (a, whole) in rows.items()
             }
-            step.recompute = _compare(mine, expected[k], tolerances, padded, floors)
+            step.recompute = _compare(mine, {n: expected[k][n] for n in mine}, tolerances, padded, floors)
         steps.append(step)
         if step.error:
             break

@@ -97,7 +97,7 @@ def test_zoo_decoders_decode_like_pytorch_and_like_their_recording(zoo_dir: Path
     for d in report.decode:
         assert [s.step for s in d.steps] == list(range(1, 10))  # the prompt and 8 decode steps
         assert d.steps[0].past == 0 and all(s.seq == 1 for s in d.steps[1:])
-        assert all(s.recompute for s in d.steps)  # each step checked against recomputing every token
+        assert all(s.recompute for s in d.steps)  # each step checked against one pass over every token
     assert 0 in _by_scenario(report)["left-padded"].prompt_lengths  # one row all padding at step 1
     golden = _decode(zoo_dir, TINY_ZOO, CACHE_MODELS, golden=True, decode_steps=3)
     assert golden.passed and {d.expected_from for d in golden.decode} == {"golden"}
@@ -171,7 +171,7 @@ def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name:
         assert d.module_bug is not None and d.module_bug.step == step, d.reasons()
         assert d.first_divergence is None  # ONNX Runtime agrees with PyTorch, bug and all
         assert d.reasons()[0].startswith(
-            f"module bug: with its cache the module disagrees with recomputing every token, from step {step}"
+            f"module bug: with its cache the module disagrees with one pass over every token, from step {step}"
         )
         assert {c.name for c in d.module_bug.recompute if not c.passed} == why
 

@@ -42,13 +42,11 @@ def decode_model(
     own recompute and its rows alone), or in golden mode against what build recorded."""
     path = out_dir / entry.file
     tolerances = tolerances_for(spec, entry.variant, options)
-    # (trajectory, expected outputs, recomputed outputs per step, each padded row alone)
-    plans: list[
-        tuple[Trajectory, list[dict[str, np.ndarray]], list[dict[str, np.ndarray] | None], list[OutputComparison]]
-    ]
+    # (trajectory, expected outputs, one pass over every token, each padded row alone)
+    plans: list[tuple[Trajectory, list[dict[str, np.ndarray]], dict[str, np.ndarray] | None, list[OutputComparison]]]
     if options.golden:
         recorded = read_trajectories(out_dir / entry.golden, golden, spec, cache, options.steps)
-        plans = [(traj, outputs, [], []) for traj, outputs in recorded]
+        plans = [(traj, outputs, None, []) for traj, outputs in recorded]
         expected_from = "golden"
     else:
         from attn_export.exporter.factory import instantiate
@@ -58,7 +56,7 @@ def decode_model(
                 (
                     traj,
                     outputs,
-                    [recompute(eager, spec, traj, k + 1) for k in range(len(outputs))],
+                    recompute(eager, spec, traj),
                     unpadded(eager, spec, traj, outputs, tolerances) if traj.scenario == "left-padded" else [],
                 )
                 for traj, outputs in pytorch_trajectories(eager, spec, cache, options.steps, options.seed)

@@ -1,0 +1,55 @@
+"""Decode compares every row of every step with the same row of one pass over the whole
+sequence, so a decoder whose later tokens change earlier outputs, or whose result depends on
+how many keys it sees, fails verify --decode even without an attention mask."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from attn_export.artifacts.manifest import load_manifest
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
+from tests.conftest import TINY_ZOO, write_spec
+
+MASK_INPUT = re.compile(r'\[\[inputs\]\]\nname = "attention_mask"\n.*?(?=\[\[inputs\]\])', re.S)
+
+
+def _without_mask(folder: Path, cls: str) -> Path:
+    text = (TINY_ZOO / "mha_kv_cache.toml").read_text()
+    text = MASK_INPUT.sub("", text).replace("attn_export.zoo.kv_cache:MHAKVCache", f"tests.faulty_decoders:{cls}")
+    assert "attention_mask" not in text
+    return write_spec(folder, cls.lower(), text)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("recompute")
+    specs = [_without_mask(root / "models", cls) for cls in ("WithoutMask", "NoCausalMask", "KeyCountScale")]
+    summary = build_models(specs, BuildOptions(root / "out"))
+    assert all(r.ok for r in summary.results), [r.error for r in summary.results]
+    return root / "out", root / "models"
+
+
+def _decode(built: tuple[Path, Path], name: str) -> list[str]:
+    out, models = built
+    options = VerifyOptions(models_dir=models, latency=False, distributions=("normal",), n_random=0, decode_steps=8)
+    report = verify_artifacts(out, load_manifest(out), [name], options)
+    assert report.decode, "the spec declares a cache: verify decodes it"
+    return [r for d in report.decode for r in d.reasons()]
+
+
+def test_a_correct_decoder_without_a_mask_agrees_with_one_pass(built: tuple[Path, Path]) -> None:
+    assert _decode(built, "withoutmask") == []
+
+
+@pytest.mark.parametrize("name", ["nocausalmask", "keycountscale"])
+def test_a_decoder_wrong_over_the_sequence_fails_from_the_prompt_on(built: tuple[Path, Path], name: str) -> None:
+    reasons = _decode(built, name)
+    assert reasons, f"{name} passed verify --decode"
+    assert reasons[0].startswith(
+        "module bug: with its cache the module disagrees with one pass over every token, from step 1 (past 0, seq "
+    ), reasons[0]
+    assert "its rows 0 to " in reasons[0] and "differ from the same rows of the pass: output: " in reasons[0]

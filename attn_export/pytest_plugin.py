@@ -80,7 +80,9 @@ class BuildFolder(pytest.File):
                 latency=False,
             )
             models = sorted(self.manifest.models)
-            specs = [checkout_spec(self.options.models_dir, self.manifest.models[m]) for m in models]
+            specs = [
+                checkout_spec(self.options.models_dir, self.manifest.models[m], "--attn-export-models") for m in models
+            ]
         except AttnExportError as e:
             raise pytest.UsageError(f"--attn-export: {e}") from e
         self.reports: dict[str, VerifyReport] = {}

@@ -172,5 +172,6 @@ def check_deterministic(proto: onnx.ModelProto, name: str) -> None:
         if n.op_type == "Dropout" and len(n.input) > 2 and n.input[2] and _constant_true(proto, n.input[2]):
             raise GraphCheckError(
                 f"{name}: the graph holds {label} with training_mode = true: it drops values at random "
-                "(export the module in eval mode)"
+                "(the export runs the module in eval mode, so the module asks for it: look for "
+                "F.dropout(..., training=True) or a dropout given training=True, and pass training=self.training)"
             )

@@ -93,14 +93,15 @@ def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool
 _EXPORT_ONLY = ("description", "opset", "exporter")
 
 
-def checkout_spec(models_dir: Path, entry: ManifestEntry) -> ModelSpec:
-    """The checkout's spec for a built graph: the only source of code verify runs."""
+def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models") -> ModelSpec:
+    """The checkout's spec for a built graph: the only source of code verify runs. ``option``
+    is how the caller's user names the folder (the pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
     if not path.is_file():
         raise UsageError(
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
-            "checkout's specs (pass --models DIR), or compares with golden vectors (--golden)"
+            f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
         )
     return load_spec(path)
 

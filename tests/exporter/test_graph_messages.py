@@ -1,0 +1,45 @@
+"""Messages that send the user the right way: a training-mode Dropout in a graph exported in
+eval mode points at the call that asked for it, and the pytest plugin names its own flag."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from attn_export.errors import GraphCheckError, UsageError
+from attn_export.exporter.graph_checks import check_deterministic
+from attn_export.pipelines.verify import checkout_spec
+
+
+def test_a_training_mode_dropout_points_at_the_call_that_asks_for_it() -> None:
+    graph = helper.make_graph(
+        [helper.make_node("Dropout", ["x", "ratio", "training"], ["y"], name="drop")],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+        [
+            numpy_helper.from_array(np.array(0.1, np.float32), "ratio"),
+            numpy_helper.from_array(np.array(True), "training"),
+        ],
+    )
+    with pytest.raises(GraphCheckError) as caught:
+        check_deterministic(helper.make_model(graph), "m")
+    assert "Dropout node 'drop' with training_mode = true" in str(caught.value)
+    assert "F.dropout(..., training=True)" in str(caught.value) and "training=self.training" in str(caught.value)
+
+
+def test_a_missing_spec_names_the_flag_of_the_entry_point_that_asked(tmp_path: Path) -> None:
+    for option in ("--models", "--attn-export-models"):
+        with pytest.raises(UsageError, match=f"pass {option} DIR"):
+            checkout_spec(tmp_path, _Entry("gone"), option)  # type: ignore[arg-type]
+
+
+class _Entry:
+    """The one thing checkout_spec reads of a manifest entry: the name of its model spec."""
+
+    def __init__(self, name: str) -> None:
+        self.model_spec = type("Spec", (), {"name": name})()

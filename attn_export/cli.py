@@ -395,7 +395,7 @@ def verify(
         shard_names,
         verify_artifacts,
     )
-    from attn_export.report import write_reports
+    from attn_export.report import check_report_paths, write_reports
     from attn_export.report.verify_text import (
         HEADER,
         format_decode,
@@ -416,6 +416,8 @@ def verify(
         )
     if mask_case and not shapes:
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
+    report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
+    check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
     options = VerifyOptions(
@@ -455,7 +457,7 @@ def verify(
     for text in (format_decode(report), format_distributions(report), format_failures(report), format_summary(report)):
         if text:
             click.echo(text)
-    write_reports(report, {name.removeprefix("report_"): path for name, path in reports.items()})
+    write_reports(report, report_paths)
     sys.exit(report.exit_code)
 
 

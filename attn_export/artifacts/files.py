@@ -124,6 +124,57 @@ def atomic_write(path: Path, data: bytes) -> None:
                 os.unlink(tmp)
 
 
+_NOT_FILES = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def output_target(path: Path) -> Path:
+    """Where a file the user named (a report, a plot, an exported graph) is written: ``path``
+    when it is new or a regular file, the file a symlink points to when that is a regular
+    file. Anything else there (a device, a FIFO, a socket, a directory, a symlink to one of
+    them or to nothing) is a UsageError and is left as it is: writing would replace it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror}") from e
+    target = path
+    if stat.S_ISLNK(mode):
+        try:
+            target = path.resolve(strict=True)
+            mode = os.stat(target).st_mode
+        except (OSError, RuntimeError) as e:
+            raise UsageError(f"{path} is a symlink to nothing; name a regular file or a new path") from e
+    if not stat.S_ISREG(mode):
+        kind = _NOT_FILES.get(stat.S_IFMT(mode), "not a regular file")
+        via = f" (the symlink's target {target})" if target != path else ""
+        raise UsageError(f"{path} is {kind}{via}; reports are written only to a regular file or a new path")
+    return target
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """``data`` to a file the user named, atomically, never replacing what is not a regular
+    file (``output_target``)."""
+    atomic_write(output_target(path), data)
+
+
+def append_output(path: Path, text: str, errors: str = "strict") -> None:
+    """Append ``text`` to a file the user named (``$GITHUB_STEP_SUMMARY``), created if new;
+    a FIFO or a device there is refused instead of blocking or writing to it."""
+    target = output_target(path)
+    try:
+        with open(target, "a", encoding="utf-8", errors=errors) as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot append to {path}: {e.strerror}") from e
+
+
 @contextlib.contextmanager
 def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes;
@@ -132,9 +183,16 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
 
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        handle = (out_dir / LOCK_NAME).open("a")
+        # never through a symlink: a lock file planted as a link would create its target
+        fd = os.open(out_dir / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
         raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{out_dir / LOCK_NAME} is not a regular file; remove it")
+    handle = os.fdopen(fd, "a")
     deadline = time.monotonic() + wait_s
     try:
         while True:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attn_export._deps import require
-from attn_export.artifacts.files import atomic_write
+from attn_export.artifacts.files import append_output, output_target, write_output
 from attn_export.errors import UsageError
 from attn_export.report import bench_text, json_report, junit, markdown, plot
 from attn_export.report.base import BenchFormat, ReportFormat
@@ -28,6 +28,7 @@ __all__ = [
     "BenchFormat",
     "ReportFormat",
     "check_bench_formats",
+    "check_report_paths",
     "write_bench_reports",
     "write_reports",
 ]
@@ -55,22 +56,32 @@ def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> Non
     ``$GITHUB_STEP_SUMMARY`` when it is set."""
     for name, path in paths.items():
         if path is not None:
-            atomic_write(path, FORMATS[name].render(report).encode("utf-8", _ERRORS))
+            write_output(path, FORMATS[name].render(report).encode("utf-8", _ERRORS))
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary_file:
         try:
-            with open(summary_file, "a", encoding="utf-8", errors=_ERRORS) as f:
-                f.write(markdown.markdown_report(report))
-        except OSError as e:
-            raise UsageError(f"cannot append to $GITHUB_STEP_SUMMARY ({summary_file}): {e.strerror}") from e
+            append_output(Path(summary_file), markdown.markdown_report(report), _ERRORS)
+        except UsageError as e:
+            raise UsageError(f"$GITHUB_STEP_SUMMARY: {e}") from e
+
+
+def check_report_paths(paths: Mapping[str, Path | None]) -> None:
+    """Refuse, before any work, a report path that is not a regular file or a new path
+    (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise."""
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
+    for path in [*paths.values(), Path(summary_file) if summary_file else None]:
+        if path is not None:
+            output_target(path)
 
 
 def check_bench_formats(paths: Mapping[str, Path | None]) -> None:
-    """Refuse, before anything is timed, a requested format whose package is missing."""
+    """Refuse, before anything is timed, a requested format whose package is missing or
+    whose path cannot take a report."""
     for name, path in paths.items():
         needs = BENCH_FORMATS[name].requires
         if path is not None and needs:
             require(needs, f"--{name}")
+    check_report_paths(paths)
 
 
 def write_bench_reports(report: BenchReport | DecodeBenchReport, paths: Mapping[str, Path | None]) -> None:

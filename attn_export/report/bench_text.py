@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attn_export.artifacts.files import atomic_write
+from attn_export.artifacts.files import write_output
 from attn_export.pipelines.bench.results import BenchReport, BenchRow, DecodeBenchReport, DecodeRow
 from attn_export.report.base import BenchFormat
 
@@ -112,7 +112,7 @@ def _memory_lines(memory_mb: dict[str, dict[str, float | None]]) -> list[str]:
 def write_markdown(report: BenchReport | DecodeBenchReport, path: Path) -> None:
     """The run's table in Markdown: per shape for bench, per past length for ``--decode``."""
     table = markdown_decode_table(report) if isinstance(report, DecodeBenchReport) else markdown_bench_table(report)
-    atomic_write(path, table.encode())
+    write_output(path, table.encode())
 
 
 BENCH_FORMAT = BenchFormat("markdown", write_markdown, "Write a Markdown table.")

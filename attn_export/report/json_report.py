@@ -9,7 +9,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
-from attn_export.artifacts.files import atomic_write
+from attn_export.artifacts.files import write_output
 from attn_export.report.base import BenchFormat, ReportFormat
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")
 
 def write_bench_json(report: BenchReport | DecodeBenchReport, path: Path) -> None:
     """Bench figures as JSON (``BenchReport.from_dict`` reads them back)."""
-    atomic_write(path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    write_output(path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
 
 
 BENCH_FORMAT = BenchFormat("json", write_bench_json, "Write the figures as JSON.")

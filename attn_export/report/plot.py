@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export._deps import require
-from attn_export.artifacts.files import atomic_write
+from attn_export.artifacts.files import write_output
 from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
 from attn_export.report.base import BenchFormat
 
@@ -74,7 +74,7 @@ def _finish(fig: Any, report: BenchReport | DecodeBenchReport, path: Path) -> No
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    atomic_write(path, buf.getvalue())
+    write_output(path, buf.getvalue())
 
 
 def plot_report(report: BenchReport | DecodeBenchReport, path: Path) -> None:

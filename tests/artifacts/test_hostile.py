@@ -513,8 +513,10 @@ def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeyp
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))
     result = invoke("verify", str(zoo_dir / "sdpa.onnx"), "--golden", "--no-latency")
     assert result.exit_code == 2
-    assert "verify PASSED" in result.output
-    assert _error_line(result) == f"Error: cannot append to $GITHUB_STEP_SUMMARY ({tmp_path}): Is a directory"
+    assert "verify PASSED" not in result.output  # refused before any work
+    assert _error_line(result) == (
+        f"Error: {tmp_path} is a directory; reports are written only to a regular file or a new path"
+    )
 
 
 # -- output folder problems --------------------------------------------------------------------

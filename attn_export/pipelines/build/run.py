@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export import __version__
-from attn_export.artifacts.files import atomic_write, build_lock, sha256_bytes, sha256_file
+from attn_export.artifacts.files import build_lock, sha256_bytes, sha256_file, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers, stage
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.provenance import versions
@@ -232,6 +232,6 @@ def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:
     result.stages["spec"] = True
     graph, info = _checked_graph(ctx, "fp32", result)
     with _stage(result, "write"):
-        atomic_write(path, graph.model)
+        write_output(path, graph.model)
     result.status, result.file, result.sha256, result.info = "built", str(path), sha256_bytes(graph.model), info
     return result

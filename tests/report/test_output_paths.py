@@ -1,0 +1,119 @@
+"""Report paths cannot clobber: a report, a plot or the step summary is written only to a
+regular file or a new path. A FIFO, a device, a socket, a directory or a symlink to one of
+them (or to nothing) is a one-line error (exit 2) before any work, and is left as it was;
+a symlink to a regular file is written through. Inside a build folder, the lock file is
+never followed through a symlink."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from attn_export.artifacts.files import LOCK_NAME
+from attn_export.cli import cli
+from tests.conftest import Built
+
+
+def _verify(built: Built, *args: str) -> Result:
+    return CliRunner().invoke(cli, ["verify", str(built.out), "--golden", "--no-latency", *args])
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _directory(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _socket(path: Path) -> Path:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+    return path
+
+
+def _device(path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
+    os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # a null device
+    return path
+
+
+MAKERS: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "fifo": (_fifo, "a FIFO"),
+    "directory": (_directory, "a directory"),
+    "socket": (_socket, "a socket"),
+    "device": (_device, "a character device"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("option", ["--json", "--junit", "--markdown"])
+def test_a_report_path_that_is_not_a_file_is_refused_and_left_alone(
+    shared_tiny: Built, tmp_path: Path, kind: str, option: str
+) -> None:
+    make, what = MAKERS[kind]
+    target = make(tmp_path / "target")
+    before = os.lstat(target)
+    result = _verify(shared_tiny, option, str(target))
+    assert result.exit_code == 2, result.output
+    if kind == "directory":  # click's own check on the option says so first
+        assert f"'{target}' is a directory" in result.output
+    else:
+        assert result.output == f"Error: {target} is {what}; reports are written only to a regular file or a new path\n"
+    after = os.lstat(target)
+    assert (stat.S_IFMT(after.st_mode), after.st_ino) == (stat.S_IFMT(before.st_mode), before.st_ino)
+
+
+def test_a_symlink_is_written_through_to_a_regular_file_only(shared_tiny: Built, tmp_path: Path) -> None:
+    regular = tmp_path / "report.json"
+    regular.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(regular)
+    assert _verify(shared_tiny, "--json", str(link)).exit_code == 0
+    assert link.is_symlink() and regular.read_text().startswith("{")
+    fifo_link = tmp_path / "fifo.json"
+    fifo_link.symlink_to(_fifo(tmp_path / "fifo"))
+    result = _verify(shared_tiny, "--json", str(fifo_link))
+    assert result.exit_code == 2 and f"(the symlink's target {tmp_path / 'fifo'})" in result.output
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "nowhere")
+    result = _verify(shared_tiny, "--json", str(dangling))
+    assert result.exit_code == 2 and "is a symlink to nothing" in result.output
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_step_summary_that_is_a_fifo_is_refused_without_blocking(
+    shared_tiny: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(_fifo(tmp_path / "summary")))
+    result = _verify(shared_tiny)
+    assert result.exit_code == 2 and "is a FIFO" in result.output
+
+
+def test_bench_refuses_a_plot_path_before_timing_anything(shared_tiny: Built, tmp_path: Path) -> None:
+    fifo = _fifo(tmp_path / "plot.png")
+    args = ["bench", str(shared_tiny.models / "tiny.toml"), "--out", str(tmp_path / "out"), "--plot", str(fifo)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and result.output.startswith(f"Error: {fifo} is a FIFO")
+    assert not (tmp_path / "out").exists()  # refused before building or timing
+
+
+def test_a_lock_file_planted_as_a_symlink_creates_nothing(tiny_build: Built, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    lock = tiny_build.out / LOCK_NAME
+    lock.unlink(missing_ok=True)
+    lock.symlink_to(victim)
+    args = ["build", "--models", str(tiny_build.models), "--out", str(tiny_build.out), "--force"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "is a symlink; remove it" in result.output
+    assert not victim.exists()

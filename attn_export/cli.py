@@ -121,6 +121,24 @@ report_options = _format_options(FORMATS, "report_")
 bench_report_options = _format_options(BENCH_FORMATS, "bench_")
 
 
+max_memory_option = click.option(
+    "--max-memory",
+    callback=lambda ctx, param, value: None if value is None else _bytes(value),
+    help="Memory budget per case, e.g. 8GiB; a case that cannot fit is refused before anything is allocated. "
+    "Default: $ATTN_EXPORT_MAX_MEMORY, else the checkout spec's max_memory (never a manifest's), "
+    "else half this machine's memory.",
+)
+
+
+def _bytes(value: str) -> int:
+    from attn_export.spec.memory import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except AttnExportError as e:
+        raise click.BadParameter(str(e).removeprefix("--max-memory: ")) from e
+
+
 models_option = click.option(
     "--models",
     "models_dir",
@@ -175,6 +193,7 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
     show_default=True,
     help="Seconds to wait for another build of the same --out to finish before giving up.",
 )
+@max_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -187,6 +206,7 @@ def build(
     variants: tuple[str, ...],
     provider: str,
     wait_s: float,
+    max_memory: int | None,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
@@ -216,6 +236,7 @@ def build(
         variants=tuple(dict.fromkeys(variants or ("fp32",))),
         provider=provider,
         lock_wait_s=wait_s,
+        max_memory=max_memory,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
@@ -342,11 +363,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
-@click.option(
-    "--max-memory",
-    help="Memory budget per case, e.g. 8GiB; a case that cannot fit is refused before anything is allocated. "
-    "Default: the spec's max_memory, else this machine's memory.",
-)
+@max_memory_option
 @report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
@@ -368,7 +385,7 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
-    max_memory: str | None,
+    max_memory: int | None,
     shard: tuple[int, int] | None,
     **reports: Path | None,
 ) -> None:
@@ -405,7 +422,6 @@ def verify(
         format_summary,
     )
     from attn_export.runtimes import resolve_targets
-    from attn_export.spec.memory import parse_bytes
     from attn_export.spec.shapes import parse_shapes
 
     if inputs_file and (shapes or distributions):
@@ -435,7 +451,7 @@ def verify(
         threads=threads,
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
-        max_memory=parse_bytes(max_memory) if max_memory else None,
+        max_memory=max_memory,
         mask_case=mask_case,
         decode_steps=decode_steps,
     )

@@ -24,10 +24,10 @@ import numpy as np
 from attn_export.artifacts.files import atomic_write, open_regular
 from attn_export.errors import ArtifactError, InputError, first_line
 from attn_export.spec import ModelSpec
-from attn_export.spec.memory import check_memory, format_bytes, machine_memory
+from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, concrete_shape, validate_sizes
 
-__all__ = ["GoldenCase", "encode_golden", "read_golden", "write_golden"]
+__all__ = ["GoldenCase", "encode_golden", "npy_header", "read_golden", "write_golden"]
 
 _SECTIONS = ("sizes", "inputs", "outputs", "floors")
 
@@ -87,7 +87,8 @@ class _Entry:
         return f"case '{self.label}' {self.section[:-1]} '{self.name}'"
 
 
-def _header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype, int]:
+def npy_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype, int]:
+    """An .npy entry's shape, dtype and header length, read without loading its data."""
     with zf.open(info) as f:
         version = np.lib.format.read_magic(f)
         if version == (1, 0):
@@ -105,7 +106,7 @@ def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
     if key == info.filename or len(parts) != 3 or parts[1] not in _SECTIONS:
         raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
     try:
-        shape, dtype, header_bytes = _header(zf, info)
+        shape, dtype, header_bytes = npy_header(zf, info)
     except Exception as e:  # numpy and zipfile raise many types on hostile bytes
         raise ArtifactError(f"{path}: entry '{key}' is not a readable .npy array ({first_line(e)})") from e
     if dtype.hasobject or dtype.kind not in "biuf":
@@ -194,9 +195,9 @@ def read_golden(
 ) -> list[GoldenCase]:
     """Read golden vectors back, checking every header first (see the module's docstring);
     with ``spec``, each array must have the spec's dtype and shape at its case's sizes.
-    ``budget`` defaults to this machine's memory; ``root`` is the folder the file must stay in.
+    ``budget`` defaults to the caller's (``memory_budget``); ``root`` is the folder the file must stay in.
     A malformed file is an ArtifactError, never a crash."""
     if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{path}: golden file is missing")
     with open_regular(path, root) as (f, _):
-        return _read(path, f, spec, budget or machine_memory())
+        return _read(path, f, spec, budget or memory_budget())

@@ -7,12 +7,16 @@ are needed only in golden mode, where no PyTorch runs to compute them.
 
 from __future__ import annotations
 
+import math
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.golden import GoldenCase, read_golden
+from attn_export.artifacts.files import open_regular
+from attn_export.artifacts.golden import GoldenCase, npy_header, read_golden
 from attn_export.errors import ArtifactError
+from attn_export.spec.memory import format_bytes
 
 __all__ = ["RECORDED", "read_recorded"]
 
@@ -20,22 +24,44 @@ __all__ = ["RECORDED", "read_recorded"]
 RECORDED = "recorded"
 
 
-def read_recorded(path: Path) -> list[GoldenCase]:
-    """The recorded cases; sizes are left for the caller to read off the feeds."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            flat = all("/" not in k for k in npz.files)
-            arrays = {k: npz[k] for k in npz.files} if flat else None
-    except FileNotFoundError as e:
-        raise ArtifactError(f"{path}: no such inputs file") from e
-    except Exception as e:
-        raise ArtifactError(f"{path}: not a readable .npz of inputs ({type(e).__name__})") from e
-    if arrays is not None:
-        if not arrays:
-            raise ArtifactError(f"{path}: holds no arrays")
-        return [GoldenCase("recorded", {}, arrays)]
-    cases = read_golden(path)
+def read_recorded(path: Path, budget: int) -> list[GoldenCase]:
+    """The recorded cases; sizes are left for the caller to read off the feeds. Only a
+    regular file is read (a FIFO would block), and every array's header is checked against
+    ``budget`` before any data is loaded (a small file can declare huge arrays)."""
+    with open_regular(path) as (f, _):
+        try:
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+                nested = any("/" in i.filename for i in infos)  # the golden files' layout
+                flat = None if nested else _read_flat(path, zf, infos, budget)
+        except ArtifactError:
+            raise
+        except Exception as e:
+            raise ArtifactError(f"{path}: not a readable .npz of inputs ({type(e).__name__})") from e
+    if flat is not None:
+        return [GoldenCase("recorded", {}, flat)]
+    cases = read_golden(path, budget=budget)
     for case in cases:
         if not case.inputs:
             raise ArtifactError(f"{path}: case '{case.label}' holds no inputs")
     return cases
+
+
+def _read_flat(path: Path, zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], budget: int) -> dict[str, np.ndarray]:
+    if not infos:
+        raise ArtifactError(f"{path}: holds no arrays")
+    declared = 0
+    for info in infos:
+        shape, dtype, _ = npy_header(zf, info)
+        if dtype.hasobject or dtype.kind not in "biuf" or min(shape, default=0) < 0:
+            raise ArtifactError(f"{path}: entry '{info.filename}' is not an array of plain numbers")
+        declared += math.prod(shape) * dtype.itemsize
+    if declared > budget:
+        raise ArtifactError(
+            f"{path}: its arrays declare {format_bytes(declared)}, over the memory budget of {format_bytes(budget)}"
+        )
+    arrays = {}
+    for info in infos:
+        with zf.open(info) as member:
+            arrays[info.filename.removesuffix(".npy")] = np.lib.format.read_array(member, allow_pickle=False)
+    return arrays

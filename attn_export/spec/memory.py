@@ -19,7 +19,16 @@ from attn_export.errors import InputError, UsageError
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import ShapePoint, concrete_shape
 
-__all__ = ["case_bytes", "check_memory", "format_bytes", "machine_memory", "memory_budget", "parse_bytes"]
+__all__ = [
+    "DEFAULT_SHARE",
+    "ENV",
+    "case_bytes",
+    "check_memory",
+    "format_bytes",
+    "machine_memory",
+    "memory_budget",
+    "parse_bytes",
+]
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
@@ -42,14 +51,28 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+#: Where the person running a command may set the budget instead of ``--max-memory``.
+ENV = "ATTN_EXPORT_MAX_MEMORY"
+#: The share of this machine's physical memory a case may take when nobody sets a budget:
+#: the rest is the runtimes' own (ONNX Runtime's arena, PyTorch's allocator) and the system's.
+DEFAULT_SHARE = 0.5
+
+
 def machine_memory() -> int:
-    """Physical memory of this machine, the budget when neither the spec nor the caller sets one."""
+    """Physical memory of this machine."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_budget(spec: ModelSpec, override: int | None = None) -> int:
-    """``override`` (``--max-memory``), else the spec's ``max_memory``, else the machine's memory."""
-    return override or spec.max_memory or machine_memory()
+def memory_budget(override: int | None = None, spec: ModelSpec | None = None) -> int:
+    """The budget of the person running the command: ``override`` (``--max-memory``), else
+    ``$ATTN_EXPORT_MAX_MEMORY``, else the checkout spec's ``max_memory``, else half this
+    machine's memory. Pass ``spec`` only when it is the checkout's: a budget never comes
+    from a manifest or a golden file, data that may come from anywhere."""
+    if override:
+        return override
+    if os.environ.get(ENV) is not None:
+        return parse_bytes(os.environ[ENV], f"${ENV}")
+    return (spec.max_memory if spec is not None else None) or int(DEFAULT_SHARE * machine_memory())
 
 
 def _elements(t: TensorSpec, sizes: Mapping[str, int]) -> int:
@@ -75,6 +98,6 @@ def check_memory(spec: ModelSpec, points: Iterable[ShapePoint], budget: int) -> 
         if need > budget:
             raise InputError(
                 f"{spec.name}: case {point.label} ({point.describe()}) needs at least {format_bytes(need)}, over the "
-                f"memory budget of {format_bytes(budget)}; narrow the dims or raise --max-memory (or max_memory in "
-                "the spec)"
+                f"memory budget of {format_bytes(budget)}; narrow the dims or raise --max-memory (or "
+                f"${ENV}, or max_memory in the spec)"
             )

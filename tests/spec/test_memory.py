@@ -35,7 +35,9 @@ def test_dims_at_the_limit_are_refused_before_allocating(tmp_path: Path) -> None
     with pytest.raises(InputError) as info:
         check_memory(spec, sweep(spec), machine_memory())
     assert str(info.value).startswith("tiny: case max (batch=4,seq=1048576,kv_seq=1048576) needs at least 16.0 TiB, ")
-    assert str(info.value).endswith("; narrow the dims or raise --max-memory (or max_memory in the spec)")
+    assert str(info.value).endswith(
+        "; narrow the dims or raise --max-memory (or $ATTN_EXPORT_MAX_MEMORY, or max_memory in the spec)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -52,12 +54,18 @@ def test_parse_bytes_refuses(text: str) -> None:
         parse_bytes(text)
 
 
-def test_budget_is_the_option_else_the_spec_else_the_machine(tmp_path: Path) -> None:
+def test_budget_is_the_option_else_the_environment_else_the_checkout_spec_else_half_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ATTN_EXPORT_MAX_MEMORY", raising=False)
     path = tiny_spec(tmp_path)
-    assert memory_budget(load_spec(path)) == machine_memory()
+    assert memory_budget(None, load_spec(path)) == machine_memory() // 2
     path.write_text('max_memory = "2MiB"\n' + path.read_text())
-    assert memory_budget(load_spec(path)) == 2 << 20
-    assert memory_budget(load_spec(path), 5 << 20) == 5 << 20
+    assert memory_budget(None, load_spec(path)) == 2 << 20
+    assert memory_budget(None) == machine_memory() // 2  # a manifest's spec is never passed
+    monkeypatch.setenv("ATTN_EXPORT_MAX_MEMORY", "3MiB")
+    assert memory_budget(None, load_spec(path)) == 3 << 20
+    assert memory_budget(5 << 20, load_spec(path)) == 5 << 20
 
 
 def test_verify_refuses_a_case_over_max_memory(zoo_dir: Path) -> None:
@@ -66,9 +74,9 @@ def test_verify_refuses_a_case_over_max_memory(zoo_dir: Path) -> None:
     assert result.exit_code == 2, result.output
     assert result.output.splitlines()[-1] == (
         "Error: sdpa: case max (batch=4,seq=24,kv_seq=40) needs at least 135.0 KiB, over the memory budget of "
-        "64.0 KiB; narrow the dims or raise --max-memory (or max_memory in the spec)"
+        "64.0 KiB; narrow the dims or raise --max-memory (or $ATTN_EXPORT_MAX_MEMORY, or max_memory in the spec)"
     )
-    bad = CliRunner().invoke(cli, ["verify", *sdpa, "--max-memory", "lots"])
-    assert bad.exit_code == 2 and bad.output == (
-        "Error: --max-memory: 'lots' is not a memory size like 8GiB, 512MiB or 1000000\n"
-    )
+    for text in ("lots", ""):  # an empty budget is no budget: refused, never read as none
+        bad = CliRunner().invoke(cli, ["verify", *sdpa, "--max-memory", text])
+        assert bad.exit_code == 2
+        assert f"Error: Invalid value for '--max-memory': {text!r} is not a memory size like 8GiB" in bad.output

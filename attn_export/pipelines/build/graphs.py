@@ -30,6 +30,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
+from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_points
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
@@ -111,6 +112,7 @@ class SpecBuild:
 
     def _cases(self, points: list[tuple[ShapePoint, str]], first_seed: int) -> list[GoldenCase]:
         spec = self.spec
+        check_memory(spec, [p for p, _ in points], memory_budget(self.options.max_memory, spec))
         cases = []
         with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
             for i, (point, distribution) in enumerate(points):

@@ -32,6 +32,8 @@ class BuildOptions:
     provider: str = "cpu"
     #: Seconds to wait for another build to release the output folder.
     lock_wait_s: float = LOCK_WAIT_S
+    #: Memory budget per case in bytes (``spec.memory.memory_budget``); None: the default.
+    max_memory: int | None = None
 
 
 @dataclass

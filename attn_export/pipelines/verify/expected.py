@@ -47,7 +47,7 @@ def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -
         ]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
-    check_memory(spec, points, memory_budget(spec, options.max_memory))
+    check_memory(spec, points, memory_budget(options.max_memory, None if options.golden else spec))
     if options.distributions:
         return [(p, d) for d in options.distributions for p in points]
     extra = [p for p in points if p.label in ("distinct", "max")] or points
@@ -83,16 +83,18 @@ def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[Sha
     return Expected(torch_rt.name, cases, [seed + i for i in range(len(plan))], [d for _, d in plan])
 
 
-def recorded_expected(spec: ModelSpec, path: Path, torch_rt: TorchRuntime | None = None) -> Expected:
-    """The user's recorded inputs, checked against the spec like any feeds; expected
-    outputs from PyTorch, or (golden mode) from the file."""
-    cases = read_recorded(path)
+def recorded_expected(spec: ModelSpec, path: Path, budget: int, torch_rt: TorchRuntime | None = None) -> Expected:
+    """The user's recorded inputs, checked against the spec like any feeds and against the
+    memory budget (the file's declared sizes before loading, each case's floor before it
+    runs); expected outputs from PyTorch, or (golden mode) from the file."""
+    cases = read_recorded(path, budget)
     for case in cases:
         try:
             check_feeds(case.inputs, spec.inputs, spec.dims)
         except InputError as e:
             raise InputError(f"{path}: case '{case.label}': {e}") from e
         case.sizes = sizes_from_feeds(spec.inputs, {k: v.shape for k, v in case.inputs.items()})
+        check_memory(spec, [ShapePoint(case.label, spec.with_sums(case.sizes))], budget)
         if torch_rt is not None:
             case.outputs = torch_rt.run(case.inputs)
             case.floors = torch_rt.precision_floor(case.inputs, case.outputs)

@@ -141,7 +141,7 @@ def verify_artifacts(
             try:
                 # golden mode: the file is read once, for the sweep's cases and the decode steps alike
                 golden = (
-                    read_golden(out_dir / entry.golden, spec, memory_budget(spec, options.max_memory), out_dir)
+                    read_golden(out_dir / entry.golden, spec, memory_budget(options.max_memory), out_dir)
                     if options.golden and not options.inputs_file
                     else []
                 )
@@ -170,7 +170,8 @@ def _verify_model(
         from attn_export.exporter.factory import instantiate
 
         return verify_module(entry.name, instantiate(spec), spec, path, options, entry.variant)
-    expected = recorded_expected(spec, options.inputs_file) if options.inputs_file else golden_expected(golden)
+    budget = memory_budget(options.max_memory)  # the manifest's spec is data: its max_memory is not obeyed
+    expected = recorded_expected(spec, options.inputs_file, budget) if options.inputs_file else golden_expected(golden)
     cases: list[CaseResult] = []
     with FullyMaskedRows(spec, path, tolerances_for(spec, entry.variant, options)) as rows:
         for target in options.targets:
@@ -194,7 +195,9 @@ def verify_module(
             threads = options.threads if kind.timed else None
             with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
                 if options.inputs_file:
-                    expected = recorded_expected(spec, options.inputs_file, eager)
+                    expected = recorded_expected(
+                        spec, options.inputs_file, memory_budget(options.max_memory, spec), eager
+                    )
                 else:
                     expected = torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
                 runtime = kind.make(path, spec, target, options.threads)

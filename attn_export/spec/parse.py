@@ -285,7 +285,7 @@ def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
         dims[name] = DimRange(lo, hi)
     for name, text in sums.items():
         parts = tuple(p.strip() for p in text.split("+"))
-        unknown = [p for p in parts if p not in dims]
+        unknown = [p for p in parts if p not in dims or p in sums]  # a sum of a sum is not declared {min, max}
         if len(parts) < 2 or unknown or len(set(parts)) != len(parts):
             raise where.error(
                 f"dim '{name}': a sum must add two or more distinct dims declared with {{min, max}}, "

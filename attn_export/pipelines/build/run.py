@@ -199,6 +199,11 @@ def build_models(
     unknown = [v for v in options.variants if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    stems = [p.stem for p in spec_paths]
+    twice = next((s for s in stems if stems.count(s) > 1), None)
+    if twice is not None:
+        both = " and ".join(str(p) for p in spec_paths if p.stem == twice)
+        raise UsageError(f"{both} both name model '{twice}': one build folder holds one model of a name")
     started = time.perf_counter()
     results: list[BuildResult] = []
     with build_lock(options.out_dir, options.lock_wait_s, on_notice):

@@ -13,7 +13,18 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["LatencyStats", "load_average", "measure", "measure_alternating", "physical_cores"]
+from attn_export.errors import UsageError
+
+__all__ = [
+    "THREADS_PER_CPU",
+    "LatencyStats",
+    "check_threads",
+    "load_average",
+    "measure",
+    "measure_alternating",
+    "physical_cores",
+    "usable_cpus",
+]
 
 
 @dataclass
@@ -98,10 +109,27 @@ def measure_alternating(
     return {name: _stats(t) for name, t in times.items()}
 
 
+#: Threads a run may ask for, per CPU this process may use: more only oversubscribes the
+#: machine (5,000 threads once loaded it to a load average of 900).
+THREADS_PER_CPU = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count below 1 or above ``THREADS_PER_CPU`` per usable CPU."""
+    limit = THREADS_PER_CPU * usable_cpus()
+    if threads is not None and not 1 <= threads <= limit:
+        raise UsageError(f"--threads {threads}: give 1 to {limit} ({THREADS_PER_CPU} per CPU this process may use)")
+
+
 def physical_cores() -> int:
     """Physical cores (not hyper-threads) from /proc/cpuinfo, capped by the CPUs this
     process may use (a container may see the host's cores but run on two)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    usable = usable_cpus()
     try:
         with open("/proc/cpuinfo") as f:
             text = f.read()

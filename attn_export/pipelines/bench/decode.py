@@ -46,7 +46,7 @@ from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes import Runtime
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
-from attn_export.runtimes.timing import LatencyStats, measure_alternating, physical_cores
+from attn_export.runtimes.timing import LatencyStats, check_threads, measure_alternating, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
@@ -139,6 +139,7 @@ def run_decode_bench(
     from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
+    check_threads(options.threads)
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
     report = DecodeBenchReport(
@@ -199,6 +200,7 @@ def bench_decode_models(
     when a graph failed to build. A model without a cache is a UsageError, or left out
     with ``skip_without_cache`` (the whole zoo); the past lengths are checked before
     anything is built."""
+    check_threads(options.threads)
     specs = [load_spec(p) for p in spec_paths]
     if skip_without_cache:
         kept = [(p, s) for p, s in zip(spec_paths, specs, strict=True) if cache_of(s) is not None]

@@ -20,7 +20,7 @@ from attn_export.pipelines.bench.results import BenchOptions, BenchReport, Bench
 from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes import Runtime
-from attn_export.runtimes.timing import measure, physical_cores
+from attn_export.runtimes.timing import check_threads, measure, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.inputs import make_feeds
 
@@ -55,6 +55,7 @@ def run_bench(
     from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
+    check_threads(options.threads)
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
     report = BenchReport(
@@ -119,6 +120,7 @@ def bench_models(
 ) -> tuple[BuildSummary, BenchReport | None]:
     """Build the variants still missing from ``out_dir``, then measure them; no report
     when a graph failed to build."""
+    check_threads(options.threads)
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )

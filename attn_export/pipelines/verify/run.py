@@ -31,7 +31,7 @@ from attn_export.pipelines.verify.expected import (
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
 from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES, Runtime, Target
-from attn_export.runtimes.timing import measure_alternating, physical_cores
+from attn_export.runtimes.timing import check_threads, measure_alternating, physical_cores
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
@@ -110,6 +110,7 @@ def verify_artifacts(
     """Verify each named model; problems become failed checks or cases, never exceptions,
     except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
     checkout for a model verified against PyTorch)."""
+    check_threads(options.threads)
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
     report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())

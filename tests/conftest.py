@@ -4,11 +4,12 @@ Build once and copy: ``shared_build`` builds a folder once per test session, whi
 pytest-xdist worker asks for it first (under a file lock next to it, in the session's
 temporary root, which every worker shares), and every test that only reads it reads that
 one; a test that changes a folder takes its own copy (``copy_build``). A shared folder is
-checked unchanged when its fixture ends.
+checked unchanged when its fixture ends. The zoo is built in two halves, one per worker at
+the same time, and put together as one build writes it (``shared_zoo``).
 
-The tests use the tiny zoo in ``tests/models`` (the zoo of ``models/`` at hidden sizes of
-at most 32 and lengths of at most 40: the same modules, masks, caches and Hugging Face
-layers, fast to export and to run). The production-size zoo of ``models/`` is built and
+The tests use the tiny zoo in ``tests/models``: every model of ``models/`` as the same spec
+at hidden sizes of at most 32 and lengths of at most 40 (``tests/spec/test_spec.py`` holds
+it to that), fast to export and to run. The production-size zoo of ``models/`` is built and
 verified by one test, ``tests/pipelines/test_build.py::test_the_production_zoo_builds_and_verifies``.
 """
 
@@ -24,9 +25,11 @@ import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.spec import load_spec, spec_paths
@@ -93,6 +96,19 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """``make(folder)`` once per test session, in whichever process asks first: the others
+    wait on the lock, then read the record it returned."""
+    root = _session_root(factory) / "shared-builds"
+    root.mkdir(exist_ok=True)
+    record = root / f"{name}.json"
+    with _locked(root / f"{name}.lock"):
+        if not record.exists():
+            shutil.rmtree(root / name, ignore_errors=True)  # what a process that died while building left
+            record.write_text(json.dumps(make(root / name)))
+        return json.loads(record.read_text())
+
+
 def shared_build(
     factory: pytest.TempPathFactory,
     name: str,
@@ -103,19 +119,40 @@ def shared_build(
     the lock and read the same folder. ``specs`` is a list of spec files, or a function
     writing them into the folder it is given. Tests must not change the folder it returns:
     ``copy_build`` gives one to change."""
-    root = _session_root(factory) / "shared-builds"
-    root.mkdir(exist_ok=True)
-    folder = root / name
-    record = root / f"{name}.json"
-    with _locked(root / f"{name}.lock"):
-        if not record.exists():
-            shutil.rmtree(folder, ignore_errors=True)  # what a process that died while building left
-            paths = specs(folder / "models") if callable(specs) else list(specs)
-            summary = build_models(paths, BuildOptions(folder / "out", **options))  # type: ignore[arg-type]
-            errors = {r.name: r.error for r in summary.results}
-            record.write_text(json.dumps({"models": str(paths[0].parent), "errors": errors}))
-        done = json.loads(record.read_text())
-    return Built(folder / "out", Path(done["models"]), done["errors"])
+
+    def build(folder: Path) -> dict[str, Any]:
+        paths = specs(folder / "models") if callable(specs) else list(specs)
+        summary = build_models(paths, BuildOptions(folder / "out", **options))  # type: ignore[arg-type]
+        return {"models": str(paths[0].parent), "errors": {r.name: r.error for r in summary.results}}
+
+    done = _once(factory, name, build)
+    return Built(_session_root(factory) / "shared-builds" / name / "out", Path(done["models"]), done["errors"])
+
+
+def shared_zoo(factory: pytest.TempPathFactory, name: str, specs: Sequence[Path], parts: int = 2) -> Built:
+    """``shared_build`` of a zoo, in parts the xdist workers build at the same time (each
+    starts with its own part, then waits only for a part another is building), put together
+    as one build of them all writes its folder: every part's files, and one manifest of all
+    their entries (builds are deterministic, and a manifest holds nothing but its entries)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    order = [(worker + i) % parts for i in range(parts)]
+    built = {i: shared_build(factory, f"{name}-part{i + 1}of{parts}", specs[i::parts]) for i in order}
+
+    def assemble(folder: Path) -> dict[str, Any]:
+        out = folder / "out"
+        out.mkdir(parents=True)
+        manifests = [load_manifest(built[i].out) for i in range(parts)]
+        for i in range(parts):
+            for path in built[i].out.iterdir():
+                if path.name != MANIFEST_NAME:
+                    shutil.copy2(path, out / path.name)
+        entries = {k: v for m in manifests for k, v in m.models.items()}
+        save_manifest(out, Manifest(manifests[0].toolkit_version, entries))
+        errors = {k: v for i in range(parts) for k, v in built[i].errors.items()}
+        return {"models": str(specs[0].parent), "errors": errors}
+
+    done = _once(factory, name, assemble)
+    return Built(_session_root(factory) / "shared-builds" / name / "out", Path(done["models"]), done["errors"])
 
 
 def copy_build(built: Built, dest: Path) -> Built:
@@ -145,7 +182,7 @@ def unchanged(folder: Path) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_zoo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     """The tiny zoo, built once per session; tests that modify it take a copy (``zoo_copy``)."""
-    built = shared_build(tmp_path_factory, "zoo", TINY_SPECS)
+    built = shared_zoo(tmp_path_factory, "zoo", TINY_SPECS)
     failed = {n: e for n, e in built.errors.items() if e is not None}
     assert not failed, failed
     with unchanged(built.out):

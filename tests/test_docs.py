@@ -102,7 +102,8 @@ def test_api_example_runs_as_written(tmp_path: Path) -> None:
     code = re.search(r"## Python API\n.*?```python\n(.*?)```", page, re.S)
     assert code, "docs/api.md has a Python API example"
     (tmp_path / "models").mkdir()
-    shutil.copy(ROOT / "models" / "torch_mha.toml", tmp_path / "models")
+    # the tiny zoo's torch_mha (the same spec, small: one test builds the production zoo)
+    shutil.copy(ROOT / "tests" / "models" / "torch_mha.toml", tmp_path / "models")
     done = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "'was': {'fully-padded-sequence': 'NaN'}" in done.stdout

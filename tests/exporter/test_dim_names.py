@@ -12,20 +12,16 @@ import pytest
 
 from attn_export.errors import GraphCheckError
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes, name_dims
-from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.spec import ModelSpec, load_spec
-from tests.conftest import ROOT, needs_transformers
+from tests.conftest import TINY_ZOO, needs_transformers
 
 DECODERS = ["mha_kv_cache", pytest.param("llama_model_kv_cache", marks=needs_transformers)]
 
 
 @pytest.fixture(scope="module", params=DECODERS)
-def decoder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelSpec, Path]:
-    path = ROOT / "tests" / "models" / f"{request.param}.toml"
-    out = tmp_path_factory.mktemp(request.param)
-    summary = build_models([path], BuildOptions(out))
-    assert all(r.ok for r in summary.results), [r.error for r in summary.results]
-    return load_spec(path), out / f"{request.param}.onnx"
+def decoder(request: pytest.FixtureRequest, zoo_dir: Path) -> tuple[ModelSpec, Path]:
+    """A decoder of the tiny zoo as build wrote it: its spec and its graph."""
+    return load_spec(TINY_ZOO / f"{request.param}.toml"), zoo_dir / f"{request.param}.onnx"
 
 
 def test_every_graph_names_each_dim_as_its_spec_does(decoder: tuple[ModelSpec, Path]) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from attn_export.errors import SpecError
-from attn_export.spec import load_spec, spec_from_dict, spec_paths
-from tests.conftest import ZOO, tiny_spec, write_spec
+from attn_export.spec import ModelSpec, TensorSpec, load_spec, spec_from_dict, spec_paths
+from tests.conftest import TINY_ZOO, ZOO, tiny_spec, write_spec
 
 
 def test_zoo_has_the_required_models() -> None:
@@ -18,6 +18,40 @@ def test_zoo_has_the_required_models() -> None:
         spec = load_spec(path)
         assert spec.mode == "eval"
         assert spec_from_dict(spec.to_dict(), folder=ZOO.resolve()) == spec
+
+
+def _form(spec: ModelSpec) -> dict[str, object]:
+    """What a spec is, sizes aside: module, call, masks, the names and roles of its tensors and dims."""
+
+    def tensor(t: TensorSpec) -> tuple[object, ...]:
+        return t.name, t.dtype, tuple(d if isinstance(d, str) else int for d in t.shape), t.mask, t.arg, t.pick
+
+    dims = {k: (r.min, r.parts) for k, r in spec.dims.items()}
+    config = {k: v for k, v in (spec.config or {}).items() if not isinstance(v, int) or isinstance(v, bool)}
+    fields = ("module", "opset", "exporter", "mode", "accept_guards", "call", "fully_masked", "tolerance")
+    return {f: getattr(spec, f) for f in fields} | {
+        "kwargs": sorted(spec.kwargs),
+        "config": config,
+        "inputs": [tensor(t) for t in spec.inputs],
+        "outputs": [tensor(t) for t in spec.outputs],
+        "dims": dims,
+    }
+
+
+@pytest.mark.parametrize("path", spec_paths(ZOO), ids=lambda p: p.stem)
+def test_the_tiny_zoo_is_the_zoo_at_hidden_32_and_lengths_40(path: Path) -> None:
+    """tests/models holds every model of models/ as the same spec at small sizes: hidden
+    sizes (and every static size) at most 32, every length at most 40."""
+    assert (TINY_ZOO / path.name).exists(), f"models/{path.name} has no tiny twin in tests/models"
+    zoo, tiny = load_spec(path), load_spec(TINY_ZOO / path.name)
+    assert _form(tiny) == _form(zoo)
+    statics = [d for t in (*tiny.inputs, *tiny.outputs) for d in t.shape if isinstance(d, int)]
+    assert max(statics, default=0) <= 32 and (tiny.config or {}).get("hidden_size", 0) <= 32
+    assert all(r.max <= 40 for r in tiny.dims.values()), tiny.dims
+
+
+def test_the_tiny_zoo_has_no_model_the_zoo_lacks() -> None:
+    assert {p.name for p in spec_paths(TINY_ZOO)} == {p.name for p in spec_paths(ZOO)}
 
 
 def test_mask_keys_round_trip_through_the_manifest_form(tmp_path: Path) -> None:

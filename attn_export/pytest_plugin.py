@@ -39,6 +39,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--attn-export-seed", type=int, default=0, metavar="N", help="Seed, as verify --seed.")
     group.addoption(
+        "--attn-export-max-memory",
+        metavar="SIZE",
+        help="Memory budget per case, as verify --max-memory (e.g. 8GiB); a case over it fails, one line.",
+    )
+    group.addoption(
         "--attn-export-provider",
         action="append",
         default=[],
@@ -63,21 +68,26 @@ class BuildFolder(pytest.File):
     def collect(self) -> Iterator[CaseItem]:
         from attn_export.artifacts.manifest import load_manifest
         from attn_export.checks.decode import scenarios
-        from attn_export.errors import AttnExportError
+        from attn_export.errors import AttnExportError, UsageError
         from attn_export.pipelines.verify import VerifyOptions, case_plan, checkout_spec
         from attn_export.runtimes import RUNTIMES, resolve_targets
         from attn_export.spec.cache import cache_of
         from attn_export.spec.distributions import case_label
+        from attn_export.spec.memory import parse_bytes
 
         config = self.config
         try:
+            seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
+            if seed < 0:
+                raise UsageError(f"--attn-export-seed {seed}: a seed is 0 or more")
             self.manifest = load_manifest(self.path.parent)
             targets = resolve_targets(["onnxruntime"], config.getoption("attn_export_provider") or ["cpu"])
             self.options = VerifyOptions(
                 targets=targets,
                 models_dir=Path(config.getoption("attn_export_models")),
-                seed=config.getoption("attn_export_seed"),
+                seed=seed,
                 latency=False,
+                max_memory=None if budget is None else parse_bytes(budget, "--attn-export-max-memory"),
             )
             models = sorted(self.manifest.models)
             specs = [
@@ -85,10 +95,22 @@ class BuildFolder(pytest.File):
             ]
         except AttnExportError as e:
             raise pytest.UsageError(f"--attn-export: {e}") from e
-        self.reports: dict[str, VerifyReport] = {}
+        self.reports: dict[str, VerifyReport | str] = {}
         for model, spec in zip(models, specs, strict=True):
             for target in targets:
-                for point, distribution in case_plan(spec, self.options, RUNTIMES[target.runtime].shape_cap):
+                try:
+                    plan = case_plan(spec, self.options, RUNTIMES[target.runtime].shape_cap)
+                except AttnExportError as e:  # a case over the budget: the model fails, in one line
+                    self.reports[model] = str(e)
+                    yield CaseItem.from_parent(
+                        self,
+                        name=f"{model}[{target.runtime}-{target.provider}]",
+                        model=model,
+                        target=target,
+                        case="plan",
+                    )
+                    continue
+                for point, distribution in plan:
                     label = case_label(point.label, distribution)
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
@@ -99,12 +121,22 @@ class BuildFolder(pytest.File):
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
 
     def report(self, model: str) -> VerifyReport:
-        """verify's report for one model, made when its first case runs."""
+        """verify's report for one model, made when its first case runs; a model verify
+        cannot run (a corrupt graph, a case over the budget) fails each of its cases in one
+        line, as the CLI says it, never with a traceback."""
+        from attn_export.errors import AttnExportError
         from attn_export.pipelines.verify import verify_artifacts
 
         if model not in self.reports:
-            self.reports[model] = verify_artifacts(self.path.parent, self.manifest, [model], self.options)
-        return self.reports[model]
+            try:
+                self.reports[model] = verify_artifacts(self.path.parent, self.manifest, [model], self.options)
+            except AttnExportError as e:
+                self.reports[model] = str(e)
+        found = self.reports[model]
+        if isinstance(found, str):
+            reproduce = f"attn-export verify {self.path.parent} --models {self.options.models_dir}"
+            raise _CaseFailed(f"{found}\nreproduce: {reproduce}")
+        return found
 
 
 class CaseItem(pytest.Item):

@@ -65,3 +65,35 @@ def test_plugin_collects_every_case_and_fails_only_the_planted_model(
     monkeypatch.chdir(tmp_path)  # where pytest ran: the project's models/ folder
     again = CliRunner().invoke(cli, shlex.split(reproduce[0])[1:])  # the command reproduces the failure
     assert again.exit_code == 1 and "FAIL bad onnxruntime[cpu]" in again.output
+
+
+@pytest.fixture
+def one_model(tmp_path: Path) -> Path:
+    spec = write_spec(tmp_path / "models", "good", TINY_MHA.replace("{exporter}", "dynamo"))
+    assert build_models([spec], BuildOptions(tmp_path / "build")).exit_code == 0
+    return tmp_path
+
+
+def _pytest(cwd: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    args = [sys.executable, "-m", "pytest", "--attn-export", "build", "-p", "no:cacheprovider", "-q", *extra]
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_the_plugin_turns_every_error_into_a_one_line_failure_or_usage_error(one_model: Path) -> None:
+    plant(one_model / "build", "good", b"not a graph")  # corrupt, its hash fixed up: it reaches the loader
+    corrupt = _pytest(one_model)
+    assert corrupt.returncode == 1 and "Traceback" not in corrupt.stdout and "INTERNALERROR" not in corrupt.stdout
+    assert "good.onnx: not an ONNX model (does not parse as a ModelProto" in corrupt.stdout
+    assert len(corrupt.stdout.splitlines()) < 30 * corrupt.stdout.count("FAILED")  # short failures, no tracebacks
+
+    seed = _pytest(one_model, "--attn-export-seed", "-1")
+    assert seed.returncode == 4 and "--attn-export-seed -1: a seed is 0 or more" in seed.stderr
+    assert "Traceback" not in seed.stdout + seed.stderr
+
+
+def test_the_plugin_has_a_budget_and_fails_a_case_over_it_in_one_line(one_model: Path) -> None:
+    over = _pytest(one_model, "--attn-export-max-memory", "16KiB")
+    assert over.returncode == 1 and "INTERNALERROR" not in over.stdout, over.stdout
+    assert "over the memory budget of 16.0 KiB" in over.stdout
+    bad = _pytest(one_model, "--attn-export-max-memory", "lots")
+    assert bad.returncode == 4 and "--attn-export-max-memory: 'lots' is not a memory size" in bad.stderr

@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from attn_export.artifacts.files import LOCK_WAIT_S
+from attn_export.errors import UsageError
+from attn_export.runtimes.target import PROVIDERS
+from attn_export.spec import EXPORTERS, VARIANTS
 
 __all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "BuildSummary"]
 
@@ -34,6 +38,23 @@ class BuildOptions:
     lock_wait_s: float = LOCK_WAIT_S
     #: Memory budget per case in bytes (``spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
+
+    def check(self) -> None:
+        """UsageError naming the first option out of its range, as the CLI would refuse it
+        (the Python API builds options without the CLI's checks)."""
+        if self.opset is not None and not 7 <= self.opset <= 30:
+            raise UsageError(f"--opset {self.opset}: give 7 to 30")
+        if self.exporter is not None and self.exporter not in EXPORTERS:
+            raise UsageError(f"--exporter {self.exporter}: choose {' or '.join(EXPORTERS)}")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown:
+            raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+        if self.provider not in PROVIDERS:
+            raise UsageError(f"unknown provider {self.provider} (known: {', '.join(PROVIDERS)})")
+        if not (math.isfinite(self.lock_wait_s) and self.lock_wait_s >= 0):
+            raise UsageError(f"--wait {self.lock_wait_s}: give a finite number >= 0")
+        if self.max_memory is not None and self.max_memory < 1:
+            raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
 
 
 @dataclass

@@ -196,9 +196,7 @@ def build_models(
     """Build each spec file's variants into ``options.out_dir``; a failing graph never
     raises, it becomes a failed result. ``on_notice`` hears, in one line each, that the
     build waits for the folder's lock and that an interrupted build was cleaned up."""
-    unknown = [v for v in options.variants if v not in VARIANTS]
-    if unknown:
-        raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    options.check()
     stems = [p.stem for p in spec_paths]
     twice = next((s for s in stems if stems.count(s) > 1), None)
     if twice is not None:

@@ -4,6 +4,7 @@ one ``ModelCheck`` per model, and the ``VerifyReport`` (round-trips through JSON
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from attn_export.checks.decode import (
 )
 from attn_export.compare import OutputComparison
 from attn_export.compare.latency import noise as latency_noise
+from attn_export.errors import UsageError
 from attn_export.runtimes import Target
 from attn_export.runtimes.timing import LatencyStats
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -49,13 +51,30 @@ class VerifyOptions:
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
-    #: Memory budget per case in bytes; None means the spec's ``max_memory``, else the machine's.
+    #: Memory budget per case in bytes; None: ``spec.memory.memory_budget``'s default.
     max_memory: int | None = None
     #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
     mask_case: str | None = None
     #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``
     #: unless the run is narrowed to given shapes, values or inputs; 0: no decoding.
     decode_steps: int | None = None
+
+    def check(self) -> None:
+        """UsageError naming the first option out of its range, as the CLI would refuse it
+        (the Python API builds options without the CLI's checks)."""
+        for name, value in (("--atol", self.atol), ("--rtol", self.rtol)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"{name} {value}: give a finite number >= 0")
+        if self.seed < 0:
+            raise UsageError(f"--seed {self.seed}: a seed is 0 or more")
+        if not 0 <= self.n_random <= 100:
+            raise UsageError(f"--random {self.n_random}: give 0 to 100")
+        if self.decode_steps is not None and not 0 <= self.decode_steps <= 4096:
+            raise UsageError(f"--decode {self.decode_steps}: give 0 to 4096")
+        if self.max_slowdown is not None and not (math.isfinite(self.max_slowdown) and self.max_slowdown > 0):
+            raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
+        if self.max_memory is not None and self.max_memory < 1:
+            raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
 
     @property
     def steps(self) -> int:

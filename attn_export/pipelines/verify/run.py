@@ -110,6 +110,7 @@ def verify_artifacts(
     """Verify each named model; problems become failed checks or cases, never exceptions,
     except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
     checkout for a model verified against PyTorch)."""
+    options.check()
     check_threads(options.threads)
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()

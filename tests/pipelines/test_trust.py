@@ -172,3 +172,19 @@ def test_a_module_from_an_installed_library_is_covered_by_its_version() -> None:
 
     sources = module_sources(load_spec(ZOO / "bert_attention.toml"))
     assert list(sources) == [f"transformers=={transformers.__version__} (installed)"]  # not 2,500 files walked
+
+
+def test_models_inside_the_build_folder_are_never_run(
+    tiny_build: Built, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    planted = tiny_build.out / "models"
+    planted.mkdir()
+    marker = tmp_path / "ran"
+    (planted / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    spec = (tiny_build.models / "tiny.toml").read_text()
+    (planted / "tiny.toml").write_text(spec.replace("attn_export.zoo.seed:MultiHeadAttention", "evil:Nothing"))
+    monkeypatch.chdir(tiny_build.out)  # `cd build && attn-export verify .`: models/ is the folder's
+    result = CliRunner().invoke(cli, ["verify", ".", "--no-latency"])
+    assert result.exit_code == 2, result.output
+    assert "--models models is inside the build folder .: verify runs code only from the checkout" in result.output
+    assert not marker.exists()

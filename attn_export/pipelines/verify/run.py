@@ -112,6 +112,11 @@ def verify_artifacts(
     checkout for a model verified against PyTorch)."""
     options.check()
     check_threads(options.threads)
+    if not options.golden and options.models_dir.resolve().is_relative_to(out_dir.resolve()):
+        raise UsageError(
+            f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from the "
+            "checkout, never from a build folder; pass --models with the checkout's spec folder"
+        )
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
     report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import re
 import stat
 import tempfile
 import time
@@ -22,13 +23,18 @@ from typing import BinaryIO
 from attn_export.errors import ArtifactError, LockError, UsageError
 
 __all__ = [
+    "LOCK_NAME",
     "LOCK_WAIT_S",
+    "STAGED",
+    "append_output",
     "atomic_write",
     "build_lock",
     "open_regular",
+    "output_target",
     "read_regular",
     "sha256_bytes",
     "sha256_file",
+    "write_output",
 ]
 
 LOCK_NAME = ".attn-export.lock"
@@ -123,6 +129,9 @@ def atomic_write(path: Path, data: bytes) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
+
+#: A graph or golden file staged during a rebuild: ``.<stable name>.<sha256 prefix>.staged``.
+STAGED = re.compile(r"\.(?P<stable>.+)\.[0-9a-f]{16}\.staged")
 
 _NOT_FILES = {
     stat.S_IFDIR: "a directory",

@@ -18,13 +18,13 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from attn_export.artifacts.files import STAGED as _STAGED
 from attn_export.artifacts.files import atomic_write, build_lock, read_regular, sha256_bytes, sha256_file
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest, save_manifest
 from attn_export.errors import ArtifactError, LockError, UsageError
 
 __all__ = ["commit", "leftovers", "recover", "remove_leftovers", "stage", "tidy"]
 
-_STAGED = re.compile(r"\.(?P<stable>.+)\.[0-9a-f]{16}\.staged")
 #: ``atomic_write``'s temporary files: ``.<target>.<8 random characters>.tmp``.
 _TEMP = re.compile(r"\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp")
 _ARTIFACTS = (".onnx", ".npz", ".staged")

@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import atomic_write, read_regular
+from attn_export.artifacts.files import STAGED, atomic_write, read_regular
 from attn_export.errors import ArtifactError, SpecError
 from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
 
@@ -136,6 +136,11 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         raise bad(f"holds an invalid spec: {e}") from e
     if variant_key(spec.name, entry.variant) != name:
         raise bad(f"holds the spec of '{spec.name}' (variant {entry.variant})")
+    for key, stable in (("file", f"{name}.onnx"), ("golden", f"{spec.name}.golden.npz")):
+        value = getattr(entry, key)
+        staged = STAGED.fullmatch(value)
+        if value != stable and not (staged and staged["stable"] == stable):
+            raise bad(f"names {key} '{value}', which is neither {stable} nor a staged copy of it")
     return entry
 
 

@@ -578,3 +578,19 @@ def test_output_path_that_is_a_file(tmp_path: Path) -> None:
     result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
     assert _error_line(result) == f"Error: Invalid value for '--out': Directory '{tmp_path / 'out'}' is a file."
+
+
+@pytest.mark.parametrize(
+    "file", [".attn-export.lock", ".tiny.onnx.0123456789abcdef.staged.x", "manifest.json", "other.onnx"]
+)
+def test_a_manifest_entry_naming_a_file_not_its_own_is_refused(tiny_build: Built, file: str) -> None:
+    manifest = tiny_build.out / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["models"]["tiny"]["file"] = file
+    manifest.write_text(json.dumps(doc))
+    result = invoke("verify", str(tiny_build.out), "--golden", "--no-latency")
+    assert result.exit_code == 2
+    assert f"entry 'tiny' names file '{file}', which is neither tiny.onnx nor a staged copy of it" in result.output
+    rebuilt = invoke("build", "--models", str(tiny_build.models), "--out", str(tiny_build.out), "--force")
+    assert rebuilt.exit_code == 0, rebuilt.output  # --force starts over from a manifest it cannot use
+    assert invoke("verify", str(tiny_build.out), "--golden", "--no-latency").exit_code == 0

@@ -121,6 +121,14 @@ report_options = _format_options(FORMATS, "report_")
 bench_report_options = _format_options(BENCH_FORMATS, "bench_")
 
 
+wait_option = click.option(
+    "--wait",
+    "wait_s",
+    type=_FiniteFloat(0),
+    default=LOCK_WAIT_S,
+    show_default=True,
+    help="Seconds to wait for a build of the same folder in progress to finish before giving up.",
+)
 max_memory_option = click.option(
     "--max-memory",
     callback=lambda ctx, param, value: None if value is None else _bytes(value),
@@ -185,14 +193,7 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
     "at the spec's typical shape and keeps the fastest within tolerance."
 )
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
-@click.option(
-    "--wait",
-    "wait_s",
-    type=_FiniteFloat(0),
-    default=LOCK_WAIT_S,
-    show_default=True,
-    help="Seconds to wait for another build of the same --out to finish before giving up.",
-)
+@wait_option
 @max_memory_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
@@ -364,6 +365,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
 @max_memory_option
+@wait_option
 @report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
 def verify(
@@ -386,6 +388,7 @@ def verify(
     latency_budget: float,
     max_slowdown: float | None,
     max_memory: int | None,
+    wait_s: float,
     shard: tuple[int, int] | None,
     **reports: Path | None,
 ) -> None:
@@ -452,6 +455,7 @@ def verify(
         latency_budget_s=latency_budget,
         max_slowdown=max_slowdown,
         max_memory=max_memory,
+        lock_wait_s=wait_s,
         mask_case=mask_case,
         decode_steps=decode_steps,
     )
@@ -469,7 +473,7 @@ def verify(
             click.echo(HEADER)
         click.echo(format_model_rows(name, cases, check))
 
-    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model)
+    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model, on_notice=_notice)
     for text in (format_decode(report), format_distributions(report), format_failures(report), format_summary(report)):
         if text:
             click.echo(text)

@@ -31,6 +31,7 @@ __all__ = [
     "build_lock",
     "open_regular",
     "output_target",
+    "read_lock",
     "read_regular",
     "sha256_bytes",
     "sha256_file",
@@ -186,10 +187,9 @@ def append_output(path: Path, text: str, errors: str = "strict") -> None:
 
 @contextlib.contextmanager
 def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes;
-    wait up to ``wait_s`` seconds for another build to release it, telling ``on_wait`` once."""
-    import fcntl
-
+    """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes, and
+    no verify reads a folder half rebuilt; wait up to ``wait_s`` seconds for another build
+    (or a verify) to release it, telling ``on_wait`` once."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # never through a symlink: a lock file planted as a link would create its target
@@ -198,28 +198,56 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
         if e.errno == errno.ELOOP:
             raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
         raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
+    with _held(fd, out_dir, True, wait_s, on_wait):
+        yield
+
+
+@contextlib.contextmanager
+def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold a shared lock on ``out_dir`` while verify reads it, so a build never rewrites it
+    meanwhile (verify would see files that changed after the build and cry tamper); wait up
+    to ``wait_s`` seconds for a build in progress. A folder no build ever locked (or copied
+    without its lock file) needs none, and nothing is created in it."""
+    try:
+        fd = os.open(out_dir / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        yield
+        return
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
+        raise UsageError(f"cannot read {out_dir}: {e.strerror}") from e
+    with _held(fd, out_dir, False, wait_s, on_wait):
+        yield
+
+
+@contextlib.contextmanager
+def _held(
+    fd: int, out_dir: Path, exclusive: bool, wait_s: float, on_wait: Callable[[str], None] | None
+) -> Iterator[None]:
+    import fcntl
+
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UsageError(f"{out_dir / LOCK_NAME} is not a regular file; remove it")
-    handle = os.fdopen(fd, "a")
+    holder = "another attn-export build or verify" if exclusive else "an attn-export build in progress"
     deadline = time.monotonic() + wait_s
     try:
         while True:
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
                 break
             except BlockingIOError as e:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     waited = f" after waiting {wait_s:g} s" if wait_s else ""
                     raise LockError(
-                        f"{out_dir} is locked by another attn-export build{waited}; try again when it ends "
-                        "(--wait SECONDS waits longer)"
+                        f"{out_dir} is locked by {holder}{waited}; try again when it ends (--wait SECONDS waits longer)"
                     ) from e
                 if on_wait is not None:
-                    on_wait(f"{out_dir} is locked by another attn-export build; waiting up to {wait_s:g} s")
+                    on_wait(f"{out_dir} is locked by {holder}; waiting up to {wait_s:g} s")
                     on_wait = None
                 time.sleep(min(0.1, left))
         yield
     finally:
-        handle.close()
+        os.close(fd)

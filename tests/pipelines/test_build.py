@@ -279,7 +279,7 @@ def test_train_mode_warns_and_exports_in_eval_mode(tmp_path: Path) -> None:
 
 def test_build_lock_refuses_a_second_build(tmp_path: Path) -> None:
     path = tiny_spec(tmp_path / "models")
-    with build_lock(tmp_path / "out"), pytest.raises(LockError, match="locked by another attn-export build"):
+    with build_lock(tmp_path / "out"), pytest.raises(LockError, match="locked by another attn-export build or verify"):
         _build([path], tmp_path / "out", lock_wait_s=0)
 
 
@@ -290,9 +290,9 @@ def test_second_build_waits_for_the_lock_then_gives_up(tmp_path: Path) -> None:
         started = time.monotonic()
         build_models([path], BuildOptions(out, lock_wait_s=0.5), on_notice=notes.append)
     assert 0.5 <= time.monotonic() - started < 5
-    assert notes == [f"{out} is locked by another attn-export build; waiting up to 0.5 s"]
+    assert notes == [f"{out} is locked by another attn-export build or verify; waiting up to 0.5 s"]
     assert str(info.value) == (
-        f"{out} is locked by another attn-export build after waiting 0.5 s; try again when it ends "
+        f"{out} is locked by another attn-export build or verify after waiting 0.5 s; try again when it ends "
         "(--wait SECONDS waits longer)"
     )
 
@@ -314,7 +314,7 @@ def test_second_build_runs_once_the_first_releases_the_lock(tmp_path: Path) -> N
     summary = build_models([path], BuildOptions(out, lock_wait_s=30), on_notice=notes.append)
     thread.join()
     assert [r.status for r in summary.results] == ["built"]
-    assert notes == [f"{out} is locked by another attn-export build; waiting up to 30 s"]
+    assert notes == [f"{out} is locked by another attn-export build or verify; waiting up to 30 s"]
 
 
 def test_manifest_records_the_contract(zoo_dir: Path) -> None:

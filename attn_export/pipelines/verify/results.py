@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode import (
     DEFAULT_STEPS,
@@ -53,6 +54,8 @@ class VerifyOptions:
     max_slowdown: float | None = None
     #: Memory budget per case in bytes; None: ``spec.memory.memory_budget``'s default.
     max_memory: int | None = None
+    #: Seconds to wait for a build of the folder in progress before giving up.
+    lock_wait_s: float = LOCK_WAIT_S
     #: With ``shapes``: feed this named mask case (``masks.CASES``) instead of the pattern.
     mask_case: str | None = None
     #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``

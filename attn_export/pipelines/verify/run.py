@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase, read_golden
-from attn_export.artifacts.manifest import Manifest, ManifestEntry
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.checks.fully_masked import FullyMaskedRows
 from attn_export.compare import latency_gate
-from attn_export.errors import AttnExportError, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, UsageError
 from attn_export.pipelines.verify.decode import decode_model
 from attn_export.pipelines.verify.expected import (
     Expected,
@@ -106,10 +107,29 @@ def verify_artifacts(
     names: Sequence[str],
     options: VerifyOptions,
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Verify each named model; problems become failed checks or cases, never exceptions,
     except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
-    checkout for a model verified against PyTorch)."""
+    checkout for a model verified against PyTorch). The folder is read under a shared lock:
+    a build in progress is waited for (``on_notice`` hears it once), and ``manifest`` is read
+    again once it is done."""
+    with read_lock(out_dir, options.lock_wait_s, on_notice):
+        if (out_dir / MANIFEST_NAME).is_file():
+            manifest = load_manifest(out_dir)
+        missing = [n for n in names if n not in manifest.models]
+        if missing:
+            raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
+        return _verify_locked(out_dir, manifest, names, options, on_model)
+
+
+def _verify_locked(
+    out_dir: Path,
+    manifest: Manifest,
+    names: Sequence[str],
+    options: VerifyOptions,
+    on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
+) -> VerifyReport:
     options.check()
     check_threads(options.threads)
     if not options.golden and options.models_dir.resolve().is_relative_to(out_dir.resolve()):

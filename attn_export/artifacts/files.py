@@ -192,12 +192,11 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
     (or a verify) to release it, telling ``on_wait`` once."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        # never through a symlink: a lock file planted as a link would create its target
-        fd = os.open(out_dir / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
         raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
+    fd = _open_lock(out_dir, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    if fd is None:  # the folder went away between the two calls
+        raise UsageError(f"cannot use output directory {out_dir}: it no longer exists")
     with _held(fd, out_dir, True, wait_s, on_wait):
         yield
 
@@ -208,17 +207,25 @@ def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None]
     meanwhile (verify would see files that changed after the build and cry tamper); wait up
     to ``wait_s`` seconds for a build in progress. A folder no build ever locked (or copied
     without its lock file) needs none, and nothing is created in it."""
-    try:
-        fd = os.open(out_dir / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    fd = _open_lock(out_dir, os.O_RDONLY)
+    if fd is None:
         yield
         return
+    with _held(fd, out_dir, False, wait_s, on_wait):
+        yield
+
+
+def _open_lock(out_dir: Path, flags: int) -> int | None:
+    """The lock file opened never through a symlink (a lock file planted as a link would
+    create or lock its target); None where it does not exist and is not created."""
+    try:
+        return os.open(out_dir / LOCK_NAME, flags | os.O_NOFOLLOW, 0o666)
+    except FileNotFoundError:
+        return None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
-        raise UsageError(f"cannot read {out_dir}: {e.strerror}") from e
-    with _held(fd, out_dir, False, wait_s, on_wait):
-        yield
+        raise UsageError(f"cannot use {out_dir}: {e.strerror}") from e
 
 
 @contextlib.contextmanager

@@ -231,8 +231,14 @@ def _resolve_layouts(where: _Where, inputs: list[tuple[TensorSpec, _MaskKeys | N
             layout = given or default_layout(t.shape, batch)
             assert layout is not None  # the rank was checked
             if pattern == "causal" and "query" not in LAYOUTS[layout]:
+                hint = (
+                    ""
+                    if given
+                    else f" (read from its dims: its first dim '{t.shape[0]}' is the first input's first dim; "
+                    'for a [seq, kv_seq] mask of seq-first inputs set layout = "query-key")'
+                )
                 raise where.error(
-                    f"input '{t.name}': a causal mask needs a query axis; {layout} has none", "mask", "inputs", i
+                    f"input '{t.name}': a causal mask needs a query axis; {layout} has none{hint}", "mask", "inputs", i
                 )
             t = dataclasses.replace(t, mask=MaskSpec(pattern, layout, convention))
         resolved.append(t)

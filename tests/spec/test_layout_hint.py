@@ -38,17 +38,17 @@ name = "output"
 shape = ["seq", "batch", 16]
 pick = 0
 [dims]
-batch = {{ min = 1, max = 4 }}
-seq = {{ min = 1, max = 12 }}
-kv_seq = {{ min = 1, max = 16 }}
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 12 }
+kv_seq = { min = 1, max = 16 }
 """
 
 
 def test_a_seq_first_mask_read_as_key_padding_suggests_its_layout(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as caught:
-        load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.format(layout="")))
+        load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.replace("{layout}", "")))
     assert "a causal mask needs a query axis; key-padding has none (read from its dims" in str(caught.value)
     assert 'set layout = "query-key"' in str(caught.value)
-    spec = load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.format(layout='layout = "query-key"')))
+    spec = load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.replace("{layout}", 'layout = "query-key"')))
     ((_, mask),) = spec.masks
     assert mask.layout == "query-key"

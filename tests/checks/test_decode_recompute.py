@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from attn_export.artifacts.manifest import load_manifest
@@ -53,3 +54,23 @@ def test_a_decoder_wrong_over_the_sequence_fails_from_the_prompt_on(built: tuple
         "module bug: with its cache the module disagrees with one pass over every token, from step 1 (past 0, seq "
     ), reasons[0]
     assert "its rows 0 to " in reasons[0] and "differ from the same rows of the pass: output: " in reasons[0]
+
+
+def test_a_padded_row_that_differs_only_in_its_cache_is_said_so() -> None:
+    from attn_export.checks.decode import DecodeResult
+    from attn_export.compare import compare_output
+    from attn_export.runtimes import Target
+    from attn_export.spec import Tolerance
+
+    tol, same = Tolerance(1e-5, 1e-4), np.ones((1, 3), np.float32)
+    agree = compare_output("output (row 1)", same, same.copy(), tol)
+    differs = compare_output("present.0.key (row 1)", same, same + 1, tol)
+    result = DecodeResult(
+        "m", Target("onnxruntime", "cpu"), "left-padded", "torch[cpu]", [5, 0, 2], unpadded=[agree, differs]
+    )
+    assert result.reasons()[0].startswith(
+        "module bug: the cache differs, not the outputs: a left-padded row's tokens, alone and unpadded, give every "
+        "output the batch gave them but another present.0.key (row 1): present.0.key (row 1): 3/3 elements"
+    )
+    result.unpadded = [compare_output("output (row 1)", same, same + 1, tol), differs]
+    assert result.reasons()[0].startswith("module bug: padding changes what a real token sees")

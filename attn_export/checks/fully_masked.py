@@ -245,6 +245,12 @@ def _repair(
             return model, info
         why = f"the graph rewritten to give {REWRITES[mode]} still differs at {', '.join(still)}"
     told = f"PyTorch gives {torch_gives}, onnxruntime[cpu] gives {ort_gives}"
+    if torch_gives == ort_gives == "NaN":
+        raise GraphCheckError(
+            f"{key}: fully masked rows ({label}): PyTorch and onnxruntime[cpu] both give NaN there; set "
+            '[tolerance] allow_nan = true in the spec to accept NaN on both sides, or fully_masked = "ignore" '
+            "to leave those rows out"
+        )
     raise GraphCheckError(
         f"{key}: fully masked rows ({label}): {told if torch_gives != 'unknown' else 'PyTorch and the graph differ'}; "
         f'{why}; set fully_masked = "ignore" in the spec to accept the difference'

@@ -10,7 +10,7 @@ the same time, and put together as one build writes it (``shared_zoo``).
 The tests use the tiny zoo in ``tests/models``: every model of ``models/`` as the same spec
 at hidden sizes of at most 32 and lengths of at most 40 (``tests/spec/test_spec.py`` holds
 it to that), fast to export and to run. The production-size zoo of ``models/`` is built and
-verified by one test, ``tests/pipelines/test_build.py::test_the_production_zoo_builds_and_verifies``.
+verified by one test, ``tests/pipelines/test_production_zoo.py``.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ def test_list_shows_the_zoo() -> None:
 
 
 def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
-    tiny_spec(tmp_path / "models")
+    # torchscript, the fastest exporter: what is tested here is not the export
+    tiny_spec(tmp_path / "models", exporter="torchscript")
     args = ("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
     first = invoke(*args)
     assert first.exit_code == 0, first.output
@@ -50,7 +51,8 @@ def test_build_progress_summary_and_incremental_skip(tmp_path: Path) -> None:
 
 
 def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path / "specs", "llama_gqa")
+    # torchscript, the fastest exporter: what is tested here is not the export
+    spec = tiny_spec(tmp_path / "specs", "llama_gqa", exporter="torchscript")
     listed = invoke("list", str(spec), "--models", str(tmp_path / "absent"))
     assert listed.exit_code == 0 and listed.output.splitlines()[1].startswith("llama_gqa ")
     built = invoke("build", str(spec), "--out", str(tmp_path / "out"))
@@ -63,7 +65,8 @@ def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
 def test_build_json_summary_round_trips(tmp_path: Path) -> None:
     from attn_export.pipelines.build import BuildSummary
 
-    tiny_spec(tmp_path / "models")
+    # torchscript, the fastest exporter: what is tested here is not the export
+    tiny_spec(tmp_path / "models", exporter="torchscript")
     result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"), "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)

@@ -183,7 +183,8 @@ def test_state_dict_weights_are_used(tmp_path: Path) -> None:
 
     torch.manual_seed(123)
     torch.save(MultiHeadAttention(16, 2).state_dict(), tmp_path / "w.pt")
-    spec = tiny_spec(tmp_path)
+    # torchscript, the fastest exporter: what is tested here is not the export
+    spec = tiny_spec(tmp_path, exporter="torchscript")
     spec.write_text(spec.read_text() + '\n[weights]\npath = "w.pt"\n')
     assert invoke("build", "--models", str(tmp_path), "--out", str(tmp_path / "out")).exit_code == 0
     assert invoke("verify", str(tmp_path / "out"), "--models", str(tmp_path), "--no-latency").exit_code == 0
@@ -559,7 +560,8 @@ def test_full_disk_fails_cleanly_and_keeps_the_previous_build(
 
 def test_read_only_output_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     models = tmp_path / "models"
-    tiny_spec(models)
+    # torchscript, the fastest exporter: what is tested here is not the export
+    tiny_spec(models, exporter="torchscript")
 
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")

@@ -546,6 +546,7 @@ def _sizes(value: str, minimum: int) -> list[int]:
     help="Seconds of timed repeats per runner and shape.",
 )
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
+@max_memory_option
 @click.option(
     "--decode",
     is_flag=True,
@@ -570,6 +571,7 @@ def bench(
     threads: int | None,
     budget: float,
     no_memory: bool,
+    max_memory: int | None,
     decode: bool,
     pasts: list[int] | None,
     runtimes: tuple[str, ...],
@@ -607,6 +609,7 @@ def bench(
         "budget_s": budget,
         "memory": not no_memory,
         "runtimes": tuple(dict.fromkeys(runtimes)),
+        "max_memory": max_memory,
     }
     if decode:
         if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:

@@ -57,3 +57,16 @@ def test_build_refuses_a_case_over_the_budget_before_computing_it(tiny_build: Bu
     assert result.exit_code == 2, result.output
     assert "over the memory budget of 16.0 KiB" in result.output
     assert not (out / "tiny.onnx").exists()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_bench_refuses_a_shape_over_the_budget_before_building(tmp_path: Path, decode: bool) -> None:
+    from tests.conftest import TINY_ZOO
+
+    spec = str(TINY_ZOO / ("mha_kv_cache.toml" if decode else "mha.toml"))
+    shape = ["--decode", "--past", "0,24", "--batch", "4"] if decode else ["--seq", "8,4096"]
+    args = ["bench", spec, "--out", str(tmp_path / "out"), *shape, "--max-memory", "16KiB"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "over the memory budget of 16.0 KiB" in result.output
+    assert not (tmp_path / "out").exists()

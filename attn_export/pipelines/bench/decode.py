@@ -50,6 +50,8 @@ from attn_export.runtimes.timing import LatencyStats, check_threads, measure_alt
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
+from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.shapes import ShapePoint, format_sizes
 
 __all__ = ["DEFAULT_PASTS", "bench_decode_models", "past_lengths", "plan_window", "run_decode_bench"]
 
@@ -208,7 +210,13 @@ def bench_decode_models(
             raise UsageError("bench --decode: none of these models has a key/value cache")
         spec_paths, specs = [p for p, _ in kept], [s for _, s in kept]
     for spec in specs:
-        past_lengths(spec, options.pasts)
+        cache = _cache(spec)
+        sizes = [
+            spec.with_sums({name: 1 for name in spec.dims} | {"batch": b, cache.past_dim: p})
+            for b in options.batches
+            for p in past_lengths(spec, options.pasts)
+        ]
+        check_memory(spec, [ShapePoint(format_sizes(s), s) for s in sizes], memory_budget(options.max_memory, spec))
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )

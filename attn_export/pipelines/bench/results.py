@@ -38,6 +38,8 @@ class RunnerOptions:
     memory: bool = True
     #: Runtimes (keys of ``runtimes.RUNTIMES``) that run each variant's graph.
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,)
+    #: Memory budget per shape in bytes (``spec.memory.memory_budget``); None: the default.
+    max_memory: int | None = None
 
 
 @dataclass

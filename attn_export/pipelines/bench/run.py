@@ -23,6 +23,8 @@ from attn_export.runtimes import Runtime
 from attn_export.runtimes.timing import check_threads, measure, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.shapes import ShapePoint
 
 __all__ = ["bench_models", "run_bench"]
 
@@ -121,6 +123,10 @@ def bench_models(
     """Build the variants still missing from ``out_dir``, then measure them; no report
     when a graph failed to build."""
     check_threads(options.threads)
+    for path in spec_paths:
+        spec = load_spec(path)
+        points = [ShapePoint(f"batch {b}, seq {s}", _sizes(spec, b, s)) for b in options.batches for s in options.seqs]
+        check_memory(spec, points, memory_budget(options.max_memory, spec))
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )

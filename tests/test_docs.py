@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner, Result
+
+from attn_export.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -73,41 +76,51 @@ def _attn_export(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path) -> None:
+def _cli(cwd: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    """``attn-export ARGS`` typed in ``cwd``, run in this process: the same command without
+    a new interpreter each time (tests/test_cli_build.py runs the entry point itself)."""
+    monkeypatch.chdir(cwd)
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _blocks(README.split("## Quickstart", 1)[1], "toml")[0]
     models = tmp_path / "models"
     models.mkdir()
     (models / "my_attention.toml").write_text(spec)
     (models / "my_attention.py").write_text(MODULE.replace("SOFTMAX", "scores.softmax(-1)"))
 
-    assert _attn_export(tmp_path, "build").returncode == 0
-    passed = _attn_export(tmp_path, "verify", "--no-latency")
-    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert _cli(tmp_path, monkeypatch, "build").exit_code == 0
+    passed = _cli(tmp_path, monkeypatch, "verify", "--no-latency")
+    assert passed.exit_code == 0, passed.output
     assert "verify PASSED: 13 of 13 cases agree across 1 models" in passed.stdout
     assert "verify PASSED: 13 of 13 cases agree across 1 models" in README
 
     overflowing = "(scores.exp() / scores.exp().sum(-1, keepdim=True))"
     (models / "my_attention.py").write_text(MODULE.replace("SOFTMAX", overflowing))
-    assert _attn_export(tmp_path, "build").returncode == 0
-    failed = _attn_export(tmp_path, "verify", "--no-latency")
-    assert failed.returncode == 1
+    assert _cli(tmp_path, monkeypatch, "build").exit_code == 0
+    failed = _cli(tmp_path, monkeypatch, "verify", "--no-latency")
+    assert failed.exit_code == 1
     shown = [line for line in README.splitlines() if line.startswith(("FAIL ", "     reproduce: "))]
     assert len(shown) == 2 and all(line in failed.stdout.splitlines() for line in shown), failed.stdout
     reproduce = shown[1].split("reproduce: attn-export ", 1)[1].split()
-    assert _attn_export(tmp_path, *reproduce).returncode == 1
+    assert _cli(tmp_path, monkeypatch, *reproduce).exit_code == 1
 
 
-def test_api_example_runs_as_written(tmp_path: Path) -> None:
+def test_api_example_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     page = (DOCS / "api.md").read_text()
     code = re.search(r"## Python API\n.*?```python\n(.*?)```", page, re.S)
     assert code, "docs/api.md has a Python API example"
     (tmp_path / "models").mkdir()
     # the tiny zoo's torch_mha (the same spec, small: one test builds the production zoo)
     shutil.copy(ROOT / "tests" / "models" / "torch_mha.toml", tmp_path / "models")
-    done = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "'was': {'fully-padded-sequence': 'NaN'}" in done.stdout
-    assert done.stdout.strip().endswith(
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code.group(1), str(DOCS / "api.md"), "exec"), {"__name__": "__main__"})  # as a script runs it
+    out = capsys.readouterr().out
+    assert "'was': {'fully-padded-sequence': 'NaN'}" in out
+    assert out.strip().endswith(
         "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0}"
     )
 

@@ -217,6 +217,24 @@ def tiny_build(shared_tiny: Built, tmp_path: Path) -> Built:
     return copy_build(shared_tiny, tmp_path)
 
 
+@pytest.fixture(scope="session")
+def shared_tiny_torchscript(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """``tiny_spec`` built once per session with torchscript, the fastest exporter, for tests
+    that rebuild it and whose subject is not the export."""
+    built = shared_build(
+        tmp_path_factory, "tiny-torchscript", lambda models: [tiny_spec(models, exporter="torchscript")]
+    )
+    assert built.errors == {"tiny": None}, built.errors
+    with unchanged(built.out), unchanged(built.models):
+        yield built
+
+
+@pytest.fixture
+def tiny_torchscript_build(shared_tiny_torchscript: Built, tmp_path: Path) -> Built:
+    """A copy of ``shared_tiny_torchscript`` to change, as ``tiny_build`` is of ``shared_tiny``."""
+    return copy_build(shared_tiny_torchscript, tmp_path)
+
+
 # -- specs ----------------------------------------------------------------------------------------
 
 

@@ -524,9 +524,11 @@ def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeyp
 
 
 def test_full_disk_fails_cleanly_and_keeps_the_previous_build(
-    tiny_build: Built, monkeypatch: pytest.MonkeyPatch
+    tiny_torchscript_build: Built, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    models, out = tiny_build.models, tiny_build.out  # a copy of a build of tiny_spec
+    # a copy of a build of tiny_spec, with torchscript (the fastest exporter): the subject is the rebuild
+    built = tiny_torchscript_build
+    models, out = built.models, built.out
     spec = models / "tiny.toml"
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
@@ -585,7 +587,8 @@ def test_output_path_that_is_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "file", [".attn-export.lock", ".tiny.onnx.0123456789abcdef.staged.x", "manifest.json", "other.onnx"]
 )
-def test_a_manifest_entry_naming_a_file_not_its_own_is_refused(tiny_build: Built, file: str) -> None:
+def test_a_manifest_entry_naming_a_file_not_its_own_is_refused(tiny_torchscript_build: Built, file: str) -> None:
+    tiny_build = tiny_torchscript_build  # torchscript, the fastest exporter: --force rebuilds it
     manifest = tiny_build.out / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["models"]["tiny"]["file"] = file

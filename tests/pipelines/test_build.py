@@ -143,9 +143,11 @@ def test_incremental_build_skips_unchanged_and_rebuilds_changed(tmp_path: Path) 
 
 
 def test_crash_while_writing_leaves_previous_artifacts_intact(
-    tiny_build: Built, monkeypatch: pytest.MonkeyPatch
+    tiny_torchscript_build: Built, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, out = tiny_build.models / "tiny.toml", tiny_build.out  # a copy of a build of tiny_spec
+    # a copy of a build of tiny_spec, with torchscript (the fastest exporter): the subject is the rebuild
+    built = tiny_torchscript_build
+    path, out = built.models / "tiny.toml", built.out
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
     def killed(fd: int) -> None:

@@ -107,7 +107,8 @@ def test_bench_refuses_a_plot_path_before_timing_anything(shared_tiny: Built, tm
     assert not (tmp_path / "out").exists()  # refused before building or timing
 
 
-def test_a_lock_file_planted_as_a_symlink_creates_nothing(tiny_build: Built, tmp_path: Path) -> None:
+def test_a_lock_file_planted_as_a_symlink_creates_nothing(tiny_torchscript_build: Built, tmp_path: Path) -> None:
+    tiny_build = tiny_torchscript_build  # torchscript, the fastest exporter: --force rebuilds it
     victim = tmp_path / "victim"
     lock = tiny_build.out / LOCK_NAME
     lock.unlink(missing_ok=True)

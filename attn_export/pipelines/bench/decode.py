@@ -87,6 +87,11 @@ def past_lengths(spec: ModelSpec, requested: Sequence[int] | None = None) -> lis
     return list(dict.fromkeys(requested))
 
 
+def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int) -> dict[str, int]:
+    """The sizes of one decode step (seq 1) at ``batch`` and ``past``."""
+    return spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.past_dim: past})
+
+
 def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int) -> DecodeWindow:
     """The feeds of ``window`` one-token steps from a cache of ``past`` random entries,
     shortened where the spec's past range ends; each step's feeds pass ``check_feeds``."""
@@ -98,7 +103,7 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int) 
         raise InputError(f"{spec.name}: a decode step has {cache.seq_dim} 1, outside [{seq.min}, {seq.max}]")
     window = max(1, min(window, spec.dims[cache.past_dim].max - past + 1))
     rng = np.random.default_rng(seed)
-    sizes = spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.past_dim: past})
+    sizes = _step_sizes(spec, cache, batch, past)
     past_names = {p for p, _ in cache.pairs}
     per_step = past_names | {cache.mask, cache.positions}
     pasts = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name in past_names}
@@ -185,7 +190,7 @@ def run_decode_bench(
                             on_row(row)
         if options.memory:
             batch, past = max(options.batches), max(pasts)
-            sizes = spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.past_dim: past})
+            sizes = _step_sizes(spec, cache, batch, past)
             report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, sizes)
     return report
 
@@ -211,11 +216,7 @@ def bench_decode_models(
         spec_paths, specs = [p for p, _ in kept], [s for _, s in kept]
     for spec in specs:
         cache = _cache(spec)
-        sizes = [
-            spec.with_sums({name: 1 for name in spec.dims} | {"batch": b, cache.past_dim: p})
-            for b in options.batches
-            for p in past_lengths(spec, options.pasts)
-        ]
+        sizes = [_step_sizes(spec, cache, b, p) for b in options.batches for p in past_lengths(spec, options.pasts)]
         check_memory(spec, [ShapePoint(format_sizes(s), s) for s in sizes], memory_budget(options.max_memory, spec))
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)

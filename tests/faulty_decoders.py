@@ -56,6 +56,18 @@ class PastBaked(GQARopeKVCache):
         return full.reshape(b, heads, t, d)
 
 
+class PromptIgnoresPadding(MHAKVCache):
+    """A prompt path (empty cache) that reads no padding: torch.export decides ``== 0`` on a
+    size as False at the example and keeps the general path, without a guard."""
+
+    def forward(  # type: ignore[override]
+        self, hidden_states: Tensor, attention_mask: Tensor, past_key: Tensor, past_value: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if past_key.shape[2] == 0:
+            attention_mask = torch.ones_like(attention_mask)
+        return super().forward(hidden_states, attention_mask, past_key, past_value)
+
+
 class SafeSoftmaxOnly(MHAKVCache):
     """Attention through SDPA with a boolean mask and no has-any-key factor: PyTorch's safe
     softmax gives 0 for a query that sees no key, the exported graph NaN."""

@@ -147,6 +147,7 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[s
         _faulty(root / "models", "zeros", "mha_kv_cache", "PresentWithoutNewToken"),
         _faulty(root / "models", "drops", "mha_kv_cache", "PresentDropsNewToken"),
         _faulty(root / "models", "baked", "gqa_rope_kv_cache", "PastBaked"),
+        _faulty(root / "models", "prompt_path", "mha_kv_cache", "PromptIgnoresPadding"),
         _faulty(root / "models", "ignores", "mha_kv_cache", "IgnoresMask"),
         _faulty(root / "models", "first_row", "mha_kv_cache", "FirstRowMask"),
     ]
@@ -188,6 +189,14 @@ def test_a_past_length_baked_from_the_example_fails_the_build_naming_the_line(fa
     _, _, errors = faulty
     assert "specialized it to be a constant" in errors["baked"]
     assert "faulty_decoders.py:" in errors["baked"] and "`t = int(full.shape[2])`" in errors["baked"]
+
+
+def test_a_branch_on_an_empty_cache_kept_without_a_guard_fails_the_build_naming_the_line(faulty) -> None:
+    _, _, errors = faulty
+    error = errors["prompt_path"]
+    assert error is not None and "smoke check at" in error and "past_seq=0" in error
+    assert "the module's Python takes another path at" in error
+    assert "faulty_decoders.py:" in error and "`attention_mask = torch.ones_like(attention_mask)`" in error
 
 
 def test_a_graph_that_breaks_on_a_fully_left_padded_row_diverges_at_step_1(zoo_copy: Path) -> None:

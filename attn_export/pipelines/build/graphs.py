@@ -18,6 +18,7 @@ from attn_export.checks.mask_probe import check_masks
 from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
+from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx, stamp_metadata
 from attn_export.exporter.variants import make_variant
@@ -193,4 +194,8 @@ class SpecBuild:
                 comparisons, notes = judge(spec, case, got, tolerances)
                 failed = [c.reason() for c in comparisons if not c.passed]
                 if failed:
-                    raise GraphCheckError(f"{where} failed: {'; '.join([failed[0], *notes])}")
+                    branch = path_difference(
+                        self.module.get(), spec, make_feeds(spec, self.sizes, BUILD_SEED), case.inputs, case.sizes
+                    )
+                    why = [failed[0], *notes, *([branch.describe()] if branch else [])]
+                    raise GraphCheckError(f"{where} failed: {'; '.join(why)}")

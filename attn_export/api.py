@@ -108,24 +108,48 @@ def _tensors(tensors: Mapping[str, InputSpec]) -> list[dict[str, Any]]:
     return [{"name": n, **(dict(t) if isinstance(t, Mapping) else {"shape": list(t)})} for n, t in tensors.items()]
 
 
+def _object_name(value: Any) -> Any:
+    """A class given in ``call`` (a rotary module) as the ``package.module:Class`` a spec names."""
+    return f"{value.__module__}:{value.__qualname__}" if isinstance(value, type) else value
+
+
+def _call_table(call: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``call`` as a spec's [call] table: rotary classes named as a spec names them."""
+    if not call:
+        return {}
+    return {
+        "call": {
+            k: {kk: _object_name(vv) for kk, vv in v.items()} if isinstance(v, Mapping) else v for k, v in call.items()
+        }
+    }
+
+
+def _config(module: Any, config: Any) -> Any:
+    """The config rotary modules are built from: the one given, else the module's own
+    (Hugging Face layers keep theirs as ``module.config``)."""
+    return config if config is not None else getattr(module, "config", None)
+
+
 def _spec(module: Any, raw: dict[str, Any]) -> ModelSpec:
     cls = type(module)
     raw = {"module": f"{cls.__module__}:{cls.__qualname__}", **raw}
     return spec_from_dict(raw)
 
 
-def _output_shapes(module: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
+def _output_shapes(module: Any, raw: dict[str, Any], config: Any) -> list[dict[str, Any]]:
     """Outputs read off the module's result at two sets of sizes: an axis that follows a
-    dim is named for it, one that stays is static."""
+    dim is named for it, one that stays is static. A None in a returned tuple (attention
+    weights not asked for) is no output; the others are picked by their place."""
     probe = _spec(module, {**raw, "outputs": [{**raw["inputs"][0], "name": "_probe"}]})
     first = example_sizes(probe)
     second = {k: v + 1 if v < probe.dims[k].max else v - 1 for k, v in first.items()}
     runs = []
     for sizes in (first, second):
         feeds = make_feeds(probe, sizes, 0)
-        runs.append(_call(adapt(module, probe), [feeds[t.name] for t in probe.inputs]))
+        runs.append(_run(adapt(module, probe, config), [feeds[t.name] for t in probe.inputs]))
+    (tensors, some_none), (others, _) = runs
     outputs = []
-    for i, (a, b) in enumerate(zip(*runs, strict=True)):
+    for j, ((i, a), (_, b)) in enumerate(zip(tensors, others, strict=True)):
         shape: list[int | str] = []
         for axis, (sa, sb) in enumerate(zip(a.shape, b.shape, strict=True)):
             dim = next((k for k in first if (first[k], second[k]) == (sa, sb)), None)
@@ -135,19 +159,22 @@ def _output_shapes(module: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
                 raise UsageError(f"output {i} axis {axis} follows no dim; pass outputs= with its shape")
             else:
                 shape.append(dim)
-        outputs.append({"name": "output" if i == 0 else f"output_{i}", "shape": shape})
+        pick = {"pick": i} if some_none else {}
+        outputs.append({"name": "output" if j == 0 else f"output_{j}", "shape": shape, **pick})
     return outputs
 
 
-def _call(module: Any, arrays: list[np.ndarray]) -> list[Any]:
+def _run(module: Any, arrays: list[np.ndarray]) -> tuple[list[tuple[int, Any]], bool]:
+    """The module's tensors in order, each with its place in the result, and whether the
+    result held a None."""
     import torch
 
     with torch.no_grad():
         result = module(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
-    values = result if isinstance(result, tuple | list) else (result,)
-    if not all(isinstance(v, torch.Tensor) for v in values):
+    values = list(result) if isinstance(result, tuple | list) else [result]
+    if not all(v is None or isinstance(v, torch.Tensor) for v in values) or all(v is None for v in values):
         raise UsageError("the module returns values that are not tensors; pass outputs= with a pick for each")
-    return list(values)
+    return [(i, v) for i, v in enumerate(values) if v is not None], None in values
 
 
 def export(
@@ -164,6 +191,7 @@ def export(
     rtol: float = 1e-4,
     fully_masked: str = "match",
     call: Mapping[str, Any] | None = None,
+    config: Any = None,
 ) -> BuildResult:
     """Export a module in hand with dynamic axes, check the graph, compare it with the
     module (shapes and named mask cases, as build does) and write it to ``path``.
@@ -171,6 +199,8 @@ def export(
     ``inputs`` maps each forward() input, in order, to its shape (strings are dims) or to a
     table like a spec's [[inputs]] entry; ``dims`` maps each dim to (min, max).
     ``outputs`` defaults to the module's outputs in order, their dims read off its result.
+    ``call`` adds forward() keywords as a spec's [call] does; its rotary modules (a class or
+    ``"package.module:Class"``) are built from ``config``, by default the module's own.
     Raises the first failing check (CheckFailed) or UsageError.
     """
     raw: dict[str, Any] = {
@@ -181,11 +211,12 @@ def export(
         "exporter": exporter,
         "tolerance": {"atol": atol, "rtol": rtol},
         "fully_masked": fully_masked,
-        **({"call": dict(call)} if call else {}),
+        **_call_table(call),
     }
-    raw["outputs"] = _tensors(outputs) if outputs else _output_shapes(module, raw)
+    config = _config(module, config)
+    raw["outputs"] = _tensors(outputs) if outputs else _output_shapes(module, raw, config)
     spec = _spec(module, raw)
-    return export_module(adapt(module, spec), spec, Path(path))
+    return export_module(adapt(module, spec, config), spec, Path(path))
 
 
 _ELEM_TYPES = {
@@ -221,6 +252,7 @@ def assert_onnx_matches(
     inputs: Mapping[str, Mapping[str, Any]] | None = None,
     outputs: Mapping[str, Mapping[str, Any]] | None = None,
     call: Mapping[str, Any] | None = None,
+    config: Any = None,
     atol: float = 1e-5,
     rtol: float = 1e-4,
     seed: int = 0,
@@ -233,7 +265,8 @@ def assert_onnx_matches(
     Inputs and outputs (names, dtypes, symbolic dims) are read from the graph; ``dims``
     gives each symbolic dim its range. ``inputs`` and ``outputs`` add keys to an entry, as
     in a spec (``{"mask": {"mask": "padding", "convention": "ignore"}}``, ``{"output":
-    {"pick": 0}}``), and ``call`` adds forward() keywords.
+    {"pick": 0}}``), and ``call`` adds forward() keywords, its rotary modules built from
+    ``config`` (by default the module's own), as in ``export``.
     """
     file = Path(path)
     proto = load_model_file(file)
@@ -246,11 +279,11 @@ def assert_onnx_matches(
         "dims": _dims(dims),
         "tolerance": {"atol": atol, "rtol": rtol},
         "fully_masked": fully_masked,
-        **({"call": dict(call)} if call else {}),
+        **_call_table(call),
     }
     spec = _spec(module, raw)
     options = VerifyOptions(seed=seed, n_random=n_random, latency=False)
-    cases = verify_module(spec.name, adapt(module, spec), spec, file, options)
+    cases = verify_module(spec.name, adapt(module, spec, _config(module, config)), spec, file, options)
     failed = [c for c in cases if not c.passed]
     if failed:
         lines = [f"{file.name} differs from {type(module).__name__} in {len(failed)} of {len(cases)} cases:"]

@@ -71,3 +71,26 @@ def test_export_raises_the_check_that_failed(tmp_path: Path) -> None:
     assert not (tmp_path / "m.onnx").exists()
     with pytest.raises(SpecError, match=r"'query' uses dim 'seq', which \[dims\] does not declare"):
         attn_export.export(module, inputs=inputs, dims={"batch": (1, 4)}, path=tmp_path / "m.onnx")
+
+
+def test_a_rotary_layer_in_hand_takes_its_rotary_module_from_its_own_config(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, attn_implementation="sdpa"
+    )
+    torch.manual_seed(0)
+    layer = LlamaAttention(config, layer_idx=0)
+    call = {"attention_mask": None, "position_embeddings": {"rotary": LlamaRotaryEmbedding, "positions_of": "x"}}
+    dims = {"batch": (1, 3), "seq": (1, 24)}
+    path = tmp_path / "llama.onnx"
+    result = attn_export.export(layer, inputs={"x": ["batch", "seq", 32]}, dims=dims, path=path, call=call)
+    assert result.status == "built" and [o.name for o in onnx.load(path).graph.output] == ["output"]
+    attn_export.assert_onnx_matches(layer, path, dims=dims, call=call, outputs={"output": {"pick": 0}})
+    rope = {"rope_type": "default", "rope_theta": 10.0}  # another rotary table: other numbers
+    other = LlamaConfig(**{**config.to_dict(), "rope_parameters": rope})
+    with pytest.raises(AssertionError, match="llama.onnx differs from LlamaAttention"):
+        attn_export.assert_onnx_matches(
+            layer, path, dims=dims, call=call, outputs={"output": {"pick": 0}}, config=other
+        )

@@ -126,8 +126,9 @@ def instantiate(spec: ModelSpec) -> Any:
     return wrap(module.eval(), spec, config, lambda target: resolve_object(spec, target))
 
 
-def adapt(module: Any, spec: ModelSpec) -> Any:
-    """A module in hand, in eval mode, called as ``spec`` says (keywords, picks, ``[call]``)."""
+def adapt(module: Any, spec: ModelSpec, config: Any = None) -> Any:
+    """A module in hand, in eval mode, called as ``spec`` says (keywords, picks, ``[call]``);
+    rotary modules in ``[call]`` are built from ``config``, as a spec's are from its own."""
     from attn_export.exporter.adapter import wrap
 
-    return wrap(module.eval(), spec, None, lambda target: resolve_object(spec, target))
+    return wrap(module.eval(), spec, config, lambda target: resolve_object(spec, target))

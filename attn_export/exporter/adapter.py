@@ -1,9 +1,10 @@
 """Call a module the way its spec says, so library layers need no hand-written wrapper.
 
 The spec's tensors stay the graph's only inputs and outputs; around them the adapter
-passes inputs by keyword (``arg``), adds forward() keywords from ``[call]`` (plain values,
-position ids, rotary embeddings computed from the sequence length inside the graph), and
-picks outputs from a tuple or a model-output object by index or name (``pick``).
+passes inputs by keyword (``arg``), expands a tokenizer's 2-D mask as the model class would
+(``expand``), adds forward() keywords from ``[call]`` (plain values, position ids, rotary
+embeddings computed from the sequence length inside the graph), and picks outputs from a
+tuple or a model-output object by index or name (``pick``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import torch
 
 from attn_export.errors import SpecError
 from attn_export.spec import ModelSpec
+from attn_export.spec.masks import EXPANSIONS
 
 __all__ = ["SpecCall", "needs_adapter", "pick_outputs", "wrap"]
 
 
 def needs_adapter(spec: ModelSpec) -> bool:
     """Whether the module cannot be called as ``module(*inputs)`` with its outputs in order."""
-    return bool(spec.call) or any(t.arg for t in spec.inputs) or any(t.pick is not None for t in spec.outputs)
+    return (
+        bool(spec.call)
+        or any(t.arg or t.expand for t in spec.inputs)
+        or any(t.pick is not None for t in spec.outputs)
+    )
 
 
 def _pick(result: Any, pick: int | str) -> Any:
@@ -50,14 +56,36 @@ def pick_outputs(result: Any, picks: list[int | str | None]) -> Any:
 class SpecCall(torch.nn.Module):
     """The spec's module inside an nn.Module whose forward takes the spec's inputs in order."""
 
-    def __init__(self, module: torch.nn.Module, spec: ModelSpec, rotary: dict[str, torch.nn.Module]) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        spec: ModelSpec,
+        rotary: dict[str, torch.nn.Module],
+        expanders: dict[str, Callable[..., Any]],
+        config: Any,
+    ) -> None:
         super().__init__()
         self.module = module
         self.rotary = torch.nn.ModuleDict(rotary)
         self.spec = spec
+        self.expanders = expanders
+        self.config = config
+
+    def _expanded(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Each mask with ``expand`` made by the transformers function the model class calls."""
+        inputs = self.spec.inputs
+        embeds = next(x for t, x in zip(inputs, tensors, strict=True) if x.is_floating_point() and t.mask is None)
+        return tuple(
+            self.expanders[t.name](config=self.config, inputs_embeds=embeds, attention_mask=x, past_key_values=None)
+            if t.name in self.expanders
+            else x
+            for t, x in zip(inputs, tensors, strict=True)
+        )
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         inputs = self.spec.inputs
+        if self.expanders:
+            tensors = self._expanded(tensors)
         by_name = {t.name: x for t, x in zip(inputs, tensors, strict=True)}
         args = [x for t, x in zip(inputs, tensors, strict=True) if t.arg is None]
         kwargs: dict[str, Any] = {t.arg: x for t, x in zip(inputs, tensors, strict=True) if t.arg is not None}
@@ -80,7 +108,10 @@ def wrap(module: torch.nn.Module, spec: ModelSpec, config: Any, resolve: Callabl
         for key, how in spec.call.items()
         if isinstance(how, dict) and "rotary" in how
     }
-    return _with_arity(len(spec.inputs))(module, spec, rotary).eval()
+    expanders = {t.name: resolve(EXPANSIONS[t.expand]) for t in spec.inputs if t.expand}
+    if expanders and not any(t.mask is None and t.dtype.startswith("float") for t in spec.inputs):
+        raise SpecError(f"{spec.name}: expand needs a floating input (the hidden states) to size the mask from")
+    return _with_arity(len(spec.inputs))(module, spec, rotary, expanders, config).eval()
 
 
 def _with_arity(n: int) -> type[SpecCall]:

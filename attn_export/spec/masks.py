@@ -20,6 +20,7 @@ import numpy as np
 __all__ = [
     "CASES",
     "CONVENTIONS",
+    "EXPANSIONS",
     "LAYOUTS",
     "PATTERN",
     "PATTERNS",
@@ -40,6 +41,16 @@ PATTERN = "pattern"
 #: Named cases, each its own verify case: the last query row of the first batch element
 #: masked entirely, and the first batch element masked entirely (a fully padded sequence).
 CASES = ("fully-masked-row", "fully-padded-sequence")
+
+#: How an adapter turns a tokenizer's 2-D mask (``[batch, seq]``, 1 = attend) into the mask
+#: a Hugging Face attention layer takes, as its model class does before calling it: the
+#: transformers function that the model class calls, by name. It is called with the spec's
+#: config, the first floating input as ``inputs_embeds``, the mask, and no cache.
+EXPANSIONS: dict[str, str] = {
+    "bidirectional": "transformers.masking_utils:create_bidirectional_mask",
+    "causal": "transformers.masking_utils:create_causal_mask",
+    "sliding-window": "transformers.masking_utils:create_sliding_window_causal_mask",
+}
 
 #: Axis roles of each layout, in axis order. "heads" may be 1 (broadcast) or the head count.
 LAYOUTS: dict[str, tuple[str, ...]] = {

@@ -72,12 +72,14 @@ class TensorSpec:
     arg: str | None = None
     #: For outputs: the index or name it is taken from when the module returns several.
     pick: int | str | None = None
+    #: For a 2-D mask input: how the adapter expands it for the module (``masks.EXPANSIONS``).
+    expand: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.mask is not None:
             d.update(self.mask.to_dict())
-        for key in ("arg", "pick"):
+        for key in ("arg", "pick", "expand"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
         return d

@@ -15,7 +15,7 @@ from typing import Any
 
 from attn_export.errors import SpecError, UsageError
 from attn_export.spec.cache import cache_of
-from attn_export.spec.masks import CONVENTIONS, LAYOUTS, Convention, MaskSpec, default_layout
+from attn_export.spec.masks import CONVENTIONS, EXPANSIONS, LAYOUTS, Convention, MaskSpec, default_layout
 from attn_export.spec.memory import parse_bytes
 from attn_export.spec.model import (
     DTYPES,
@@ -55,7 +55,7 @@ _TOP_KEYS = {
     "fully_masked",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape"}
-_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg"}
+_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg", "expand"}
 _OUTPUT_KEYS = _TENSOR_KEYS | {"pick"}
 _OBJECT = re.compile(r"[\w.]+:[\w.]+")
 _DIM_KEYS = {"min", "max"}
@@ -217,7 +217,22 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> tuple[TensorSpec,
     arg = raw.get("arg")
     if arg is not None and not (isinstance(arg, str) and _NAME.fullmatch(arg)):
         raise bad(f"input '{name}': arg must be a forward() keyword name, got {arg!r}", "arg")
-    return TensorSpec(name, dtype, tuple(shape), arg=arg), _mask_keys(bad, raw, name, dtype, len(shape))
+    keys = _mask_keys(bad, raw, name, dtype, len(shape))
+    return TensorSpec(name, dtype, tuple(shape), arg=arg, expand=_expand(bad, raw, name, keys)), keys
+
+
+def _expand(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, keys: _MaskKeys | None) -> str | None:
+    """``expand``: only for a 2-D mask that holds 1 (or True) where a token is real."""
+    expand = raw.get("expand")
+    if expand is None:
+        return None
+    if expand not in EXPANSIONS:
+        raise bad(f"input '{name}': expand {expand!r} is not one of {', '.join(EXPANSIONS)}", "expand")
+    if keys is None or keys[2] not in (None, "key-padding") or len(raw["shape"]) != 2:
+        raise bad(f"input '{name}': expand applies to a 2-D [batch, seq] mask, as a tokenizer gives it", "expand")
+    if keys[1].name not in ("binary", "attend"):
+        raise bad(f"input '{name}': expand takes a tokenizer's mask, convention 'binary' (or 'attend')", "expand")
+    return str(expand)
 
 
 def _resolve_layouts(where: _Where, inputs: list[tuple[TensorSpec, _MaskKeys | None]]) -> tuple[TensorSpec, ...]:
@@ -502,6 +517,13 @@ def spec_from_dict(
         call=_call(where, raw, inputs),
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
     )
+    expanded = [t.name for t in inputs if t.expand]
+    if expanded and spec.config is None:
+        raise where.error(
+            f"input '{expanded[0]}': expand builds the mask as the model class does, from the spec's config; "
+            'add config = { class = "transformers:...Config", ... }',
+            "expand",
+        )
     try:
         cache_of(spec)
     except SpecError as e:

@@ -198,3 +198,83 @@ def test_missing_transformers_exits_2_naming_the_extra(tmp_path: Path, monkeypat
         "[module] bert_attention (transformers:BertConfig) needs transformers, which is not installed "
         "(pip install 'attn-export[hf]')"
     ) in result.output
+
+
+#: Attention layers given the tokenizer's mask: the adapter expands it as BertModel and
+#: LlamaModel do before calling their layers.
+TOKENIZER_MASK = """
+module = "transformers.models.{family}.modeling_{family}:{layer}"
+kwargs = {{ layer_idx = 0 }}
+{call}
+[config]
+class = "transformers:{config}"
+hidden_size = 32
+num_attention_heads = 4
+intermediate_size = 64
+attn_implementation = "{attn}"
+
+[[inputs]]
+name = "hidden_states"
+shape = ["batch", "seq", 32]
+[[inputs]]
+name = "attention_mask"
+dtype = "int64"
+shape = ["batch", "seq"]
+mask = "{pattern}"
+convention = "binary"
+arg = "attention_mask"
+expand = "{expand}"
+
+[[outputs]]
+name = "output"
+shape = ["batch", "seq", 32]
+pick = 0
+
+[dims]
+batch = {{ min = 1, max = 4 }}
+seq = {{ min = 1, max = 24 }}
+"""
+ROTARY = """
+[call.position_embeddings]
+rotary = "transformers.models.llama.modeling_llama:LlamaRotaryEmbedding"
+positions_of = "hidden_states"
+"""
+EXPANDED = {
+    "bert_tokenizer_mask": {"family": "bert", "layer": "BertAttention", "config": "BertConfig", "attn": "sdpa",
+                            "pattern": "padding", "expand": "bidirectional", "call": ""},
+    "llama_tokenizer_mask": {"family": "llama", "layer": "LlamaAttention", "config": "LlamaConfig", "attn": "eager",
+                             "pattern": "left-padding", "expand": "causal", "call": ROTARY},
+}  # fmt: skip
+
+
+@needs_transformers
+def test_a_layer_given_the_tokenizers_mask_gets_it_expanded_as_its_model_class_does(tmp_path: Path) -> None:
+    import torch
+    from transformers.masking_utils import create_causal_mask
+
+    models = tmp_path / "models"
+    paths = []
+    for name, fields in EXPANDED.items():
+        paths.append(write_spec(models, name, TOKENIZER_MASK.format(**fields)))
+    out = tmp_path / "out"
+    summary = build_models(paths, BuildOptions(out))
+    assert [r.status for r in summary.results] == ["built", "built"], [r.error for r in summary.results]
+    graph = onnx.load(out / "llama_tokenizer_mask.onnx").graph
+    assert [(i.name, i.type.tensor_type.elem_type) for i in graph.input] == [
+        ("hidden_states", onnx.TensorProto.FLOAT),
+        ("attention_mask", onnx.TensorProto.INT64),  # the tokenizer's mask is the graph's input
+    ]
+    report = verify_artifacts(out, load_manifest(out), list(EXPANDED), VerifyOptions(models_dir=models, latency=False))
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+
+    spec = load_spec(paths[1])
+    wrapped = instantiate(spec)
+    feeds = make_feeds(spec, {"batch": 2, "seq": 6}, 0)
+    x, mask = (torch.from_numpy(feeds[t.name]) for t in spec.inputs)
+    layer = wrapped.module
+    positions = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        four_d = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=mask, past_key_values=None)
+        rotary = wrapped.rotary["position_embeddings"](x, positions)
+        want = layer(x, position_embeddings=rotary, attention_mask=four_d)[0]
+        torch.testing.assert_close(wrapped(x, mask)[0], want, rtol=0, atol=0)  # as LlamaModel calls the layer

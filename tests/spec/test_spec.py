@@ -126,6 +126,17 @@ def test_bad_spec_text(tmp_path: Path, case: str, text: str, pattern: str) -> No
         load_spec(path)
 
 
+def _tokenizer_mask(old: str = "", new: str = "") -> tuple[str, str]:
+    """An edit adding a tokenizer's mask to expand after the tiny spec's last input, with
+    ``old`` replaced by ``new`` in it."""
+    added = (
+        '[[inputs]]\nname = "m"\ndtype = "int64"\nshape = ["batch", "kv_seq"]\n'
+        'mask = "padding"\nconvention = "binary"\nexpand = "causal"\n'
+    )
+    at = 'shape = ["batch", "kv_seq", 16]\n\n[[outputs]]'
+    return at, at.replace("\n\n", "\n" + added.replace(old, new) + "\n")
+
+
 EDITS = [
     (
         "min_gt_max",
@@ -177,6 +188,29 @@ EDITS = [
             'dtype = "bool"\nshape = ["batch", "kv_seq"]\nmask = "causal"\n\n[[outputs]]',
         ),
         r"input 'm': a causal mask needs a query axis; key-padding has none",
+    ),
+    (
+        "expand_unknown",
+        _tokenizer_mask('expand = "causal"', 'expand = "upper"'),
+        r"input 'm': expand 'upper' is not one of bidirectional, causal, sliding-window",
+    ),
+    (
+        "expand_without_config",
+        _tokenizer_mask(),
+        r"input 'm': expand builds the mask as the model class does, from the spec's config; add config = ",
+    ),
+    (
+        "expand_4d",
+        _tokenizer_mask('shape = ["batch", "kv_seq"]', 'shape = ["batch", 1, "kv_seq", "kv_seq"]'),
+        r"input 'm': expand applies to a 2-D \[batch, seq\] mask, as a tokenizer gives it",
+    ),
+    (
+        "expand_additive",
+        _tokenizer_mask(
+            'dtype = "int64"\nshape = ["batch", "kv_seq"]\nmask = "padding"\nconvention = "binary"',
+            'dtype = "float32"\nshape = ["batch", "kv_seq"]\nmask = "padding"\nconvention = "additive"',
+        ),
+        r"input 'm': expand takes a tokenizer's mask, convention 'binary' \(or 'attend'\)",
     ),
     ("bad_pick", ('name = "output"', 'name = "output"\npick = -1'), r"pick must be an index \(0, 1, ...\) or an attr"),
     (

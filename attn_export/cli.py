@@ -24,6 +24,7 @@ from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import EXPORTERS, VARIANTS
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
 
@@ -479,6 +480,87 @@ def verify(
             click.echo(text)
     write_reports(report, report_paths)
     sys.exit(report.exit_code)
+
+
+@cli.command()
+@click.argument("folder", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("model", required=False)
+@click.option(
+    "--models",
+    "models_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("models"),
+    show_default=True,
+    help="The checkout's spec folder, as for verify.",
+)
+@click.option("--shapes", help="The case's sizes, e.g. \"batch=2,seq=5,kv_seq=7\" (default: the build's example).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the case's inputs.")
+@click.option(
+    "--distribution",
+    type=click.Choice(list(DISTRIBUTIONS)),
+    default=DEFAULT_DISTRIBUTION,
+    show_default=True,
+    help="Value distribution of float inputs.",
+)
+@click.option("--mask-case", type=click.Choice(CASES), help="Feed this named mask case instead of the pattern.")
+@click.option(
+    "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+@max_memory_option
+@wait_option
+def localize(
+    folder: Path,
+    model: str | None,
+    models_dir: Path,
+    shapes: str | None,
+    seed: int,
+    distribution: str,
+    mask_case: str | None,
+    provider: str,
+    json_path: Path | None,
+    max_memory: int | None,
+    wait_s: float,
+) -> None:
+    """Name the first node where a built graph leaves PyTorch on one case, with the FX
+    node, module and source line it came from.
+
+    Both sides run once with every intermediate value kept; then each group of ONNX nodes
+    made from one FX node runs alone on PyTorch's values, so its own error is told apart
+    from what it inherits. The case is verify's (its reproduce line gives --shapes, --seed,
+    --distribution, --mask-case). Exit 0 when the case agrees, 1 when the graph diverges,
+    2 on bad usage or input.
+
+    Example:
+
+        attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
+        attn-export localize build llama_attention --json where.json
+    """
+    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.pipelines.localize import LocalizeOptions, localize_model
+    from attn_export.report.localize_text import format_localize
+    from attn_export.spec.shapes import parse_shapes
+
+    if json_path is not None:
+        output_target(json_path)
+    points = parse_shapes(shapes) if shapes else None
+    if points is not None and len(points) != 1:
+        raise click.UsageError("--shapes: localize takes one case; give one shape point")
+    options = LocalizeOptions(
+        models_dir=models_dir,
+        sizes=points[0] if points else None,
+        seed=seed,
+        distribution=distribution,
+        mask_case=mask_case,
+        provider=provider,
+        max_memory=max_memory,
+        lock_wait_s=wait_s,
+    )
+    report = localize_model(folder, model, options)
+    click.echo(format_localize(report))
+    if json_path is not None:
+        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    sys.exit(0 if report.agrees else 1)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:

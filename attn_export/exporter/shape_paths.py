@@ -10,7 +10,6 @@ lines run at one set of sizes and not at the other are the branch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,13 +17,12 @@ from typing import Any
 import numpy as np
 
 from attn_export._deps import require
+from attn_export.exporter.stack import innermost_line
 from attn_export.spec import ModelSpec
 from attn_export.spec.shapes import format_sizes
 
 __all__ = ["PathDifference", "path_difference", "traced_lines"]
 
-#: ``File "...", line N, in f`` and the line's text, as torch.export writes a node's stack.
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
 #: Ops the tracer leaves out when they would do nothing at these sizes (a contiguous copy of
 #: a tensor with a dim of 1, a slice over a whole dim): not a change of path.
 _NO_OPS = ("aten.contiguous", "aten.clone", "aten.alias", "aten.detach", "aten.slice", "aten._assert")
@@ -41,10 +39,9 @@ def traced_lines(module: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray]) 
     for node in program.graph.nodes:
         if node.op != "call_function" or str(node.target).startswith(_NO_OPS):
             continue
-        frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-        if frames:
-            path, line, text = frames[-1]
-            lines.setdefault(f"{path}:{line}", text.strip())
+        found = innermost_line(node.meta.get("stack_trace") or "")
+        if found:
+            lines.setdefault(*found)
     return lines
 
 

@@ -25,7 +25,7 @@ from attn_export.errors import ExportFailure, first_line
 from attn_export.exporter.graph_checks import name_dims
 from attn_export.spec import ModelSpec
 
-__all__ = ["export_onnx", "stamp_metadata"]
+__all__ = ["export_onnx", "export_program", "stamp_metadata"]
 
 #: Logger on which torch's shape environment reports each guard it adds, with its source.
 _GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
@@ -139,9 +139,27 @@ def export_onnx(
     The examples must give every symbolic dim its own size (``shapes.example_sizes``);
     the caller checks the result with ``graph_checks.check_dynamic_axes``.
     """
+    proto = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter).model_proto
+    name_dims(proto, spec.inputs, spec.outputs, spec.dims)
+    return proto
+
+
+def export_program(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], *, opset: int) -> Any:
+    """The FX program the dynamo exporter turned into ONNX, as ``export_onnx`` exports it:
+    its node names are the ``pkg.torch.onnx.fx_node`` names in the graph's metadata."""
+    return _export(module, spec, example_feeds, opset, "dynamo").exported_program
+
+
+class _Proto:
+    """The torchscript exporter's result, shaped like the dynamo exporter's ONNXProgram."""
+
+    def __init__(self, model_proto: onnx.ModelProto) -> None:
+        self.model_proto = model_proto
+        self.exported_program = None
+
+
+def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opset: int, exporter: str) -> Any:
     torch = require("torch", "exporting")
-    opset = opset or spec.opset
-    exporter = exporter or spec.exporter
     args = tuple(
         v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
         for v in (example_feeds[t.name] for t in spec.inputs)
@@ -153,7 +171,7 @@ def export_onnx(
         with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 program = _dynamo(torch, module, args, spec, guards)
-                onnx_program = torch.onnx.export(
+                return torch.onnx.export(
                     module if program is None else program,
                     args,
                     dynamo=True,
@@ -165,23 +183,21 @@ def export_onnx(
                     verbose=False,
                     report=False,
                 )
-                proto = onnx_program.model_proto
-            else:
-                buf = io.BytesIO()
-                axes = {t.name: _axes(t.shape) for t in spec.inputs + spec.outputs}
-                torch.onnx.export(
-                    module,
-                    args,
-                    buf,
-                    dynamo=False,
-                    opset_version=opset,
-                    input_names=input_names,
-                    output_names=output_names,
-                    dynamic_axes={k: v for k, v in axes.items() if v},
-                    do_constant_folding=True,
-                )
-                proto = onnx.load_from_string(buf.getvalue())
-                _frozen_values(caught, spec)
+            buf = io.BytesIO()
+            axes = {t.name: _axes(t.shape) for t in spec.inputs + spec.outputs}
+            torch.onnx.export(
+                module,
+                args,
+                buf,
+                dynamo=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes={k: v for k, v in axes.items() if v},
+                do_constant_folding=True,
+            )
+            _frozen_values(caught, spec)
+            return _Proto(onnx.load_from_string(buf.getvalue()))
     except ExportFailure:
         raise
     except Exception as e:
@@ -190,8 +206,6 @@ def export_onnx(
             f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
             f" (rerun with --debug for the traceback{hint})"
         ) from e
-    name_dims(proto, spec.inputs, spec.outputs, spec.dims)
-    return proto
 
 
 def stamp_metadata(proto: onnx.ModelProto, metadata: Mapping[str, str]) -> onnx.ModelProto:

@@ -1,0 +1,35 @@
+"""The source line an exported op came from, read from the stack trace torch.export keeps
+on each FX node (``node.meta["stack_trace"]``) and the dynamo exporter copies onto each ONNX
+node (``pkg.torch.onnx.stack_trace``): the innermost frame outside torch, so that a Linear's
+op points at the line that called the layer, not at torch's own ``F.linear`` call."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+
+__all__ = ["innermost_line"]
+
+#: ``File "...", line N, in f`` and the line's text, as torch writes a stack.
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
+
+
+@functools.cache
+def _torch_dir() -> str | None:
+    """torch's package folder, found without importing it."""
+    found = importlib.util.find_spec("torch")
+    return os.path.dirname(os.path.abspath(found.origin)) if found and found.origin else None
+
+
+def innermost_line(stack: str) -> tuple[str, str] | None:
+    """``("file:line", text)`` of the innermost frame of ``stack`` outside torch (the
+    innermost of all when every frame is torch's); None when it has none."""
+    frames = _FRAME.findall(stack or "")
+    torch_dir = _torch_dir()
+    outside = [f for f in frames if not (torch_dir and os.path.abspath(f[0]).startswith(torch_dir + os.sep))]
+    if not (outside or frames):
+        return None
+    path, line, text = (outside or frames)[-1]
+    return f"{path}:{line}", text.strip()

@@ -1,0 +1,108 @@
+"""What localize found, as data: each compared region's local error (its nodes run alone on
+PyTorch's values) beside its propagated error (the whole graph's value there), and the
+first region whose own error breaks the tolerance."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from attn_export.compare.outputs import OutputComparison
+
+__all__ = ["LocalizeReport", "RegionError"]
+
+
+@dataclass
+class RegionError:
+    """One region's errors against PyTorch's value of its FX node."""
+
+    fx_node: str
+    value: str
+    nodes: list[str]
+    ops: list[str]
+    target: str
+    module_path: str
+    source: str
+    code: str
+    #: The region's nodes alone, fed PyTorch's values; None when it cannot run alone.
+    local: OutputComparison | None
+    #: The whole graph's value there: the region's own error plus all it inherits (None
+    #: when the whole graph fails to run).
+    propagated: OutputComparison | None
+
+    @property
+    def breaks(self) -> bool:
+        """Whether the region's own error breaks the tolerance."""
+        return self.local is not None and not self.local.passed
+
+    def where(self) -> str:
+        """``node (Op) <- fx node [aten op] in module.path at file:line `code```."""
+        op = "+".join(dict.fromkeys(self.ops))
+        nodes = self.nodes[0] + (f" (+{len(self.nodes) - 1} nodes)" if len(self.nodes) > 1 else "")
+        parts = [f"ONNX {nodes} [{op}]", f"from FX node {self.fx_node} ({self.target})"]
+        if self.module_path:
+            parts.append(f"in {self.module_path}")
+        if self.source:
+            parts.append(f"at {self.source}" + (f" `{self.code}`" if self.code else ""))
+        return " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["local"] = self.local.to_dict() if self.local else None
+        d["propagated"] = self.propagated.to_dict() if self.propagated else None
+        d["breaks"] = self.breaks
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RegionError:
+        fields = {k: v for k, v in d.items() if k != "breaks"}
+        fields["local"] = OutputComparison.from_dict(d["local"]) if d["local"] else None
+        fields["propagated"] = OutputComparison.from_dict(d["propagated"]) if d["propagated"] else None
+        return cls(**fields)
+
+
+@dataclass
+class LocalizeReport:
+    """One case localized: the outputs judged as verify judges them, every compared region,
+    and the first whose own error breaks the tolerance (None when the case agrees)."""
+
+    model: str
+    file: str
+    sizes: dict[str, int]
+    seed: int
+    distribution: str
+    mask_case: str | None
+    provider: str
+    outputs: list[OutputComparison]
+    regions: list[RegionError]
+    #: Regions with no PyTorch value to compare (nodes without export metadata, shape arithmetic).
+    uncompared: int
+    first: RegionError | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    reproduce: str = ""
+
+    @property
+    def agrees(self) -> bool:
+        return all(o.passed for o in self.outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "attn-export/localize-report",
+            "schema_version": 1,
+            **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first")},
+            "agrees": self.agrees,
+            "outputs": [o.to_dict() for o in self.outputs],
+            "first": self.first.to_dict() if self.first else None,
+            "regions": [r.to_dict() for r in self.regions],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LocalizeReport:
+        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first"}
+        return cls(
+            **{k: v for k, v in d.items() if k not in skip},
+            outputs=[OutputComparison.from_dict(o) for o in d["outputs"]],
+            regions=[RegionError.from_dict(r) for r in d["regions"]],
+            first=RegionError.from_dict(d["first"]) if d["first"] else None,
+        )

@@ -1,0 +1,224 @@
+"""The localize pipeline: a built graph and its checkout spec -> one case's inputs ->
+PyTorch's values of every FX node and the graph's values of every ONNX value (one run each)
+-> each region run alone on PyTorch's values -> the first region whose own error breaks
+the tolerance, with its source line."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from attn_export.artifacts.files import read_lock
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.manifest import load_manifest
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.checks.fully_masked import judge
+from attn_export.compare.outputs import compare_output
+from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.torch_export import export_program
+from attn_export.pipelines.localize.regions import Region, graph_regions, run_region
+from attn_export.pipelines.localize.results import LocalizeReport, RegionError
+from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
+from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
+from attn_export.runtimes.ort import require_provider
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import PATTERN
+from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, mask_cases, validate_sizes
+
+__all__ = ["LocalizeOptions", "localize_model", "region_tolerance"]
+
+#: A region run alone may differ from PyTorch by this many float32 roundings of the
+#: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
+#: rounds differently (summation order), never by more.
+ROUNDINGS = 64
+
+
+@dataclass(frozen=True)
+class LocalizeOptions:
+    """Which case to localize (verify's reproduce line gives these) and where."""
+
+    models_dir: Path = Path("models")
+    sizes: Mapping[str, int] | None = None
+    seed: int = 0
+    distribution: str = DEFAULT_DISTRIBUTION
+    mask_case: str | None = None
+    provider: str = "cpu"
+    max_memory: int | None = None
+    lock_wait_s: float = 0.0
+
+
+def region_tolerance(tol: Tolerance, expected: np.ndarray) -> Tolerance:
+    """The spec's tolerance widened by ``ROUNDINGS`` float32 roundings of the value's
+    largest finite magnitude; NaN and infinity where PyTorch has them agree."""
+    finite = np.abs(expected[np.isfinite(expected)]) if expected.dtype.kind == "f" else np.zeros(0)
+    scale = float(finite.max()) if finite.size else 0.0
+    eps = float(np.finfo(expected.dtype).eps) if expected.dtype.kind == "f" else 0.0
+    return Tolerance(tol.atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
+
+
+def _opset(proto: onnx.ModelProto) -> int:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
+    if options.distribution not in DISTRIBUTIONS:
+        raise UsageError(f"--distribution {options.distribution!r} is not one of {', '.join(DISTRIBUTIONS)}")
+    if options.mask_case and options.mask_case not in mask_cases(spec):
+        raise UsageError(
+            f"{spec.name}: --mask-case {options.mask_case} does not apply (it has: {mask_cases(spec) or 'no mask'})"
+        )
+    sizes = dict(options.sizes) if options.sizes else example_sizes(spec)
+    validate_sizes(spec, sizes)
+    return spec.with_sums(sizes)
+
+
+def _regions(
+    proto: onnx.ModelProto,
+    regions: list[Region],
+    torch_vals: TorchValues,
+    graph_vals: Mapping[str, np.ndarray],
+    feeds: Mapping[str, np.ndarray],
+    tol: Tolerance,
+    provider: str,
+    budget: int,
+) -> list[RegionError]:
+    """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
+    (the graph's inputs and its shape arithmetic as the regions before computed them);
+    each that holds an FX node's tensor is compared, beside the whole graph's value there."""
+    forced: dict[str, np.ndarray] = {}
+    # the graph's outputs are named for the spec's outputs, not for their FX nodes
+    pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
+    out = []
+    for region in regions:
+        sources = (pytorch, feeds, forced)
+        if not all(any(i in src for src in sources) for i in region.inputs):
+            continue  # fed by a region that could not run alone
+        teacher = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
+        alone = run_region(proto, region, teacher, provider, budget)
+        forced.update(alone or {})
+        if not region.value or region.fx_node not in torch_vals:
+            continue
+        expected = torch_vals[region.fx_node]
+        rtol = region_tolerance(tol, expected)
+        whole = graph_vals.get(region.value)
+        out.append(
+            RegionError(
+                fx_node=region.fx_node,
+                value=region.value,
+                nodes=list(region.nodes),
+                ops=list(region.ops),
+                target=region.target,
+                module_path=region.module_path,
+                source=region.source,
+                code=region.code,
+                local=None if alone is None else compare_output(region.fx_node, expected, alone[region.value], rtol),
+                propagated=None if whole is None else compare_output(region.fx_node, expected, whole, rtol),
+            )
+        )
+    return out
+
+
+def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
+    args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
+    args += ["--distribution", options.distribution]
+    args += ["--mask-case", options.mask_case] if options.mask_case else []
+    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" else []
+    args += ["--provider", options.provider] if options.provider != "cpu" else []
+    return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
+
+
+def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
+    """Localize one case of one built graph (``model`` may be left out when the folder holds
+    one). UsageError/ArtifactError on bad input; the verdict is data."""
+    require_provider(options.provider)
+    with read_lock(out_dir, options.lock_wait_s):
+        manifest = load_manifest(out_dir)
+        if model is None:
+            if len(manifest.models) != 1:
+                names = ", ".join(sorted(manifest.models))
+                raise UsageError(f"{out_dir} holds {len(manifest.models)} models; name one: {names}")
+            model = next(iter(manifest.models))
+        if model not in manifest.models:
+            raise UsageError(f"{out_dir}: no model '{model}' (it has: {', '.join(sorted(manifest.models))})")
+        entry = manifest.models[model]
+        problems = integrity(out_dir, entry, golden=False)
+        if problems:
+            raise ArtifactError(problems[0])
+        spec = checkout_spec(options.models_dir, entry)
+        stale = stale_reasons(entry, spec)
+        if stale:
+            raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
+        proto = load_model_file(out_dir / entry.file)
+    return _localize(out_dir, model, entry.variant, spec, proto, options)
+
+
+def _localize(
+    out_dir: Path, model: str, variant: str, spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions
+) -> LocalizeReport:
+    started = time.perf_counter()
+    if spec.exporter != "dynamo" or not any(
+        p.key == "pkg.torch.onnx.fx_node" for n in proto.graph.node for p in n.metadata_props
+    ):
+        raise UsageError(
+            f"{model}: localize needs a graph from the dynamo exporter, whose nodes name the FX node and "
+            "source line they came from (this one has no such metadata)"
+        )
+    sizes = _check_case(spec, options)
+    budget = memory_budget(options.max_memory, spec)
+    check_memory(spec, [ShapePoint("localize", sizes)], budget)
+    feeds = make_feeds(spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution)
+    module = instantiate(spec)
+    program = export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=_opset(proto))
+    torch_vals = torch_values(program, spec, feeds, budget)
+    notes = []
+    try:
+        graph_vals = graph_values(proto, feeds, options.provider, budget)
+    except RuntimeFailure as e:
+        graph_vals = {}
+        notes.append(f"the whole graph fails to run: {e}")
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        outputs = eager.run(feeds)
+        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs))
+    judged, judge_notes = judge(
+        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(variant)
+    )
+    notes += judge_notes
+    regions = graph_regions(proto, torch_vals.outputs)
+    tol = spec.tolerance
+    errors = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget)
+    report = LocalizeReport(
+        model=model,
+        file=str(out_dir / f"{model}.onnx"),
+        sizes=dict(sizes),
+        seed=options.seed,
+        distribution=options.distribution,
+        mask_case=options.mask_case,
+        provider=options.provider,
+        outputs=judged,
+        regions=errors,
+        uncompared=len(regions) - len(errors),
+        notes=notes,
+        reproduce=_reproduce(out_dir, model, options, sizes),
+    )
+    if not report.agrees:
+        report.first = next((r for r in errors if r.breaks), None)
+        if report.first is None:
+            report.first = next((r for r in errors if r.propagated and not r.propagated.passed), None)
+            report.notes.append(
+                "no region breaks the tolerance alone: the difference builds up over several; "
+                "the first value outside it is shown"
+            )
+    report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,78 @@
+"""Every intermediate value of one case, one run per side: PyTorch's from the FX program
+the dynamo exporter converted (an interpreter keeps each node's output), ONNX Runtime's from
+one run of the graph with every value exposed as an output and graph optimizations off, so
+that the session runs the nodes the file holds (fusions would hide the values)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from attn_export._deps import require
+from attn_export.errors import RuntimeFailure, UsageError, first_line
+from attn_export.runtimes.ort import load_session
+from attn_export.spec import ModelSpec
+from attn_export.spec.memory import format_bytes
+
+__all__ = ["TorchValues", "graph_values", "torch_values"]
+
+
+class TorchValues(dict[str, np.ndarray]):
+    """PyTorch's value of each FX node that gives a tensor, by node name, and which node
+    gives each graph output (``outputs``)."""
+
+    outputs: dict[str, str]
+
+
+def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:
+    """Run ``program`` (a torch.export ExportedProgram) on ``feeds`` and keep every tensor
+    it computes; refuse once they hold more than ``budget`` bytes."""
+    torch = require("torch", "localizing against PyTorch")
+    values = TorchValues()
+    held = [0]
+
+    class _Keep(torch.fx.Interpreter):  # type: ignore[misc, name-defined]
+        def run_node(self, node: Any) -> Any:
+            out = super().run_node(node)
+            if node.op == "call_function" and isinstance(out, torch.Tensor):
+                held[0] += out.numel() * out.element_size()
+                if held[0] > budget:
+                    raise UsageError(
+                        f"{spec.name}: localize keeps every intermediate value, more than the memory budget "
+                        f"({format_bytes(budget)}) at these sizes; give smaller --shapes or a larger --max-memory"
+                    )
+                values[node.name] = out.detach().cpu().numpy().copy()
+            return out
+
+    module = program.module()
+    args = [torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in spec.inputs]
+    with torch.no_grad():
+        _Keep(module).run(*args)
+    returned = next(n for n in module.graph.nodes if n.op == "output").args[0]
+    returned = returned if isinstance(returned, tuple | list) else (returned,)
+    values.outputs = {t.name: getattr(n, "name", "") for t, n in zip(spec.outputs, returned, strict=False)}
+    return values
+
+
+def graph_values(
+    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], provider: str, budget: int
+) -> dict[str, np.ndarray]:
+    """Every value the graph's nodes compute, from one ONNX Runtime run with none fused
+    (the session's arena held to ``budget``)."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    named = {o.name for o in exposed.graph.output}
+    for node in exposed.graph.node:
+        for name in node.output:
+            if name and name not in named:
+                exposed.graph.output.append(onnx.ValueInfoProto(name=name))
+                named.add(name)
+    session = load_session(exposed.SerializeToString(), provider, level="disabled", budget=budget)
+    names = [o.name for o in session.get_outputs()]
+    try:
+        return dict(zip(names, session.run(names, dict(feeds)), strict=True))
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
+        raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e

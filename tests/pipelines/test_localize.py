@@ -1,0 +1,151 @@
+"""localize names the node a planted fault sits in, with the line of PyTorch code that node
+came from, in the tiny zoo's graphs; a correct graph is blamed for nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from attn_export.cli import cli
+from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
+from tests.conftest import TINY_ZOO, plant
+
+ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
+
+
+def _node(proto: onnx.ModelProto, name: str) -> onnx.NodeProto:
+    return next(n for n in proto.graph.node if n.name == name)
+
+
+def _replace_input(proto: onnx.ModelProto, node: str, index: int, change: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Feed input ``index`` of ``node`` a changed copy of its value (an initializer or a
+    Constant node's), under a new name: the graph's other readers keep the old one."""
+    target = _node(proto, node)
+    name = target.input[index]
+    init = next((i for i in proto.graph.initializer if i.name == name), None)
+    if init is not None:
+        value = numpy_helper.to_array(init)
+    else:
+        const = next(n for n in proto.graph.node if n.output and n.output[0] == name)
+        value = numpy_helper.to_array(const.attribute[0].t)
+    proto.graph.initializer.append(numpy_helper.from_array(change(value).astype(value.dtype), f"{name}_planted"))
+    target.input[index] = f"{name}_planted"
+
+
+def _swap_inputs(proto: onnx.ModelProto, node: str, a: int, b: int) -> None:
+    target = _node(proto, node)
+    target.input[a], target.input[b] = target.input[b], target.input[a]
+
+
+def _set_attribute(proto: onnx.ModelProto, node: str, name: str, value: object) -> None:
+    target = _node(proto, node)
+    attr = next(a for a in target.attribute if a.name == name)
+    attr.CopyFrom(onnx.helper.make_attribute(name, value))
+
+
+#: (fault, model, planted ONNX node, edit of that node, the FX node blamed, its source file,
+#: a piece of its line)
+PLANTS = [
+    ("scale", "mha", "node_div", lambda p, n: _replace_input(p, n, 1, lambda v: v * 2), "div", "seed.py",
+     "/ (self.head_dim**0.5)"),
+    ("mask flip", "mha_causal", "node_masked_fill", lambda p, n: _swap_inputs(p, n, 1, 2), "masked_fill",
+     "masked.py", "masked_fill(keep == 0, -1e9)"),
+    ("softmax axis", "mha", "node_softmax", lambda p, n: _set_attribute(p, n, "axis", 2), "softmax",
+     "seed.py", "F.softmax(scores, dim=-1)"),
+    ("dropped bias", "mha", "node_linear", lambda p, n: _replace_input(p, n, 1, np.zeros_like), "linear",
+     "seed.py", "self.q_linear(query)"),
+    ("transposed key", "mha", "node_Transpose_36", lambda p, n: _set_attribute(p, n, "perm", [0, 2, 1, 3]),
+     "transpose_3", "seed.py", "k.transpose(-2, -1)"),
+    # torch.export keeps the frame in forward(), not in the helper method forward() calls
+    ("rotary table", "gqa_rope_kv_cache", "node_mul_36", lambda p, n: _replace_input(p, n, 1, lambda v: v * 1.5),
+     "mul_36", "kv_cache.py", "self.rotate(k, positions)"),
+    ("cache order", "gqa_rope_kv_cache", "node_cat_4", lambda p, n: _swap_inputs(p, n, 0, 1), "cat_4",
+     "kv_cache.py", "torch.cat((past_key, k), dim=2)"),
+]  # fmt: skip
+
+
+def _localize(out: Path, model: str, **options: object) -> LocalizeReport:
+    return localize_model(out, model, LocalizeOptions(models_dir=TINY_ZOO, **options))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fault", "model", "node", "edit", "fx_node", "file", "code"), PLANTS, ids=[p[0] for p in PLANTS]
+)
+def test_a_planted_fault_is_localized_to_its_node_and_source_line(
+    zoo_copy: Path, fault: str, model: str, node: str, edit: Callable, fx_node: str, file: str, code: str
+) -> None:
+    proto = onnx.load(zoo_copy / f"{model}.onnx")
+    assert any(n.name == node for n in proto.graph.node), f"the tiny zoo's {model} graph has no {node}"
+    edit(proto, node)
+    plant(zoo_copy, model, proto)
+    report = _localize(zoo_copy, model)
+    assert not report.agrees
+    first = report.first
+    assert first is not None, report.notes
+    assert (first.fx_node, node in first.nodes) == (fx_node, True), first.where()
+    assert first.local is not None and not first.local.passed  # its own error, not one it inherits
+    assert first.source.startswith(str(ZOO_CODE / file) + ":"), first.source
+    assert code in first.code, first.code
+    # fed PyTorch's values, every other region agrees: the error downstream is inherited
+    assert [r.fx_node for r in report.regions if r.breaks] == [fx_node]
+
+
+def test_a_correct_graph_is_blamed_for_nothing(zoo_dir: Path) -> None:
+    for model in ("mha_causal", "gqa_rope_kv_cache"):
+        report = _localize(zoo_dir, model, seed=1)
+        assert report.agrees and report.first is None, report.first and report.first.where()
+        assert report.regions and not any(r.breaks for r in report.regions)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_no_false_blame_across_seeds_and_the_zoo(zoo_dir: Path, seed: int) -> None:
+    for model in ("mha", "mha_causal", "mha_cross", "sdpa_masked", "gqa_rope_kv_cache", "llama_attention"):
+        report = _localize(zoo_dir, model, seed=seed)
+        assert report.agrees and not any(r.breaks for r in report.regions), (model, report.first)
+
+
+def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, tmp_path: Path) -> None:
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _set_attribute(proto, "node_softmax", "axis", 2)
+    plant(zoo_copy, "mha", proto)
+    args = ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--shapes", "batch=2,seq=5", "--seed", "3"]
+    result = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "where.json")])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "localize mha at batch=2,seq=5, seed 3, normal on onnxruntime[cpu]"
+    assert lines[1].startswith("  output output: 320/320 elements (100.00%) outside")
+    assert lines[2].startswith("DIVERGES first at ONNX node_softmax [Softmax] from FX node softmax (aten.softmax.int) ")
+    assert "attn_export/zoo/seed.py:" in lines[2] and "`attention_weights = F.softmax(scores, dim=-1)`" in lines[2]
+    assert lines[3].startswith("  its own error (run alone on PyTorch's values): max abs")
+    assert lines[-1] == f"reproduce: attn-export localize {zoo_copy} mha --shapes batch=2,seq=5 --seed 3 " \
+        f"--distribution normal --models {TINY_ZOO}"  # fmt: skip
+    doc = json.loads((tmp_path / "where.json").read_text())
+    assert doc["schema"] == "attn-export/localize-report" and doc["agrees"] is False
+    assert doc["first"]["fx_node"] == "softmax" and doc["first"]["breaks"] is True
+    assert LocalizeReport.from_dict(doc).to_dict() == doc
+    again = CliRunner().invoke(cli, args[:-4])  # the build's example case
+    assert again.exit_code == 1 and "DIVERGES first at ONNX node_softmax" in again.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["mha", "--shapes", "batch=2,seq=500"], "seq=500 is outside"),
+        (["mha", "--shapes", "batch=2,seq=5;batch=1,seq=3"], "--shapes: localize takes one case; give one shape point"),
+        (["nope"], "no model 'nope'"),
+        ([], "holds 14 models; name one"),
+        (["mha", "--mask-case", "fully-masked-row"], "--mask-case fully-masked-row does not apply"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(zoo_dir: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, ["localize", str(zoo_dir), *args, "--models", str(TINY_ZOO)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

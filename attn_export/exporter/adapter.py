@@ -25,9 +25,7 @@ __all__ = ["SpecCall", "needs_adapter", "pick_outputs", "wrap"]
 def needs_adapter(spec: ModelSpec) -> bool:
     """Whether the module cannot be called as ``module(*inputs)`` with its outputs in order."""
     return (
-        bool(spec.call)
-        or any(t.arg or t.expand for t in spec.inputs)
-        or any(t.pick is not None for t in spec.outputs)
+        bool(spec.call) or any(t.arg or t.expand for t in spec.inputs) or any(t.pick is not None for t in spec.outputs)
     )
 
 

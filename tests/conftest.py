@@ -21,6 +21,8 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -290,7 +292,6 @@ def plant(
     import onnx
 
     from attn_export.artifacts.files import sha256_file
-    from attn_export.exporter.source import module_sources
 
     path = out_dir / f"{name}.onnx"
     if isinstance(proto_or_bytes, onnx.ModelProto):
@@ -301,14 +302,30 @@ def plant(
     doc = json.loads(manifest_path.read_text())
     entry = doc["models"][name]
     entry["sha256"] = sha256_file(path)
+    manifest_path.write_text(json.dumps(doc, indent=2))
     if module is not None:
         assert models is not None
-        spec_path = models / f"{entry['spec']['name']}.toml"
-        text = spec_path.read_text()
         old = entry["spec"]["module"]
-        spec_path.write_text(text.replace(f'module = "{old}"', f'module = "{module}"'))
-        spec = load_spec(spec_path)
-        entry.update(spec=spec.to_dict(), spec_hash=spec.content_hash(), sources=module_sources(spec))
+        edit_spec(out_dir, models, name, {f'module = "{old}"': f'module = "{module}"'})
+
+
+def edit_spec(out_dir: Path, models: Path, name: str, edits: dict[str, str]) -> None:
+    """Edit a built model's spec in the checkout (``models``), each ``old: new`` a text
+    replacement in its TOML, and record the edited spec in the manifest as a build of it
+    would: verify finds the build current, not stale."""
+    from attn_export.exporter.source import module_sources
+
+    manifest_path = out_dir / "manifest.json"
+    doc = json.loads(manifest_path.read_text())
+    entry = doc["models"][name]
+    spec_path = models / f"{entry['spec']['name']}.toml"
+    text = spec_path.read_text()
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    spec_path.write_text(text)
+    spec = load_spec(spec_path)
+    entry.update(spec=spec.to_dict(), spec_hash=spec.content_hash(), sources=module_sources(spec))
     manifest_path.write_text(json.dumps(doc, indent=2))
 
 
@@ -328,3 +345,26 @@ def set_initializer(proto: object, name: str, value: float) -> None:
             proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.array(value, dtype=dtype), name))  # type: ignore[attr-defined]
             return
     raise KeyError(name)
+
+
+# -- peak memory ----------------------------------------------------------------------------------
+
+#: Runs its arguments as a command and prints, last on stderr, the command's peak RSS (KiB):
+#: the largest of it and every process it waited for. A process of its own, small, so that
+#: its children's peak is theirs alone (a child started from pytest counts pytest's RSS too:
+#: Linux carries it across fork and exec).
+_PEAK_RSS = (
+    "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)"
+)
+
+
+def peak_rss(args: Sequence[str], **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run a command in a fresh process; its result (stdout and stderr as text) and its peak
+    resident memory in bytes. ``kwargs`` go to ``subprocess.run`` (``cwd``, ``env``)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, *args], capture_output=True, text=True, timeout=300, **kwargs
+    )
+    stderr, _, last = done.stderr.rstrip("\n").rpartition("\n")
+    done.stderr = stderr
+    return done, int(last) * 1024

@@ -102,12 +102,16 @@ def _agree(expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
 
 class FullyMaskedRows:
     """Judges the named mask cases of one graph; the rewritten graphs it classifies with
-    are made and loaded on first use (ONNX Runtime, CPU)."""
+    are made and loaded on first use (ONNX Runtime, CPU, each session's arena held to
+    ``budget``: ``runtimes.ort.load_session``)."""
 
-    def __init__(self, spec: ModelSpec, model: Path | bytes, tolerances: Mapping[str, Tolerance]) -> None:
+    def __init__(
+        self, spec: ModelSpec, model: Path | bytes, tolerances: Mapping[str, Tolerance], budget: int | None = None
+    ) -> None:
         self.spec = spec
         self.model = model
         self.tolerances = dict(tolerances)
+        self.budget = budget
         self._rewritten: dict[str, tuple[bytes, int]] = {}
         self._sessions: dict[str, OnnxRuntime] = {}
 
@@ -122,7 +126,8 @@ class FullyMaskedRows:
     def _run(self, mode: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if mode not in self._sessions:
             spec = self.spec
-            self._sessions[mode] = OnnxRuntime(self.rewritten(mode)[0], spec.inputs, spec.outputs, spec.dims)
+            model = self.rewritten(mode)[0]
+            self._sessions[mode] = OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, budget=self.budget)
             self._sessions[mode].activate()
         return self._sessions[mode].run(feeds)
 

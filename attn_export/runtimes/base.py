@@ -142,8 +142,9 @@ class RuntimeKind:
     """One row of the runtime registry (``runtimes.RUNTIMES``): how to run an ONNX graph."""
 
     name: str
-    #: ``make(model, spec, target, threads)``: a Runtime for the graph at ``model``.
-    make: Callable[[Path | bytes, ModelSpec, Target, int | None], Runtime]
+    #: ``make(model, spec, target, threads, budget)``: a Runtime for the graph at ``model``,
+    #: holding its own allocations to ``budget`` bytes where the runtime can.
+    make: Callable[[Path | bytes, ModelSpec, Target, int | None, int], Runtime]
     #: Providers it runs on; empty for a runtime without providers.
     providers: tuple[str, ...] = ()
     #: Every size is capped to this for slow runtimes.

@@ -1,21 +1,25 @@
 """ONNX Runtime, on one execution provider, with a check that the session really uses it.
 
 ``load_session`` is the one place an InferenceSession is made: verify, build's smoke
-check, variants, inspect and bench all go through it.
+check, variants, inspect and bench all go through it. Each session gets a CPU arena of its
+own that cannot grow past the memory budget: a graph that asks for more fails in one line
+instead of taking the machine's memory.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attn_export.errors import ArtifactError, ProviderError, RuntimeFailure, first_line
+from attn_export.errors import ArtifactError, InputError, ProviderError, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.target import PROVIDERS, Target
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
+from attn_export.spec.memory import ENV, format_bytes, memory_budget
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -23,6 +27,10 @@ if TYPE_CHECKING:
 __all__ = ["KIND", "OnnxRuntime", "available_providers", "load_session", "require_provider"]
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
+#: What ONNX Runtime says when an allocation would take its arena past ``max_mem``.
+_ARENA_FULL = re.compile(
+    r"running (?P<op>\w+) node.*Available memory of (?P<free>\d+) is smaller than requested bytes of (?P<asked>\d+)"
+)
 
 
 def available_providers() -> list[str]:
@@ -72,10 +80,21 @@ def _source(model: Path | bytes) -> str | bytes:
     return data
 
 
+def _register_arena(budget: int) -> None:
+    """Make ``budget`` the cap of the CPU arena that the next session created with
+    ``session.use_env_allocators`` takes. The environment holds one such arena at a time;
+    a session keeps the one it took, and a new one replaces it in the environment."""
+    import onnxruntime as ort
+
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(info, ort.OrtArenaCfg({"max_mem": budget}))
+
+
 def load_session(
     model: Path | bytes,
     provider: str = "cpu",
     *,
+    budget: int | None = None,
     threads: int | None = None,
     level: str | None = None,
     optimized_path: Path | None = None,
@@ -86,8 +105,10 @@ def load_session(
     """An InferenceSession on ``provider`` alone; RuntimeFailure if it cannot load or
     silently runs elsewhere.
 
-    ``threads`` pins intra-op threads (inter-op 1); ``level`` is disabled/basic/extended
-    (ORT's default otherwise); ``optimized_path`` saves the optimized graph there;
+    ``budget`` caps the session's CPU arena, which holds the tensors its runs make (default:
+    ``memory_budget()``, the caller's budget without a spec); ``threads`` pins intra-op
+    threads (inter-op 1); ``level`` is disabled/basic/extended (ORT's default otherwise);
+    ``optimized_path`` saves the optimized graph there;
     ``no_fallback`` makes a node without a kernel on the provider fail the load;
     ``profile_prefix`` turns on ONNX Runtime's per-node profiling; ``spinning=False``
     stops idle intra-op threads from spinning after a run, so they do not steal the cores
@@ -112,12 +133,17 @@ def load_session(
         options.profile_file_prefix = str(profile_prefix)
     if no_fallback and provider != "cpu":
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    options.add_session_config_entry("session.use_env_allocators", "1")
     label = f"onnxruntime[{provider}]"
     what = model.name if isinstance(model, Path) else "the graph"
+    cap = budget or memory_budget()
+    _register_arena(cap)  # this session's arena...
     try:
         session = ort.InferenceSession(_source(model), sess_options=options, providers=[ep])
     except Exception as e:
         raise RuntimeFailure(f"{label}: cannot load {what}: {first_line(e)}") from e
+    finally:
+        _register_arena(cap)  # ...is the session's alone, and its memory goes with the session
     used = session.get_providers()
     if not used or used[0] != ep:
         raise RuntimeFailure(f"{label}: session fell back to {', '.join(used) or 'no provider'} instead of {ep}")
@@ -125,7 +151,8 @@ def load_session(
 
 
 class OnnxRuntime(Runtime):
-    """An InferenceSession pinned to one provider; a fallback to another provider fails."""
+    """An InferenceSession pinned to one provider; a fallback to another provider fails.
+    ``budget`` caps its CPU arena (``load_session``): a run that needs more is an InputError."""
 
     def __init__(
         self,
@@ -135,12 +162,14 @@ class OnnxRuntime(Runtime):
         dims: Mapping[str, DimRange] | None = None,
         *,
         provider: str = "cpu",
+        budget: int | None = None,
         threads: int | None = None,
         spinning: bool = True,
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.model = model
         self.provider = provider
+        self.budget = budget or memory_budget()
         self.threads = threads
         self.spinning = spinning
         self.name = f"onnxruntime[{provider}]"
@@ -152,7 +181,9 @@ class OnnxRuntime(Runtime):
         require_provider(self.provider)
         if isinstance(self.model, Path):
             load_model_file(self.model)  # refuses corrupt files and external data outside its folder
-        self.session = load_session(self.model, self.provider, threads=self.threads, spinning=self.spinning)
+        self.session = load_session(
+            self.model, self.provider, budget=self.budget, threads=self.threads, spinning=self.spinning
+        )
 
     def _deactivate(self) -> None:
         self.session = None
@@ -163,6 +194,14 @@ class OnnxRuntime(Runtime):
         try:
             values = self.session.run(names, dict(feeds))
         except Exception as e:
+            full = _ARENA_FULL.search(first_line(e))
+            if full:
+                asked, free = format_bytes(int(full["asked"])), format_bytes(int(full["free"]))
+                raise InputError(
+                    f"{self.name}: {full['op']} asked for {asked}, over the {free} left of the memory budget of "
+                    f"{format_bytes(self.budget)}; narrow the dims or raise --max-memory (or ${ENV}, or max_memory "
+                    "in the spec)"
+                ) from e
             raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}") from e
         return dict(zip(names, values, strict=True))
 
@@ -194,10 +233,11 @@ class OnnxRuntime(Runtime):
         return OrtDecoder(self.session, self, plan, self.provider)
 
 
-def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None) -> Runtime:
+def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None, budget: int) -> Runtime:
     # Timed against PyTorch in one process: idle threads must not spin and steal its cores.
+    provider = target.provider or "cpu"
     return OnnxRuntime(
-        model, spec.inputs, spec.outputs, spec.dims, provider=target.provider or "cpu", threads=threads, spinning=False
+        model, spec.inputs, spec.outputs, spec.dims, provider=provider, budget=budget, threads=threads, spinning=False
     )
 
 

@@ -62,7 +62,7 @@ class ReferenceRuntime(Runtime):
         return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
 
 
-def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None) -> Runtime:
+def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None, budget: int) -> Runtime:
     return ReferenceRuntime(model, spec.inputs, spec.outputs, spec.dims)
 
 

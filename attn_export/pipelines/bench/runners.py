@@ -18,6 +18,7 @@ from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.runtimes import RUNTIMES, Runtime
 from attn_export.runtimes.timing import physical_cores
 from attn_export.spec import ModelSpec, variant_key
+from attn_export.spec.memory import memory_budget
 
 __all__ = ["EAGER", "graph_runners", "machine_description", "peak_memory"]
 
@@ -59,7 +60,7 @@ def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: R
         check_model(load_model_file(path), entry.name, path)
         kind = RUNTIMES[name]
         (target,) = kind.targets([options.provider])
-        runners[label] = kind.make(path, unranged, target, options.threads)
+        runners[label] = kind.make(path, unranged, target, options.threads, memory_budget(options.max_memory, spec))
     return runners
 
 
@@ -73,6 +74,7 @@ def peak_memory(
         "sizes": sizes,
         "provider": options.provider,
         "threads": options.threads,
+        "budget": memory_budget(options.max_memory, spec),
     }
     out: dict[str, float | None] = {EAGER: peak_rss_mb({**base, "runner": "torch"})}
     for label, (name, entry) in _graphs(manifest, spec, options).items():

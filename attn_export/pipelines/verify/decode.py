@@ -26,6 +26,7 @@ from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
+from attn_export.spec.memory import memory_budget
 
 __all__ = ["decode_model"]
 
@@ -63,8 +64,9 @@ def decode_model(
             ]
         expected_from = eager.name
     results = []
+    budget = memory_budget(options.max_memory, None if options.golden else spec)
     for target in options.targets:
-        with RUNTIMES[target.runtime].make(path, spec, target, options.threads) as runtime:
+        with RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget) as runtime:
             for traj, expected, full, alone in plans:
                 actual, error = run_trajectory(runtime, spec, traj)
                 result = DecodeResult(

@@ -200,9 +200,9 @@ def _verify_model(
     budget = memory_budget(options.max_memory)  # the manifest's spec is data: its max_memory is not obeyed
     expected = recorded_expected(spec, options.inputs_file, budget) if options.inputs_file else golden_expected(golden)
     cases: list[CaseResult] = []
-    with FullyMaskedRows(spec, path, tolerances_for(spec, entry.variant, options)) as rows:
+    with FullyMaskedRows(spec, path, tolerances_for(spec, entry.variant, options), budget) as rows:
         for target in options.targets:
-            runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads)
+            runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget)
             cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
     return cases
 
@@ -215,18 +215,17 @@ def verify_module(
     from attn_export.runtimes.torch_eager import torch_device_for
 
     cases: list[CaseResult] = []
-    with FullyMaskedRows(spec, path, tolerances_for(spec, variant, options)) as rows:
+    budget = memory_budget(options.max_memory, spec)
+    with FullyMaskedRows(spec, path, tolerances_for(spec, variant, options), budget) as rows:
         for target in options.targets:
             kind = RUNTIMES[target.runtime]
             device = torch_device_for(target.provider) if kind.timed else "cpu"
             threads = options.threads if kind.timed else None
             with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
                 if options.inputs_file:
-                    expected = recorded_expected(
-                        spec, options.inputs_file, memory_budget(options.max_memory, spec), eager
-                    )
+                    expected = recorded_expected(spec, options.inputs_file, budget, eager)
                 else:
                     expected = torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
-                runtime = kind.make(path, spec, target, options.threads)
+                runtime = kind.make(path, spec, target, options.threads, budget)
                 cases += _check_target(name, target, runtime, expected, rows, eager if kind.timed else None, options)
     return cases

@@ -369,6 +369,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @wait_option
 @report_options
 @click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
+@click.option(
+    "--localize",
+    "localize_first",
+    is_flag=True,
+    help="Localize the first failing case of each model (attn-export localize) and print where the graph "
+    "leaves PyTorch under the failures.",
+)
 def verify(
     paths: tuple[Path, ...],
     models_dir: Path,
@@ -391,6 +398,7 @@ def verify(
     max_memory: int | None,
     wait_s: float,
     shard: tuple[int, int] | None,
+    localize_first: bool,
     **reports: Path | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
@@ -436,6 +444,8 @@ def verify(
         )
     if mask_case and not shapes:
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
+    if localize_first and golden:
+        raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
     report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
     check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
@@ -475,9 +485,16 @@ def verify(
         click.echo(format_model_rows(name, cases, check))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model, on_notice=_notice)
-    for text in (format_decode(report), format_distributions(report), format_failures(report), format_summary(report)):
+    for text in (format_decode(report), format_distributions(report), format_failures(report)):
         if text:
             click.echo(text)
+    if localize_first:
+        from attn_export.pipelines.localize import localize_failures
+        from attn_export.report.localize_text import format_localize
+
+        for found in localize_failures(report, options):
+            click.echo(format_localize(found))
+    click.echo(format_summary(report))
     write_reports(report, report_paths)
     sys.exit(report.exit_code)
 

@@ -29,13 +29,17 @@ def format_localize(report: LocalizeReport) -> str:
         lines.append(f"  output {o.reason() if not o.passed else o.name + ': agrees'}")
     lines += [f"  note: {n}" for n in report.notes]
     compared = f"{len(report.regions)} regions compared ({report.uncompared} without a PyTorch value)"
+    r = report.first
     if report.agrees:
         lines.append(f"AGREES: the graph gives PyTorch's outputs here; {compared}")
-    elif report.first is None:
-        lines.append(f"DIVERGES, but no compared region breaks the tolerance; {compared}")
+    elif r is None:
+        lines.append(f"DIVERGES, but no compared region tells where; {compared}")
+    elif report.cause == "module":
+        lines.append(f"THE MODULE gives NaN or Inf, and the graph does the same; first at {r.where()}")
+        lines.append(f"  {compared}")
     else:
-        r = report.first
-        lines.append(f"DIVERGES first at {r.where()}")
+        first = "first at" if report.cause == "graph" else "first outside the tolerance (no region alone breaks it) at"
+        lines.append(f"DIVERGES {first} {r.where()}")
         lines.append(f"  its own error (run alone on PyTorch's values): {_error(r.local)}")
         lines.append(f"  in the whole graph: {_error(r.propagated)}")
         lines.append(f"  {compared}")

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.exporter.factory import instantiate
+from attn_export.exporter.factory import instantiate, resolve_object
 from attn_export.exporter.torch_export import export_onnx
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
@@ -22,6 +22,7 @@ from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.masks import EXPANSIONS
 from attn_export.spec.shapes import example_sizes
 from tests.conftest import TINY_ZOO, ZOO, needs_transformers, write_spec
 
@@ -248,33 +249,31 @@ EXPANDED = {
 
 
 @needs_transformers
-def test_a_layer_given_the_tokenizers_mask_gets_it_expanded_as_its_model_class_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["llama_tokenizer_mask", pytest.param("bert_tokenizer_mask", marks=pytest.mark.slow)])
+def test_a_layer_given_the_tokenizers_mask_gets_it_expanded_as_its_model_class_does(tmp_path: Path, name: str) -> None:
     import torch
-    from transformers.masking_utils import create_causal_mask
 
-    models = tmp_path / "models"
-    paths = []
-    for name, fields in EXPANDED.items():
-        paths.append(write_spec(models, name, TOKENIZER_MASK.format(**fields)))
-    out = tmp_path / "out"
-    summary = build_models(paths, BuildOptions(out))
-    assert [r.status for r in summary.results] == ["built", "built"], [r.error for r in summary.results]
-    graph = onnx.load(out / "llama_tokenizer_mask.onnx").graph
+    models, out = tmp_path / "models", tmp_path / "out"
+    path = write_spec(models, name, TOKENIZER_MASK.format(**EXPANDED[name]))
+    summary = build_models([path], BuildOptions(out))
+    assert summary.results[0].status == "built", summary.results[0].error
+    graph = onnx.load(out / f"{name}.onnx").graph
     assert [(i.name, i.type.tensor_type.elem_type) for i in graph.input] == [
         ("hidden_states", onnx.TensorProto.FLOAT),
         ("attention_mask", onnx.TensorProto.INT64),  # the tokenizer's mask is the graph's input
     ]
-    report = verify_artifacts(out, load_manifest(out), list(EXPANDED), VerifyOptions(models_dir=models, latency=False))
+    report = verify_artifacts(out, load_manifest(out), [name], VerifyOptions(models_dir=models, latency=False))
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
 
-    spec = load_spec(paths[1])
+    spec = load_spec(path)
     wrapped = instantiate(spec)
     feeds = make_feeds(spec, {"batch": 2, "seq": 6}, 0)
     x, mask = (torch.from_numpy(feeds[t.name]) for t in spec.inputs)
     layer = wrapped.module
-    positions = torch.arange(6).expand(2, 6)
+    expand = resolve_object(spec, EXPANSIONS[EXPANDED[name]["expand"]])
     with torch.no_grad():
-        four_d = create_causal_mask(config=layer.config, inputs_embeds=x, attention_mask=mask, past_key_values=None)
-        rotary = wrapped.rotary["position_embeddings"](x, positions)
-        want = layer(x, position_embeddings=rotary, attention_mask=four_d)[0]
-        torch.testing.assert_close(wrapped(x, mask)[0], want, rtol=0, atol=0)  # as LlamaModel calls the layer
+        four_d = expand(config=wrapped.config, inputs_embeds=x, attention_mask=mask, past_key_values=None)
+        rotary = dict(wrapped.rotary.items()).get("position_embeddings")
+        extra = {"position_embeddings": rotary(x, torch.arange(6).expand(2, 6))} if rotary else {}
+        want = layer(x, attention_mask=four_d, **extra)[0]
+        torch.testing.assert_close(wrapped(x, mask)[0], want, rtol=0, atol=0)  # as the model class calls the layer

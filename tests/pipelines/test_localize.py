@@ -149,3 +149,20 @@ def test_bad_input_is_one_line_and_exit_2(zoo_dir: Path, args: list[str], messag
     result = CliRunner().invoke(cli, ["localize", str(zoo_dir), *args, "--models", str(TINY_ZOO)])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_verify_localize_prints_where_under_the_failures(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _set_attribute(proto, "node_softmax", "axis", 2)
+    plant(zoo_copy, "mha", proto)
+    args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--random", "0"]
+    result = CliRunner().invoke(cli, [*args, "--localize"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("localize mha at "))
+    assert any(line.startswith("FAIL mha ") for line in lines[:at])  # under the failures
+    assert lines[at + 2].startswith("DIVERGES first at ONNX node_softmax [Softmax] from FX node softmax")
+    assert sum(line.startswith("localize ") for line in lines) == 1  # the first failing case only
+    assert lines[-1].startswith("verify FAILED (mha)")
+    golden = CliRunner().invoke(cli, [*args, "--golden", "--localize"])
+    assert golden.exit_code == 2 and "--localize compares with PyTorch" in golden.output

@@ -78,6 +78,11 @@ class LocalizeReport:
     #: Regions with no PyTorch value to compare (nodes without export metadata, shape arithmetic).
     uncompared: int
     first: RegionError | None = None
+    #: Why ``first`` is blamed: "graph" (its own error breaks the tolerance), "module"
+    #: (PyTorch itself gives NaN or Inf there first, and the graph does the same),
+    #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
+    #: case agrees.
+    cause: str = ""
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reproduce: str = ""

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -18,26 +20,30 @@ from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.fully_masked import judge
 from attn_export.compare.outputs import compare_output
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
+from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.pipelines.localize.regions import Region, graph_regions, run_region
 from attn_export.pipelines.localize.results import LocalizeReport, RegionError
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
+from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes.ort import require_provider
+from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import PATTERN
+from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, mask_cases, validate_sizes
 
-__all__ = ["LocalizeOptions", "localize_model", "region_tolerance"]
+__all__ = ["LocalizeOptions", "localize_failures", "localize_model", "region_tolerance"]
 
 #: A region run alone may differ from PyTorch by this many float32 roundings of the
 #: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
@@ -66,6 +72,24 @@ def region_tolerance(tol: Tolerance, expected: np.ndarray) -> Tolerance:
     scale = float(finite.max()) if finite.size else 0.0
     eps = float(np.finfo(expected.dtype).eps) if expected.dtype.kind == "f" else 0.0
     return Tolerance(tol.atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
+
+
+#: Exported programs by (spec, module sources, opset): each case localized in this process
+#: after the first of its model reuses the export, the costly step (seconds per model).
+_PROGRAMS: OrderedDict[tuple[str, tuple[tuple[str, str], ...], int], Any] = OrderedDict()
+_KEPT_PROGRAMS = 4
+
+
+def _program(spec: ModelSpec, module: Any, opset: int) -> Any:
+    """The FX program the dynamo exporter converts, as build exported it: exported once
+    per model and opset, then reused (the spec and its module's source files are the key)."""
+    key = (spec.content_hash(), tuple(sorted(module_sources(spec).items())), opset)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=opset)
+        while len(_PROGRAMS) > _KEPT_PROGRAMS:
+            _PROGRAMS.popitem(last=False)
+    _PROGRAMS.move_to_end(key)
+    return _PROGRAMS[key]
 
 
 def _opset(proto: onnx.ModelProto) -> int:
@@ -130,6 +154,22 @@ def _regions(
     return out
 
 
+def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> tuple[RegionError | None, str]:
+    """The region to blame for a case that fails, and why (``LocalizeReport.cause``): the
+    first whose own error breaks the tolerance; else, where PyTorch itself first gives NaN
+    or Inf (the graph does as the module does); else the first value outside the tolerance."""
+    first = next((r for r in errors if r.breaks), None)
+    if first is not None:
+        return first, "graph"
+    nonfinite = next(
+        (r for r in errors if torch_vals[r.fx_node].dtype.kind == "f" and not np.isfinite(torch_vals[r.fx_node]).all()),
+        None,
+    )
+    if nonfinite is not None:
+        return nonfinite, "module"
+    return next((r for r in errors if r.propagated and not r.propagated.passed), None), "accumulated"
+
+
 def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
     args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
     args += ["--distribution", options.distribution]
@@ -180,7 +220,7 @@ def _localize(
     check_memory(spec, [ShapePoint("localize", sizes)], budget)
     feeds = make_feeds(spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution)
     module = instantiate(spec)
-    program = export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=_opset(proto))
+    program = _program(spec, module, _opset(proto))
     torch_vals = torch_values(program, spec, feeds, budget)
     notes = []
     try:
@@ -213,12 +253,35 @@ def _localize(
         reproduce=_reproduce(out_dir, model, options, sizes),
     )
     if not report.agrees:
-        report.first = next((r for r in errors if r.breaks), None)
-        if report.first is None:
-            report.first = next((r for r in errors if r.propagated and not r.propagated.passed), None)
-            report.notes.append(
-                "no region breaks the tolerance alone: the difference builds up over several; "
-                "the first value outside it is shown"
-            )
+        report.first, report.cause = _blame(errors, torch_vals)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[LocalizeReport]:
+    """``verify --localize``: the first failing case of each model that verify compared with
+    PyTorch on ONNX Runtime, localized (one case per model bounds the cost: the others
+    usually fail at the same node)."""
+    out_dir = Path(report.artifacts)
+    firsts: dict[str, CaseResult] = {}
+    for case in report.failed_cases:
+        numeric = case.expected_from.startswith("torch") and case.distribution != RECORDED
+        if numeric and case.target.runtime == DEFAULT_RUNTIME and case.comparisons:
+            firsts.setdefault(case.model, case)
+    return [
+        localize_model(
+            out_dir,
+            case.model,
+            LocalizeOptions(
+                models_dir=options.models_dir,
+                sizes=case.sizes,
+                seed=case.seed,
+                distribution=case.distribution,
+                mask_case=case.shape if case.shape in CASES else None,
+                provider=case.target.provider or "cpu",
+                max_memory=options.max_memory,
+                lock_wait_s=options.lock_wait_s,
+            ),
+        )
+        for case in firsts.values()
+    ]

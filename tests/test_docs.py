@@ -105,6 +105,10 @@ def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path, monkeypatch
     assert len(shown) == 2 and all(line in failed.stdout.splitlines() for line in shown), failed.stdout
     reproduce = shown[1].split("reproduce: attn-export ", 1)[1].split()
     assert _cli(tmp_path, monkeypatch, *reproduce).exit_code == 1
+    command = next(line for line in README.splitlines() if line.startswith("$ attn-export localize "))
+    where = _cli(tmp_path, monkeypatch, *command.removeprefix("$ attn-export ").split())
+    verdict = next(line for line in README.splitlines() if line.startswith("THE MODULE gives NaN"))
+    assert where.exit_code == 1 and verdict in where.stdout.splitlines(), where.output
 
 
 def test_api_example_runs_as_written(

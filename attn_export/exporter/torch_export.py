@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
 import os
 import re
@@ -160,6 +161,7 @@ class _Proto:
 
 def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opset: int, exporter: str) -> Any:
     torch = require("torch", "exporting")
+    linecache.checkcache()  # the graph's stack traces quote source lines: not a file's older text
     args = tuple(
         v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
         for v in (example_feeds[t.name] for t in spec.inputs)

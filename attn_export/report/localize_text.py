@@ -4,11 +4,35 @@ that reruns it."""
 
 from __future__ import annotations
 
+import os
+
 from attn_export.compare.outputs import OutputComparison
-from attn_export.pipelines.localize import LocalizeReport
+from attn_export.pipelines.localize import LocalizeReport, RegionError
 from attn_export.spec.shapes import format_sizes
 
-__all__ = ["format_localize"]
+__all__ = ["format_localize", "where"]
+
+
+def _source(source: str) -> str:
+    """``file:line``, the file relative to the working directory when it lies under it."""
+    path, _, line = source.rpartition(":")
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive
+        return source
+    return f"{relative}:{line}" if not relative.startswith("..") else source
+
+
+def where(region: RegionError) -> str:
+    """``ONNX node [Op] from FX node name (aten op) in module.path at file:line `code```."""
+    op = "+".join(dict.fromkeys(region.ops))
+    nodes = region.nodes[0] + (f" (+{len(region.nodes) - 1} nodes)" if len(region.nodes) > 1 else "")
+    parts = [f"ONNX {nodes} [{op}]", f"from FX node {region.fx_node} ({region.target})"]
+    if region.module_path:
+        parts.append(f"in {region.module_path}")
+    if region.source:
+        parts.append(f"at {_source(region.source)}" + (f" `{region.code}`" if region.code else ""))
+    return " ".join(parts)
 
 
 def _error(c: OutputComparison | None) -> str:
@@ -35,11 +59,11 @@ def format_localize(report: LocalizeReport) -> str:
     elif r is None:
         lines.append(f"DIVERGES, but no compared region tells where; {compared}")
     elif report.cause == "module":
-        lines.append(f"THE MODULE gives NaN or Inf, and the graph does the same; first at {r.where()}")
+        lines.append(f"THE MODULE gives NaN or Inf, and the graph does the same; first at {where(r)}")
         lines.append(f"  {compared}")
     else:
         first = "first at" if report.cause == "graph" else "first outside the tolerance (no region alone breaks it) at"
-        lines.append(f"DIVERGES {first} {r.where()}")
+        lines.append(f"DIVERGES {first} {where(r)}")
         lines.append(f"  its own error (run alone on PyTorch's values): {_error(r.local)}")
         lines.append(f"  in the whole graph: {_error(r.propagated)}")
         lines.append(f"  {compared}")

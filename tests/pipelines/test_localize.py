@@ -15,6 +15,7 @@ from onnx import numpy_helper
 
 from attn_export.cli import cli
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
+from attn_export.report.localize_text import where
 from tests.conftest import TINY_ZOO, plant
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
@@ -89,7 +90,7 @@ def test_a_planted_fault_is_localized_to_its_node_and_source_line(
     assert not report.agrees
     first = report.first
     assert first is not None, report.notes
-    assert (first.fx_node, node in first.nodes) == (fx_node, True), first.where()
+    assert (first.fx_node, node in first.nodes) == (fx_node, True), where(first)
     assert first.local is not None and not first.local.passed  # its own error, not one it inherits
     assert first.source.startswith(str(ZOO_CODE / file) + ":"), first.source
     assert code in first.code, first.code
@@ -100,7 +101,7 @@ def test_a_planted_fault_is_localized_to_its_node_and_source_line(
 def test_a_correct_graph_is_blamed_for_nothing(zoo_dir: Path) -> None:
     for model in ("mha_causal", "gqa_rope_kv_cache"):
         report = _localize(zoo_dir, model, seed=1)
-        assert report.agrees and report.first is None, report.first and report.first.where()
+        assert report.agrees and report.first is None, report.first and where(report.first)
         assert report.regions and not any(r.breaks for r in report.regions)
 
 

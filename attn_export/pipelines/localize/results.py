@@ -35,17 +35,6 @@ class RegionError:
         """Whether the region's own error breaks the tolerance."""
         return self.local is not None and not self.local.passed
 
-    def where(self) -> str:
-        """``node (Op) <- fx node [aten op] in module.path at file:line `code```."""
-        op = "+".join(dict.fromkeys(self.ops))
-        nodes = self.nodes[0] + (f" (+{len(self.nodes) - 1} nodes)" if len(self.nodes) > 1 else "")
-        parts = [f"ONNX {nodes} [{op}]", f"from FX node {self.fx_node} ({self.target})"]
-        if self.module_path:
-            parts.append(f"in {self.module_path}")
-        if self.source:
-            parts.append(f"at {self.source}" + (f" `{self.code}`" if self.code else ""))
-        return " ".join(parts)
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["local"] = self.local.to_dict() if self.local else None

@@ -523,6 +523,12 @@ def verify(
 @click.option(
     "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
 )
+@click.option(
+    "--shrink",
+    is_flag=True,
+    help="Search for the smallest case that fails at the same place (each dim toward its minimum, the mask "
+    "case dropped) and localize that one.",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
 @max_memory_option
 @wait_option
@@ -535,6 +541,7 @@ def localize(
     distribution: str,
     mask_case: str | None,
     provider: str,
+    shrink: bool,
     json_path: Path | None,
     max_memory: int | None,
     wait_s: float,
@@ -552,6 +559,7 @@ def localize(
 
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
+        attn-export localize build mha --shapes "batch=8,seq=100" --shrink
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -572,6 +580,7 @@ def localize(
         provider=provider,
         max_memory=max_memory,
         lock_wait_s=wait_s,
+        shrink=shrink,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))

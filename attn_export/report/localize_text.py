@@ -49,6 +49,11 @@ def format_localize(report: LocalizeReport) -> str:
     case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
     case += f", mask case {report.mask_case}" if report.mask_case else ""
     lines = [f"localize {report.model} at {case} on onnxruntime[{report.provider}]"]
+    if report.shrunk_from is not None:
+        lines.append(
+            f"  the smallest case found that fails at the same place, from {format_sizes(report.shrunk_from)} "
+            f"({report.shrink_tries} cases tried)"
+        )
     for o in report.outputs:
         lines.append(f"  output {o.reason() if not o.passed else o.name + ': agrees'}")
     lines += [f"  note: {n}" for n in report.notes]

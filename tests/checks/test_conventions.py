@@ -16,6 +16,7 @@ from tests.conftest import TINY_ZOO, write_spec
 
 CONVENTION_SPEC = """
 module = "tests.user_modules:ConventionAttention"
+exporter = "torchscript"  # the fastest exporter: the subject is how the mask is read, not the export
 kwargs = {{ hidden = 8, convention = "{convention}", flipped = {flipped} }}
 
 [[inputs]]

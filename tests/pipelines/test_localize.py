@@ -167,3 +167,26 @@ def test_verify_localize_prints_where_under_the_failures(zoo_copy: Path) -> None
     assert lines[-1].startswith("verify FAILED (mha)")
     golden = CliRunner().invoke(cli, [*args, "--golden", "--localize"])
     assert golden.exit_code == 2 and "--localize compares with PyTorch" in golden.output
+
+
+@pytest.mark.parametrize(
+    ("model", "node", "edit", "asked", "smallest"),
+    [
+        # a softmax over the query axis is right while there is one query
+        ("mha", "node_softmax", lambda p, n: _set_attribute(p, n, "axis", 2), {"batch": 4, "seq": 24},
+         {"batch": 1, "seq": 2}),
+        # past and new tokens swapped is right while the cache is empty
+        ("gqa_rope_kv_cache", "node_cat_4", lambda p, n: _swap_inputs(p, n, 0, 1),
+         {"batch": 3, "seq": 5, "past_seq": 7}, {"batch": 1, "seq": 1, "past_seq": 1, "total_seq": 2}),
+    ],
+)  # fmt: skip
+def test_shrink_finds_the_smallest_case_that_fails_at_the_same_node(
+    zoo_copy: Path, model: str, node: str, edit: Callable, asked: dict, smallest: dict
+) -> None:
+    proto = onnx.load(zoo_copy / f"{model}.onnx")
+    edit(proto, node)
+    plant(zoo_copy, model, proto)
+    report = _localize(zoo_copy, model, sizes=asked, shrink=True)
+    assert report.sizes == smallest and report.shrunk_from is not None and report.shrink_tries > 0
+    assert report.first is not None and node in report.first.nodes and not report.agrees
+    assert f"--shapes {','.join(f'{k}={v}' for k, v in smallest.items())} " in report.reproduce

@@ -4,12 +4,31 @@ first region whose own error breaks the tolerance."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from attn_export.compare.outputs import OutputComparison
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 
-__all__ = ["LocalizeReport", "RegionError"]
+__all__ = ["LocalizeOptions", "LocalizeReport", "RegionError"]
+
+
+@dataclass(frozen=True)
+class LocalizeOptions:
+    """Which case to localize (verify's reproduce line gives these) and where."""
+
+    models_dir: Path = Path("models")
+    sizes: Mapping[str, int] | None = None
+    seed: int = 0
+    distribution: str = DEFAULT_DISTRIBUTION
+    mask_case: str | None = None
+    provider: str = "cpu"
+    max_memory: int | None = None
+    lock_wait_s: float = 0.0
+    #: Search for the smallest case that fails at the same place (``localize.shrink``).
+    shrink: bool = False
 
 
 @dataclass
@@ -72,6 +91,9 @@ class LocalizeReport:
     #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
     #: case agrees.
     cause: str = ""
+    #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.
+    shrunk_from: dict[str, int] | None = None
+    shrink_tries: int = 0
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reproduce: str = ""

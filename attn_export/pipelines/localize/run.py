@@ -9,7 +9,6 @@ import shlex
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,8 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.pipelines.localize.regions import Region, graph_regions, run_region
-from attn_export.pipelines.localize.results import LocalizeReport, RegionError
+from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
+from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
 from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
@@ -36,7 +36,6 @@ from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
@@ -49,20 +48,6 @@ __all__ = ["LocalizeOptions", "localize_failures", "localize_model", "region_tol
 #: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
 #: rounds differently (summation order), never by more.
 ROUNDINGS = 64
-
-
-@dataclass(frozen=True)
-class LocalizeOptions:
-    """Which case to localize (verify's reproduce line gives these) and where."""
-
-    models_dir: Path = Path("models")
-    sizes: Mapping[str, int] | None = None
-    seed: int = 0
-    distribution: str = DEFAULT_DISTRIBUTION
-    mask_case: str | None = None
-    provider: str = "cpu"
-    max_memory: int | None = None
-    lock_wait_s: float = 0.0
 
 
 def region_tolerance(tol: Tolerance, expected: np.ndarray) -> Tolerance:
@@ -201,7 +186,15 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         if stale:
             raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
-    return _localize(out_dir, model, entry.variant, spec, proto, options)
+    report = _localize(out_dir, model, entry.variant, spec, proto, options)
+    if not options.shrink or report.agrees:
+        return report
+    asked = report.sizes
+    _, report, tries = shrink_case(
+        spec, options, report, lambda trial: _localize(out_dir, model, entry.variant, spec, proto, trial)
+    )
+    report.shrunk_from, report.shrink_tries = asked, tries
+    return report
 
 
 def _localize(

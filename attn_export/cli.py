@@ -529,6 +529,11 @@ def verify(
     help="Search for the smallest case that fails at the same place (each dim toward its minimum, the mask "
     "case dropped) and localize that one.",
 )
+@click.option(
+    "--bundle",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Write a replay bundle of the blamed region into this new folder (attn-export replay reruns it).",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
 @max_memory_option
 @wait_option
@@ -542,6 +547,7 @@ def localize(
     mask_case: str | None,
     provider: str,
     shrink: bool,
+    bundle: Path | None,
     json_path: Path | None,
     max_memory: int | None,
     wait_s: float,
@@ -559,7 +565,7 @@ def localize(
 
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
-        attn-export localize build mha --shapes "batch=8,seq=100" --shrink
+        attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -581,12 +587,35 @@ def localize(
         max_memory=max_memory,
         lock_wait_s=wait_s,
         shrink=shrink,
+        bundle=bundle,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))
     if json_path is not None:
         write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
     sys.exit(0 if report.agrees else 1)
+
+
+@cli.command()
+@click.argument("folder", type=click.Path(path_type=Path, file_okay=False))
+@provider_option("ONNX Runtime provider to rerun the region on.")
+@max_memory_option
+def replay(folder: Path, provider: str, max_memory: int | None) -> None:
+    """Rerun a replay bundle (localize --bundle): the blamed region's nodes on the inputs
+    PyTorch gave them, against PyTorch's recorded value. Needs neither torch nor the build
+    folder. Exit 0 when they agree, 1 when they differ, 2 on a bad bundle.
+
+    Example:
+
+        attn-export replay where/
+        sh where/reproduce.sh --provider cuda
+    """
+    from attn_export.pipelines.localize import replay_bundle
+    from attn_export.report.localize_text import format_replay
+
+    result = replay_bundle(folder, provider, max_memory)
+    click.echo(format_replay(result))
+    sys.exit(0 if result.passed else 1)
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:

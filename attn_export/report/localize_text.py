@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 from attn_export.compare.outputs import OutputComparison
-from attn_export.pipelines.localize import LocalizeReport, RegionError
+from attn_export.pipelines.localize import LocalizeReport, RegionError, ReplayResult
 from attn_export.spec.shapes import format_sizes
 
-__all__ = ["format_localize", "where"]
+__all__ = ["format_localize", "format_replay", "where"]
 
 
 def _source(source: str) -> str:
@@ -72,5 +72,17 @@ def format_localize(report: LocalizeReport) -> str:
         lines.append(f"  its own error (run alone on PyTorch's values): {_error(r.local)}")
         lines.append(f"  in the whole graph: {_error(r.propagated)}")
         lines.append(f"  {compared}")
+    if report.bundle:
+        lines.append(f"replay bundle: {report.bundle} (rerun: sh {report.bundle}/reproduce.sh)")
     lines.append(f"reproduce: {report.reproduce}")
     return "\n".join(lines)
+
+
+def format_replay(result: ReplayResult) -> str:
+    info, c = result.info, result.comparison
+    source = f" at {_source(info['source'])}" if info.get("source") else ""
+    head = (
+        f"replay {info.get('model')}: region of FX node {info.get('fx_node')}{source} on onnxruntime[{result.provider}]"
+    )
+    verdict = "AGREES with PyTorch's recorded value" if c.passed else f"DIFFERS: {c.reason()}"
+    return f"{head}\n{verdict}"

@@ -190,3 +190,41 @@ def test_shrink_finds_the_smallest_case_that_fails_at_the_same_node(
     assert report.sizes == smallest and report.shrunk_from is not None and report.shrink_tries > 0
     assert report.first is not None and node in report.first.nodes and not report.agrees
     assert f"--shapes {','.join(f'{k}={v}' for k, v in smallest.items())} " in report.reproduce
+
+
+def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_one(
+    zoo_copy: Path, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _set_attribute(proto, "node_softmax", "axis", 2)
+    plant(zoo_copy, "mha", proto)
+    bundle = tmp_path / "where"
+    report = _localize(zoo_copy, "mha", bundle=bundle)
+    assert report.bundle == str(bundle)
+    assert sorted(p.name for p in bundle.iterdir()) == ["bundle.json", "case.npz", "region.onnx", "reproduce.sh"]
+    region = onnx.load(bundle / "region.onnx")
+    assert [n.name for n in region.graph.node] == ["node_softmax"]  # the smallest graph that shows it
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def reproduce() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", str(bundle / "reproduce.sh")], env=env, capture_output=True, text=True)
+
+    broken = reproduce()
+    assert broken.returncode == 1, broken.stderr
+    assert broken.stdout.splitlines()[1].startswith("DIFFERS: softmax: ")
+    no_torch = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
+    blocked = subprocess.run([sys.executable, "-c", no_torch, "replay", str(bundle)], capture_output=True, text=True)
+    assert blocked.returncode == 1 and blocked.stdout == broken.stdout, blocked.stderr  # no torch needed
+    _set_attribute(region, "node_softmax", "axis", -1)
+    onnx.save(region, bundle / "region.onnx")
+    fixed = reproduce()
+    assert fixed.returncode == 0 and "AGREES with PyTorch's recorded value" in fixed.stdout, fixed.stderr
+    args = ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--bundle", str(bundle)]
+    again = CliRunner().invoke(cli, args)
+    assert again.exit_code == 2 and "give a new or empty folder (nothing in it is replaced)" in again.output
+    (bundle / "bundle.json").write_text("{}")
+    assert CliRunner().invoke(cli, ["replay", str(bundle)]).exit_code == 2

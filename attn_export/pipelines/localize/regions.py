@@ -16,7 +16,7 @@ import onnx
 from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
 
-__all__ = ["Region", "graph_regions", "run_region"]
+__all__ = ["Region", "graph_regions", "region_model", "run_region"]
 
 _FX_NAME = re.compile(r"%(\S+) :")
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
@@ -88,26 +88,34 @@ def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> li
     return regions
 
 
+def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The region's nodes as a model of their own: ``feeds`` (one per region input) give
+    the inputs' types and shapes, every value the nodes compute is an output."""
+    names = set(region.nodes)
+    nodes = [n for n in model.graph.node if n.name in names]
+    used = {i for n in nodes for i in n.input}
+    made = list(dict.fromkeys(o for n in nodes for o in n.output if o))
+    graph = onnx.helper.make_graph(
+        nodes,
+        f"region_{region.fx_node or region.nodes[0]}",
+        [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(feeds[k].dtype), feeds[k].shape)
+         for k in region.inputs],
+        [onnx.ValueInfoProto(name=name) for name in made],
+        [w for w in model.graph.initializer if w.name in used],
+    )  # fmt: skip
+    sub = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    sub.functions.extend(model.functions)
+    return sub
+
+
 def run_region(
     model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray], provider: str, budget: int
 ) -> dict[str, np.ndarray] | None:
     """Every value the region's nodes compute, run alone on ``feeds`` (one per region
     input); None when the region cannot run alone (ONNX Runtime refuses it or its inputs)."""
-    names = set(region.nodes)
-    nodes = [n for n in model.graph.node if n.name in names]
-    used = {i for n in nodes for i in n.input}
-    made = list(dict.fromkeys(o for n in nodes for o in n.output if o))
     try:
-        graph = onnx.helper.make_graph(
-            nodes,
-            f"region_{region.fx_node or region.nodes[0]}",
-            [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(feeds[k].dtype),
-                                                feeds[k].shape) for k in region.inputs],
-            [onnx.ValueInfoProto(name=name) for name in made],
-            [w for w in model.graph.initializer if w.name in used],
-        )  # fmt: skip
-        sub = onnx.helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
-        sub.functions.extend(model.functions)
+        sub = region_model(model, region, feeds)
+        made = [o.name for o in sub.graph.output]
         session = load_session(sub.SerializeToString(), provider, level="disabled", budget=budget)
         return dict(zip(made, session.run(made, {k: feeds[k] for k in region.inputs}), strict=True))
     except Exception:  # noqa: BLE001 - a region that cannot run alone has no local error to give

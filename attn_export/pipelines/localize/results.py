@@ -29,6 +29,8 @@ class LocalizeOptions:
     lock_wait_s: float = 0.0
     #: Search for the smallest case that fails at the same place (``localize.shrink``).
     shrink: bool = False
+    #: Write a replay bundle of the blamed region into this new folder (``artifacts.bundle``).
+    bundle: Path | None = None
 
 
 @dataclass
@@ -94,6 +96,8 @@ class LocalizeReport:
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.
     shrunk_from: dict[str, int] | None = None
     shrink_tries: int = 0
+    #: The replay bundle written, if one was asked for and a region is to blame.
+    bundle: str | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reproduce: str = ""

@@ -9,12 +9,14 @@ import shlex
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from attn_export.artifacts.bundle import check_bundle_folder, write_bundle
 from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import load_manifest
@@ -26,7 +28,7 @@ from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.pipelines.localize.regions import Region, graph_regions, run_region
+from attn_export.pipelines.localize.regions import Region, graph_regions, region_model, run_region
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
@@ -102,14 +104,16 @@ def _regions(
     tol: Tolerance,
     provider: str,
     budget: int,
-) -> list[RegionError]:
+) -> tuple[list[RegionError], dict[str, dict[str, np.ndarray]]]:
     """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
     (the graph's inputs and its shape arithmetic as the regions before computed them);
-    each that holds an FX node's tensor is compared, beside the whole graph's value there."""
+    each that holds an FX node's tensor is compared, beside the whole graph's value there.
+    Also the inputs each region whose own error breaks the tolerance was fed (for a bundle)."""
     forced: dict[str, np.ndarray] = {}
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
     out = []
+    fed: dict[str, dict[str, np.ndarray]] = {}
     for region in regions:
         sources = (pytorch, feeds, forced)
         if not all(any(i in src for src in sources) for i in region.inputs):
@@ -136,7 +140,9 @@ def _regions(
                 propagated=None if whole is None else compare_output(region.fx_node, expected, whole, rtol),
             )
         )
-    return out
+        if out[-1].breaks:
+            fed[region.fx_node] = teacher
+    return out, fed
 
 
 def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> tuple[RegionError | None, str]:
@@ -186,20 +192,46 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         if stale:
             raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
-    report = _localize(out_dir, model, entry.variant, spec, proto, options)
-    if not options.shrink or report.agrees:
-        return report
-    asked = report.sizes
-    _, report, tries = shrink_case(
-        spec, options, report, lambda trial: _localize(out_dir, model, entry.variant, spec, proto, trial)
-    )
-    report.shrunk_from, report.shrink_tries = asked, tries
+    if options.bundle is not None:
+        check_bundle_folder(options.bundle)
+    report, replay = _localize(out_dir, model, entry.variant, spec, proto, options)
+    if options.shrink and not report.agrees:
+        asked = report.sizes
+        smallest, _, tries = shrink_case(
+            spec, options, report, lambda trial: _localize(out_dir, model, entry.variant, spec, proto, trial)[0]
+        )
+        report, replay = _localize(out_dir, model, entry.variant, spec, proto, smallest)  # its bundle too
+        report.shrunk_from, report.shrink_tries = asked, tries
+    if options.bundle is not None and replay is not None and report.first is not None:
+        first = report.first
+        info = {
+            "model": model,
+            "fx_node": first.fx_node,
+            "nodes": first.nodes,
+            "value": first.value,
+            "source": first.source,
+            "code": first.code,
+            "tolerance": {"atol": replay.tolerance.atol, "rtol": replay.tolerance.rtol},
+            "localize": report.reproduce,
+        }
+        write_bundle(options.bundle, replay.model, replay.inputs, replay.expected, info)
+        report.bundle = str(options.bundle)
     return report
+
+
+@dataclass
+class _Replay:
+    """What a bundle of the blamed region holds: its graph, its inputs and PyTorch's value."""
+
+    model: bytes
+    inputs: dict[str, np.ndarray]
+    expected: dict[str, np.ndarray]
+    tolerance: Tolerance
 
 
 def _localize(
     out_dir: Path, model: str, variant: str, spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions
-) -> LocalizeReport:
+) -> tuple[LocalizeReport, _Replay | None]:
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not any(
         p.key == "pkg.torch.onnx.fx_node" for n in proto.graph.node for p in n.metadata_props
@@ -230,7 +262,7 @@ def _localize(
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs)
     tol = spec.tolerance
-    errors = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget)
+    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget)
     report = LocalizeReport(
         model=model,
         file=str(out_dir / f"{model}.onnx"),
@@ -245,10 +277,21 @@ def _localize(
         notes=notes,
         reproduce=_reproduce(out_dir, model, options, sizes),
     )
+    replay = None
     if not report.agrees:
         report.first, report.cause = _blame(errors, torch_vals)
+        first = report.first
+        if report.cause == "graph" and first is not None:
+            region = next(r for r in regions if r.fx_node == first.fx_node)
+            expected = torch_vals[first.fx_node]
+            replay = _Replay(
+                region_model(proto, region, fed[first.fx_node]).SerializeToString(),
+                fed[first.fx_node],
+                {first.value: expected},
+                region_tolerance(tol, expected),
+            )
     report.seconds = time.perf_counter() - started
-    return report
+    return report, replay
 
 
 def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[LocalizeReport]:

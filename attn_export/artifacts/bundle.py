@@ -1,0 +1,95 @@
+"""A replay bundle: the smallest graph that shows a divergence, as files anyone can rerun.
+
+``region.onnx`` (the blamed region's nodes alone), ``case.npz`` (the inputs it was fed,
+PyTorch's values, and PyTorch's value of its result, in the golden files' layout),
+``bundle.json`` (what it is, where it came from, the tolerance) and ``reproduce.sh``
+(``attn-export replay`` on the folder: no torch, no build folder, no checkout needed).
+A bundle is data: reading one runs nothing it names and reads no more than the budget.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from attn_export.artifacts.files import atomic_write, read_regular
+from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.errors import ArtifactError, UsageError
+
+__all__ = ["BUNDLE_SCHEMA", "Bundle", "check_bundle_folder", "read_bundle", "write_bundle"]
+
+BUNDLE_SCHEMA = "attn-export/replay-bundle"
+_CASE = "replay"
+
+
+@dataclass
+class Bundle:
+    """A bundle read back: what ``bundle.json`` says, the region's graph, its inputs and
+    PyTorch's value of its result."""
+
+    info: dict[str, Any]
+    model: bytes
+    inputs: dict[str, np.ndarray]
+    expected: dict[str, np.ndarray]
+
+
+def _comment(text: str) -> str:
+    """``text`` as one shell comment line: a line break in a name cannot end the comment."""
+    return "# " + " ".join(text.split()) + "\n"
+
+
+def _script(info: dict[str, Any]) -> str:
+    where = f"{info['model']}: the region of FX node {info['fx_node']} ({', '.join(info['nodes'][:3])})"
+    return (
+        "#!/bin/sh\n"
+        + _comment(f"{where} at {info['source'] or 'no source line'}")
+        + _comment(f"found by: {info['localize']}")
+        + _comment("Exits 0 when the region gives PyTorch's value, 1 when it does not.")
+        + 'exec attn-export replay "$(dirname "$0")" "$@"\n'
+    )
+
+
+def check_bundle_folder(folder: Path) -> None:
+    """Refuse, before any work, a bundle folder that is not new or empty: nothing is replaced."""
+    if folder.is_symlink() or (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))):
+        raise UsageError(f"--bundle {folder}: give a new or empty folder (nothing in it is replaced)")
+
+
+def write_bundle(
+    folder: Path, model: bytes, inputs: dict[str, np.ndarray], expected: dict[str, np.ndarray], info: dict[str, Any]
+) -> None:
+    """Write a bundle into ``folder``, which must be new or empty (nothing is replaced)."""
+    check_bundle_folder(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"schema": BUNDLE_SCHEMA, "schema_version": 1, **info}
+    case = GoldenCase(_CASE, {}, inputs, expected)
+    atomic_write(folder / "region.onnx", model)
+    atomic_write(folder / "case.npz", encode_golden([case]))
+    atomic_write(folder / "bundle.json", (json.dumps(info, indent=2) + "\n").encode())
+    atomic_write(folder / "reproduce.sh", _script(info).encode())
+    (folder / "reproduce.sh").chmod(0o755)
+
+
+def read_bundle(folder: Path, budget: int) -> Bundle:
+    """A bundle's files, each read as data within its bound (``budget`` for the arrays)."""
+    if not folder.is_dir():
+        raise ArtifactError(f"{folder}: not a replay bundle folder")
+    try:
+        info = json.loads(read_regular(folder / "bundle.json", folder, 1 << 20).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{folder / 'bundle.json'}: not JSON ({type(e).__name__})") from e
+    if not isinstance(info, dict) or info.get("schema") != BUNDLE_SCHEMA:
+        raise ArtifactError(f"{folder / 'bundle.json'}: not an attn-export replay bundle")
+    tol = info.get("tolerance")
+    if not (isinstance(tol, dict) and all(isinstance(tol.get(k), int | float) for k in ("atol", "rtol"))):
+        raise ArtifactError(f"{folder / 'bundle.json'}: no tolerance (atol, rtol)")
+    model = load_model_file(folder / "region.onnx").SerializeToString()
+    cases = read_golden(folder / "case.npz", budget=budget, root=folder)
+    if [c.label for c in cases] != [_CASE] or not cases[0].outputs:
+        raise ArtifactError(f"{folder / 'case.npz'}: holds no '{_CASE}' case with inputs and a value")
+    return Bundle(info, model, cases[0].inputs, cases[0].outputs)

@@ -1,0 +1,51 @@
+"""``attn-export replay``: rerun a bundle's region on its recorded inputs and compare with
+PyTorch's recorded value; no torch, no build folder and no checkout, so it runs where a new
+ONNX Runtime is deployed and in a bug report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attn_export.artifacts.bundle import read_bundle
+from attn_export.compare.outputs import OutputComparison, compare_output
+from attn_export.errors import ArtifactError, RuntimeFailure, first_line
+from attn_export.runtimes.ort import load_session
+from attn_export.spec import Tolerance
+from attn_export.spec.memory import memory_budget
+
+__all__ = ["ReplayResult", "replay_bundle"]
+
+
+@dataclass
+class ReplayResult:
+    """The bundle's description and its region's value against PyTorch's."""
+
+    folder: str
+    info: dict[str, Any]
+    provider: str
+    comparison: OutputComparison
+
+    @property
+    def passed(self) -> bool:
+        return self.comparison.passed
+
+
+def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = None) -> ReplayResult:
+    """Run the bundle's ``region.onnx`` on its inputs with graph optimizations off, as
+    localize ran it, and compare at the bundle's tolerance."""
+    budget = memory_budget(max_memory)
+    bundle = read_bundle(folder, budget)
+    session = load_session(bundle.model, provider, level="disabled", budget=budget)
+    wanted = sorted(i.name for i in session.get_inputs())
+    if wanted != sorted(bundle.inputs):
+        raise ArtifactError(f"{folder}: region.onnx takes {wanted}, case.npz holds {sorted(bundle.inputs)}")
+    ((value, expected),) = bundle.expected.items()
+    try:
+        got = session.run([value], bundle.inputs)[0]
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
+        raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
+    tol = bundle.info["tolerance"]
+    comparison = compare_output(value, expected, got, Tolerance(tol["atol"], tol["rtol"], allow_nan=True))
+    return ReplayResult(str(folder), bundle.info, provider, comparison)

@@ -535,6 +535,12 @@ def verify(
     help="Write a replay bundle of the blamed region into this new folder (attn-export replay reruns it).",
 )
 @click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+@click.option(
+    "--overlay",
+    "overlay_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
+)
 @max_memory_option
 @wait_option
 def localize(
@@ -549,6 +555,7 @@ def localize(
     shrink: bool,
     bundle: Path | None,
     json_path: Path | None,
+    overlay_path: Path | None,
     max_memory: int | None,
     wait_s: float,
 ) -> None:
@@ -570,10 +577,12 @@ def localize(
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
     from attn_export.report.localize_text import format_localize
+    from attn_export.report.model_explorer import format_overlay
     from attn_export.spec.shapes import parse_shapes
 
-    if json_path is not None:
-        output_target(json_path)
+    for path in (json_path, overlay_path):
+        if path is not None:
+            output_target(path)
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
@@ -593,6 +602,8 @@ def localize(
     click.echo(format_localize(report))
     if json_path is not None:
         write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    if overlay_path is not None:
+        write_output(overlay_path, format_overlay(report).encode())
     sys.exit(0 if report.agrees else 1)
 
 

@@ -118,7 +118,8 @@ def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, 
     _set_attribute(proto, "node_softmax", "axis", 2)
     plant(zoo_copy, "mha", proto)
     args = ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--shapes", "batch=2,seq=5", "--seed", "3"]
-    result = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "where.json")])
+    overlay = tmp_path / "overlay.json"
+    result = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "where.json"), "--overlay", str(overlay)])
     assert result.exit_code == 1, result.output
     lines = result.output.splitlines()
     assert lines[0] == "localize mha at batch=2,seq=5, seed 3, normal on onnxruntime[cpu]"
@@ -132,6 +133,11 @@ def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, 
     assert doc["schema"] == "attn-export/localize-report" and doc["agrees"] is False
     assert doc["first"]["fx_node"] == "softmax" and doc["first"]["breaks"] is True
     assert LocalizeReport.from_dict(doc).to_dict() == doc
+    colours = json.loads(overlay.read_text())  # Model Explorer's GraphNodeData
+    assert colours["thresholds"][0] == {"value": 1, "bgColor": "#c8e6c9"}
+    red = {k for k, v in colours["results"].items() if v["value"] > 1}
+    assert red == {"softmax", "node_softmax"}  # the region's output tensor and its node; all else is green
+    assert len(colours["results"]) > 2 * len(red)
     again = CliRunner().invoke(cli, args[:-4])  # the build's example case
     assert again.exit_code == 1 and "DIVERGES first at ONNX node_softmax" in again.output
 

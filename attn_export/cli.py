@@ -521,6 +521,13 @@ def verify(
 )
 @click.option("--mask-case", type=click.Choice(CASES), help="Feed this named mask case instead of the pattern.")
 @click.option(
+    "--decode-step",
+    type=click.IntRange(1),
+    help="For a decoder: localize this step of verify --decode (1 = the prompt), fed the cache PyTorch's "
+    "steps before it gave back.",
+)
+@click.option("--scenario", help="With --decode-step: the decode scenario (batch-1, left-padded). Default: the first.")
+@click.option(
     "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
 )
 @click.option(
@@ -551,6 +558,8 @@ def localize(
     seed: int,
     distribution: str,
     mask_case: str | None,
+    decode_step: int | None,
+    scenario: str | None,
     provider: str,
     shrink: bool,
     bundle: Path | None,
@@ -573,6 +582,7 @@ def localize(
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
+        attn-export localize build mha_kv_cache --decode-step 3 --scenario left-padded
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -586,6 +596,10 @@ def localize(
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
+    if scenario and decode_step is None:
+        raise click.UsageError("--scenario needs --decode-step")
+    if shrink and decode_step is not None:
+        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are the scenario's")
     options = LocalizeOptions(
         models_dir=models_dir,
         sizes=points[0] if points else None,
@@ -597,6 +611,8 @@ def localize(
         lock_wait_s=wait_s,
         shrink=shrink,
         bundle=bundle,
+        decode_step=decode_step,
+        scenario=scenario,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))

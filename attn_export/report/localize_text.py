@@ -46,8 +46,13 @@ def _error(c: OutputComparison | None) -> str:
 
 
 def format_localize(report: LocalizeReport) -> str:
-    case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
-    case += f", mask case {report.mask_case}" if report.mask_case else ""
+    if report.decode_step is not None:
+        case = (
+            f"decode step {report.decode_step} of {report.scenario} ({format_sizes(report.sizes)}), seed {report.seed}"
+        )
+    else:
+        case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
+        case += f", mask case {report.mask_case}" if report.mask_case else ""
     lines = [f"localize {report.model} at {case} on onnxruntime[{report.provider}]"]
     if report.shrunk_from is not None:
         lines.append(

@@ -234,3 +234,25 @@ def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_on
     assert again.exit_code == 2 and "give a new or empty folder (nothing in it is replaced)" in again.output
     (bundle / "bundle.json").write_text("{}")
     assert CliRunner().invoke(cli, ["replay", str(bundle)]).exit_code == 2
+
+
+def test_a_decode_step_is_localized_and_verify_localizes_the_first_diverging_step(zoo_copy: Path) -> None:
+    """Values concatenated as cat(new, past): right for the prompt (an empty cache), wrong
+    from the first step that reads a cache."""
+    proto = onnx.load(zoo_copy / "mha_kv_cache.onnx")
+    _swap_inputs(proto, "node_cat_1", 0, 1)
+    plant(zoo_copy, "mha_kv_cache", proto)
+    prompt = _localize(zoo_copy, "mha_kv_cache", decode_step=1, scenario="batch-1")
+    assert prompt.agrees and prompt.sizes["past_seq"] == 0
+    step = _localize(zoo_copy, "mha_kv_cache", decode_step=2, scenario="batch-1")
+    assert step.sizes["past_seq"] > 0 and step.first is not None and step.cause == "graph"
+    assert (step.first.fx_node, step.first.nodes) == ("cat_1", ["node_cat_1"])
+    assert step.reproduce.endswith(f"--decode-step 2 --seed 0 --scenario batch-1 --models {TINY_ZOO}")
+    # the one case of the sweep has an empty cache and passes: the decode trajectories fail at step 2
+    args = ["verify", str(zoo_copy / "mha_kv_cache.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
+    result = CliRunner().invoke(cli, [*args, "--shapes", "batch=1,seq=3,past_seq=0", "--decode", "2", "--localize"])
+    assert result.exit_code == 1
+    assert "localize mha_kv_cache at decode step 2 of batch-1 (batch=1,seq=1,past_seq=3,total_seq=4)" in result.output
+    assert "DIVERGES first at ONNX node_cat_1 [Concat] from FX node cat_1" in result.output
+    bad = CliRunner().invoke(cli, ["localize", str(zoo_copy), "mha", "--decode-step", "2", "--models", str(TINY_ZOO)])
+    assert bad.exit_code == 2 and "--decode-step needs a model with a key/value cache" in bad.output

@@ -31,6 +31,11 @@ class LocalizeOptions:
     shrink: bool = False
     #: Write a replay bundle of the blamed region into this new folder (``artifacts.bundle``).
     bundle: Path | None = None
+    #: A decoder's step to localize, 1 being the prompt, as verify --decode numbers them;
+    #: its inputs hold the cache PyTorch's steps before it fed back.
+    decode_step: int | None = None
+    #: The decode scenario (``checks.decode.scenarios``); default: the spec's first.
+    scenario: str | None = None
 
 
 @dataclass
@@ -93,6 +98,9 @@ class LocalizeReport:
     #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
     #: case agrees.
     cause: str = ""
+    #: For a decoder's step: which (1 = the prompt) of which scenario.
+    decode_step: int | None = None
+    scenario: str | None = None
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.
     shrunk_from: dict[str, int] | None = None
     shrink_tries: int = 0

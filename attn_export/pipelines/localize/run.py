@@ -5,6 +5,7 @@ the tolerance, with its source line."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import time
 from collections import OrderedDict
@@ -22,6 +23,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED
+from attn_export.checks.decode import plan_trajectory, run_trajectory, scenarios, step_inputs
 from attn_export.checks.fully_masked import judge
 from attn_export.compare.outputs import compare_output
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
@@ -33,11 +35,12 @@ from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeRepo
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
-from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
+from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
@@ -93,6 +96,35 @@ def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
     sizes = dict(options.sizes) if options.sizes else example_sizes(spec)
     validate_sizes(spec, sizes)
     return spec.with_sums(sizes)
+
+
+def _decode_step(
+    spec: ModelSpec, module: Any, options: LocalizeOptions, budget: int
+) -> tuple[dict[str, int], dict[str, np.ndarray], str]:
+    """The sizes and feeds of decode step ``options.decode_step`` (1 = the prompt) of a
+    scenario as verify --decode plays it, with the cache PyTorch's own steps fed back: the
+    step is localized on PyTorch's inputs, so only its own divergence shows."""
+    cache = cache_of(spec)
+    if cache is None:
+        raise UsageError(f"{spec.name}: --decode-step needs a model with a key/value cache")
+    if options.sizes or options.mask_case:
+        raise UsageError(
+            "--decode-step plays verify --decode's steps: it cannot be combined with --shapes or --mask-case"
+        )
+    names = scenarios(spec, cache)
+    scenario = options.scenario or names[0]
+    if scenario not in names:
+        raise UsageError(f"{spec.name}: --scenario {scenario} does not apply (it has: {', '.join(names)})")
+    step = options.decode_step or 0
+    traj = plan_trajectory(spec, cache, scenario, max(step - 1, 0), options.seed)
+    if not 1 <= step <= len(traj.steps):
+        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {scenario} (1 to {len(traj.steps)})")
+    check_memory(spec, [ShapePoint("localize", s) for s in traj.sizes], budget)
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        outputs, error = run_trajectory(eager, spec, traj)
+    if error:
+        raise UsageError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
+    return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], scenario
 
 
 def _regions(
@@ -162,8 +194,12 @@ def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> t
 
 
 def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
-    args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
-    args += ["--distribution", options.distribution]
+    if options.decode_step is None:
+        args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
+        args += ["--distribution", options.distribution]
+    else:
+        args = [str(out_dir), model, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
+        args += ["--scenario", options.scenario] if options.scenario else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
     args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" else []
     args += ["--provider", options.provider] if options.provider != "cpu" else []
@@ -240,11 +276,17 @@ def _localize(
             f"{model}: localize needs a graph from the dynamo exporter, whose nodes name the FX node and "
             "source line they came from (this one has no such metadata)"
         )
-    sizes = _check_case(spec, options)
     budget = memory_budget(options.max_memory, spec)
-    check_memory(spec, [ShapePoint("localize", sizes)], budget)
-    feeds = make_feeds(spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution)
     module = instantiate(spec)
+    if options.decode_step is None:
+        sizes = _check_case(spec, options)
+        check_memory(spec, [ShapePoint("localize", sizes)], budget)
+        feeds = make_feeds(
+            spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution
+        )
+    else:
+        sizes, feeds, scenario = _decode_step(spec, module, options, budget)
+        options = dataclasses.replace(options, scenario=scenario)
     program = _program(spec, module, _opset(proto))
     torch_vals = torch_values(program, spec, feeds, budget)
     notes = []
@@ -274,6 +316,8 @@ def _localize(
         outputs=judged,
         regions=errors,
         uncompared=len(regions) - len(errors),
+        decode_step=options.decode_step,
+        scenario=options.scenario,
         notes=notes,
         reproduce=_reproduce(out_dir, model, options, sizes),
     )
@@ -296,28 +340,32 @@ def _localize(
 
 def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[LocalizeReport]:
     """``verify --localize``: the first failing case of each model that verify compared with
-    PyTorch on ONNX Runtime, localized (one case per model bounds the cost: the others
-    usually fail at the same node)."""
+    PyTorch on ONNX Runtime, and the first step where a decode trajectory left PyTorch's,
+    localized (one case per model bounds the cost: the others usually fail at the same node)."""
     out_dir = Path(report.artifacts)
-    firsts: dict[str, CaseResult] = {}
+    base = LocalizeOptions(
+        models_dir=options.models_dir, max_memory=options.max_memory, lock_wait_s=options.lock_wait_s
+    )
+    asked: dict[str, LocalizeOptions] = {}
     for case in report.failed_cases:
         numeric = case.expected_from.startswith("torch") and case.distribution != RECORDED
-        if numeric and case.target.runtime == DEFAULT_RUNTIME and case.comparisons:
-            firsts.setdefault(case.model, case)
-    return [
-        localize_model(
-            out_dir,
-            case.model,
-            LocalizeOptions(
-                models_dir=options.models_dir,
+        if numeric and case.target.runtime == DEFAULT_RUNTIME and case.comparisons and case.model not in asked:
+            asked[case.model] = dataclasses.replace(
+                base,
                 sizes=case.sizes,
                 seed=case.seed,
                 distribution=case.distribution,
                 mask_case=case.shape if case.shape in CASES else None,
                 provider=case.target.provider or "cpu",
-                max_memory=options.max_memory,
-                lock_wait_s=options.lock_wait_s,
-            ),
-        )
-        for case in firsts.values()
-    ]
+            )
+    for d in report.decode:
+        step = d.first_divergence
+        if step is not None and d.target.runtime == DEFAULT_RUNTIME and d.model not in asked:
+            asked[d.model] = dataclasses.replace(
+                base,
+                seed=report.seed,
+                decode_step=step.step,
+                scenario=d.scenario,
+                provider=d.target.provider or "cpu",
+            )
+    return [localize_model(out_dir, model, opts) for model, opts in asked.items()]

@@ -148,6 +148,15 @@ def _bytes(value: str) -> int:
         raise click.BadParameter(str(e).removeprefix("--max-memory: ")) from e
 
 
+#: verify's and localize's --models: where the PyTorch originals come from.
+checkout_models_option = click.option(
+    "--models",
+    "models_dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("models"),
+    show_default=True,
+    help="The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest.",
+)
 models_option = click.option(
     "--models",
     "models_dir",
@@ -286,14 +295,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
-@click.option(
-    "--models",
-    "models_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("models"),
-    show_default=True,
-    help="The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest.",
-)
+@checkout_models_option
 @click.option(
     "--provider",
     "providers",
@@ -502,14 +504,7 @@ def verify(
 @cli.command()
 @click.argument("folder", type=click.Path(path_type=Path, file_okay=False))
 @click.argument("model", required=False)
-@click.option(
-    "--models",
-    "models_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("models"),
-    show_default=True,
-    help="The checkout's spec folder, as for verify.",
-)
+@checkout_models_option
 @click.option("--shapes", help="The case's sizes, e.g. \"batch=2,seq=5,kv_seq=7\" (default: the build's example).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the case's inputs.")
 @click.option(

@@ -97,6 +97,10 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         else:
             softmax.input[0] = f"{p}scores"
             new += [helper.make_node("Where", [f"{p}rows", f"{p}zero", x], [f"{p}scores"]), softmax]
+        for k, added in enumerate(new):
+            if added is not softmax:  # the repair is part of the softmax's FX node and source line
+                added.name = f"{node.name or y}{_MARK}{k}"
+                added.metadata_props.extend(node.metadata_props)
         nodes += new
         count += 1
     del out.graph.node[:]

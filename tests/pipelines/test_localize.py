@@ -256,3 +256,11 @@ def test_a_decode_step_is_localized_and_verify_localizes_the_first_diverging_ste
     assert "DIVERGES first at ONNX node_cat_1 [Concat] from FX node cat_1" in result.output
     bad = CliRunner().invoke(cli, ["localize", str(zoo_copy), "mha", "--decode-step", "2", "--models", str(TINY_ZOO)])
     assert bad.exit_code == 2 and "--decode-step needs a model with a key/value cache" in bad.output
+
+
+def test_the_repair_of_fully_masked_rows_keeps_the_softmaxs_node_and_line(zoo_dir: Path) -> None:
+    nodes = list(onnx.load(zoo_dir / "torch_mha.onnx").graph.node)  # its Softmax is repaired
+    softmax = next(n for n in nodes if n.op_type == "Softmax")
+    added = [n for n in nodes if ".fully_masked." in n.name]
+    assert {n.op_type for n in added} >= {"ReduceMax", "LessOrEqual", "Where"}
+    assert all(n.metadata_props == softmax.metadata_props for n in added), "traced to the same FX node and line"

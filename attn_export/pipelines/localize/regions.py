@@ -29,6 +29,8 @@ class Region:
 
     fx_node: str
     nodes: tuple[str, ...]
+    #: The nodes' places in the graph (names may be empty or repeated in a file from elsewhere).
+    indices: tuple[int, ...]
     ops: tuple[str, ...]
     #: Values read from outside the region (graph inputs and other regions' values).
     inputs: tuple[str, ...]
@@ -58,13 +60,14 @@ def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> li
     """The graph's regions in the order their first node runs; ``output_nodes`` maps each
     graph output to the FX node it holds (the exporter renames those values)."""
     weights = {i.name for i in model.graph.initializer}
-    groups: dict[str, list[onnx.NodeProto]] = {}
-    for node in model.graph.node:
+    groups: dict[str, list[tuple[int, onnx.NodeProto]]] = {}
+    for i, node in enumerate(model.graph.node):
         found = _FX_NAME.match(_metadata(node).get("pkg.torch.onnx.fx_node", ""))
-        groups.setdefault(found.group(1) if found else f"<{node.name}>", []).append(node)
+        groups.setdefault(found.group(1) if found else f"<{i}>", []).append((i, node))
     by_fx = {fx: out for out, fx in output_nodes.items()}
     regions = []
-    for key, nodes in groups.items():
+    for key, members in groups.items():
+        nodes = [n for _, n in members]
         made = {o for n in nodes for o in n.output if o}
         read = dict.fromkeys(i for n in nodes for i in n.input if i and i not in made and i not in weights)
         fx = "" if key.startswith("<") else key
@@ -75,7 +78,8 @@ def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> li
         regions.append(
             Region(
                 fx_node=fx,
-                nodes=tuple(n.name for n in nodes),
+                nodes=tuple(n.name or f"#{i} ({n.op_type})" for i, n in members),
+                indices=tuple(i for i, _ in members),
                 ops=tuple(n.op_type for n in nodes),
                 inputs=tuple(read),
                 value=value,
@@ -91,13 +95,12 @@ def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> li
 def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
     """The region's nodes as a model of their own: ``feeds`` (one per region input) give
     the inputs' types and shapes, every value the nodes compute is an output."""
-    names = set(region.nodes)
-    nodes = [n for n in model.graph.node if n.name in names]
+    nodes = [model.graph.node[i] for i in region.indices]
     used = {i for n in nodes for i in n.input}
     made = list(dict.fromkeys(o for n in nodes for o in n.output if o))
     graph = onnx.helper.make_graph(
         nodes,
-        f"region_{region.fx_node or region.nodes[0]}",
+        "region",
         [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(feeds[k].dtype), feeds[k].shape)
          for k in region.inputs],
         [onnx.ValueInfoProto(name=name) for name in made],

@@ -197,5 +197,5 @@ class SpecBuild:
                     branch = path_difference(
                         self.module.get(), spec, make_feeds(spec, self.sizes, BUILD_SEED), case.inputs, case.sizes
                     )
-                    why = [failed[0], *notes, *([branch.describe()] if branch else [])]
+                    why = [*([branch.describe()] if branch else []), failed[0], *notes]  # the cause first
                     raise GraphCheckError(f"{where} failed: {'; '.join(why)}")

@@ -235,8 +235,12 @@ def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
     r = summary.results[0]
     assert r.stages["export"] is True and r.stages["smoke"] is False and summary.exit_code == 1
     assert r.error.startswith(
-        "tiny: smoke check at corner-min-min-max (batch=1,seq=1,kv_seq=40) failed: output: 16/16 elements"
+        "tiny: smoke check at corner-min-min-max (batch=1,seq=1,kv_seq=40) failed: the module's Python takes "
+        "another path at batch=1,seq=1,kv_seq=40 than at the example"
     )
+    # the branch's lines, then the numbers
+    assert "faulty_modules.py:29 `return self.out_linear(self.v_linear(values).mean(dim=1, keepdim=True))`" in r.error
+    assert "; output: 16/16 elements" in r.error
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 

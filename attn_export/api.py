@@ -26,6 +26,7 @@ from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.memory import parse_bytes
 from attn_export.spec.shapes import example_sizes, format_sizes
 
 __all__ = ["assert_onnx_matches", "build", "export", "verify"]
@@ -47,13 +48,17 @@ def build(
     opset: int | None = None,
     exporter: str | None = None,
     provider: str = "cpu",
+    max_memory: int | str | None = None,
 ) -> BuildSummary:
-    """Build spec files, or every spec of a folder, into ``out``: ``attn-export build``."""
+    """Build spec files, or every spec of a folder, into ``out``: ``attn-export build``.
+    ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``."""
     items = [specs] if isinstance(specs, str | Path) else list(specs)
     folders = [Path(p) for p in items if Path(p).is_dir()]
     paths = [p for folder in folders for p in spec_paths(folder)]
     paths += spec_paths(Path("."), tuple(str(p) for p in items if not Path(p).is_dir()))
-    options = BuildOptions(Path(out), opset, exporter, force, variants=tuple(variants), provider=provider)
+    options = BuildOptions(
+        Path(out), opset, exporter, force, variants=tuple(variants), provider=provider, max_memory=_bytes(max_memory)
+    )
     return build_models(paths, options)
 
 
@@ -70,9 +75,11 @@ def verify(
     providers: Sequence[str] = ("cpu",),
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,),
     latency: bool = False,
+    max_memory: int | str | None = None,
 ) -> VerifyReport:
     """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
-    off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``."""
+    off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``;
+    ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``."""
     paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
     out_dir, manifest, names = select_models(paths)
     options = VerifyOptions(
@@ -85,8 +92,14 @@ def verify(
         atol=atol,
         rtol=rtol,
         latency=latency,
+        max_memory=_bytes(max_memory),
     )
     return verify_artifacts(out_dir, manifest, names, options)
+
+
+def _bytes(size: int | str | None) -> int | None:
+    """A memory budget given as bytes or as a size string (``"512MiB"``), as the CLI takes it."""
+    return parse_bytes(size) if isinstance(size, str) else size
 
 
 def _name(module: Any, name: str | None) -> str:

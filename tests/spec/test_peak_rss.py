@@ -12,7 +12,6 @@ not catch is an allocation of less than about 1 GiB before the refusal.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -78,7 +77,7 @@ import attn_export
 from attn_export.errors import InputError
 
 try:
-    attn_export.verify(sys.argv[1], models=sys.argv[2])
+    attn_export.verify(sys.argv[1], models=sys.argv[2], max_memory=sys.argv[3])
 except InputError as e:
     print(e)
     sys.exit(3)
@@ -86,9 +85,8 @@ except InputError as e:
 
 
 def test_the_api_refuses_before_allocating(wide_build: Built, tmp_path: Path) -> None:
-    env = {**os.environ, "ATTN_EXPORT_MAX_MEMORY": BUDGET}  # the API's budget, as the commands' default
-    args = [sys.executable, "-c", API, str(wide_build.out), str(wide_build.models)]
-    _refused_below_bound(args, REFUSED, 3, tmp_path, env=env)
+    args = [sys.executable, "-c", API, str(wide_build.out), str(wide_build.models), BUDGET]
+    _refused_below_bound(args, REFUSED, 3, tmp_path)
 
 
 def test_the_plugin_refuses_before_allocating(wide_build: Built, tmp_path: Path) -> None:

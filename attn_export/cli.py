@@ -27,6 +27,7 @@ from attn_export.spec import EXPORTERS, VARIANTS
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
+from attn_export.spec.model import FULLY_MASKED
 
 if TYPE_CHECKING:
     pass
@@ -523,6 +524,19 @@ def verify(
 )
 @click.option("--scenario", help="With --decode-step: the decode scenario (batch-1, left-padded). Default: the first.")
 @click.option(
+    "--decode-steps",
+    type=click.IntRange(0, 4096),
+    default=8,
+    show_default=True,
+    help="With --decode-step: the steps verify --decode played (its --decode N); its tokens depend on it.",
+)
+@click.option(
+    "--fully-masked",
+    type=click.Choice(FULLY_MASKED),
+    help="Override the spec's fully_masked for this case: match compares the padded query rows that ignore "
+    "leaves out, to see where the two sides part there.",
+)
+@click.option(
     "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
 )
 @click.option(
@@ -555,6 +569,8 @@ def localize(
     mask_case: str | None,
     decode_step: int | None,
     scenario: str | None,
+    decode_steps: int,
+    fully_masked: str | None,
     provider: str,
     shrink: bool,
     bundle: Path | None,
@@ -593,6 +609,11 @@ def localize(
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
     if scenario and decode_step is None:
         raise click.UsageError("--scenario needs --decode-step")
+    source = click.get_current_context().get_parameter_source
+    if decode_step is None and source("decode_steps") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--decode-steps needs --decode-step")
+    if decode_step is not None and source("distribution") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
     if shrink and decode_step is not None:
         raise click.UsageError("--shrink searches over sizes: a decode step's sizes are the scenario's")
     options = LocalizeOptions(
@@ -608,6 +629,8 @@ def localize(
         bundle=bundle,
         decode_step=decode_step,
         scenario=scenario,
+        decode_steps=decode_steps,
+        fully_masked=fully_masked,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))

@@ -85,11 +85,28 @@ def read_bundle(folder: Path, budget: int) -> Bundle:
         raise ArtifactError(f"{folder / 'bundle.json'}: not JSON ({type(e).__name__})") from e
     if not isinstance(info, dict) or info.get("schema") != BUNDLE_SCHEMA:
         raise ArtifactError(f"{folder / 'bundle.json'}: not an attn-export replay bundle")
-    tol = info.get("tolerance")
-    if not (isinstance(tol, dict) and all(isinstance(tol.get(k), int | float) for k in ("atol", "rtol"))):
-        raise ArtifactError(f"{folder / 'bundle.json'}: no tolerance (atol, rtol)")
+    _check_info(folder / "bundle.json", info)
     model = load_model_file(folder / "region.onnx").SerializeToString()
     cases = read_golden(folder / "case.npz", budget=budget, root=folder)
-    if [c.label for c in cases] != [_CASE] or not cases[0].outputs:
-        raise ArtifactError(f"{folder / 'case.npz'}: holds no '{_CASE}' case with inputs and a value")
+    if [c.label for c in cases] != [_CASE] or sorted(cases[0].outputs) != [info["value"]]:
+        raise ArtifactError(
+            f"{folder / 'case.npz'}: holds no '{_CASE}' case with inputs and PyTorch's value of '{info['value']}' alone"
+        )
     return Bundle(info, model, cases[0].inputs, cases[0].outputs)
+
+
+def _check_info(path: Path, info: dict[str, Any]) -> None:
+    """What replay reads from ``bundle.json``: names as strings, a finite tolerance >= 0."""
+    for key in ("model", "fx_node", "value", "source", "code", "localize"):
+        if not isinstance(info.get(key), str):
+            raise ArtifactError(f"{path}: '{key}' must be a string")
+    nodes = info.get("nodes")
+    if not (isinstance(nodes, list) and nodes and all(isinstance(n, str) for n in nodes)):
+        raise ArtifactError(f"{path}: 'nodes' must be a list of node names")
+    tol = info.get("tolerance")
+    ok = isinstance(tol, dict) and all(
+        isinstance(tol.get(k), int | float) and not isinstance(tol.get(k), bool) and 0 <= tol[k] < float("inf")
+        for k in ("atol", "rtol")
+    )
+    if not ok:
+        raise ArtifactError(f"{path}: 'tolerance' must hold a finite atol and rtol >= 0")

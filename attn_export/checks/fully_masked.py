@@ -28,10 +28,30 @@ from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.masks import CASES, masked_row_selector
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "settle"]
+__all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
 
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
 PADDED = "their own token is padding, and the module's causal or window mask can leave them no key"
+
+
+def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
+    """``[batch, query]`` True where a query row's own token is padding (every self-attention
+    key-padding mask of the spec, over this case's new tokens); None where the spec has none.
+    Intermediate values are matched to it by their batch and query sizes (``localize``)."""
+    rows: np.ndarray | None = None
+    for t, mask in spec.masks:
+        if mask.layout != "key-padding" or not isinstance(t.shape[1], str):
+            continue
+        key = t.shape[1]
+        parts = spec.dims[key].parts if key in spec.dims else ()
+        keep = mask.keep(case.inputs[t.name])
+        query = parts[-1] if parts else key  # the new tokens follow the cached ones
+        if not any(query in o.shape for o in spec.outputs):
+            continue  # a mask over keys only (cross-attention): no query row is a token
+        offset = sum(case.sizes[p] for p in parts[:-1])
+        padded = ~keep[:, offset : offset + case.sizes[query]]
+        rows = padded if rows is None or rows.shape != padded.shape else rows | padded
+    return rows
 
 
 def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.ndarray], int]:

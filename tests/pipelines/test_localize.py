@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from attn_export.cli import cli
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import where
-from tests.conftest import TINY_ZOO, plant
+from tests.conftest import TINY_ZOO, needs_transformers, plant
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 
@@ -264,3 +264,16 @@ def test_the_repair_of_fully_masked_rows_keeps_the_softmaxs_node_and_line(zoo_di
     added = [n for n in nodes if ".fully_masked." in n.name]
     assert {n.op_type for n in added} >= {"ReduceMax", "LessOrEqual", "Where"}
     assert all(n.metadata_props == softmax.metadata_props for n in added), "traced to the same FX node and line"
+
+
+@needs_transformers
+def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(zoo_dir: Path) -> None:
+    """The sdpa decoder's padded query rows have no key; its spec leaves them out (ignore)."""
+    calm = _localize(zoo_dir, "llama_sdpa_kv_cache", distribution="large", seed=7)
+    assert calm.agrees and not [r.fx_node for r in calm.regions if r.breaks]
+    compared = _localize(zoo_dir, "llama_sdpa_kv_cache", sizes={"batch": 1, "seq": 16, "past_seq": 0},
+                         fully_masked="match")  # fmt: skip
+    assert not compared.agrees and compared.first is not None
+    assert compared.first.fx_node == "scaled_dot_product_attention" and compared.cause == "graph"
+    assert any("padded query rows" in n for n in compared.notes)
+    assert compared.reproduce.endswith("--fully-masked match")

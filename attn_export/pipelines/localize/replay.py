@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.bundle import read_bundle
+from attn_export.artifacts.bundle import Bundle, read_bundle
 from attn_export.compare.outputs import OutputComparison, compare_output
 from attn_export.errors import ArtifactError, RuntimeFailure, first_line
 from attn_export.runtimes.ort import load_session
@@ -32,15 +32,45 @@ class ReplayResult:
         return self.comparison.passed
 
 
+#: ONNX Runtime's names of the element types a bundle's arrays may have.
+_ORT_TYPES = {
+    "float32": "tensor(float)",
+    "float16": "tensor(float16)",
+    "float64": "tensor(double)",
+    "int64": "tensor(int64)",
+    "int32": "tensor(int32)",
+    "bool": "tensor(bool)",
+}
+
+
+def _check_fit(folder: Path, session: Any, bundle: Bundle) -> None:
+    """The arrays of ``case.npz`` are what ``region.onnx`` takes and gives: a bundle whose
+    files do not belong together is bad input, not a region that is wrong."""
+    takes = {i.name: i for i in session.get_inputs()}
+    if sorted(takes) != sorted(bundle.inputs):
+        raise ArtifactError(f"{folder}: region.onnx takes {sorted(takes)}, case.npz holds {sorted(bundle.inputs)}")
+    for name, array in bundle.inputs.items():
+        want = takes[name]
+        fixed = [d if isinstance(d, int) else None for d in want.shape]
+        fits = len(fixed) == array.ndim and all(d is None or d == s for d, s in zip(fixed, array.shape, strict=True))
+        if _ORT_TYPES.get(str(array.dtype)) != want.type or not fits:
+            raise ArtifactError(
+                f"{folder}: case.npz's '{name}' is {array.dtype}{list(array.shape)}, region.onnx takes {want.type}"
+                f"{want.shape}"
+            )
+    gives = {o.name for o in session.get_outputs()}
+    missing = [v for v in bundle.expected if v not in gives]
+    if missing:
+        raise ArtifactError(f"{folder}: region.onnx computes no '{missing[0]}'")
+
+
 def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = None) -> ReplayResult:
     """Run the bundle's ``region.onnx`` on its inputs with graph optimizations off, as
     localize ran it, and compare at the bundle's tolerance."""
     budget = memory_budget(max_memory)
     bundle = read_bundle(folder, budget)
     session = load_session(bundle.model, provider, level="disabled", budget=budget)
-    wanted = sorted(i.name for i in session.get_inputs())
-    if wanted != sorted(bundle.inputs):
-        raise ArtifactError(f"{folder}: region.onnx takes {wanted}, case.npz holds {sorted(bundle.inputs)}")
+    _check_fit(folder, session, bundle)
     ((value, expected),) = bundle.expected.items()
     try:
         got = session.run([value], bundle.inputs)[0]

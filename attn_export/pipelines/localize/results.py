@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attn_export.checks.decode import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 
@@ -36,6 +37,11 @@ class LocalizeOptions:
     decode_step: int | None = None
     #: The decode scenario (``checks.decode.scenarios``); default: the spec's first.
     scenario: str | None = None
+    #: The trajectory's length as verify --decode played it (its token data depend on it).
+    decode_steps: int = DEFAULT_STEPS
+    #: The spec's ``fully_masked`` rule overridden for this case ("match" compares the
+    #: padded query rows that "ignore" leaves out, to see where the two sides part there).
+    fully_masked: str | None = None
 
 
 @dataclass

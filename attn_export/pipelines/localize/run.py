@@ -23,8 +23,8 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED
-from attn_export.checks.decode import plan_trajectory, run_trajectory, scenarios, step_inputs
-from attn_export.checks.fully_masked import judge
+from attn_export.checks.decode import DEFAULT_STEPS, plan_trajectory, run_trajectory, scenarios, step_inputs
+from attn_export.checks.fully_masked import judge, padded_tokens
 from attn_export.compare.outputs import compare_output
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
@@ -116,7 +116,8 @@ def _decode_step(
     if scenario not in names:
         raise UsageError(f"{spec.name}: --scenario {scenario} does not apply (it has: {', '.join(names)})")
     step = options.decode_step or 0
-    traj = plan_trajectory(spec, cache, scenario, max(step - 1, 0), options.seed)
+    # verify draws every token of the trajectory at once: plan as many steps as it played
+    traj = plan_trajectory(spec, cache, scenario, max(options.decode_steps, step - 1), options.seed)
     if not 1 <= step <= len(traj.steps):
         raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {scenario} (1 to {len(traj.steps)})")
     check_memory(spec, [ShapePoint("localize", s) for s in traj.sizes], budget)
@@ -125,6 +126,30 @@ def _decode_step(
     if error:
         raise UsageError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
     return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], scenario
+
+
+def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:
+    """The elements of a value ``[batch, ..., query, ...]`` at the padded ``rows`` ``[batch,
+    query]``: batch is the first axis, query the first later axis of the query's size; None
+    when the value has no such axes."""
+    batch, query = rows.shape
+    if len(shape) < 2 or shape[0] != batch:
+        return None
+    axis = next((a for a in range(1, len(shape)) if shape[a] == query), None)
+    if axis is None:
+        return None
+    view = [1] * len(shape)
+    view[0], view[axis] = batch, query
+    return np.broadcast_to(rows.reshape(view), shape)
+
+
+def _left_out(expected: np.ndarray, actual: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """``actual`` with PyTorch's values on the padded query rows that the spec leaves out
+    (``fully_masked = "ignore"``), as the outputs are judged: no region is blamed for them."""
+    if rows is None or actual.shape != expected.shape:
+        return actual
+    selector = _row_selector(expected.shape, rows)
+    return actual if selector is None else np.where(selector, expected, actual)
 
 
 def _regions(
@@ -136,6 +161,7 @@ def _regions(
     tol: Tolerance,
     provider: str,
     budget: int,
+    rows: np.ndarray | None,
 ) -> tuple[list[RegionError], dict[str, dict[str, np.ndarray]]]:
     """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
     (the graph's inputs and its shape arithmetic as the regions before computed them);
@@ -168,8 +194,12 @@ def _regions(
                 module_path=region.module_path,
                 source=region.source,
                 code=region.code,
-                local=None if alone is None else compare_output(region.fx_node, expected, alone[region.value], rtol),
-                propagated=None if whole is None else compare_output(region.fx_node, expected, whole, rtol),
+                local=None
+                if alone is None
+                else compare_output(region.fx_node, expected, _left_out(expected, alone[region.value], rows), rtol),
+                propagated=None
+                if whole is None
+                else compare_output(region.fx_node, expected, _left_out(expected, whole, rows), rtol),
             )
         )
         if out[-1].breaks:
@@ -200,9 +230,11 @@ def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mappi
     else:
         args = [str(out_dir), model, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
         args += ["--scenario", options.scenario] if options.scenario else []
+        args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
     args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" else []
     args += ["--provider", options.provider] if options.provider != "cpu" else []
+    args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
 
 
@@ -278,6 +310,8 @@ def _localize(
         )
     budget = memory_budget(options.max_memory, spec)
     module = instantiate(spec)
+    if options.fully_masked is not None:
+        spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
     if options.decode_step is None:
         sizes = _check_case(spec, options)
         check_memory(spec, [ShapePoint("localize", sizes)], budget)
@@ -304,7 +338,8 @@ def _localize(
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs)
     tol = spec.tolerance
-    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget)
+    rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
+    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget, rows)
     report = LocalizeReport(
         model=model,
         file=str(out_dir / f"{model}.onnx"),
@@ -366,6 +401,7 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 seed=report.seed,
                 decode_step=step.step,
                 scenario=d.scenario,
+                decode_steps=options.steps,
                 provider=d.target.provider or "cpu",
             )
     return [localize_model(out_dir, model, opts) for model, opts in asked.items()]

@@ -1,0 +1,94 @@
+"""A replay bundle is data: replay refuses one whose files do not belong together, or that
+says something it cannot mean, in one line with exit 2, and judges one that is whole."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import helper
+
+from attn_export.artifacts.bundle import write_bundle
+from attn_export.artifacts.golden import GoldenCase, encode_golden
+from attn_export.cli import cli
+
+
+def _bundle(folder: Path, axis: int = -1) -> Path:
+    """A one-node region (Softmax over ``axis``) and PyTorch's softmax over the last axis."""
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["softmax"], axis=axis, name="node_softmax")],
+        "region",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4])],
+        [onnx.ValueInfoProto(name="softmax")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    expected = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+    info = {
+        "model": "m",
+        "fx_node": "softmax",
+        "nodes": ["node_softmax"],
+        "value": "softmax",
+        "source": "m.py:3",
+        "code": "y = x.softmax(-1)",
+        "tolerance": {"atol": 1e-5, "rtol": 1e-4},
+        "localize": "attn-export localize build m",
+    }
+    write_bundle(folder, model.SerializeToString(), {"x": x}, {"softmax": expected.astype(np.float32)}, info)
+    return folder
+
+
+def _replay(folder: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["replay", str(folder)])
+    return result.exit_code, result.output
+
+
+def test_a_whole_bundle_agrees_or_differs(tmp_path: Path) -> None:
+    assert _replay(_bundle(tmp_path / "right"))[0] == 0
+    code, output = _replay(_bundle(tmp_path / "wrong", axis=1))
+    assert code == 1 and output.splitlines()[1].startswith("DIFFERS: softmax: ")
+
+
+def _edit_info(key: str, value: object) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        info = json.loads((folder / "bundle.json").read_text())
+        info[key] = value
+        (folder / "bundle.json").write_text(json.dumps(info))
+
+    return edit
+
+
+def _case(inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        (folder / "case.npz").write_bytes(encode_golden([GoldenCase("replay", {}, inputs, outputs)]))
+
+    return edit
+
+
+X = np.zeros((2, 3, 4), np.float32)
+HOSTILE = [
+    ("a source that is a list", _edit_info("source", ["m.py"]), "'source' must be a string"),
+    ("nodes that are not names", _edit_info("nodes", [1]), "'nodes' must be a list of node names"),
+    ("an infinite atol", _edit_info("tolerance", {"atol": 1e400, "rtol": 0}), "must hold a finite atol and rtol"),
+    ("a boolean atol", _edit_info("tolerance", {"atol": True, "rtol": 0}), "must hold a finite atol and rtol"),
+    ("a negative rtol", _edit_info("tolerance", {"atol": 0, "rtol": -1}), "must hold a finite atol and rtol"),
+    ("two values", _case({"x": X}, {"softmax": X, "other": X}), "PyTorch's value of 'softmax' alone"),
+    ("another value", _case({"x": X}, {"other": X}), "PyTorch's value of 'softmax' alone"),
+    ("an input of another dtype", _case({"x": X.astype(np.float64)}, {"softmax": X}), "case.npz's 'x' is float64"),
+    ("an input of another shape", _case({"x": X[:1]}, {"softmax": X}), "case.npz's 'x' is float32[1, 3, 4]"),
+    ("an input of another name", _case({"y": X}, {"softmax": X}), "region.onnx takes ['x'], case.npz holds ['y']"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "message"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_a_hostile_bundle_is_one_line_and_exit_2(tmp_path: Path, case: str, edit: Callable, message: str) -> None:
+    folder = _bundle(tmp_path / "b")
+    edit(folder)
+    code, output = _replay(folder)
+    assert code == 2 and message in output, output
+    assert len(output.strip().splitlines()) == 1 and "Traceback" not in output

@@ -180,7 +180,7 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     both = e_finite & np.isfinite(a)
     with np.errstate(invalid="ignore", over="ignore"):
         abs_err = np.where(both, np.abs(a - e), 0.0)
-    rel_err = np.where(both, abs_err / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
+        rel_err = np.where(both, abs_err / np.maximum(np.abs(e), np.finfo(np.float64).tiny), 0.0)
     allowed = allowed_error(tol, np.where(both, e, 0.0))
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())

@@ -51,6 +51,11 @@ def _set_attribute(proto: onnx.ModelProto, node: str, name: str, value: object) 
     attr.CopyFrom(onnx.helper.make_attribute(name, value))
 
 
+def _without_metadata(proto: onnx.ModelProto, node: str) -> None:
+    """The node as a rewrite that drops the exporter's metadata leaves it."""
+    del _node(proto, node).metadata_props[:]
+
+
 #: (fault, model, planted ONNX node, edit of that node, the FX node blamed, its source file,
 #: a piece of its line)
 PLANTS = [
@@ -67,6 +72,11 @@ PLANTS = [
     # torch.export keeps the frame in forward(), not in the helper method forward() calls
     ("rotary table", "gqa_rope_kv_cache", "node_mul_36", lambda p, n: _replace_input(p, n, 1, lambda v: v * 1.5),
      "mul_36", "kv_cache.py", "self.rotate(k, positions)"),
+    # a node that lost the exporter's metadata is still compared by its value's name, its
+    # line read off the FX program
+    ("softmax axis, no metadata", "mha", "node_softmax",
+     lambda p, n: (_set_attribute(p, n, "axis", 2), _without_metadata(p, n)), "softmax", "seed.py",
+     "F.softmax(scores, dim=-1)"),
     ("cache order", "gqa_rope_kv_cache", "node_cat_4", lambda p, n: _swap_inputs(p, n, 0, 1), "cat_4",
      "kv_cache.py", "torch.cat((past_key, k), dim=2)"),
 ]  # fmt: skip
@@ -232,6 +242,8 @@ def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_on
     args = ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--bundle", str(bundle)]
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 2 and "give a new or empty folder (nothing in it is replaced)" in again.output
+    agrees = _localize(zoo_copy, "mha_causal", bundle=tmp_path / "none")  # a correct graph: nothing to bundle
+    assert "no replay bundle written: the case agrees" in agrees.notes and not (tmp_path / "none").exists()
     (bundle / "bundle.json").write_text("{}")
     assert CliRunner().invoke(cli, ["replay", str(bundle)]).exit_code == 2
 

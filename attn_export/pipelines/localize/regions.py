@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,9 +56,11 @@ def _module_path(scopes: str) -> str:
     return str(names[-2]) if isinstance(names, list) and len(names) >= 2 else ""
 
 
-def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> list[Region]:
+def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str], known: Collection[str] = ()) -> list[Region]:
     """The graph's regions in the order their first node runs; ``output_nodes`` maps each
-    graph output to the FX node it holds (the exporter renames those values)."""
+    graph output to the FX node it holds (the exporter renames those values). A node
+    without the exporter's metadata is a region of its own, compared where one of its
+    values is named for an FX node in ``known`` (a rewrite that kept the name)."""
     weights = {i.name for i in model.graph.initializer}
     groups: dict[str, list[tuple[int, onnx.NodeProto]]] = {}
     for i, node in enumerate(model.graph.node):
@@ -70,7 +72,7 @@ def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str]) -> li
         nodes = [n for _, n in members]
         made = {o for n in nodes for o in n.output if o}
         read = dict.fromkeys(i for n in nodes for i in n.input if i and i not in made and i not in weights)
-        fx = "" if key.startswith("<") else key
+        fx = next((o for o in made if o in known), "") if key.startswith("<") else key
         value = fx if fx in made else by_fx.get(fx, "") if by_fx.get(fx, "") in made else ""
         meta = _metadata(nodes[0])
         target = _TARGET.search(meta.get("pkg.torch.onnx.fx_node", ""))

@@ -173,7 +173,7 @@ def _regions(
     out = []
     fed: dict[str, dict[str, np.ndarray]] = {}
     for region in regions:
-        sources = (pytorch, feeds, forced)
+        sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
         teacher = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
@@ -184,16 +184,17 @@ def _regions(
         expected = torch_vals[region.fx_node]
         rtol = region_tolerance(tol, expected)
         whole = graph_vals.get(region.value)
+        target, source, code = torch_vals.sources.get(region.fx_node, ("", "", ""))
         out.append(
             RegionError(
                 fx_node=region.fx_node,
                 value=region.value,
                 nodes=list(region.nodes),
                 ops=list(region.ops),
-                target=region.target,
+                target=region.target or target,
                 module_path=region.module_path,
-                source=region.source,
-                code=region.code,
+                source=region.source or source,
+                code=region.code or code,
                 local=None
                 if alone is None
                 else compare_output(region.fx_node, expected, _left_out(expected, alone[region.value], rows), rtol),
@@ -270,6 +271,9 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         )
         report, replay = _localize(out_dir, model, entry.variant, spec, proto, smallest)  # its bundle too
         report.shrunk_from, report.shrink_tries = asked, tries
+    if options.bundle is not None and (replay is None or report.first is None):
+        why = "the case agrees" if report.agrees else "no single region's own error is to blame"
+        report.notes.append(f"no replay bundle written: {why}")
     if options.bundle is not None and replay is not None and report.first is not None:
         first = report.first
         info = {
@@ -336,7 +340,7 @@ def _localize(
         spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(variant)
     )
     notes += judge_notes
-    regions = graph_regions(proto, torch_vals.outputs)
+    regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys())
     tol = spec.tolerance
     rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
     errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget, rows)

@@ -13,6 +13,7 @@ import onnx
 
 from attn_export._deps import require
 from attn_export.errors import RuntimeFailure, UsageError, first_line
+from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
@@ -21,10 +22,12 @@ __all__ = ["TorchValues", "graph_values", "torch_values"]
 
 
 class TorchValues(dict[str, np.ndarray]):
-    """PyTorch's value of each FX node that gives a tensor, by node name, and which node
-    gives each graph output (``outputs``)."""
+    """PyTorch's value of each FX node that gives a tensor, by node name; which node gives
+    each graph output (``outputs``); each node's aten op and source line (``sources``), for
+    ONNX nodes that lost the exporter's metadata."""
 
     outputs: dict[str, str]
+    sources: dict[str, tuple[str, str, str]]
 
 
 def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:
@@ -32,6 +35,7 @@ def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray],
     it computes; refuse once they hold more than ``budget`` bytes."""
     torch = require("torch", "localizing against PyTorch")
     values = TorchValues()
+    values.sources = {}
     held = [0]
 
     class _Keep(torch.fx.Interpreter):  # type: ignore[misc, name-defined]
@@ -45,6 +49,8 @@ def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray],
                         f"({format_bytes(budget)}) at these sizes; give smaller --shapes or a larger --max-memory"
                     )
                 values[node.name] = out.detach().cpu().numpy().copy()
+                line = innermost_line(node.meta.get("stack_trace") or "") or ("", "")
+                values.sources[node.name] = (str(node.target), *line)
             return out
 
     module = program.module()

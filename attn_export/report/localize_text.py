@@ -68,6 +68,9 @@ def format_localize(report: LocalizeReport) -> str:
         lines.append(f"AGREES: the graph gives PyTorch's outputs here; {compared}")
     elif r is None:
         lines.append(f"DIVERGES, but no compared region tells where; {compared}")
+    elif report.cause == "refused":
+        lines.append(f"DIVERGES first at {where(r)}: ONNX Runtime will not run it on PyTorch's values: {r.refused}")
+        lines.append(f"  {compared}")
     elif report.cause == "module":
         lines.append(f"THE MODULE gives NaN or Inf, and the graph does the same; first at {where(r)}")
         lines.append(f"  {compared}")

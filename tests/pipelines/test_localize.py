@@ -15,7 +15,7 @@ from onnx import numpy_helper
 
 from attn_export.cli import cli
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
-from attn_export.report.localize_text import where
+from attn_export.report.localize_text import format_localize, where
 from tests.conftest import TINY_ZOO, needs_transformers, plant
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
@@ -289,3 +289,13 @@ def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(
     assert compared.first.fx_node == "scaled_dot_product_attention" and compared.cause == "graph"
     assert any("padded query rows" in n for n in compared.notes)
     assert compared.reproduce.endswith("--fully-masked match")
+
+
+def test_a_region_onnx_runtime_will_not_run_is_named(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _set_attribute(proto, "node_softmax", "axis", 7)  # no such axis: the whole graph cannot run either
+    plant(zoo_copy, "mha", proto)
+    report = _localize(zoo_copy, "mha")
+    assert report.cause == "refused" and report.first is not None and report.first.fx_node == "softmax"
+    assert report.first.refused and any(n.startswith("the whole graph fails to run") for n in report.notes)
+    assert "ONNX Runtime will not run it on PyTorch's values" in format_localize(report)

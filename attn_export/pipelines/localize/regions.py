@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from attn_export.errors import first_line
 from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
 
@@ -115,13 +116,13 @@ def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.
 
 def run_region(
     model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray], provider: str, budget: int
-) -> dict[str, np.ndarray] | None:
+) -> dict[str, np.ndarray] | str:
     """Every value the region's nodes compute, run alone on ``feeds`` (one per region
-    input); None when the region cannot run alone (ONNX Runtime refuses it or its inputs)."""
+    input); where the region cannot run alone, why (ONNX Runtime refuses it or its inputs)."""
     try:
         sub = region_model(model, region, feeds)
         made = [o.name for o in sub.graph.output]
         session = load_session(sub.SerializeToString(), provider, level="disabled", budget=budget)
         return dict(zip(made, session.run(made, {k: feeds[k] for k in region.inputs}), strict=True))
-    except Exception:  # noqa: BLE001 - a region that cannot run alone has no local error to give
-        return None
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime and onnx raise their own classes
+        return first_line(e)

@@ -61,6 +61,8 @@ class RegionError:
     #: The whole graph's value there: the region's own error plus all it inherits (None
     #: when the whole graph fails to run).
     propagated: OutputComparison | None
+    #: Why ONNX Runtime would not run the region alone on PyTorch's values, if it would not.
+    refused: str | None = None
 
     @property
     def breaks(self) -> bool:
@@ -99,7 +101,8 @@ class LocalizeReport:
     #: Regions with no PyTorch value to compare (nodes without export metadata, shape arithmetic).
     uncompared: int
     first: RegionError | None = None
-    #: Why ``first`` is blamed: "graph" (its own error breaks the tolerance), "module"
+    #: Why ``first`` is blamed: "graph" (its own error breaks the tolerance), "refused"
+    #: (ONNX Runtime will not run it alone on PyTorch's values), "module"
     #: (PyTorch itself gives NaN or Inf there first, and the graph does the same),
     #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
     #: case agrees.

@@ -177,7 +177,8 @@ def _regions(
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
         teacher = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
-        alone = run_region(proto, region, teacher, provider, budget)
+        ran = run_region(proto, region, teacher, provider, budget)
+        alone = ran if isinstance(ran, dict) else None
         forced.update(alone or {})
         if not region.value or region.fx_node not in torch_vals:
             continue
@@ -201,6 +202,7 @@ def _regions(
                 propagated=None
                 if whole is None
                 else compare_output(region.fx_node, expected, _left_out(expected, whole, rows), rtol),
+                refused=ran if isinstance(ran, str) else None,
             )
         )
         if out[-1].breaks:
@@ -215,6 +217,9 @@ def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> t
     first = next((r for r in errors if r.breaks), None)
     if first is not None:
         return first, "graph"
+    refused = next((r for r in errors if r.refused), None)
+    if refused is not None:
+        return refused, "refused"
     nonfinite = next(
         (r for r in errors if torch_vals[r.fx_node].dtype.kind == "f" and not np.isfinite(torch_vals[r.fx_node]).all()),
         None,

@@ -149,23 +149,22 @@ def _bytes(value: str) -> int:
         raise click.BadParameter(str(e).removeprefix("--max-memory: ")) from e
 
 
+def _models_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
+    return click.option(
+        "--models",
+        "models_dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        default=Path("models"),
+        show_default=True,
+        help=help,
+    )
+
+
 #: verify's and localize's --models: where the PyTorch originals come from.
-checkout_models_option = click.option(
-    "--models",
-    "models_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("models"),
-    show_default=True,
-    help="The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest.",
+checkout_models_option = _models_option(
+    "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest."
 )
-models_option = click.option(
-    "--models",
-    "models_dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=Path("models"),
-    show_default=True,
-    help="Folder of *.toml model specs.",
-)
+models_option = _models_option("Folder of *.toml model specs.")
 
 
 @cli.command("list")

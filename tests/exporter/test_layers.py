@@ -232,8 +232,8 @@ shape = ["batch", "seq", 32]
 pick = 0
 
 [dims]
-batch = {{ min = 1, max = 4 }}
-seq = {{ min = 1, max = 24 }}
+batch = {{ min = 1, max = 3 }}
+seq = {{ min = 1, max = 12 }}
 """
 ROTARY = """
 [call.position_embeddings]
@@ -262,7 +262,8 @@ def test_a_layer_given_the_tokenizers_mask_gets_it_expanded_as_its_model_class_d
         ("hidden_states", onnx.TensorProto.FLOAT),
         ("attention_mask", onnx.TensorProto.INT64),  # the tokenizer's mask is the graph's input
     ]
-    report = verify_artifacts(out, load_manifest(out), [name], VerifyOptions(models_dir=models, latency=False))
+    options = VerifyOptions(models_dir=models, latency=False, n_random=0)
+    report = verify_artifacts(out, load_manifest(out), [name], options)
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
 
     spec = load_spec(path)

@@ -249,7 +249,8 @@ EXPANDED = {
 
 
 @needs_transformers
-@pytest.mark.parametrize("name", ["llama_tokenizer_mask", pytest.param("bert_tokenizer_mask", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two Hugging Face exports; make test runs the other layers
+@pytest.mark.parametrize("name", ["llama_tokenizer_mask", "bert_tokenizer_mask"])
 def test_a_layer_given_the_tokenizers_mask_gets_it_expanded_as_its_model_class_does(tmp_path: Path, name: str) -> None:
     import torch
 

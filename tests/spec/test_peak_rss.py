@@ -58,6 +58,7 @@ def test_verify_refuses_before_allocating(wide_build: Built, tmp_path: Path) -> 
     _refused_below_bound([*args, "--max-memory", BUDGET], REFUSED, 2, tmp_path)
 
 
+@pytest.mark.slow  # a process each: make test measures verify and bench
 def test_build_refuses_before_allocating(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path / "models", exporter="torchscript", body=_widened(TINY_MHA))
     args = [*CLI, "build", str(spec), "--out", str(tmp_path / "out"), "--max-memory", BUDGET]
@@ -84,11 +85,13 @@ except InputError as e:
 """
 
 
+@pytest.mark.slow  # a process each: make test measures verify and bench
 def test_the_api_refuses_before_allocating(wide_build: Built, tmp_path: Path) -> None:
     args = [sys.executable, "-c", API, str(wide_build.out), str(wide_build.models), BUDGET]
     _refused_below_bound(args, REFUSED, 3, tmp_path)
 
 
+@pytest.mark.slow  # a process each: make test measures verify and bench
 def test_the_plugin_refuses_before_allocating(wide_build: Built, tmp_path: Path) -> None:
     args = [sys.executable, "-m", "pytest", "--attn-export", str(wide_build.out), "-p", "no:cacheprovider", "-q"]
     args += ["--attn-export-models", str(wide_build.models), "--attn-export-max-memory", BUDGET]

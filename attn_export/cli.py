@@ -80,16 +80,14 @@ def _notice(line: str) -> None:
     click.echo(f"note: {line}", err=True)
 
 
+def _folder_option(flag: str, dest: str, default: str, help: str) -> Decorator:  # noqa: A002
+    folder = click.Path(path_type=Path, file_okay=False)
+    return click.option(flag, dest, type=folder, default=Path(default), show_default=True, help=help)
+
+
 def out_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
     """--out, shared by build and bench (both write into a build folder)."""
-    return click.option(
-        "--out",
-        "out_dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        default=Path("build"),
-        show_default=True,
-        help=help,
-    )
+    return _folder_option("--out", "out_dir", "build", help)
 
 
 def variant_option(help: str) -> Decorator:  # noqa: A002
@@ -150,14 +148,7 @@ def _bytes(value: str) -> int:
 
 
 def _models_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
-    return click.option(
-        "--models",
-        "models_dir",
-        type=click.Path(path_type=Path, file_okay=False),
-        default=Path("models"),
-        show_default=True,
-        help=help,
-    )
+    return _folder_option("--models", "models_dir", "models", help)
 
 
 #: verify's and localize's --models: where the PyTorch originals come from.

@@ -12,7 +12,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from attn_export.errors import InputError
+from attn_export.errors import InputError, UsageError
 from attn_export.spec.masks import CASES, PATTERN, case_applies
 from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
@@ -96,6 +96,12 @@ def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[s
 def mask_cases(spec: ModelSpec) -> list[str]:
     """The named mask cases that apply to ``spec``'s masks (none without a mask)."""
     return [c for c in CASES if any(case_applies(c, m.layout, t.shape) for t, m in spec.masks)]
+
+
+def check_mask_case(spec: ModelSpec, case: str | None, label: str) -> None:
+    """UsageError when ``case`` (``--mask-case``) names a case none of ``spec``'s masks has."""
+    if case and case not in mask_cases(spec):
+        raise UsageError(f"{label}: --mask-case {case} does not apply (it has: {mask_cases(spec) or 'no mask'})")
 
 
 def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:

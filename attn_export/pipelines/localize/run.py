@@ -45,7 +45,7 @@ from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, mask_cases, validate_sizes
+from attn_export.spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
 
 __all__ = ["LocalizeOptions", "localize_failures", "localize_model", "region_tolerance"]
 
@@ -89,10 +89,7 @@ def _opset(proto: onnx.ModelProto) -> int:
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
     if options.distribution not in DISTRIBUTIONS:
         raise UsageError(f"--distribution {options.distribution!r} is not one of {', '.join(DISTRIBUTIONS)}")
-    if options.mask_case and options.mask_case not in mask_cases(spec):
-        raise UsageError(
-            f"{spec.name}: --mask-case {options.mask_case} does not apply (it has: {mask_cases(spec) or 'no mask'})"
-        )
+    check_mask_case(spec, options.mask_case, spec.name)
     sizes = dict(options.sizes) if options.sizes else example_sizes(spec)
     validate_sizes(spec, sizes)
     return spec.with_sums(sizes)

@@ -38,7 +38,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.memory import memory_budget
-from attn_export.spec.shapes import mask_cases, validate_sizes
+from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
 
@@ -146,10 +146,7 @@ def _verify_locked(
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
-        if options.mask_case and options.mask_case not in mask_cases(spec):
-            raise UsageError(
-                f"{name}: --mask-case {options.mask_case} does not apply (it has: {mask_cases(spec) or 'no mask'})"
-            )
+        check_mask_case(spec, options.mask_case, name)
         check = ModelCheck(name, entry.file, integrity(out_dir, entry, options.golden))
         report.checks.append(check)
         if check.passed and not options.golden:

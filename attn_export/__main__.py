@@ -2,4 +2,5 @@
 
 from attn_export.cli import main
 
-main()
+if __name__ == "__main__":  # not in the processes of --jobs, which import this module again
+    main()

@@ -284,6 +284,38 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     return int(i), int(n)
 
 
+def _jobs(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """--jobs N or auto (the CPUs this process may use)."""
+    if value is None:
+        return None
+    if value == "auto":
+        from attn_export.runtimes.timing import usable_cpus
+
+        return usable_cpus()
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise click.BadParameter(f"{value!r} is not a number of jobs (1 or more) or auto")
+    return int(value)
+
+
+def executor_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--jobs and --executor: where a pipeline's cells run (``attn_export.executors``)."""
+    from attn_export.executors import EXECUTORS
+
+    command = click.option(
+        "--executor",
+        type=click.Choice(list(EXECUTORS)),
+        default="local",
+        show_default=True,
+        help="Where cells run: " + "; ".join(f"{k.name}: {k.help}" for k in EXECUTORS.values()) + ".",
+    )(command)
+    return click.option(
+        "--jobs",
+        callback=_jobs,
+        help="Cells run at once: N or auto (this machine's CPUs). Default: 1 locally, the cluster's CPUs on ray. "
+        "Timing still runs one case at a time, when no other cell runs.",
+    )(command)
+
+
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @checkout_models_option
@@ -361,7 +393,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @max_memory_option
 @wait_option
 @report_options
-@click.option("--shard", callback=_shard, help="Verify only shard i of n (1-based), e.g. 1/3.")
+@click.option(
+    "--shard",
+    callback=_shard,
+    help="Verify only shard i of n (1-based), e.g. 1/3 (attn-export report merge puts their JSON reports together).",
+)
+@executor_options
 @click.option(
     "--localize",
     "localize_first",
@@ -391,6 +428,8 @@ def verify(
     max_memory: int | None,
     wait_s: float,
     shard: tuple[int, int] | None,
+    executor: str,
+    jobs: int | None,
     localize_first: bool,
     **reports: Path | None,
 ) -> None:
@@ -409,9 +448,11 @@ def verify(
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
     """
     from attn_export.artifacts.folder import tidy
+    from attn_export.executors import Parallelism
     from attn_export.pipelines.verify import (
         CaseResult,
         ModelCheck,
+        Shard,
         VerifyOptions,
         select_models,
         shard_names,
@@ -441,8 +482,9 @@ def verify(
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
     report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
     check_report_paths(report_paths)
-    out_dir, manifest, names = select_models(list(paths) or [Path("build")])
-    names = shard_names(names, shard)
+    out_dir, manifest, selected = select_models(list(paths) or [Path("build")])
+    names = shard_names(selected, shard)
+    parallelism = Parallelism(executor, jobs)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
@@ -466,8 +508,8 @@ def verify(
     notice = tidy(out_dir)
     if notice:
         _notice(notice)
-    if not names:
-        click.echo(f"shard {shard[0]}/{shard[1]} holds no model" if shard else "no model to verify")
+    if not names and not shard:
+        click.echo("no model to verify")
         return
     printed: list[bool] = []
 
@@ -477,7 +519,13 @@ def verify(
             click.echo(HEADER)
         click.echo(format_model_rows(name, cases, check))
 
-    report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model, on_notice=_notice)
+    report = verify_artifacts(out_dir, manifest, names, options, on_model, _notice, parallelism)
+    if shard:
+        report.shard = Shard.of(selected, shard)
+        if not names:  # its reports still say which shard it was, for report merge
+            click.echo(f"shard {shard[0]}/{shard[1]} holds no model")
+            write_reports(report, report_paths)
+            return
     for text in (format_decode(report), format_distributions(report), format_failures(report)):
         if text:
             click.echo(text)

@@ -7,6 +7,7 @@ the docs' file formats page; ``Manifest.from_json`` rejects anything else.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -62,6 +63,12 @@ class Manifest:
 
     toolkit_version: str
     models: dict[str, ManifestEntry] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        """What names this build in a report: the hash of the manifest as saved (every
+        graph's and golden file's hash, the specs, the tool versions; nothing else)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def to_json(self) -> str:
         doc = {

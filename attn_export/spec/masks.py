@@ -105,6 +105,15 @@ class Convention:
         finite = np.where(values == -np.inf, 0, values) if self.infinite_fill else values
         return bool(np.isfinite(finite).all())
 
+    def __reduce__(self) -> tuple[Callable[[str], Convention], tuple[str]]:
+        """Pickled by name (its functions are the registry's): a spec crosses to the
+        processes of ``--jobs`` and to Ray workers."""
+        return _convention, (self.name,)
+
+
+def _convention(name: str) -> Convention:
+    return CONVENTIONS[name]
+
 
 CONVENTIONS: dict[str, Convention] = {
     c.name: c

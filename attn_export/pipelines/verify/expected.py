@@ -4,6 +4,7 @@ user's recorded inputs, with the tolerances the options set."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,15 @@ from attn_export.spec.masks import PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep
 
-__all__ = ["Expected", "case_plan", "golden_expected", "recorded_expected", "tolerances_for", "torch_expected"]
+__all__ = [
+    "Expected",
+    "PlannedCase",
+    "case_plan",
+    "golden_expected",
+    "recorded_expected",
+    "tolerances_for",
+    "torch_expected",
+]
 
 
 def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
@@ -56,37 +65,61 @@ def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -
     ]
 
 
-@dataclass
-class Expected:
-    """Expected outputs for a list of cases, and where they came from."""
+@dataclass(frozen=True)
+class PlannedCase:
+    """A case as known before anything runs: its label, sizes, seed and value distribution."""
 
     label: str
-    cases: list[GoldenCase]
-    seeds: list[int]
-    distributions: list[str]
+    sizes: dict[str, int]
+    seed: int
+    distribution: str
+
+
+@dataclass
+class Expected:
+    """The cases of a sweep and where their expected outputs come from. ``case(i)`` makes
+    case i alone (PyTorch runs then, unless ``outputs`` is False), so that each cell of a
+    sweep makes only its own."""
+
+    label: str
+    plan: list[PlannedCase]
+    make: Callable[[int, bool], GoldenCase]
+
+    def case(self, i: int, outputs: bool = True) -> GoldenCase:
+        return self.make(i, outputs)
+
+
+def _given(label: str, cases: list[GoldenCase], seeds: list[int], distributions: list[str]) -> Expected:
+    plan = [
+        PlannedCase(c.label, dict(c.sizes), seed, d) for c, seed, d in zip(cases, seeds, distributions, strict=True)
+    ]
+    return Expected(label, plan, lambda i, outputs: cases[i])
 
 
 def golden_expected(golden: list[GoldenCase]) -> Expected:
     cases = [c for c in golden if split_recorded_label(c.label) is None]  # decode steps: _decode_model's
     labels = [split_label(c.label) for c in cases]
     cases = [dataclasses.replace(c, label=label) for c, (label, _) in zip(cases, labels, strict=True)]
-    return Expected("golden", cases, list(range(len(cases))), [d for _, d in labels])
+    return _given("golden", cases, list(range(len(cases))), [d for _, d in labels])
 
 
 def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[ShapePoint, str]], seed: int) -> Expected:
-    cases = []
-    for i, (point, distribution) in enumerate(plan):
+    def make(i: int, outputs: bool) -> GoldenCase:
+        point, distribution = plan[i]
         feeds = make_feeds(spec, point.sizes, seed + i, case=point.case, distribution=distribution)
-        outputs = torch_rt.run(feeds)
-        floors = torch_rt.precision_floor(feeds, outputs)
-        cases.append(GoldenCase(point.label, dict(point.sizes), feeds, outputs, floors))
-    return Expected(torch_rt.name, cases, [seed + i for i in range(len(plan))], [d for _, d in plan])
+        if not outputs:
+            return GoldenCase(point.label, dict(point.sizes), feeds, {})
+        got = torch_rt.run(feeds)
+        return GoldenCase(point.label, dict(point.sizes), feeds, got, torch_rt.precision_floor(feeds, got))
+
+    cases = [PlannedCase(p.label, dict(p.sizes), seed + i, d) for i, (p, d) in enumerate(plan)]
+    return Expected(torch_rt.name, cases, make)
 
 
 def recorded_expected(spec: ModelSpec, path: Path, budget: int, torch_rt: TorchRuntime | None = None) -> Expected:
     """The user's recorded inputs, checked against the spec like any feeds and against the
     memory budget (the file's declared sizes before loading, each case's floor before it
-    runs); expected outputs from PyTorch, or (golden mode) from the file."""
+    runs); expected outputs from PyTorch (when a case is made), or (golden mode) from the file."""
     cases = read_recorded(path, budget)
     for case in cases:
         try:
@@ -95,13 +128,20 @@ def recorded_expected(spec: ModelSpec, path: Path, budget: int, torch_rt: TorchR
             raise InputError(f"{path}: case '{case.label}': {e}") from e
         case.sizes = sizes_from_feeds(spec.inputs, {k: v.shape for k, v in case.inputs.items()})
         check_memory(spec, [ShapePoint(case.label, spec.with_sums(case.sizes))], budget)
-        if torch_rt is not None:
-            case.outputs = torch_rt.run(case.inputs)
-            case.floors = torch_rt.precision_floor(case.inputs, case.outputs)
-        elif sorted(case.outputs) != sorted(t.name for t in spec.outputs):
+        if torch_rt is None and sorted(case.outputs) != sorted(t.name for t in spec.outputs):
             raise InputError(
                 f"{path}: case '{case.label}' holds no expected outputs {[t.name for t in spec.outputs]}; "
                 "golden mode needs them (<case>/outputs/<name>), or verify against PyTorch"
             )
-    label = "golden" if torch_rt is None else torch_rt.name
-    return Expected(label, cases, [0] * len(cases), [RECORDED] * len(cases))
+    expected = _given("golden", cases, [0] * len(cases), [RECORDED] * len(cases))
+    if torch_rt is None:
+        return expected
+
+    def make(i: int, outputs: bool) -> GoldenCase:
+        case = cases[i]
+        if outputs and torch_rt is not None:
+            got = torch_rt.run(case.inputs)
+            case = dataclasses.replace(case, outputs=got, floors=torch_rt.precision_floor(case.inputs, got))
+        return case
+
+    return Expected(torch_rt.name, expected.plan, make)

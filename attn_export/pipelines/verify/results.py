@@ -3,7 +3,10 @@ one ``ModelCheck`` per model, and the ``VerifyReport`` (round-trips through JSON
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import importlib.metadata
 import math
 import shlex
 from collections.abc import Mapping, Sequence
@@ -26,7 +29,15 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.masks import CASES
 from attn_export.spec.shapes import format_sizes
 
-__all__ = ["CaseResult", "ModelCheck", "VerifyOptions", "VerifyReport"]
+__all__ = [
+    "CaseResult",
+    "ModelCheck",
+    "Shard",
+    "VerifyOptions",
+    "VerifyReport",
+    "runtime_versions",
+    "selection_sha256",
+]
 
 
 @dataclass
@@ -95,6 +106,8 @@ class VerifyOptions:
             "golden": self.golden,
             "threads": self.threads,
             "latency": self.latency,
+            "latency_budget": self.latency_budget_s,
+            "random": self.n_random,
             "atol": self.atol,
             "rtol": self.rtol,
             "max_slowdown": self.max_slowdown,
@@ -223,6 +236,45 @@ class ModelCheck:
         return not self.problems
 
 
+def runtime_versions() -> dict[str, str]:
+    """The versions that shape verify's numbers, read without importing anything new
+    (``verify --golden`` runs without torch)."""
+    import numpy
+    import onnx
+    import onnxruntime
+
+    from attn_export import __version__
+
+    found = {"attn_export": __version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    found["numpy"] = numpy.__version__
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        found["torch"] = importlib.metadata.version("torch")
+    return found
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which shard of a sharded run a report is (``--shard i/n``), and of which selection
+    of models: ``report merge`` puts the n shards of one selection back together."""
+
+    index: int
+    count: int
+    #: sha256 of the sorted names of every model the n shards verify between them.
+    selection: str
+
+    @classmethod
+    def of(cls, names: Sequence[str], shard: tuple[int, int]) -> Shard:
+        return cls(shard[0], shard[1], selection_sha256(names))
+
+    @property
+    def label(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def selection_sha256(names: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
+
+
 @dataclass
 class VerifyReport:
     """Everything one verify run found; the JSON report is ``to_dict``."""
@@ -230,6 +282,12 @@ class VerifyReport:
     artifacts: str
     seed: int
     settings: dict[str, Any]
+    #: The build verified (``Manifest.sha256``); None in reports written before it was recorded.
+    manifest_sha256: str | None = None
+    #: The versions that shaped the numbers (``runtime_versions``).
+    versions: dict[str, str] = field(default_factory=dict)
+    #: Which shard of a ``--shard i/n`` run this is; None for a whole run (and a merged one).
+    shard: Shard | None = None
     checks: list[ModelCheck] = field(default_factory=list)
     cases: list[CaseResult] = field(default_factory=list)
     #: Decoding trajectories of the models with a cache.
@@ -317,6 +375,9 @@ class VerifyReport:
             "artifacts": self.artifacts,
             "seed": self.seed,
             "settings": self.settings,
+            "manifest_sha256": self.manifest_sha256,
+            "versions": self.versions,
+            "shard": dataclasses.asdict(self.shard) if self.shard else None,
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
             "summary": self.summary,
@@ -331,6 +392,9 @@ class VerifyReport:
             artifacts=d["artifacts"],
             seed=d["seed"],
             settings=dict(d["settings"]),
+            manifest_sha256=d.get("manifest_sha256"),
+            versions=dict(d.get("versions") or {}),
+            shard=Shard(**d["shard"]) if d.get("shard") else None,
             checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
             cases=[CaseResult.from_dict(c) for c in d["cases"]],
             decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],

@@ -1,5 +1,6 @@
-"""The verify pipeline: manifest -> integrity and graph checks -> expected outputs (PyTorch
-or golden vectors) -> each target runs the sweep -> comparison -> timing -> a VerifyReport.
+"""The verify pipeline: manifest -> integrity and graph checks -> cells (each model x target
+x case: expected outputs from PyTorch or golden vectors, the target's run, comparison) on an
+executor -> timing, one case at a time -> a VerifyReport.
 
 Verify measures and collects; ``compare.latency`` judges, and ``report/`` renders.
 """
@@ -8,97 +9,43 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from attn_export.artifacts.files import read_lock
-from attn_export.artifacts.golden import GoldenCase, read_golden
+from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
-from attn_export.checks.fully_masked import FullyMaskedRows
-from attn_export.compare import latency_gate
+from attn_export.artifacts.recorded import read_recorded
+from attn_export.checks.decode import DecodeResult
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
-from attn_export.pipelines.verify.decode import decode_model
-from attn_export.pipelines.verify.expected import (
-    Expected,
-    case_plan,
-    golden_expected,
-    recorded_expected,
-    tolerances_for,
-    torch_expected,
+from attn_export.executors import SERIAL, Parallelism, open_executor
+from attn_export.pipelines.verify.cells import (
+    CaseCell,
+    DecodeCell,
+    Record,
+    TargetRun,
+    TargetWork,
+    check_case,
+    decode_cell,
+    read_model_golden,
+    release,
+    set_latency,
+    time_case,
 )
+from attn_export.pipelines.verify.expected import case_plan, golden_expected
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
-from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport
-from attn_export.runtimes import RUNTIMES, Runtime, Target
-from attn_export.runtimes.timing import check_threads, measure_alternating, physical_cores
-from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport, runtime_versions
+from attn_export.runtimes import RUNTIMES, Target
+from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.memory import memory_budget
 from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
-
-
-def _run(runtime: Runtime, feeds: Mapping[str, np.ndarray], case: CaseResult) -> dict[str, np.ndarray] | None:
-    """The runtime's outputs, or None with ``case.error`` set when it fails."""
-    try:
-        return runtime.run(feeds)
-    except UsageError:
-        raise
-    except AttnExportError as e:
-        case.error = str(e)
-        return None
-
-
-def _time(
-    case: CaseResult, target: Runtime, torch_rt: Runtime | None, feeds: Mapping[str, np.ndarray], budget: float
-) -> None:
-    """Both sides in alternating blocks (``runtimes.timing.measure_alternating``), with the same threads."""
-    calls = {"onnx": target.prepare(feeds)}
-    if torch_rt is not None:
-        calls["torch"] = torch_rt.prepare(feeds)
-    stats = measure_alternating(calls, budget_s=2 * budget)
-    case.onnx_latency, case.torch_latency = stats["onnx"], stats.get("torch")
-
-
-def _check_target(
-    model: str,
-    target: Target,
-    runtime: Runtime,
-    expected: Expected,
-    rows: FullyMaskedRows,
-    torch_rt: Runtime | None,
-    options: VerifyOptions,
-) -> list[CaseResult]:
-    """Run ``runtime`` on every expected case: compare, time where the kind is timed, gate."""
-    results = [
-        CaseResult(model, target, c.label, dict(c.sizes), seed, expected.label, distribution=d)
-        for c, seed, d in zip(expected.cases, expected.seeds, expected.distributions, strict=True)
-    ]
-    try:
-        runtime.activate()
-    except UsageError:
-        raise
-    except AttnExportError as e:
-        for r in results:
-            r.error = str(e)
-        return results
-    try:
-        for result, case in zip(results, expected.cases, strict=True):
-            got = _run(runtime, case.inputs, result)
-            if got is None:
-                continue
-            result.comparisons, result.notes = rows.compare(case, got, (expected.label, result.runtime))
-            if options.latency and RUNTIMES[target.runtime].timed and result.distribution == DEFAULT_DISTRIBUTION:
-                _time(result, runtime, torch_rt, case.inputs, options.latency_budget_s)
-                result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
-    finally:
-        runtime.deactivate()
-    return results
 
 
 def verify_artifacts(
@@ -108,19 +55,21 @@ def verify_artifacts(
     options: VerifyOptions,
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    parallelism: Parallelism = SERIAL,
 ) -> VerifyReport:
     """Verify each named model; problems become failed checks or cases, never exceptions,
     except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
-    checkout for a model verified against PyTorch). The folder is read under a shared lock:
-    a build in progress is waited for (``on_notice`` hears it once), and ``manifest`` is read
-    again once it is done."""
+    checkout for a model verified against PyTorch). Cells run on the executor ``parallelism``
+    names (by default one after another, in this process): the report is the same whichever
+    runs them. The folder is read under a shared lock: a build in progress is waited for
+    (``on_notice`` hears it once), and ``manifest`` is read again once it is done."""
     with read_lock(out_dir, options.lock_wait_s, on_notice):
         if (out_dir / MANIFEST_NAME).is_file():
             manifest = load_manifest(out_dir)
         missing = [n for n in names if n not in manifest.models]
         if missing:
             raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
-        return _verify_locked(out_dir, manifest, names, options, on_model)
+        return _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
 
 
 def _verify_locked(
@@ -129,6 +78,7 @@ def _verify_locked(
     names: Sequence[str],
     options: VerifyOptions,
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
+    parallelism: Parallelism,
 ) -> VerifyReport:
     options.check()
     check_threads(options.threads)
@@ -139,69 +89,155 @@ def _verify_locked(
         )
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
-    report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())
+    report = VerifyReport(
+        artifacts=str(out_dir),
+        seed=options.seed,
+        settings=options.settings(),
+        manifest_sha256=manifest.sha256,
+        versions=runtime_versions(),
+    )
     entries = [manifest.models[name] for name in names]
     specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
-    for name, entry, spec in zip(names, entries, specs, strict=True):
+    for name, spec in zip(names, specs, strict=True):
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
         check_mask_case(spec, options.mask_case, name)
-        check = ModelCheck(name, entry.file, integrity(out_dir, entry, options.golden))
-        report.checks.append(check)
-        if check.passed and not options.golden:
-            stale = stale_reasons(entry, spec)
-            if stale:
-                check.problems.append(
-                    f"{name}: stale build: {'; '.join(stale)} since it was built from "
-                    f"{options.models_dir / (spec.name + '.toml')}; run attn-export build"
-                )
-        cases: list[CaseResult] = []
-        runnable = check.passed
-        if runnable:
-            problems, runnable = graph_problems(out_dir, entry)
-            check.problems += problems
-        if runnable:
-            try:
-                # golden mode: the file is read once, for the sweep's cases and the decode steps alike
-                golden = (
-                    read_golden(out_dir / entry.golden, spec, memory_budget(options.max_memory), out_dir)
-                    if options.golden and not options.inputs_file
-                    else []
-                )
-                cases = _verify_model(out_dir, entry, spec, options, golden)
-                cache = cache_of(spec)
-                if cache is not None and options.steps:
-                    report.decode += decode_model(out_dir, entry, spec, cache, options, golden)
-            except UsageError:
-                raise
-            except AttnExportError as e:
-                check.problems.append(str(e))
-        report.cases += cases
-        if on_model:
-            on_model(name, cases, check)
+    models = [_plan_model(out_dir, entry, spec, options) for entry, spec in zip(entries, specs, strict=True)]
+    try:
+        with open_executor(parallelism) as executor:
+            _run_models(executor, parallelism.parallel, models, options, report, on_model)
+    finally:
+        release()  # the graph this process kept for the next cell (one job runs cells here)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _verify_model(
-    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions, golden: list[GoldenCase]
-) -> list[CaseResult]:
-    """``spec`` is the manifest's (golden mode: data only, ``golden`` the file's cases) or
-    the checkout's (PyTorch mode)."""
-    path = out_dir / entry.file
-    if not options.golden:
-        from attn_export.exporter.factory import instantiate
+@dataclass
+class _Model:
+    """One model's check and the cells that verify it."""
 
-        return verify_module(entry.name, instantiate(spec), spec, path, options, entry.variant)
-    budget = memory_budget(options.max_memory)  # the manifest's spec is data: its max_memory is not obeyed
-    expected = recorded_expected(spec, options.inputs_file, budget) if options.inputs_file else golden_expected(golden)
-    cases: list[CaseResult] = []
-    with FullyMaskedRows(spec, path, tolerances_for(spec, entry.variant, options), budget) as rows:
+    check: ModelCheck
+    cases: list[CaseCell] = field(default_factory=list)
+    decode: DecodeCell | None = None
+    results: list[CaseResult] = field(default_factory=list)
+    timed: list[tuple[CaseCell, CaseResult]] = field(default_factory=list)
+    trajectories: list[DecodeResult] = field(default_factory=list)
+
+
+def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> _Model:
+    """The checks that come before any run (files intact, build current, graph sound), then
+    the model's cells; a problem found planning them is a failed check, never an exception
+    (except bad usage)."""
+    model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, options.golden)))
+    check = model.check
+    if check.passed and not options.golden:
+        stale = stale_reasons(entry, spec)
+        if stale:
+            check.problems.append(
+                f"{entry.name}: stale build: {'; '.join(stale)} since it was built from "
+                f"{options.models_dir / (spec.name + '.toml')}; run attn-export build"
+            )
+    runnable = check.passed
+    if runnable:
+        problems, runnable = graph_problems(out_dir, entry)
+        check.problems += problems
+    if not runnable:
+        return model
+    try:
+        golden = read_model_golden(out_dir, entry, options)
         for target in options.targets:
-            runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget)
-            cases += _check_target(entry.name, target, runtime, expected, rows, None, options)
-    return cases
+            work = TargetWork(out_dir, entry, spec, target, options)
+            model.cases += [CaseCell(work, i) for i in range(_case_count(spec, target, options, golden))]
+        cache = cache_of(spec)
+        if cache is not None and options.steps:
+            model.decode = DecodeCell(out_dir, entry, spec, cache, options)
+    except UsageError:
+        raise
+    except AttnExportError as e:
+        check.problems.append(str(e))
+        model.cases, model.decode = [], None
+    return model
+
+
+def _case_count(spec: ModelSpec, target: Target, options: VerifyOptions, golden: list[GoldenCase]) -> int:
+    """How many cases a target's sweep holds, known without running anything."""
+    if options.inputs_file:
+        budget = memory_budget(options.max_memory, None if options.golden else spec)
+        return len(read_recorded(options.inputs_file, budget))
+    if options.golden:
+        return len(golden_expected(golden).plan)
+    return len(case_plan(spec, options, RUNTIMES[target.runtime].shape_cap))
+
+
+def _run_models(
+    executor: Executor,
+    parallel: bool,
+    models: list[_Model],
+    options: VerifyOptions,
+    report: VerifyReport,
+    on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
+) -> None:
+    """Every model's cells on ``executor``, the report filled in model order. Timing cells
+    run one at a time, when no other cell runs: at once after a model's numbers with one job,
+    after every model's numbers when cells run side by side."""
+
+    def submit(model: _Model) -> list[Future[Any]]:
+        futures = [executor.submit(check_case, cell) for cell in model.cases]
+        return futures + ([executor.submit(decode_cell, model.decode)] if model.decode else [])
+
+    pending = [submit(m) for m in models] if parallel else []
+    later = parallel and options.latency
+    for i, model in enumerate(models):
+        _collect(model, [f.result() for f in (pending[i] if parallel else submit(model))])
+        if not later:
+            _finish(executor, model, options, report, on_model)
+    for model in models if later else []:
+        _finish(executor, model, options, report, on_model)
+
+
+def _collect(model: _Model, records: list[Record[Any]]) -> None:
+    """A model's numbers from its cells' records; the first problem, in cell order, fails
+    the model's check and leaves its cases out (as one run over them would have stopped
+    there), a problem of its decode cell only its trajectories."""
+    n = len(model.cases)
+    values: list[Any] = [r.get() for r in records]  # bad usage ends the run
+    problem = next((r.problem for r in records[:n] if r.problem is not None), None)
+    if problem is not None:
+        model.check.problems.append(problem)
+        return
+    for cell, (result, timed) in zip(model.cases, values[:n], strict=True):
+        model.results.append(result)
+        if timed:
+            model.timed.append((cell, result))
+    if model.decode is not None:
+        if records[n].problem is not None:
+            model.check.problems.append(str(records[n].problem))
+        else:
+            model.trajectories = values[n]
+
+
+def _finish(
+    executor: Executor,
+    model: _Model,
+    options: VerifyOptions,
+    report: VerifyReport,
+    on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
+) -> None:
+    """Time the model's timed cases, one at a time, and add the model to the report."""
+    for cell, result in model.timed:
+        record = executor.submit(time_case, cell).result()
+        stats = record.get()
+        if stats is None:
+            model.check.problems.append(str(record.problem))
+            model.results, model.trajectories = [], []
+            break
+        set_latency(result, stats, options)
+    report.checks.append(model.check)
+    report.cases += model.results
+    report.decode += model.trajectories
+    if on_model:
+        on_model(model.check.model, model.results, model.check)
 
 
 def verify_module(
@@ -209,20 +245,12 @@ def verify_module(
 ) -> list[CaseResult]:
     """A PyTorch module against the graph at ``path`` on every target, over the sweep, judged
     by the one pass rule: what verify does for a built model, for a module in hand too."""
-    from attn_export.runtimes.torch_eager import torch_device_for
-
     cases: list[CaseResult] = []
-    budget = memory_budget(options.max_memory, spec)
-    with FullyMaskedRows(spec, path, tolerances_for(spec, variant, options), budget) as rows:
-        for target in options.targets:
-            kind = RUNTIMES[target.runtime]
-            device = torch_device_for(target.provider) if kind.timed else "cpu"
-            threads = options.threads if kind.timed else None
-            with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads) as eager:
-                if options.inputs_file:
-                    expected = recorded_expected(spec, options.inputs_file, budget, eager)
-                else:
-                    expected = torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
-                runtime = kind.make(path, spec, target, options.threads, budget)
-                cases += _check_target(name, target, runtime, expected, rows, eager if kind.timed else None, options)
+    for target in options.targets:
+        with TargetRun(name, path, spec, target, options, variant, module) as run:
+            for i in range(len(run.expected.plan)):
+                result = run.check(i)
+                if run.timed(result):
+                    set_latency(result, run.time(i), options)
+                cases.append(result)
     return cases

@@ -1,0 +1,120 @@
+"""Where cells run. A cell is one unit of a pipeline's work (verify: a model x target x case)
+written as a pure function of a frozen, picklable input that returns a plain record; the
+pipelines hand their cells to a ``concurrent.futures.Executor`` chosen here, so a result
+never depends on which executor ran it.
+
+``EXECUTORS`` is the registry behind ``--executor``: ``local`` (this process with one job,
+else ``--jobs N`` processes) and ``ray`` (a Ray cluster: ``$RAY_ADDRESS``, else a local
+one). A new executor is one module and one row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from attn_export.errors import RuntimeFailure, UsageError
+
+__all__ = ["EXECUTORS", "SERIAL", "ExecutorKind", "InlineExecutor", "Parallelism", "cell_key", "open_executor"]
+
+T = TypeVar("T")
+
+
+def cell_key(kind: str, inputs: Any) -> str:
+    """The content hash that names a cell: sha256 of its kind and inputs as canonical JSON
+    (inputs are plain data: hashes, labels, numbers, never a path's contents by name only)."""
+    text = json.dumps([kind, inputs], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class InlineExecutor(Executor):
+    """Runs each cell in this process when it is submitted: one job, the default."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+@dataclass(frozen=True)
+class ExecutorKind:
+    """One row of ``EXECUTORS``."""
+
+    name: str
+    #: ``start(jobs)``: an Executor running up to ``jobs`` cells at once (None: its default).
+    start: Callable[[int | None], Executor]
+    help: str
+
+
+def _start_local(jobs: int | None) -> Executor:
+    if not jobs or jobs == 1:
+        return InlineExecutor()
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: a forked child of a process whose torch or ONNX Runtime thread pools
+    # already ran may hang in them.
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _start_ray(jobs: int | None) -> Executor:
+    from attn_export.executors.ray import RayExecutor
+
+    return RayExecutor(jobs)
+
+
+EXECUTORS: dict[str, ExecutorKind] = {
+    "local": ExecutorKind("local", _start_local, "this machine: --jobs processes (1: this process)"),
+    "ray": ExecutorKind(
+        "ray", _start_ray, "a Ray cluster: $RAY_ADDRESS, else a local one (pip install 'attn-export[ray]')"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Which executor runs a pipeline's cells, and how many at once (``--executor``,
+    ``--jobs``); None jobs: the executor's default (local: 1; ray: the cluster's CPUs)."""
+
+    executor: str = "local"
+    jobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise UsageError(f"--executor {self.executor}: choose one of {', '.join(EXECUTORS)}")
+        if self.jobs is not None and self.jobs < 1:
+            raise UsageError(f"--jobs {self.jobs}: give 1 or more, or auto")
+
+    @property
+    def parallel(self) -> bool:
+        """Whether cells may run beside each other (then timing waits until none runs)."""
+        return self.executor != "local" or (self.jobs or 1) > 1
+
+
+#: One cell after another, in this process: the default.
+SERIAL = Parallelism()
+
+
+@contextlib.contextmanager
+def open_executor(parallelism: Parallelism) -> Iterator[Executor]:
+    """The executor, shut down (its processes ended, a local Ray cluster stopped) on exit."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    executor = EXECUTORS[parallelism.executor].start(parallelism.jobs)
+    try:
+        yield executor
+    except BrokenProcessPool as e:
+        raise RuntimeFailure(
+            f"a process of --jobs {parallelism.jobs} ended abruptly ({e.__cause__ or 'killed, or out of memory'}); "
+            "a script that starts them must guard its own work with if __name__ == '__main__':"
+        ) from e
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,52 @@
+"""Cells on a Ray cluster: ``$RAY_ADDRESS`` names one (``ray start --head`` prints it),
+else a local cluster is started for the run and stopped after it.
+
+Every node reads the build folder and the checkout's specs at the paths the driver gives
+(a shared filesystem), and imports attn-export and the spec's modules from its own
+installation, as a shard's machine does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+from attn_export._deps import require
+
+__all__ = ["RayExecutor"]
+
+T = TypeVar("T")
+
+
+class RayExecutor(Executor):
+    """A ``concurrent.futures.Executor`` whose ``submit`` runs the function as a Ray task
+    (one CPU each; ``jobs`` caps the cells in flight at once, default: as many as the
+    cluster schedules)."""
+
+    def __init__(self, jobs: int | None = None) -> None:
+        self._ray = require("ray", "--executor ray")
+        self._started = not self._ray.is_initialized()
+        if self._started:
+            # ray.init reads $RAY_ADDRESS itself; without it, it starts a local cluster.
+            self._ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        self._jobs = jobs
+        self._remote: dict[Callable[..., Any], Any] = {}
+        self._in_flight: list[Future[Any]] = []
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if self._jobs:
+            self._in_flight = [f for f in self._in_flight if not f.done()]
+            while len(self._in_flight) >= self._jobs:
+                self._in_flight.pop(0).exception()  # wait for the oldest
+        if fn not in self._remote:
+            self._remote[fn] = self._ray.remote(num_cpus=1, max_retries=0)(fn)
+        future: Future[T] = self._remote[fn].remote(*args, **kwargs).future()
+        self._in_flight.append(future)
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for future in self._in_flight if wait else []:
+            future.exception()
+        if self._started:
+            self._ray.shutdown()

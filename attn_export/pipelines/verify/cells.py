@@ -1,0 +1,298 @@
+"""Verify's cells: one model x target x case (its numbers), the same case's timing, and one
+model's decode trajectories, each a pure function of a frozen input that returns a
+``Record``, so that any executor (``attn_export.executors``) may run them.
+
+A process keeps the last graph it loaded (``TargetRun``: session, PyTorch original,
+expected outputs' source) for the next cell of the same model and target: loading is
+keyed by the content it loads, and no result depends on what was kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from attn_export.artifacts.golden import GoldenCase, read_golden
+from attn_export.artifacts.manifest import ManifestEntry
+from attn_export.checks.decode import DecodeResult
+from attn_export.checks.fully_masked import FullyMaskedRows
+from attn_export.compare import latency_gate
+from attn_export.errors import AttnExportError, UsageError
+from attn_export.executors import cell_key
+from attn_export.pipelines.verify.decode import decode_model
+from attn_export.pipelines.verify.expected import (
+    Expected,
+    case_plan,
+    golden_expected,
+    recorded_expected,
+    tolerances_for,
+    torch_expected,
+)
+from attn_export.pipelines.verify.results import CaseResult, VerifyOptions
+from attn_export.runtimes import RUNTIMES, Runtime, Target
+from attn_export.runtimes.timing import LatencyStats, measure_alternating
+from attn_export.spec import ModelSpec
+from attn_export.spec.cache import CacheSpec
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.memory import memory_budget
+
+__all__ = [
+    "CaseCell",
+    "DecodeCell",
+    "Record",
+    "TargetRun",
+    "TargetWork",
+    "check_case",
+    "decode_cell",
+    "release",
+    "time_case",
+]
+
+T = TypeVar("T")
+
+
+def read_model_golden(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[GoldenCase]:
+    """Golden mode: the golden file's cases (the sweep's and the decode steps'); none when
+    recorded inputs replace the sweep. The manifest's spec is data: its max_memory is not obeyed."""
+    if not options.golden or options.inputs_file:
+        return []
+    return read_golden(out_dir / entry.golden, entry.model_spec, memory_budget(options.max_memory), out_dir)
+
+
+class TargetRun:
+    """One graph on one target, ready to check any case of its sweep: the runtime loaded,
+    the source of expected outputs (``module``, PyTorch; else the ``golden`` cases or the
+    recorded inputs' outputs) and the judge of fully masked rows. Use as a context manager."""
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        spec: ModelSpec,
+        target: Target,
+        options: VerifyOptions,
+        variant: str = "fp32",
+        module: Any = None,
+        golden: Sequence[GoldenCase] = (),
+    ) -> None:
+        self.name, self.path, self.spec, self.target, self.options = name, path, spec, target, options
+        self.variant, self.module, self.golden = variant, module, list(golden)
+        self.kind = RUNTIMES[target.runtime]
+        self.eager: Runtime | None = None
+        self.activation_error: str | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> TargetRun:
+        with self._stack as stack:
+            self._open(stack)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _open(self, stack: contextlib.ExitStack) -> None:
+        from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+
+        spec, options, kind = self.spec, self.options, self.kind
+        # golden mode: the manifest's spec is data, its max_memory not obeyed
+        budget = memory_budget(options.max_memory, None if self.module is None else spec)
+        tolerances = tolerances_for(spec, self.variant, options)
+        self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget))
+        self.expected: Expected
+        if self.module is None:
+            file = options.inputs_file
+            self.expected = recorded_expected(spec, file, budget) if file else golden_expected(self.golden)
+        else:
+            device = torch_device_for(self.target.provider) if kind.timed else "cpu"
+            threads = options.threads if kind.timed else None
+            eager = TorchRuntime(self.module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
+            stack.enter_context(eager)
+            if options.inputs_file:
+                self.expected = recorded_expected(spec, options.inputs_file, budget, eager)
+            else:
+                self.expected = torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
+            self.eager = eager if kind.timed else None
+        self.runtime = kind.make(self.path, spec, self.target, options.threads, budget)
+        try:
+            self.runtime.activate()
+        except UsageError:
+            raise
+        except AttnExportError as e:
+            self.activation_error = str(e)
+        stack.callback(self.runtime.deactivate)
+
+    def check(self, i: int) -> CaseResult:
+        """Case ``i``'s numbers: run, compare, judge (no timing)."""
+        p = self.expected.plan[i]
+        result = CaseResult(
+            self.name, self.target, p.label, dict(p.sizes), p.seed, self.expected.label, distribution=p.distribution
+        )
+        if self.activation_error is not None:
+            result.error = self.activation_error
+            return result
+        case = self.expected.case(i)
+        try:
+            got = self.runtime.run(case.inputs)
+        except UsageError:
+            raise
+        except AttnExportError as e:
+            result.error = str(e)
+            return result
+        result.comparisons, result.notes = self.rows.compare(case, got, (self.expected.label, result.runtime))
+        return result
+
+    def timed(self, result: CaseResult) -> bool:
+        """Whether a checked case is timed: the runtime kind is, the values are unit normal, and it ran."""
+        return (
+            self.options.latency
+            and self.kind.timed
+            and result.distribution == DEFAULT_DISTRIBUTION
+            and result.error is None
+        )
+
+    def time(self, i: int) -> tuple[LatencyStats, LatencyStats | None]:
+        """Case ``i``'s latency on the target and in PyTorch (where it runs here), in
+        alternating blocks with the same threads (``runtimes.timing.measure_alternating``)."""
+        feeds = self.expected.case(i, outputs=False).inputs
+        calls = {"onnx": self.runtime.prepare(feeds)}
+        if self.eager is not None:
+            calls["torch"] = self.eager.prepare(feeds)
+        stats = measure_alternating(calls, budget_s=2 * self.options.latency_budget_s)
+        return stats["onnx"], stats.get("torch")
+
+
+def set_latency(result: CaseResult, stats: tuple[LatencyStats, LatencyStats | None], options: VerifyOptions) -> None:
+    """A checked case's timings, and the latency gate they pass or fail."""
+    result.onnx_latency, result.torch_latency = stats
+    result.gate = latency_gate(result.onnx_latency, result.torch_latency, options.max_slowdown)
+
+
+@dataclass(frozen=True)
+class TargetWork:
+    """What every cell of one model x target shares: plain data, pickled to the worker."""
+
+    out_dir: Path
+    entry: ManifestEntry
+    #: The checkout's spec (against PyTorch) or the manifest's (golden mode).
+    spec: ModelSpec
+    target: Target
+    options: VerifyOptions
+
+    @property
+    def key(self) -> str:
+        """The content it loads: the graph's and golden file's hashes, the spec, the target, the options."""
+        e, o = self.entry, self.options
+        content = [e.sha256, e.golden_sha256 if o.golden else None, e.variant, self.spec.to_dict()]
+        return cell_key("verify-target", [*content, self.target.label, o.settings(), o.seed])
+
+    def open(self) -> TargetRun:
+        if self.options.golden:
+            golden, module = read_model_golden(self.out_dir, self.entry, self.options), None
+        else:
+            from attn_export.exporter.factory import instantiate
+
+            golden, module = [], instantiate(self.spec)
+        path = self.out_dir / self.entry.file
+        return TargetRun(
+            self.entry.name, path, self.spec, self.target, self.options, self.entry.variant, module, golden
+        )
+
+
+@dataclass(frozen=True)
+class CaseCell:
+    """Case ``index`` of a model x target's sweep."""
+
+    work: TargetWork
+    index: int
+
+    @property
+    def key(self) -> str:
+        return cell_key("verify-case", [self.work.key, self.index])
+
+
+@dataclass(frozen=True)
+class DecodeCell:
+    """One model's decode trajectories on every target."""
+
+    out_dir: Path
+    entry: ManifestEntry
+    spec: ModelSpec
+    cache: CacheSpec
+    options: VerifyOptions
+
+    @property
+    def key(self) -> str:
+        e, o = self.entry, self.options
+        return cell_key("verify-decode", [e.sha256, e.golden_sha256, self.spec.to_dict(), o.settings(), o.seed])
+
+
+@dataclass
+class Record(Generic[T]):
+    """What a cell returns: its value, or why the model cannot be verified (``problem``, a
+    failed check), or why the run cannot go on (``usage``, exit 2)."""
+
+    key: str
+    value: T | None = None
+    problem: str | None = None
+    usage: str | None = None
+
+    def get(self) -> T | None:
+        """The value; UsageError for bad usage; None where ``problem`` says why there is none."""
+        if self.usage is not None:
+            raise UsageError(self.usage)
+        return self.value
+
+
+def _record(key: str, work: Callable[[], T]) -> Record[T]:
+    try:
+        return Record(key, work())
+    except UsageError as e:
+        return Record(key, usage=str(e))
+    except AttnExportError as e:
+        return Record(key, problem=str(e))
+
+
+_OPEN: dict[str, TargetRun] = {}
+
+
+def _target_run(work: TargetWork) -> TargetRun:
+    """This process's loaded graph for ``work``, loading it (and releasing the one before)."""
+    key = work.key
+    if key not in _OPEN:
+        release()
+        _OPEN[key] = work.open().__enter__()
+    return _OPEN[key]
+
+
+def release() -> None:
+    """Close the graph this process keeps for the next cell."""
+    while _OPEN:
+        _OPEN.popitem()[1].__exit__(None, None, None)
+
+
+def check_case(cell: CaseCell) -> Record[tuple[CaseResult, bool]]:
+    """The case's numbers, and whether it is to be timed."""
+
+    def work() -> tuple[CaseResult, bool]:
+        run = _target_run(cell.work)
+        result = run.check(cell.index)
+        return result, run.timed(result)
+
+    return _record(cell.key, work)
+
+
+def time_case(cell: CaseCell) -> Record[tuple[LatencyStats, LatencyStats | None]]:
+    """The case's latency: run it when no other cell runs."""
+    return _record(cell.key, lambda: _target_run(cell.work).time(cell.index))
+
+
+def decode_cell(cell: DecodeCell) -> Record[list[DecodeResult]]:
+    def work() -> list[DecodeResult]:
+        golden = read_model_golden(cell.out_dir, cell.entry, cell.options)
+        return decode_model(cell.out_dir, cell.entry, cell.spec, cell.cache, cell.options, golden)
+
+    return _record(cell.key, work)

@@ -12,6 +12,7 @@ _HINTS = {
     "onnxscript": "pip install 'attn-export[export]'",
     "matplotlib": "pip install 'attn-export[plot]'",
     "transformers": "pip install 'attn-export[hf]'",
+    "ray": "pip install 'attn-export[ray]'",
 }
 
 

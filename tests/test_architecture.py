@@ -34,6 +34,7 @@ STAGES = (
     "exporter",
     "compare",
     "checks",
+    "executors",
     "pipelines",
     "report",
     "faces",

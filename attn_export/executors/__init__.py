@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from attn_export._deps import missing
 from attn_export.errors import RuntimeFailure, UsageError
 
 __all__ = ["EXECUTORS", "SERIAL", "ExecutorKind", "InlineExecutor", "Parallelism", "cell_key", "open_executor"]
@@ -92,6 +94,8 @@ class Parallelism:
             raise UsageError(f"--executor {self.executor}: choose one of {', '.join(EXECUTORS)}")
         if self.jobs is not None and self.jobs < 1:
             raise UsageError(f"--jobs {self.jobs}: give 1 or more, or auto")
+        if self.executor == "ray" and importlib.util.find_spec("ray") is None:
+            raise missing("ray", "--executor ray")  # before any work, without importing it
 
     @property
     def parallel(self) -> bool:

@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attn_export.artifacts.files import write_output
+from attn_export.artifacts.files import read_regular, write_output
+from attn_export.errors import ArtifactError
 from attn_export.report.base import BenchFormat, ReportFormat
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from attn_export.pipelines.bench.results import BenchReport, DecodeBenchReport
     from attn_export.pipelines.verify import VerifyReport
 
-__all__ = ["BENCH_FORMAT", "FORMAT", "dump_json_report", "load_json_report", "write_bench_json"]
+__all__ = [
+    "BENCH_FORMAT",
+    "FORMAT",
+    "dump_json_report",
+    "load_json_report",
+    "read_json_report",
+    "write_bench_json",
+]
 
 
 def _encode(value: Any) -> Any:
@@ -52,6 +59,23 @@ def load_json_report(text: str) -> VerifyReport:
     from attn_export.pipelines.verify import VerifyReport
 
     return VerifyReport.from_dict(_decode(json.loads(text)))
+
+
+#: A verify report is a few KiB per case; anything far beyond this is not one.
+MAX_REPORT_BYTES = 1 << 30
+
+
+def read_json_report(path: Path) -> VerifyReport:
+    """A verify JSON report from a file; ArtifactError, in one line, for anything else."""
+    from attn_export.pipelines.verify import VerifyReport
+
+    try:
+        doc = json.loads(read_regular(path, None, MAX_REPORT_BYTES))
+        if not isinstance(doc, dict) or doc.get("schema") != VerifyReport.SCHEMA:
+            raise ArtifactError(f"{path}: not an attn-export verify report")
+        return VerifyReport.from_dict(_decode(doc))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ArtifactError(f"{path}: not an attn-export verify report ({type(e).__name__}: {e})") from e
 
 
 FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")

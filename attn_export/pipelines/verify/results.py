@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.artifacts.recorded import RECORDED
@@ -279,6 +279,9 @@ def selection_sha256(names: Sequence[str]) -> str:
 class VerifyReport:
     """Everything one verify run found; the JSON report is ``to_dict``."""
 
+    #: What the JSON report's "schema" field says.
+    SCHEMA: ClassVar[str] = "attn-export/verify-report"
+
     artifacts: str
     seed: int
     settings: dict[str, Any]
@@ -370,7 +373,7 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "schema": "attn-export/verify-report",
+            "schema": self.SCHEMA,
             "schema_version": 1,
             "artifacts": self.artifacts,
             "seed": self.seed,

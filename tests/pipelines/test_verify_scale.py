@@ -1,0 +1,190 @@
+"""verify at scale: one report, byte for byte apart from timings, whether its cells run in
+this process, in ``--jobs`` processes, as shards put together by ``report merge`` or on Ray;
+timing runs when no other cell runs; merge refuses shards of different runs in one line."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from attn_export.artifacts.manifest import load_manifest
+from attn_export.cli import cli
+from attn_export.executors import EXECUTORS, ExecutorKind, InlineExecutor, Parallelism
+from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
+from tests.conftest import TINY_SPECS, TINY_ZOO, Built
+
+#: A sample of the tiny zoo: a decoder with a cache (its decode cell), a masked model, a plain one.
+SAMPLE = ("mha", "mha_kv_cache", "sdpa_masked")
+#: The sweep's unit-normal cases and two decode steps, untimed (timings differ run to run).
+NARROW = ("--distribution", "normal", "--random", "0", "--decode", "2", "--no-latency")
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args))
+
+
+def _verify(paths: list[Path], json_path: Path, *args: str, models: Path = TINY_ZOO) -> Result:
+    result = invoke("verify", *map(str, paths), "--models", str(models), "--json", str(json_path), *args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def _timeless(text: str) -> str:
+    """A report without its timings: the run's seconds (JSON, JUnit, Markdown)."""
+    text = re.sub(r'"seconds": [0-9.e+-]+', '"seconds": -', text)
+    text = re.sub(r' time="[0-9.]+"', ' time="-"', text)
+    return re.sub(r"seed (\d+), [0-9.]+ s\.", r"seed \1, - s.", text)
+
+
+def _merge(shards: list[Path], out: Path) -> Result:
+    files = [str(p) for p in shards]
+    outputs = ["--json", str(out / "merged.json"), "--junit", str(out / "merged.xml"), "--markdown", str(out / "m.md")]
+    return invoke("report", "merge", *files, *outputs)
+
+
+@pytest.fixture(scope="module")
+def sample(zoo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sample verified serially (with every report) and as 2 shards, against PyTorch;
+    and serially and with --jobs 2 against the golden vectors (processes that need no torch
+    start fast: the slow test runs the zoo with --jobs 2 against PyTorch)."""
+    out = tmp_path_factory.mktemp("scale")
+    paths = [zoo_dir / f"{m}.onnx" for m in SAMPLE]
+    reports = ["--junit", str(out / "serial.xml"), "--markdown", str(out / "serial.md")]
+    _verify(paths, out / "serial.json", *NARROW, *reports)
+    for i in (1, 2):
+        _verify(paths, out / f"shard-{i}.json", *NARROW, "--shard", f"{i}/2")
+    golden = ("--golden", "--decode", "2", "--no-latency")
+    _verify(paths, out / "golden.json", *golden)
+    _verify(paths, out / "golden-jobs.json", *golden, "--jobs", "2")
+    return {p.stem: p for p in out.iterdir()}
+
+
+def test_jobs_and_merged_shards_give_the_serial_report(sample: dict[str, Path], tmp_path: Path) -> None:
+    serial = sample["serial"].read_text()
+    doc = json.loads(serial)
+    assert doc["summary"]["models"] == 3 and doc["decode"] and doc["shard"] is None
+    golden = json.loads(sample["golden"].read_text())
+    assert golden["summary"]["cases"] > 3 and golden["decode"] and golden["passed"]
+    assert _timeless(sample["golden-jobs"].read_text()) == _timeless(sample["golden"].read_text())
+    shards = [json.loads(sample[f"shard-{i}"].read_text()) for i in (1, 2)]
+    assert [len(s["checks"]) for s in shards] == [2, 1] and shards[1]["shard"]["index"] == 2
+    result = _merge([sample["shard-2"], sample["shard-1"]], tmp_path)  # in any order
+    assert result.exit_code == 0, result.output
+    assert "verify PASSED" in result.output
+    assert _timeless((tmp_path / "merged.json").read_text()) == _timeless(serial)
+    for suffix in (".xml", ".md"):
+        merged = (tmp_path / ("merged.xml" if suffix == ".xml" else "m.md")).read_text()
+        assert _timeless(merged) == _timeless(sample["serial"].with_suffix(suffix).read_text())
+
+
+def _edited(path: Path, out: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    dest = out / f"edited-{path.name}"
+    dest.write_text(json.dumps(doc))
+    return dest
+
+
+REFUSALS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "seed": (lambda d: d.update(seed=1), "seed 1 differs from {first}'s 0"),
+    "build": (lambda d: d.update(manifest_sha256="0" * 64), "build 000000000000 differs from {first}'s "),
+    "option": (lambda d: d["settings"].update(atol=0.1), "option atol 0.1 differs from {first}'s None"),
+    "version": (lambda d: d["versions"].update(onnxruntime="0.1"), "onnxruntime version 0.1 differs from {first}'s"),
+    "selection": (lambda d: d["shard"].update(selection="0" * 64), "shard 2/2 is of another selection of models"),
+    "unrecorded build": (lambda d: d.pop("manifest_sha256"), "the report records no build"),
+}
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+def test_merge_refuses_shards_of_different_runs_in_one_line(sample: dict[str, Path], tmp_path: Path, what: str) -> None:
+    edit, message = REFUSALS[what]
+    first, second = sample["shard-1"], _edited(sample["shard-2"], tmp_path, edit)
+    result = _merge([first, second], tmp_path)
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1, result.output
+    assert message.format(first=first) in result.output
+    assert not (tmp_path / "merged.json").exists()
+
+
+def test_merge_refuses_a_missing_or_repeated_shard(sample: dict[str, Path], tmp_path: Path) -> None:
+    missing = _merge([sample["shard-1"]], tmp_path)
+    assert missing.exit_code == 2 and missing.output == "Error: shard 2/2 missing: give every shard's report\n"
+    twice = _merge([sample["shard-1"], sample["shard-1"], sample["shard-2"]], tmp_path)
+    assert twice.exit_code == 2 and "shard 1/2 is given twice" in twice.output
+    other = _merge([sample["shard-1"], sample["serial"]], tmp_path)
+    assert other.exit_code == 2 and "shard count 1 differs" in other.output
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    junk = _merge([tmp_path / "junk.json"], tmp_path)
+    assert junk.exit_code == 2 and junk.output == f"Error: {tmp_path / 'junk.json'}: not an attn-export verify report\n"
+
+
+def test_an_empty_shard_writes_its_report_and_merges(shared_tiny: Built, tmp_path: Path) -> None:
+    args = ("--distribution", "normal", "--random", "0", "--no-latency")
+    _verify([shared_tiny.out], tmp_path / "whole.json", *args, models=shared_tiny.models)
+    empty = _verify([shared_tiny.out], tmp_path / "s2.json", *args, "--shard", "2/2", models=shared_tiny.models)
+    assert "shard 2/2 holds no model" in empty.output
+    _verify([shared_tiny.out], tmp_path / "s1.json", *args, "--shard", "1/2", models=shared_tiny.models)
+    result = _merge([tmp_path / "s1.json", tmp_path / "s2.json"], tmp_path)
+    assert result.exit_code == 0, result.output
+    assert _timeless((tmp_path / "merged.json").read_text()) == _timeless((tmp_path / "whole.json").read_text())
+
+
+class _Recording(InlineExecutor):
+    """Runs cells here, as one job does, but says it runs them side by side; logs each submission."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.log.append(fn.__name__)
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_timing_waits_until_no_other_cell_runs(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    executor = _Recording()
+    monkeypatch.setitem(EXECUTORS, "side-by-side", ExecutorKind("side-by-side", lambda jobs: executor, "a test's"))
+    options = VerifyOptions(models_dir=TINY_ZOO, distributions=["normal"], n_random=0, latency_budget_s=0.002)
+    names = ["mha", "sdpa"]
+    report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), names, options, parallelism=Parallelism("side-by-side"))
+    timed = [c for c in report.cases if c.onnx_latency is not None]
+    assert len(timed) == len(report.cases) > 0 and {c.model for c in timed} == set(names)
+    # every case's numbers first, then the timings, one at a time
+    assert executor.log == ["check_case"] * len(report.cases) + ["time_case"] * len(timed)
+
+
+def _sweep(zoo_dir: Path, out: Path, *args: str) -> str:
+    """A 111-case sweep over the tiny zoo (unit-normal values, no decode steps), its JSON report."""
+    _verify([zoo_dir], out, "--distribution", "normal", "--decode", "0", "--no-latency", *args)
+    return _timeless(out.read_text())
+
+
+@pytest.mark.slow
+def test_a_zoo_sweep_is_the_same_serially_with_jobs_and_as_four_shards_merged(zoo_dir: Path, tmp_path: Path) -> None:
+    serial = _sweep(zoo_dir, tmp_path / "serial.json")
+    assert json.loads((tmp_path / "serial.json").read_text())["summary"] == {
+        "models": len(TINY_SPECS),
+        "cases": 111,
+        "failed_cases": 0,
+        "failed_checks": 0,
+        "noisy_timings": 0,
+    }
+    assert _sweep(zoo_dir, tmp_path / "jobs.json", "--jobs", "2") == serial
+    shards = [tmp_path / f"shard-{i}.json" for i in range(1, 5)]
+    for i, shard in enumerate(shards, 1):
+        _sweep(zoo_dir, shard, "--shard", f"{i}/4")
+    assert _merge(shards, tmp_path).exit_code == 0
+    assert _timeless((tmp_path / "merged.json").read_text()) == serial
+
+
+@pytest.mark.slow
+def test_a_zoo_sweep_is_the_same_on_a_local_ray_cluster(zoo_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    serial = _sweep(zoo_dir, tmp_path / "serial.json")
+    assert _sweep(zoo_dir, tmp_path / "ray.json", "--executor", "ray") == serial

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.executors import EXECUTORS, ExecutorKind, InlineExecutor, Parallelism
+from attn_export.executors import EXECUTORS, ExecutorKind, Parallelism
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from tests.conftest import TINY_SPECS, TINY_ZOO, Built
 
@@ -136,27 +136,47 @@ def test_an_empty_shard_writes_its_report_and_merges(shared_tiny: Built, tmp_pat
     assert _timeless((tmp_path / "merged.json").read_text()) == _timeless((tmp_path / "whole.json").read_text())
 
 
-class _Recording(InlineExecutor):
-    """Runs cells here, as one job does, but says it runs them side by side; logs each submission."""
+class _Deferred(Future[Any]):
+    """A cell that runs only when its result is asked for: until then it is in flight."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        super().__init__()
+        self._call = call
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self._call())
+            except Exception as e:
+                self.set_exception(e)
+        return super().result(timeout)
+
+
+class _SideBySide(Executor):
+    """Cells in flight side by side until their results are asked for; logs, as each timing
+    cell is submitted, how many other cells were still in flight."""
 
     def __init__(self) -> None:
-        self.log: list[str] = []
+        self.submitted: list[_Deferred] = []
+        self.in_flight_at_timing: list[int] = []
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        self.log.append(fn.__name__)
-        return super().submit(fn, *args, **kwargs)
+        if fn.__name__ == "time_case":
+            self.in_flight_at_timing.append(sum(not f.done() for f in self.submitted))
+        future = _Deferred(lambda: fn(*args, **kwargs))
+        self.submitted.append(future)
+        return future
 
 
 def test_timing_waits_until_no_other_cell_runs(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    executor = _Recording()
+    executor = _SideBySide()
     monkeypatch.setitem(EXECUTORS, "side-by-side", ExecutorKind("side-by-side", lambda jobs: executor, "a test's"))
     options = VerifyOptions(models_dir=TINY_ZOO, distributions=["normal"], n_random=0, latency_budget_s=0.002)
     names = ["mha", "sdpa"]
     report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), names, options, parallelism=Parallelism("side-by-side"))
     timed = [c for c in report.cases if c.onnx_latency is not None]
     assert len(timed) == len(report.cases) > 0 and {c.model for c in timed} == set(names)
-    # every case's numbers first, then the timings, one at a time
-    assert executor.log == ["check_case"] * len(report.cases) + ["time_case"] * len(timed)
+    assert executor.in_flight_at_timing == [0] * len(timed)  # each timing alone, and every case timed
 
 
 def _sweep(zoo_dir: Path, out: Path, *args: str) -> str:

@@ -233,17 +233,17 @@ class DecodeCell:
 @dataclass
 class Record(Generic[T]):
     """What a cell returns: its value, or why the model cannot be verified (``problem``, a
-    failed check), or why the run cannot go on (``usage``, exit 2)."""
+    failed check), or the bad usage that ends the run (``usage``, exit 2)."""
 
     key: str
     value: T | None = None
     problem: str | None = None
-    usage: str | None = None
+    usage: UsageError | None = None
 
     def get(self) -> T | None:
-        """The value; UsageError for bad usage; None where ``problem`` says why there is none."""
+        """The value; raises the cell's UsageError; None where ``problem`` says why there is none."""
         if self.usage is not None:
-            raise UsageError(self.usage)
+            raise self.usage
         return self.value
 
 
@@ -251,7 +251,7 @@ def _record(key: str, work: Callable[[], T]) -> Record[T]:
     try:
         return Record(key, work())
     except UsageError as e:
-        return Record(key, usage=str(e))
+        return Record(key, usage=e.with_traceback(None))
     except AttnExportError as e:
         return Record(key, problem=str(e))
 

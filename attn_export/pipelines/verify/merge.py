@@ -80,13 +80,16 @@ def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
         if [c.model for c in report.checks] != shard_names(models, (shard.index, shard.count)):
             raise UsageError(f"{name}: shard {shard.label} holds other models than --shard {shard.label} gives")
     first = shards[0][1]
-    merged = VerifyReport(
-        first.artifacts, first.seed, dict(first.settings), first.manifest_sha256, dict(first.versions)
-    )
     order = {m: i for i, m in enumerate(models)}
     reports = [r for _, r in shards]
-    merged.checks = sorted((c for r in reports for c in r.checks), key=lambda c: order[c.model])
-    merged.cases = sorted((c for r in reports for c in r.cases), key=lambda c: order[c.model])
-    merged.decode = sorted((d for r in reports for d in r.decode), key=lambda d: order[d.model])
-    merged.seconds = sum(r.seconds for r in reports)
-    return merged
+    return VerifyReport(
+        first.artifacts,
+        first.seed,
+        dict(first.settings),
+        checks=sorted((c for r in reports for c in r.checks), key=lambda c: order[c.model]),
+        cases=sorted((c for r in reports for c in r.cases), key=lambda c: order[c.model]),
+        decode=sorted((d for r in reports for d in r.decode), key=lambda d: order[d.model]),
+        seconds=sum(r.seconds for r in reports),
+        manifest_sha256=first.manifest_sha256,
+        versions=dict(first.versions),
+    )

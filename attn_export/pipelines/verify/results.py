@@ -285,17 +285,17 @@ class VerifyReport:
     artifacts: str
     seed: int
     settings: dict[str, Any]
+    checks: list[ModelCheck] = field(default_factory=list)
+    cases: list[CaseResult] = field(default_factory=list)
+    #: Decoding trajectories of the models with a cache.
+    decode: list[DecodeResult] = field(default_factory=list)
+    seconds: float = 0.0
     #: The build verified (``Manifest.sha256``); None in reports written before it was recorded.
     manifest_sha256: str | None = None
     #: The versions that shaped the numbers (``runtime_versions``).
     versions: dict[str, str] = field(default_factory=dict)
     #: Which shard of a ``--shard i/n`` run this is; None for a whole run (and a merged one).
     shard: Shard | None = None
-    checks: list[ModelCheck] = field(default_factory=list)
-    cases: list[CaseResult] = field(default_factory=list)
-    #: Decoding trajectories of the models with a cache.
-    decode: list[DecodeResult] = field(default_factory=list)
-    seconds: float = 0.0
 
     @property
     def passed(self) -> bool:

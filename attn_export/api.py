@@ -18,6 +18,7 @@ import onnx
 
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import UsageError
+from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
 from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
@@ -76,10 +77,14 @@ def verify(
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,),
     latency: bool = False,
     max_memory: int | str | None = None,
+    jobs: int | None = None,
+    executor: str = "local",
 ) -> VerifyReport:
     """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
     off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``;
-    ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``."""
+    ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``; ``jobs`` and
+    ``executor`` are ``--jobs`` and ``--executor`` (a script that starts processes guards its
+    own work with ``if __name__ == "__main__":``)."""
     paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
     out_dir, manifest, names = select_models(paths)
     options = VerifyOptions(
@@ -94,7 +99,7 @@ def verify(
         latency=latency,
         max_memory=_bytes(max_memory),
     )
-    return verify_artifacts(out_dir, manifest, names, options)
+    return verify_artifacts(out_dir, manifest, names, options, parallelism=Parallelism(executor, jobs))
 
 
 def _bytes(size: int | str | None) -> int | None:

@@ -49,3 +49,14 @@ def test_ray_missing_names_the_extra(zoo_dir: Path, monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--executor", "ray", "--no-latency"])
     assert result.exit_code == 2
     assert result.output == "Error: --executor ray needs ray, which is not installed (pip install 'attn-export[ray]')\n"
+
+
+def test_the_python_api_takes_the_executor(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import attn_export
+    from attn_export.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(MissingDependencyError, match=r"--executor ray needs ray"):
+        attn_export.verify(zoo_dir, models=zoo_dir.parent, executor="ray")
+    with pytest.raises(UsageError, match="--jobs 0"):
+        attn_export.verify(zoo_dir, jobs=0)

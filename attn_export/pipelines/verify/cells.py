@@ -42,10 +42,12 @@ from attn_export.spec.memory import memory_budget
 __all__ = [
     "CaseCell",
     "DecodeCell",
+    "ModelWork",
     "Record",
     "TargetRun",
     "TargetWork",
     "check_case",
+    "check_cases",
     "decode_cell",
     "release",
     "time_case",
@@ -172,22 +174,31 @@ def set_latency(result: CaseResult, stats: tuple[LatencyStats, LatencyStats | No
 
 
 @dataclass(frozen=True)
-class TargetWork:
-    """What every cell of one model x target shares: plain data, pickled to the worker."""
+class ModelWork:
+    """What every cell of one model shares: plain data, pickled to the worker."""
 
     out_dir: Path
     entry: ManifestEntry
     #: The checkout's spec (against PyTorch) or the manifest's (golden mode).
     spec: ModelSpec
-    target: Target
     options: VerifyOptions
+
+    def content(self) -> list[Any]:
+        """What its cells load and how they judge it: the graph's (and golden file's) hash,
+        the spec, the options."""
+        e, o = self.entry, self.options
+        return [e.sha256, e.golden_sha256 if o.golden else None, e.variant, self.spec.to_dict(), o.settings(), o.seed]
+
+
+@dataclass(frozen=True)
+class TargetWork(ModelWork):
+    """What every cell of one model x target shares."""
+
+    target: Target
 
     @property
     def key(self) -> str:
-        """The content it loads: the graph's and golden file's hashes, the spec, the target, the options."""
-        e, o = self.entry, self.options
-        content = [e.sha256, e.golden_sha256 if o.golden else None, e.variant, self.spec.to_dict()]
-        return cell_key("verify-target", [*content, self.target.label, o.settings(), o.seed])
+        return cell_key("verify-target", [*self.content(), self.target.label])
 
     def open(self) -> TargetRun:
         if self.options.golden:
@@ -218,16 +229,12 @@ class CaseCell:
 class DecodeCell:
     """One model's decode trajectories on every target."""
 
-    out_dir: Path
-    entry: ManifestEntry
-    spec: ModelSpec
+    work: ModelWork
     cache: CacheSpec
-    options: VerifyOptions
 
     @property
     def key(self) -> str:
-        e, o = self.entry, self.options
-        return cell_key("verify-decode", [e.sha256, e.golden_sha256, self.spec.to_dict(), o.settings(), o.seed])
+        return cell_key("verify-decode", self.work.content())
 
 
 @dataclass
@@ -285,6 +292,11 @@ def check_case(cell: CaseCell) -> Record[tuple[CaseResult, bool]]:
     return _record(cell.key, work)
 
 
+def check_cases(cells: Sequence[CaseCell]) -> list[Record[tuple[CaseResult, bool]]]:
+    """Several cases, as one task (cells of one graph, sent to one worker together)."""
+    return [check_case(cell) for cell in cells]
+
+
 def time_case(cell: CaseCell) -> Record[tuple[LatencyStats, LatencyStats | None]]:
     """The case's latency: run it when no other cell runs."""
     return _record(cell.key, lambda: _target_run(cell.work).time(cell.index))
@@ -292,7 +304,8 @@ def time_case(cell: CaseCell) -> Record[tuple[LatencyStats, LatencyStats | None]
 
 def decode_cell(cell: DecodeCell) -> Record[list[DecodeResult]]:
     def work() -> list[DecodeResult]:
-        golden = read_model_golden(cell.out_dir, cell.entry, cell.options)
-        return decode_model(cell.out_dir, cell.entry, cell.spec, cell.cache, cell.options, golden)
+        w = cell.work
+        golden = read_model_golden(w.out_dir, w.entry, w.options)
+        return decode_model(w.out_dir, w.entry, w.spec, cell.cache, w.options, golden)
 
     return _record(cell.key, work)

@@ -25,10 +25,11 @@ from attn_export.executors import SERIAL, Parallelism, open_executor
 from attn_export.pipelines.verify.cells import (
     CaseCell,
     DecodeCell,
+    ModelWork,
     Record,
     TargetRun,
     TargetWork,
-    check_case,
+    check_cases,
     decode_cell,
     read_model_golden,
     release,
@@ -147,11 +148,11 @@ def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: V
     try:
         golden = read_model_golden(out_dir, entry, options)
         for target in options.targets:
-            work = TargetWork(out_dir, entry, spec, target, options)
+            work = TargetWork(out_dir, entry, spec, options, target)
             model.cases += [CaseCell(work, i) for i in range(_case_count(spec, target, options, golden))]
         cache = cache_of(spec)
         if cache is not None and options.steps:
-            model.decode = DecodeCell(out_dir, entry, spec, cache, options)
+            model.decode = DecodeCell(ModelWork(out_dir, entry, spec, options), cache)
     except UsageError:
         raise
     except AttnExportError as e:
@@ -170,6 +171,11 @@ def _case_count(spec: ModelSpec, target: Target, options: VerifyOptions, golden:
     return len(case_plan(spec, options, RUNTIMES[target.runtime].shape_cap))
 
 
+#: Cases sent to a worker at once: the cells of one model x target in batches of this many,
+#: so that a worker loads a graph once for several (each case stays its own cell and record).
+BATCH = 8
+
+
 def _run_models(
     executor: Executor,
     parallel: bool,
@@ -182,14 +188,17 @@ def _run_models(
     run one at a time, when no other cell runs: at once after a model's numbers with one job,
     after every model's numbers when cells run side by side."""
 
-    def submit(model: _Model) -> list[Future[Any]]:
-        futures = [executor.submit(check_case, cell) for cell in model.cases]
-        return futures + ([executor.submit(decode_cell, model.decode)] if model.decode else [])
+    def submit(model: _Model) -> tuple[list[Future[Any]], Future[Any] | None]:
+        cells = model.cases
+        batches = [executor.submit(check_cases, tuple(cells[i : i + BATCH])) for i in range(0, len(cells), BATCH)]
+        return batches, executor.submit(decode_cell, model.decode) if model.decode else None
 
     pending = [submit(m) for m in models] if parallel else []
     later = parallel and options.latency
     for i, model in enumerate(models):
-        _collect(model, [f.result() for f in (pending[i] if parallel else submit(model))])
+        batches, decode = pending[i] if parallel else submit(model)
+        cases = [record for batch in batches for record in batch.result()]
+        _collect(model, cases + ([decode.result()] if decode else []))
         if not later:
             _finish(executor, model, options, report, on_model)
     for model in models if later else []:

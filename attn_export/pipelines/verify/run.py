@@ -105,6 +105,8 @@ def _verify_locked(
                 validate_sizes(spec, sizes)
         check_mask_case(spec, options.mask_case, name)
     models = [_plan_model(out_dir, entry, spec, options) for entry, spec in zip(entries, specs, strict=True)]
+    if not any(m.cases or m.decode for m in models):
+        parallelism = SERIAL  # nothing to run: no processes, no cluster
     try:
         with open_executor(parallelism) as executor:
             _run_models(executor, parallelism.parallel, models, options, report, on_model)

@@ -196,6 +196,12 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
 @wait_option
 @max_memory_option
+@click.option(
+    "--record-intermediates",
+    is_flag=True,
+    help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
+    "'localize --golden' runs where torch is not installed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -209,6 +215,7 @@ def build(
     provider: str,
     wait_s: float,
     max_memory: int | None,
+    record_intermediates: bool,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
@@ -224,6 +231,7 @@ def build(
         attn-export build mha mha_cross --force
         attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
+        attn-export build mha --record-intermediates
     """
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
@@ -239,6 +247,7 @@ def build(
         provider=provider,
         lock_wait_s=wait_s,
         max_memory=max_memory,
+        record_intermediates=record_intermediates,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
@@ -547,6 +556,12 @@ def verify(
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
 )
+@click.option(
+    "--golden",
+    is_flag=True,
+    help="Localize the case 'build --record-intermediates' recorded, on PyTorch's recorded values: needs "
+    "neither torch nor the models' code (a deploy box).",
+)
 @max_memory_option
 @wait_option
 def localize(
@@ -566,6 +581,7 @@ def localize(
     bundle: Path | None,
     json_path: Path | None,
     overlay_path: Path | None,
+    golden: bool,
     max_memory: int | None,
     wait_s: float,
 ) -> None:
@@ -584,6 +600,7 @@ def localize(
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
         attn-export localize build mha_kv_cache --decode-step 3 --scenario left-padded
+        attn-export localize build mha --golden
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -621,6 +638,7 @@ def localize(
         scenario=scenario,
         decode_steps=decode_steps,
         fully_masked=fully_masked,
+        golden=golden,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))

@@ -54,10 +54,11 @@ def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
     return out_dir, manifest, names
 
 
-def integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
+def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:
+    """The graph's file, and those named by ``also`` ("golden", "intermediates"), against
+    the hashes the manifest records."""
     problems = []
-    files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
-    for name, want in files:
+    for name, want in entry.files("file", *also):
         got = sha256_file(out_dir / name, out_dir)
         if got != want:
             problems.append(

@@ -104,17 +104,30 @@ def threads_option(help: str) -> Decorator:  # noqa: A002
     return click.option("--threads", type=click.IntRange(1), help=f"{help} Default: physical cores.")
 
 
+def _format_dest(prefix: str, name: str) -> str:
+    """The keyword a format's ``--<name>`` option fills: ``<prefix><name>``, a Python name."""
+    return prefix + name.replace("-", "_")
+
+
 def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
-    """One ``--<format> FILE`` option per format of a registry, named ``<prefix><format>``."""
+    """One ``--<format> FILE`` option per format of a registry (``_format_dest`` names its keyword)."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for fmt in reversed(list(formats.values())):
             command = click.option(
-                f"--{fmt.name}", f"{prefix}{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
+                f"--{fmt.name}",
+                _format_dest(prefix, fmt.name),
+                type=click.Path(path_type=Path, dir_okay=False),
+                help=fmt.help,
             )(command)
         return command
 
     return decorate
+
+
+def _format_paths(formats: dict[str, Any], prefix: str, given: dict[str, Path | None]) -> dict[str, Path | None]:
+    """Format name -> the path its option was given (None where not), from a command's keywords."""
+    return {name: given[_format_dest(prefix, name)] for name in formats}
 
 
 report_options = _format_options(FORMATS, "report_")
@@ -439,7 +452,7 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
+    report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     names = shard_names(names, shard)
@@ -771,7 +784,7 @@ def bench(
     from attn_export.report import bench_text, check_bench_formats
     from attn_export.spec import spec_paths
 
-    files = {name.removeprefix("bench_"): path for name, path in reports.items()}
+    files = _format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {

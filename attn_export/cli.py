@@ -288,6 +288,55 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     sys.exit(0 if result.kernels_ok else 1)
 
 
+@cli.command("check")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--min-opset", type=click.IntRange(1), default=7, show_default=True, help="Lowest default-domain opset allowed."
+)
+@click.option(
+    "--max-opset",
+    type=click.IntRange(1),
+    help="Highest default-domain opset allowed. Default: the newest onnx defines.",
+)
+@click.option(
+    "--allow-domain",
+    "domains",
+    multiple=True,
+    help="Operator domain allowed besides ai.onnx, ai.onnx.ml and com.microsoft (repeatable).",
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+def check_cmd(
+    paths: tuple[Path, ...], min_opset: int, max_opset: int | None, domains: tuple[str, ...], json_path: Path | None
+) -> None:
+    """The static checks, for a pre-commit hook: nothing runs, nothing imports torch.
+
+    PATHS are .onnx files, golden files, manifest.json files or build folders. Each graph
+    is held to onnx.checker (full check), no random op, its opset and operator domains on
+    the allow-list, and named dims; a graph its folder's manifest names also to the
+    manifest's sha256 of it and its golden file, and to the spec's dynamic axes (symbolic,
+    distinct, named as the spec names them). Exit 0 when every file passes, 1 when one
+    does not, 2 on bad usage.
+
+    Example:
+
+        attn-export check build
+        attn-export check build/mha.onnx exported/model.onnx --max-opset 21
+    """
+    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
+    from attn_export.pipelines.check import CheckOptions, check_paths
+    from attn_export.report.check_text import format_check
+
+    if json_path is not None:
+        output_target(json_path)
+    options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
+    report = check_paths(paths, options)
+    click.echo(format_check(report))
+    if json_path is not None:
+        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    sys.exit(report.exit_code)
+
+
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None

@@ -338,12 +338,12 @@ def check_cmd(
 
 
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    i, sep, n = value.partition("/")
-    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
-        raise click.BadParameter(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
-    return int(i), int(n)
+    from attn_export.pipelines.verify.models import parse_shard
+
+    try:
+        return None if value is None else parse_shard(value)
+    except AttnExportError as e:
+        raise click.BadParameter(str(e)) from e
 
 
 @cli.command()

@@ -116,9 +116,10 @@ class ActionInputs:
 
 
 def report_paths(inputs: ActionInputs) -> dict[str, Path]:
-    """Where the reports go: ``<reports-dir>/verify[-shard-<i>-of-<n>].<ext>``, one name per
-    shard so a matrix's jobs can upload theirs side by side."""
-    stem = "verify" if inputs.shard is None else f"verify-shard-{inputs.shard[0]}-of-{inputs.shard[1]}"
+    """Where the reports go: ``<reports-dir>/verify.<ext>``, or ``shard-<i>-of-<n>.<ext>`` for
+    a shard, so a matrix's jobs upload theirs side by side and ``report merge shard-*.json``
+    takes them all."""
+    stem = "verify" if inputs.shard is None else f"shard-{inputs.shard[0]}-of-{inputs.shard[1]}"
     return {name: inputs.reports_dir / f"{stem}{ext}" for name, ext in OUTPUTS.items()}
 
 

@@ -134,9 +134,9 @@ def test_the_action_passes_a_sound_build(tiny_build: Built, tmp_path: Path) -> N
     assert "using the installed attn-export 0." in run.log
     reports = tmp_path / "workspace" / "attn-export-reports"
     assert run.outputs == {
-        "json": str(reports / "verify-shard-1-of-2.json"),
-        "junit": str(reports / "verify-shard-1-of-2.xml"),
-        "markdown": str(reports / "verify-shard-1-of-2.md"),
+        "json": str(reports / "shard-1-of-2.json"),
+        "junit": str(reports / "shard-1-of-2.xml"),
+        "markdown": str(reports / "shard-1-of-2.md"),
         "passed": "true",
     }
     report = json.loads(Path(run.outputs["json"]).read_text())
@@ -197,9 +197,9 @@ def test_fail_on_maps_each_gate_to_its_verify_option() -> None:
     assert inputs.fail_on == ("numerics", "latency", "placement")
     assert verify_command(inputs) == [
         "verify", "build", "--models", "models", "--provider", "cpu", "--provider", "cuda", "--shard", "2/4",
-        "--json", "attn-export-reports/verify-shard-2-of-4.json",
-        "--junit", "attn-export-reports/verify-shard-2-of-4.xml",
-        "--markdown", "attn-export-reports/verify-shard-2-of-4.md",
+        "--json", "attn-export-reports/shard-2-of-4.json",
+        "--junit", "attn-export-reports/shard-2-of-4.xml",
+        "--markdown", "attn-export-reports/shard-2-of-4.md",
         "--max-slowdown", "2", "--require-placement",
     ]  # fmt: skip
     assert "--max-slowdown" not in verify_command(ActionInputs.from_env({}))
@@ -216,3 +216,23 @@ def test_the_action_builds_and_verifies_against_pytorch(tmp_path: Path) -> None:
     report: dict[str, Any] = json.loads(Path(run.outputs["json"]).read_text())
     assert report["passed"] and report["settings"]["max_slowdown"] == 1000 and report["settings"]["golden"] is False
     assert (tmp_path / "workspace" / "build" / "tiny.onnx").is_file()
+
+
+def test_the_docs_workflows_use_only_the_action_s_inputs_and_its_report_names() -> None:
+    page = (ROOT / "docs" / "ci.md").read_text()
+    steps = [
+        step
+        for block in re.findall(r"```yaml\n(.*?)```", page, re.S)
+        for doc in [yaml.safe_load(block)]
+        for step in (
+            doc if isinstance(doc, list) else [s for job in doc.get("jobs", {}).values() for s in job["steps"]]
+        )
+        if isinstance(step, dict) and "attn-export@" in str(step.get("uses", ""))
+    ]
+    assert len(steps) == 2
+    for step in steps:
+        assert set(step["with"]) <= set(ACTION["inputs"]), set(step["with"]) - set(ACTION["inputs"])
+    # The matrix shards upload shard-<i>-of-4.json, which the merge job's glob takes.
+    shard = ActionInputs.from_env({"ATTN_EXPORT_SHARD": "3/4"})
+    assert Path(verify_command(shard)[verify_command(shard).index("--json") + 1]).name == "shard-3-of-4.json"
+    assert "attn-export report merge shard-*.json --junit " in page

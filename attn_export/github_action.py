@@ -192,12 +192,15 @@ def run_action(env: Mapping[str, str]) -> int:
     whatever happens; ``passed`` is ``true`` only with exit 0."""
     try:
         inputs = ActionInputs.from_env(env)
+        try:
+            inputs.reports_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"input reports-dir: cannot make {inputs.reports_dir}: {e.strerror}") from e
     except AttnExportError as e:
         print(f"::error title=attn-export::{e}", flush=True)
         _summary(env, f"### attn-export: ❌ bad input\n\n{e}\n")
         _set_outputs(env, {name: "" for name in OUTPUTS} | {"passed": "false"})
         return e.exit_code
-    inputs.reports_dir.mkdir(parents=True, exist_ok=True)
     gates = ", ".join(inputs.fail_on)
     code = 0
     build = build_command(inputs)

@@ -165,16 +165,28 @@ def test_a_failing_verify_fails_the_step_with_passed_false(tiny_build: Built, tm
     assert run.summary.endswith("`\n\nattn-export verify failed (exit 1); fail-on: numerics.\n")
 
 
-def test_bad_input_is_one_error_line_exit_2_and_passed_false(tmp_path: Path) -> None:
-    env = {"ATTN_EXPORT_FAIL_ON": "numerics speed", "GITHUB_OUTPUT": str(tmp_path / "out")}
-    env["GITHUB_STEP_SUMMARY"] = str(tmp_path / "summary.md")
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"FAIL_ON": "numerics speed"}, "input fail-on: speed unknown (choose from numerics, latency, placement)"),
+        ({"REPORTS_DIR": "pyproject.toml"}, "input reports-dir: cannot make pyproject.toml: File exists"),
+    ],
+)
+def test_bad_input_is_one_error_line_exit_2_and_passed_false(
+    given: dict[str, str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(ROOT)
+    env = {f"ATTN_EXPORT_{k}": v for k, v in given.items()}
+    env |= {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
     assert run_action(env) == 2
+    assert capsys.readouterr().out == f"::error title=attn-export::{message}\n"
     outputs = parse_github_output((tmp_path / "out").read_text())
     assert outputs == {"json": "", "junit": "", "markdown": "", "passed": "false"}
-    assert (
-        "input fail-on: speed unknown (choose from numerics, latency, placement)"
-        in (tmp_path / "summary.md").read_text()
-    )
+    assert (tmp_path / "summary.md").read_text() == f"\n### attn-export: ❌ bad input\n\n{message}\n"
 
 
 @pytest.mark.parametrize(

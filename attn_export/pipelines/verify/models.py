@@ -14,7 +14,23 @@ from attn_export.exporter.graph_checks import check_deterministic, check_dynamic
 from attn_export.exporter.source import module_sources
 from attn_export.spec import ModelSpec, load_spec
 
-__all__ = ["checkout_spec", "graph_problems", "integrity", "select_models", "shard_names", "stale_reasons"]
+__all__ = [
+    "checkout_spec",
+    "graph_problems",
+    "integrity",
+    "parse_shard",
+    "select_models",
+    "shard_names",
+    "stale_reasons",
+]
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """``"i/n"`` (ASCII digits, 1-based) as ``(i, n)``; UsageError for anything else."""
+    i, sep, n = value.partition("/")
+    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise UsageError(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
+    return int(i), int(n)
 
 
 def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str]:

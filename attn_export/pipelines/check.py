@@ -138,7 +138,7 @@ def _check_entry(out_dir: Path, entry: ManifestEntry, options: CheckOptions) -> 
     found = FileCheck(str(out_dir / entry.file), entry.name)
     results = found.results
     try:
-        results["hashes"] = "; ".join(integrity(out_dir, entry, golden=True)) or None
+        results["hashes"] = "; ".join(integrity(out_dir, entry, "golden", "intermediates")) or None
     except ArtifactError as e:  # a file the manifest names is missing or unreadable
         results["hashes"] = str(e)
     proto = _load(results, out_dir / entry.file)

@@ -40,6 +40,7 @@ __all__ = [
     "DecodeStep",
     "Trajectory",
     "compare_trajectories",
+    "one_pass_feeds",
     "plan_trajectory",
     "pytorch_trajectories",
     "scenarios",
@@ -202,15 +203,32 @@ def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list
     return steps
 
 
-def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
-    """One call without a cache on ``tokens`` (every position), as the module would see them."""
+def _alone_feeds(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
+    """The feeds of one call without a cache on ``tokens`` (every position)."""
     batch, length = keep.shape
     sizes = spec.with_sums(
         example_sizes(spec)
         | {cache.seq_dim: length, cache.past_dim: 0}
         | ({cache.batch_dim: batch} if cache.batch_dim else {})
     )
-    return runtime.run({**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)})
+    return {**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)}
+
+
+def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
+    """One call without a cache on ``tokens`` (every position), as the module would see them."""
+    return runtime.run(_alone_feeds(spec, cache, tokens, keep))
+
+
+def one_pass_feeds(spec: ModelSpec, traj: Trajectory, length: int) -> Feeds:
+    """The feeds of one pass without a cache over the trajectory's first ``length`` tokens:
+    what a step that ends there must agree with, row for row."""
+    cache = traj.cache
+    assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
+    tokens = {
+        n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
+        for n, v in traj.tokens.items()
+    }
+    return _alone_feeds(spec, cache, tokens, traj.keep[:, :length])
 
 
 def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | None:
@@ -219,16 +237,10 @@ def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | No
     every step is compared with the same row of this one pass: a module whose later tokens
     change earlier outputs (no causal mask) or whose result depends on how many keys it
     sees (a scale from the key count) disagrees with it from the first step on."""
-    cache = traj.cache
-    assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
-    length = min(traj.keep.shape[1], spec.dims[cache.seq_dim].max)
+    length = min(traj.keep.shape[1], spec.dims[traj.cache.seq_dim].max)
     if length < traj.prompt:
         return None
-    tokens = {
-        n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
-        for n, v in traj.tokens.items()
-    }
-    return _run_alone(runtime, spec, cache, tokens, traj.keep[:, :length])
+    return runtime.run(one_pass_feeds(spec, traj, length))
 
 
 def unpadded(

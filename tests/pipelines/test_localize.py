@@ -3,6 +3,7 @@ came from, in the tiny zoo's graphs; a correct graph is blamed for nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,11 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.manifest import load_manifest, save_manifest
 from attn_export.cli import cli
+from attn_export.exporter.variants import make_variant
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import TINY_ZOO, Built, needs_transformers, plant
@@ -51,9 +56,11 @@ def _swap_inputs(proto: onnx.ModelProto, node: str, a: int, b: int) -> None:
 
 
 def _set_attribute(proto: onnx.ModelProto, node: str, name: str, value: object) -> None:
+    """Set (or add) an attribute of ``node``."""
     target = _node(proto, node)
-    attr = next(a for a in target.attribute if a.name == name)
-    attr.CopyFrom(onnx.helper.make_attribute(name, value))
+    kept = [a for a in target.attribute if a.name != name]
+    del target.attribute[:]
+    target.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
 
 
 def _without_metadata(proto: onnx.ModelProto, node: str) -> None:
@@ -343,3 +350,82 @@ def test_localize_golden_names_a_build_without_recorded_intermediates(tiny_build
     result = CliRunner().invoke(cli, ["localize", str(tiny_build.out), "tiny", "--golden"])
     assert result.exit_code == 2
     assert f"tiny: no recorded intermediates in {tiny_build.out}; build it with --record-intermediates" in result.output
+
+
+def _add_variant(out: Path, model: str, variant: str) -> str:
+    """The variant made from the built plain graph and entered in the manifest, as build
+    makes it (without its smoke check: the point is to break it)."""
+    manifest = load_manifest(out)
+    name = f"{model}.{variant}"
+    graph = make_variant(variant, onnx.load(out / f"{model}.onnx")).proto
+    onnx.save(graph, out / f"{name}.onnx")
+    entry = dataclasses.replace(
+        manifest.models[model], name=name, file=f"{name}.onnx", variant=variant, intermediates="",
+        intermediates_sha256="", sha256=sha256_file(out / f"{name}.onnx"),
+    )  # fmt: skip
+    manifest.models[name] = entry
+    save_manifest(out, manifest)
+    return name
+
+
+def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> None:
+    init = next(i for i in proto.graph.initializer if i.name == name)
+    value = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((value * factor).astype(value.dtype), name))
+
+
+#: (fault, variant, a node of the region to blame, edit, the FX node compared there, FX nodes
+#: the region must stand for, a piece of the source line)
+FUSED_PLANTS = [
+    ("fused attention's bias", "ort-fused", "node_MultiHeadAttention_3",
+     lambda p: _scale_initializer(p, "val_7", 2.0), "view_3", {"linear", "softmax", "div", "view_3"},
+     "output.transpose(1, 2)"),
+    ("quantized weight's scale", "int8", "node_MatMul_2_quant",
+     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
+    ("ONNX Runtime's fused scale", "ort-optimized", "node_matmul/MatMulScaleFusion/",
+     lambda p: _set_attribute(p, "node_matmul/MatMulScaleFusion/", "alpha", 1.0), "div", {"matmul", "div"},
+     "/ (self.head_dim**0.5)"),
+    ("softmax axis among float16 casts", "fp16", "node_softmax",
+     lambda p: _set_attribute(p, "node_softmax", "axis", 2), "softmax", {"softmax"}, "F.softmax(scores, dim=-1)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
+    [pytest.param(*p, id=p[0], marks=pytest.mark.slow if p[1] == "fp16" else ()) for p in FUSED_PLANTS],
+)
+def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_it_stands_for(
+    zoo_copy: Path, fault: str, variant: str, node: str, edit: Callable, fx_node: str, covers: set[str], code: str
+) -> None:
+    name = _add_variant(zoo_copy, "mha", variant)
+    agrees = _localize(zoo_copy, name)
+    assert agrees.agrees and not [r.fx_node for r in agrees.regions if r.breaks], "a correct variant"
+    proto = onnx.load(zoo_copy / f"{name}.onnx")
+    edit(proto)
+    plant(zoo_copy, name, proto)
+    report = _localize(zoo_copy, name)
+    first = report.first
+    assert not report.agrees and first is not None and report.cause == "graph", report.notes
+    assert (first.fx_node, node in first.nodes) == (fx_node, True), where(first)
+    assert covers <= set(first.covers or [first.fx_node]), first.covers
+    assert code in first.code and first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
+    assert [r.fx_node for r in report.regions if r.breaks] == [fx_node]
+
+
+@pytest.mark.slow
+def test_a_fault_in_onnx_runtimes_cache_attention_is_localized_to_the_sdpa_and_cache_lines(
+    zoo_copy: Path,
+) -> None:
+    """ort-past replaces the opset-23 Attention op and the cache's Concat pair by
+    MultiHeadAttention with past inputs; its nodes keep the Attention node's source line."""
+    spec = TINY_ZOO / "mha_kv_cache.toml"
+    summary = build_models([spec], BuildOptions(zoo_copy, variants=("ort-past",)))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    proto = onnx.load(zoo_copy / "mha_kv_cache.ort-past.onnx")
+    _set_attribute(proto, "ort_past_0/MultiHeadAttention", "scale", 1.0)
+    plant(zoo_copy, "mha_kv_cache.ort-past", proto)
+    report = _localize(zoo_copy, "mha_kv_cache.ort-past")
+    first = report.first
+    assert first is not None and first.fx_node == "scaled_dot_product_attention", report.notes
+    assert "ort_past_0/MultiHeadAttention" in first.nodes and {"cat", "cat_1"} <= set(first.covers)
+    assert first.source.startswith(str(ZOO_CODE / "kv_cache.py") + ":") and len(first.lines) == 3

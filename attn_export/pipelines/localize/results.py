@@ -66,6 +66,12 @@ class RegionError:
     propagated: OutputComparison | None
     #: Why ONNX Runtime would not run the region alone on PyTorch's values, if it would not.
     refused: str | None = None
+    #: For a region that stands for several FX nodes (a variant's fused op, a rewrite's
+    #: nodes): those FX nodes in graph order, and their distinct source lines.
+    covers: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    #: The ONNX node that computes ``value`` ('' when unnamed).
+    node: str = ""
 
     @property
     def breaks(self) -> bool:
@@ -123,28 +129,39 @@ class LocalizeReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reproduce: str = ""
+    #: At a decoder's step: the first FX node where the module with its cache parts from
+    #: one pass of itself over every token so far (a bug in the module, not the graph).
+    module_bug: RegionError | None = None
+
+    @property
+    def graph_agrees(self) -> bool:
+        """Whether the graph gives PyTorch's outputs on the case."""
+        return all(o.passed for o in self.outputs)
 
     @property
     def agrees(self) -> bool:
-        return all(o.passed for o in self.outputs)
+        """Whether the graph gives PyTorch's outputs and PyTorch agrees with itself."""
+        return self.graph_agrees and self.module_bug is None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": "attn-export/localize-report",
             "schema_version": 1,
-            **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first")},
+            **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first", "module_bug")},
             "agrees": self.agrees,
             "outputs": [o.to_dict() for o in self.outputs],
             "first": self.first.to_dict() if self.first else None,
+            "module_bug": self.module_bug.to_dict() if self.module_bug else None,
             "regions": [r.to_dict() for r in self.regions],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LocalizeReport:
-        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first"}
+        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first", "module_bug"}
         return cls(
             **{k: v for k, v in d.items() if k not in skip},
             outputs=[OutputComparison.from_dict(o) for o in d["outputs"]],
             regions=[RegionError.from_dict(r) for r in d["regions"]],
             first=RegionError.from_dict(d["first"]) if d["first"] else None,
+            module_bug=RegionError.from_dict(d["module_bug"]) if d.get("module_bug") else None,
         )

@@ -358,6 +358,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
+@click.option(
+    "--require-placement/--no-require-placement",
+    default=None,
+    help="Fail a target's cases when ONNX Runtime ran nodes that handle float data on another provider than "
+    "the one asked for (read from one profiled run per model and target, never a timed one). "
+    "Default: on for every provider but cpu.",
+)
 @max_memory_option
 @wait_option
 @report_options
@@ -388,6 +395,7 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    require_placement: bool | None,
     max_memory: int | None,
     wait_s: float,
     shard: tuple[int, int] | None,
@@ -424,6 +432,7 @@ def verify(
         format_distributions,
         format_failures,
         format_model_rows,
+        format_placement,
         format_summary,
     )
     from attn_export.runtimes import resolve_targets
@@ -462,6 +471,7 @@ def verify(
         lock_wait_s=wait_s,
         mask_case=mask_case,
         decode_steps=decode_steps,
+        require_placement=require_placement,
     )
     notice = tidy(out_dir)
     if notice:
@@ -478,7 +488,8 @@ def verify(
         click.echo(format_model_rows(name, cases, check))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model, on_notice=_notice)
-    for text in (format_decode(report), format_distributions(report), format_failures(report)):
+    sections = (format_decode, format_distributions, format_placement, format_failures)
+    for text in (section(report) for section in sections):
         if text:
             click.echo(text)
     if localize_first:

@@ -53,6 +53,14 @@ def markdown_report(report: VerifyReport) -> str:
             prompts = ",".join(map(str, d.prompt_lengths))
             verdict = "PASS" if d.passed else "**FAIL**"
             lines.append(f"| {d.model} | {d.runtime} | {d.scenario} | {prompts} | {verdict} | {by_step} |")
+    if report.placement:
+        lines += ["", "#### Provider placement (where each node ran)", ""]
+        lines += ["| model | runtime | nodes | result | where |", "|---|---|---:|---|---|"]
+        for p in report.placement:
+            lines.append(
+                f"| {p.model} | {p.runtime} | {p.placement.nodes} | {'**FAIL**' if not p.passed else p.verdict} | "
+                f"{p.placement.summary()} |"
+            )
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
     problems += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {r}" for d in report.decode for r in d.reasons()]
     problems += [

@@ -30,6 +30,7 @@ from attn_export.pipelines.verify.expected import (
     torch_expected,
 )
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
+from attn_export.pipelines.verify.placement import gate_cases, model_placement
 from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.runtimes.timing import check_threads, measure_alternating, physical_cores
@@ -173,6 +174,10 @@ def _verify_locked(
                 cache = cache_of(spec)
                 if cache is not None and options.steps:
                     report.decode += decode_model(out_dir, entry, spec, cache, options, golden)
+                # after every timed run: a profiled session never runs beside one
+                placements = model_placement(name, out_dir / entry.file, spec, options)
+                gate_cases(cases, placements)
+                report.placement += placements
             except UsageError:
                 raise
             except AttnExportError as e:

@@ -28,6 +28,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
 from attn_export.spec.model import FULLY_MASKED
+from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
     pass
@@ -359,6 +360,13 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
 @click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="For decoders: a scenario preset's steps instead of the sweep ("
+    + "; ".join(f"{s.name}: {s.help}" for s in SCENARIOS.values())
+    + "). Models without a key/value cache are left out.",
+)
+@click.option(
     "--require-placement/--no-require-placement",
     default=None,
     help="Fail a target's cases when ONNX Runtime ran nodes that handle float data on another provider than "
@@ -395,6 +403,7 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    scenario: str | None,
     require_placement: bool | None,
     max_memory: int | None,
     wait_s: float,
@@ -421,6 +430,7 @@ def verify(
         CaseResult,
         ModelCheck,
         VerifyOptions,
+        decoder_names,
         select_models,
         shard_names,
         verify_artifacts,
@@ -451,7 +461,6 @@ def verify(
     report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
     check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
-    names = shard_names(names, shard)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
@@ -472,7 +481,12 @@ def verify(
         mask_case=mask_case,
         decode_steps=decode_steps,
         require_placement=require_placement,
+        scenario=scenario,
     )
+    options.check()  # before the folder's decoders are picked for --scenario
+    if scenario:
+        names = decoder_names(manifest, names, scenario, _notice)
+    names = shard_names(names, shard)
     notice = tidy(out_dir)
     if notice:
         _notice(notice)
@@ -742,6 +756,12 @@ def _sizes(value: str, minimum: int) -> list[int]:
     callback=_past_list,
     help="With --decode: past lengths, e.g. 0,128,512. Default: 0,128,512,2048 clamped to the spec's range.",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="Time a decoder scenario preset's steps as bench --decode times its steps (its batch, past, query "
+    "tokens per step and steps replace --batch, --past and --seq); without NAMES, the zoo's models with a cache.",
+)
 @bench_report_options
 def bench(
     names: tuple[str, ...],
@@ -757,6 +777,7 @@ def bench(
     max_memory: int | None,
     decode: bool,
     pasts: list[int] | None,
+    scenario: str | None,
     runtimes: tuple[str, ...],
     **reports: Path | None,
 ) -> None:
@@ -776,6 +797,7 @@ def bench(
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
+        attn-export bench mha_kv_cache --scenario speculative
     """
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import bench_models
@@ -794,14 +816,22 @@ def bench(
         "runtimes": tuple(dict.fromkeys(runtimes)),
         "max_memory": max_memory,
     }
-    if decode:
-        if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
+    source = click.get_current_context().get_parameter_source
+    flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
+    typed = [f for f, name in flags.items() if source(name) is not click.core.ParameterSource.DEFAULT]
+    if scenario and typed:
+        raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
+    if decode or scenario:
+        if "--seq" in typed:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
         from attn_export.pipelines.bench.decode import bench_decode_models
         from attn_export.pipelines.bench.results import DecodeBenchOptions
 
         decode_options = DecodeBenchOptions(
-            pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared
+            pasts=pasts,
+            variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants,
+            scenario=scenario,
+            **shared,
         )
         _run_bench(
             lambda on_row: bench_decode_models(

@@ -47,7 +47,7 @@ def markdown_report(report: VerifyReport) -> str:
             lines.append(f"| {model} | {runtime} | {cells} |")
     if report.decode:
         lines += ["", "#### Decoding with a KV cache (max abs error by step; step 1 is the prompt)", ""]
-        lines += ["| model | runtime | scenario | prompts | result | by step |", "|---|---|---|---|---|---|"]
+        lines += ["| model | runtime | layout | prompts | result | by step |", "|---|---|---|---|---|---|"]
         for d in report.decode:
             by_step = " ".join(_cell(s.max_abs_error, ".1e") for s in d.steps)
             prompts = ",".join(map(str, d.prompt_lengths))

@@ -69,7 +69,7 @@ def format_decode(report: VerifyReport) -> str:
     (step 1 is the prompt), so the step where an error starts to grow is in view."""
     if not report.decode:
         return ""
-    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'SCENARIO':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
+    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'LAYOUT':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
     for d in report.decode:
         prompts = ",".join(map(str, d.prompt_lengths))
         errors = " ".join(_num(s.max_abs_error, ".1e") for s in d.steps)
@@ -88,9 +88,8 @@ def format_placement(report: VerifyReport) -> str:
     if not off:
         models, targets = len({p.model for p in report.placement}), len({p.runtime for p in report.placement})
         nodes = sum(p.placement.nodes for p in report.placement)
-        return (
-            f"placement: every node ran on the provider asked for (models: {models}, targets: {targets}, nodes: {nodes})"
-        )
+        counts = f"models: {models}, targets: {targets}, nodes: {nodes}"
+        return f"placement: every node ran on the provider asked for ({counts})"
     lines = [f"{'PLACEMENT':<18} {'RUNTIME':<18} {'RESULT':<6} WHERE"]
     lines += [f"{p.model:<18} {p.runtime:<18} {p.verdict:<6} {p.placement.summary()}" for p in off]
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from attn_export.runtimes.placement import Placement
 from attn_export.runtimes.timing import LatencyStats
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.masks import CASES
+from attn_export.spec.scenarios import SCENARIOS
 from attn_export.spec.shapes import format_sizes
 
 __all__ = ["CaseResult", "ModelCheck", "PlacementResult", "VerifyOptions", "VerifyReport"]
@@ -64,6 +65,8 @@ class VerifyOptions:
     decode_steps: int | None = None
     #: Fail a target's cases when nodes ran off its provider; None: on for every provider but cpu.
     require_placement: bool | None = None
+    #: A decoder scenario preset (``spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
+    scenario: str | None = None
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
@@ -81,6 +84,16 @@ class VerifyOptions:
             raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
         if self.max_memory is not None and self.max_memory < 1:
             raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+        if self.scenario is not None:
+            if self.scenario not in SCENARIOS:
+                raise UsageError(f"--scenario {self.scenario}: unknown (known: {', '.join(SCENARIOS)})")
+            clash = next((o for o, v in self._sweep_options().items() if v), None)
+            if clash:
+                raise UsageError(f"--scenario replaces the sweep: it cannot be combined with {clash}")
+
+    def _sweep_options(self) -> dict[str, object]:
+        """The options that fix a run's cases, as the CLI names them."""
+        return {"--shapes": self.shapes, "--inputs": self.inputs_file, "--golden": self.golden}
 
     def placement_required(self, target: Target) -> bool:
         """Whether ``--require-placement`` holds for ``target``."""
@@ -93,7 +106,7 @@ class VerifyOptions:
         """The decode steps this run takes for a model with a cache."""
         if self.decode_steps is not None:
             return self.decode_steps
-        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case
+        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case or self.scenario
         return 0 if narrowed else DEFAULT_STEPS
 
     def settings(self) -> dict[str, Any]:
@@ -114,6 +127,7 @@ class VerifyOptions:
             "mask_case": self.mask_case,
             "decode_steps": self.steps,
             "require_placement": self.require_placement,
+            "scenario": self.scenario,
         }
 
 

@@ -39,6 +39,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.scenarios import scenario_sizes
 from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
@@ -143,6 +144,9 @@ def _verify_locked(
     report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())
     entries = [manifest.models[name] for name in names]
     specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
+    if options.scenario:  # every model fits it, before any work
+        for spec in specs:
+            scenario_sizes(spec, options.scenario)
     for name, entry, spec in zip(names, entries, specs, strict=True):
         if options.shapes:
             for sizes in options.shapes:

@@ -105,17 +105,30 @@ def threads_option(help: str) -> Decorator:  # noqa: A002
     return click.option("--threads", type=click.IntRange(1), help=f"{help} Default: physical cores.")
 
 
+def _format_dest(prefix: str, name: str) -> str:
+    """The keyword a format's ``--<name>`` option fills: ``<prefix><name>``, a Python name."""
+    return prefix + name.replace("-", "_")
+
+
 def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
-    """One ``--<format> FILE`` option per format of a registry, named ``<prefix><format>``."""
+    """One ``--<format> FILE`` option per format of a registry (``_format_dest`` names its keyword)."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for fmt in reversed(list(formats.values())):
             command = click.option(
-                f"--{fmt.name}", f"{prefix}{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
+                f"--{fmt.name}",
+                _format_dest(prefix, fmt.name),
+                type=click.Path(path_type=Path, dir_okay=False),
+                help=fmt.help,
             )(command)
         return command
 
     return decorate
+
+
+def _format_paths(formats: dict[str, Any], prefix: str, given: dict[str, Path | None]) -> dict[str, Path | None]:
+    """Format name -> the path its option was given (None where not), from a command's keywords."""
+    return {name: given[_format_dest(prefix, name)] for name in formats}
 
 
 report_options = _format_options(FORMATS, "report_")
@@ -197,6 +210,12 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
 @wait_option
 @max_memory_option
+@click.option(
+    "--record-intermediates",
+    is_flag=True,
+    help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
+    "'localize --golden' runs where torch is not installed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -210,6 +229,7 @@ def build(
     provider: str,
     wait_s: float,
     max_memory: int | None,
+    record_intermediates: bool,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
@@ -225,6 +245,7 @@ def build(
         attn-export build mha mha_cross --force
         attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
+        attn-export build mha --record-intermediates
     """
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
@@ -240,6 +261,7 @@ def build(
         provider=provider,
         lock_wait_s=wait_s,
         max_memory=max_memory,
+        record_intermediates=record_intermediates,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
@@ -276,13 +298,62 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     sys.exit(0 if result.kernels_ok else 1)
 
 
+@cli.command("check")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--min-opset", type=click.IntRange(1), default=7, show_default=True, help="Lowest default-domain opset allowed."
+)
+@click.option(
+    "--max-opset",
+    type=click.IntRange(1),
+    help="Highest default-domain opset allowed. Default: the newest onnx defines.",
+)
+@click.option(
+    "--allow-domain",
+    "domains",
+    multiple=True,
+    help="Operator domain allowed besides ai.onnx, ai.onnx.ml and com.microsoft (repeatable).",
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+def check_cmd(
+    paths: tuple[Path, ...], min_opset: int, max_opset: int | None, domains: tuple[str, ...], json_path: Path | None
+) -> None:
+    """The static checks, for a pre-commit hook: nothing runs, nothing imports torch.
+
+    PATHS are .onnx files, golden files, manifest.json files or build folders. Each graph
+    is held to onnx.checker (full check), no random op, its opset and operator domains on
+    the allow-list, and named dims; a graph its folder's manifest names also to the
+    manifest's sha256 of it and its golden file, and to the spec's dynamic axes (symbolic,
+    distinct, named as the spec names them). Exit 0 when every file passes, 1 when one
+    does not, 2 on bad usage.
+
+    Example:
+
+        attn-export check build
+        attn-export check build/mha.onnx exported/model.onnx --max-opset 21
+    """
+    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
+    from attn_export.pipelines.check import CheckOptions, check_paths
+    from attn_export.report.check_text import format_check
+
+    if json_path is not None:
+        output_target(json_path)
+    options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
+    report = check_paths(paths, options)
+    click.echo(format_check(report))
+    if json_path is not None:
+        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    sys.exit(report.exit_code)
+
+
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    i, sep, n = value.partition("/")
-    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
-        raise click.BadParameter(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
-    return int(i), int(n)
+    from attn_export.pipelines.verify.models import parse_shard
+
+    try:
+        return None if value is None else parse_shard(value)
+    except AttnExportError as e:
+        raise click.BadParameter(str(e)) from e
 
 
 @cli.command()
@@ -458,7 +529,7 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
+    report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     options = VerifyOptions(
@@ -572,6 +643,12 @@ def verify(
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
 )
+@click.option(
+    "--golden",
+    is_flag=True,
+    help="Localize the case 'build --record-intermediates' recorded, on PyTorch's recorded values: needs "
+    "neither torch nor the models' code (a deploy box).",
+)
 @max_memory_option
 @wait_option
 def localize(
@@ -591,6 +668,7 @@ def localize(
     bundle: Path | None,
     json_path: Path | None,
     overlay_path: Path | None,
+    golden: bool,
     max_memory: int | None,
     wait_s: float,
 ) -> None:
@@ -609,6 +687,7 @@ def localize(
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
         attn-export localize build mha_kv_cache --decode-step 3 --scenario left-padded
+        attn-export localize build mha --golden
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -646,6 +725,7 @@ def localize(
         scenario=scenario,
         decode_steps=decode_steps,
         fully_masked=fully_masked,
+        golden=golden,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))
@@ -804,7 +884,7 @@ def bench(
     from attn_export.report import bench_text, check_bench_formats
     from attn_export.spec import spec_paths
 
-    files = {name.removeprefix("bench_"): path for name, path in reports.items()}
+    files = _format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {

@@ -46,7 +46,9 @@ def _error(c: OutputComparison | None) -> str:
 
 
 def format_localize(report: LocalizeReport) -> str:
-    if report.decode_step is not None:
+    if report.golden_case is not None:
+        case = f"the recorded case {report.golden_case} ({format_sizes(report.sizes)}), PyTorch's values as built"
+    elif report.decode_step is not None:
         case = (
             f"decode step {report.decode_step} of {report.scenario} ({format_sizes(report.sizes)}), seed {report.seed}"
         )

@@ -21,6 +21,7 @@ from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import load_spec
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec
+from tests.report.test_benchmark_json import custom_smaller_is_better
 
 #: The production spec, for what needs no build; the tiny zoo's for what runs.
 SPEC = ZOO / "mha_kv_cache.toml"
@@ -42,6 +43,7 @@ def decode_run(built: Path) -> tuple[Path, object]:
     args = ["bench", str(TINY_SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
     args += ["--variant", "int8", "--budget", "0.01", "--threads", "1", "--json", str(folder / "decode.json")]
     args += ["--markdown", str(folder / "decode.md"), "--plot", str(folder / "decode.png")]
+    args += ["--benchmark-json", str(folder / "benchmark.json")]
     return folder, CliRunner().invoke(cli, args)
 
 
@@ -64,6 +66,17 @@ def test_one_row_per_runner_and_past_with_consistent_figures(decode_run) -> None
     assert all(v is not None and v > 0 for v in report.memory_mb["mha_kv_cache"].values())
     assert report.threads == 1 and report.seed == 0 and "random" in report.prefill
     assert report.to_dict() == DecodeBenchReport.from_dict(report.to_dict()).to_dict()
+
+
+def test_benchmark_json_has_one_entry_per_decode_row(decode_run) -> None:
+    folder, result = decode_run
+    assert result.exit_code == 0, result.output
+    report = DecodeBenchReport.from_dict(json.loads((folder / "decode.json").read_text()))
+    entries = custom_smaller_is_better((folder / "benchmark.json").read_text())
+    names = [f"mha_kv_cache {r.runner} [cpu] decode batch=1 past={r.past}" for r in report.rows]
+    assert [e["name"] for e in entries] == names and len(names) == 6
+    assert [e["value"] for e in entries] == [r.latency.p50_ms for r in report.rows]
+    assert all("window: 8 steps" in e["extra"] for e in entries)
 
 
 def test_table_markdown_and_plot(decode_run) -> None:

@@ -4,6 +4,9 @@ came from, in the tiny zoo's graphs; a correct graph is blamed for nothing."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +19,11 @@ from onnx import numpy_helper
 from attn_export.cli import cli
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import format_localize, where
-from tests.conftest import TINY_ZOO, needs_transformers, plant
+from tests.conftest import TINY_ZOO, Built, needs_transformers, plant
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
+#: The CLI where torch cannot be imported, as on a deploy box.
+NO_TORCH = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
 
 
 def _node(proto: onnx.ModelProto, name: str) -> onnx.NodeProto:
@@ -217,10 +222,6 @@ def test_shrink_finds_the_smallest_case_that_fails_at_the_same_node(
 def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_one(
     zoo_copy: Path, tmp_path: Path
 ) -> None:
-    import os
-    import subprocess
-    import sys
-
     proto = onnx.load(zoo_copy / "mha.onnx")
     _set_attribute(proto, "node_softmax", "axis", 2)
     plant(zoo_copy, "mha", proto)
@@ -238,8 +239,7 @@ def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_on
     broken = reproduce()
     assert broken.returncode == 1, broken.stderr
     assert broken.stdout.splitlines()[1].startswith("DIFFERS: softmax: ")
-    no_torch = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
-    blocked = subprocess.run([sys.executable, "-c", no_torch, "replay", str(bundle)], capture_output=True, text=True)
+    blocked = subprocess.run([sys.executable, "-c", NO_TORCH, "replay", str(bundle)], capture_output=True, text=True)
     assert blocked.returncode == 1 and blocked.stdout == broken.stdout, blocked.stderr  # no torch needed
     _set_attribute(region, "node_softmax", "axis", -1)
     onnx.save(region, bundle / "region.onnx")
@@ -305,3 +305,41 @@ def test_a_region_onnx_runtime_will_not_run_is_named(zoo_copy: Path) -> None:
     assert report.cause == "refused" and report.first is not None and report.first.fx_node == "softmax"
     assert report.first.refused and any(n.startswith("the whole graph fails to run") for n in report.notes)
     assert "ONNX Runtime will not run it on PyTorch's values" in format_localize(report)
+
+
+def test_a_planted_fault_is_localized_on_a_box_without_torch_from_the_recorded_intermediates(
+    zoo_copy: Path, tmp_path: Path
+) -> None:
+    """build --record-intermediates kept PyTorch's values on the case `distinct`; localize
+    --golden reads them, with torch and the models' code out of reach."""
+    def golden(*args: str) -> subprocess.CompletedProcess[str]:
+        run = [sys.executable, "-c", NO_TORCH, "localize", str(zoo_copy), "mha", "--golden", *args]
+        return subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)  # no checkout here
+
+    agrees = golden()
+    assert agrees.returncode == 0, agrees.stderr
+    assert agrees.stdout.startswith("localize mha at the recorded case distinct (batch=2,seq=3)")
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _replace_input(proto, "node_div", 1, lambda v: v * 2)
+    plant(zoo_copy, "mha", proto)
+    found = golden("--json", str(tmp_path / "where.json"))
+    assert found.returncode == 1, found.stderr
+    report = LocalizeReport.from_dict(json.loads((tmp_path / "where.json").read_text()))
+    assert report.first is not None and (report.first.fx_node, report.first.nodes) == ("div", ["node_div"])
+    assert report.first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
+    assert "/ (self.head_dim**0.5)" in report.first.code and report.golden_case == "distinct"
+    assert report.reproduce == f"attn-export localize {zoo_copy} mha --golden"
+    refused = golden("--shapes", "batch=1,seq=2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "Error: --golden localizes the case the build recorded: it cannot be combined with --shapes"
+    )
+    (zoo_copy / "mha.intermediates.npz").write_bytes(b"PK not a zip")
+    tampered = golden()
+    assert tampered.returncode == 2 and "mha.intermediates.npz changed after the build" in tampered.stderr
+
+
+def test_localize_golden_names_a_build_without_recorded_intermediates(tiny_build: Built) -> None:
+    result = CliRunner().invoke(cli, ["localize", str(tiny_build.out), "tiny", "--golden"])
+    assert result.exit_code == 2
+    assert f"tiny: no recorded intermediates in {tiny_build.out}; build it with --record-intermediates" in result.output

@@ -42,6 +42,9 @@ class LocalizeOptions:
     #: The spec's ``fully_masked`` rule overridden for this case ("match" compares the
     #: padded query rows that "ignore" leaves out, to see where the two sides part there).
     fully_masked: str | None = None
+    #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
+    #: no torch and no checkout needed.
+    golden: bool = False
 
 
 @dataclass
@@ -110,6 +113,8 @@ class LocalizeReport:
     #: For a decoder's step: which (1 = the prompt) of which scenario.
     decode_step: int | None = None
     scenario: str | None = None
+    #: With ``golden``: the recorded case's label (its sizes are ``sizes``).
+    golden_case: str | None = None
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.
     shrunk_from: dict[str, int] | None = None
     shrink_tries: int = 0

@@ -20,7 +20,8 @@ import onnx
 from attn_export.artifacts.bundle import check_bundle_folder, write_bundle
 from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
-from attn_export.artifacts.manifest import load_manifest
+from attn_export.artifacts.intermediates import read_intermediates
+from attn_export.artifacts.manifest import ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode import DEFAULT_STEPS, plan_trajectory, run_trajectory, scenarios, step_inputs
@@ -41,6 +42,7 @@ from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.cache import cache_of
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
@@ -227,7 +229,9 @@ def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> t
 
 
 def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
-    if options.decode_step is None:
+    if options.golden:
+        args = [str(out_dir), model, "--golden"]
+    elif options.decode_step is None:
         args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
         args += ["--distribution", options.distribution]
     else:
@@ -235,16 +239,34 @@ def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mappi
         args += ["--scenario", options.scenario] if options.scenario else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
-    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" else []
+    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" and not options.golden else []
     args += ["--provider", options.provider] if options.provider != "cpu" else []
     args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
+
+
+def _check_golden(options: LocalizeOptions) -> None:
+    """``golden`` localizes the recorded case: refuse options that would name another."""
+    if not options.golden:
+        return
+    asked = {
+        "--shapes": options.sizes is not None,
+        "--seed": options.seed != 0,
+        "--distribution": options.distribution != DEFAULT_DISTRIBUTION,
+        "--mask-case": options.mask_case is not None,
+        "--decode-step": options.decode_step is not None,
+        "--shrink": options.shrink,
+    }
+    named = [flag for flag, given in asked.items() if given]
+    if named:
+        raise UsageError(f"--golden localizes the case the build recorded: it cannot be combined with {named[0]}")
 
 
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
     one). UsageError/ArtifactError on bad input; the verdict is data."""
     require_provider(options.provider)
+    _check_golden(options)
     with read_lock(out_dir, options.lock_wait_s):
         manifest = load_manifest(out_dir)
         if model is None:
@@ -255,23 +277,31 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         if model not in manifest.models:
             raise UsageError(f"{out_dir}: no model '{model}' (it has: {', '.join(sorted(manifest.models))})")
         entry = manifest.models[model]
-        problems = integrity(out_dir, entry, golden=False)
+        if options.golden and not entry.intermediates:
+            raise UsageError(
+                f"{model}: no recorded intermediates in {out_dir}; build it with --record-intermediates "
+                "where torch is installed"
+            )
+        problems = integrity(out_dir, entry, *(("intermediates",) if options.golden else ()))
         if problems:
             raise ArtifactError(problems[0])
-        spec = checkout_spec(options.models_dir, entry)
-        stale = stale_reasons(entry, spec)
-        if stale:
-            raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
+        if options.golden:
+            spec = entry.model_spec  # data: the recording is the module's side, no code runs
+        else:
+            spec = checkout_spec(options.models_dir, entry)
+            stale = stale_reasons(entry, spec)
+            if stale:
+                raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
     if options.bundle is not None:
         check_bundle_folder(options.bundle)
-    report, replay = _localize(out_dir, model, entry.variant, spec, proto, options)
+    report, replay = _localize(out_dir, model, entry, spec, proto, options)
     if options.shrink and not report.agrees:
         asked = report.sizes
         smallest, _, tries = shrink_case(
-            spec, options, report, lambda trial: _localize(out_dir, model, entry.variant, spec, proto, trial)[0]
+            spec, options, report, lambda trial: _localize(out_dir, model, entry, spec, proto, trial)[0]
         )
-        report, replay = _localize(out_dir, model, entry.variant, spec, proto, smallest)  # its bundle too
+        report, replay = _localize(out_dir, model, entry, spec, proto, smallest)  # its bundle too
         report.shrunk_from, report.shrink_tries = asked, tries
     if options.bundle is not None and (replay is None or report.first is None):
         why = "the case agrees" if report.agrees else "no single region's own error is to blame"
@@ -303,8 +333,46 @@ class _Replay:
     tolerance: Tolerance
 
 
+@dataclass
+class _Side:
+    """PyTorch's side of one case: its sizes and feeds, the value of every FX node, and the
+    outputs as verify judges them (with PyTorch's own float32 error)."""
+
+    sizes: dict[str, int]
+    feeds: dict[str, np.ndarray]
+    values: TorchValues
+    case: GoldenCase
+
+
+def _pytorch_side(
+    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int
+) -> tuple[_Side, LocalizeOptions]:
+    """Run the module's FX program and the module itself on the case ``options`` name."""
+    module = instantiate(spec)
+    if options.decode_step is None:
+        sizes = _check_case(spec, options)
+        check_memory(spec, [ShapePoint("localize", sizes)], budget)
+        feeds = make_feeds(
+            spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution
+        )
+    else:
+        sizes, feeds, scenario = _decode_step(spec, module, options, budget)
+        options = dataclasses.replace(options, scenario=scenario)
+    values = torch_values(_program(spec, module, _opset(proto)), spec, feeds, budget)
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        outputs = eager.run(feeds)
+        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs))
+    return _Side(dict(sizes), feeds, values, case), options
+
+
+def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
+    """The case ``build --record-intermediates`` recorded, read without torch."""
+    rec = read_intermediates(path, spec, budget, root=path.parent)
+    return _Side(rec.case.sizes, rec.case.inputs, TorchValues.from_recorded(rec), rec.case)
+
+
 def _localize(
-    out_dir: Path, model: str, variant: str, spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions
+    out_dir: Path, model: str, entry: ManifestEntry, spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions
 ) -> tuple[LocalizeReport, _Replay | None]:
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not any(
@@ -315,31 +383,22 @@ def _localize(
             "source line they came from (this one has no such metadata)"
         )
     budget = memory_budget(options.max_memory, spec)
-    module = instantiate(spec)
     if options.fully_masked is not None:
         spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
-    if options.decode_step is None:
-        sizes = _check_case(spec, options)
-        check_memory(spec, [ShapePoint("localize", sizes)], budget)
-        feeds = make_feeds(
-            spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution
-        )
+    if options.golden:
+        side = _recorded_side(out_dir / entry.intermediates, spec, budget)
     else:
-        sizes, feeds, scenario = _decode_step(spec, module, options, budget)
-        options = dataclasses.replace(options, scenario=scenario)
-    program = _program(spec, module, _opset(proto))
-    torch_vals = torch_values(program, spec, feeds, budget)
+        side, options = _pytorch_side(spec, proto, options, budget)
+    sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
+    outputs = case.outputs
     notes = []
     try:
         graph_vals = graph_values(proto, feeds, options.provider, budget)
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
-    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
-        outputs = eager.run(feeds)
-        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs))
     judged, judge_notes = judge(
-        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(variant)
+        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(entry.variant)
     )
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys())
@@ -348,8 +407,9 @@ def _localize(
     errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget, rows)
     report = LocalizeReport(
         model=model,
-        file=str(out_dir / f"{model}.onnx"),
+        file=str(out_dir / entry.file),
         sizes=dict(sizes),
+        golden_case=case.label if options.golden else None,
         seed=options.seed,
         distribution=options.distribution,
         mask_case=options.mask_case,

@@ -20,10 +20,19 @@ __all__ = [
     "decoder_names",
     "graph_problems",
     "integrity",
+    "parse_shard",
     "select_models",
     "shard_names",
     "stale_reasons",
 ]
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """``"i/n"`` (ASCII digits, 1-based) as ``(i, n)``; UsageError for anything else."""
+    i, sep, n = value.partition("/")
+    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise UsageError(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
+    return int(i), int(n)
 
 
 def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str]:
@@ -77,10 +86,11 @@ def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
     return out_dir, manifest, names
 
 
-def integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
+def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:
+    """The graph's file, and those named by ``also`` ("golden", "intermediates"), against
+    the hashes the manifest records."""
     problems = []
-    files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
-    for name, want in files:
+    for name, want in entry.files("file", *also):
         got = sha256_file(out_dir / name, out_dir)
         if got != want:
             problems.append(

@@ -152,7 +152,7 @@ def _verify_locked(
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
         check_mask_case(spec, options.mask_case, name)
-        check = ModelCheck(name, entry.file, integrity(out_dir, entry, options.golden))
+        check = ModelCheck(name, entry.file, integrity(out_dir, entry, *(("golden",) if options.golden else ())))
         report.checks.append(check)
         if check.passed and not options.golden:
             stale = stale_reasons(entry, spec)

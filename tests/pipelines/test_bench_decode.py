@@ -177,8 +177,10 @@ def test_bad_decode_options_exit_2(tmp_path: Path, args: list[str], message: str
 def test_a_scenario_times_its_steps_of_several_tokens(built: Path, tmp_path: Path) -> None:
     args = ["bench", str(TINY_SPEC), "--scenario", "speculative", "--out", str(built), "--variant", "fp32"]
     args += ["--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "s.json")]
-    result = CliRunner().invoke(cli, args)
+    result = CliRunner().invoke(cli, [*args, "--benchmark-json", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
+    names = [e["name"] for e in json.loads((tmp_path / "b.json").read_text())]
+    assert names == [f"mha_kv_cache {r} [cpu] speculative batch=1 past=20 seq=4" for r in ("torch-eager", "ort:fp32")]
     assert "scenario speculative: a step of SEQ tokens" in result.output
     report = DecodeBenchReport.from_dict(json.loads((tmp_path / "s.json").read_text()))
     assert sorted(r.runner for r in report.rows) == ["ort:fp32", "torch-eager"]

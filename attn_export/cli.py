@@ -28,6 +28,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
 from attn_export.spec.model import FULLY_MASKED
+from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
     pass
@@ -429,6 +430,20 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="For decoders: a scenario preset's steps instead of the sweep ("
+    + "; ".join(f"{s.name}: {s.help}" for s in SCENARIOS.values())
+    + "). Models without a key/value cache are left out.",
+)
+@click.option(
+    "--require-placement/--no-require-placement",
+    default=None,
+    help="Fail a target's cases when ONNX Runtime ran nodes that handle float data on another provider than "
+    "the one asked for (read from one profiled run per model and target, never a timed one). "
+    "Default: on for every provider but cpu.",
+)
 @max_memory_option
 @wait_option
 @report_options
@@ -459,6 +474,8 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    scenario: str | None,
+    require_placement: bool | None,
     max_memory: int | None,
     wait_s: float,
     shard: tuple[int, int] | None,
@@ -484,6 +501,7 @@ def verify(
         CaseResult,
         ModelCheck,
         VerifyOptions,
+        decoder_names,
         select_models,
         shard_names,
         verify_artifacts,
@@ -495,6 +513,7 @@ def verify(
         format_distributions,
         format_failures,
         format_model_rows,
+        format_placement,
         format_summary,
     )
     from attn_export.runtimes import resolve_targets
@@ -513,7 +532,6 @@ def verify(
     report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")])
-    names = shard_names(names, shard)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
@@ -533,7 +551,13 @@ def verify(
         lock_wait_s=wait_s,
         mask_case=mask_case,
         decode_steps=decode_steps,
+        require_placement=require_placement,
+        scenario=scenario,
     )
+    options.check()  # before the folder's decoders are picked for --scenario
+    if scenario:
+        names = decoder_names(manifest, names, scenario, _notice)
+    names = shard_names(names, shard)
     notice = tidy(out_dir)
     if notice:
         _notice(notice)
@@ -549,7 +573,8 @@ def verify(
         click.echo(format_model_rows(name, cases, check))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model=on_model, on_notice=_notice)
-    for text in (format_decode(report), format_distributions(report), format_failures(report)):
+    sections = (format_decode, format_distributions, format_placement, format_failures)
+    for text in (section(report) for section in sections):
         if text:
             click.echo(text)
     if localize_first:
@@ -811,6 +836,12 @@ def _sizes(value: str, minimum: int) -> list[int]:
     callback=_past_list,
     help="With --decode: past lengths, e.g. 0,128,512. Default: 0,128,512,2048 clamped to the spec's range.",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="Time a decoder scenario preset's steps as bench --decode times its steps (its batch, past, query "
+    "tokens per step and steps replace --batch, --past and --seq); without NAMES, the zoo's models with a cache.",
+)
 @bench_report_options
 def bench(
     names: tuple[str, ...],
@@ -826,6 +857,7 @@ def bench(
     max_memory: int | None,
     decode: bool,
     pasts: list[int] | None,
+    scenario: str | None,
     runtimes: tuple[str, ...],
     **reports: Path | None,
 ) -> None:
@@ -845,6 +877,7 @@ def bench(
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
+        attn-export bench mha_kv_cache --scenario speculative
     """
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import bench_models
@@ -863,14 +896,22 @@ def bench(
         "runtimes": tuple(dict.fromkeys(runtimes)),
         "max_memory": max_memory,
     }
-    if decode:
-        if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
+    source = click.get_current_context().get_parameter_source
+    flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
+    typed = [f for f, name in flags.items() if source(name) is not click.core.ParameterSource.DEFAULT]
+    if scenario and typed:
+        raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
+    if decode or scenario:
+        if "--seq" in typed:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
         from attn_export.pipelines.bench.decode import bench_decode_models
         from attn_export.pipelines.bench.results import DecodeBenchOptions
 
         decode_options = DecodeBenchOptions(
-            pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared
+            pasts=pasts,
+            variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants,
+            scenario=scenario,
+            **shared,
         )
         _run_bench(
             lambda on_row: bench_decode_models(

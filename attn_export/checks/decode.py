@@ -3,7 +3,8 @@
 A trajectory is a prompt step (an empty cache, the whole prompt) and then N steps of one
 token. Each side, the expected one (PyTorch, or the golden recording) and the graph, feeds
 its own ``present`` back as its ``past``, so an error that only shows once a cache holds
-something grows step by step as it does in deployment. Two scenarios: batch 1, and a
+something grows step by step as it does in deployment. Two padding layouts (the code's
+``scenario``, not to be confused with ``spec.scenarios``' presets): batch 1, and a
 left-padded batch with different prompt lengths (one row all padding during the prompt).
 PyTorch is also checked against itself without a cache (every token so far in one step): a
 cache that disagrees with recompute is a bug in the module, reported as such.
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_STEPS",
-    "SCENARIOS",
+    "LAYOUTS",
     "DecodeResult",
     "DecodeStep",
     "Trajectory",
@@ -52,7 +53,8 @@ __all__ = [
 
 #: Decode steps verify runs for a model with a cache unless ``--decode N`` says otherwise.
 DEFAULT_STEPS = 8
-SCENARIOS = ("batch-1", "left-padded")
+#: How a trajectory's rows are padded (a trajectory's ``scenario``).
+LAYOUTS = ("batch-1", "left-padded")
 
 Feeds = dict[str, np.ndarray]
 #: How a cache's outputs are named (``spec.cache``): present.<i>.key / .value.

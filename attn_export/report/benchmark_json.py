@@ -1,5 +1,6 @@
 """Bench rows for github-action-benchmark's ``customSmallerIsBetter`` tool: a JSON list with
-one entry per row (model x runner x shape, or x past length for ``bench --decode``), each
+one entry per row (model x runner x shape, or x past length for ``bench --decode``, or x
+scenario for ``bench --scenario``), each
 ``{"name", "unit", "value", "range", "extra"}``, strings but ``value``.
 
 The name is the row's identity and nothing else (model, runner, provider and sizes, no
@@ -45,7 +46,9 @@ def benchmark_entries(report: BenchReport | DecodeBenchReport) -> list[dict[str,
     entries = []
     for row in report.rows:
         if isinstance(row, DecodeRow):
-            name = f"{row.model} {row.runner} [{report.provider}] decode batch={row.batch} past={row.past}"
+            # a scenario's row is its own chart: its name says which, and its tokens per step
+            kind, tokens = row.scenario or "decode", f" seq={row.seq}" if row.seq != 1 else ""
+            name = f"{row.model} {row.runner} [{report.provider}] {kind} batch={row.batch} past={row.past}{tokens}"
             extra = [f"window: {row.window} steps", *([f"verdict: {row.verdict}"] if row.verdict else [])]
         else:
             name = f"{row.model} {row.runner} [{report.provider}] batch={row.batch} seq={row.seq}"

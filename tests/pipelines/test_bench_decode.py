@@ -81,10 +81,10 @@ def test_benchmark_json_has_one_entry_per_decode_row(decode_run) -> None:
 
 def test_table_markdown_and_plot(decode_run) -> None:
     folder, result = decode_run
-    assert result.output.splitlines()[0].split()[:5] == ["MODEL", "RUNNER", "BATCH", "PAST", "MS/TOKEN"]
+    assert result.output.splitlines()[0].split()[:6] == ["MODEL", "RUNNER", "BATCH", "PAST", "SEQ", "MS/STEP"]
     assert "peak memory mha_kv_cache: torch-eager" in result.output
     lines = (folder / "decode.md").read_text().splitlines()
-    assert lines[0].startswith("| model | runner | batch | past | ms/token p50 |") and len(lines) == 2 + 6
+    assert lines[0].startswith("| model | runner | batch | past | seq | ms/step p50 |") and len(lines) == 2 + 6
     pytest.importorskip("matplotlib")
     assert (folder / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -172,3 +172,30 @@ def test_bad_decode_options_exit_2(tmp_path: Path, args: list[str], message: str
     result = CliRunner().invoke(cli, ["bench", str(SPEC), "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2 and message in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scenario_times_its_steps_of_several_tokens(built: Path, tmp_path: Path) -> None:
+    args = ["bench", str(TINY_SPEC), "--scenario", "speculative", "--out", str(built), "--variant", "fp32"]
+    args += ["--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "s.json")]
+    result = CliRunner().invoke(cli, [*args, "--benchmark-json", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    names = [e["name"] for e in json.loads((tmp_path / "b.json").read_text())]
+    assert names == [f"mha_kv_cache {r} [cpu] speculative batch=1 past=20 seq=4" for r in ("torch-eager", "ort:fp32")]
+    assert "scenario speculative: a step of SEQ tokens" in result.output
+    report = DecodeBenchReport.from_dict(json.loads((tmp_path / "s.json").read_text()))
+    assert sorted(r.runner for r in report.rows) == ["ort:fp32", "torch-eager"]
+    for r in report.rows:
+        assert (r.batch, r.past, r.seq, r.window, r.scenario) == (1, 20, 4, 1, "speculative")
+        assert r.tokens_per_s == pytest.approx(4 * 1000 / r.latency.p50_ms)
+    fixed = CliRunner().invoke(cli, ["bench", str(TINY_SPEC), "--scenario", "speculative", "--past", "3"])
+    assert fixed.exit_code == 2 and "--scenario sets the batch, past and query tokens: drop --past" in fixed.output
+
+
+def test_a_window_of_several_tokens_per_step_positions_each_token() -> None:
+    spec = load_spec(ZOO / "gqa_rope_kv_cache.toml")
+    plan = plan_window(spec, batch=2, past=240, window=8, seed=0, seq=4)
+    assert len(plan.steps) == 5  # past 240, 244, ..., 256: where the spec's range ends
+    for k, feeds in enumerate(plan.steps):
+        assert feeds["attention_mask"].shape == (2, 240 + 4 * (k + 1))
+        assert feeds["position_ids"].tolist() == [list(range(240 + 4 * k, 244 + 4 * k))] * 2
+        assert feeds["hidden_states"].shape == (2, 4, 64)

@@ -30,6 +30,7 @@ from attn_export.pipelines.verify.expected import (
     torch_expected,
 )
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
+from attn_export.pipelines.verify.placement import gate_cases, model_placement
 from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.runtimes.timing import check_threads, measure_alternating, physical_cores
@@ -38,6 +39,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.scenarios import scenario_sizes
 from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
@@ -142,6 +144,9 @@ def _verify_locked(
     report = VerifyReport(artifacts=str(out_dir), seed=options.seed, settings=options.settings())
     entries = [manifest.models[name] for name in names]
     specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
+    if options.scenario:  # every model fits it, before any work
+        for spec in specs:
+            scenario_sizes(spec, options.scenario)
     for name, entry, spec in zip(names, entries, specs, strict=True):
         if options.shapes:
             for sizes in options.shapes:
@@ -173,6 +178,10 @@ def _verify_locked(
                 cache = cache_of(spec)
                 if cache is not None and options.steps:
                     report.decode += decode_model(out_dir, entry, spec, cache, options, golden)
+                # after every timed run: a profiled session never runs beside one
+                placements = model_placement(name, out_dir / entry.file, spec, options)
+                gate_cases(cases, placements)
+                report.placement += placements
             except UsageError:
                 raise
             except AttnExportError as e:

@@ -608,7 +608,9 @@ def verify(
     help="For a decoder: localize this step of verify --decode (1 = the prompt), fed the cache PyTorch's "
     "steps before it gave back.",
 )
-@click.option("--scenario", help="With --decode-step: the decode scenario (batch-1, left-padded). Default: the first.")
+@click.option(
+    "--layout", help="With --decode-step: the trajectory's padding layout (batch-1, left-padded). Default: the first."
+)
 @click.option(
     "--decode-steps",
     type=click.IntRange(0, 4096),
@@ -660,7 +662,7 @@ def localize(
     distribution: str,
     mask_case: str | None,
     decode_step: int | None,
-    scenario: str | None,
+    layout: str | None,
     decode_steps: int,
     fully_masked: str | None,
     provider: str,
@@ -686,7 +688,7 @@ def localize(
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
-        attn-export localize build mha_kv_cache --decode-step 3 --scenario left-padded
+        attn-export localize build mha_kv_cache --decode-step 3 --layout left-padded
         attn-export localize build mha --golden
     """
     from attn_export.artifacts.files import output_target, write_output
@@ -701,15 +703,15 @@ def localize(
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
-    if scenario and decode_step is None:
-        raise click.UsageError("--scenario needs --decode-step")
+    if layout and decode_step is None:
+        raise click.UsageError("--layout needs --decode-step")
     source = click.get_current_context().get_parameter_source
     if decode_step is None and source("decode_steps") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--decode-steps needs --decode-step")
     if decode_step is not None and source("distribution") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
     if shrink and decode_step is not None:
-        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are the scenario's")
+        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
     options = LocalizeOptions(
         models_dir=models_dir,
         sizes=points[0] if points else None,
@@ -722,7 +724,7 @@ def localize(
         shrink=shrink,
         bundle=bundle,
         decode_step=decode_step,
-        scenario=scenario,
+        layout=layout,
         decode_steps=decode_steps,
         fully_masked=fully_masked,
         golden=golden,

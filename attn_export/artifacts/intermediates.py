@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.files import open_regular
+from attn_export.artifacts.files import open_regular, schema_document
 from attn_export.artifacts.golden import GoldenCase, checked_header, encode_golden, load_entry, read_cases
 from attn_export.errors import ArtifactError, first_line
 from attn_export.spec import ModelSpec
@@ -86,17 +86,11 @@ def _meta(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> dict
     if info.file_size > _MAX_META_BYTES:
         raise ArtifactError(f"{path}: {_META} declares {format_bytes(info.file_size)}; refused")
     try:
-        doc = json.loads(zf.read(info)[:_MAX_META_BYTES].decode("utf-8"))
-    except (ValueError, RecursionError, zipfile.BadZipFile, OSError) as e:
-        raise ArtifactError(f"{path}: {_META} is not readable JSON ({first_line(e)})") from e
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise ArtifactError(f"{path}: not an attn-export intermediates file")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise ArtifactError(
-            f"{path}: intermediates schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}; "
-            "rebuild with this version (attn-export build --record-intermediates --force)"
-        )
-    return doc
+        text = zf.read(info)[:_MAX_META_BYTES].decode("utf-8")
+    except (ValueError, zipfile.BadZipFile, OSError) as e:
+        raise ArtifactError(f"{path}: {_META} is not readable ({first_line(e)})") from e
+    rebuild = "rebuild with this version (attn-export build --record-intermediates --force)"
+    return schema_document(text, f"{path}: {_META}", SCHEMA, SCHEMA_VERSION, "intermediates file", rebuild)
 
 
 def _strings(path: Path, doc: dict[str, object], key: str, width: int) -> dict[str, list[str]]:

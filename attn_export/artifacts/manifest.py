@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import STAGED, atomic_write, read_regular
+from attn_export.artifacts.files import STAGED, atomic_write, read_regular, schema_document
 from attn_export.errors import ArtifactError, SpecError
 from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
 
@@ -90,17 +90,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise ArtifactError(f"{where}: not valid JSON ({str(e) or 'nested too deeply'})") from e
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            raise ArtifactError(f"{where}: not an attn-export manifest")
-        if doc.get("schema_version") != SCHEMA_VERSION:
-            raise ArtifactError(
-                f"{where}: manifest schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}; "
-                "rebuild the folder with this version (attn-export build --force)"
-            )
+        rebuild = "rebuild the folder with this version (attn-export build --force)"
+        doc = schema_document(text, where, SCHEMA, SCHEMA_VERSION, "manifest", rebuild)
         models = doc.get("models")
         if not isinstance(models, dict):
             raise ArtifactError(f"{where}: 'models' must be an object")

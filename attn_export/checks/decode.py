@@ -44,7 +44,7 @@ __all__ = [
     "one_pass_feeds",
     "plan_trajectory",
     "pytorch_trajectories",
-    "scenarios",
+    "layouts",
     "step_count",
     "unpadded",
     "recompute",
@@ -91,7 +91,7 @@ def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
     return shape.index(dim) if dim in shape else None
 
 
-def scenarios(spec: ModelSpec, cache: CacheSpec) -> list[str]:
+def layouts(spec: ModelSpec, cache: CacheSpec) -> list[str]:
     """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
     batch where it may be 2 or more (and a mask says which tokens are padding)."""
     batch = spec.dims.get(cache.batch_dim or "")
@@ -183,7 +183,7 @@ def pytorch_trajectories(
     """Every scenario planned and run by the PyTorch module, with its float32 floor at
     every step; a module that cannot decode is a GraphCheckError."""
     out = []
-    for scenario in scenarios(spec, cache):
+    for scenario in layouts(spec, cache):
         traj = plan_trajectory(spec, cache, scenario, n_steps, seed)
         outputs, error = run_trajectory(eager, spec, traj)
         if error:

@@ -57,7 +57,7 @@ def format_localize(report: LocalizeReport) -> str:
         case = f"the recorded case {report.golden_case} ({format_sizes(report.sizes)}), PyTorch's values as built"
     elif report.decode_step is not None:
         case = (
-            f"decode step {report.decode_step} of {report.scenario} ({format_sizes(report.sizes)}), seed {report.seed}"
+            f"decode step {report.decode_step} of {report.layout} ({format_sizes(report.sizes)}), seed {report.seed}"
         )
     else:
         case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"

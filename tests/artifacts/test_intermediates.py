@@ -62,8 +62,8 @@ def _npy(value: np.ndarray) -> bytes:
 
 HOSTILE: dict[str, tuple[Callable[[dict[str, bytes]], None], str]] = {
     "no meta": (lambda e: e.pop("meta.json"), "not an intermediates file (no meta.json)"),
-    "other schema": (_meta(lambda d: d.update(schema="x")), "not an attn-export intermediates file"),
-    "newer version": (_meta(lambda d: d.update(schema_version=9)), "intermediates schema_version 9 is not 1"),
+    "other schema": (_meta(lambda d: d.update(schema="x")), "meta.json: not an attn-export intermediates file"),
+    "newer version": (_meta(lambda d: d.update(schema_version=9)), "intermediates file schema_version 9 is not 1"),
     "outputs not strings": (_meta(lambda d: d.update(outputs={"output": 3})), "'outputs' entry 'output' is not 1"),
     "sources not triples": (_meta(lambda d: d["sources"].update(div=["x"])), "'sources' entry 'div' is not 3"),
     "another output": (_meta(lambda d: d.update(outputs={"logits": "div"})), "maps outputs ['logits'], not the"),

@@ -267,12 +267,12 @@ def test_a_decode_step_is_localized_and_verify_localizes_the_first_diverging_ste
     proto = onnx.load(zoo_copy / "mha_kv_cache.onnx")
     _swap_inputs(proto, "node_cat_1", 0, 1)
     plant(zoo_copy, "mha_kv_cache", proto)
-    prompt = _localize(zoo_copy, "mha_kv_cache", decode_step=1, scenario="batch-1")
+    prompt = _localize(zoo_copy, "mha_kv_cache", decode_step=1, layout="batch-1")
     assert prompt.agrees and prompt.sizes["past_seq"] == 0
-    step = _localize(zoo_copy, "mha_kv_cache", decode_step=2, scenario="batch-1")
+    step = _localize(zoo_copy, "mha_kv_cache", decode_step=2, layout="batch-1")
     assert step.sizes["past_seq"] > 0 and step.first is not None and step.cause == "graph"
     assert (step.first.fx_node, step.first.nodes) == ("cat_1", ["node_cat_1"])
-    assert step.reproduce.endswith(f"--decode-step 2 --seed 0 --scenario batch-1 --models {TINY_ZOO}")
+    assert step.reproduce.endswith(f"--decode-step 2 --seed 0 --layout batch-1 --models {TINY_ZOO}")
     # the one case of the sweep has an empty cache and passes: the decode trajectories fail at step 2
     args = ["verify", str(zoo_copy / "mha_kv_cache.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
     result = CliRunner().invoke(cli, [*args, "--shapes", "batch=1,seq=3,past_seq=0", "--decode", "2", "--localize"])

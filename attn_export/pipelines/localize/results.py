@@ -35,8 +35,8 @@ class LocalizeOptions:
     #: A decoder's step to localize, 1 being the prompt, as verify --decode numbers them;
     #: its inputs hold the cache PyTorch's steps before it fed back.
     decode_step: int | None = None
-    #: The decode scenario (``checks.decode.scenarios``); default: the spec's first.
-    scenario: str | None = None
+    #: The decode trajectory's padding layout (``checks.decode.layouts``); default: the spec's first.
+    layout: str | None = None
     #: The trajectory's length as verify --decode played it (its token data depend on it).
     decode_steps: int = DEFAULT_STEPS
     #: The spec's ``fully_masked`` rule overridden for this case ("match" compares the
@@ -116,9 +116,9 @@ class LocalizeReport:
     #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
     #: case agrees.
     cause: str = ""
-    #: For a decoder's step: which (1 = the prompt) of which scenario.
+    #: For a decoder's step: which (1 = the prompt) of which padding layout.
     decode_step: int | None = None
-    scenario: str | None = None
+    layout: str | None = None
     #: With ``golden``: the recorded case's label (its sizes are ``sizes``).
     golden_case: str | None = None
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.

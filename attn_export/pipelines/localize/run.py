@@ -27,9 +27,9 @@ from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode import (
     DEFAULT_STEPS,
     Trajectory,
+    layouts,
     plan_trajectory,
     run_trajectory,
-    scenarios,
     step_inputs,
 )
 from attn_export.checks.fully_masked import judge, padded_tokens
@@ -95,7 +95,7 @@ def _decode_step(
     spec: ModelSpec, module: Any, options: LocalizeOptions, budget: int
 ) -> tuple[dict[str, int], dict[str, np.ndarray], str, Trajectory]:
     """The sizes and feeds of decode step ``options.decode_step`` (1 = the prompt) of a
-    scenario as verify --decode plays it, with the cache PyTorch's own steps fed back: the
+    padding layout as verify --decode plays it, with the cache PyTorch's own steps fed back: the
     step is localized on PyTorch's inputs, so only its own divergence shows."""
     cache = cache_of(spec)
     if cache is None:
@@ -104,21 +104,21 @@ def _decode_step(
         raise UsageError(
             "--decode-step plays verify --decode's steps: it cannot be combined with --shapes or --mask-case"
         )
-    names = scenarios(spec, cache)
-    scenario = options.scenario or names[0]
-    if scenario not in names:
-        raise UsageError(f"{spec.name}: --scenario {scenario} does not apply (it has: {', '.join(names)})")
+    names = layouts(spec, cache)
+    layout = options.layout or names[0]
+    if layout not in names:
+        raise UsageError(f"{spec.name}: --layout {layout} does not apply (it has: {', '.join(names)})")
     step = options.decode_step or 0
     # verify draws every token of the trajectory at once: plan as many steps as it played
-    traj = plan_trajectory(spec, cache, scenario, max(options.decode_steps, step - 1), options.seed)
+    traj = plan_trajectory(spec, cache, layout, max(options.decode_steps, step - 1), options.seed)
     if not 1 <= step <= len(traj.steps):
-        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {scenario} (1 to {len(traj.steps)})")
+        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {layout} (1 to {len(traj.steps)})")
     check_memory(spec, [ShapePoint("localize", s) for s in traj.sizes], budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs, error = run_trajectory(eager, spec, traj)
     if error:
-        raise UsageError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
-    return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], scenario, traj
+        raise UsageError(f"{spec.name}: decode {layout}: PyTorch failed at {error}")
+    return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], layout, traj
 
 
 def _regions(
@@ -215,7 +215,7 @@ def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mappi
         args += ["--distribution", options.distribution]
     else:
         args = [str(out_dir), model, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
-        args += ["--scenario", options.scenario] if options.scenario else []
+        args += ["--layout", options.layout] if options.layout else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
     args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" and not options.golden else []
@@ -349,8 +349,8 @@ def _pytorch_side(
             spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution
         )
     else:
-        sizes, feeds, scenario, traj = _decode_step(spec, module, options, budget)
-        options = dataclasses.replace(options, scenario=scenario)
+        sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
+        options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, _opset(proto))
     values = torch_values(program, spec, feeds, budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
@@ -419,7 +419,7 @@ def _localize(
         regions=errors,
         uncompared=len(regions) - len({tuple(e.nodes) for e in errors}),
         decode_step=options.decode_step,
-        scenario=options.scenario,
+        layout=options.layout,
         notes=notes,
         reproduce=_reproduce(out_dir, model, options, sizes),
         module_bug=side.module_bug,
@@ -468,7 +468,7 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 base,
                 seed=report.seed,
                 decode_step=step.step,
-                scenario=d.scenario,
+                layout=d.scenario,
                 decode_steps=options.steps,
                 provider=d.target.provider or "cpu",
             )

@@ -28,6 +28,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
 from attn_export.spec.model import FULLY_MASKED
+from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
     pass
@@ -104,17 +105,30 @@ def threads_option(help: str) -> Decorator:  # noqa: A002
     return click.option("--threads", type=click.IntRange(1), help=f"{help} Default: physical cores.")
 
 
+def _format_dest(prefix: str, name: str) -> str:
+    """The keyword a format's ``--<name>`` option fills: ``<prefix><name>``, a Python name."""
+    return prefix + name.replace("-", "_")
+
+
 def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
-    """One ``--<format> FILE`` option per format of a registry, named ``<prefix><format>``."""
+    """One ``--<format> FILE`` option per format of a registry (``_format_dest`` names its keyword)."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for fmt in reversed(list(formats.values())):
             command = click.option(
-                f"--{fmt.name}", f"{prefix}{fmt.name}", type=click.Path(path_type=Path, dir_okay=False), help=fmt.help
+                f"--{fmt.name}",
+                _format_dest(prefix, fmt.name),
+                type=click.Path(path_type=Path, dir_okay=False),
+                help=fmt.help,
             )(command)
         return command
 
     return decorate
+
+
+def _format_paths(formats: dict[str, Any], prefix: str, given: dict[str, Path | None]) -> dict[str, Path | None]:
+    """Format name -> the path its option was given (None where not), from a command's keywords."""
+    return {name: given[_format_dest(prefix, name)] for name in formats}
 
 
 report_options = _format_options(FORMATS, "report_")
@@ -196,6 +210,12 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
 @provider_option("Provider that ort-optimized optimizes for and auto times on.")
 @wait_option
 @max_memory_option
+@click.option(
+    "--record-intermediates",
+    is_flag=True,
+    help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
+    "'localize --golden' runs where torch is not installed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -209,6 +229,7 @@ def build(
     provider: str,
     wait_s: float,
     max_memory: int | None,
+    record_intermediates: bool,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
@@ -224,6 +245,7 @@ def build(
         attn-export build mha mha_cross --force
         attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
+        attn-export build mha --record-intermediates
     """
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
@@ -239,6 +261,7 @@ def build(
         provider=provider,
         lock_wait_s=wait_s,
         max_memory=max_memory,
+        record_intermediates=record_intermediates,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
@@ -275,13 +298,62 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     sys.exit(0 if result.kernels_ok else 1)
 
 
+@cli.command("check")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--min-opset", type=click.IntRange(1), default=7, show_default=True, help="Lowest default-domain opset allowed."
+)
+@click.option(
+    "--max-opset",
+    type=click.IntRange(1),
+    help="Highest default-domain opset allowed. Default: the newest onnx defines.",
+)
+@click.option(
+    "--allow-domain",
+    "domains",
+    multiple=True,
+    help="Operator domain allowed besides ai.onnx, ai.onnx.ml and com.microsoft (repeatable).",
+)
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+def check_cmd(
+    paths: tuple[Path, ...], min_opset: int, max_opset: int | None, domains: tuple[str, ...], json_path: Path | None
+) -> None:
+    """The static checks, for a pre-commit hook: nothing runs, nothing imports torch.
+
+    PATHS are .onnx files, golden files, manifest.json files or build folders. Each graph
+    is held to onnx.checker (full check), no random op, its opset and operator domains on
+    the allow-list, and named dims; a graph its folder's manifest names also to the
+    manifest's sha256 of it and its golden file, and to the spec's dynamic axes (symbolic,
+    distinct, named as the spec names them). Exit 0 when every file passes, 1 when one
+    does not, 2 on bad usage.
+
+    Example:
+
+        attn-export check build
+        attn-export check build/mha.onnx exported/model.onnx --max-opset 21
+    """
+    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
+    from attn_export.pipelines.check import CheckOptions, check_paths
+    from attn_export.report.check_text import format_check
+
+    if json_path is not None:
+        output_target(json_path)
+    options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
+    report = check_paths(paths, options)
+    click.echo(format_check(report))
+    if json_path is not None:
+        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    sys.exit(report.exit_code)
+
+
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    i, sep, n = value.partition("/")
-    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
-        raise click.BadParameter(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
-    return int(i), int(n)
+    from attn_export.pipelines.verify.models import parse_shard
+
+    try:
+        return None if value is None else parse_shard(value)
+    except AttnExportError as e:
+        raise click.BadParameter(str(e)) from e
 
 
 def _jobs(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -390,6 +462,20 @@ def executor_options(command: Callable[..., Any]) -> Callable[..., Any]:
     type=_FiniteFloat(0, min_open=True),
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="For decoders: a scenario preset's steps instead of the sweep ("
+    + "; ".join(f"{s.name}: {s.help}" for s in SCENARIOS.values())
+    + "). Models without a key/value cache are left out.",
+)
+@click.option(
+    "--require-placement/--no-require-placement",
+    default=None,
+    help="Fail a target's cases when ONNX Runtime ran nodes that handle float data on another provider than "
+    "the one asked for (read from one profiled run per model and target, never a timed one). "
+    "Default: on for every provider but cpu.",
+)
 @max_memory_option
 @wait_option
 @report_options
@@ -425,6 +511,8 @@ def verify(
     no_latency: bool,
     latency_budget: float,
     max_slowdown: float | None,
+    scenario: str | None,
+    require_placement: bool | None,
     max_memory: int | None,
     wait_s: float,
     shard: tuple[int, int] | None,
@@ -454,6 +542,7 @@ def verify(
         ModelCheck,
         Shard,
         VerifyOptions,
+        decoder_names,
         select_models,
         shard_names,
         verify_artifacts,
@@ -465,6 +554,7 @@ def verify(
         format_distributions,
         format_failures,
         format_model_rows,
+        format_placement,
         format_summary,
     )
     from attn_export.runtimes import resolve_targets
@@ -480,11 +570,10 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
+    report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     parallelism = Parallelism(executor, jobs)
-    out_dir, manifest, selected = select_models(list(paths) or [Path("build")])
-    names = shard_names(selected, shard)
+    out_dir, manifest, names = select_models(list(paths) or [Path("build")])
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
@@ -504,7 +593,13 @@ def verify(
         lock_wait_s=wait_s,
         mask_case=mask_case,
         decode_steps=decode_steps,
+        require_placement=require_placement,
+        scenario=scenario,
     )
+    options.check()  # before the folder's decoders are picked for --scenario
+    if scenario:
+        names = decoder_names(manifest, names, scenario, _notice)
+    selected, names = names, shard_names(names, shard)
     notice = tidy(out_dir)
     if notice:
         _notice(notice)
@@ -526,7 +621,8 @@ def verify(
             click.echo(f"shard {shard[0]}/{shard[1]} holds no model")
             write_reports(report, report_paths)
             return
-    for text in (format_decode(report), format_distributions(report), format_failures(report)):
+    sections = (format_decode, format_distributions, format_placement, format_failures)
+    for text in (section(report) for section in sections):
         if text:
             click.echo(text)
     if localize_first:
@@ -594,7 +690,9 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
     help="For a decoder: localize this step of verify --decode (1 = the prompt), fed the cache PyTorch's "
     "steps before it gave back.",
 )
-@click.option("--scenario", help="With --decode-step: the decode scenario (batch-1, left-padded). Default: the first.")
+@click.option(
+    "--layout", help="With --decode-step: the trajectory's padding layout (batch-1, left-padded). Default: the first."
+)
 @click.option(
     "--decode-steps",
     type=click.IntRange(0, 4096),
@@ -629,6 +727,12 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
 )
+@click.option(
+    "--golden",
+    is_flag=True,
+    help="Localize the case 'build --record-intermediates' recorded, on PyTorch's recorded values: needs "
+    "neither torch nor the models' code (a deploy box).",
+)
 @max_memory_option
 @wait_option
 def localize(
@@ -640,7 +744,7 @@ def localize(
     distribution: str,
     mask_case: str | None,
     decode_step: int | None,
-    scenario: str | None,
+    layout: str | None,
     decode_steps: int,
     fully_masked: str | None,
     provider: str,
@@ -648,6 +752,7 @@ def localize(
     bundle: Path | None,
     json_path: Path | None,
     overlay_path: Path | None,
+    golden: bool,
     max_memory: int | None,
     wait_s: float,
 ) -> None:
@@ -665,7 +770,8 @@ def localize(
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
-        attn-export localize build mha_kv_cache --decode-step 3 --scenario left-padded
+        attn-export localize build mha_kv_cache --decode-step 3 --layout left-padded
+        attn-export localize build mha --golden
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -679,15 +785,15 @@ def localize(
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
-    if scenario and decode_step is None:
-        raise click.UsageError("--scenario needs --decode-step")
+    if layout and decode_step is None:
+        raise click.UsageError("--layout needs --decode-step")
     source = click.get_current_context().get_parameter_source
     if decode_step is None and source("decode_steps") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--decode-steps needs --decode-step")
     if decode_step is not None and source("distribution") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
     if shrink and decode_step is not None:
-        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are the scenario's")
+        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
     options = LocalizeOptions(
         models_dir=models_dir,
         sizes=points[0] if points else None,
@@ -700,9 +806,10 @@ def localize(
         shrink=shrink,
         bundle=bundle,
         decode_step=decode_step,
-        scenario=scenario,
+        layout=layout,
         decode_steps=decode_steps,
         fully_masked=fully_masked,
+        golden=golden,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))
@@ -813,6 +920,12 @@ def _sizes(value: str, minimum: int) -> list[int]:
     callback=_past_list,
     help="With --decode: past lengths, e.g. 0,128,512. Default: 0,128,512,2048 clamped to the spec's range.",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    help="Time a decoder scenario preset's steps as bench --decode times its steps (its batch, past, query "
+    "tokens per step and steps replace --batch, --past and --seq); without NAMES, the zoo's models with a cache.",
+)
 @bench_report_options
 def bench(
     names: tuple[str, ...],
@@ -828,6 +941,7 @@ def bench(
     max_memory: int | None,
     decode: bool,
     pasts: list[int] | None,
+    scenario: str | None,
     runtimes: tuple[str, ...],
     **reports: Path | None,
 ) -> None:
@@ -847,13 +961,14 @@ def bench(
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
+        attn-export bench mha_kv_cache --scenario speculative
     """
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import bench_models
     from attn_export.report import bench_text, check_bench_formats
     from attn_export.spec import spec_paths
 
-    files = {name.removeprefix("bench_"): path for name, path in reports.items()}
+    files = _format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {
@@ -865,14 +980,22 @@ def bench(
         "runtimes": tuple(dict.fromkeys(runtimes)),
         "max_memory": max_memory,
     }
-    if decode:
-        if click.get_current_context().get_parameter_source("seqs") is not click.core.ParameterSource.DEFAULT:
+    source = click.get_current_context().get_parameter_source
+    flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
+    typed = [f for f, name in flags.items() if source(name) is not click.core.ParameterSource.DEFAULT]
+    if scenario and typed:
+        raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
+    if decode or scenario:
+        if "--seq" in typed:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
         from attn_export.pipelines.bench.decode import bench_decode_models
         from attn_export.pipelines.bench.results import DecodeBenchOptions
 
         decode_options = DecodeBenchOptions(
-            pasts=pasts, variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants, **shared
+            pasts=pasts,
+            variants=tuple(dict.fromkeys(variants)) or DecodeBenchOptions.variants,
+            scenario=scenario,
+            **shared,
         )
         _run_bench(
             lambda on_row: bench_decode_models(

@@ -67,7 +67,7 @@ class BuildFolder(pytest.File):
 
     def collect(self) -> Iterator[CaseItem]:
         from attn_export.artifacts.manifest import load_manifest
-        from attn_export.checks.decode import scenarios
+        from attn_export.checks.decode import layouts
         from attn_export.errors import AttnExportError, UsageError
         from attn_export.pipelines.verify import VerifyOptions, case_plan, checkout_spec
         from attn_export.runtimes import RUNTIMES, resolve_targets
@@ -115,7 +115,7 @@ class BuildFolder(pytest.File):
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)
                 cache = cache_of(spec)
-                for scenario in scenarios(spec, cache) if cache is not None and self.options.steps else []:
+                for scenario in layouts(spec, cache) if cache is not None and self.options.steps else []:
                     label = f"decode-{scenario}"
                     name = f"{model}[{target.runtime}-{target.provider}-{label}]"
                     yield CaseItem.from_parent(self, name=name, model=model, target=target, case=label)

@@ -132,13 +132,16 @@ def shared_build(
 
 
 def shared_zoo(factory: pytest.TempPathFactory, name: str, specs: Sequence[Path], parts: int = 2) -> Built:
-    """``shared_build`` of a zoo, in parts the xdist workers build at the same time (each
+    """``shared_build`` of a zoo (with recorded intermediates), in parts the xdist workers build at the same time (each
     starts with its own part, then waits only for a part another is building), put together
     as one build of them all writes its folder: every part's files, and one manifest of all
     their entries (builds are deterministic, and a manifest holds nothing but its entries)."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     order = [(worker + i) % parts for i in range(parts)]
-    built = {i: shared_build(factory, f"{name}-part{i + 1}of{parts}", specs[i::parts]) for i in order}
+    built = {
+        i: shared_build(factory, f"{name}-part{i + 1}of{parts}", specs[i::parts], record_intermediates=True)
+        for i in order
+    }
 
     def assemble(folder: Path) -> dict[str, Any]:
         out = folder / "out"

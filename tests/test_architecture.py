@@ -40,7 +40,7 @@ STAGES = (
     "faces",
 )
 BASES = {"errors", "_deps"}
-FACES = {"cli", "api", "pytest_plugin", "__main__"}
+FACES = {"cli", "api", "pytest_plugin", "github_action", "__main__"}
 #: The one upward import: the package root loads the Python API lazily, on first use.
 LAZY_API = ("attn_export", "attn_export.api")
 

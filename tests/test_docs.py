@@ -125,7 +125,8 @@ def test_api_example_runs_as_written(
     out = capsys.readouterr().out
     assert "'was': {'fully-padded-sequence': 'NaN'}" in out
     assert out.strip().endswith(
-        "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0}"
+        "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0, "
+        "'placement_fallbacks': 0, 'failed_placements': 0}"
     )
 
 

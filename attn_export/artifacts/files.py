@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import stat
@@ -18,9 +19,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from attn_export.errors import ArtifactError, LockError, UsageError
+from attn_export.errors import ArtifactError, LockError, UsageError, first_line
 
 __all__ = [
     "LOCK_NAME",
@@ -33,6 +34,7 @@ __all__ = [
     "output_target",
     "read_lock",
     "read_regular",
+    "schema_document",
     "sha256_bytes",
     "sha256_file",
     "write_output",
@@ -43,6 +45,21 @@ LOCK_NAME = ".attn-export.lock"
 #: concurrent build to finish, short enough to fail a stuck one.
 LOCK_WAIT_S = 300.0
 _CHUNK = 1 << 20
+
+
+def schema_document(text: str, where: str, schema: str, version: int, kind: str, rebuild: str) -> dict[str, Any]:
+    """A JSON object of ``schema`` at ``version`` (the manifest, an intermediates file's
+    meta): anything else is an ArtifactError naming ``where`` and, for another version,
+    how to ``rebuild``."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ArtifactError(f"{where}: not valid JSON ({first_line(e) or 'nested too deeply'})") from e
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
+        raise ArtifactError(f"{where}: not an attn-export {kind}")
+    if doc.get("schema_version") != version:
+        raise ArtifactError(f"{where}: {kind} schema_version {doc.get('schema_version')!r} is not {version}; {rebuild}")
+    return doc
 
 
 def sha256_bytes(data: bytes) -> str:

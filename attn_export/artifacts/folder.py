@@ -1,6 +1,6 @@
 """The build folder's commit protocol: the manifest is the one commit point.
 
-A new graph or golden file is first written, atomically, under a staged name
+A new graph, golden or intermediates file is first written, atomically, under a staged name
 (``.<file>.<sha256 prefix>.staged``: hidden, content-addressed, never a model's name) that
 no manifest names yet. The manifest is then swapped to name it (the commit); its bytes
 are copied to the stable name ``<file>`` and the manifest swapped again; only then is the
@@ -49,11 +49,11 @@ def _promote(out_dir: Path, manifest: Manifest) -> bool:
     sharing the golden file). Returns whether any entry changed."""
     wanted: dict[str, set[str]] = defaultdict(set)
     for e in manifest.models.values():
-        wanted[e.file].add(e.sha256)
-        wanted[e.golden].add(e.golden_sha256)
+        for name, sha in e.files():
+            wanted[name].add(sha)
     changed = False
     for e in manifest.models.values():
-        for name_key, sha_key in (("file", "sha256"), ("golden", "golden_sha256")):
+        for name_key, sha_key in e.artifacts():
             name, sha = getattr(e, name_key), getattr(e, sha_key)
             stable = _stable(name)
             if stable == name or not wanted[stable] <= {sha}:
@@ -95,7 +95,7 @@ def commit(out_dir: Path, manifest: Manifest, name: str, entry: ManifestEntry) -
 
 def leftovers(out_dir: Path, *manifests: Manifest) -> list[Path]:
     """Temporary files of artifacts, and staged files none of ``manifests`` names."""
-    named = {n for m in manifests for e in m.models.values() for n in (e.file, e.golden)}
+    named = {n for m in manifests for e in m.models.values() for n, _ in e.files()}
     found = []
     for path in sorted(out_dir.iterdir()):
         temp = _TEMP.fullmatch(path.name)

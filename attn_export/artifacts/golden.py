@@ -27,7 +27,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, concrete_shape, validate_sizes
 
-__all__ = ["GoldenCase", "encode_golden", "npy_header", "read_golden", "write_golden"]
+__all__ = ["GoldenCase", "checked_header", "encode_golden", "load_entry", "npy_header", "read_golden", "write_golden"]
 
 _SECTIONS = ("sizes", "inputs", "outputs", "floors")
 
@@ -100,11 +100,10 @@ def npy_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, .
         return tuple(int(d) for d in shape), dtype, f.tell()
 
 
-def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
+def checked_header(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype]:
+    """An .npy entry's shape and dtype from its header, refused unless it holds plain
+    numbers or bools and its declared size is exactly the entry's: nothing is loaded."""
     key = info.filename.removesuffix(".npy")
-    parts = key.split("/")
-    if key == info.filename or len(parts) != 3 or parts[1] not in _SECTIONS:
-        raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
     try:
         shape, dtype, header_bytes = npy_header(zf, info)
     except Exception as e:  # numpy and zipfile raise many types on hostile bytes
@@ -115,15 +114,25 @@ def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
         raise ArtifactError(
             f"{path}: entry '{key}' declares shape {shape} of {dtype}, which does not fit its {info.file_size} bytes"
         )
+    return shape, dtype
+
+
+def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
+    key = info.filename.removesuffix(".npy")
+    parts = key.split("/")
+    if key == info.filename or len(parts) != 3 or parts[1] not in _SECTIONS:
+        raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
+    shape, dtype = checked_header(path, zf, info)
     return _Entry(info, parts[0], parts[1], parts[2], shape, dtype)
 
 
-def _load(path: Path, zf: zipfile.ZipFile, e: _Entry) -> np.ndarray:
+def load_entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+    """An .npy entry's array, never unpickled; an unreadable one is an ArtifactError."""
     try:
-        with zf.open(e.info) as f:
+        with zf.open(info) as f:
             return np.lib.format.read_array(f, allow_pickle=False)
     except Exception as exc:
-        raise ArtifactError(f"{path}: entry '{e.info.filename}' cannot be read ({first_line(exc)})") from exc
+        raise ArtifactError(f"{path}: entry '{info.filename}' cannot be read ({first_line(exc)})") from exc
 
 
 def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_Entry], budget: int) -> None:
@@ -154,39 +163,46 @@ def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int) -> list
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise ArtifactError(f"{path}: not a golden file (not a zip archive, as every .npz is)") from exc
     with zf:
-        entries = [_entry(path, zf, info) for info in zf.infolist()]
-        keys = [(e.label, e.section, e.name) for e in entries]
-        if len(set(keys)) != len(keys):
-            raise ArtifactError(f"{path}: golden file holds an entry twice")
-        declared = sum(e.info.file_size for e in entries)
-        if declared > budget:
-            raise ArtifactError(
-                f"{path}: golden arrays declare {format_bytes(declared)}, over the memory budget of "
-                f"{format_bytes(budget)}"
-            )
-        cases: dict[str, GoldenCase] = {}
-        for e in entries:
-            case = cases.setdefault(e.label, GoldenCase(e.label, {}))
-            if e.section == "sizes":
-                if e.shape != () or e.dtype.kind not in "iu":
-                    raise ArtifactError(f"{path}: size entry '{e.label}/sizes/{e.name}' is not an integer scalar")
-                case.sizes[e.name] = int(_load(path, zf, e))
-        if not cases:
-            raise ArtifactError(f"{path}: golden file holds no cases")
-        if spec is not None:
-            for case in cases.values():
-                _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
-        for e in entries:
-            if e.section == "floors":
-                value = _load(path, zf, e)
-                if e.shape != () or e.dtype != np.float64 or not np.isfinite(value) or value < 0:
-                    raise ArtifactError(
-                        f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
-                    )
-                cases[e.label].floors[e.name] = float(value)
-            elif e.section != "sizes":
-                section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
-                section[e.name] = _load(path, zf, e)
+        return read_cases(path, zf, zf.infolist(), spec, budget)
+
+
+def read_cases(
+    path: Path, zf: zipfile.ZipFile, infos: list[zipfile.ZipInfo], spec: ModelSpec | None, budget: int
+) -> list[GoldenCase]:
+    """The golden cases held by ``infos`` of an open zip, each checked as ``read_golden``
+    says; a file that holds other things beside them (intermediates) reads them itself."""
+    entries = [_entry(path, zf, info) for info in infos]
+    keys = [(e.label, e.section, e.name) for e in entries]
+    if len(set(keys)) != len(keys):
+        raise ArtifactError(f"{path}: golden file holds an entry twice")
+    declared = sum(e.info.file_size for e in entries)
+    if declared > budget:
+        raise ArtifactError(
+            f"{path}: golden arrays declare {format_bytes(declared)}, over the memory budget of {format_bytes(budget)}"
+        )
+    cases: dict[str, GoldenCase] = {}
+    for e in entries:
+        case = cases.setdefault(e.label, GoldenCase(e.label, {}))
+        if e.section == "sizes":
+            if e.shape != () or e.dtype.kind not in "iu":
+                raise ArtifactError(f"{path}: size entry '{e.label}/sizes/{e.name}' is not an integer scalar")
+            case.sizes[e.name] = int(load_entry(path, zf, e.info))
+    if not cases:
+        raise ArtifactError(f"{path}: golden file holds no cases")
+    if spec is not None:
+        for case in cases.values():
+            _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
+    for e in entries:
+        if e.section == "floors":
+            value = load_entry(path, zf, e.info)
+            if e.shape != () or e.dtype != np.float64 or not np.isfinite(value) or value < 0:
+                raise ArtifactError(
+                    f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
+                )
+            cases[e.label].floors[e.name] = float(value)
+        elif e.section != "sizes":
+            section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
+            section[e.name] = load_entry(path, zf, e.info)
     return list(cases.values())
 
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import STAGED, atomic_write, read_regular
+from attn_export.artifacts.files import STAGED, atomic_write, read_regular, schema_document
 from attn_export.errors import ArtifactError, SpecError
 from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
 
@@ -46,6 +46,22 @@ class ManifestEntry:
     variant: str = "fp32"
     #: What the variant's transformation did (fusions, provider, auto's figures).
     variant_info: dict[str, Any] = field(default_factory=dict)
+    #: PyTorch's value of every FX node on the smallest golden case (``build
+    #: --record-intermediates``), so that ``localize --golden`` needs no torch; "" when none.
+    intermediates: str = ""
+    intermediates_sha256: str = ""
+
+    def artifacts(self) -> list[tuple[str, str]]:
+        """The (file, sha256) attribute pairs of the files this entry names: the graph, the
+        golden file and, when recorded, the intermediates. Every file the folder's commit
+        protocol moves, hashes or keeps is one of these."""
+        pairs = [("file", "sha256"), ("golden", "golden_sha256")]
+        return pairs + ([("intermediates", "intermediates_sha256")] if self.intermediates else [])
+
+    def files(self, *keys: str) -> list[tuple[str, str]]:
+        """The (file name, sha256) of each file this entry names (``artifacts``), or of
+        those named by ``keys`` ("file", "golden", "intermediates")."""
+        return [(getattr(self, n), getattr(self, s)) for n, s in self.artifacts() if not keys or n in keys]
 
     @cached_property
     def model_spec(self) -> ModelSpec:
@@ -81,17 +97,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise ArtifactError(f"{where}: not valid JSON ({str(e) or 'nested too deeply'})") from e
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            raise ArtifactError(f"{where}: not an attn-export manifest")
-        if doc.get("schema_version") != SCHEMA_VERSION:
-            raise ArtifactError(
-                f"{where}: manifest schema_version {doc.get('schema_version')!r} is not {SCHEMA_VERSION}; "
-                "rebuild the folder with this version (attn-export build --force)"
-            )
+        rebuild = "rebuild the folder with this version (attn-export build --force)"
+        doc = schema_document(text, where, SCHEMA, SCHEMA_VERSION, "manifest", rebuild)
         models = doc.get("models")
         if not isinstance(models, dict):
             raise ArtifactError(f"{where}: 'models' must be an object")
@@ -114,16 +121,18 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         entry = ManifestEntry(**raw)
     except TypeError as e:
         raise bad(f"does not fit the schema ({e})") from e
-    for key in ("name", "file", "golden", "build_key", "variant"):
+    for key in ("name", "file", "golden", "build_key", "variant", "intermediates"):
         if not isinstance(getattr(entry, key), str):
             raise bad(f"has a non-string '{key}'")
-    for key in ("sha256", "golden_sha256", "spec_hash"):
+    for key in ("sha256", "golden_sha256", "spec_hash", *(("intermediates_sha256",) if entry.intermediates else ())):
         value = getattr(entry, key)
         if not isinstance(value, str) or not _HEX64.fullmatch(value):
             raise bad(f"has an invalid '{key}' (expected 64 hex digits)")
+    if entry.intermediates_sha256 and not entry.intermediates:
+        raise bad("has an 'intermediates_sha256' but no 'intermediates'")
     if entry.name != name:
         raise bad(f"is named '{entry.name}'")
-    for key in ("file", "golden"):
+    for key, _ in entry.artifacts():
         value = getattr(entry, key)
         if not value or Path(value).name != value or value in (".", ".."):
             raise bad("names a file outside the output directory")
@@ -143,8 +152,10 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         raise bad(f"holds an invalid spec: {e}") from e
     if variant_key(spec.name, entry.variant) != name:
         raise bad(f"holds the spec of '{spec.name}' (variant {entry.variant})")
-    for key, stable in (("file", f"{name}.onnx"), ("golden", f"{spec.name}.golden.npz")):
-        value = getattr(entry, key)
+    stables = {"file": f"{name}.onnx", "golden": f"{spec.name}.golden.npz"}
+    stables["intermediates"] = f"{name}.intermediates.npz"
+    for key, _ in entry.artifacts():
+        value, stable = getattr(entry, key), stables[key]
         staged = STAGED.fullmatch(value)
         if value != stable and not (staged and staged["stable"] == stable):
             raise bad(f"names {key} '{value}', which is neither {stable} nor a staged copy of it")

@@ -3,7 +3,8 @@
 A trajectory is a prompt step (an empty cache, the whole prompt) and then N steps of one
 token. Each side, the expected one (PyTorch, or the golden recording) and the graph, feeds
 its own ``present`` back as its ``past``, so an error that only shows once a cache holds
-something grows step by step as it does in deployment. Two scenarios: batch 1, and a
+something grows step by step as it does in deployment. Two padding layouts (the code's
+``scenario``, not to be confused with ``spec.scenarios``' presets): batch 1, and a
 left-padded batch with different prompt lengths (one row all padding during the prompt).
 PyTorch is also checked against itself without a cache (every token so far in one step): a
 cache that disagrees with recompute is a bug in the module, reported as such.
@@ -35,14 +36,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_STEPS",
-    "SCENARIOS",
+    "LAYOUTS",
     "DecodeResult",
     "DecodeStep",
     "Trajectory",
     "compare_trajectories",
+    "one_pass_feeds",
     "plan_trajectory",
     "pytorch_trajectories",
-    "scenarios",
+    "layouts",
     "step_count",
     "unpadded",
     "recompute",
@@ -51,7 +53,8 @@ __all__ = [
 
 #: Decode steps verify runs for a model with a cache unless ``--decode N`` says otherwise.
 DEFAULT_STEPS = 8
-SCENARIOS = ("batch-1", "left-padded")
+#: How a trajectory's rows are padded (a trajectory's ``scenario``).
+LAYOUTS = ("batch-1", "left-padded")
 
 Feeds = dict[str, np.ndarray]
 #: How a cache's outputs are named (``spec.cache``): present.<i>.key / .value.
@@ -88,7 +91,7 @@ def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
     return shape.index(dim) if dim in shape else None
 
 
-def scenarios(spec: ModelSpec, cache: CacheSpec) -> list[str]:
+def layouts(spec: ModelSpec, cache: CacheSpec) -> list[str]:
     """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
     batch where it may be 2 or more (and a mask says which tokens are padding)."""
     batch = spec.dims.get(cache.batch_dim or "")
@@ -180,7 +183,7 @@ def pytorch_trajectories(
     """Every scenario planned and run by the PyTorch module, with its float32 floor at
     every step; a module that cannot decode is a GraphCheckError."""
     out = []
-    for scenario in scenarios(spec, cache):
+    for scenario in layouts(spec, cache):
         traj = plan_trajectory(spec, cache, scenario, n_steps, seed)
         outputs, error = run_trajectory(eager, spec, traj)
         if error:
@@ -202,15 +205,32 @@ def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list
     return steps
 
 
-def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
-    """One call without a cache on ``tokens`` (every position), as the module would see them."""
+def _alone_feeds(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
+    """The feeds of one call without a cache on ``tokens`` (every position)."""
     batch, length = keep.shape
     sizes = spec.with_sums(
         example_sizes(spec)
         | {cache.seq_dim: length, cache.past_dim: 0}
         | ({cache.batch_dim: batch} if cache.batch_dim else {})
     )
-    return runtime.run({**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)})
+    return {**_window(spec, cache, tokens, keep, 0, length), **_empty_pasts(spec, cache, sizes)}
+
+
+def _run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:
+    """One call without a cache on ``tokens`` (every position), as the module would see them."""
+    return runtime.run(_alone_feeds(spec, cache, tokens, keep))
+
+
+def one_pass_feeds(spec: ModelSpec, traj: Trajectory, length: int) -> Feeds:
+    """The feeds of one pass without a cache over the trajectory's first ``length`` tokens:
+    what a step that ends there must agree with, row for row."""
+    cache = traj.cache
+    assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
+    tokens = {
+        n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
+        for n, v in traj.tokens.items()
+    }
+    return _alone_feeds(spec, cache, tokens, traj.keep[:, :length])
 
 
 def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | None:
@@ -219,16 +239,10 @@ def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | No
     every step is compared with the same row of this one pass: a module whose later tokens
     change earlier outputs (no causal mask) or whose result depends on how many keys it
     sees (a scale from the key count) disagrees with it from the first step on."""
-    cache = traj.cache
-    assert traj.tokens is not None, "a recorded trajectory has no tokens to recompute"
-    length = min(traj.keep.shape[1], spec.dims[cache.seq_dim].max)
+    length = min(traj.keep.shape[1], spec.dims[traj.cache.seq_dim].max)
     if length < traj.prompt:
         return None
-    tokens = {
-        n: v if (a := _axis(spec, n, cache.seq_dim)) is None else np.take(v, range(length), axis=a)
-        for n, v in traj.tokens.items()
-    }
-    return _run_alone(runtime, spec, cache, tokens, traj.keep[:, :length])
+    return runtime.run(one_pass_feeds(spec, traj, length))
 
 
 def unpadded(

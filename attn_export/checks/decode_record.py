@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export.artifacts.golden import GoldenCase
-from attn_export.checks.decode import SCENARIOS, Feeds, Trajectory, scenarios, step_inputs
+from attn_export.checks.decode import LAYOUTS, Feeds, Trajectory, layouts, step_inputs
 from attn_export.errors import ArtifactError
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
@@ -37,7 +37,7 @@ def split_recorded_label(label: str) -> tuple[str, int] | None:
     """(scenario, step) of a recorded decode step's label, else None."""
     head, _, step = label.rpartition("-")
     prefix, _, scenario = head.partition("-")
-    if prefix != _LABEL or scenario not in SCENARIOS or not step.isdigit():
+    if prefix != _LABEL or scenario not in LAYOUTS or not step.isdigit():
         return None
     return scenario, int(step)
 
@@ -54,7 +54,7 @@ def read_trajectories(
         if where is not None:
             by_scenario.setdefault(where[0], {})[where[1]] = case
     out = []
-    for scenario in scenarios(spec, cache):
+    for scenario in layouts(spec, cache):
         recorded = by_scenario.get(scenario, {})
         count = len(recorded)
         if not recorded or sorted(recorded) != list(range(1, count + 1)) or recorded[1].sizes[cache.past_dim] != 0:

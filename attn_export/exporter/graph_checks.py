@@ -9,7 +9,7 @@ config reads these names). ``name_dims`` gives an export the spec's names.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import onnx
@@ -18,11 +18,24 @@ from attn_export.artifacts.onnx_file import external_data_files
 from attn_export.errors import GraphCheckError, first_line
 from attn_export.spec import DimRange, TensorSpec
 
-__all__ = ["check_deterministic", "check_dynamic_axes", "check_model", "graph_shapes", "name_dims"]
+__all__ = [
+    "DEFAULT_DOMAINS",
+    "check_deterministic",
+    "check_domains",
+    "check_dynamic_axes",
+    "check_model",
+    "check_named_dims",
+    "check_opset",
+    "graph_shapes",
+    "name_dims",
+]
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Ops whose result is drawn at random on every run.
 RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli", "Multinomial")
+#: Operator domains ONNX Runtime runs out of the box: the ONNX standard ("" is ai.onnx), its
+#: ML ops, and ONNX Runtime's contrib ops, which attn-export's fused variants use.
+DEFAULT_DOMAINS = ("ai.onnx", "ai.onnx.ml", "com.microsoft")
 
 
 def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> None:
@@ -175,3 +188,50 @@ def check_deterministic(proto: onnx.ModelProto, name: str) -> None:
                 "(the export runs the module in eval mode, so the module asks for it: look for "
                 "F.dropout(..., training=True) or a dropout given training=True, and pass training=self.training)"
             )
+
+
+def check_named_dims(proto: onnx.ModelProto, name: str) -> None:
+    """Without a spec to say which axes are dynamic: refuse an input or output axis with
+    neither a size nor a name (a deploy config cannot refer to it, and nothing says two
+    such axes are the same)."""
+    kinds = {vi.name: "input" for vi in proto.graph.input} | {vi.name: "output" for vi in proto.graph.output}
+    for tensor, dims in graph_shapes(proto).items():
+        for axis, dim in enumerate(dims):
+            if dim is None:
+                raise GraphCheckError(
+                    f"{name}: {kinds[tensor]} '{tensor}' axis {axis} has neither a size nor a name in the graph"
+                )
+
+
+def check_opset(proto: onnx.ModelProto, name: str, lowest: int, highest: int) -> None:
+    """Refuse a graph whose default-domain opset is outside ``lowest..highest``."""
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is not None and not lowest <= opset <= highest:
+        raise GraphCheckError(f"{name}: opset {opset} is outside the allowed {lowest}..{highest}")
+
+
+def _node_domains(graph: onnx.GraphProto, local: set[tuple[str, str]]) -> Iterator[tuple[str, onnx.NodeProto]]:
+    """(domain, node) of every node, in subgraphs too; a call of a model-local function is
+    left out (its body is walked instead)."""
+    for n in graph.node:
+        if (n.domain, n.op_type) not in local:
+            yield n.domain or "ai.onnx", n
+        for attr in n.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                yield from _node_domains(sub, local)
+
+
+def check_domains(proto: onnx.ModelProto, name: str, allowed: Sequence[str]) -> None:
+    """Refuse a node (in the graph, a subgraph or a model-local function) whose operator
+    domain is not in ``allowed`` ("" and "ai.onnx" are one). Only domains that nodes use
+    count: an optimizer may import domains it never uses."""
+    local = {(f.domain, f.name) for f in proto.functions}
+    bodies = [proto.graph] + [onnx.helper.make_graph(f.node, f.name, [], []) for f in proto.functions]
+    permitted = {d or "ai.onnx" for d in allowed}
+    for body in bodies:
+        for domain, n in _node_domains(body, local):
+            if domain not in permitted:
+                raise GraphCheckError(
+                    f"{name}: {n.op_type} node '{n.name or n.output[0]}' is in domain '{domain}', which is not "
+                    f"allowed ({', '.join(sorted(permitted))})"
+                )

@@ -140,9 +140,23 @@ def export_onnx(
     The examples must give every symbolic dim its own size (``shapes.example_sizes``);
     the caller checks the result with ``graph_checks.check_dynamic_axes``.
     """
-    proto = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter).model_proto
+    return export_onnx_program(module, spec, example_feeds, opset=opset, exporter=exporter)[0]
+
+
+def export_onnx_program(
+    module: Any,
+    spec: ModelSpec,
+    example_feeds: Mapping[str, Any],
+    *,
+    opset: int | None = None,
+    exporter: str | None = None,
+) -> tuple[onnx.ModelProto, Any]:
+    """``export_onnx``'s graph and the FX program it was converted from (``export_program``;
+    None from the torchscript exporter)."""
+    result = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter)
+    proto = result.model_proto
     name_dims(proto, spec.inputs, spec.outputs, spec.dims)
-    return proto
+    return proto, result.exported_program
 
 
 def export_program(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], *, opset: int) -> Any:

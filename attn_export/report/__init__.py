@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from attn_export._deps import require
 from attn_export.artifacts.files import append_output, output_target, write_output
 from attn_export.errors import UsageError
-from attn_export.report import bench_text, json_report, junit, markdown, plot
+from attn_export.report import bench_text, benchmark_json, json_report, junit, markdown, plot
 from attn_export.report.base import BenchFormat, ReportFormat
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ BENCH_FORMATS: dict[str, BenchFormat] = {
     json_report.BENCH_FORMAT.name: json_report.BENCH_FORMAT,
     bench_text.BENCH_FORMAT.name: bench_text.BENCH_FORMAT,
     plot.BENCH_FORMAT.name: plot.BENCH_FORMAT,
+    benchmark_json.BENCH_FORMAT.name: benchmark_json.BENCH_FORMAT,
 }
 
 

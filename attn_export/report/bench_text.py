@@ -63,7 +63,7 @@ def markdown_bench_table(report: BenchReport) -> str:
 
 
 DECODE_HEADER = (
-    f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'MS/TOKEN':>9} {'P90_MS':>9} "
+    f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'SEQ':>4} {'MS/STEP':>9} {'P90_MS':>9} "
     f"{'TOKENS/S':>10} {'VS_EAGER':>8}  VERDICT"
 )
 
@@ -71,16 +71,21 @@ DECODE_HEADER = (
 def format_decode_row(r: DecodeRow) -> str:
     flag = f"  {r.noise}" if r.noise else ""
     return (
-        f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
+        f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
+        f"{r.latency.p90_ms:>9.3f} "
         f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8}  {r.verdict or '-'}{flag}"
     )
 
 
 def format_decode_summary(report: DecodeBenchReport) -> str:
     windows = sorted({r.window for r in report.rows})
+    scenarios = sorted({r.scenario for r in report.rows if r.scenario})
+    step = (
+        f"scenario {', '.join(scenarios)}: a step of SEQ tokens" if scenarios else "one decode step (seq 1) per token"
+    )
     lines = [
         f"machine: {report.machine}; threads {report.threads}; provider {report.provider}; seed {report.seed}",
-        f"one decode step (seq 1) per token; cache prefilled with {report.prefill}; each window decodes "
+        f"{step}; cache prefilled with {report.prefill}; each window runs "
         f"{'/'.join(map(str, windows)) or '-'} steps from PAST, feeding the presents back",
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
     ]
@@ -89,13 +94,14 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
 
 def markdown_decode_table(report: DecodeBenchReport) -> str:
     lines = [
-        "| model | runner | batch | past | ms/token p50 | p90 | tokens/s | vs eager | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| model | runner | batch | past | seq | ms/step p50 | p90 | tokens/s | vs eager | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report.rows:
         verdict = (r.verdict or "-") + (f" ({r.noise})" if r.noise else "")
         lines.append(
-            f"| {r.model} | {r.runner} | {r.batch} | {r.past} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
+            f"| {r.model} | {r.runner} | {r.batch} | {r.past} | {r.seq} | {r.latency.p50_ms:.3f} | "
+            f"{r.latency.p90_ms:.3f} | "
             f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {verdict} |"
         )
     return "\n".join(lines) + "\n"

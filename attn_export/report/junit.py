@@ -34,9 +34,11 @@ def junit_xml(report: VerifyReport) -> str:
         problems = next((c.problems for c in report.checks if c.model == model), [])
         failing = [c for c in cases if not c.passed]
         decode = [d for d in report.decode if (d.model, d.runtime) == (model, runtime) and not d.passed]
-        if problems or failing or decode:
+        placement = next((p for p in report.placement if (p.model, p.runtime) == (model, runtime)), None)
+        misplaced = [placement.gate] if placement is not None and placement.gate else []
+        if problems or failing or decode or misplaced:
             failures += 1
-            lines = list(problems)
+            lines = [*problems, *misplaced]
             for c in failing:
                 lines.append(f"{c.shape} {c.sizes} seed={c.seed}: {'; '.join(c.reasons())}")
                 lines.append(f"  reproduce: {report.reproduce(c)}")
@@ -47,6 +49,8 @@ def junit_xml(report: VerifyReport) -> str:
         props = ET.SubElement(case_el, "properties")
         ET.SubElement(props, "property", name="shapes", value=str(len(cases)))
         ET.SubElement(props, "property", name="seed", value=str(report.seed))
+        if placement is not None:
+            ET.SubElement(props, "property", name="placement", value=placement.placement.summary())
         notes = [f"{c.shape} {c.sizes}: {n}" for c in cases for n in c.notes]
         if notes:
             ET.SubElement(case_el, "system-out").text = "\n".join(notes)

@@ -24,14 +24,21 @@ def _source(source: str) -> str:
 
 
 def where(region: RegionError) -> str:
-    """``ONNX node [Op] from FX node name (aten op) in module.path at file:line `code```."""
+    """``ONNX node [Op] from FX node name (aten op) in module.path at file:line `code```: the
+    node that computes the compared value, and the region's other nodes counted."""
     op = "+".join(dict.fromkeys(region.ops))
-    nodes = region.nodes[0] + (f" (+{len(region.nodes) - 1} nodes)" if len(region.nodes) > 1 else "")
-    parts = [f"ONNX {nodes} [{op}]", f"from FX node {region.fx_node} ({region.target})"]
+    more = f" (+{len(region.nodes) - 1} nodes)" if len(region.nodes) > 1 else ""
+    nodes = (region.node or "".join(region.nodes[:1])) + more
+    parts = [f"ONNX {nodes} [{op}]"] if region.nodes else []
+    parts.append(f"{'from ' if region.nodes else ''}FX node {region.fx_node} ({region.target})")
     if region.module_path:
         parts.append(f"in {region.module_path}")
     if region.source:
         parts.append(f"at {_source(region.source)}" + (f" `{region.code}`" if region.code else ""))
+    if region.covers:
+        span = ", ".join(region.covers) if len(region.covers) <= 4 else f"{region.covers[0]} … {region.covers[-1]}"
+        lines = ", ".join(_source(line) for line in region.lines[:6]) + (" …" if len(region.lines) > 6 else "")
+        parts.append(f"(a region standing for {len(region.covers)} FX nodes: {span}; lines {lines})")
     return " ".join(parts)
 
 
@@ -46,10 +53,10 @@ def _error(c: OutputComparison | None) -> str:
 
 
 def format_localize(report: LocalizeReport) -> str:
-    if report.decode_step is not None:
-        case = (
-            f"decode step {report.decode_step} of {report.scenario} ({format_sizes(report.sizes)}), seed {report.seed}"
-        )
+    if report.golden_case is not None:
+        case = f"the recorded case {report.golden_case} ({format_sizes(report.sizes)}), PyTorch's values as built"
+    elif report.decode_step is not None:
+        case = f"decode step {report.decode_step} of {report.layout} ({format_sizes(report.sizes)}), seed {report.seed}"
     else:
         case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
         case += f", mask case {report.mask_case}" if report.mask_case else ""
@@ -63,8 +70,14 @@ def format_localize(report: LocalizeReport) -> str:
         lines.append(f"  output {o.reason() if not o.passed else o.name + ': agrees'}")
     lines += [f"  note: {n}" for n in report.notes]
     compared = f"{len(report.regions)} regions compared ({report.uncompared} without a PyTorch value)"
+    bug = report.module_bug
+    if bug is not None:
+        lines.append(
+            f"THE MODULE disagrees with itself at this step: with its cache it parts from one pass over every "
+            f"token so far first at {where(bug)}: {_error(bug.local)}"
+        )
     r = report.first
-    if report.agrees:
+    if report.graph_agrees:
         lines.append(f"AGREES: the graph gives PyTorch's outputs here; {compared}")
     elif r is None:
         lines.append(f"DIVERGES, but no compared region tells where; {compared}")

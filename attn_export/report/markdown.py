@@ -47,12 +47,20 @@ def markdown_report(report: VerifyReport) -> str:
             lines.append(f"| {model} | {runtime} | {cells} |")
     if report.decode:
         lines += ["", "#### Decoding with a KV cache (max abs error by step; step 1 is the prompt)", ""]
-        lines += ["| model | runtime | scenario | prompts | result | by step |", "|---|---|---|---|---|---|"]
+        lines += ["| model | runtime | layout | prompts | result | by step |", "|---|---|---|---|---|---|"]
         for d in report.decode:
             by_step = " ".join(_cell(s.max_abs_error, ".1e") for s in d.steps)
             prompts = ",".join(map(str, d.prompt_lengths))
             verdict = "PASS" if d.passed else "**FAIL**"
             lines.append(f"| {d.model} | {d.runtime} | {d.scenario} | {prompts} | {verdict} | {by_step} |")
+    if report.placement:
+        lines += ["", "#### Provider placement (where each node ran)", ""]
+        lines += ["| model | runtime | nodes | result | where |", "|---|---|---:|---|---|"]
+        for p in report.placement:
+            lines.append(
+                f"| {p.model} | {p.runtime} | {p.placement.nodes} | {'**FAIL**' if not p.passed else p.verdict} | "
+                f"{p.placement.summary()} |"
+            )
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
     problems += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {r}" for d in report.decode for r in d.reasons()]
     problems += [

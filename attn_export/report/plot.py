@@ -57,7 +57,7 @@ def plot_decode_latency(report: DecodeBenchReport, path: Path) -> None:
     def style(ax: Any, model: str, batch: int) -> None:
         ax.set_ylim(bottom=0)
         ax.set_xlabel("past length (cached tokens)")
-        ax.set_ylabel("p50 ms per token")
+        ax.set_ylabel("p50 ms per step")
         ax.set_title(f"{model}, batch {batch}, one decode step")
         ax.grid(True, alpha=0.3)
 

@@ -13,6 +13,7 @@ __all__ = [
     "format_distributions",
     "format_failures",
     "format_model_rows",
+    "format_placement",
     "format_summary",
 ]
 
@@ -68,13 +69,29 @@ def format_decode(report: VerifyReport) -> str:
     (step 1 is the prompt), so the step where an error starts to grow is in view."""
     if not report.decode:
         return ""
-    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'SCENARIO':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
+    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'LAYOUT':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
     for d in report.decode:
         prompts = ",".join(map(str, d.prompt_lengths))
         errors = " ".join(_num(s.max_abs_error, ".1e") for s in d.steps)
         lines.append(
             f"{d.model:<18} {d.runtime:<18} {d.scenario:<12} {prompts:<8} {'PASS' if d.passed else 'FAIL':<6} {errors}"
         )
+    return "\n".join(lines)
+
+
+def format_placement(report: VerifyReport) -> str:
+    """Where each graph ran: one line when every node ran on the provider asked for, else a
+    row per model and target with nodes elsewhere, by op type and count."""
+    if not report.placement:
+        return ""
+    off = [p for p in report.placement if p.placement.fallbacks or p.placement.shape_ops or p.placement.error]
+    if not off:
+        models, targets = len({p.model for p in report.placement}), len({p.runtime for p in report.placement})
+        nodes = sum(p.placement.nodes for p in report.placement)
+        counts = f"models: {models}, targets: {targets}, nodes: {nodes}"
+        return f"placement: every node ran on the provider asked for ({counts})"
+    lines = [f"{'PLACEMENT':<18} {'RUNTIME':<18} {'RESULT':<6} WHERE"]
+    lines += [f"{p.model:<18} {p.runtime:<18} {p.verdict:<6} {p.placement.summary()}" for p in off]
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from attn_export.spec.shapes import sizes_from_feeds
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
+    from attn_export.runtimes.placement import Placement
 
 __all__ = ["Runtime", "RuntimeKind", "check_feeds"]
 
@@ -126,6 +127,11 @@ class Runtime(ABC):
         from attn_export.runtimes.decoders import FeedbackDecoder
 
         return FeedbackDecoder(self, plan)
+
+    def placement(self, feeds: Mapping[str, np.ndarray]) -> Placement | None:
+        """Which execution provider ran each node on ``feeds`` (``runtimes.placement``),
+        read from a run of its own, never a timed one; None for a runtime without providers."""
+        return None
 
     @abstractmethod
     def _activate(self) -> None: ...

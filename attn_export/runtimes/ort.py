@@ -9,6 +9,7 @@ instead of taking the machine's memory.
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from attn_export.spec.memory import ENV, format_bytes, memory_budget
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
+    from attn_export.runtimes.placement import Placement
 
 __all__ = ["KIND", "OnnxRuntime", "available_providers", "load_session", "require_provider"]
 
@@ -225,6 +227,33 @@ class OnnxRuntime(Runtime):
             binding.synchronize_outputs()
 
         return call
+
+    def placement(self, feeds: Mapping[str, np.ndarray]) -> Placement:
+        """Where ONNX Runtime runs each node: one run of a session of its own with per-node
+        profiling on (a profiled run is slower, so never one that is timed), read from the
+        profile it writes into a temporary folder (``runtimes.placement``)."""
+        from attn_export.artifacts.onnx_file import load_model_file
+        from attn_export.runtimes import placement
+
+        check_feeds(feeds, self.inputs, self.dims)
+        ep = require_provider(self.provider)
+        if isinstance(self.model, Path):
+            load_model_file(self.model)
+        with tempfile.TemporaryDirectory(prefix="attn-export-profile-") as tmp:
+            session = load_session(
+                self.model,
+                self.provider,
+                budget=self.budget,
+                threads=self.threads,
+                profile_prefix=Path(tmp) / "profile",
+                spinning=False,
+            )
+            try:
+                session.run(None, dict(feeds))
+            except Exception as e:
+                raise RuntimeFailure(f"{self.name}: the profiled run failed: {first_line(e)}") from e
+            path = Path(session.end_profiling())
+            return placement.placement_from_profile(placement.read_profile(path), ep)
 
     def decoder(self, plan: DecodeWindow) -> Decoder:
         """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own."""

@@ -128,7 +128,7 @@ def test_decode_report_per_step_in_the_terminal_and_json(zoo_dir: Path, tmp_path
     ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    assert "SCENARIO     PROMPTS  RESULT MAX_ABS BY STEP" in result.output
+    assert "LAYOUT       PROMPTS  RESULT MAX_ABS BY STEP" in result.output
     assert "2 of 2 decode trajectories agree (up to 2 steps after the prompt)" in result.output
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["summary"]["decode_trajectories"] == 2 and doc["settings"]["decode_steps"] == 2

@@ -12,9 +12,12 @@ import pytest
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_failures, localize_model
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
+from attn_export.report.localize_text import format_localize
 from tests.conftest import TINY_ZOO, write_spec
 
+ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 MASK_INPUT = re.compile(r'\[\[inputs\]\]\nname = "attention_mask"\n.*?(?=\[\[inputs\]\])', re.S)
 
 
@@ -74,3 +77,34 @@ def test_a_padded_row_that_differs_only_in_its_cache_is_said_so() -> None:
     )
     result.unpadded = [compare_output("output (row 1)", same, same + 1, tol), differs]
     assert result.reasons()[0].startswith("module bug: padding changes what a real token sees")
+
+
+@pytest.mark.parametrize(
+    ("name", "fx_node", "step"),
+    [
+        ("keycountscale", "sum_1", 1),
+        pytest.param("nocausalmask", "scaled_dot_product_attention", 3, marks=pytest.mark.slow),
+    ],
+)
+def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its_one_pass(
+    built: tuple[Path, Path], name: str, fx_node: str, step: int
+) -> None:
+    out, models = built
+    report = localize_model(out, name, LocalizeOptions(models_dir=models, decode_step=step))
+    bug = report.module_bug
+    assert report.graph_agrees and not report.agrees, "the graph does as the module does; the module is wrong"
+    assert bug is not None and bug.fx_node == fx_node and bug.local is not None and not bug.local.passed
+    assert bug.source.startswith(str(ZOO_CODE / "kv_cache.py") + ":"), bug.source
+    assert "THE MODULE disagrees with itself at this step" in format_localize(report)
+    assert LocalizeReport.from_dict(report.to_dict()).module_bug == bug
+    if step == 1:  # verify --localize localizes the step its decode check says the module bug starts at
+        options = VerifyOptions(models_dir=models, latency=False, distributions=("normal",), n_random=0, decode_steps=8)
+        verified = verify_artifacts(out, load_manifest(out), [name], options)
+        [found] = localize_failures(verified, options)
+        assert found.decode_step == 1 and found.module_bug is not None and found.module_bug.fx_node == fx_node
+
+
+def test_localize_finds_no_module_bug_in_a_correct_decoder(built: tuple[Path, Path]) -> None:
+    out, models = built
+    report = localize_model(out, "withoutmask", LocalizeOptions(models_dir=models, decode_step=3))
+    assert report.agrees and report.module_bug is None

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.pipelines.bench.results import BenchReport
 from tests.conftest import plant, tiny_spec
+from tests.report.test_benchmark_json import custom_smaller_is_better
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,8 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
             str(folder / "bench.md"),
             "--plot",
             str(folder / "latency.png"),
+            "--benchmark-json",
+            str(folder / "benchmark.json"),
         ],
     )
     return folder, result
@@ -68,6 +71,20 @@ def test_bench_json_holds_every_shape_and_runner(bench_run) -> None:
     assert set(report.memory_mb["tiny"]) == {"torch-eager", "ort:fp32", "ort:int8"}
     assert all(v is not None and v > 0 for v in report.memory_mb["tiny"].values())
     assert report.to_dict() == BenchReport.from_dict(report.to_dict()).to_dict()
+
+
+def test_benchmark_json_has_one_entry_per_row_named_by_what_it_measured(bench_run) -> None:
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    report = BenchReport.from_dict(json.loads((folder / "bench.json").read_text()))
+    entries = custom_smaller_is_better((folder / "benchmark.json").read_text())
+    assert len(entries) == len(report.rows) == 32
+    for entry, row in zip(entries, report.rows, strict=True):
+        assert entry["name"] == f"tiny {row.runner} [cpu] batch={row.batch} seq={row.seq}"
+        assert entry["value"] == row.latency.p50_ms
+        assert entry["range"] == f"± {row.latency.p90_ms - row.latency.p50_ms:.4f}"
+        assert f"repeats: {row.latency.repeats}" in entry["extra"].splitlines()
+        assert ("outside the verified range" in entry["extra"]) == (row.seq > 24)
 
 
 def test_bench_flops_count_projections_and_both_attention_matmuls(bench_run) -> None:

@@ -21,6 +21,7 @@ from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import load_spec
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec
+from tests.report.test_benchmark_json import custom_smaller_is_better
 
 #: The production spec, for what needs no build; the tiny zoo's for what runs.
 SPEC = ZOO / "mha_kv_cache.toml"
@@ -42,6 +43,7 @@ def decode_run(built: Path) -> tuple[Path, object]:
     args = ["bench", str(TINY_SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
     args += ["--variant", "int8", "--budget", "0.01", "--threads", "1", "--json", str(folder / "decode.json")]
     args += ["--markdown", str(folder / "decode.md"), "--plot", str(folder / "decode.png")]
+    args += ["--benchmark-json", str(folder / "benchmark.json")]
     return folder, CliRunner().invoke(cli, args)
 
 
@@ -66,12 +68,23 @@ def test_one_row_per_runner_and_past_with_consistent_figures(decode_run) -> None
     assert report.to_dict() == DecodeBenchReport.from_dict(report.to_dict()).to_dict()
 
 
+def test_benchmark_json_has_one_entry_per_decode_row(decode_run) -> None:
+    folder, result = decode_run
+    assert result.exit_code == 0, result.output
+    report = DecodeBenchReport.from_dict(json.loads((folder / "decode.json").read_text()))
+    entries = custom_smaller_is_better((folder / "benchmark.json").read_text())
+    names = [f"mha_kv_cache {r.runner} [cpu] decode batch=1 past={r.past}" for r in report.rows]
+    assert [e["name"] for e in entries] == names and len(names) == 6
+    assert [e["value"] for e in entries] == [r.latency.p50_ms for r in report.rows]
+    assert all("window: 8 steps" in e["extra"] for e in entries)
+
+
 def test_table_markdown_and_plot(decode_run) -> None:
     folder, result = decode_run
-    assert result.output.splitlines()[0].split()[:5] == ["MODEL", "RUNNER", "BATCH", "PAST", "MS/TOKEN"]
+    assert result.output.splitlines()[0].split()[:6] == ["MODEL", "RUNNER", "BATCH", "PAST", "SEQ", "MS/STEP"]
     assert "peak memory mha_kv_cache: torch-eager" in result.output
     lines = (folder / "decode.md").read_text().splitlines()
-    assert lines[0].startswith("| model | runner | batch | past | ms/token p50 |") and len(lines) == 2 + 6
+    assert lines[0].startswith("| model | runner | batch | past | seq | ms/step p50 |") and len(lines) == 2 + 6
     pytest.importorskip("matplotlib")
     assert (folder / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -159,3 +172,30 @@ def test_bad_decode_options_exit_2(tmp_path: Path, args: list[str], message: str
     result = CliRunner().invoke(cli, ["bench", str(SPEC), "--out", str(tmp_path / "out"), *args])
     assert result.exit_code == 2 and message in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_scenario_times_its_steps_of_several_tokens(built: Path, tmp_path: Path) -> None:
+    args = ["bench", str(TINY_SPEC), "--scenario", "speculative", "--out", str(built), "--variant", "fp32"]
+    args += ["--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "s.json")]
+    result = CliRunner().invoke(cli, [*args, "--benchmark-json", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    names = [e["name"] for e in json.loads((tmp_path / "b.json").read_text())]
+    assert names == [f"mha_kv_cache {r} [cpu] speculative batch=1 past=20 seq=4" for r in ("torch-eager", "ort:fp32")]
+    assert "scenario speculative: a step of SEQ tokens" in result.output
+    report = DecodeBenchReport.from_dict(json.loads((tmp_path / "s.json").read_text()))
+    assert sorted(r.runner for r in report.rows) == ["ort:fp32", "torch-eager"]
+    for r in report.rows:
+        assert (r.batch, r.past, r.seq, r.window, r.scenario) == (1, 20, 4, 1, "speculative")
+        assert r.tokens_per_s == pytest.approx(4 * 1000 / r.latency.p50_ms)
+    fixed = CliRunner().invoke(cli, ["bench", str(TINY_SPEC), "--scenario", "speculative", "--past", "3"])
+    assert fixed.exit_code == 2 and "--scenario sets the batch, past and query tokens: drop --past" in fixed.output
+
+
+def test_a_window_of_several_tokens_per_step_positions_each_token() -> None:
+    spec = load_spec(ZOO / "gqa_rope_kv_cache.toml")
+    plan = plan_window(spec, batch=2, past=240, window=8, seed=0, seq=4)
+    assert len(plan.steps) == 5  # past 240, 244, ..., 256: where the spec's range ends
+    for k, feeds in enumerate(plan.steps):
+        assert feeds["attention_mask"].shape == (2, 240 + 4 * (k + 1))
+        assert feeds["position_ids"].tolist() == [list(range(240 + 4 * k, 244 + 4 * k))] * 2
+        assert feeds["hidden_states"].shape == (2, 4, 64)

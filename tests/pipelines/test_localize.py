@@ -3,7 +3,11 @@ came from, in the tiny zoo's graphs; a correct graph is blamed for nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,12 +17,18 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.manifest import load_manifest, save_manifest
 from attn_export.cli import cli
+from attn_export.exporter.variants import make_variant
+from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import format_localize, where
-from tests.conftest import TINY_ZOO, needs_transformers, plant
+from tests.conftest import TINY_ZOO, Built, needs_transformers, plant
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
+#: The CLI where torch cannot be imported, as on a deploy box.
+NO_TORCH = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
 
 
 def _node(proto: onnx.ModelProto, name: str) -> onnx.NodeProto:
@@ -46,9 +56,11 @@ def _swap_inputs(proto: onnx.ModelProto, node: str, a: int, b: int) -> None:
 
 
 def _set_attribute(proto: onnx.ModelProto, node: str, name: str, value: object) -> None:
+    """Set (or add) an attribute of ``node``."""
     target = _node(proto, node)
-    attr = next(a for a in target.attribute if a.name == name)
-    attr.CopyFrom(onnx.helper.make_attribute(name, value))
+    kept = [a for a in target.attribute if a.name != name]
+    del target.attribute[:]
+    target.attribute.extend([*kept, onnx.helper.make_attribute(name, value)])
 
 
 def _without_metadata(proto: onnx.ModelProto, node: str) -> None:
@@ -217,10 +229,6 @@ def test_shrink_finds_the_smallest_case_that_fails_at_the_same_node(
 def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_one(
     zoo_copy: Path, tmp_path: Path
 ) -> None:
-    import os
-    import subprocess
-    import sys
-
     proto = onnx.load(zoo_copy / "mha.onnx")
     _set_attribute(proto, "node_softmax", "axis", 2)
     plant(zoo_copy, "mha", proto)
@@ -238,8 +246,7 @@ def test_the_replay_bundle_fails_on_the_broken_region_and_passes_on_the_fixed_on
     broken = reproduce()
     assert broken.returncode == 1, broken.stderr
     assert broken.stdout.splitlines()[1].startswith("DIFFERS: softmax: ")
-    no_torch = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
-    blocked = subprocess.run([sys.executable, "-c", no_torch, "replay", str(bundle)], capture_output=True, text=True)
+    blocked = subprocess.run([sys.executable, "-c", NO_TORCH, "replay", str(bundle)], capture_output=True, text=True)
     assert blocked.returncode == 1 and blocked.stdout == broken.stdout, blocked.stderr  # no torch needed
     _set_attribute(region, "node_softmax", "axis", -1)
     onnx.save(region, bundle / "region.onnx")
@@ -260,12 +267,12 @@ def test_a_decode_step_is_localized_and_verify_localizes_the_first_diverging_ste
     proto = onnx.load(zoo_copy / "mha_kv_cache.onnx")
     _swap_inputs(proto, "node_cat_1", 0, 1)
     plant(zoo_copy, "mha_kv_cache", proto)
-    prompt = _localize(zoo_copy, "mha_kv_cache", decode_step=1, scenario="batch-1")
+    prompt = _localize(zoo_copy, "mha_kv_cache", decode_step=1, layout="batch-1")
     assert prompt.agrees and prompt.sizes["past_seq"] == 0
-    step = _localize(zoo_copy, "mha_kv_cache", decode_step=2, scenario="batch-1")
+    step = _localize(zoo_copy, "mha_kv_cache", decode_step=2, layout="batch-1")
     assert step.sizes["past_seq"] > 0 and step.first is not None and step.cause == "graph"
     assert (step.first.fx_node, step.first.nodes) == ("cat_1", ["node_cat_1"])
-    assert step.reproduce.endswith(f"--decode-step 2 --seed 0 --scenario batch-1 --models {TINY_ZOO}")
+    assert step.reproduce.endswith(f"--decode-step 2 --seed 0 --layout batch-1 --models {TINY_ZOO}")
     # the one case of the sweep has an empty cache and passes: the decode trajectories fail at step 2
     args = ["verify", str(zoo_copy / "mha_kv_cache.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
     result = CliRunner().invoke(cli, [*args, "--shapes", "batch=1,seq=3,past_seq=0", "--decode", "2", "--localize"])
@@ -305,3 +312,121 @@ def test_a_region_onnx_runtime_will_not_run_is_named(zoo_copy: Path) -> None:
     assert report.cause == "refused" and report.first is not None and report.first.fx_node == "softmax"
     assert report.first.refused and any(n.startswith("the whole graph fails to run") for n in report.notes)
     assert "ONNX Runtime will not run it on PyTorch's values" in format_localize(report)
+
+
+def test_a_planted_fault_is_localized_on_a_box_without_torch_from_the_recorded_intermediates(
+    zoo_copy: Path, tmp_path: Path
+) -> None:
+    """build --record-intermediates kept PyTorch's values on the case `distinct`; localize
+    --golden reads them, with torch and the models' code out of reach."""
+
+    def golden(*args: str) -> subprocess.CompletedProcess[str]:
+        run = [sys.executable, "-c", NO_TORCH, "localize", str(zoo_copy), "mha", "--golden", *args]
+        return subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)  # no checkout here
+
+    agrees = golden()
+    assert agrees.returncode == 0, agrees.stderr
+    assert agrees.stdout.startswith("localize mha at the recorded case distinct (batch=2,seq=3)")
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _replace_input(proto, "node_div", 1, lambda v: v * 2)
+    plant(zoo_copy, "mha", proto)
+    found = golden("--json", str(tmp_path / "where.json"))
+    assert found.returncode == 1, found.stderr
+    report = LocalizeReport.from_dict(json.loads((tmp_path / "where.json").read_text()))
+    assert report.first is not None and (report.first.fx_node, report.first.nodes) == ("div", ["node_div"])
+    assert report.first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
+    assert "/ (self.head_dim**0.5)" in report.first.code and report.golden_case == "distinct"
+    assert report.reproduce == f"attn-export localize {zoo_copy} mha --golden"
+    refused = golden("--shapes", "batch=1,seq=2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "Error: --golden localizes the case the build recorded: it cannot be combined with --shapes"
+    )
+    (zoo_copy / "mha.intermediates.npz").write_bytes(b"PK not a zip")
+    tampered = golden()
+    assert tampered.returncode == 2 and "mha.intermediates.npz changed after the build" in tampered.stderr
+
+
+def test_localize_golden_names_a_build_without_recorded_intermediates(tiny_build: Built) -> None:
+    result = CliRunner().invoke(cli, ["localize", str(tiny_build.out), "tiny", "--golden"])
+    assert result.exit_code == 2
+    assert f"tiny: no recorded intermediates in {tiny_build.out}; build it with --record-intermediates" in result.output
+
+
+def _add_variant(out: Path, model: str, variant: str) -> str:
+    """The variant made from the built plain graph and entered in the manifest, as build
+    makes it (without its smoke check: the point is to break it)."""
+    manifest = load_manifest(out)
+    name = f"{model}.{variant}"
+    graph = make_variant(variant, onnx.load(out / f"{model}.onnx")).proto
+    onnx.save(graph, out / f"{name}.onnx")
+    entry = dataclasses.replace(
+        manifest.models[model], name=name, file=f"{name}.onnx", variant=variant, intermediates="",
+        intermediates_sha256="", sha256=sha256_file(out / f"{name}.onnx"),
+    )  # fmt: skip
+    manifest.models[name] = entry
+    save_manifest(out, manifest)
+    return name
+
+
+def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> None:
+    init = next(i for i in proto.graph.initializer if i.name == name)
+    value = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((value * factor).astype(value.dtype), name))
+
+
+#: (fault, variant, a node of the region to blame, edit, the FX node compared there, FX nodes
+#: the region must stand for, a piece of the source line)
+FUSED_PLANTS = [
+    ("fused attention's bias", "ort-fused", "node_MultiHeadAttention_3",
+     lambda p: _scale_initializer(p, "val_7", 2.0), "view_3", {"linear", "softmax", "div", "view_3"},
+     "output.transpose(1, 2)"),
+    ("quantized weight's scale", "int8", "node_MatMul_2_quant",
+     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
+    ("ONNX Runtime's fused scale", "ort-optimized", "node_matmul/MatMulScaleFusion/",
+     lambda p: _set_attribute(p, "node_matmul/MatMulScaleFusion/", "alpha", 1.0), "div", {"matmul", "div"},
+     "/ (self.head_dim**0.5)"),
+    ("softmax axis among float16 casts", "fp16", "node_softmax",
+     lambda p: _set_attribute(p, "node_softmax", "axis", 2), "softmax", {"softmax"}, "F.softmax(scores, dim=-1)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
+    [pytest.param(*p, id=p[0], marks=pytest.mark.slow if p[1] == "fp16" else ()) for p in FUSED_PLANTS],
+)
+def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_it_stands_for(
+    zoo_copy: Path, fault: str, variant: str, node: str, edit: Callable, fx_node: str, covers: set[str], code: str
+) -> None:
+    name = _add_variant(zoo_copy, "mha", variant)
+    agrees = _localize(zoo_copy, name)
+    assert agrees.agrees and not [r.fx_node for r in agrees.regions if r.breaks], "a correct variant"
+    proto = onnx.load(zoo_copy / f"{name}.onnx")
+    edit(proto)
+    plant(zoo_copy, name, proto)
+    report = _localize(zoo_copy, name)
+    first = report.first
+    assert not report.agrees and first is not None and report.cause == "graph", report.notes
+    assert (first.fx_node, node in first.nodes) == (fx_node, True), where(first)
+    assert covers <= set(first.covers or [first.fx_node]), first.covers
+    assert code in first.code and first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
+    assert [r.fx_node for r in report.regions if r.breaks] == [fx_node]
+
+
+@pytest.mark.slow
+def test_a_fault_in_onnx_runtimes_cache_attention_is_localized_to_the_sdpa_and_cache_lines(
+    zoo_copy: Path,
+) -> None:
+    """ort-past replaces the opset-23 Attention op and the cache's Concat pair by
+    MultiHeadAttention with past inputs; its nodes keep the Attention node's source line."""
+    spec = TINY_ZOO / "mha_kv_cache.toml"
+    summary = build_models([spec], BuildOptions(zoo_copy, variants=("ort-past",)))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    proto = onnx.load(zoo_copy / "mha_kv_cache.ort-past.onnx")
+    _set_attribute(proto, "ort_past_0/MultiHeadAttention", "scale", 1.0)
+    plant(zoo_copy, "mha_kv_cache.ort-past", proto)
+    report = _localize(zoo_copy, "mha_kv_cache.ort-past")
+    first = report.first
+    assert first is not None and first.fx_node == "scaled_dot_product_attention", report.notes
+    assert "ort_past_0/MultiHeadAttention" in first.nodes and {"cat", "cat_1"} <= set(first.covers)
+    assert first.source.startswith(str(ZOO_CODE / "kv_cache.py") + ":") and len(first.lines) == 3

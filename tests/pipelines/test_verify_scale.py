@@ -177,6 +177,7 @@ def test_timing_waits_until_no_other_cell_runs(zoo_dir: Path, monkeypatch: pytes
     timed = [c for c in report.cases if c.onnx_latency is not None]
     assert len(timed) == len(report.cases) > 0 and {c.model for c in timed} == set(names)
     assert executor.in_flight_at_timing == [0] * len(timed)  # each timing alone, and every case timed
+    assert report.placement  # a placement cell too ran before, never beside, a timing
 
 
 def _sweep(zoo_dir: Path, out: Path, *args: str) -> str:

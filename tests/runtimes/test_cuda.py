@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -78,3 +79,14 @@ def test_fp16_variant_verifies_on_cuda(tmp_path: Path) -> None:
     ]
     result = runner.invoke(cli, [*args, "--distribution", "tiny"])
     assert result.exit_code == 0, result.output
+
+
+def test_verify_on_cuda_reads_where_each_node_ran(zoo_dir: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    args = ["verify", str(zoo_dir / "mha_cross.onnx"), "--models", str(TINY_ZOO), "--provider", "cuda"]
+    result = CliRunner().invoke(cli, [*args, "--no-latency", "--json", str(report)])
+    (placement,) = json.loads(report.read_text())["placement"]
+    assert (placement["provider"], placement["required"]) == ("CUDAExecutionProvider", True)
+    assert placement["by_provider"].get("CUDAExecutionProvider", 0) > 0, placement
+    # MatMul, Softmax, Add, Reshape and Transpose all have CUDA kernels: nothing falls back
+    assert placement["fallbacks"] == [] and result.exit_code == 0, result.output

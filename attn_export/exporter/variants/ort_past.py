@@ -160,6 +160,8 @@ def _replace(proto: onnx.ModelProto, op: CacheAttention, prefix: str) -> tuple[l
     if has_key:
         back = nodes.add("Where", [has_key, back, nodes.const("zero", np.zeros((), _dtype(proto, op.query)))], "y_seen")
     nodes.nodes[-1].output[0] = node.output[0]
+    for new in nodes.nodes:  # traced, like the node they replace, to its FX node and source line
+        new.metadata_props.extend(node.metadata_props)
     proto.graph.initializer.extend(nodes.constants)
     return nodes.nodes, kind
 

@@ -3,6 +3,9 @@
 For each model with a key/value cache (``spec.cache``), batch size and past length, PyTorch
 eager (with its own cache) and ONNX Runtime (each built variant) run decode steps at
 seq 1: per-token p50/p90, tokens/s, the ratio to eager, and peak memory per runner.
+``bench --scenario S`` times the steps of a scenario preset (``spec.scenarios``) instead:
+its batch, its first past, its steps as the window and its query tokens per step (more than
+one for a prefill or a speculative step, where a row's latency is per step of that many).
 
 How a step is measured:
 
@@ -51,6 +54,7 @@ from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
 from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.scenarios import SCENARIOS, scenario_sizes
 from attn_export.spec.shapes import ShapePoint, format_sizes
 
 __all__ = ["DEFAULT_PASTS", "bench_decode_models", "past_lengths", "plan_window", "run_decode_bench"]
@@ -87,43 +91,55 @@ def past_lengths(spec: ModelSpec, requested: Sequence[int] | None = None) -> lis
     return list(dict.fromkeys(requested))
 
 
-def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int) -> dict[str, int]:
-    """The sizes of one decode step (seq 1) at ``batch`` and ``past``."""
-    return spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.past_dim: past})
+def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int, seq: int = 1) -> dict[str, int]:
+    """The sizes of one step of ``seq`` tokens at ``batch`` and ``past``."""
+    return spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.seq_dim: seq, cache.past_dim: past})
 
 
-def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int) -> DecodeWindow:
-    """The feeds of ``window`` one-token steps from a cache of ``past`` random entries,
-    shortened where the spec's past range ends; each step's feeds pass ``check_feeds``."""
+def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, seq: int = 1) -> DecodeWindow:
+    """The feeds of ``window`` steps of ``seq`` tokens each (1: decode steps) from a cache of
+    ``past`` random entries, shortened where the spec's past range ends; each step's feeds
+    pass ``check_feeds``."""
     cache = _cache(spec)
     if "batch" not in spec.dims:
         raise InputError(f"{spec.name}: bench needs a dim named 'batch' (dims: {', '.join(spec.dims)})")
-    seq = spec.dims[cache.seq_dim]
-    if not seq.min <= 1 <= seq.max:
-        raise InputError(f"{spec.name}: a decode step has {cache.seq_dim} 1, outside [{seq.min}, {seq.max}]")
-    window = max(1, min(window, spec.dims[cache.past_dim].max - past + 1))
+    allowed = spec.dims[cache.seq_dim]
+    if not allowed.min <= seq <= allowed.max:
+        raise InputError(f"{spec.name}: a step of {cache.seq_dim} {seq} is outside [{allowed.min}, {allowed.max}]")
+    window = max(1, min(window, (spec.dims[cache.past_dim].max - past) // seq + 1))
     rng = np.random.default_rng(seed)
-    sizes = _step_sizes(spec, cache, batch, past)
+    sizes = _step_sizes(spec, cache, batch, past, seq)
     past_names = {p for p, _ in cache.pairs}
     per_step = past_names | {cache.mask, cache.positions}
     pasts = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name in past_names}
     fixed = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name not in per_step}
     steps = []
     for k in range(window):
+        first = past + k * seq  # this step's past
         feeds = dict(fixed)
         for t in spec.inputs:
             if t.name == cache.mask and t.mask is not None:
-                feeds[t.name] = t.mask.convention.encode(np.ones((batch, past + k + 1), dtype=bool), t.dtype)
+                feeds[t.name] = t.mask.convention.encode(np.ones((batch, first + seq), dtype=bool), t.dtype)
             elif t.name == cache.positions:
-                feeds[t.name] = np.full((batch, 1), past + k, dtype=t.dtype)
+                feeds[t.name] = np.broadcast_to(np.arange(first, first + seq), (batch, seq)).astype(t.dtype)
         steps.append(feeds)
     window_plan = DecodeWindow(cache, past, pasts, steps)
     inputs = {t.name: t for t in spec.inputs}
     for k in (0, window - 1):  # the first and the longest step: every size is in range
-        shapes = {p: (*pasts[p].shape[:2], past + k, pasts[p].shape[3]) for p in past_names}
+        shapes = {p: (*pasts[p].shape[:2], past + k * seq, pasts[p].shape[3]) for p in past_names}
         stand_in = {p: np.zeros(s, dtype=inputs[p].dtype) for p, s in shapes.items()}
         check_feeds(window_plan.feeds(k, stand_in), spec.inputs, spec.dims)
     return window_plan
+
+
+def _rows(spec: ModelSpec, options: DecodeBenchOptions) -> tuple[list[tuple[int, int]], int, int]:
+    """(batch, past) of every row to time, the tokens per step and the steps per window: the
+    scenario's (``spec.scenarios``), else ``batches`` x ``pasts`` of one-token steps."""
+    if options.scenario is None:
+        return [(b, p) for b in options.batches for p in past_lengths(spec, options.pasts)], 1, options.window
+    cache, scenario = _cache(spec), SCENARIOS[options.scenario]
+    first = scenario_sizes(spec, options.scenario)[0]
+    return [(first.get(cache.batch_dim or "", scenario.batch), first[cache.past_dim])], scenario.seq, scenario.steps
 
 
 def _verdict(row: LatencyStats, eager: LatencyStats) -> str:
@@ -141,8 +157,8 @@ def run_decode_bench(
     options: DecodeBenchOptions,
     on_row: Callable[[DecodeRow], None] | None = None,
 ) -> DecodeBenchReport:
-    """Time a decode step of every requested runner at every batch and past length;
-    graphs come from ``out_dir``."""
+    """Time a decode step of every requested runner at every batch and past length (or the
+    steps of ``options.scenario``); graphs come from ``out_dir``."""
     from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
@@ -159,38 +175,37 @@ def run_decode_bench(
     device = torch_device_for(options.provider)
     for spec in specs:
         cache = _cache(spec)
-        pasts = past_lengths(spec, options.pasts)
+        points, seq, window = _rows(spec, options)
         eager = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
         runners: dict[str, Runtime] = {EAGER: eager, **graph_runners(out_dir, manifest, spec, options)}
         with contextlib.ExitStack() as active:
             for runner in runners.values():
                 active.enter_context(runner)
-            for batch in options.batches:
-                for past in pasts:
-                    plan = plan_window(spec, batch, past, options.window, options.seed)
-                    decoders = {label: runner.decoder(plan) for label, runner in runners.items()}
-                    stats = measure_alternating(
-                        {label: d.step for label, d in decoders.items()}, budget_s=options.budget_s
+            for batch, past in points:
+                plan = plan_window(spec, batch, past, window, options.seed, seq)
+                decoders = {label: runner.decoder(plan) for label, runner in runners.items()}
+                stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
+                base = stats[EAGER]
+                for label, s in stats.items():
+                    row = DecodeRow(
+                        model=spec.name,
+                        runner=label,
+                        batch=batch,
+                        past=past,
+                        window=len(plan.steps),
+                        latency=s,
+                        tokens_per_s=batch * seq * 1000 / s.p50_ms,
+                        ratio_to_eager=s.p50_ms / base.p50_ms if base.p50_ms > 0 else None,
+                        verdict=None if label == EAGER else _verdict(s, base),
+                        seq=seq,
+                        scenario=options.scenario,
                     )
-                    base = stats[EAGER]
-                    for label, s in stats.items():
-                        row = DecodeRow(
-                            model=spec.name,
-                            runner=label,
-                            batch=batch,
-                            past=past,
-                            window=len(plan.steps),
-                            latency=s,
-                            tokens_per_s=batch * 1000 / s.p50_ms,
-                            ratio_to_eager=s.p50_ms / base.p50_ms if base.p50_ms > 0 else None,
-                            verdict=None if label == EAGER else _verdict(s, base),
-                        )
-                        report.rows.append(row)
-                        if on_row:
-                            on_row(row)
+                    report.rows.append(row)
+                    if on_row:
+                        on_row(row)
         if options.memory:
-            batch, past = max(options.batches), max(pasts)
-            sizes = _step_sizes(spec, cache, batch, past)
+            batch, past = max(b for b, _ in points), max(p for _, p in points)
+            sizes = _step_sizes(spec, cache, batch, past, seq)
             report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, sizes)
     return report
 
@@ -216,7 +231,8 @@ def bench_decode_models(
         spec_paths, specs = [p for p, _ in kept], [s for _, s in kept]
     for spec in specs:
         cache = _cache(spec)
-        sizes = [_step_sizes(spec, cache, b, p) for b in options.batches for p in past_lengths(spec, options.pasts)]
+        points, seq, _ = _rows(spec, options)
+        sizes = [_step_sizes(spec, cache, b, p, seq) for b, p in points]
         check_memory(spec, [ShapePoint(format_sizes(s), s) for s in sizes], memory_budget(options.max_memory, spec))
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)

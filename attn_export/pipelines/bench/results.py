@@ -102,11 +102,14 @@ class DecodeBenchOptions(RunnerOptions):
     #: Decode steps per window before the cache is reset to its prefilled length.
     window: int = 8
     seed: int = 0
+    #: A scenario preset (``spec.scenarios.SCENARIOS``): its batch, query tokens per step,
+    #: first past and steps replace ``batches``, ``pasts`` and ``window``.
+    scenario: str | None = None
 
 
 @dataclass
 class DecodeRow:
-    """One model x runner x batch x past length: the cost of one decode step."""
+    """One model x runner x batch x past length: the cost of one step of ``seq`` tokens."""
 
     model: str
     runner: str  # torch-eager, or ort:<variant>
@@ -119,6 +122,10 @@ class DecodeRow:
     ratio_to_eager: float | None
     #: Against eager beyond the noise: "faster", "slower", "within noise"; None for eager.
     verdict: str | None
+    #: Query tokens per step: 1 for a decode step, more for a prefill or speculative step.
+    seq: int = 1
+    #: The scenario preset the row times (``spec.scenarios``), if any.
+    scenario: str | None = None
 
     @property
     def noise(self) -> str | None:

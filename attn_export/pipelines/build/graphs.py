@@ -11,18 +11,20 @@ from typing import Any, Generic, TypeVar
 import onnx
 
 from attn_export.artifacts.golden import GoldenCase, encode_golden
+from attn_export.artifacts.intermediates import encode_intermediates
 from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
 from attn_export.checks.decode_record import record_trajectory
 from attn_export.checks.fully_masked import judge
 from attn_export.checks.mask_probe import check_masks
-from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
+from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
-from attn_export.exporter.torch_export import export_onnx, stamp_metadata
+from attn_export.exporter.torch_export import export_onnx_program, stamp_metadata
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
+from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, variant_key
@@ -31,13 +33,16 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
-from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_points
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 
 #: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
 BUILD_SEED = 0
+#: Recorded intermediates are at most this large (or the memory budget, if smaller): they
+#: are for one small case, to be copied to a deploy box beside the graph.
+INTERMEDIATES_LIMIT = 256 << 20
 
 V = TypeVar("V")
 
@@ -84,6 +89,8 @@ class SpecBuild:
         self.module = Once(lambda: instantiate(spec))
         self.masks = Once(self._check_masks)
         self.exports: dict[int, Once[onnx.ModelProto]] = {}
+        #: The FX program each export converted (dynamo only), for recorded intermediates.
+        self.programs: dict[int, Any] = {}
         self.example = Once(self._example)
         self.golden = Once(self._golden_cases)
         #: The golden file's bytes, shared by every variant.
@@ -104,7 +111,7 @@ class SpecBuild:
     def _export(self, opset: int) -> onnx.ModelProto:
         example = make_feeds(self.spec, self.sizes, BUILD_SEED)
         try:
-            proto = export_onnx(self.module.get(), self.spec, example, opset=opset)
+            proto, self.programs[opset] = export_onnx_program(self.module.get(), self.spec, example, opset=opset)
         except SystemExit as e:  # forward() exited: a failed export, not a successful build
             raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         check_model(proto, self.spec.name)
@@ -145,6 +152,25 @@ class SpecBuild:
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
             recorded = pytorch_trajectories(eager, self.spec, cache, DEFAULT_STEPS, BUILD_SEED)
         return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs)]
+
+    def intermediates(self, variant: str, model: bytes) -> tuple[bytes | None, str | None]:
+        """``build --record-intermediates``: PyTorch's value of every FX node on the golden
+        case ``distinct``, for ``localize --golden``; or None and why none is recorded."""
+        spec = self.spec
+        opset = max(spec.opset, VARIANTS[variant].export_opset or 0)
+        program = self.programs.get(opset)
+        if program is None or b"pkg.torch.onnx.fx_node" not in model:
+            return None, "no intermediates recorded: only a dynamo export names the FX node of each ONNX node"
+        # the smallest golden case where every dim has its own size: a swapped axis shows
+        case = next(c for c in self.golden.get() if c.label == "distinct")
+        limit = min(memory_budget(self.options.max_memory, spec), INTERMEDIATES_LIMIT)
+        try:
+            return encode_intermediates(recorded_values(program, spec, case, limit)), None
+        except UsageError:
+            return None, (
+                f"no intermediates recorded: PyTorch's values at {case.label} ({format_sizes(case.sizes)}) "
+                f"hold more than {format_bytes(limit)}"
+            )
 
     def graph(self, name: str) -> Graph:
         if name not in self.graphs:

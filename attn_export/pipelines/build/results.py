@@ -38,6 +38,9 @@ class BuildOptions:
     lock_wait_s: float = LOCK_WAIT_S
     #: Memory budget per case in bytes (``spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
+    #: Also write PyTorch's value of every FX node on the smallest golden case, so that
+    #: ``localize --golden`` runs where torch is not installed.
+    record_intermediates: bool = False
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it

@@ -62,14 +62,14 @@ def _build_key(spec: ModelSpec, sources: dict[str, str], vers: dict[str, str], v
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _up_to_date(entry: ManifestEntry | None, key: str, out_dir: Path) -> bool:
-    if entry is None or entry.build_key != key:
+def _up_to_date(entry: ManifestEntry | None, key: str, options: BuildOptions) -> bool:
+    """The entry was built from the same inputs, its files are intact, and it holds
+    intermediates if they are asked for."""
+    out_dir = options.out_dir
+    if entry is None or entry.build_key != key or (options.record_intermediates and not entry.intermediates):
         return False
     try:
-        return (
-            sha256_file(out_dir / entry.file, out_dir) == entry.sha256
-            and sha256_file(out_dir / entry.golden, out_dir) == entry.golden_sha256
-        )
+        return all(sha256_file(out_dir / name, out_dir) == sha for name, sha in entry.files())
     except ArtifactError:
         return False
 
@@ -111,7 +111,7 @@ def _build_variant(ctx: SpecBuild, variant: str, manifest: Manifest, result: Bui
     key = _build_key(spec, ctx.sources, ctx.vers, variant, ctx.options.provider)
     name = variant_key(spec.name, variant)
     previous = manifest.models.get(name)
-    if previous is not None and not ctx.options.force and _up_to_date(previous, key, out_dir):
+    if previous is not None and not ctx.options.force and _up_to_date(previous, key, ctx.options):
         result.status, result.file, result.sha256 = "skipped", previous.file, previous.sha256
         result.info = previous.variant_info
         return
@@ -122,6 +122,11 @@ def _build_variant(ctx: SpecBuild, variant: str, manifest: Manifest, result: Bui
     with _stage(result, "write"):
         file, sha = stage(out_dir, f"{name}.onnx", graph.model)
         golden, golden_sha = stage(out_dir, f"{spec.name}.golden.npz", ctx.golden_file.get())
+        recorded, why_not = (None, None)
+        if ctx.options.record_intermediates:
+            recorded, why_not = ctx.intermediates(variant, graph.model)
+            result.warnings += [why_not] if why_not else []
+        inter, inter_sha = stage(out_dir, f"{name}.intermediates.npz", recorded) if recorded else ("", "")
         entry = ManifestEntry(
             name=name,
             file=file,
@@ -135,6 +140,8 @@ def _build_variant(ctx: SpecBuild, variant: str, manifest: Manifest, result: Bui
             spec=spec.to_dict(),
             variant=variant,
             variant_info=info,
+            intermediates=inter,
+            intermediates_sha256=inter_sha,
         )
         commit(out_dir, manifest, name, entry)
     result.status, result.file, result.sha256 = "built", manifest.models[name].file, sha

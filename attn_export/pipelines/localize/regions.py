@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -17,7 +17,7 @@ from attn_export.errors import first_line
 from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
 
-__all__ = ["Region", "graph_regions", "region_model", "run_region"]
+__all__ = ["Region", "graph_regions", "has_fx_metadata", "region_model", "run_region"]
 
 _FX_NAME = re.compile(r"%(\S+) :")
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
@@ -25,8 +25,9 @@ _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
 
 @dataclass(frozen=True)
 class Region:
-    """The ONNX nodes made from one FX node (a node without export metadata is a region of
-    its own with no ``fx_node``), with what they read and where they came from."""
+    """The ONNX nodes made from one FX node, or a fused region: nodes a variant made in
+    place of several FX nodes (a node without export metadata, or one whose op the plain
+    graph never made from its FX node), with what they read and where they came from."""
 
     fx_node: str
     nodes: tuple[str, ...]
@@ -42,10 +43,23 @@ class Region:
     module_path: str
     source: str
     code: str
+    #: Every (value, FX node) the region computes that PyTorch has a value for; the first
+    #: is (``value``, ``fx_node``).
+    compared: tuple[tuple[str, str], ...] = ()
+    #: The FX nodes the region stands for, in graph order: its own, and for a fused
+    #: region those of the plain graph's nodes between its inputs and its values.
+    covers: tuple[str, ...] = ()
+    #: The node that computes each value the region makes.
+    producers: Mapping[str, str] = field(default_factory=dict)
 
 
 def _metadata(node: onnx.NodeProto) -> dict[str, str]:
     return {p.key: p.value for p in node.metadata_props}
+
+
+def _fx(meta: Mapping[str, str]) -> str:
+    found = _FX_NAME.match(meta.get("pkg.torch.onnx.fx_node", ""))
+    return found.group(1) if found else ""
 
 
 def _module_path(scopes: str) -> str:
@@ -57,42 +71,147 @@ def _module_path(scopes: str) -> str:
     return str(names[-2]) if isinstance(names, list) and len(names) >= 2 else ""
 
 
-def graph_regions(model: onnx.ModelProto, output_nodes: Mapping[str, str], known: Collection[str] = ()) -> list[Region]:
+def has_fx_metadata(model: onnx.ModelProto) -> bool:
+    """Whether any node names the FX node it was made from (the dynamo exporter's graphs)."""
+    return any(p.key == "pkg.torch.onnx.fx_node" for n in model.graph.node for p in n.metadata_props)
+
+
+def _node_metadata(model: onnx.ModelProto, plain: onnx.ModelProto | None) -> list[dict[str, str]]:
+    """Each node's export metadata; a node that lost it (ONNX Runtime's optimizer keeps no
+    metadata) takes that of the plain graph's node of the same name and op."""
+    kept = {(n.name, n.domain, n.op_type): _metadata(n) for n in plain.graph.node} if plain is not None else {}
+    out = []
+    for node in model.graph.node:
+        meta = _metadata(node)
+        out.append(meta if _fx(meta) else kept.get((node.name, node.domain, node.op_type), meta))
+    return out
+
+
+class _Sets:
+    """Union-find over node indices."""
+
+    def __init__(self, items: Collection[int]) -> None:
+        self.parent = {i: i for i in items}
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _covered(plain: onnx.ModelProto, made: Collection[str], inputs: Collection[str]) -> list[int]:
+    """The plain graph's nodes between ``inputs`` and ``made`` (what a fused region stands
+    for), by index."""
+    producers = {o: i for i, n in enumerate(plain.graph.node) for o in n.output if o}
+    seen: set[int] = set()
+    stack = [v for v in made if v in producers]
+    while stack:
+        value = stack.pop()
+        index = producers.get(value)
+        if value in inputs or index is None or index in seen:
+            continue
+        seen.add(index)
+        stack.extend(plain.graph.node[index].input)
+    return sorted(seen)
+
+
+def graph_regions(
+    model: onnx.ModelProto,
+    output_nodes: Mapping[str, str],
+    known: Collection[str] = (),
+    plain: onnx.ModelProto | None = None,
+) -> list[Region]:
     """The graph's regions in the order their first node runs; ``output_nodes`` maps each
-    graph output to the FX node it holds (the exporter renames those values). A node
-    without the exporter's metadata is a region of its own, compared where one of its
-    values is named for an FX node in ``known`` (a rewrite that kept the name)."""
+    graph output to the FX node it holds (the exporter renames those values), ``known`` is
+    every FX node PyTorch has a value for, and ``plain`` the plain export of the same
+    module, for a variant (fused regions are mapped back to the FX nodes they replaced).
+
+    Nodes made from one FX node form its region. The other nodes (fused, or without
+    metadata) are cut into regions at the values PyTorch has. A region with none of those
+    values joins the one region it feeds, if one: a quantized MatMul joins its bias Add, a
+    Softmax kept in float32 joins the Cast back to float16 that holds its value."""
+    nodes = list(model.graph.node)
     weights = {i.name for i in model.graph.initializer}
-    groups: dict[str, list[tuple[int, onnx.NodeProto]]] = {}
-    for i, node in enumerate(model.graph.node):
-        found = _FX_NAME.match(_metadata(node).get("pkg.torch.onnx.fx_node", ""))
-        groups.setdefault(found.group(1) if found else f"<{i}>", []).append((i, node))
-    by_fx = {fx: out for out, fx in output_nodes.items()}
+    meta = _node_metadata(model, plain)
+    labels = [_fx(m) for m in meta]
+    plain_ops: dict[str, set[tuple[str, str]]] = {}
+    for n in plain.graph.node if plain is not None else ():
+        plain_ops.setdefault(_fx(_metadata(n)), set()).add((n.domain, n.op_type))
+
+    def fx_of(value: str) -> str:
+        fx = value if value in known else output_nodes.get(value, "")
+        return fx if fx in known else ""
+
+    fused = {
+        i
+        for i, n in enumerate(nodes)
+        if not labels[i] or (labels[i] in plain_ops and (n.domain, n.op_type) not in plain_ops[labels[i]])
+    }
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for value in n.input:
+            readers.setdefault(value, []).append(i)
+    sets = _Sets(fused)
+    for i in fused:
+        for value in nodes[i].input:
+            j = producer.get(value)
+            if j is not None and j in fused and not fx_of(value):
+                sets.union(i, j)
+    groups: dict[str, list[int]] = {}
+    for i in range(len(nodes)):
+        groups.setdefault(f"<{sets.find(i)}>" if i in fused else labels[i], []).append(i)
+    group_of = {i: key for key, members in groups.items() for i in members}
+
+    def outputs(key: str) -> list[str]:
+        return [o for i in groups[key] for o in nodes[i].output if o]
+
+    for key in list(groups):  # in graph order: a chain joins step by step
+        outs = outputs(key)
+        if any(fx_of(v) for v in outs):
+            continue
+        fed = {group_of[j] for v in outs for j in readers.get(v, ())} - {key}
+        if len(fed) == 1:
+            into = fed.pop()
+            groups[into] = sorted(groups[into] + groups.pop(key))
+            group_of.update({i: into for i in groups[into]})
+
     regions = []
     for key, members in groups.items():
-        nodes = [n for _, n in members]
-        made = {o for n in nodes for o in n.output if o}
-        read = dict.fromkeys(i for n in nodes for i in n.input if i and i not in made and i not in weights)
-        fx = next((o for o in made if o in known), "") if key.startswith("<") else key
-        value = fx if fx in made else by_fx.get(fx, "") if by_fx.get(fx, "") in made else ""
-        meta = _metadata(nodes[0])
-        target = _TARGET.search(meta.get("pkg.torch.onnx.fx_node", ""))
-        line = innermost_line(meta.get("pkg.torch.onnx.stack_trace", ""))
+        outs = outputs(key)
+        read = dict.fromkeys(v for i in members for v in nodes[i].input if v and v not in outs and v not in weights)
+        compared = [(v, fx_of(v)) for v in dict.fromkeys(outs) if fx_of(v)]
+        compared.sort(key=lambda c: c[1] != key)  # the group's own FX node first
+        fx = compared[0][1] if compared else ("" if key.startswith("<") else key)
+        covers = [labels[i] for i in members if labels[i] in known] + [c[1] for c in compared]
+        if plain is not None and any(i in fused for i in members):
+            walked = [_fx(_metadata(plain.graph.node[j])) for j in _covered(plain, outs, read)]
+            covers = [label for label in walked if label in known] + covers
+        own = next((meta[i] for i in members if _fx(meta[i]) == fx), {})
+        target = _TARGET.search(own.get("pkg.torch.onnx.fx_node", ""))
+        line = innermost_line(own.get("pkg.torch.onnx.stack_trace", ""))
         regions.append(
             Region(
                 fx_node=fx,
-                nodes=tuple(n.name or f"#{i} ({n.op_type})" for i, n in members),
-                indices=tuple(i for i, _ in members),
-                ops=tuple(n.op_type for n in nodes),
+                nodes=tuple(nodes[i].name or f"#{i} ({nodes[i].op_type})" for i in members),
+                indices=tuple(members),
+                ops=tuple(nodes[i].op_type for i in members),
                 inputs=tuple(read),
-                value=value,
+                value=compared[0][0] if compared else "",
                 target=target.group(1) if target else "",
-                module_path=_module_path(meta.get("pkg.torch.onnx.name_scopes", "")),
+                module_path=_module_path(own.get("pkg.torch.onnx.name_scopes", "")),
                 source=line[0] if line else "",
                 code=line[1] if line else "",
+                compared=tuple(compared),
+                covers=tuple(dict.fromkeys(covers)),
+                producers={o: nodes[i].name for i in members for o in nodes[i].output if o},
             )
         )
-    return regions
+    return sorted(regions, key=lambda r: r.indices[0])
 
 
 def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -35,13 +35,16 @@ class LocalizeOptions:
     #: A decoder's step to localize, 1 being the prompt, as verify --decode numbers them;
     #: its inputs hold the cache PyTorch's steps before it fed back.
     decode_step: int | None = None
-    #: The decode scenario (``checks.decode.scenarios``); default: the spec's first.
-    scenario: str | None = None
+    #: The decode trajectory's padding layout (``checks.decode.layouts``); default: the spec's first.
+    layout: str | None = None
     #: The trajectory's length as verify --decode played it (its token data depend on it).
     decode_steps: int = DEFAULT_STEPS
     #: The spec's ``fully_masked`` rule overridden for this case ("match" compares the
     #: padded query rows that "ignore" leaves out, to see where the two sides part there).
     fully_masked: str | None = None
+    #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
+    #: no torch and no checkout needed.
+    golden: bool = False
 
 
 @dataclass
@@ -63,6 +66,12 @@ class RegionError:
     propagated: OutputComparison | None
     #: Why ONNX Runtime would not run the region alone on PyTorch's values, if it would not.
     refused: str | None = None
+    #: For a region that stands for several FX nodes (a variant's fused op, a rewrite's
+    #: nodes): those FX nodes in graph order, and their distinct source lines.
+    covers: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    #: The ONNX node that computes ``value`` ('' when unnamed).
+    node: str = ""
 
     @property
     def breaks(self) -> bool:
@@ -107,9 +116,11 @@ class LocalizeReport:
     #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
     #: case agrees.
     cause: str = ""
-    #: For a decoder's step: which (1 = the prompt) of which scenario.
+    #: For a decoder's step: which (1 = the prompt) of which padding layout.
     decode_step: int | None = None
-    scenario: str | None = None
+    layout: str | None = None
+    #: With ``golden``: the recorded case's label (its sizes are ``sizes``).
+    golden_case: str | None = None
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.
     shrunk_from: dict[str, int] | None = None
     shrink_tries: int = 0
@@ -118,28 +129,39 @@ class LocalizeReport:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reproduce: str = ""
+    #: At a decoder's step: the first FX node where the module with its cache parts from
+    #: one pass of itself over every token so far (a bug in the module, not the graph).
+    module_bug: RegionError | None = None
+
+    @property
+    def graph_agrees(self) -> bool:
+        """Whether the graph gives PyTorch's outputs on the case."""
+        return all(o.passed for o in self.outputs)
 
     @property
     def agrees(self) -> bool:
-        return all(o.passed for o in self.outputs)
+        """Whether the graph gives PyTorch's outputs and PyTorch agrees with itself."""
+        return self.graph_agrees and self.module_bug is None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": "attn-export/localize-report",
             "schema_version": 1,
-            **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first")},
+            **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first", "module_bug")},
             "agrees": self.agrees,
             "outputs": [o.to_dict() for o in self.outputs],
             "first": self.first.to_dict() if self.first else None,
+            "module_bug": self.module_bug.to_dict() if self.module_bug else None,
             "regions": [r.to_dict() for r in self.regions],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LocalizeReport:
-        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first"}
+        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first", "module_bug"}
         return cls(
             **{k: v for k, v in d.items() if k not in skip},
             outputs=[OutputComparison.from_dict(o) for o in d["outputs"]],
             regions=[RegionError.from_dict(r) for r in d["regions"]],
             first=RegionError.from_dict(d["first"]) if d["first"] else None,
+            module_bug=RegionError.from_dict(d["module_bug"]) if d.get("module_bug") else None,
         )

@@ -9,7 +9,7 @@ import dataclasses
 import shlex
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,17 +20,27 @@ import onnx
 from attn_export.artifacts.bundle import check_bundle_folder, write_bundle
 from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
-from attn_export.artifacts.manifest import load_manifest
+from attn_export.artifacts.intermediates import read_intermediates
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED
-from attn_export.checks.decode import DEFAULT_STEPS, plan_trajectory, run_trajectory, scenarios, step_inputs
+from attn_export.checks.decode import (
+    DEFAULT_STEPS,
+    Trajectory,
+    layouts,
+    plan_trajectory,
+    run_trajectory,
+    step_inputs,
+)
 from attn_export.checks.fully_masked import judge, padded_tokens
 from attn_export.compare.outputs import compare_output
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.pipelines.localize.regions import Region, graph_regions, region_model, run_region
+from attn_export.pipelines.localize.judge import left_out, region_tolerance
+from attn_export.pipelines.localize.module_bug import parting_node
+from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
@@ -39,30 +49,16 @@ from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec import VARIANTS, ModelSpec, Tolerance
 from attn_export.spec.cache import cache_of
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
 
-__all__ = ["LocalizeOptions", "localize_failures", "localize_model", "region_tolerance"]
-
-#: A region run alone may differ from PyTorch by this many float32 roundings of the
-#: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
-#: rounds differently (summation order), never by more.
-ROUNDINGS = 64
-
-
-def region_tolerance(tol: Tolerance, expected: np.ndarray) -> Tolerance:
-    """The spec's tolerance widened by ``ROUNDINGS`` float32 roundings of the value's
-    largest finite magnitude; NaN and infinity where PyTorch has them agree."""
-    finite = np.abs(expected[np.isfinite(expected)]) if expected.dtype.kind == "f" else np.zeros(0)
-    scale = float(finite.max()) if finite.size else 0.0
-    eps = float(np.finfo(expected.dtype).eps) if expected.dtype.kind == "f" else 0.0
-    return Tolerance(tol.atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
-
+__all__ = ["LocalizeOptions", "localize_failures", "localize_model"]
 
 #: Exported programs by (spec, module sources, opset): each case localized in this process
 #: after the first of its model reuses the export, the costly step (seconds per model).
@@ -97,9 +93,9 @@ def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
 
 def _decode_step(
     spec: ModelSpec, module: Any, options: LocalizeOptions, budget: int
-) -> tuple[dict[str, int], dict[str, np.ndarray], str]:
+) -> tuple[dict[str, int], dict[str, np.ndarray], str, Trajectory]:
     """The sizes and feeds of decode step ``options.decode_step`` (1 = the prompt) of a
-    scenario as verify --decode plays it, with the cache PyTorch's own steps fed back: the
+    padding layout as verify --decode plays it, with the cache PyTorch's own steps fed back: the
     step is localized on PyTorch's inputs, so only its own divergence shows."""
     cache = cache_of(spec)
     if cache is None:
@@ -108,45 +104,21 @@ def _decode_step(
         raise UsageError(
             "--decode-step plays verify --decode's steps: it cannot be combined with --shapes or --mask-case"
         )
-    names = scenarios(spec, cache)
-    scenario = options.scenario or names[0]
-    if scenario not in names:
-        raise UsageError(f"{spec.name}: --scenario {scenario} does not apply (it has: {', '.join(names)})")
+    names = layouts(spec, cache)
+    layout = options.layout or names[0]
+    if layout not in names:
+        raise UsageError(f"{spec.name}: --layout {layout} does not apply (it has: {', '.join(names)})")
     step = options.decode_step or 0
     # verify draws every token of the trajectory at once: plan as many steps as it played
-    traj = plan_trajectory(spec, cache, scenario, max(options.decode_steps, step - 1), options.seed)
+    traj = plan_trajectory(spec, cache, layout, max(options.decode_steps, step - 1), options.seed)
     if not 1 <= step <= len(traj.steps):
-        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {scenario} (1 to {len(traj.steps)})")
+        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {layout} (1 to {len(traj.steps)})")
     check_memory(spec, [ShapePoint("localize", s) for s in traj.sizes], budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs, error = run_trajectory(eager, spec, traj)
     if error:
-        raise UsageError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
-    return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], scenario
-
-
-def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:
-    """The elements of a value ``[batch, ..., query, ...]`` at the padded ``rows`` ``[batch,
-    query]``: batch is the first axis, query the first later axis of the query's size; None
-    when the value has no such axes."""
-    batch, query = rows.shape
-    if len(shape) < 2 or shape[0] != batch:
-        return None
-    axis = next((a for a in range(1, len(shape)) if shape[a] == query), None)
-    if axis is None:
-        return None
-    view = [1] * len(shape)
-    view[0], view[axis] = batch, query
-    return np.broadcast_to(rows.reshape(view), shape)
-
-
-def _left_out(expected: np.ndarray, actual: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-    """``actual`` with PyTorch's values on the padded query rows that the spec leaves out
-    (``fully_masked = "ignore"``), as the outputs are judged: no region is blamed for them."""
-    if rows is None or actual.shape != expected.shape:
-        return actual
-    selector = _row_selector(expected.shape, rows)
-    return actual if selector is None else np.where(selector, expected, actual)
+        raise UsageError(f"{spec.name}: decode {layout}: PyTorch failed at {error}")
+    return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], layout, traj
 
 
 def _regions(
@@ -167,7 +139,7 @@ def _regions(
     forced: dict[str, np.ndarray] = {}
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
-    out = []
+    out: list[RegionError] = []
     fed: dict[str, dict[str, np.ndarray]] = {}
     for region in regions:
         sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
@@ -177,34 +149,43 @@ def _regions(
         ran = run_region(proto, region, teacher, provider, budget)
         alone = ran if isinstance(ran, dict) else None
         forced.update(alone or {})
-        if not region.value or region.fx_node not in torch_vals:
-            continue
-        expected = torch_vals[region.fx_node]
-        rtol = region_tolerance(tol, expected)
-        whole = graph_vals.get(region.value)
-        target, source, code = torch_vals.sources.get(region.fx_node, ("", "", ""))
-        out.append(
-            RegionError(
-                fx_node=region.fx_node,
-                value=region.value,
-                nodes=list(region.nodes),
-                ops=list(region.ops),
-                target=region.target or target,
-                module_path=region.module_path,
-                source=region.source or source,
-                code=region.code or code,
-                local=None
-                if alone is None
-                else compare_output(region.fx_node, expected, _left_out(expected, alone[region.value], rows), rtol),
-                propagated=None
-                if whole is None
-                else compare_output(region.fx_node, expected, _left_out(expected, whole, rows), rtol),
-                refused=ran if isinstance(ran, str) else None,
+        for value, fx_node in region.compared:
+            expected = torch_vals[fx_node]
+            whole = graph_vals.get(value)
+            computed = next((v.dtype for v in ((alone or {}).get(value), whole) if v is not None), None)
+            rtol = region_tolerance(tol, expected, computed)
+            target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
+            own = fx_node == region.fx_node  # the region's metadata is its own FX node's
+            out.append(
+                RegionError(
+                    fx_node=fx_node,
+                    value=value,
+                    nodes=list(region.nodes),
+                    node=region.producers.get(value, ""),
+                    ops=list(region.ops),
+                    target=(own and region.target) or target,
+                    module_path=region.module_path if own else "",
+                    source=(own and region.source) or source,
+                    code=(own and region.code) or code,
+                    local=None
+                    if alone is None
+                    else compare_output(fx_node, expected, left_out(expected, alone[value], rows), rtol),
+                    propagated=None
+                    if whole is None
+                    else compare_output(fx_node, expected, left_out(expected, whole, rows), rtol),
+                    refused=ran if isinstance(ran, str) else None,
+                    covers=list(region.covers) if len(region.covers) > 1 else [],
+                    lines=_lines(region.covers, torch_vals) if len(region.covers) > 1 else [],
+                )
             )
-        )
-        if out[-1].breaks:
-            fed[region.fx_node] = teacher
+            if out[-1].breaks:
+                fed[value] = teacher
     return out, fed
+
+
+def _lines(fx_nodes: Sequence[str], torch_vals: TorchValues) -> list[str]:
+    """The distinct ``file:line`` of ``fx_nodes``, in their order."""
+    return list(dict.fromkeys(torch_vals.sources[f][1] for f in fx_nodes if torch_vals.sources.get(f, ("", ""))[1]))
 
 
 def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> tuple[RegionError | None, str]:
@@ -227,24 +208,55 @@ def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> t
 
 
 def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
-    if options.decode_step is None:
+    if options.golden:
+        args = [str(out_dir), model, "--golden"]
+    elif options.decode_step is None:
         args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
         args += ["--distribution", options.distribution]
     else:
         args = [str(out_dir), model, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
-        args += ["--scenario", options.scenario] if options.scenario else []
+        args += ["--layout", options.layout] if options.layout else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
-    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" else []
+    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" and not options.golden else []
     args += ["--provider", options.provider] if options.provider != "cpu" else []
     args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
+
+
+def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> onnx.ModelProto | None:
+    """For a variant made from the plain export (not re-exported at another opset), the
+    folder's plain graph of the same spec: what its fused regions are mapped back to."""
+    plain = manifest.models.get(entry.model_spec.name)
+    if entry.variant == "fp32" or VARIANTS[entry.variant].export_opset or plain is None:
+        return None
+    if plain.spec_hash != entry.spec_hash or integrity(out_dir, plain):
+        return None
+    return load_model_file(out_dir / plain.file)
+
+
+def _check_golden(options: LocalizeOptions) -> None:
+    """``golden`` localizes the recorded case: refuse options that would name another."""
+    if not options.golden:
+        return
+    asked = {
+        "--shapes": options.sizes is not None,
+        "--seed": options.seed != 0,
+        "--distribution": options.distribution != DEFAULT_DISTRIBUTION,
+        "--mask-case": options.mask_case is not None,
+        "--decode-step": options.decode_step is not None,
+        "--shrink": options.shrink,
+    }
+    named = [flag for flag, given in asked.items() if given]
+    if named:
+        raise UsageError(f"--golden localizes the case the build recorded: it cannot be combined with {named[0]}")
 
 
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
     one). UsageError/ArtifactError on bad input; the verdict is data."""
     require_provider(options.provider)
+    _check_golden(options)
     with read_lock(out_dir, options.lock_wait_s):
         manifest = load_manifest(out_dir)
         if model is None:
@@ -255,23 +267,32 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         if model not in manifest.models:
             raise UsageError(f"{out_dir}: no model '{model}' (it has: {', '.join(sorted(manifest.models))})")
         entry = manifest.models[model]
-        problems = integrity(out_dir, entry, golden=False)
+        if options.golden and not entry.intermediates:
+            raise UsageError(
+                f"{model}: no recorded intermediates in {out_dir}; build it with --record-intermediates "
+                "where torch is installed"
+            )
+        problems = integrity(out_dir, entry, *(("intermediates",) if options.golden else ()))
         if problems:
             raise ArtifactError(problems[0])
-        spec = checkout_spec(options.models_dir, entry)
-        stale = stale_reasons(entry, spec)
-        if stale:
-            raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
+        if options.golden:
+            spec = entry.model_spec  # data: the recording is the module's side, no code runs
+        else:
+            spec = checkout_spec(options.models_dir, entry)
+            stale = stale_reasons(entry, spec)
+            if stale:
+                raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
+        plain = _plain_graph(out_dir, manifest, entry)
     if options.bundle is not None:
         check_bundle_folder(options.bundle)
-    report, replay = _localize(out_dir, model, entry.variant, spec, proto, options)
+    report, replay = _localize(out_dir, model, entry, spec, proto, plain, options)
     if options.shrink and not report.agrees:
         asked = report.sizes
         smallest, _, tries = shrink_case(
-            spec, options, report, lambda trial: _localize(out_dir, model, entry.variant, spec, proto, trial)[0]
+            spec, options, report, lambda trial: _localize(out_dir, model, entry, spec, proto, plain, trial)[0]
         )
-        report, replay = _localize(out_dir, model, entry.variant, spec, proto, smallest)  # its bundle too
+        report, replay = _localize(out_dir, model, entry, spec, proto, plain, smallest)  # its bundle too
         report.shrunk_from, report.shrink_tries = asked, tries
     if options.bundle is not None and (replay is None or report.first is None):
         why = "the case agrees" if report.agrees else "no single region's own error is to blame"
@@ -303,21 +324,24 @@ class _Replay:
     tolerance: Tolerance
 
 
-def _localize(
-    out_dir: Path, model: str, variant: str, spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions
-) -> tuple[LocalizeReport, _Replay | None]:
-    started = time.perf_counter()
-    if spec.exporter != "dynamo" or not any(
-        p.key == "pkg.torch.onnx.fx_node" for n in proto.graph.node for p in n.metadata_props
-    ):
-        raise UsageError(
-            f"{model}: localize needs a graph from the dynamo exporter, whose nodes name the FX node and "
-            "source line they came from (this one has no such metadata)"
-        )
-    budget = memory_budget(options.max_memory, spec)
+@dataclass
+class _Side:
+    """PyTorch's side of one case: its sizes and feeds, the value of every FX node, and the
+    outputs as verify judges them (with PyTorch's own float32 error)."""
+
+    sizes: dict[str, int]
+    feeds: dict[str, np.ndarray]
+    values: TorchValues
+    case: GoldenCase
+    #: At a decoder's step: where the module with its cache parts from its own one pass.
+    module_bug: RegionError | None = None
+
+
+def _pytorch_side(
+    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int
+) -> tuple[_Side, LocalizeOptions]:
+    """Run the module's FX program and the module itself on the case ``options`` name."""
     module = instantiate(spec)
-    if options.fully_masked is not None:
-        spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
     if options.decode_step is None:
         sizes = _check_case(spec, options)
         check_memory(spec, [ShapePoint("localize", sizes)], budget)
@@ -325,53 +349,91 @@ def _localize(
             spec, sizes, options.seed, case=options.mask_case or PATTERN, distribution=options.distribution
         )
     else:
-        sizes, feeds, scenario = _decode_step(spec, module, options, budget)
-        options = dataclasses.replace(options, scenario=scenario)
+        sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
+        options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, _opset(proto))
-    torch_vals = torch_values(program, spec, feeds, budget)
+    values = torch_values(program, spec, feeds, budget)
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+        outputs = eager.run(feeds)
+        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs))
+    side = _Side(dict(sizes), feeds, values, case)
+    if options.decode_step is not None:
+        side.module_bug = parting_node(program, spec, traj, options.decode_step, values, budget, spec.tolerance)
+    return side, options
+
+
+def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
+    """The case ``build --record-intermediates`` recorded, read without torch."""
+    rec = read_intermediates(path, spec, budget, root=path.parent)
+    return _Side(rec.case.sizes, rec.case.inputs, TorchValues.from_recorded(rec), rec.case)
+
+
+def _localize(
+    out_dir: Path,
+    model: str,
+    entry: ManifestEntry,
+    spec: ModelSpec,
+    proto: onnx.ModelProto,
+    plain: onnx.ModelProto | None,
+    options: LocalizeOptions,
+) -> tuple[LocalizeReport, _Replay | None]:
+    started = time.perf_counter()
+    if spec.exporter != "dynamo" or not (has_fx_metadata(proto) or (plain is not None and has_fx_metadata(plain))):
+        raise UsageError(
+            f"{model}: localize needs a graph from the dynamo exporter, whose nodes name the FX node and "
+            "source line they came from (this one has no such metadata)"
+        )
+    budget = memory_budget(options.max_memory, spec)
+    if options.fully_masked is not None:
+        spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
+    if options.golden:
+        side = _recorded_side(out_dir / entry.intermediates, spec, budget)
+    else:
+        side, options = _pytorch_side(spec, proto, options, budget)
+    sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
+    outputs = case.outputs
     notes = []
     try:
         graph_vals = graph_values(proto, feeds, options.provider, budget)
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
-    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
-        outputs = eager.run(feeds)
-        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs))
     judged, judge_notes = judge(
-        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(variant)
+        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(entry.variant)
     )
     notes += judge_notes
-    regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys())
-    tol = spec.tolerance
+    regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
+    tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
     errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget, rows)
     report = LocalizeReport(
         model=model,
-        file=str(out_dir / f"{model}.onnx"),
+        file=str(out_dir / entry.file),
         sizes=dict(sizes),
+        golden_case=case.label if options.golden else None,
         seed=options.seed,
         distribution=options.distribution,
         mask_case=options.mask_case,
         provider=options.provider,
         outputs=judged,
         regions=errors,
-        uncompared=len(regions) - len(errors),
+        uncompared=len(regions) - len({tuple(e.nodes) for e in errors}),
         decode_step=options.decode_step,
-        scenario=options.scenario,
+        layout=options.layout,
         notes=notes,
         reproduce=_reproduce(out_dir, model, options, sizes),
+        module_bug=side.module_bug,
     )
     replay = None
-    if not report.agrees:
+    if not report.graph_agrees:
         report.first, report.cause = _blame(errors, torch_vals)
         first = report.first
         if report.cause == "graph" and first is not None:
-            region = next(r for r in regions if r.fx_node == first.fx_node)
+            region = next(r for r in regions if (first.value, first.fx_node) in r.compared)
             expected = torch_vals[first.fx_node]
             replay = _Replay(
-                region_model(proto, region, fed[first.fx_node]).SerializeToString(),
-                fed[first.fx_node],
+                region_model(proto, region, fed[first.value]).SerializeToString(),
+                fed[first.value],
                 {first.value: expected},
                 region_tolerance(tol, expected),
             )
@@ -400,13 +462,13 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 provider=case.target.provider or "cpu",
             )
     for d in report.decode:
-        step = d.first_divergence
+        step = d.first_divergence or d.module_bug
         if step is not None and d.target.runtime == DEFAULT_RUNTIME and d.model not in asked:
             asked[d.model] = dataclasses.replace(
                 base,
                 seed=report.seed,
                 decode_step=step.step,
-                scenario=d.scenario,
+                layout=d.scenario,
                 decode_steps=options.steps,
                 provider=d.target.provider or "cpu",
             )

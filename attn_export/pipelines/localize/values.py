@@ -12,13 +12,15 @@ import numpy as np
 import onnx
 
 from attn_export._deps import require
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.intermediates import Intermediates
 from attn_export.errors import RuntimeFailure, UsageError, first_line
 from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
 
-__all__ = ["TorchValues", "graph_values", "torch_values"]
+__all__ = ["TorchValues", "graph_values", "recorded_values", "torch_values"]
 
 
 class TorchValues(dict[str, np.ndarray]):
@@ -28,6 +30,20 @@ class TorchValues(dict[str, np.ndarray]):
 
     outputs: dict[str, str]
     sources: dict[str, tuple[str, str, str]]
+
+    @classmethod
+    def from_recorded(cls, rec: Intermediates) -> TorchValues:
+        """The values ``build --record-intermediates`` kept (``localize --golden``)."""
+        values = cls(rec.values)
+        values.outputs, values.sources = dict(rec.outputs), dict(rec.sources)
+        return values
+
+
+def recorded_values(program: Any, spec: ModelSpec, case: GoldenCase, budget: int) -> Intermediates:
+    """PyTorch's value of every FX node of ``program`` on ``case``, to be written beside the
+    graph (``torch_values``; UsageError once they hold more than ``budget`` bytes)."""
+    values = torch_values(program, spec, case.inputs, budget)
+    return Intermediates(case, dict(values), values.outputs, values.sources)
 
 
 def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:

@@ -1,18 +1,27 @@
 """The verify pipeline: manifest -> checks -> expected outputs -> runtimes -> comparison."""
 
 from attn_export.pipelines.verify.expected import case_plan
-from attn_export.pipelines.verify.models import checkout_spec, select_models, shard_names
-from attn_export.pipelines.verify.results import CaseResult, ModelCheck, Shard, VerifyOptions, VerifyReport
+from attn_export.pipelines.verify.models import checkout_spec, decoder_names, select_models, shard_names
+from attn_export.pipelines.verify.results import (
+    CaseResult,
+    ModelCheck,
+    PlacementResult,
+    Shard,
+    VerifyOptions,
+    VerifyReport,
+)
 from attn_export.pipelines.verify.run import verify_artifacts, verify_module
 
 __all__ = [
     "CaseResult",
     "ModelCheck",
+    "PlacementResult",
     "Shard",
     "VerifyOptions",
     "VerifyReport",
     "case_plan",
     "checkout_spec",
+    "decoder_names",
     "select_models",
     "shard_names",
     "verify_artifacts",

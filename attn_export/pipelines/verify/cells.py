@@ -31,7 +31,8 @@ from attn_export.pipelines.verify.expected import (
     tolerances_for,
     torch_expected,
 )
-from attn_export.pipelines.verify.results import CaseResult, VerifyOptions
+from attn_export.pipelines.verify.placement import model_placement
+from attn_export.pipelines.verify.results import CaseResult, PlacementResult, VerifyOptions
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
@@ -49,6 +50,7 @@ __all__ = [
     "check_case",
     "check_cases",
     "decode_cell",
+    "placement_cell",
     "release",
     "time_case",
 ]
@@ -300,6 +302,16 @@ def check_cases(cells: Sequence[CaseCell]) -> list[Record[tuple[CaseResult, bool
 def time_case(cell: CaseCell) -> Record[tuple[LatencyStats, LatencyStats | None]]:
     """The case's latency: run it when no other cell runs."""
     return _record(cell.key, lambda: _target_run(cell.work).time(cell.index))
+
+
+def placement_cell(work: ModelWork) -> Record[list[PlacementResult]]:
+    """Where ONNX Runtime ran each node of the model's graph, on every target: a profiled run
+    of its own (``placement.model_placement``), never beside a timed one."""
+    path = work.out_dir / work.entry.file
+    return _record(
+        cell_key("verify-placement", work.content()),
+        lambda: model_placement(work.entry.name, path, work.spec, work.options),
+    )
 
 
 def decode_cell(cell: DecodeCell) -> Record[list[DecodeResult]]:

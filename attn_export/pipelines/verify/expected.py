@@ -21,6 +21,7 @@ from attn_export.spec.distributions import DISTRIBUTIONS, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
+from attn_export.spec.scenarios import scenario_sizes
 from attn_export.spec.shapes import ShapePoint, sizes_from_feeds, sweep
 
 __all__ = [
@@ -46,7 +47,8 @@ def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dic
 
 
 def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:
-    """(shape, value distribution) pairs: by default every shape with unit-normal values,
+    """(shape, value distribution) pairs over the sweep, ``--shapes`` or a ``--scenario``'s
+    steps: by default every shape with unit-normal values,
     and each other distribution at the distinct and the largest shapes. A shape that
     cannot fit the memory budget is refused before anything is allocated."""
     if options.shapes:  # validated by verify_artifacts before any work
@@ -54,6 +56,9 @@ def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -
         points = [
             ShapePoint(case or f"shape-{i}", spec.with_sums(s), case or PATTERN) for i, s in enumerate(options.shapes)
         ]
+    elif options.scenario:
+        steps = scenario_sizes(spec, options.scenario)
+        points = [ShapePoint(f"{options.scenario}-{k + 1}", s) for k, s in enumerate(steps)]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
     check_memory(spec, points, memory_budget(options.max_memory, None if options.golden else spec))

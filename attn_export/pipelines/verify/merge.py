@@ -66,8 +66,8 @@ def _shards(shards: Sequence[tuple[str, VerifyReport]]) -> list[Shard]:
 
 def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
     """The report one unsharded run would give, from its shards' (name, report) pairs:
-    models in sorted order, each with its checks, cases and decode trajectories as its
-    shard found them; ``seconds`` the shards' sum. UsageError, in one line, where they are
+    models in sorted order, each with its checks, cases, decode trajectories and placement
+    as its shard found them; ``seconds`` the shards' sum. UsageError, in one line, where they are
     not the n shards of one run."""
     if not shards:
         raise UsageError("give the JSON report of every shard")
@@ -89,6 +89,7 @@ def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
         checks=sorted((c for r in reports for c in r.checks), key=lambda c: order[c.model]),
         cases=sorted((c for r in reports for c in r.cases), key=lambda c: order[c.model]),
         decode=sorted((d for r in reports for d in r.decode), key=lambda d: order[d.model]),
+        placement=sorted((p for r in reports for p in r.placement), key=lambda p: order[p.model]),
         seconds=sum(r.seconds for r in reports),
         manifest_sha256=first.manifest_sha256,
         versions=dict(first.versions),

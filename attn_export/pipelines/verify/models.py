@@ -3,7 +3,7 @@ the graph sound, the checkout's spec and sources unchanged since the build."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attn_export.artifacts.files import sha256_file
@@ -13,8 +13,26 @@ from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
 from attn_export.exporter.source import module_sources
 from attn_export.spec import ModelSpec, load_spec
+from attn_export.spec.cache import cache_of
 
-__all__ = ["checkout_spec", "graph_problems", "integrity", "select_models", "shard_names", "stale_reasons"]
+__all__ = [
+    "checkout_spec",
+    "decoder_names",
+    "graph_problems",
+    "integrity",
+    "parse_shard",
+    "select_models",
+    "shard_names",
+    "stale_reasons",
+]
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """``"i/n"`` (ASCII digits, 1-based) as ``(i, n)``; UsageError for anything else."""
+    i, sep, n = value.partition("/")
+    if not (sep and i.isascii() and n.isascii() and i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise UsageError(f"{value!r} is not i/n with 1 <= i <= n (e.g. 2/4)")
+    return int(i), int(n)
 
 
 def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str]:
@@ -26,6 +44,20 @@ def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str
     if not (n >= 1 and 1 <= i <= n):
         raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
     return [name for k, name in enumerate(ordered) if k % n == i - 1]
+
+
+def decoder_names(
+    manifest: Manifest, names: Sequence[str], scenario: str, on_notice: Callable[[str], None] | None = None
+) -> list[str]:
+    """The models of ``names`` that have a key/value cache, which ``--scenario`` runs; the
+    others are left out (``on_notice`` hears which), and none left is a UsageError."""
+    kept = [n for n in names if cache_of(manifest.models[n].model_spec) is not None]
+    left_out = [n for n in names if n not in kept]
+    if not kept:
+        raise UsageError(f"--scenario {scenario}: none of {', '.join(names)} has a key/value cache")
+    if left_out and on_notice:
+        on_notice(f"--scenario {scenario} runs decoders only: leaving out {', '.join(left_out)} (no key/value cache)")
+    return kept
 
 
 def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
@@ -54,10 +86,11 @@ def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
     return out_dir, manifest, names
 
 
-def integrity(out_dir: Path, entry: ManifestEntry, golden: bool) -> list[str]:
+def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:
+    """The graph's file, and those named by ``also`` ("golden", "intermediates"), against
+    the hashes the manifest records."""
     problems = []
-    files = [(entry.file, entry.sha256)] + ([(entry.golden, entry.golden_sha256)] if golden else [])
-    for name, want in files:
+    for name, want in entry.files("file", *also):
         got = sha256_file(out_dir / name, out_dir)
         if got != want:
             problems.append(

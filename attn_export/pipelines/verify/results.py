@@ -20,18 +20,21 @@ from attn_export.checks.decode import (
     DEFAULT_STEPS,
     DecodeResult,
 )
-from attn_export.compare import OutputComparison
+from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
 from attn_export.errors import UsageError
 from attn_export.runtimes import Target
+from attn_export.runtimes.placement import Placement
 from attn_export.runtimes.timing import LatencyStats
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.masks import CASES
+from attn_export.spec.scenarios import SCENARIOS
 from attn_export.spec.shapes import format_sizes
 
 __all__ = [
     "CaseResult",
     "ModelCheck",
+    "PlacementResult",
     "Shard",
     "VerifyOptions",
     "VerifyReport",
@@ -72,6 +75,10 @@ class VerifyOptions:
     #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``
     #: unless the run is narrowed to given shapes, values or inputs; 0: no decoding.
     decode_steps: int | None = None
+    #: Fail a target's cases when nodes ran off its provider; None: on for every provider but cpu.
+    require_placement: bool | None = None
+    #: A decoder scenario preset (``spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
+    scenario: str | None = None
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
@@ -89,13 +96,29 @@ class VerifyOptions:
             raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
         if self.max_memory is not None and self.max_memory < 1:
             raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+        if self.scenario is not None:
+            if self.scenario not in SCENARIOS:
+                raise UsageError(f"--scenario {self.scenario}: unknown (known: {', '.join(SCENARIOS)})")
+            clash = next((o for o, v in self._sweep_options().items() if v), None)
+            if clash:
+                raise UsageError(f"--scenario replaces the sweep: it cannot be combined with {clash}")
+
+    def _sweep_options(self) -> dict[str, object]:
+        """The options that fix a run's cases, as the CLI names them."""
+        return {"--shapes": self.shapes, "--inputs": self.inputs_file, "--golden": self.golden}
+
+    def placement_required(self, target: Target) -> bool:
+        """Whether ``--require-placement`` holds for ``target``."""
+        if self.require_placement is not None:
+            return self.require_placement
+        return target.provider not in (None, "cpu")
 
     @property
     def steps(self) -> int:
         """The decode steps this run takes for a model with a cache."""
         if self.decode_steps is not None:
             return self.decode_steps
-        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case
+        narrowed = self.shapes or self.distributions or self.inputs_file or self.mask_case or self.scenario
         return 0 if narrowed else DEFAULT_STEPS
 
     def settings(self) -> dict[str, Any]:
@@ -117,6 +140,8 @@ class VerifyOptions:
             "inputs": str(self.inputs_file) if self.inputs_file else None,
             "mask_case": self.mask_case,
             "decode_steps": self.steps,
+            "require_placement": self.require_placement,
+            "scenario": self.scenario,
         }
 
 
@@ -139,6 +164,8 @@ class CaseResult:
     distribution: str = DEFAULT_DISTRIBUTION
     #: What the report must say beside the numbers (what fully masked rows give, rows left out).
     notes: list[str] = field(default_factory=list)
+    #: Why the target's nodes ran off its provider under ``--require-placement``, or None.
+    placement_gate: str | None = None
 
     @property
     def runtime(self) -> str:
@@ -169,14 +196,15 @@ class CaseResult:
     @property
     def passed(self) -> bool:
         compared = sum(c.total for c in self.comparisons) > 0
-        return self.error is None and self.gate is None and compared and all(c.passed for c in self.comparisons)
+        gates = self.gate is None and self.placement_gate is None
+        return self.error is None and gates and compared and all(c.passed for c in self.comparisons)
 
     def reasons(self) -> list[str]:
         out = [self.error] if self.error else []
         out += [c.reason() for c in self.comparisons if not c.passed]
         if not out and sum(c.total for c in self.comparisons) == 0:
             out.append("compared no element: every output is empty at these sizes, which proves nothing")
-        return out + ([self.gate] if self.gate else [])
+        return out + [g for g in (self.gate, self.placement_gate) if g]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -191,6 +219,7 @@ class CaseResult:
             "passed": self.passed,
             "error": self.error,
             "gate": self.gate,
+            "placement_gate": self.placement_gate,
             "notes": self.notes,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "latency": None
@@ -217,6 +246,7 @@ class CaseResult:
             comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
             error=d.get("error"),
             gate=d.get("gate"),
+            placement_gate=d.get("placement_gate"),
             notes=list(d.get("notes", [])),
             onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
             torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
@@ -276,6 +306,51 @@ def selection_sha256(names: Sequence[str]) -> str:
 
 
 @dataclass
+class PlacementResult:
+    """Where one model's graph ran on one target (``runtimes.placement``), judged by
+    ``compare.placement_gate`` where ``--require-placement`` holds."""
+
+    model: str
+    target: Target
+    placement: Placement
+    required: bool
+
+    @property
+    def runtime(self) -> str:
+        return self.target.label
+
+    @property
+    def gate(self) -> str | None:
+        return placement_gate(self.placement, self.required)
+
+    @property
+    def passed(self) -> bool:
+        return self.gate is None
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL (under ``--require-placement``), or WARN: nodes fell back or the
+        placement could not be read, and nothing required it."""
+        if not self.passed:
+            return "FAIL"
+        return "WARN" if self.placement.fallbacks or self.placement.error else "PASS"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "runtime": self.runtime,
+            "target": self.target.to_dict(),
+            "required": self.required,
+            "passed": self.passed,
+            **self.placement.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PlacementResult:
+        return cls(d["model"], Target(**d["target"]), Placement.from_dict(d), d["required"])
+
+
+@dataclass
 class VerifyReport:
     """Everything one verify run found; the JSON report is ``to_dict``."""
 
@@ -289,6 +364,8 @@ class VerifyReport:
     cases: list[CaseResult] = field(default_factory=list)
     #: Decoding trajectories of the models with a cache.
     decode: list[DecodeResult] = field(default_factory=list)
+    #: Where each model's graph ran on each target with execution providers.
+    placement: list[PlacementResult] = field(default_factory=list)
     seconds: float = 0.0
     #: The build verified (``Manifest.sha256``); None in reports written before it was recorded.
     manifest_sha256: str | None = None
@@ -304,6 +381,7 @@ class VerifyReport:
             and all(c.passed for c in self.checks)
             and all(c.passed for c in self.cases)
             and all(d.passed for d in self.decode)
+            and all(p.passed for p in self.placement)
         )
 
     @property
@@ -322,6 +400,7 @@ class VerifyReport:
     @property
     def failed_models(self) -> list[str]:
         failed = {c.model for c in self.failed_cases} | {d.model for d in self.decode if not d.passed}
+        failed |= {p.model for p in self.placement if not p.passed}
         return sorted(failed | {c.model for c in self.checks if not c.passed})
 
     @property
@@ -347,6 +426,14 @@ class VerifyReport:
             **(
                 {"decode_trajectories": len(self.decode), "failed_trajectories": sum(not d.passed for d in self.decode)}
                 if self.decode
+                else {}
+            ),
+            **(
+                {
+                    "placement_fallbacks": sum(bool(p.placement.fallbacks) for p in self.placement),
+                    "failed_placements": sum(not p.passed for p in self.placement),
+                }
+                if self.placement
                 else {}
             ),
         }
@@ -387,6 +474,7 @@ class VerifyReport:
             "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
             "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
             "decode": [d.to_dict() for d in self.decode],
+            "placement": [p.to_dict() for p in self.placement],
         }
 
     @classmethod
@@ -401,5 +489,6 @@ class VerifyReport:
             checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
             cases=[CaseResult.from_dict(c) for c in d["cases"]],
             decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
+            placement=[PlacementResult.from_dict(p) for p in d.get("placement", [])],
             seconds=d["seconds"],
         )

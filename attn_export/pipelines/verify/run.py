@@ -31,6 +31,7 @@ from attn_export.pipelines.verify.cells import (
     TargetWork,
     check_cases,
     decode_cell,
+    placement_cell,
     read_model_golden,
     release,
     set_latency,
@@ -38,12 +39,21 @@ from attn_export.pipelines.verify.cells import (
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
-from attn_export.pipelines.verify.results import CaseResult, ModelCheck, VerifyOptions, VerifyReport, runtime_versions
+from attn_export.pipelines.verify.placement import gate_cases
+from attn_export.pipelines.verify.results import (
+    CaseResult,
+    ModelCheck,
+    PlacementResult,
+    VerifyOptions,
+    VerifyReport,
+    runtime_versions,
+)
 from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.scenarios import scenario_sizes
 from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
@@ -99,13 +109,16 @@ def _verify_locked(
     )
     entries = [manifest.models[name] for name in names]
     specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
+    if options.scenario:  # every model fits it, before any work
+        for spec in specs:
+            scenario_sizes(spec, options.scenario)
     for name, spec in zip(names, specs, strict=True):
         if options.shapes:
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
         check_mask_case(spec, options.mask_case, name)
     models = [_plan_model(out_dir, entry, spec, options) for entry, spec in zip(entries, specs, strict=True)]
-    if not any(m.cases or m.decode for m in models):
+    if not any(m.cases or m.decode or m.placement for m in models):
         parallelism = SERIAL  # nothing to run: no processes, no cluster
     try:
         with open_executor(parallelism) as executor:
@@ -123,16 +136,20 @@ class _Model:
     check: ModelCheck
     cases: list[CaseCell] = field(default_factory=list)
     decode: DecodeCell | None = None
+    #: Where ONNX Runtime ran each node, on every target (``placement``).
+    placement: ModelWork | None = None
     results: list[CaseResult] = field(default_factory=list)
     timed: list[tuple[CaseCell, CaseResult]] = field(default_factory=list)
     trajectories: list[DecodeResult] = field(default_factory=list)
+    placements: list[PlacementResult] = field(default_factory=list)
 
 
 def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> _Model:
     """The checks that come before any run (files intact, build current, graph sound), then
     the model's cells; a problem found planning them is a failed check, never an exception
     (except bad usage)."""
-    model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, options.golden)))
+    kinds = ("golden",) if options.golden else ()
+    model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, *kinds)))
     check = model.check
     if check.passed and not options.golden:
         stale = stale_reasons(entry, spec)
@@ -150,11 +167,13 @@ def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: V
     try:
         golden = read_model_golden(out_dir, entry, options)
         for target in options.targets:
-            work = TargetWork(out_dir, entry, spec, options, target)
-            model.cases += [CaseCell(work, i) for i in range(_case_count(spec, target, options, golden))]
+            on_target = TargetWork(out_dir, entry, spec, options, target)
+            model.cases += [CaseCell(on_target, i) for i in range(_case_count(spec, target, options, golden))]
+        work = ModelWork(out_dir, entry, spec, options)
         cache = cache_of(spec)
         if cache is not None and options.steps:
-            model.decode = DecodeCell(ModelWork(out_dir, entry, spec, options), cache)
+            model.decode = DecodeCell(work, cache)
+        model.placement = work
     except UsageError:
         raise
     except AttnExportError as e:
@@ -190,17 +209,18 @@ def _run_models(
     run one at a time, when no other cell runs: at once after a model's numbers with one job,
     after every model's numbers when cells run side by side."""
 
-    def submit(model: _Model) -> tuple[list[Future[Any]], Future[Any] | None]:
+    def submit(model: _Model) -> tuple[list[Future[Any]], list[Future[Any]]]:
         cells = model.cases
         batches = [executor.submit(check_cases, tuple(cells[i : i + BATCH])) for i in range(0, len(cells), BATCH)]
-        return batches, executor.submit(decode_cell, model.decode) if model.decode else None
+        decode = [executor.submit(decode_cell, model.decode)] if model.decode else []
+        return batches, decode + ([executor.submit(placement_cell, model.placement)] if model.placement else [])
 
     pending = [submit(m) for m in models] if parallel else []
     later = parallel and options.latency
     for i, model in enumerate(models):
-        batches, decode = pending[i] if parallel else submit(model)
+        batches, others = pending[i] if parallel else submit(model)
         cases = [record for batch in batches for record in batch.result()]
-        _collect(model, cases + ([decode.result()] if decode else []))
+        _collect(model, cases + [f.result() for f in others])
         if not later:
             _finish(executor, model, options, report, on_model)
     for model in models if later else []:
@@ -208,9 +228,11 @@ def _run_models(
 
 
 def _collect(model: _Model, records: list[Record[Any]]) -> None:
-    """A model's numbers from its cells' records; the first problem, in cell order, fails
-    the model's check and leaves its cases out (as one run over them would have stopped
-    there), a problem of its decode cell only its trajectories."""
+    """A model's numbers from its cells' records, in cell order: its cases, its decode
+    trajectories, its placement. The first problem fails the model's check and leaves out
+    what comes after it in that order (as one run over them would have stopped there): a
+    case's all the model's cases, the decode cell's the trajectories and placement, the
+    placement cell's the placement."""
     n = len(model.cases)
     values: list[Any] = [r.get() for r in records]  # bad usage ends the run
     problem = next((r.problem for r in records[:n] if r.problem is not None), None)
@@ -221,11 +243,20 @@ def _collect(model: _Model, records: list[Record[Any]]) -> None:
         model.results.append(result)
         if timed:
             model.timed.append((cell, result))
+    rest = list(zip(records[n:], values[n:], strict=True))
     if model.decode is not None:
-        if records[n].problem is not None:
-            model.check.problems.append(str(records[n].problem))
-        else:
-            model.trajectories = values[n]
+        record, value = rest.pop(0)
+        if record.problem is not None:
+            model.check.problems.append(record.problem)
+            return
+        model.trajectories = value
+    if model.placement is not None:
+        record, value = rest.pop(0)
+        if record.problem is not None:
+            model.check.problems.append(record.problem)
+            return
+        gate_cases(model.results, value)
+        model.placements = value
 
 
 def _finish(
@@ -247,6 +278,7 @@ def _finish(
     report.checks.append(model.check)
     report.cases += model.results
     report.decode += model.trajectories
+    report.placement += model.placements
     if on_model:
         on_model(model.check.model, model.results, model.check)
 

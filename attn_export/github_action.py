@@ -1,0 +1,233 @@
+"""The GitHub Action (``action.yml`` at the repository root) as code. Its composite steps set
+up Python, install attn-export when it is missing, and run ``python -m
+attn_export.github_action``, which does the rest: build (unless ``golden``), verify, write
+the reports, the step's outputs (``$GITHUB_OUTPUT``) and its summary
+(``$GITHUB_STEP_SUMMARY``), and exit non-zero when verify did not pass.
+
+The inputs arrive as ``ATTN_EXPORT_<INPUT>`` variables (``build-dir`` is
+``ATTN_EXPORT_BUILD_DIR``), which ``action.yml`` sets from ``${{ inputs.* }}``: values pass
+through the environment, never through a shell's text.
+
+``fail-on`` lists the gates that fail the step, each one a verify option:
+
+* ``numerics``: always on; verify always judges the numbers.
+* ``latency``: ``--max-slowdown`` with the ``max-slowdown`` input.
+* ``placement``: ``--require-placement`` (nodes that fell back from the provider asked for).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from attn_export.artifacts.files import append_output
+from attn_export.errors import AttnExportError, UsageError
+
+__all__ = ["GATES", "ActionInputs", "build_command", "main", "report_paths", "run_action", "verify_command"]
+
+#: What each ``fail-on`` gate adds to verify's command line (latency's ratio is an input).
+GATES: dict[str, tuple[str, ...]] = {
+    "numerics": (),
+    "latency": ("--max-slowdown",),
+    "placement": ("--require-placement",),
+}
+#: The input-to-variable convention: ``ATTN_EXPORT_`` and the input's name in capitals, ``-`` as ``_``.
+PREFIX = "ATTN_EXPORT_"
+DEFAULTS = {
+    "models": "models",
+    "build-dir": "build",
+    "providers": "cpu",
+    "shard": "",
+    "golden": "false",
+    "fail-on": "numerics",
+    "max-slowdown": "2",
+    "reports-dir": "attn-export-reports",
+}
+#: What the step's ``outputs`` name each report (the keys are ``report.FORMATS``').
+OUTPUTS = {"json": ".json", "junit": ".xml", "markdown": ".md"}
+
+
+def _words(value: str) -> list[str]:
+    """A list input: words separated by commas, spaces or new lines."""
+    return [w for w in re.split(r"[\s,]+", value) if w]
+
+
+def _flag(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered not in ("true", "false"):
+        raise UsageError(f"input {name}: {value!r} is neither true nor false")
+    return lowered == "true"
+
+
+@dataclass(frozen=True)
+class ActionInputs:
+    """The action's inputs, checked."""
+
+    models: Path
+    build_dir: Path
+    providers: tuple[str, ...]
+    shard: tuple[int, int] | None
+    golden: bool
+    fail_on: tuple[str, ...]
+    max_slowdown: str
+    reports_dir: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ActionInputs:
+        """Read ``ATTN_EXPORT_*`` (an input left out or empty takes its default); UsageError
+        naming the first input that is not valid."""
+        from attn_export.pipelines.verify.models import parse_shard
+        from attn_export.runtimes import PROVIDERS
+
+        raw = {name: env.get(PREFIX + name.upper().replace("-", "_"), "").strip() or d for name, d in DEFAULTS.items()}
+        providers = tuple(dict.fromkeys(_words(raw["providers"])))
+        unknown = [p for p in providers if p not in (*PROVIDERS, "all")]
+        if unknown:
+            raise UsageError(f"input providers: {', '.join(unknown)} unknown (choose from {', '.join(PROVIDERS)}, all)")
+        gates = _words(raw["fail-on"])
+        bad = [g for g in gates if g not in GATES]
+        if bad:
+            raise UsageError(f"input fail-on: {', '.join(bad)} unknown (choose from {', '.join(GATES)})")
+        try:
+            shard = parse_shard(raw["shard"]) if raw["shard"] else None
+        except UsageError as e:
+            raise UsageError(f"input shard: {e}") from e
+        try:
+            slowdown = float(raw["max-slowdown"])
+        except ValueError:
+            slowdown = float("nan")
+        if not slowdown > 0 or slowdown == float("inf"):
+            raise UsageError(f"input max-slowdown: {raw['max-slowdown']!r} is not a finite number > 0")
+        return cls(
+            models=Path(raw["models"]),
+            build_dir=Path(raw["build-dir"]),
+            providers=providers,
+            shard=shard,
+            golden=_flag("golden", raw["golden"]),
+            fail_on=tuple(g for g in GATES if g in gates or g == "numerics"),
+            max_slowdown=raw["max-slowdown"],
+            reports_dir=Path(raw["reports-dir"]),
+        )
+
+
+def report_paths(inputs: ActionInputs) -> dict[str, Path]:
+    """Where the reports go: ``<reports-dir>/verify.<ext>``, or ``shard-<i>-of-<n>.<ext>`` for
+    a shard, so a matrix's jobs upload theirs side by side and ``report merge shard-*.json``
+    takes them all."""
+    stem = "verify" if inputs.shard is None else f"shard-{inputs.shard[0]}-of-{inputs.shard[1]}"
+    return {name: inputs.reports_dir / f"{stem}{ext}" for name, ext in OUTPUTS.items()}
+
+
+def build_command(inputs: ActionInputs) -> list[str] | None:
+    """``attn-export build``'s arguments, or None with ``golden`` (the build folder comes
+    from elsewhere and torch need not be installed)."""
+    return None if inputs.golden else ["build", "--models", str(inputs.models), "--out", str(inputs.build_dir)]
+
+
+def verify_command(inputs: ActionInputs) -> list[str]:
+    """``attn-export verify``'s arguments: the build folder, the providers, the shard, the
+    reports and one option per ``fail-on`` gate (``GATES``)."""
+    args = ["verify", str(inputs.build_dir)]
+    args += ["--golden"] if inputs.golden else ["--models", str(inputs.models)]
+    for provider in inputs.providers:
+        args += ["--provider", provider]
+    if inputs.shard is not None:
+        args += ["--shard", f"{inputs.shard[0]}/{inputs.shard[1]}"]
+    for name, path in report_paths(inputs).items():
+        args += [f"--{name}", str(path)]
+    for gate in inputs.fail_on:
+        args += [*GATES[gate], *([inputs.max_slowdown] if gate == "latency" else [])]
+    return args
+
+
+def _attn_export(args: Sequence[str]) -> int:
+    """Run one attn-export command in this process, as its console script would; its exit code."""
+    from attn_export.cli import cli
+
+    print("$ attn-export " + " ".join(args), flush=True)
+    try:
+        cli.main(args=list(args), prog_name="attn-export")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def _set_outputs(env: Mapping[str, str], outputs: Mapping[str, str]) -> None:
+    """Append ``outputs`` to ``$GITHUB_OUTPUT`` in its multi-line form, with a delimiter no
+    value holds (GitHub's own toolkit writes them so)."""
+    path = env.get("GITHUB_OUTPUT")
+    if not path:
+        return
+    lines = []
+    for name, value in outputs.items():
+        delimiter = f"ghadelimiter_{uuid.uuid4()}"
+        lines += [f"{name}<<{delimiter}", value, delimiter]
+    append_output(Path(path), "\n".join(lines) + "\n")
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """A file's inode and modification time (reports are replaced atomically: both change)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns
+
+
+def _summary(env: Mapping[str, str], text: str) -> None:
+    """Append ``text`` to the job summary as a paragraph of its own (after verify's report)."""
+    path = env.get("GITHUB_STEP_SUMMARY")
+    if path:
+        append_output(Path(path), "\n" + text.strip("\n") + "\n")
+
+
+def run_action(env: Mapping[str, str]) -> int:
+    """The action's main step: returns the step's exit code (0 when verify passed, else the
+    failing command's: 1 a check failed, 2 bad usage or input). The outputs are written
+    whatever happens; ``passed`` is ``true`` only with exit 0."""
+    try:
+        inputs = ActionInputs.from_env(env)
+        try:
+            inputs.reports_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"input reports-dir: cannot make {inputs.reports_dir}: {e.strerror}") from e
+    except AttnExportError as e:
+        print(f"::error title=attn-export::{e}", flush=True)
+        _summary(env, f"### attn-export: ❌ bad input\n\n{e}\n")
+        _set_outputs(env, {name: "" for name in OUTPUTS} | {"passed": "false"})
+        return e.exit_code
+    gates = ", ".join(inputs.fail_on)
+    code = 0
+    build = build_command(inputs)
+    if build is not None:
+        print("::group::attn-export build", flush=True)
+        code = _attn_export(build)
+        print("::endgroup::", flush=True)
+        if code:
+            print(f"::error title=attn-export::build failed (exit {code}); its log is in the group above", flush=True)
+            _summary(env, f"### attn-export: ❌ build failed (exit {code})\n\nThe step's log names the models.\n")
+    paths = report_paths(inputs)
+    before = {name: _stamp(path) for name, path in paths.items()}
+    if code == 0:
+        code = _attn_export(verify_command(inputs))  # verify appends its Markdown report to the summary
+        verdict = "passed" if code == 0 else f"failed (exit {code})"
+        _summary(env, f"attn-export verify {verdict}; fail-on: {gates}.\n")
+    # Only what this run wrote: a report an earlier run left there is not this run's.
+    written = {name: path for name, path in paths.items() if _stamp(path) not in (None, before[name])}
+    reports = {name: str(written[name].resolve()) if name in written else "" for name in paths}
+    _set_outputs(env, reports | {"passed": "true" if code == 0 else "false"})
+    return code
+
+
+def main() -> None:
+    """``python -m attn_export.github_action``: the action's step."""
+    sys.exit(run_action(os.environ))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""How one value of a region is judged against PyTorch's: the spec's tolerance widened by
+the roundings of the dtypes involved, with the padded query rows the spec leaves out taken
+as PyTorch's (no region is blamed for what the outputs are not judged on)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attn_export.spec import Tolerance
+
+__all__ = ["ROUNDINGS", "left_out", "region_tolerance"]
+
+#: A region run alone may differ from PyTorch by this many float32 roundings of the
+#: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
+#: rounds differently (summation order), never by more.
+ROUNDINGS = 64
+
+
+def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None) -> Tolerance:
+    """The spec's tolerance widened by ``ROUNDINGS`` roundings of the value's largest finite
+    magnitude, in the coarser of PyTorch's dtype and the graph's (``computed``: float16
+    inside an fp16 variant); NaN and infinity where PyTorch has them agree."""
+    finite = np.abs(expected[np.isfinite(expected)]) if expected.dtype.kind == "f" else np.zeros(0)
+    scale = float(finite.max()) if finite.size else 0.0
+    floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
+    eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
+    return Tolerance(tol.atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
+
+
+def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:
+    """The elements of a value ``[batch, ..., query, ...]`` at the padded ``rows`` ``[batch,
+    query]``: batch is the first axis, query the first later axis of the query's size; None
+    when the value has no such axes."""
+    batch, query = rows.shape
+    if len(shape) < 2 or shape[0] != batch:
+        return None
+    axis = next((a for a in range(1, len(shape)) if shape[a] == query), None)
+    if axis is None:
+        return None
+    view = [1] * len(shape)
+    view[0], view[axis] = batch, query
+    return np.broadcast_to(rows.reshape(view), shape)
+
+
+def left_out(expected: np.ndarray, actual: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """``actual`` in PyTorch's float dtype (an fp16 variant computes in float16 inside;
+    the tolerance says how much that costs), with PyTorch's values on the padded query
+    rows that the spec leaves out (``fully_masked = "ignore"``), as the outputs are judged:
+    no region is blamed for them."""
+    if actual.dtype != expected.dtype and actual.dtype.kind == expected.dtype.kind == "f":
+        actual = actual.astype(expected.dtype)
+    if rows is None or actual.shape != expected.shape:
+        return actual
+    selector = _row_selector(expected.shape, rows)
+    return actual if selector is None else np.where(selector, expected, actual)

@@ -1,0 +1,250 @@
+"""The GitHub Action (action.yml): its `run:` steps, read from action.yml with `${{ ... }}`
+substituted as the runner would, run in bash with a fake runner environment (GITHUB_OUTPUT,
+GITHUB_STEP_SUMMARY, GITHUB_WORKSPACE, ...) on a tiny build; the outputs, the summary and
+the exit code are checked as a workflow would see them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.golden import read_golden, write_golden
+from attn_export.github_action import ActionInputs, run_action, verify_command
+from tests.conftest import ROOT, Built, tiny_spec
+
+ACTION = yaml.safe_load((ROOT / "action.yml").read_text())
+EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
+
+
+def _substitute(text: str, context: dict[str, str]) -> str:
+    def value(match: re.Match[str]) -> str:
+        assert match[1] in context, f"action.yml uses ${{{{ {match[1]} }}}}, which the runner here does not provide"
+        return context[match[1]]
+
+    return EXPRESSION.sub(value, text)
+
+
+def parse_github_output(text: str) -> dict[str, str]:
+    """``$GITHUB_OUTPUT`` as the runner reads it: ``name=value`` lines and ``name<<DELIM`` blocks."""
+    out: dict[str, str] = {}
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        name, sep, delimiter = lines[i].partition("<<")
+        if sep and "=" not in name:
+            end = lines.index(delimiter, i + 1)
+            out[name] = "\n".join(lines[i + 1 : end])
+            i = end + 1
+        else:
+            name, _, value = lines[i].partition("=")
+            out[name] = value
+            i += 1
+    return out
+
+
+@dataclass
+class ActionRun:
+    code: int
+    log: str
+    outputs: dict[str, str]
+    summary: str
+
+
+def run_action_steps(tmp_path: Path, inputs: dict[str, str]) -> ActionRun:
+    """Run action.yml's steps as a composite action runs them: each ``run:`` step in
+    ``bash --noprofile --norc -eo pipefail`` in the workspace with its own GITHUB_OUTPUT, a
+    ``uses:`` step skipped (its ``if:`` is false without python-version), the first failing
+    step ending the action; the action's outputs resolved from the steps' outputs."""
+    declared = ACTION["inputs"]
+    assert set(inputs) <= set(declared), set(inputs) - set(declared)
+    context = {f"inputs.{name}": inputs.get(name, str(spec.get("default", ""))) for name, spec in declared.items()}
+    workspace, runner = tmp_path / "workspace", tmp_path / "runner"
+    workspace.mkdir()
+    runner.mkdir()
+    python_bin = Path(sys.executable).parent
+    assert (python_bin / "python").exists(), "the steps call `python`: the test's interpreter must be on PATH as one"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GITHUB_", "RUNNER_", "ATTN_EXPORT_"))}
+    env |= {
+        "PATH": f"{python_bin}{os.pathsep}{env.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        "CI": "true",
+        "GITHUB_ACTIONS": "true",
+        "GITHUB_ACTION_PATH": str(ROOT),
+        "GITHUB_WORKSPACE": str(workspace),
+        "GITHUB_STEP_SUMMARY": str(runner / "summary.md"),
+        "RUNNER_TEMP": str(runner),
+    }
+    assert ACTION["runs"]["using"] == "composite"
+    log, code = [], 0
+    for k, step in enumerate(ACTION["runs"]["steps"]):
+        if "uses" in step:
+            assert step["uses"].startswith("actions/setup-python@") and step["if"] == "inputs.python-version != ''"
+            assert not inputs.get("python-version")
+            continue
+        assert step["shell"] == "bash" and "if" not in step, step
+        output = runner / f"output-{k}"
+        output.touch()
+        script = runner / f"step-{k}.sh"
+        script.write_text(_substitute(step["run"], context))
+        step_env = {name: _substitute(str(value), context) for name, value in step.get("env", {}).items()}
+        done = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)],
+            env=env | step_env | {"GITHUB_OUTPUT": str(output)},
+            cwd=workspace,
+            capture_output=True,
+            text=True,
+        )
+        log.append(done.stdout + done.stderr)
+        for name, value in parse_github_output(output.read_text()).items():
+            context[f"steps.{step.get('id')}.outputs.{name}"] = value
+        if done.returncode:
+            code = done.returncode
+            break
+    outputs = {
+        name: _substitute(spec["value"], _unset(spec["value"]) | context) for name, spec in ACTION["outputs"].items()
+    }
+    summary = (runner / "summary.md").read_text() if (runner / "summary.md").exists() else ""
+    return ActionRun(code, "".join(log), outputs, summary)
+
+
+def _unset(text: str) -> dict[str, str]:
+    """A step output no step set reads as empty, as on the runner."""
+    return {m[1]: "" for m in EXPRESSION.finditer(text) if m[1].startswith("steps.")}
+
+
+def _golden_inputs(built: Built, **more: str) -> dict[str, str]:
+    return {"build-dir": str(built.out), "golden": "true", "shard": "1/2", **more}
+
+
+def test_the_action_passes_a_sound_build(tiny_build: Built, tmp_path: Path) -> None:
+    run = run_action_steps(tmp_path, _golden_inputs(tiny_build))
+    assert run.code == 0, run.log
+    assert "using the installed attn-export 0." in run.log
+    reports = tmp_path / "workspace" / "attn-export-reports"
+    assert run.outputs == {
+        "json": str(reports / "shard-1-of-2.json"),
+        "junit": str(reports / "shard-1-of-2.xml"),
+        "markdown": str(reports / "shard-1-of-2.md"),
+        "passed": "true",
+    }
+    report = json.loads(Path(run.outputs["json"]).read_text())
+    assert report["passed"] is True and report["settings"]["golden"] is True
+    assert [c["model"] for c in report["checks"]] == ["tiny"]
+    assert ET.parse(run.outputs["junit"]).getroot().find("testsuite").get("failures") == "0"  # type: ignore[union-attr]
+    markdown = Path(run.outputs["markdown"]).read_text()
+    assert run.summary == markdown + "\nattn-export verify passed; fail-on: numerics.\n"
+
+
+def test_a_failing_verify_fails_the_step_with_passed_false(tiny_build: Built, tmp_path: Path) -> None:
+    golden = tiny_build.out / "tiny.golden.npz"
+    cases = read_golden(golden)
+    cases[0].outputs["output"] = cases[0].outputs["output"] + np.float32(1.0)  # PyTorch's answer, doctored
+    write_golden(golden, cases)
+    manifest = json.loads((tiny_build.out / "manifest.json").read_text())
+    manifest["models"]["tiny"]["golden_sha256"] = sha256_file(golden)  # recorded as a build would: numbers differ
+    (tiny_build.out / "manifest.json").write_text(json.dumps(manifest))
+    run = run_action_steps(tmp_path, _golden_inputs(tiny_build))
+    assert run.code == 1, run.log
+    assert run.outputs["passed"] == "false" and Path(run.outputs["json"]).is_file()
+    report = json.loads(Path(run.outputs["json"]).read_text())
+    failed = [c for c in report["cases"] if not c["passed"]]
+    assert failed and all(c["comparisons"][0]["max_abs_error"] >= 0.99 for c in failed), failed
+    assert run.summary.startswith("### attn-export verify: ❌ failed")
+    assert run.summary.endswith("`\n\nattn-export verify failed (exit 1); fail-on: numerics.\n")
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"FAIL_ON": "numerics speed"}, "input fail-on: speed unknown (choose from numerics, latency, placement)"),
+        ({"REPORTS_DIR": "pyproject.toml"}, "input reports-dir: cannot make pyproject.toml: File exists"),
+    ],
+)
+def test_bad_input_is_one_error_line_exit_2_and_passed_false(
+    given: dict[str, str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(ROOT)
+    env = {f"ATTN_EXPORT_{k}": v for k, v in given.items()}
+    env |= {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    assert run_action(env) == 2
+    assert capsys.readouterr().out == f"::error title=attn-export::{message}\n"
+    outputs = parse_github_output((tmp_path / "out").read_text())
+    assert outputs == {"json": "", "junit": "", "markdown": "", "passed": "false"}
+    assert (tmp_path / "summary.md").read_text() == f"\n### attn-export: ❌ bad input\n\n{message}\n"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"PROVIDERS": "cpu,tpu"}, "input providers: tpu unknown (choose from "),
+        ({"SHARD": "3/2"}, "input shard: '3/2' is not i/n with 1 <= i <= n (e.g. 2/4)"),
+        ({"GOLDEN": "yes"}, "input golden: 'yes' is neither true nor false"),
+        ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number > 0"),
+    ],
+)
+def test_each_input_is_checked_before_anything_runs(given: dict[str, str], message: str) -> None:
+    with pytest.raises(Exception, match=re.escape(message)):
+        ActionInputs.from_env({f"ATTN_EXPORT_{k}": v for k, v in given.items()})
+
+
+def test_fail_on_maps_each_gate_to_its_verify_option() -> None:
+    env = {"ATTN_EXPORT_FAIL_ON": "placement, latency", "ATTN_EXPORT_PROVIDERS": "cpu cuda", "ATTN_EXPORT_SHARD": "2/4"}
+    inputs = ActionInputs.from_env(env)
+    assert inputs.fail_on == ("numerics", "latency", "placement")
+    assert verify_command(inputs) == [
+        "verify", "build", "--models", "models", "--provider", "cpu", "--provider", "cuda", "--shard", "2/4",
+        "--json", "attn-export-reports/shard-2-of-4.json",
+        "--junit", "attn-export-reports/shard-2-of-4.xml",
+        "--markdown", "attn-export-reports/shard-2-of-4.md",
+        "--max-slowdown", "2", "--require-placement",
+    ]  # fmt: skip
+    assert "--max-slowdown" not in verify_command(ActionInputs.from_env({}))
+
+
+@pytest.mark.slow
+def test_the_action_builds_and_verifies_against_pytorch(tmp_path: Path) -> None:
+    models = tmp_path / "workspace-models"
+    tiny_spec(models, exporter="torchscript")
+    inputs = {"models": str(models), "build-dir": "build", "fail-on": "latency", "max-slowdown": "1000"}
+    run = run_action_steps(tmp_path, inputs)
+    assert run.code == 0, run.log
+    assert "::group::attn-export build" in run.log and "--max-slowdown 1000" in run.log
+    report: dict[str, Any] = json.loads(Path(run.outputs["json"]).read_text())
+    assert report["passed"] and report["settings"]["max_slowdown"] == 1000 and report["settings"]["golden"] is False
+    assert (tmp_path / "workspace" / "build" / "tiny.onnx").is_file()
+
+
+def test_the_docs_workflows_use_only_the_action_s_inputs_and_its_report_names() -> None:
+    page = (ROOT / "docs" / "ci.md").read_text()
+    steps = [
+        step
+        for block in re.findall(r"```yaml\n(.*?)```", page, re.S)
+        for doc in [yaml.safe_load(block)]
+        for step in (
+            doc if isinstance(doc, list) else [s for job in doc.get("jobs", {}).values() for s in job["steps"]]
+        )
+        if isinstance(step, dict) and "attn-export@" in str(step.get("uses", ""))
+    ]
+    assert len(steps) == 2
+    for step in steps:
+        assert set(step["with"]) <= set(ACTION["inputs"]), set(step["with"]) - set(ACTION["inputs"])
+    # The matrix shards upload shard-<i>-of-4.json, which the merge job's glob takes.
+    shard = ActionInputs.from_env({"ATTN_EXPORT_SHARD": "3/4"})
+    assert Path(verify_command(shard)[verify_command(shard).index("--json") + 1]).name == "shard-3-of-4.json"
+    assert "attn-export report merge shard-*.json --junit " in page

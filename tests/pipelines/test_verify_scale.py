@@ -189,13 +189,8 @@ def _sweep(zoo_dir: Path, out: Path, *args: str) -> str:
 @pytest.mark.slow
 def test_a_zoo_sweep_is_the_same_serially_with_jobs_and_as_four_shards_merged(zoo_dir: Path, tmp_path: Path) -> None:
     serial = _sweep(zoo_dir, tmp_path / "serial.json")
-    assert json.loads((tmp_path / "serial.json").read_text())["summary"] == {
-        "models": len(TINY_SPECS),
-        "cases": 111,
-        "failed_cases": 0,
-        "failed_checks": 0,
-        "noisy_timings": 0,
-    }
+    summary = json.loads((tmp_path / "serial.json").read_text())["summary"]
+    assert (summary["models"], summary["cases"], summary["failed_cases"]) == (len(TINY_SPECS), 111, 0)
     assert _sweep(zoo_dir, tmp_path / "jobs.json", "--jobs", "2") == serial
     shards = [tmp_path / f"shard-{i}.json" for i in range(1, 5)]
     for i, shard in enumerate(shards, 1):

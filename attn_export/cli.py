@@ -707,6 +707,13 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
     "leaves out, to see where the two sides part there.",
 )
 @click.option(
+    "--runtime",
+    type=click.Choice(list(RUNTIMES)),
+    default="onnxruntime",
+    show_default=True,
+    help="Where the graph runs: ONNX Runtime on --provider, or the ONNX reference evaluator (onnx-reference).",
+)
+@click.option(
     "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
 )
 @click.option(
@@ -747,6 +754,7 @@ def localize(
     layout: str | None,
     decode_steps: int,
     fully_masked: str | None,
+    runtime: str,
     provider: str,
     shrink: bool,
     bundle: Path | None,
@@ -772,6 +780,7 @@ def localize(
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
         attn-export localize build mha_kv_cache --decode-step 3 --layout left-padded
         attn-export localize build mha --golden
+        attn-export localize build mha --runtime onnx-reference
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -801,6 +810,7 @@ def localize(
         distribution=distribution,
         mask_case=mask_case,
         provider=provider,
+        runtime=runtime,
         max_memory=max_memory,
         lock_wait_s=wait_s,
         shrink=shrink,

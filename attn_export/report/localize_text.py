@@ -62,7 +62,7 @@ def format_localize(report: LocalizeReport) -> str:
     else:
         case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
         case += f", mask case {report.mask_case}" if report.mask_case else ""
-    lines = [f"localize {report.model} at {case} on onnxruntime[{report.provider}]"]
+    lines = [f"localize {report.model} at {case} on {report.target.label}"]
     if report.shrunk_from is not None:
         lines.append(
             f"  the smallest case found that fails at the same place, from {format_sizes(report.shrunk_from)} "

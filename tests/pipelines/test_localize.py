@@ -429,3 +429,18 @@ def test_a_fault_in_onnx_runtimes_cache_attention_is_localized_to_the_sdpa_and_c
     assert first is not None and first.fx_node == "scaled_dot_product_attention", report.notes
     assert "ort_past_0/MultiHeadAttention" in first.nodes and {"cat", "cat_1"} <= set(first.covers)
     assert first.source.startswith(str(ZOO_CODE / "kv_cache.py") + ":") and len(first.lines) == 3
+
+
+def test_a_planted_fault_is_localized_on_the_onnx_reference_evaluator_as_on_onnx_runtime(zoo_copy: Path) -> None:
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    _replace_input(proto, "node_div", 1, lambda v: v * 2)
+    plant(zoo_copy, "mha", proto)
+    report = _localize(zoo_copy, "mha", runtime="onnx-reference")
+    assert report.first is not None and (report.first.fx_node, report.first.nodes) == ("div", ["node_div"])
+    assert [r.fx_node for r in report.regions if r.breaks] == ["div"]
+    assert format_localize(report).startswith("localize mha at batch=2,seq=3, seed 0, normal on onnx-reference")
+    assert report.reproduce.endswith("--runtime onnx-reference")
+    args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--runtime"]
+    result = CliRunner().invoke(cli, [*args, "onnx-reference", "--shapes", "batch=2,seq=3", "--localize"])
+    assert result.exit_code == 1 and "DIVERGES first at ONNX node_div [Div] from FX node div" in result.output
+    assert "on onnx-reference" in result.output

@@ -15,7 +15,8 @@ import onnx
 
 from attn_export.errors import first_line
 from attn_export.exporter.stack import innermost_line
-from attn_export.runtimes.ort import load_session
+from attn_export.pipelines.localize.values import evaluate
+from attn_export.runtimes.target import Target
 
 __all__ = ["Region", "graph_regions", "has_fx_metadata", "region_model", "run_region"]
 
@@ -236,14 +237,14 @@ def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.
 
 
 def run_region(
-    model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray], provider: str, budget: int
+    model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray], target: Target, budget: int
 ) -> dict[str, np.ndarray] | str:
     """Every value the region's nodes compute, run alone on ``feeds`` (one per region
-    input); where the region cannot run alone, why (ONNX Runtime refuses it or its inputs)."""
+    input) on ``target``; where the region cannot run alone, why (the runtime refuses it
+    or its inputs)."""
     try:
         sub = region_model(model, region, feeds)
         made = [o.name for o in sub.graph.output]
-        session = load_session(sub.SerializeToString(), provider, level="disabled", budget=budget)
-        return dict(zip(made, session.run(made, {k: feeds[k] for k in region.inputs}), strict=True))
+        return dict(zip(made, evaluate(sub, made, {k: feeds[k] for k in region.inputs}, target, budget), strict=True))
     except Exception as e:  # noqa: BLE001 - ONNX Runtime and onnx raise their own classes
         return first_line(e)

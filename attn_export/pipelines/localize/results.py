@@ -11,6 +11,7 @@ from typing import Any
 
 from attn_export.checks.decode import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
+from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 
 __all__ = ["LocalizeOptions", "LocalizeReport", "RegionError"]
@@ -26,6 +27,8 @@ class LocalizeOptions:
     distribution: str = DEFAULT_DISTRIBUTION
     mask_case: str | None = None
     provider: str = "cpu"
+    #: ``onnxruntime`` (on ``provider``) or ``onnx-reference`` (the ONNX reference evaluator).
+    runtime: str = DEFAULT_RUNTIME
     max_memory: int | None = None
     lock_wait_s: float = 0.0
     #: Search for the smallest case that fails at the same place (``localize.shrink``).
@@ -45,6 +48,11 @@ class LocalizeOptions:
     #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
     #: no torch and no checkout needed.
     golden: bool = False
+
+    @property
+    def target(self) -> Target:
+        """Where the graph runs: ONNX Runtime on ``provider``, or the reference evaluator."""
+        return Target(self.runtime, self.provider if self.runtime == DEFAULT_RUNTIME else None)
 
 
 @dataclass
@@ -128,10 +136,16 @@ class LocalizeReport:
     bundle: str | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Where the graph ran (``LocalizeOptions.runtime``).
+    runtime: str = DEFAULT_RUNTIME
     reproduce: str = ""
     #: At a decoder's step: the first FX node where the module with its cache parts from
     #: one pass of itself over every token so far (a bug in the module, not the graph).
     module_bug: RegionError | None = None
+
+    @property
+    def target(self) -> Target:
+        return Target(self.runtime, self.provider if self.runtime == DEFAULT_RUNTIME else None)
 
     @property
     def graph_agrees(self) -> bool:

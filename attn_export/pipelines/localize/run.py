@@ -46,8 +46,9 @@ from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
+from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
-from attn_export.runtimes.target import DEFAULT_RUNTIME
+from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import VARIANTS, ModelSpec, Tolerance
 from attn_export.spec.cache import cache_of
@@ -128,7 +129,7 @@ def _regions(
     graph_vals: Mapping[str, np.ndarray],
     feeds: Mapping[str, np.ndarray],
     tol: Tolerance,
-    provider: str,
+    on: Target,
     budget: int,
     rows: np.ndarray | None,
 ) -> tuple[list[RegionError], dict[str, dict[str, np.ndarray]]]:
@@ -146,7 +147,7 @@ def _regions(
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
         teacher = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
-        ran = run_region(proto, region, teacher, provider, budget)
+        ran = run_region(proto, region, teacher, on, budget)
         alone = ran if isinstance(ran, dict) else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
@@ -219,7 +220,8 @@ def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mappi
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
     args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" and not options.golden else []
-    args += ["--provider", options.provider] if options.provider != "cpu" else []
+    args += ["--runtime", options.runtime] if options.runtime != DEFAULT_RUNTIME else []
+    args += ["--provider", options.provider] if options.target.provider not in (None, "cpu") else []
     args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
 
@@ -255,7 +257,10 @@ def _check_golden(options: LocalizeOptions) -> None:
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
     one). UsageError/ArtifactError on bad input; the verdict is data."""
-    require_provider(options.provider)
+    if options.runtime not in RUNTIMES:
+        raise UsageError(f"unknown runtime {options.runtime} (known: {', '.join(RUNTIMES)})")
+    if options.target.provider is not None:
+        require_provider(options.target.provider)
     _check_golden(options)
     with read_lock(out_dir, options.lock_wait_s):
         manifest = load_manifest(out_dir)
@@ -394,7 +399,7 @@ def _localize(
     outputs = case.outputs
     notes = []
     try:
-        graph_vals = graph_values(proto, feeds, options.provider, budget)
+        graph_vals = graph_values(proto, feeds, options.target, budget)
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
@@ -405,7 +410,7 @@ def _localize(
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
-    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.provider, budget, rows)
+    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows)
     report = LocalizeReport(
         model=model,
         file=str(out_dir / entry.file),
@@ -415,6 +420,7 @@ def _localize(
         distribution=options.distribution,
         mask_case=options.mask_case,
         provider=options.provider,
+        runtime=options.runtime,
         outputs=judged,
         regions=errors,
         uncompared=len(regions) - len({tuple(e.nodes) for e in errors}),
@@ -452,7 +458,7 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
     asked: dict[str, LocalizeOptions] = {}
     for case in report.failed_cases:
         numeric = case.expected_from.startswith("torch") and case.distribution != RECORDED
-        if numeric and case.target.runtime == DEFAULT_RUNTIME and case.comparisons and case.model not in asked:
+        if numeric and case.comparisons and case.model not in asked:
             asked[case.model] = dataclasses.replace(
                 base,
                 sizes=case.sizes,
@@ -460,10 +466,11 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 distribution=case.distribution,
                 mask_case=case.shape if case.shape in CASES else None,
                 provider=case.target.provider or "cpu",
+                runtime=case.target.runtime,
             )
     for d in report.decode:
         step = d.first_divergence or d.module_bug
-        if step is not None and d.target.runtime == DEFAULT_RUNTIME and d.model not in asked:
+        if step is not None and d.model not in asked:
             asked[d.model] = dataclasses.replace(
                 base,
                 seed=report.seed,
@@ -471,5 +478,6 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 layout=d.scenario,
                 decode_steps=options.steps,
                 provider=d.target.provider or "cpu",
+                runtime=d.target.runtime,
             )
     return [localize_model(out_dir, model, opts) for model, opts in asked.items()]

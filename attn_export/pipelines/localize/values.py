@@ -17,10 +17,11 @@ from attn_export.artifacts.intermediates import Intermediates
 from attn_export.errors import RuntimeFailure, UsageError, first_line
 from attn_export.exporter.stack import innermost_line
 from attn_export.runtimes.ort import load_session
+from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
 
-__all__ = ["TorchValues", "graph_values", "recorded_values", "torch_values"]
+__all__ = ["TorchValues", "evaluate", "graph_values", "recorded_values", "torch_values"]
 
 
 class TorchValues(dict[str, np.ndarray]):
@@ -79,11 +80,24 @@ def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray],
     return values
 
 
+def evaluate(
+    model: onnx.ModelProto, names: list[str], feeds: Mapping[str, np.ndarray], target: Target, budget: int
+) -> list[np.ndarray]:
+    """``names`` computed by ``model`` on ``target``: the ONNX reference evaluator, or an
+    ONNX Runtime session with graph optimizations off (its arena held to ``budget``), so
+    that it runs the nodes the file holds. Raises what the runtime raises."""
+    if target.provider is None:
+        from onnx.reference import ReferenceEvaluator
+
+        return [np.asarray(v) for v in ReferenceEvaluator(model).run(names, dict(feeds))]
+    session = load_session(model.SerializeToString(), target.provider, level="disabled", budget=budget)
+    return list(session.run(names, dict(feeds)))
+
+
 def graph_values(
-    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], provider: str, budget: int
+    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: Target, budget: int
 ) -> dict[str, np.ndarray]:
-    """Every value the graph's nodes compute, from one ONNX Runtime run with none fused
-    (the session's arena held to ``budget``)."""
+    """Every value the graph's nodes compute, from one run on ``target`` with none fused."""
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
     named = {o.name for o in exposed.graph.output}
@@ -92,9 +106,8 @@ def graph_values(
             if name and name not in named:
                 exposed.graph.output.append(onnx.ValueInfoProto(name=name))
                 named.add(name)
-    session = load_session(exposed.SerializeToString(), provider, level="disabled", budget=budget)
-    names = [o.name for o in session.get_outputs()]
+    names = [o.name for o in exposed.graph.output]
     try:
-        return dict(zip(names, session.run(names, dict(feeds)), strict=True))
-    except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
-        raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
+        return dict(zip(names, evaluate(exposed, names, feeds, target, budget), strict=True))
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime and the reference evaluator raise their own classes
+        raise RuntimeFailure(f"{target.label}: {first_line(e)}") from e

@@ -291,6 +291,7 @@ def test_the_repair_of_fully_masked_rows_keeps_the_softmaxs_node_and_line(zoo_di
     assert all(n.metadata_props == softmax.metadata_props for n in added), "traced to the same FX node and line"
 
 
+@pytest.mark.slow  # two localize runs of a Llama decoder (17 s); CI runs it
 @needs_transformers
 def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(zoo_dir: Path) -> None:
     """The sdpa decoder's padded query rows have no key; its spec leaves them out (ignore)."""

@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError, Message
 from attn_export.artifacts.files import read_regular
 from attn_export.errors import ArtifactError
 
-__all__ = ["check_external_data", "external_data_files", "load_model_file", "max_supported_opset"]
+__all__ = ["check_external_data", "default_opset", "external_data_files", "load_model_file", "max_supported_opset"]
 
 #: protobuf cannot parse a message this large; bigger models keep their weights as external data.
 MAX_MODEL_BYTES = 2 << 30
@@ -80,6 +80,11 @@ def _strings_are_text(message: Message) -> bool:
     return True
 
 
+def default_opset(proto: onnx.ModelProto) -> int | None:
+    """The version of the default (``ai.onnx``) domain the model imports, if any."""
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
 def load_model_file(path: Path) -> onnx.ModelProto:
     """Parse an ONNX file (a regular file, read no further than its size) without loading
     external data; refuse anything that is not a model this installation can run."""
@@ -96,7 +101,7 @@ def load_model_file(path: Path) -> onnx.ModelProto:
         raise ArtifactError(f"{path}: not an ONNX model (holds strings that are not valid UTF-8)")
     if proto.ir_version <= 0 or not proto.HasField("graph") or not proto.opset_import:
         raise ArtifactError(f"{path}: a protobuf, but not an ONNX model (no IR version, graph or opset)")
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    opset = default_opset(proto)
     limit = max_supported_opset()
     if opset is not None and opset > limit:
         raise ArtifactError(f"{path}: uses opset {opset}, newer than this installation supports (up to {limit})")

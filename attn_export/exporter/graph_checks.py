@@ -9,12 +9,12 @@ config reads these names). ``name_dims`` gives an export the spec's names.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import onnx
 
-from attn_export.artifacts.onnx_file import external_data_files
+from attn_export.artifacts.onnx_file import default_opset, external_data_files
 from attn_export.errors import GraphCheckError, first_line
 from attn_export.spec import DimRange, TensorSpec
 
@@ -177,8 +177,8 @@ def check_deterministic(proto: onnx.ModelProto, name: str) -> None:
     """Refuse a graph whose result depends on randomness or on training mode (a Dropout
     in training mode, random ops): two runs on the same inputs would differ. ONNX
     Runtime's optimizer may remove such a node at its default level; other runtimes and
-    levels do not, so the graph itself is judged."""
-    for n in proto.graph.node:
+    levels do not, so the graph itself is judged (its subgraphs and functions too)."""
+    for n in all_nodes(proto):
         label = f"{n.op_type} node '{n.name or n.output[0]}'"
         if n.op_type in RANDOM_OPS:
             raise GraphCheckError(f"{name}: the graph holds a random op, {label}: its result changes on every run")
@@ -205,33 +205,39 @@ def check_named_dims(proto: onnx.ModelProto, name: str) -> None:
 
 def check_opset(proto: onnx.ModelProto, name: str, lowest: int, highest: int) -> None:
     """Refuse a graph whose default-domain opset is outside ``lowest..highest``."""
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    opset = default_opset(proto)
     if opset is not None and not lowest <= opset <= highest:
         raise GraphCheckError(f"{name}: opset {opset} is outside the allowed {lowest}..{highest}")
 
 
-def _node_domains(graph: onnx.GraphProto, local: set[tuple[str, str]]) -> Iterator[tuple[str, onnx.NodeProto]]:
-    """(domain, node) of every node, in subgraphs too; a call of a model-local function is
-    left out (its body is walked instead)."""
-    for n in graph.node:
-        if (n.domain, n.op_type) not in local:
-            yield n.domain or "ai.onnx", n
-        for attr in n.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from _node_domains(sub, local)
+def all_nodes(proto: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node a run can execute: the graph's, its subgraphs' (``If``, ``Loop``, ``Scan``
+    bodies) and model-local functions' bodies; a call of such a function is left out
+    (its body is walked instead)."""
+    local = {(f.domain, f.name) for f in proto.functions}
+
+    def walk(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
+        for n in nodes:
+            if (n.domain, n.op_type) not in local:
+                yield n
+            for attr in n.attribute:
+                for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    yield from walk(sub.node)
+
+    yield from walk(proto.graph.node)
+    for f in proto.functions:
+        yield from walk(f.node)
 
 
 def check_domains(proto: onnx.ModelProto, name: str, allowed: Sequence[str]) -> None:
     """Refuse a node (in the graph, a subgraph or a model-local function) whose operator
     domain is not in ``allowed`` ("" and "ai.onnx" are one). Only domains that nodes use
     count: an optimizer may import domains it never uses."""
-    local = {(f.domain, f.name) for f in proto.functions}
-    bodies = [proto.graph] + [onnx.helper.make_graph(f.node, f.name, [], []) for f in proto.functions]
     permitted = {d or "ai.onnx" for d in allowed}
-    for body in bodies:
-        for domain, n in _node_domains(body, local):
-            if domain not in permitted:
-                raise GraphCheckError(
-                    f"{name}: {n.op_type} node '{n.name or n.output[0]}' is in domain '{domain}', which is not "
-                    f"allowed ({', '.join(sorted(permitted))})"
-                )
+    for n in all_nodes(proto):
+        domain = n.domain or "ai.onnx"
+        if domain not in permitted:
+            raise GraphCheckError(
+                f"{name}: {n.op_type} node '{n.name or n.output[0]}' is in domain '{domain}', which is not "
+                f"allowed ({', '.join(sorted(permitted))})"
+            )

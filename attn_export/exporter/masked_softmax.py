@@ -19,6 +19,8 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
+from attn_export.artifacts.onnx_file import default_opset
+
 __all__ = ["FULLY_MASKED", "REWRITES", "rewrite_softmax"]
 
 FULLY_MASKED = -1e8
@@ -26,10 +28,6 @@ FULLY_MASKED = -1e8
 _MARK = ".fully_masked."
 #: Rewrite name -> what a fully masked row then gives.
 REWRITES = {"zero": "0", "uniform": "mean of V"}
-
-
-def _opset(proto: onnx.ModelProto) -> int:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _reduce_max(x: str, axis: int, out: str, axes_name: str, opset: int) -> list[onnx.NodeProto]:
@@ -65,7 +63,7 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         raise ValueError(f"unknown rewrite {mode!r}")
     out = onnx.ModelProto()
     out.CopyFrom(proto)
-    opset = _opset(out)
+    opset = default_opset(out) or 0
     if opset < 15:  # Softmax over the last axis needs 13, CastLike 15
         return out, 0
     nodes: list[onnx.NodeProto] = []

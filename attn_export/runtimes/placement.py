@@ -140,12 +140,12 @@ def placement_from_profile(events: Sequence[Mapping[str, Any]], provider: str) -
     if not nodes:
         return Placement(provider, error="the profile recorded no node")
     by_provider = Counter(str(a["provider"]) for a in nodes.values())
-    elsewhere = [a for a in nodes.values() if a["provider"] != provider]
+    elsewhere = [(a, _shape_op(a)) for a in nodes.values() if a["provider"] != provider]
     return Placement(
         provider,
         dict(sorted(by_provider.items())),
-        _counts((str(a["provider"]), str(a["op_name"])) for a in elsewhere if not _shape_op(a)),
-        _counts((str(a["provider"]), str(a["op_name"])) for a in elsewhere if _shape_op(a)),
+        _counts((str(a["provider"]), str(a["op_name"])) for a, shape in elsewhere if not shape),
+        _counts((str(a["provider"]), str(a["op_name"])) for a, shape in elsewhere if shape),
     )
 
 

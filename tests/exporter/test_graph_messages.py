@@ -32,6 +32,28 @@ def test_a_training_mode_dropout_points_at_the_call_that_asks_for_it() -> None:
     assert "F.dropout(..., training=True)" in str(caught.value) and "training=self.training" in str(caught.value)
 
 
+def test_a_random_op_inside_a_branch_or_a_function_is_refused_like_one_in_the_graph() -> None:
+    noise = helper.make_node("RandomNormalLike", ["x"], ["n"], name="noise")
+    branch = helper.make_graph([noise], "branch", [], [helper.make_tensor_value_info("n", onnx.TensorProto.FLOAT, [2])])
+    cond = helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch, name="if")
+    graph = helper.make_graph(
+        [cond],
+        "g",
+        [helper.make_tensor_value_info(n, t, [2] if n == "x" else []) for n, t in (("x", 1), ("c", 9))],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    with pytest.raises(GraphCheckError, match="a random op, RandomNormalLike node 'noise'"):
+        check_deterministic(helper.make_model(graph), "m")
+    function = helper.make_function("local", "jitter", ["x"], ["n"], [noise], [helper.make_opsetid("", 18)])
+    call = helper.make_node("jitter", ["x"], ["y"], domain="local", name="call")
+    graph = helper.make_graph(
+        [call], "g", [helper.make_tensor_value_info("x", 1, [2])], [helper.make_tensor_value_info("y", 1, [2])]
+    )
+    model = helper.make_model(graph, functions=[function], opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(GraphCheckError, match="a random op, RandomNormalLike node 'noise'"):
+        check_deterministic(model, "m")
+
+
 def test_a_missing_spec_names_the_flag_of_the_entry_point_that_asked(tmp_path: Path) -> None:
     for option in ("--models", "--attn-export-models"):
         with pytest.raises(UsageError, match=f"pass {option} DIR"):

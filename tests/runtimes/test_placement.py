@@ -34,8 +34,11 @@ def test_a_real_cpu_session_is_placed_all_on_the_cpu_and_leaves_no_profile(
     events: list[list[dict[str, Any]]] = []
     real = placement.read_profile
     monkeypatch.setattr(placement, "read_profile", lambda path: events.append(real(path)) or events[-1])
+    runtime.activate()
+    timed = runtime.session
     found = runtime.placement(feeds)
-    assert not runtime.active  # a session of its own: the runtime's timed one is never profiled
+    assert runtime.active and runtime.session is timed  # a session of its own: the timed one is never profiled
+    runtime.deactivate()
     nodes = [e for e in events[0] if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
     assert found == Placement(CPU, {CPU: len(nodes)})
     assert len(nodes) > 20 and {e["args"]["op_name"] for e in nodes} >= {"Softmax", "MatMul", "Range", "Equal"}

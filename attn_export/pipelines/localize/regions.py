@@ -104,10 +104,11 @@ class _Sets:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _covered(plain: onnx.ModelProto, made: Collection[str], inputs: Collection[str]) -> list[int]:
-    """The plain graph's nodes between ``inputs`` and ``made`` (what a fused region stands
-    for), by index."""
-    producers = {o: i for i, n in enumerate(plain.graph.node) for o in n.output if o}
+def _covered(
+    plain: onnx.ModelProto, producers: Mapping[str, int], made: Collection[str], inputs: Collection[str]
+) -> list[int]:
+    """The plain graph's nodes (by index; ``producers`` maps each of its values to the node
+    making it) between ``inputs`` and ``made``: what a fused region stands for."""
     seen: set[int] = set()
     stack = [v for v in made if v in producers]
     while stack:
@@ -139,9 +140,12 @@ def graph_regions(
     weights = {i.name for i in model.graph.initializer}
     meta = _node_metadata(model, plain)
     labels = [_fx(m) for m in meta]
+    plain_nodes = list(plain.graph.node) if plain is not None else []
+    plain_labels = [_fx(_metadata(n)) for n in plain_nodes]
+    plain_producers = {o: i for i, n in enumerate(plain_nodes) for o in n.output if o}
     plain_ops: dict[str, set[tuple[str, str]]] = {}
-    for n in plain.graph.node if plain is not None else ():
-        plain_ops.setdefault(_fx(_metadata(n)), set()).add((n.domain, n.op_type))
+    for label, n in zip(plain_labels, plain_nodes, strict=True):
+        plain_ops.setdefault(label, set()).add((n.domain, n.op_type))
 
     def fx_of(value: str) -> str:
         fx = value if value in known else output_nodes.get(value, "")
@@ -192,9 +196,9 @@ def graph_regions(
         fx = compared[0][1] if compared else ("" if key.startswith("<") else key)
         covers = [labels[i] for i in members if labels[i] in known] + [c[1] for c in compared]
         if plain is not None and any(i in fused for i in members):
-            walked = [_fx(_metadata(plain.graph.node[j])) for j in _covered(plain, outs, read)]
+            walked = [plain_labels[j] for j in _covered(plain, plain_producers, outs, read)]
             covers = [label for label in walked if label in known] + covers
-        own = next((meta[i] for i in members if _fx(meta[i]) == fx), {})
+        own = next((meta[i] for i in members if labels[i] == fx), {})
         target = _TARGET.search(own.get("pkg.torch.onnx.fx_node", ""))
         line = innermost_line(own.get("pkg.torch.onnx.stack_trace", ""))
         regions.append(

@@ -22,7 +22,7 @@ from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import read_intermediates
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
-from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.artifacts.onnx_file import default_opset, load_model_file
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode import (
     DEFAULT_STEPS,
@@ -77,10 +77,6 @@ def _program(spec: ModelSpec, module: Any, opset: int) -> Any:
             _PROGRAMS.popitem(last=False)
     _PROGRAMS.move_to_end(key)
     return _PROGRAMS[key]
-
-
-def _opset(proto: onnx.ModelProto) -> int:
-    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
@@ -356,7 +352,7 @@ def _pytorch_side(
     else:
         sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
         options = dataclasses.replace(options, layout=layout)
-    program = _program(spec, module, _opset(proto))
+    program = _program(spec, module, default_opset(proto) or 0)
     values = torch_values(program, spec, feeds, budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)

@@ -10,6 +10,7 @@ keyed by the content it loads, and no result depends on what was kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,8 +199,9 @@ class TargetWork(ModelWork):
 
     target: Target
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """Hashed once per target (each of its case cells' keys is made from it)."""
         return cell_key("verify-target", [*self.content(), self.target.label])
 
     def open(self) -> TargetRun:

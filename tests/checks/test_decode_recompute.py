@@ -104,6 +104,7 @@ def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its
         assert found.decode_step == 1 and found.module_bug is not None and found.module_bug.fx_node == fx_node
 
 
+@pytest.mark.slow  # the zoo decoders' five-seed localize sweep covers it too; CI runs it
 def test_localize_finds_no_module_bug_in_a_correct_decoder(built: tuple[Path, Path]) -> None:
     out, models = built
     report = localize_model(out, "withoutmask", LocalizeOptions(models_dir=models, decode_step=3))

@@ -157,6 +157,7 @@ seq = { min = 1, max = 32 }
 """
 
 
+@pytest.mark.slow  # a whole Hugging Face model export (9 s); make test runs the single layers
 @needs_transformers
 def test_one_layer_llama_model_with_an_integer_mask_and_an_output_picked_by_name(tmp_path: Path) -> None:
     out = tmp_path / "out"

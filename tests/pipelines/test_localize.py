@@ -393,7 +393,7 @@ FUSED_PLANTS = [
 
 @pytest.mark.parametrize(
     ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
-    [pytest.param(*p, id=p[0], marks=pytest.mark.slow if p[1] == "fp16" else ()) for p in FUSED_PLANTS],
+    [pytest.param(*p, id=p[0], marks=pytest.mark.slow if p[1] in ("fp16", "ort-fused") else ()) for p in FUSED_PLANTS],
 )
 def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_it_stands_for(
     zoo_copy: Path, fault: str, variant: str, node: str, edit: Callable, fx_node: str, covers: set[str], code: str

@@ -111,6 +111,7 @@ def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path, monkeypatch
     assert where.exit_code == 1 and verdict in where.stdout.splitlines(), where.output
 
 
+@pytest.mark.slow
 def test_api_example_runs_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -92,6 +92,7 @@ def test_the_plugin_turns_every_error_into_a_one_line_failure_or_usage_error(one
     assert "Traceback" not in seed.stdout + seed.stderr
 
 
+@pytest.mark.slow
 def test_the_plugin_has_a_budget_and_fails_a_case_over_it_in_one_line(one_model: Path) -> None:
     over = _pytest(one_model, "--attn-export-max-memory", "16KiB")
     assert over.returncode == 1 and "INTERNALERROR" not in over.stdout, over.stdout

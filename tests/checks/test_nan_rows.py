@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
@@ -20,6 +21,7 @@ def _spec(models: Path, allow_nan: bool) -> None:
     write_spec(models, "mha_weights", text)
 
 
+@pytest.mark.slow
 def test_nan_on_both_sides_of_a_fully_masked_row_names_allow_nan(tmp_path: Path) -> None:
     models, out = tmp_path / "models", tmp_path / "out"
     _spec(models, allow_nan=False)

@@ -195,6 +195,38 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
         click.echo(format_spec_table(specs))
 
 
+def _jobs(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """--jobs N or auto (the CPUs this process may use)."""
+    if value is None:
+        return None
+    if value == "auto":
+        from attn_export.runtimes.timing import usable_cpus
+
+        return usable_cpus()
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise click.BadParameter(f"{value!r} is not a number of jobs (1 or more) or auto")
+    return int(value)
+
+
+def executor_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--jobs and --executor: where a pipeline's cells run (``attn_export.executors``)."""
+    from attn_export.executors import EXECUTORS
+
+    command = click.option(
+        "--executor",
+        type=click.Choice(list(EXECUTORS)),
+        default="local",
+        show_default=True,
+        help="Where cells run: " + "; ".join(f"{k.name}: {k.help}" for k in EXECUTORS.values()) + ".",
+    )(command)
+    return click.option(
+        "--jobs",
+        callback=_jobs,
+        help="Cells run at once: N or auto (this machine's CPUs). Default: 1 locally, the cluster's CPUs on ray. "
+        "Timing never runs beside another cell.",
+    )(command)
+
+
 @cli.command()
 @click.argument("names", nargs=-1)
 @models_option
@@ -216,6 +248,7 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
     help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
     "'localize --golden' runs where torch is not installed.",
 )
+@executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
     names: tuple[str, ...],
@@ -230,6 +263,8 @@ def build(
     wait_s: float,
     max_memory: int | None,
     record_intermediates: bool,
+    executor: str,
+    jobs: int | None,
     as_json: bool,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
@@ -246,7 +281,9 @@ def build(
         attn-export build path/to/model.toml
         attn-export build mha --variant fp32 --variant int8 --variant auto
         attn-export build mha --record-intermediates
+        attn-export build --jobs auto
     """
+    from attn_export.executors import Parallelism
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
     from attn_export.spec import spec_paths
@@ -264,7 +301,8 @@ def build(
         record_intermediates=record_intermediates,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
-    summary = build_models(spec_paths(models_dir, names), options, on_result, _notice)
+    parallelism = Parallelism(executor, jobs)
+    summary = build_models(spec_paths(models_dir, names), options, on_result, _notice, parallelism)
     if as_json:
         click.echo(json.dumps(summary.to_dict(), indent=2))
         for r in summary.results:
@@ -354,38 +392,6 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
         return None if value is None else parse_shard(value)
     except AttnExportError as e:
         raise click.BadParameter(str(e)) from e
-
-
-def _jobs(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """--jobs N or auto (the CPUs this process may use)."""
-    if value is None:
-        return None
-    if value == "auto":
-        from attn_export.runtimes.timing import usable_cpus
-
-        return usable_cpus()
-    if not (value.isascii() and value.isdigit() and int(value) >= 1):
-        raise click.BadParameter(f"{value!r} is not a number of jobs (1 or more) or auto")
-    return int(value)
-
-
-def executor_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """--jobs and --executor: where a pipeline's cells run (``attn_export.executors``)."""
-    from attn_export.executors import EXECUTORS
-
-    command = click.option(
-        "--executor",
-        type=click.Choice(list(EXECUTORS)),
-        default="local",
-        show_default=True,
-        help="Where cells run: " + "; ".join(f"{k.name}: {k.help}" for k in EXECUTORS.values()) + ".",
-    )(command)
-    return click.option(
-        "--jobs",
-        callback=_jobs,
-        help="Cells run at once: N or auto (this machine's CPUs). Default: 1 locally, the cluster's CPUs on ray. "
-        "Timing still runs one case at a time, when no other cell runs.",
-    )(command)
 
 
 @cli.command()

@@ -81,16 +81,21 @@ def _holds(path: Path, sha: str) -> bool:
 
 def commit(out_dir: Path, manifest: Manifest, name: str, entry: ManifestEntry) -> None:
     """Make ``entry`` (naming staged files) part of the folder: swap in the manifest with
-    it, move its files to their stable names, swap again, remove the staged files.
+    it, move its files to their stable names, swap again, remove its staged files (only
+    its own: a build's other cells may have staged files that await their commit).
 
     ``manifest`` takes the entry only once it is on disk, so a failed first swap leaves
     memory and disk agreeing on the previous build."""
+    staged = {n for n, _ in entry.files() if _STAGED.fullmatch(n)}
     candidate = Manifest(manifest.toolkit_version, {**manifest.models, name: entry})
     save_manifest(out_dir, candidate)
     manifest.models = candidate.models
     if _promote(out_dir, manifest):
         save_manifest(out_dir, manifest)
-    remove_leftovers(out_dir, manifest)
+    named = {n for e in manifest.models.values() for n, _ in e.files()}
+    for promoted in staged - named:  # only the entry's own: other staged files may await their commit
+        with contextlib.suppress(OSError):
+            (out_dir / promoted).unlink(missing_ok=True)
 
 
 def leftovers(out_dir: Path, *manifests: Manifest) -> list[Path]:

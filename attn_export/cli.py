@@ -942,6 +942,7 @@ def _sizes(value: str, minimum: int) -> list[int]:
     help="Time a decoder scenario preset's steps as bench --decode times its steps (its batch, past, query "
     "tokens per step and steps replace --batch, --past and --seq); without NAMES, the zoo's models with a cache.",
 )
+@executor_options
 @bench_report_options
 def bench(
     names: tuple[str, ...],
@@ -959,6 +960,8 @@ def bench(
     pasts: list[int] | None,
     scenario: str | None,
     runtimes: tuple[str, ...],
+    executor: str,
+    jobs: int | None,
     **reports: Path | None,
 ) -> None:
     """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
@@ -978,7 +981,9 @@ def bench(
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
         attn-export bench mha_kv_cache --scenario speculative
+        attn-export bench --executor ray   # one model x shape per node of $RAY_ADDRESS's cluster
     """
+    from attn_export.executors import Parallelism
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import bench_models
     from attn_export.report import bench_text, check_bench_formats
@@ -986,6 +991,7 @@ def bench(
 
     files = _format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files)
+    parallelism = Parallelism(executor, jobs)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {
         "batches": batches,
@@ -1015,7 +1021,12 @@ def bench(
         )
         _run_bench(
             lambda on_row: bench_decode_models(
-                spec_paths(models_dir, names), out_dir, decode_options, on_row, skip_without_cache=not names
+                spec_paths(models_dir, names),
+                out_dir,
+                decode_options,
+                on_row,
+                skip_without_cache=not names,
+                parallelism=parallelism,
             ),
             (bench_text.DECODE_HEADER, bench_text.format_decode_row, bench_text.format_decode_summary),
             files,
@@ -1025,7 +1036,7 @@ def bench(
         raise click.UsageError("--past needs --decode")
     options = BenchOptions(seqs=seqs, variants=tuple(dict.fromkeys(variants)) or BenchOptions.variants, **shared)
     _run_bench(
-        lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row),
+        lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row, parallelism),
         (bench_text.BENCH_HEADER, bench_text.format_bench_row, bench_text.format_bench_summary),
         files,
     )

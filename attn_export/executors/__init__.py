@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,7 +22,16 @@ from typing import Any, TypeVar
 from attn_export._deps import missing
 from attn_export.errors import RuntimeFailure, UsageError
 
-__all__ = ["EXECUTORS", "SERIAL", "ExecutorKind", "InlineExecutor", "Parallelism", "cell_key", "open_executor"]
+__all__ = [
+    "EXECUTORS",
+    "SERIAL",
+    "ExecutorKind",
+    "InlineExecutor",
+    "Parallelism",
+    "cell_key",
+    "open_executor",
+    "run_timed",
+]
 
 T = TypeVar("T")
 
@@ -51,12 +60,13 @@ class ExecutorKind:
     """One row of ``EXECUTORS``."""
 
     name: str
-    #: ``start(jobs)``: an Executor running up to ``jobs`` cells at once (None: its default).
-    start: Callable[[int | None], Executor]
+    #: ``start(jobs, exclusive)``: an Executor running up to ``jobs`` cells at once (None:
+    #: its default); with ``exclusive``, never two on one machine.
+    start: Callable[[int | None, bool], Executor]
     help: str
 
 
-def _start_local(jobs: int | None) -> Executor:
+def _start_local(jobs: int | None, exclusive: bool) -> Executor:
     if not jobs or jobs == 1:
         return InlineExecutor()
     import multiprocessing
@@ -67,10 +77,10 @@ def _start_local(jobs: int | None) -> Executor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _start_ray(jobs: int | None) -> Executor:
+def _start_ray(jobs: int | None, exclusive: bool) -> Executor:
     from attn_export.executors.ray import RayExecutor
 
-    return RayExecutor(jobs)
+    return RayExecutor(jobs, exclusive)
 
 
 EXECUTORS: dict[str, ExecutorKind] = {
@@ -97,6 +107,14 @@ class Parallelism:
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             raise missing("ray", "--executor ray")  # before any work, without importing it
 
+    def check_exclusive(self) -> None:
+        """UsageError unless cells that time can run here without two on one machine."""
+        if self.executor == "local" and (self.jobs or 1) > 1:
+            raise UsageError(
+                f"--jobs {self.jobs}: every cell here is timed, and timings never run side by side on one "
+                "machine; spread them over a cluster's machines with --executor ray"
+            )
+
     @property
     def parallel(self) -> bool:
         """Whether cells may run beside each other (then timing waits until none runs)."""
@@ -108,11 +126,15 @@ SERIAL = Parallelism()
 
 
 @contextlib.contextmanager
-def open_executor(parallelism: Parallelism) -> Iterator[Executor]:
-    """The executor, shut down (its processes ended, a local Ray cluster stopped) on exit."""
+def open_executor(parallelism: Parallelism, exclusive: bool = False) -> Iterator[Executor]:
+    """The executor, shut down (its processes ended, a local Ray cluster stopped) on exit;
+    ``exclusive``: cells that time, which never run two at once on one machine (several
+    local jobs are refused)."""
     from concurrent.futures.process import BrokenProcessPool
 
-    executor = EXECUTORS[parallelism.executor].start(parallelism.jobs)
+    if exclusive:
+        parallelism.check_exclusive()
+    executor = EXECUTORS[parallelism.executor].start(parallelism.jobs, exclusive)
     try:
         yield executor
     except BrokenProcessPool as e:
@@ -122,3 +144,12 @@ def open_executor(parallelism: Parallelism) -> Iterator[Executor]:
         ) from e
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
+
+
+def run_timed(parallelism: Parallelism, fn: Callable[[Any], T], cells: Sequence[Any]) -> Iterator[T]:
+    """``fn`` of each cell, in order, on an exclusive executor: one cell after another in
+    this process, or all submitted at once to a cluster that runs one per machine."""
+    with open_executor(parallelism, exclusive=True) as executor:
+        futures = [executor.submit(fn, c) for c in cells] if parallelism.parallel else []
+        for i, cell in enumerate(cells):
+            yield (futures[i] if futures else executor.submit(fn, cell)).result()

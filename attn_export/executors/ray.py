@@ -22,9 +22,10 @@ T = TypeVar("T")
 class RayExecutor(Executor):
     """A ``concurrent.futures.Executor`` whose ``submit`` runs the function as a Ray task
     (one CPU each; ``jobs`` caps the cells in flight at once, default: as many as the
-    cluster schedules)."""
+    cluster schedules). ``exclusive``: each task takes every CPU of one node, the nodes in
+    turn, so that a timing never shares a machine with another cell."""
 
-    def __init__(self, jobs: int | None = None) -> None:
+    def __init__(self, jobs: int | None = None, exclusive: bool = False) -> None:
         self._ray = require("ray", "--executor ray")
         self._started = not self._ray.is_initialized()
         if self._started:
@@ -33,6 +34,21 @@ class RayExecutor(Executor):
         self._jobs = jobs
         self._remote: dict[Callable[..., Any], Any] = {}
         self._in_flight: list[Future[Any]] = []
+        self._nodes = self._whole_nodes() if exclusive else []
+        self._submitted = 0
+
+    def _whole_nodes(self) -> list[dict[str, Any]]:
+        """Per alive node with CPUs, the task options that take all of it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return [
+            {
+                "num_cpus": node["Resources"]["CPU"],
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            }
+            for node in self._ray.nodes()
+            if node.get("Alive") and node.get("Resources", {}).get("CPU")
+        ]
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         if self._jobs:
@@ -41,7 +57,11 @@ class RayExecutor(Executor):
                 self._in_flight.pop(0).exception()  # wait for the oldest
         if fn not in self._remote:
             self._remote[fn] = self._ray.remote(num_cpus=1, max_retries=0)(fn)
-        future: Future[T] = self._remote[fn].remote(*args, **kwargs).future()
+        remote = self._remote[fn]
+        if self._nodes:
+            remote = remote.options(**self._nodes[self._submitted % len(self._nodes)])
+        self._submitted += 1
+        future: Future[T] = remote.remote(*args, **kwargs).future()
         self._in_flight.append(future)
         return future
 

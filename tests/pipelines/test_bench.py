@@ -152,3 +152,39 @@ def test_bench_refuses_a_graph_the_checker_rejects(bench_run, tmp_path: Path) ->
     result = CliRunner().invoke(cli, ["bench", *args, "--budget", "0.01"])
     assert result.exit_code == 1, result.output
     assert result.output.startswith("Error: tiny: onnx.checker rejected the graph: ")
+
+
+@pytest.mark.parametrize("decode", [(), ("--decode",)], ids=["prefill", "decode"])
+def test_bench_refuses_jobs_side_by_side_before_building(decode: tuple[str, ...], tmp_path: Path) -> None:
+    tiny_spec(tmp_path / "models")
+    spec = str(tmp_path / "models" / "tiny.toml")
+    result = CliRunner().invoke(cli, ["bench", spec, "--out", str(tmp_path / "out"), *decode, "--jobs", "2"])
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == (
+        "Error: --jobs 2: every cell here is timed, and timings never run side by side on one machine; "
+        "spread them over a cluster's machines with --executor ray"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def _rows(report: dict) -> list[tuple]:
+    return [(r["model"], r["runner"], r["batch"], r.get("seq"), r.get("past")) for r in report["rows"]]
+
+
+@pytest.mark.slow
+def test_bench_on_a_local_ray_cluster_gives_the_serial_rows(bench_run, tmp_path: Path) -> None:
+    """Every model x shape is a cell, one per node at a time: the rows and their order are
+    the serial run's (their figures are timings, which differ run to run)."""
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    folder, _ = bench_run
+    out = tmp_path / "out"
+    shutil.copytree(folder / "out", out)
+    args = ["--out", str(out), "--batch", "1,2", "--seq", "4,8,...,32", "--variant", "fp32", "--variant", "int8"]
+    args += ["--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "ray.json")]
+    spec = str(folder / "models" / "tiny.toml")
+    result = CliRunner().invoke(cli, ["bench", spec, *args, "--executor", "ray"])
+    assert result.exit_code == 0, result.output
+    serial = json.loads((folder / "bench.json").read_text())
+    ray = json.loads((tmp_path / "ray.json").read_text())
+    assert _rows(ray) == _rows(serial) and len(_rows(ray)) == 4 * 2 * 4
+    assert all(r["latency"]["p50_ms"] > 0 for r in ray["rows"])

@@ -170,7 +170,9 @@ class _SideBySide(Executor):
 
 def test_timing_waits_until_no_other_cell_runs(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     executor = _SideBySide()
-    monkeypatch.setitem(EXECUTORS, "side-by-side", ExecutorKind("side-by-side", lambda jobs: executor, "a test's"))
+    monkeypatch.setitem(
+        EXECUTORS, "side-by-side", ExecutorKind("side-by-side", lambda jobs, exclusive: executor, "a test's")
+    )
     options = VerifyOptions(models_dir=TINY_ZOO, distributions=["normal"], n_random=0, latency_budget_s=0.002)
     names = ["mha", "sdpa"]
     report = verify_artifacts(zoo_dir, load_manifest(zoo_dir), names, options, parallelism=Parallelism("side-by-side"))

@@ -32,7 +32,6 @@ Results are plain dataclasses; ``report/bench_text.py`` and ``report/plot.py`` r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,15 +40,15 @@ import numpy as np
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
-from attn_export.compare.latency import clearly_faster
 from attn_export.errors import InputError, UsageError
+from attn_export.executors import SERIAL, Parallelism, run_timed
+from attn_export.pipelines.bench.cells import DecodeCell, decode_cell
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
-from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
+from attn_export.pipelines.bench.runners import machine_description, peak_memory
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
-from attn_export.runtimes import Runtime
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
-from attn_export.runtimes.timing import LatencyStats, check_threads, measure_alternating, physical_cores
+from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import make_tensor
@@ -142,26 +141,18 @@ def _rows(spec: ModelSpec, options: DecodeBenchOptions) -> tuple[list[tuple[int,
     return [(first.get(cache.batch_dim or "", scenario.batch), first[cache.past_dim])], scenario.seq, scenario.steps
 
 
-def _verdict(row: LatencyStats, eager: LatencyStats) -> str:
-    if clearly_faster(row, eager):
-        return "faster"
-    if clearly_faster(eager, row):
-        return "slower"
-    return "within noise"
-
-
 def run_decode_bench(
     out_dir: Path,
     manifest: Manifest,
     specs: Sequence[ModelSpec],
     options: DecodeBenchOptions,
     on_row: Callable[[DecodeRow], None] | None = None,
+    parallelism: Parallelism = SERIAL,
 ) -> DecodeBenchReport:
     """Time a decode step of every requested runner at every batch and past length (or the
-    steps of ``options.scenario``); graphs come from ``out_dir``."""
-    from attn_export.exporter.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
-
+    steps of ``options.scenario``); graphs come from ``out_dir``. Each model x batch x past
+    is a cell (``cells.decode_cell``) on ``parallelism``'s executor, never beside another
+    on one machine; rows come in model, batch, past order whichever ran them."""
     check_threads(options.threads)
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
@@ -172,41 +163,21 @@ def run_decode_bench(
         provider=options.provider,
         seed=options.seed,
     )
-    device = torch_device_for(options.provider)
-    for spec in specs:
-        cache = _cache(spec)
-        points, seq, window = _rows(spec, options)
-        eager = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
-        runners: dict[str, Runtime] = {EAGER: eager, **graph_runners(out_dir, manifest, spec, options)}
-        with contextlib.ExitStack() as active:
-            for runner in runners.values():
-                active.enter_context(runner)
-            for batch, past in points:
-                plan = plan_window(spec, batch, past, window, options.seed, seq)
-                decoders = {label: runner.decoder(plan) for label, runner in runners.items()}
-                stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
-                base = stats[EAGER]
-                for label, s in stats.items():
-                    row = DecodeRow(
-                        model=spec.name,
-                        runner=label,
-                        batch=batch,
-                        past=past,
-                        window=len(plan.steps),
-                        latency=s,
-                        tokens_per_s=batch * seq * 1000 / s.p50_ms,
-                        ratio_to_eager=s.p50_ms / base.p50_ms if base.p50_ms > 0 else None,
-                        verdict=None if label == EAGER else _verdict(s, base),
-                        seq=seq,
-                        scenario=options.scenario,
-                    )
-                    report.rows.append(row)
-                    if on_row:
-                        on_row(row)
-        if options.memory:
-            batch, past = max(b for b, _ in points), max(p for _, p in points)
-            sizes = _step_sizes(spec, cache, batch, past, seq)
-            report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, sizes)
+    plans = [(spec, _rows(spec, options)) for spec in specs]
+    cells = [
+        DecodeCell(out_dir, manifest, spec, options, batch, past, seq, window)
+        for spec, (points, seq, window) in plans
+        for batch, past in points
+    ]
+    for rows in run_timed(parallelism, decode_cell, cells):
+        for row in rows:
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    for spec, (points, seq, _) in plans if options.memory else []:
+        batch, past = max(b for b, _ in points), max(p for _, p in points)
+        sizes = _step_sizes(spec, _cache(spec), batch, past, seq)
+        report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, sizes)
     return report
 
 
@@ -217,12 +188,14 @@ def bench_decode_models(
     on_row: Callable[[DecodeRow], None] | None = None,
     *,
     skip_without_cache: bool = False,
+    parallelism: Parallelism = SERIAL,
 ) -> tuple[BuildSummary, DecodeBenchReport | None]:
     """Build the variants still missing from ``out_dir``, then time decode steps; no report
     when a graph failed to build. A model without a cache is a UsageError, or left out
     with ``skip_without_cache`` (the whole zoo); the past lengths are checked before
     anything is built."""
     check_threads(options.threads)
+    parallelism.check_exclusive()
     specs = [load_spec(p) for p in spec_paths]
     if skip_without_cache:
         kept = [(p, s) for p, s in zip(spec_paths, specs, strict=True) if cache_of(s) is not None]
@@ -239,4 +212,4 @@ def bench_decode_models(
     )
     if any(not r.ok for r in built.results):
         return built, None
-    return built, run_decode_bench(out_dir, load_manifest(out_dir), specs, options, on_row)
+    return built, run_decode_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism)

@@ -10,19 +10,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError
-from attn_export.pipelines.bench.flops import count_flops, matmul_peak_gflops
+from attn_export.executors import SERIAL, Parallelism, run_timed
+from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell
+from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
-from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
+from attn_export.pipelines.bench.runners import machine_description, peak_memory
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
-from attn_export.runtimes import Runtime
-from attn_export.runtimes.timing import check_threads, measure, physical_cores
+from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.inputs import make_feeds
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint
 
@@ -35,28 +34,17 @@ def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
     return {name: batch if name == "batch" else seq for name in spec.dims}
 
 
-def _sdpa_twin(spec: ModelSpec, module: Any) -> Any | None:
-    """The same weights in SDPAMultiHeadAttention, for seed-style multi-head modules."""
-    from attn_export.zoo import MultiHeadAttention, SDPAMultiHeadAttention
-
-    if not isinstance(module, MultiHeadAttention) or isinstance(module, SDPAMultiHeadAttention):
-        return None
-    twin = SDPAMultiHeadAttention(module.hidden_dim, module.num_heads, getattr(module, "causal", False))
-    twin.load_state_dict(module.state_dict())
-    return twin.eval()
-
-
 def run_bench(
     out_dir: Path,
     manifest: Manifest,
     specs: Sequence[ModelSpec],
     options: BenchOptions,
     on_row: Callable[[BenchRow], None] | None = None,
+    parallelism: Parallelism = SERIAL,
 ) -> BenchReport:
-    """Measure every requested runner at every shape; graphs come from ``out_dir``."""
-    from attn_export.exporter.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
-
+    """Measure every requested runner at every shape; graphs come from ``out_dir``. Each
+    model x shape is a cell (``cells.prefill_cell``) on ``parallelism``'s executor, never
+    beside another on one machine; rows come in model, batch, seq order whichever ran them."""
     check_threads(options.threads)
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
@@ -67,50 +55,20 @@ def run_bench(
         provider=options.provider,
         peak_gflops=matmul_peak_gflops(threads),
     )
-    device = torch_device_for(options.provider)
-    for spec in specs:
-        module = instantiate(spec)
-        runners: dict[str, Runtime] = {
-            EAGER: TorchRuntime(module, spec.inputs, spec.outputs, device=device, threads=options.threads)
-        }
-        twin = _sdpa_twin(spec, module)
-        if twin is not None:
-            runners["torch-sdpa"] = TorchRuntime(
-                twin, spec.inputs, spec.outputs, device=device, threads=options.threads
-            )
-        runners.update(graph_runners(out_dir, manifest, spec, options))
-        for batch in options.batches:
-            for seq in options.seqs:
-                sizes = _sizes(spec, batch, seq)
-                feeds = make_feeds(spec, sizes, 0)
-                flops = count_flops(module, feeds)
-                in_range = all(spec.dims[k].min <= v <= spec.dims[k].max for k, v in sizes.items())
-                eager_p50: float | None = None
-                for label, runner in runners.items():
-                    with runner:
-                        stats = measure(runner.prepare(feeds), budget_s=options.budget_s, warmup=2, min_repeats=3)
-                    if label == EAGER:
-                        eager_p50 = stats.p50_ms
-                    gflops = flops / (stats.p50_ms / 1e3) / 1e9
-                    row = BenchRow(
-                        model=spec.name,
-                        runner=label,
-                        batch=batch,
-                        seq=seq,
-                        latency=stats,
-                        flops=flops,
-                        tokens_per_s=batch * seq / (stats.p50_ms / 1e3),
-                        ratio_to_eager=stats.p50_ms / eager_p50 if eager_p50 else None,
-                        gflops=gflops,
-                        peak_share=gflops / report.peak_gflops["peak"],
-                        in_verified_range=in_range,
-                    )
-                    report.rows.append(row)
-                    if on_row:
-                        on_row(row)
-        if options.memory:
-            largest = _sizes(spec, max(options.batches), max(options.seqs))
-            report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, largest)
+    cells = [
+        PrefillCell(out_dir, manifest, spec, options, b, s, _sizes(spec, b, s), report.peak_gflops["peak"])
+        for spec in specs
+        for b in options.batches
+        for s in options.seqs
+    ]
+    for rows in run_timed(parallelism, prefill_cell, cells):
+        for row in rows:
+            report.rows.append(row)
+            if on_row:
+                on_row(row)
+    for spec in specs if options.memory else []:
+        largest = _sizes(spec, max(options.batches), max(options.seqs))
+        report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, largest)
     return report
 
 
@@ -119,10 +77,12 @@ def bench_models(
     out_dir: Path,
     options: BenchOptions,
     on_row: Callable[[BenchRow], None] | None = None,
+    parallelism: Parallelism = SERIAL,
 ) -> tuple[BuildSummary, BenchReport | None]:
     """Build the variants still missing from ``out_dir``, then measure them; no report
     when a graph failed to build."""
     check_threads(options.threads)
+    parallelism.check_exclusive()
     for path in spec_paths:
         spec = load_spec(path)
         points = [ShapePoint(f"batch {b}, seq {s}", _sizes(spec, b, s)) for b in options.batches for s in options.seqs]
@@ -133,4 +93,4 @@ def bench_models(
     if any(not r.ok for r in built.results):
         return built, None
     specs = [load_spec(p) for p in spec_paths]
-    return built, run_bench(out_dir, load_manifest(out_dir), specs, options, on_row)
+    return built, run_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism)

@@ -11,9 +11,10 @@ to 4096) with the fp32, attention-op, ort-past, ort-fused and int8 variants, run
 
 * the best ONNX Runtime variant's per-token latency against PyTorch eager with its cache
   (target <= 0.5x);
-* the memory-bandwidth limit: the bytes one step must read (the graph's weights plus the
-  cache) divided by this machine's copy bandwidth, measured here with a large numpy copy,
-  and the measured latency against that limit (target within 2x).
+* the memory-bandwidth limit: the bytes one step moves (the graph's weights, the cache read
+  and the presents written: ``attn_export.pipelines.bench.physics``) over this machine's copy
+  bandwidth, measured in the same run with a large numpy copy, and the measured latency
+  against that limit (target within 2x).
 
 Where a target is missed it says why, with ONNX Runtime's profile of the timed (bound)
 path broken down by op type. Nothing here asserts: figures are printed, from one run.
@@ -39,29 +40,6 @@ SPEC = HERE / "models" / "mha_kv_cache_512.toml"
 PASTS = (128, 512, 2048)
 AT = 512
 VARIANTS = ("fp32", "attention-op", "ort-past", "ort-fused", "int8")
-
-
-def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
-    """Bytes per second of a large numpy copy, counting the bytes read and written (as
-    STREAM's Copy does); single-threaded, arrays far larger than any CPU cache."""
-    src = np.random.default_rng(0).standard_normal(mib * 2**20 // 8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # touch the pages first
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best
-
-
-def weight_bytes(path: Path) -> int:
-    """Bytes of the graph's initializers (int8 weights count one byte each)."""
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path))
-    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
 
 
 def last_level_cache() -> str:
@@ -123,7 +101,6 @@ def main() -> None:
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.bench_text import format_decode_summary, markdown_decode_table
     from attn_export.spec import load_spec, variant_key
-    from attn_export.spec.cache import cache_of
 
     command = " ".join(["python", "benchmarks/decode_perf.py", *sys.argv[1:]])
     spec = load_spec(SPEC)
@@ -141,22 +118,15 @@ def main() -> None:
             DecodeBenchOptions(batches=[1], pasts=PASTS, variants=VARIANTS, threads=args.threads, budget_s=args.budget),
         )
         files = {v: out / manifest.models[variant_key(spec.name, v)].file for v in VARIANTS}
-        weights = {v: weight_bytes(p) for v, p in files.items()}
-        bandwidth = copy_bandwidth()
+        bandwidth = (report.copy_gbps or float("nan")) * 1e9
 
         rows = {r.runner: r for r in report.rows if r.past == AT}
         eager = rows["torch-eager"]
         best = min((r for r in rows.values() if r.runner != "torch-eager"), key=lambda r: r.latency.p50_ms)
         variant = best.runner.removeprefix("ort:")
-        cache = cache_of(spec)
-        assert cache is not None
-        inputs = {t.name: t for t in spec.inputs}
-        cache_bytes = sum(  # batch 1: every past's static dims x AT x its itemsize
-            AT * int(np.prod([d for d in inputs[p].shape if isinstance(d, int)])) * np.dtype(inputs[p].dtype).itemsize
-            for p, _ in cache.pairs
-        )
-        read = weights[variant] + cache_bytes
-        limit_ms = read / bandwidth * 1e3
+        assert best.limit_ratio is not None and best.bytes_per_token is not None
+        moved = best.bytes_per_token  # batch 1, one token per step: the bytes of a step
+        limit_ms = best.latency.p50_ms / best.limit_ratio
         vs_eager = best.latency.p50_ms / eager.latency.p50_ms
         vs_limit = best.latency.p50_ms / limit_ms
         flags = [f for f in (noise(best.latency, eager.latency),) if f]
@@ -178,14 +148,17 @@ def main() -> None:
         )
         print(f"  copy bandwidth     {bandwidth / 1e9:.2f} GB/s (numpy copy of 256 MiB, read + written, 1 thread)")
         print(
-            f"  bytes per token    {read / 2**20:.2f} MiB = weights {weights[variant] / 2**20:.2f} MiB ({variant}) "
-            f"+ cache read {cache_bytes / 2**20:.2f} MiB (fp32 weights {weights['fp32'] / 2**20:.2f} MiB)"
+            f"  bytes per token    {moved / 2**20:.2f} MiB ({variant}: weights, the cache read and the presents "
+            "written)"
         )
         print(f"  bandwidth limit    {limit_ms:.3f} ms/token; largest CPU cache {last_level_cache()}")
-        for v in VARIANTS:  # each variant against the limit of its own weights
-            own = (weights[v] + cache_bytes) / bandwidth * 1e3
-            p50 = rows[f"ort:{v}"].latency.p50_ms
-            print(f"  ort:{v:<10}      {p50:.3f} ms/token, limit {own:.3f} ms ({p50 / own:.2f}x)")
+        for v in VARIANTS:  # each variant against the limit of its own bytes
+            row = rows[f"ort:{v}"]
+            outside = "-" if row.outside_kernels is None else f"{100 * row.outside_kernels:.0f}%"
+            print(
+                f"  ort:{v:<10}      {row.latency.p50_ms:.3f} ms/token, {row.gbps or 0:.1f} GB/s, "
+                f"{row.limit_ratio or 0:.2f}x its limit, {outside} outside kernels"
+            )
         eager_met = vs_eager <= 0.5
         beyond = best.latency.p90_ms <= 0.5 * eager.latency.p50_ms
         limit_met = vs_limit <= 2
@@ -199,7 +172,7 @@ def main() -> None:
             print(f"\nnote: {flags[0]} (the machine is shared; the ratios are from this one run)")
         if vs_limit < 1:
             print(
-                f"\nnote: faster than the limit: the {read / 2**20:.1f} MiB a step reads stay in the CPU's caches "
+                f"\nnote: faster than the limit: the {moved / 2**20:.1f} MiB a step moves stay in the CPU's caches "
                 "between steps, so DRAM bandwidth does not bound this size; the limit is a ceiling only past them."
             )
         if not (eager_met and limit_met) or args.profile:
@@ -221,9 +194,9 @@ def main() -> None:
             if not limit_met:
                 small = sum(v for op, v in shares.items() if op not in ("Concat", "Softmax") and "MatMul" not in op)
                 print(
-                    f"why not within 2x: the limit counts each byte read once, at copy speed. A step also writes the "
-                    f"whole cache into a new present (Concat: {100 * shares.get('Concat', 0):.0f}% of kernel time, "
-                    f"reading the cache and writing it again), runs {nodes:.0f} nodes of which the ones that are not "
+                    f"why not within 2x: the limit counts each byte once, at copy speed. The whole cache is written "
+                    f"into a new present (Concat: {100 * shares.get('Concat', 0):.0f}% of kernel time), and a step "
+                    f"runs {nodes:.0f} nodes of which the ones that are not "
                     f"MatMul, Softmax or Concat (mask, shape and layout ops) take {100 * small:.0f}% of kernel time "
                     f"and move almost no bytes, and spends {100 - 100 * kernel_ms / run_ms:.0f}% of a run outside "
                     "kernels (per-run and per-node overhead)."

@@ -64,17 +64,30 @@ def markdown_bench_table(report: BenchReport) -> str:
 
 DECODE_HEADER = (
     f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'SEQ':>4} {'MS/STEP':>9} {'P90_MS':>9} "
-    f"{'TOKENS/S':>10} {'VS_EAGER':>8}  VERDICT"
+    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'MB/TOK':>7} {'GB/S':>6} {'VS_LIMIT':>8} {'OUT%':>5}  VERDICT"
 )
+
+
+def _physics(r: DecodeRow) -> tuple[str, str, str, str]:
+    """Bytes per token (MB), GB/s, the ratio to the bandwidth limit, the share outside kernels."""
+    mb = "-" if r.bytes_per_token is None else f"{r.bytes_per_token / 1e6:.2f}"
+    gbps = "-" if r.gbps is None else f"{r.gbps:.1f}"
+    out = "-" if r.outside_kernels is None else f"{100 * r.outside_kernels:.0f}%"
+    return mb, gbps, _ratio(r.limit_ratio), out
 
 
 def format_decode_row(r: DecodeRow) -> str:
     flag = f"  {r.noise}" if r.noise else ""
+    mb, gbps, limit, out = _physics(r)
     return (
         f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
-        f"{r.latency.p90_ms:>9.3f} "
-        f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8}  {r.verdict or '-'}{flag}"
+        f"{r.latency.p90_ms:>9.3f} {r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} "
+        f"{mb:>7} {gbps:>6} {limit:>8} {out:>5}  {r.verdict or '-'}{flag}"
     )
+
+
+def _gbps(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.1f} GB/s, numpy copy, 1 thread"
 
 
 def format_decode_summary(report: DecodeBenchReport) -> str:
@@ -88,21 +101,26 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
         f"{step}; cache prefilled with {report.prefill}; each window runs "
         f"{'/'.join(map(str, windows)) or '-'} steps from PAST, feeding the presents back",
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
+        "MB/TOK: bytes a step moves per token (weights + cache read + cache written); GB/S: achieved; "
+        f"VS_LIMIT: p50 over those bytes at this run's copy bandwidth ({_gbps(report.copy_gbps)}); "
+        "OUT%: share of an ONNX Runtime step outside kernels (profiled apart)",
     ]
     return "\n".join(lines + _memory_lines(report.memory_mb))
 
 
 def markdown_decode_table(report: DecodeBenchReport) -> str:
     lines = [
-        "| model | runner | batch | past | seq | ms/step p50 | p90 | tokens/s | vs eager | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| model | runner | batch | past | seq | ms/step p50 | p90 | tokens/s | vs eager "
+        "| MB/token | GB/s | vs limit | outside kernels | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in report.rows:
         verdict = (r.verdict or "-") + (f" ({r.noise})" if r.noise else "")
+        mb, gbps, limit, out = _physics(r)
         lines.append(
             f"| {r.model} | {r.runner} | {r.batch} | {r.past} | {r.seq} | {r.latency.p50_ms:.3f} | "
-            f"{r.latency.p90_ms:.3f} | "
-            f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {verdict} |"
+            f"{r.latency.p90_ms:.3f} | {r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | "
+            f"{mb} | {gbps} | {limit} | {out} | {verdict} |"
         )
     return "\n".join(lines) + "\n"
 

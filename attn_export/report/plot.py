@@ -16,9 +16,16 @@ from attn_export.report.base import BenchFormat
 __all__ = ["BENCH_FORMAT", "plot_decode_latency", "plot_latency", "plot_report"]
 
 
-def _plot(report: BenchReport | DecodeBenchReport, path: Path, x: str, style: Callable[[Any, str, int], None]) -> None:
+def _plot(
+    report: BenchReport | DecodeBenchReport,
+    path: Path,
+    x: str,
+    style: Callable[[Any, str, int], None],
+    floor: Callable[[Any], float | None] | None = None,
+) -> None:
     """One panel per model x batch, a line per runner: p50 latency against ``x`` of each
-    row; ``style`` sets a panel's axes and title from its model and batch."""
+    row, and, where ``floor`` gives one, the row's floor dashed in the runner's colour;
+    ``style`` sets a panel's axes and title from its model and batch."""
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -30,7 +37,11 @@ def _plot(report: BenchReport | DecodeBenchReport, path: Path, x: str, style: Ca
         mine = [r for r in rows if (r.model, r.batch) == (model, batch)]
         for runner in dict.fromkeys(r.runner for r in mine):
             points = sorted((getattr(r, x), r.latency.p50_ms) for r in mine if r.runner == runner)
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=runner)
+            (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=runner)
+            floors = sorted((getattr(r, x), floor(r)) for r in mine if r.runner == runner and floor and floor(r))
+            if floors:
+                label = f"{runner} bandwidth limit"
+                ax.plot([p[0] for p in floors], [p[1] for p in floors], "--", color=line.get_color(), label=label)
         style(ax, model, batch)
         ax.legend()
     _finish(fig, report, path)
@@ -52,7 +63,8 @@ def plot_latency(report: BenchReport, path: Path) -> None:
 
 def plot_decode_latency(report: DecodeBenchReport, path: Path) -> None:
     """Per-token latency against the past length, linear axes (past 0 is a point, and a
-    step's cost grows about linearly with the cache)."""
+    step's cost grows about linearly with the cache), each runner's bandwidth limit dashed
+    (the bytes its step moves at the run's copy bandwidth)."""
 
     def style(ax: Any, model: str, batch: int) -> None:
         ax.set_ylim(bottom=0)
@@ -61,7 +73,10 @@ def plot_decode_latency(report: DecodeBenchReport, path: Path) -> None:
         ax.set_title(f"{model}, batch {batch}, one decode step")
         ax.grid(True, alpha=0.3)
 
-    _plot(report, path, "past", style)
+    def limit_ms(row: Any) -> float | None:
+        return row.latency.p50_ms / row.limit_ratio if row.limit_ratio else None
+
+    _plot(report, path, "past", style, limit_ms)
 
 
 def _finish(fig: Any, report: BenchReport | DecodeBenchReport, path: Path) -> None:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -66,6 +67,49 @@ def test_one_row_per_runner_and_past_with_consistent_figures(decode_run) -> None
     assert all(v is not None and v > 0 for v in report.memory_mb["mha_kv_cache"].values())
     assert report.threads == 1 and report.seed == 0 and "random" in report.prefill
     assert report.to_dict() == DecodeBenchReport.from_dict(report.to_dict()).to_dict()
+
+
+def test_every_row_carries_the_bytes_its_step_moves_and_its_bandwidth_limit(decode_run, built: Path) -> None:
+    """Bytes per token counted by hand for the tiny decoder: weights as stored (int8: one byte
+    per weight), the cache read (4 heads x 8 dims x 4 bytes per position, key and value, at
+    the window's mean past) and the presents written (one position longer)."""
+    from onnx import numpy_helper
+
+    from attn_export.artifacts.manifest import load_manifest
+
+    folder, result = decode_run
+    assert result.exit_code == 0, result.output
+    report = DecodeBenchReport.from_dict(json.loads((folder / "decode.json").read_text()))
+    assert report.copy_gbps is not None and report.copy_gbps > 0
+    manifest = load_manifest(built)
+    module = instantiate(load_spec(TINY_SPEC))
+    weights = {
+        "torch-eager": sum(p.numel() * 4 for p in module.parameters()) + sum(b.nbytes for b in module.buffers()),
+        **{
+            f"ort:{v}": sum(
+                numpy_helper.to_array(t).nbytes
+                for t in onnx.load(
+                    built / manifest.models[f"mha_kv_cache{'' if v == 'fp32' else '.' + v}"].file
+                ).graph.initializer
+            )
+            for v in ("fp32", "int8")
+        },
+    }
+    assert weights["ort:int8"] < weights["ort:fp32"] / 2
+    position = 2 * 4 * 8 * 4  # key and value: heads x head_dim x float32
+    for r in report.rows:
+        mean_past = r.past + (r.window - 1) / 2
+        expected = weights[r.runner] + int(mean_past * position) + int((mean_past + 1) * position)
+        assert r.bytes_per_token == pytest.approx(expected, abs=1)
+        assert r.gbps == pytest.approx(r.bytes_per_token / (r.latency.p50_ms / 1e3) / 1e9)
+        limit_ms = r.bytes_per_token / (report.copy_gbps * 1e9) * 1e3
+        assert r.limit_ratio == pytest.approx(r.latency.p50_ms / limit_ms)
+        if r.runner == "torch-eager":
+            assert r.outside_kernels is None
+        else:
+            assert r.outside_kernels is not None and 0 < r.outside_kernels < 1
+    assert "MB/TOK" in result.output.splitlines()[0] and "VS_LIMIT" in result.output.splitlines()[0]
+    assert "copy bandwidth" in result.output
 
 
 def test_benchmark_json_has_one_entry_per_decode_row(decode_run) -> None:

@@ -19,9 +19,11 @@ from typing import Any
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
 from attn_export.pipelines.bench.flops import count_flops
+from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes, outside_kernels, step_bytes
 from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow
-from attn_export.pipelines.bench.runners import EAGER, graph_runners
+from attn_export.pipelines.bench.runners import EAGER, graph_entries, graph_runners
 from attn_export.runtimes import Runtime
+from attn_export.runtimes.ort import KIND as ORT_KIND
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
@@ -56,6 +58,11 @@ class DecodeCell:
     past: int
     seq: int
     window: int
+    #: This run's copy bandwidth (bytes/s): each row's bandwidth limit is taken of it.
+    copy_bandwidth: float
+
+
+ORT_RUNTIME = ORT_KIND.name
 
 
 def _sdpa_twin(spec: ModelSpec, module: Any) -> Any | None:
@@ -134,26 +141,46 @@ def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
     from attn_export.pipelines.bench.decode import plan_window
 
     spec, options = cell.spec, cell.options
-    runners = torch_runners(spec, instantiate(spec), options.provider, options.threads, twin=False)
+    module = instantiate(spec)
+    runners = torch_runners(spec, module, options.provider, options.threads, twin=False)
     runners.update(graph_runners(cell.out_dir, cell.manifest, spec, options))
     plan = plan_window(spec, cell.batch, cell.past, cell.window, options.seed, cell.seq)
     with contextlib.ExitStack() as active:
         decoders = {label: active.enter_context(runner).decoder(plan) for label, runner in runners.items()}
         stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
+    graphs = {
+        label: (name, cell.out_dir / entry.file)
+        for label, (name, entry) in graph_entries(cell.manifest, spec, options).items()
+    }
+    weights = {label: graph_weight_bytes(path) for label, (_, path) in graphs.items()}
+    weights[EAGER] = module_weight_bytes(module)
+    outside = {
+        label: outside_kernels(path, runners[label], plan, options.provider, options.threads or 1)
+        for label, (name, path) in graphs.items()
+        if name == ORT_RUNTIME
+    }
     base = stats[EAGER]
-    return [
-        DecodeRow(
-            model=spec.name,
-            runner=label,
-            batch=cell.batch,
-            past=cell.past,
-            window=len(plan.steps),
-            latency=s,
-            tokens_per_s=cell.batch * cell.seq * 1000 / s.p50_ms,
-            ratio_to_eager=s.p50_ms / base.p50_ms if base.p50_ms > 0 else None,
-            verdict=None if label == EAGER else _verdict(s, base),
-            seq=cell.seq,
-            scenario=options.scenario,
+    tokens = cell.batch * cell.seq
+    rows = []
+    for label, s in stats.items():
+        moved = step_bytes(plan, cell.seq, weights[label]).total
+        rows.append(
+            DecodeRow(
+                model=spec.name,
+                runner=label,
+                batch=cell.batch,
+                past=cell.past,
+                window=len(plan.steps),
+                latency=s,
+                tokens_per_s=tokens * 1000 / s.p50_ms,
+                ratio_to_eager=s.p50_ms / base.p50_ms if base.p50_ms > 0 else None,
+                verdict=None if label == EAGER else _verdict(s, base),
+                seq=cell.seq,
+                scenario=options.scenario,
+                bytes_per_token=moved / tokens,
+                gbps=moved / (s.p50_ms / 1e3) / 1e9,
+                limit_ratio=s.p50_ms / (moved / cell.copy_bandwidth * 1e3),
+                outside_kernels=outside.get(label),
+            )
         )
-        for label, s in stats.items()
-    ]
+    return rows

@@ -43,6 +43,7 @@ from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_timed
 from attn_export.pipelines.bench.cells import DecodeCell, decode_cell
+from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import machine_description, peak_memory
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
@@ -163,9 +164,11 @@ def run_decode_bench(
         provider=options.provider,
         seed=options.seed,
     )
+    bandwidth = copy_bandwidth()
+    report.copy_gbps = bandwidth / 1e9
     plans = [(spec, _rows(spec, options)) for spec in specs]
     cells = [
-        DecodeCell(out_dir, manifest, spec, options, batch, past, seq, window)
+        DecodeCell(out_dir, manifest, spec, options, batch, past, seq, window, bandwidth)
         for spec, (points, seq, window) in plans
         for batch, past in points
     ]

@@ -126,6 +126,14 @@ class DecodeRow:
     seq: int = 1
     #: The scenario preset the row times (``spec.scenarios``), if any.
     scenario: str | None = None
+    #: Bytes a step moves per token: weights, cache read and cache written (``bench.physics``).
+    bytes_per_token: float | None = None
+    #: Those bytes over the step's p50: GB/s achieved.
+    gbps: float | None = None
+    #: The p50 over the time the step's bytes take at the run's copy bandwidth (1.0: at the limit).
+    limit_ratio: float | None = None
+    #: ONNX Runtime rows: the share of a step's wall time outside node kernels, from a profile.
+    outside_kernels: float | None = None
 
     @property
     def noise(self) -> str | None:
@@ -147,6 +155,8 @@ class DecodeBenchReport:
     #: Peak resident memory (MiB) per model and runner: one step at the largest batch and
     #: past, in a fresh process (a plain run, no IOBinding).
     memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    #: This run's single-threaded copy bandwidth (GB/s, read + written): each row's limit.
+    copy_gbps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -155,5 +165,13 @@ class DecodeBenchReport:
     def from_dict(cls, d: dict[str, Any]) -> DecodeBenchReport:
         rows = [DecodeRow(**{**r, "latency": LatencyStats(**r["latency"])}) for r in d["rows"]]
         return cls(
-            d["machine"], d["versions"], d["threads"], d["provider"], d["seed"], d["prefill"], rows, d["memory_mb"]
+            d["machine"],
+            d["versions"],
+            d["threads"],
+            d["provider"],
+            d["seed"],
+            d["prefill"],
+            rows,
+            d["memory_mb"],
+            d.get("copy_gbps"),
         )

@@ -20,7 +20,7 @@ from attn_export.runtimes.timing import physical_cores
 from attn_export.spec import ModelSpec, variant_key
 from attn_export.spec.memory import memory_budget
 
-__all__ = ["EAGER", "graph_runners", "machine_description", "peak_memory"]
+__all__ = ["EAGER", "graph_entries", "graph_runners", "machine_description", "peak_memory"]
 
 #: The PyTorch module as it is: every other runner's ratio is taken against it.
 EAGER = "torch-eager"
@@ -37,7 +37,7 @@ def machine_description() -> str:
     return f"{name}, {physical_cores()} cores"
 
 
-def _graphs(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, tuple[str, ManifestEntry]]:
+def graph_entries(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, tuple[str, ManifestEntry]]:
     """Runner label -> (runtime name, graph) for every requested runtime and variant."""
     out = {}
     for name in options.runtimes:
@@ -55,7 +55,7 @@ def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: R
     ranges (its rows say so), so the runtimes are not held to them."""
     unranged = dataclasses.replace(spec, dims={})
     runners = {}
-    for label, (name, entry) in _graphs(manifest, spec, options).items():
+    for label, (name, entry) in graph_entries(manifest, spec, options).items():
         path = out_dir / entry.file
         check_model(load_model_file(path), entry.name, path)
         kind = RUNTIMES[name]
@@ -77,6 +77,6 @@ def peak_memory(
         "budget": memory_budget(options.max_memory, spec),
     }
     out: dict[str, float | None] = {EAGER: peak_rss_mb({**base, "runner": "torch"})}
-    for label, (name, entry) in _graphs(manifest, spec, options).items():
+    for label, (name, entry) in graph_entries(manifest, spec, options).items():
         out[label] = peak_rss_mb({**base, "runner": name, "file": str(out_dir / entry.file)})
     return out

@@ -1,0 +1,107 @@
+"""What a decode step must move, and how close a runner comes to moving it at memory speed.
+
+A decode step of a small batch does little arithmetic per byte: it reads every weight once
+and the whole cache once, and writes its presents. So its floor is the bytes it moves over
+this machine's copy bandwidth, and a row's ``limit_ratio`` (its latency over that floor) says
+how far it is from the hardware, where ``ratio_to_eager`` only says how far from PyTorch.
+
+* **Bytes per step**: the runner's weights (a graph's initializers as stored, so int8 weights
+  count one byte; the module's parameters and buffers for PyTorch), the cache read (every
+  past at the step's length) and the cache written (every present: past + new tokens, since
+  separate past and present tensors make each step write the whole cache again).
+* **Copy bandwidth**: a single-threaded numpy copy of arrays far larger than any CPU cache,
+  counting bytes read and written, as STREAM's Copy does; measured once per run.
+* **Time outside kernels**: from ONNX Runtime's profile of the same bound decode steps in a
+  separate, profiled session (profiling slows every node, so its times are never the row's):
+  the share of a run's wall time not spent in node kernels (per-run and per-node overhead).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.runtimes.decoders import DecodeWindow
+
+__all__ = ["StepBytes", "copy_bandwidth", "graph_weight_bytes", "module_weight_bytes", "outside_kernels", "step_bytes"]
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes per second of a large numpy copy (read + written), the best of ``repeats``."""
+    src = np.random.default_rng(0).standard_normal(mib * 2**20 // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # touch the pages first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def graph_weight_bytes(path: Path) -> int:
+    """Bytes of a graph's initializers as stored (int8 weights count one byte each)."""
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in load_model_file(path).graph.initializer)
+
+
+def module_weight_bytes(module: Any) -> int:
+    """Bytes of a PyTorch module's parameters and buffers."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one decode step moves, on average over a window."""
+
+    weights: int
+    cache_read: int
+    cache_written: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.cache_read + self.cache_written
+
+
+def step_bytes(plan: DecodeWindow, seq: int, weights: int) -> StepBytes:
+    """Mean bytes per step of ``plan``'s window of ``seq``-token steps: step k reads pasts of
+    the prefilled length plus the k steps before, and writes presents ``seq`` longer."""
+    steps = len(plan.steps)
+    per_position = sum(_position_bytes(past) for past in plan.pasts.values())
+    lengths = [plan.past + k * seq for k in range(steps)]
+    read = sum(lengths) * per_position
+    written = sum(length + seq for length in lengths) * per_position
+    return StepBytes(weights, read // steps, written // steps)
+
+
+def _position_bytes(past: np.ndarray) -> int:
+    """Bytes of one cache position of a past ``[batch, heads, length, head_dim]``."""
+    return int(np.prod([past.shape[0], past.shape[1], *past.shape[3:]])) * past.dtype.itemsize
+
+
+def outside_kernels(
+    path: Path, signature: Any, plan: DecodeWindow, provider: str, threads: int, steps: int = 50
+) -> float:
+    """The share of a bound decode step's wall time ONNX Runtime spends outside node
+    kernels, from the profile of ``steps`` steps in a session of its own."""
+    from attn_export.runtimes.decoders import OrtDecoder
+    from attn_export.runtimes.ort import load_session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session = load_session(path, provider, threads=threads, spinning=False, profile_prefix=Path(tmp) / "profile")
+        decoder = OrtDecoder(session, signature, plan, provider)
+        for _ in range(steps):
+            decoder.step()
+        events = json.loads(Path(session.end_profiling()).read_text())
+    runs = sum(e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
+    kernels = sum(e["dur"] for e in events if e.get("cat") == "Node" and str(e.get("name")).endswith("_kernel_time"))
+    return max(0.0, 1.0 - kernels / runs) if runs else 0.0

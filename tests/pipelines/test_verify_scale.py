@@ -16,6 +16,7 @@ from click.testing import CliRunner, Result
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
+from attn_export.errors import RuntimeFailure
 from attn_export.executors import EXECUTORS, ExecutorKind, Parallelism
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from tests.conftest import TINY_SPECS, TINY_ZOO, Built
@@ -180,6 +181,26 @@ def test_timing_waits_until_no_other_cell_runs(zoo_dir: Path, monkeypatch: pytes
     assert len(timed) == len(report.cases) > 0 and {c.model for c in timed} == set(names)
     assert executor.in_flight_at_timing == [0] * len(timed)  # each timing alone, and every case timed
     assert report.placement  # a placement cell too ran before, never beside, a timing
+
+
+class _Shuffling(Executor):
+    """Runs each cell at once but returns a batch of case records in reverse order, as a
+    broken executor that lost track of which record is whose would."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        records = fn(*args, **kwargs)
+        future.set_result(records[::-1] if fn.__name__ == "check_cases" else records)
+        return future
+
+
+def test_records_are_matched_to_their_cells_by_key(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(
+        EXECUTORS, "shuffling", ExecutorKind("shuffling", lambda jobs, exclusive: _Shuffling(), "a test's")
+    )
+    options = VerifyOptions(models_dir=TINY_ZOO, distributions=["normal"], n_random=0, latency=False)
+    with pytest.raises(RuntimeFailure, match="^mha: the executor returned records of other cells than were sent$"):
+        verify_artifacts(zoo_dir, load_manifest(zoo_dir), ["mha"], options, parallelism=Parallelism("shuffling"))
 
 
 def _sweep(zoo_dir: Path, out: Path, *args: str) -> str:

@@ -52,6 +52,7 @@ __all__ = [
     "check_cases",
     "decode_cell",
     "placement_cell",
+    "placement_key",
     "release",
     "time_case",
 ]
@@ -306,14 +307,16 @@ def time_case(cell: CaseCell) -> Record[tuple[LatencyStats, LatencyStats | None]
     return _record(cell.key, lambda: _target_run(cell.work).time(cell.index))
 
 
+def placement_key(work: ModelWork) -> str:
+    """The placement cell's key: one per model's work."""
+    return cell_key("verify-placement", work.content())
+
+
 def placement_cell(work: ModelWork) -> Record[list[PlacementResult]]:
     """Where ONNX Runtime ran each node of the model's graph, on every target: a profiled run
     of its own (``placement.model_placement``), never beside a timed one."""
     path = work.out_dir / work.entry.file
-    return _record(
-        cell_key("verify-placement", work.content()),
-        lambda: model_placement(work.entry.name, path, work.spec, work.options),
-    )
+    return _record(placement_key(work), lambda: model_placement(work.entry.name, path, work.spec, work.options))
 
 
 def decode_cell(cell: DecodeCell) -> Record[list[DecodeResult]]:

@@ -20,7 +20,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.recorded import read_recorded
 from attn_export.checks.decode import DecodeResult
-from attn_export.errors import ArtifactError, AttnExportError, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
 from attn_export.executors import SERIAL, Parallelism, open_executor
 from attn_export.pipelines.verify.cells import (
     CaseCell,
@@ -32,6 +32,7 @@ from attn_export.pipelines.verify.cells import (
     check_cases,
     decode_cell,
     placement_cell,
+    placement_key,
     read_model_golden,
     release,
     set_latency,
@@ -234,6 +235,10 @@ def _collect(model: _Model, records: list[Record[Any]]) -> None:
     case's all the model's cases, the decode cell's the trajectories and placement, the
     placement cell's the placement."""
     n = len(model.cases)
+    keys = [c.key for c in model.cases] + ([model.decode.key] if model.decode else [])
+    keys += [placement_key(model.placement)] if model.placement else []
+    if [r.key for r in records] != keys:  # records are matched to cells by content, never by luck
+        raise RuntimeFailure(f"{model.check.model}: the executor returned records of other cells than were sent")
     values: list[Any] = [r.get() for r in records]  # bad usage ends the run
     problem = next((r.problem for r in records[:n] if r.problem is not None), None)
     if problem is not None:

@@ -77,6 +77,10 @@ class _FiniteFloat(click.FloatRange):
         return number
 
 
+#: --max-slowdown's values; the GitHub Action checks its input with it before building.
+MAX_SLOWDOWN = _FiniteFloat(0, min_open=True)
+
+
 def _notice(line: str) -> None:
     click.echo(f"note: {line}", err=True)
 
@@ -465,7 +469,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option(
     "--max-slowdown",
-    type=_FiniteFloat(0, min_open=True),
+    type=MAX_SLOWDOWN,
     help="Fail when ONNX Runtime's p50 exceeds R x PyTorch's.",
 )
 @click.option(

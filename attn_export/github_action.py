@@ -38,6 +38,7 @@ GATES: dict[str, tuple[str, ...]] = {
 }
 #: The input-to-variable convention: ``ATTN_EXPORT_`` and the input's name in capitals, ``-`` as ``_``.
 PREFIX = "ATTN_EXPORT_"
+#: The inputs' defaults, as ``action.yml`` declares them (a test holds the two equal).
 DEFAULTS = {
     "models": "models",
     "build-dir": "build",
@@ -81,6 +82,9 @@ class ActionInputs:
     def from_env(cls, env: Mapping[str, str]) -> ActionInputs:
         """Read ``ATTN_EXPORT_*`` (an input left out or empty takes its default); UsageError
         naming the first input that is not valid."""
+        import click
+
+        from attn_export.cli import MAX_SLOWDOWN
         from attn_export.pipelines.verify.models import parse_shard
         from attn_export.runtimes import PROVIDERS
 
@@ -98,11 +102,9 @@ class ActionInputs:
         except UsageError as e:
             raise UsageError(f"input shard: {e}") from e
         try:
-            slowdown = float(raw["max-slowdown"])
-        except ValueError:
-            slowdown = float("nan")
-        if not slowdown > 0 or slowdown == float("inf"):
-            raise UsageError(f"input max-slowdown: {raw['max-slowdown']!r} is not a finite number > 0")
+            MAX_SLOWDOWN.convert(raw["max-slowdown"], None, None)  # verify's own check, before any build
+        except click.BadParameter as e:
+            raise UsageError(f"input max-slowdown: {e.message}") from e
         return cls(
             models=Path(raw["models"]),
             build_dir=Path(raw["build-dir"]),
@@ -170,15 +172,6 @@ def _set_outputs(env: Mapping[str, str], outputs: Mapping[str, str]) -> None:
     append_output(Path(path), "\n".join(lines) + "\n")
 
 
-def _stamp(path: Path) -> tuple[int, int] | None:
-    """A file's inode and modification time (reports are replaced atomically: both change)."""
-    try:
-        info = path.stat()
-    except OSError:
-        return None
-    return info.st_ino, info.st_mtime_ns
-
-
 def _summary(env: Mapping[str, str], text: str) -> None:
     """Append ``text`` to the job summary as a paragraph of its own (after verify's report)."""
     path = env.get("GITHUB_STEP_SUMMARY")
@@ -212,14 +205,13 @@ def run_action(env: Mapping[str, str]) -> int:
             print(f"::error title=attn-export::build failed (exit {code}); its log is in the group above", flush=True)
             _summary(env, f"### attn-export: ❌ build failed (exit {code})\n\nThe step's log names the models.\n")
     paths = report_paths(inputs)
-    before = {name: _stamp(path) for name, path in paths.items()}
+    for path in paths.values():  # a report an earlier run left there is not this run's
+        path.unlink(missing_ok=True)
     if code == 0:
         code = _attn_export(verify_command(inputs))  # verify appends its Markdown report to the summary
         verdict = "passed" if code == 0 else f"failed (exit {code})"
         _summary(env, f"attn-export verify {verdict}; fail-on: {gates}.\n")
-    # Only what this run wrote: a report an earlier run left there is not this run's.
-    written = {name: path for name, path in paths.items() if _stamp(path) not in (None, before[name])}
-    reports = {name: str(written[name].resolve()) if name in written else "" for name in paths}
+    reports = {name: str(path.resolve()) if path.exists() else "" for name, path in paths.items()}
     _set_outputs(env, reports | {"passed": "true" if code == 0 else "false"})
     return code
 

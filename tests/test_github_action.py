@@ -21,7 +21,7 @@ import yaml
 
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import read_golden, write_golden
-from attn_export.github_action import ActionInputs, run_action, verify_command
+from attn_export.github_action import DEFAULTS, ActionInputs, run_action, verify_command
 from tests.conftest import ROOT, Built, tiny_spec
 
 ACTION = yaml.safe_load((ROOT / "action.yml").read_text())
@@ -195,12 +195,30 @@ def test_bad_input_is_one_error_line_exit_2_and_passed_false(
         ({"PROVIDERS": "cpu,tpu"}, "input providers: tpu unknown (choose from "),
         ({"SHARD": "3/2"}, "input shard: '3/2' is not i/n with 1 <= i <= n (e.g. 2/4)"),
         ({"GOLDEN": "yes"}, "input golden: 'yes' is neither true nor false"),
-        ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number > 0"),
+        ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number."),
+        ({"MAX_SLOWDOWN": "0"}, "input max-slowdown: 0.0 is not in the range x>0."),
     ],
 )
 def test_each_input_is_checked_before_anything_runs(given: dict[str, str], message: str) -> None:
     with pytest.raises(Exception, match=re.escape(message)):
         ActionInputs.from_env({f"ATTN_EXPORT_{k}": v for k, v in given.items()})
+
+
+def test_the_defaults_are_action_yml_s() -> None:
+    declared = {name: str(spec.get("default", "")) for name, spec in ACTION["inputs"].items()}
+    assert {name: value for name, value in declared.items() if name != "python-version"} == DEFAULTS
+
+
+def test_a_report_an_earlier_run_left_is_never_this_run_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()  # no spec: the build fails before verify writes anything
+    stale = tmp_path / "attn-export-reports" / "verify.json"
+    stale.parent.mkdir()
+    stale.write_text("{}")
+    env = {"ATTN_EXPORT_MODELS": "models", "GITHUB_OUTPUT": str(tmp_path / "out")}
+    assert run_action(env) != 0
+    outputs = parse_github_output((tmp_path / "out").read_text())
+    assert outputs == {"json": "", "junit": "", "markdown": "", "passed": "false"} and not stale.exists()
 
 
 def test_fail_on_maps_each_gate_to_its_verify_option() -> None:

@@ -159,15 +159,40 @@ def _check_bare(path: Path, options: CheckOptions) -> FileCheck:
 
 
 @dataclass(frozen=True)
-class _Target:
-    """What one path asks to check: an entry of a build folder's manifest, a graph no
-    manifest names, or a finding already made (a manifest that does not load, a golden
+class _Entry:
+    """An entry of a build folder's manifest: its graph, checked with the manifest's hashes."""
+
+    folder: Path
+    name: str
+
+    def check(self, manifests: dict[Path, Manifest], options: CheckOptions) -> FileCheck:
+        return _check_entry(self.folder, manifests[self.folder].models[self.name], options)
+
+
+@dataclass(frozen=True)
+class _Bare:
+    """A graph no manifest names: the graph checks alone."""
+
+    path: Path
+
+    def check(self, manifests: dict[Path, Manifest], options: CheckOptions) -> FileCheck:
+        return _check_bare(self.path, options)
+
+
+@dataclass(frozen=True)
+class _Finding:
+    """A problem found while resolving the paths (a manifest that does not load, a golden
     file none names)."""
 
-    folder: Path | None = None
-    entry: str | None = None
-    bare: Path | None = None
-    finding: tuple[str, str, str] | None = None  # (path, check, problem)
+    where: str
+    name: str
+    problem: str
+
+    def check(self, manifests: dict[Path, Manifest], options: CheckOptions) -> FileCheck:
+        return FileCheck(self.where, None, {self.name: self.problem})
+
+
+_Target = _Entry | _Bare | _Finding
 
 
 class _Resolver:
@@ -182,10 +207,10 @@ class _Resolver:
         try:
             manifest = self.manifests.get(folder) or load_manifest(folder)
         except ArtifactError as e:
-            return [_Target(finding=(str(folder / MANIFEST_NAME), "manifest", str(e)))]
+            return [_Finding(str(folder / MANIFEST_NAME), "manifest", str(e))]
         self.manifests[folder] = manifest
         return [
-            _Target(folder=folder, entry=name)
+            _Entry(folder, name)
             for name, e in sorted(manifest.models.items())
             if only is None or only in (e.file, e.golden)
         ]
@@ -207,8 +232,8 @@ class _Resolver:
             return named
         if is_golden:
             problem = f"{path}: no {MANIFEST_NAME} beside it names this golden file"
-            return [_Target(finding=(str(path), "hashes", problem))]
-        return [_Target(bare=path)]
+            return [_Finding(str(path), "hashes", problem)]
+        return [_Bare(path)]
 
 
 def check_paths(paths: Sequence[Path], options: CheckOptions | None = None) -> CheckReport:
@@ -225,14 +250,7 @@ def check_paths(paths: Sequence[Path], options: CheckOptions | None = None) -> C
     report = CheckReport()
     for t in targets:
         began = time.perf_counter()
-        if t.finding is not None:
-            where, check, problem = t.finding
-            found = FileCheck(where, None, {check: problem})
-        elif t.folder is not None and t.entry is not None:
-            found = _check_entry(t.folder, resolver.manifests[t.folder].models[t.entry], options)
-        else:
-            assert t.bare is not None
-            found = _check_bare(t.bare, options)
+        found = t.check(resolver.manifests, options)
         found.seconds = time.perf_counter() - began
         report.files.append(found)
     report.seconds = time.perf_counter() - start

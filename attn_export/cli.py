@@ -23,7 +23,7 @@ from attn_export.errors import AttnExportError
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
-from attn_export.spec import EXPORTERS, VARIANTS
+from attn_export.spec import EXPORTERS, VARIANTS, variant_chain
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.masks import CASES
@@ -95,9 +95,22 @@ def out_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyword
     return _folder_option("--out", "out_dir", "build", help)
 
 
+class _VariantChoice(click.Choice):
+    """A variant of the table, or a chain of them (``ort-past+int8``): checked by the
+    library (``variant_chain``), whose error is one line naming the link that cannot be."""
+
+    def __init__(self) -> None:
+        super().__init__(list(VARIANTS))
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        variant_chain(value)
+        return value
+
+
 def variant_option(help: str) -> Decorator:  # noqa: A002
-    """--variant (repeatable), shared by build and bench."""
-    return click.option("--variant", "variants", multiple=True, type=click.Choice(list(VARIANTS)), help=help)
+    """--variant (repeatable), shared by build and bench: a variant or a chain ``a+b``."""
+    chains = " A chain such as ort-past+int8 makes each link from the graph of the one before."
+    return click.option("--variant", "variants", multiple=True, type=_VariantChoice(), help=help + chains)
 
 
 def provider_option(help: str) -> Decorator:  # noqa: A002

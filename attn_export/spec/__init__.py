@@ -13,13 +13,14 @@ from attn_export.spec.model import (
 )
 from attn_export.spec.parse import load_spec, spec_from_dict, spec_paths
 from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import VARIANTS, VariantInfo, variant_key
+from attn_export.spec.variants import VARIANTS, Chain, VariantInfo, variant_chain, variant_key
 
 __all__ = [
     "DTYPES",
     "EXPORTERS",
     "MASK_KINDS",
     "VARIANTS",
+    "Chain",
     "DimRange",
     "ModelSpec",
     "TensorSpec",
@@ -29,5 +30,6 @@ __all__ = [
     "load_spec",
     "spec_from_dict",
     "spec_paths",
+    "variant_chain",
     "variant_key",
 ]

@@ -7,6 +7,7 @@ from TOML.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Any
 from attn_export.errors import SpecError
 from attn_export.spec.masks import PATTERNS, MaskSpec
 from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import VARIANTS
+from attn_export.spec.variants import variant_chain
 
 __all__ = [
     "DTYPES",
@@ -132,16 +133,21 @@ class ModelSpec:
     max_memory: int | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
-        """A variant's own tolerance (the spec's, else the table's default), else the output's.
+        """A variant's own tolerance (the spec's for that very name, else the table's
+        default), else the output's. A chain's, unless the spec names the chain, is its
+        links' tolerances composed in order (``Tolerance.then``): a link without one of its
+        own (``attention-op``) counts with the output's.
 
         ``auto`` only ever chooses a graph within the model's own tolerance, so it is
         judged at it."""
-        info = VARIANTS.get(variant)
-        if info is not None and not info.chooser:
-            if variant in self.variant_tolerances:
-                return self.variant_tolerances[variant]
-            if info.tolerance is not None:
-                return dataclasses.replace(info.tolerance, allow_nan=self.tolerance.allow_nan)
+        if variant in self.variant_tolerances:
+            return self.variant_tolerances[variant]
+        chain = variant_chain(variant)
+        if chain.composed:
+            return functools.reduce(Tolerance.then, (self.tolerance_for(output, link.name) for link in chain.links))
+        info = chain.links[0]
+        if not info.chooser and info.tolerance is not None:
+            return dataclasses.replace(info.tolerance, allow_nan=self.tolerance.allow_nan)
         return self.output_tolerances.get(output, self.tolerance)
 
     def tolerances(self, variant: str = "fp32") -> dict[str, Tolerance]:

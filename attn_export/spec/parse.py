@@ -30,7 +30,7 @@ from attn_export.spec.model import (
     WeightsSpec,
 )
 from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import VARIANTS
+from attn_export.spec.variants import CHAIN, VARIANTS, variant_chain
 
 __all__ = ["load_spec", "spec_from_dict", "spec_paths"]
 
@@ -62,7 +62,7 @@ _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
 _TOL_KEYS = {"atol", "rtol", "allow_nan", "outputs"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-#: Variants a spec may give a tolerance for: ``auto`` is judged at the model's own.
+#: Variants a spec may give a tolerance for (and chains of them): ``auto`` is judged at the model's own.
 _TOLERANCE_VARIANTS = tuple(n for n, v in VARIANTS.items() if not v.chooser)
 
 
@@ -367,6 +367,20 @@ def _weights(where: _Where, raw: dict[str, Any], folder: Path | None) -> Weights
     return WeightsSpec(seed, str(resolved.resolve()))
 
 
+def _variant_table(where: _Where, variant: str) -> str:
+    """The ``[variants.<name>]`` table of a variant other than ``auto``, or of a chain, as
+    TOML writes its header (``variants."ort-past+int8"``: ``+`` needs quotes)."""
+    table = f"variants.{variant}" if re.fullmatch(r"[A-Za-z0-9_-]+", variant) else f'variants."{variant}"'
+    if CHAIN not in variant and variant not in _TOLERANCE_VARIANTS:
+        known = ", ".join(_TOLERANCE_VARIANTS)
+        raise where.error(f"unknown variant '{variant}' (known: {known})", variant, table)
+    try:
+        variant_chain(variant)
+    except UsageError as e:
+        raise where.error(str(e), variant, table) from e
+    return table
+
+
 def _tolerances(
     where: _Where, raw: dict[str, Any], outputs: tuple[TensorSpec, ...]
 ) -> tuple[Tolerance, dict[str, Tolerance], dict[str, Tolerance]]:
@@ -387,11 +401,7 @@ def _tolerances(
         per_output[name] = _tolerance_table(where, tol, tolerance, f"tolerance.outputs.{name}", name)
     per_variant: dict[str, Tolerance] = {}
     for variant, tol in _table(where, raw, "variants", "a table of per-variant tolerances").items():
-        if variant not in _TOLERANCE_VARIANTS:
-            raise where.error(
-                f"unknown variant '{variant}' (known: {', '.join(_TOLERANCE_VARIANTS)})", variant, f"variants.{variant}"
-            )
-        per_variant[variant] = _tolerance_table(where, tol, tolerance, f"variants.{variant}", variant)
+        per_variant[variant] = _tolerance_table(where, tol, tolerance, _variant_table(where, variant), variant)
     return tolerance, per_output, per_variant
 
 

@@ -3,15 +3,59 @@ CLI's choices and the manifest read.
 
 A variant is made by ``attn_export.exporter.variants.<maker>.make``; adding one is a new
 file there plus one row here.
+
+Variants compose: a variant name may be a chain ``a+b+c``, whose first link is made from
+its source as a lone variant is (the plain export, or the re-export at its opset) and each
+next link from its own copy of the graph the link before made. What may follow what is
+data, not code: each row says which traits of a graph (``TRAITS``) its maker needs and
+which it takes away, so a new row joins chains without a line anywhere else.
+``variant_chain`` checks a chain before anything is exported:
+
+- every link is a known variant that makes a graph (neither ``fp32``, the plain export
+  every chain starts from, nor a chooser such as ``auto``), and none is repeated;
+- at most one export opset: a link made from a re-export (``export_opset``) reads the
+  export, not the graph of a link before it, so it can only be the first link;
+- each link's ``needs`` are traits that no link before it ``takes``: ``fp16`` after
+  ``int8`` would cut the precision twice, anything after ``ort-optimized`` would rewrite
+  kernels chosen for one provider, ``ort-fused`` after a graph whose attention is already
+  one op has nothing left to fuse.
+
+What the table cannot know, the build checks on the graphs themselves: a link that leaves
+the graph it follows with the same ops and weight types did nothing there (``int8`` after
+``ort-fused`` where no MatMul weight is left outside a fused op) and is refused, naming it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from attn_export.errors import UsageError
 from attn_export.spec.tolerance import Tolerance
 
-__all__ = ["AUTO", "VARIANTS", "VariantInfo", "auto_candidates", "variant_key"]
+__all__ = [
+    "AUTO",
+    "CHAIN",
+    "TRAITS",
+    "VARIANTS",
+    "Chain",
+    "VariantInfo",
+    "auto_candidates",
+    "variant_chain",
+    "variant_key",
+]
+
+#: Joins the links of a chained variant: ``ort-past+int8``.
+CHAIN = "+"
+
+#: What a graph may have that a link needs and a link before it may take away: each says,
+#: for the error that names a link that cannot follow, what a graph with it does.
+TRAITS = {
+    "float32": "computes in float32",
+    "portable": "holds no kernels chosen for one provider",
+    "plain-attention": "holds its attention as plain ops (MatMul, Softmax) that a fusion can match",
+}
+PORTABLE = frozenset({"portable"})
 
 
 @dataclass(frozen=True)
@@ -34,6 +78,11 @@ class VariantInfo:
     cuda_only: bool = False
     #: Chooses among the other variants instead of making a graph (``auto``).
     chooser: bool = False
+    #: Traits (``TRAITS``) the graph it is made from must have: in a chain, no link before
+    #: it may take them away.
+    needs: frozenset[str] = PORTABLE
+    #: Traits its graph no longer has.
+    takes: frozenset[str] = frozenset()
 
 
 AUTO = "auto"
@@ -43,25 +92,49 @@ VARIANTS: dict[str, VariantInfo] = {
     for v in (
         VariantInfo("fp32", "the plain export"),
         VariantInfo(
-            "attention-op", "re-exported at opset 23 with the ONNX Attention op", "attention_op", export_opset=23
+            "attention-op",
+            "re-exported at opset 23 with the ONNX Attention op",
+            "attention_op",
+            export_opset=23,
+            takes=frozenset({"plain-attention"}),
         ),
-        VariantInfo("ort-fused", "onnxscript's optimize_for_ort fusions", "ort_fused"),
+        VariantInfo(
+            "ort-fused",
+            "onnxscript's optimize_for_ort fusions",
+            "ort_fused",
+            needs=PORTABLE | {"plain-attention"},
+            takes=frozenset({"plain-attention"}),
+        ),
         VariantInfo(
             "ort-past",
             "a decoder's cache attention as ONNX Runtime's MultiHeadAttention or GroupQueryAttention with past inputs",
             "ort_past",
             export_opset=23,
+            takes=frozenset({"plain-attention"}),
         ),
-        VariantInfo("int8", "dynamic int8 quantization of MatMuls", "int8", tolerance=Tolerance(0.1, 0.1)),
+        VariantInfo(
+            "int8",
+            "dynamic int8 quantization of MatMuls",
+            "int8",
+            tolerance=Tolerance(0.1, 0.1),
+            needs=PORTABLE | {"float32"},
+            takes=frozenset({"float32"}),
+        ),
         VariantInfo(
             "fp16",
             "float16 inside, float32 inputs and outputs",
             "fp16",
             tolerance=Tolerance(1e-2, 1e-2),
             cuda_only=True,
+            needs=PORTABLE | {"float32"},
+            takes=frozenset({"float32", "plain-attention"}),
         ),
         VariantInfo(
-            "ort-optimized", "the graph ONNX Runtime optimizes for --provider", "ort_optimized", provider_dependent=True
+            "ort-optimized",
+            "the graph ONNX Runtime optimizes for --provider",
+            "ort_optimized",
+            provider_dependent=True,
+            takes=PORTABLE,
         ),
         VariantInfo(
             AUTO,
@@ -74,11 +147,91 @@ VARIANTS: dict[str, VariantInfo] = {
 }
 
 
+@dataclass(frozen=True)
+class Chain:
+    """A variant name read as its links: one row of ``VARIANTS`` for a lone variant, each
+    link's row, in order, for a chain. What the build and the manifest's readers need of
+    the whole follows from the links."""
+
+    name: str
+    links: tuple[VariantInfo, ...]
+
+    @property
+    def composed(self) -> bool:
+        """More than one link: ``ModelSpec.tolerance_for`` composes their tolerances."""
+        return len(self.links) > 1
+
+    @property
+    def export_opset(self) -> int | None:
+        """The opset of the re-export its first link is made from (None: the plain export)."""
+        return self.links[0].export_opset
+
+    @property
+    def provider_dependent(self) -> bool:
+        return any(link.provider_dependent for link in self.links)
+
+    @property
+    def chooser(self) -> bool:
+        """``auto``: chooses a graph instead of making one (never a link of a longer chain)."""
+        return self.links[0].chooser
+
+
+def _unknown(name: str, where: str) -> UsageError:
+    return UsageError(f"unknown variant {name}{where} (known: {', '.join(VARIANTS)})")
+
+
+def _taker(trait: str, before: Iterable[VariantInfo]) -> VariantInfo | None:
+    """The last link of ``before`` that takes ``trait`` away."""
+    return next((link for link in reversed(list(before)) if trait in link.takes), None)
+
+
+def variant_chain(name: str) -> Chain:
+    """``name`` (a variant, or links joined by ``+``) as its links, checked as the module
+    docstring says; a UsageError naming the first link that cannot be, and why."""
+    if not isinstance(name, str) or CHAIN not in name:
+        if name not in VARIANTS:
+            raise _unknown(name, "")
+        return Chain(name, (VARIANTS[name],))
+    where = f"chain {name}"
+    links: list[VariantInfo] = []
+    for part in name.split(CHAIN):
+        info = VARIANTS.get(part)
+        if info is None:
+            raise _unknown(part or repr(part), f" in {where}")
+        if info.chooser:
+            raise UsageError(f"{where}: {part} chooses among variants instead of making a graph; it cannot be a link")
+        if info.maker is None:
+            raise UsageError(f"{where}: {part} is the plain export every chain starts from; leave it out")
+        if info in links:
+            raise UsageError(f"{where}: {part} is repeated; a link applies once")
+        opsets = {link.export_opset for link in links if link.export_opset} - {info.export_opset}
+        if info.export_opset and opsets:
+            raise UsageError(
+                f"{where}: {part} needs the opset-{info.export_opset} export, a link before it "
+                f"the opset-{opsets.pop()} one: a chain has one export"
+            )
+        if links and info.export_opset:
+            raise UsageError(
+                f"{where}: {part} cannot follow {links[-1].name}: it is made from the opset-{info.export_opset} "
+                "re-export, not from another link's graph, so it can only be the first link"
+            )
+        for trait in sorted(info.needs):
+            taker = _taker(trait, links)
+            if taker is not None:
+                raise UsageError(
+                    f"{where}: {part} cannot follow {taker.name}: {part} needs a graph that {TRAITS[trait]}, "
+                    f"and {taker.name}'s does not"
+                )
+        links.append(info)
+    return Chain(name, tuple(links))
+
+
 def auto_candidates(provider: str) -> list[str]:
     """The variants ``auto`` times on ``provider``, in table order."""
     return [v.name for v in VARIANTS.values() if v.auto_candidate and (provider == "cuda" or not v.cuda_only)]
 
 
 def variant_key(model: str, variant: str) -> str:
-    """Manifest key and file stem: the plain graph keeps the model's name."""
+    """Manifest key and file stem: the plain graph keeps the model's name; a chain's
+    ``+`` is safe in file names and kept (``mha.ort-past+int8.onnx``)."""
     return model if variant == "fp32" else f"{model}.{variant}"

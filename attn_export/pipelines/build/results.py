@@ -12,7 +12,7 @@ from typing import Any, Literal
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.errors import UsageError
 from attn_export.runtimes.target import PROVIDERS
-from attn_export.spec import EXPORTERS, VARIANTS
+from attn_export.spec import EXPORTERS, variant_chain
 
 __all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "BuildSummary"]
 
@@ -30,7 +30,7 @@ class BuildOptions:
     exporter: str | None = None
     force: bool = False
     fail_fast: bool = False
-    #: Graph variants to build (keys of ``spec.VARIANTS``).
+    #: Graph variants to build (keys of ``spec.VARIANTS``, or chains of them: ``ort-past+int8``).
     variants: tuple[str, ...] = ("fp32",)
     #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
     provider: str = "cpu"
@@ -49,9 +49,8 @@ class BuildOptions:
             raise UsageError(f"--opset {self.opset}: give 7 to 30")
         if self.exporter is not None and self.exporter not in EXPORTERS:
             raise UsageError(f"--exporter {self.exporter}: choose {' or '.join(EXPORTERS)}")
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown:
-            raise UsageError(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+        for variant in self.variants:
+            variant_chain(variant)  # an impossible chain is refused before anything is exported
         if self.provider not in PROVIDERS:
             raise UsageError(f"unknown provider {self.provider} (known: {', '.join(PROVIDERS)})")
         if not (math.isfinite(self.lock_wait_s) and self.lock_wait_s >= 0):

@@ -240,6 +240,37 @@ def tiny_torchscript_build(shared_tiny_torchscript: Built, tmp_path: Path) -> Bu
     return copy_build(shared_tiny_torchscript, tmp_path)
 
 
+def one_stream(text: str) -> str:
+    """A decoder's spec at batch 1 only: a single decoding stream, as on a CPU server."""
+    assert "batch = { min = 1, max = 4 }\n" in text
+    text = text.replace("batch = { min = 1, max = 4 }\n", "").replace('["batch", ', "[1, ")
+    return text.replace('mask = "left-padding"\n', 'mask = "left-padding"\nlayout = "key-padding"\n')
+
+
+#: What ``cache_build`` builds of each decoder: the variants with a cache, and chains that
+#: start from them (a chain costs its links and a smoke run: the export is shared).
+CACHE_VARIANTS = ("attention-op", "ort-past", "ort-past+int8", "attention-op+fp16")
+
+
+def _decoder_specs(models: Path) -> list[Path]:
+    gqa = (TINY_ZOO / "gqa_rope_kv_cache.toml").read_text()
+    return [
+        write_spec(models, "mha_kv_cache", (TINY_ZOO / "mha_kv_cache.toml").read_text()),
+        write_spec(models, "gqa_rope_kv_cache", gqa),
+        write_spec(models, "gqa_one_stream", one_stream(gqa)),
+    ]
+
+
+@pytest.fixture(scope="session")
+def cache_build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """The tiny zoo's MHA and GQA decoders, and the GQA one at batch 1, with ``CACHE_VARIANTS``,
+    built once per session (a graph ONNX Runtime cannot run at a declared size fails: its
+    error is in ``errors``)."""
+    built = shared_build(tmp_path_factory, "cache-variants", _decoder_specs, variants=CACHE_VARIANTS)
+    with unchanged(built.out), unchanged(built.models):
+        yield built
+
+
 # -- specs ----------------------------------------------------------------------------------------
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import STAGED, atomic_write, read_regular, schema_document
-from attn_export.errors import ArtifactError, SpecError
-from attn_export.spec import VARIANTS, ModelSpec, spec_from_dict, variant_key
+from attn_export.errors import ArtifactError, SpecError, UsageError
+from attn_export.spec import ModelSpec, spec_from_dict, variant_chain, variant_key
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
 
@@ -140,8 +140,10 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         value = getattr(entry, key)
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise bad(f"has invalid '{key}'")
-    if entry.variant not in VARIANTS:
-        raise bad(f"has an unknown variant {entry.variant!r}")
+    try:
+        variant_chain(entry.variant)
+    except UsageError as e:
+        raise bad(f"names a variant this version cannot make: {e}") from e
     if not isinstance(entry.variant_info, dict):
         raise bad("has invalid 'variant_info'")
     if not isinstance(entry.spec, dict):

@@ -23,9 +23,9 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.artifacts import files as artifacts
-from attn_export.artifacts.manifest import load_manifest
+from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.cli import cli
-from attn_export.errors import InputError
+from attn_export.errors import ArtifactError, InputError
 from attn_export.runtimes.ort import OnnxRuntime
 from tests.conftest import TINY_ZOO, Built, tiny_spec
 
@@ -268,6 +268,34 @@ def test_manifest_naming_a_file_outside_its_folder(zoo_copy: Path) -> None:
     assert (
         _error_line(result)
         == f"Error: {zoo_copy / 'manifest.json'}: entry 'mha' names a file outside the output directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("variant", "error"),
+    [
+        ("ort-fused+int8", None),  # '+' is a name like any other, in the entry's key and its files
+        ("int8+fp16", "chain int8+fp16: fp16 cannot follow int8: fp16 needs a graph that computes in float32, "
+         "and int8's does not"),
+        ("int8+__import__", "unknown variant __import__ in chain int8+__import__ (known: "),
+    ],
+)  # fmt: skip
+def test_a_manifest_entry_naming_a_chain_this_version_cannot_make_is_refused(
+    zoo_dir: Path, variant: str, error: str | None
+) -> None:
+    doc = json.loads((zoo_dir / "manifest.json").read_text())
+    entry = doc["models"].pop("mha")
+    name = f"mha.{variant}"
+    doc["models"][name] = entry | {"name": name, "variant": variant, "file": f"{name}.onnx"}
+    if entry["intermediates"]:
+        doc["models"][name]["intermediates"] = f"{name}.intermediates.npz"
+    if error is None:
+        assert Manifest.from_json(json.dumps(doc), "manifest.json").models[name].variant == variant
+        return
+    with pytest.raises(ArtifactError) as refused:
+        Manifest.from_json(json.dumps(doc), "manifest.json")
+    assert str(refused.value).startswith(
+        f"manifest.json: entry '{name}' names a variant this version cannot make: {error}"
     )
 
 

@@ -17,29 +17,12 @@ from attn_export.cli import cli
 from attn_export.errors import ExportFailure
 from attn_export.exporter.cache_in_op import fold_cache
 from attn_export.exporter.variants import make_variant
-from attn_export.pipelines.build import BuildOptions, build_models
-from tests.conftest import TINY_ZOO, write_spec
-
-
-def _one_stream(text: str) -> str:
-    """The spec at batch 1 only: a single decoding stream, as on a CPU server."""
-    assert "batch = { min = 1, max = 4 }\n" in text
-    text = text.replace("batch = { min = 1, max = 4 }\n", "").replace('["batch", ', "[1, ")
-    return text.replace('mask = "left-padding"\n', 'mask = "left-padding"\nlayout = "key-padding"\n')
+from tests.conftest import Built
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str | None]]:
-    root = tmp_path_factory.mktemp("cache_variants")
-    models = root / "models"
-    gqa = (TINY_ZOO / "gqa_rope_kv_cache.toml").read_text()
-    specs = [
-        write_spec(models, "mha_kv_cache", (TINY_ZOO / "mha_kv_cache.toml").read_text()),
-        write_spec(models, "gqa_rope_kv_cache", gqa),
-        write_spec(models, "gqa_one_stream", _one_stream(gqa)),
-    ]
-    summary = build_models(specs, BuildOptions(root / "out", variants=("attention-op", "ort-past")))
-    return root / "out", models, {r.name: r.error for r in summary.results}
+def built(cache_build: Built) -> tuple[Path, Path, dict[str, str | None]]:
+    return cache_build.out, cache_build.models, cache_build.errors
 
 
 def _graph(out: Path, key: str) -> onnx.ModelProto:

@@ -388,12 +388,22 @@ FUSED_PLANTS = [
      "/ (self.head_dim**0.5)"),
     ("softmax axis among float16 casts", "fp16", "node_softmax",
      lambda p: _set_attribute(p, "node_softmax", "axis", 2), "softmax", {"softmax"}, "F.softmax(scores, dim=-1)"),
+    # chains: each link's nodes are mapped back through the plain graph the first was made from
+    ("quantized weight's scale, optimized", "int8+ort-optimized", "node_MatMul_2_quant",
+     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
+    # the fused attention took the projections' bias in: the quantized MatMul joins its region
+    ("quantized weight's scale, fused", "ort-fused+int8", "node_MatMul_2_quant",
+     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "view_3", {"linear", "softmax", "view_3"},
+     "output.transpose(1, 2)"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
-    [pytest.param(*p, id=p[0], marks=pytest.mark.slow if p[1] in ("fp16", "ort-fused") else ()) for p in FUSED_PLANTS],
+    [
+        pytest.param(*p, id=p[0], marks=pytest.mark.slow if {"fp16", "ort-fused"} & set(p[1].split("+")) else ())
+        for p in FUSED_PLANTS
+    ],
 )
 def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_it_stands_for(
     zoo_copy: Path, fault: str, variant: str, node: str, edit: Callable, fx_node: str, covers: set[str], code: str

@@ -3,7 +3,8 @@
 The table of variants is ``attn_export.spec.variants.VARIANTS``; each row names a module
 here whose ``make(proto, provider) -> VariantGraph`` derives the variant. Every variant
 gets its own copy of its source graph, so the order in which they are asked for never
-changes a result.
+changes a result; in a chain (``ort-past+int8``) every link gets its own copy of the graph
+the link before made.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 
 import onnx
 
-from attn_export.errors import UsageError
-from attn_export.spec import VARIANTS
+from attn_export.errors import AttnExportError, ExportFailure, UsageError, first_line
+from attn_export.spec import VariantInfo, variant_chain
 
 __all__ = ["ATTENTION_OPS", "VariantGraph", "make_variant", "op_counts"]
 
@@ -40,12 +41,13 @@ def op_counts(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
 
 
-def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -> VariantGraph:
-    """Derive ``variant`` from its own copy of ``source`` (the plain export, or the
-    re-export at the opset the table names); ``source`` is never modified."""
-    info = VARIANTS.get(variant)
-    if info is None or info.chooser:
-        raise UsageError(f"unknown variant '{variant}' (known: {', '.join(VARIANTS)})")
+def _signature(proto: onnx.ModelProto) -> tuple[Counter[str], Counter[int]]:
+    """What a link must change to have done anything: the ops, and the weights' types."""
+    return op_counts(proto), Counter(t.data_type for t in proto.graph.initializer)
+
+
+def _make(info: VariantInfo, source: onnx.ModelProto, provider: str) -> VariantGraph:
+    """One variant from its own copy of ``source``."""
     copy = onnx.ModelProto()
     copy.CopyFrom(source)
     if info.maker is None:
@@ -54,3 +56,37 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     with contextlib.redirect_stdout(io.StringIO()):  # quantization and fusion tools print progress
         graph: VariantGraph = maker.make(copy, provider)
     return graph
+
+
+def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -> VariantGraph:
+    """Derive ``variant`` from its own copy of ``source`` (the plain export, or the
+    re-export at the opset the table names); ``source`` is never modified.
+
+    A chain (``ort-past+int8``, checked by ``variant_chain``) makes its first link from
+    ``source`` and each next link from the graph the link before made; its info lists each
+    link's, in order, under ``links``, and its warnings name their link. A link whose tool
+    fails on that graph, or that leaves it with the same ops and weight types (``int8``
+    where no MatMul weight is left outside a fused op), cannot follow: ExportFailure naming it."""
+    chain = variant_chain(variant)
+    if chain.chooser:
+        raise UsageError(f"variant {variant} chooses among the others instead of making a graph")
+    first, *rest = chain.links
+    graph = _make(first, source, provider)
+    if not rest:
+        return graph
+    links = [{"variant": first.name, "info": graph.info}]
+    warnings = [f"{first.name}: {w}" for w in graph.warnings]
+    for before, link in zip(chain.links, rest, strict=False):
+        cannot = f"{link.name} cannot follow {before.name}"
+        try:
+            made = _make(link, graph.proto, provider)
+        except AttnExportError as e:
+            raise ExportFailure(f"{cannot}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a link's tool meets a graph it was not written for
+            raise ExportFailure(f"{cannot}: {link.name} failed on its graph: {first_line(e)}") from e
+        if _signature(made.proto) == _signature(graph.proto):
+            raise ExportFailure(f"{cannot}: it leaves {before.name}'s graph with the same ops and weight types")
+        links.append({"variant": link.name, "info": made.info})
+        warnings += [f"{link.name}: {w}" for w in made.warnings]
+        graph = made
+    return VariantGraph(graph.proto, {"links": links}, warnings)

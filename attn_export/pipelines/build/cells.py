@@ -28,7 +28,7 @@ from attn_export.errors import ArtifactError, AttnExportError
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
-from attn_export.spec import VARIANTS, ModelSpec, load_spec, variant_key
+from attn_export.spec import ModelSpec, load_spec, variant_chain, variant_key
 
 __all__ = ["BuildCell", "BuiltGraph", "build_cell", "checked_graph", "stage_timer"]
 
@@ -62,8 +62,9 @@ def stage_timer(result: BuildResult, name: str) -> Iterator[None]:
 
 def _build_key(spec: ModelSpec, sources: dict[str, str], vers: Mapping[str, str], variant: str, provider: str) -> str:
     """What a graph depends on: the spec and weights, the module's source files, the tool
-    versions, the variant and, where the variant depends on it, the provider."""
-    target = provider if VARIANTS[variant].provider_dependent else None
+    versions, the variant (a chain's every link, in order) and, where a link depends on it,
+    the provider."""
+    target = provider if variant_chain(variant).provider_dependent else None
     blob = json.dumps(
         {
             "spec": spec.content_hash(),
@@ -100,7 +101,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     with stage_timer(result, "export"):
         ctx.export(spec.opset)
     with stage_timer(result, "variant"):
-        if VARIANTS[variant].chooser:
+        if variant_chain(variant).chooser:
             chosen, info = auto_choice(ctx)
             graph = ctx.graph(chosen)
         else:

@@ -27,7 +27,7 @@ from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import VARIANTS, ModelSpec, variant_key
+from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
@@ -157,7 +157,7 @@ class SpecBuild:
         """``build --record-intermediates``: PyTorch's value of every FX node on the golden
         case ``distinct``, for ``localize --golden``; or None and why none is recorded."""
         spec = self.spec
-        opset = max(spec.opset, VARIANTS[variant].export_opset or 0)
+        opset = max(spec.opset, variant_chain(variant).export_opset or 0)
         program = self.programs.get(opset)
         if program is None or b"pkg.torch.onnx.fx_node" not in model:
             return None, "no intermediates recorded: only a dynamo export names the FX node of each ONNX node"
@@ -178,9 +178,9 @@ class SpecBuild:
         return self.graphs[name].get()
 
     def _make_graph(self, name: str) -> Graph:
-        spec, info = self.spec, VARIANTS[name]
+        spec = self.spec
         key = variant_key(spec.name, name)
-        opset = max(spec.opset, info.export_opset or 0)
+        opset = max(spec.opset, variant_chain(name).export_opset or 0)
         try:
             graph = make_variant(name, self.export(opset), self.options.provider)
         except (ExportFailure, GraphCheckError) as e:

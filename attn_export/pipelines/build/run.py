@@ -26,7 +26,7 @@ from attn_export.executors import SERIAL, Parallelism, open_executor
 from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
-from attn_export.spec import VARIANTS, ModelSpec
+from attn_export.spec import ModelSpec, variant_chain
 
 __all__ = ["build_models", "export_module"]
 
@@ -79,7 +79,7 @@ def build_models(
     them. ``on_notice`` hears, in one line each, that the build waits for the folder's lock
     and that an interrupted build was cleaned up."""
     options.check()
-    timed = [v for v in options.variants if VARIANTS[v].chooser]
+    timed = [v for v in options.variants if variant_chain(v).chooser]
     if timed and parallelism.parallel:
         raise UsageError(
             f"--variant {timed[0]} times its candidates, and timing never runs beside another cell: "

@@ -50,7 +50,7 @@ from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import VARIANTS, ModelSpec, Tolerance
+from attn_export.spec import ModelSpec, Tolerance, variant_chain
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
@@ -223,10 +223,11 @@ def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mappi
 
 
 def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> onnx.ModelProto | None:
-    """For a variant made from the plain export (not re-exported at another opset), the
-    folder's plain graph of the same spec: what its fused regions are mapped back to."""
+    """For a variant made from the plain export (not re-exported at another opset; for a
+    chain, its first link), the folder's plain graph of the same spec: what its fused
+    regions are mapped back to."""
     plain = manifest.models.get(entry.model_spec.name)
-    if entry.variant == "fp32" or VARIANTS[entry.variant].export_opset or plain is None:
+    if entry.variant == "fp32" or variant_chain(entry.variant).export_opset or plain is None:
         return None
     if plain.spec_hash != entry.spec_hash or integrity(out_dir, plain):
         return None

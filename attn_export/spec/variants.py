@@ -21,8 +21,9 @@ which it takes away, so a new row joins chains without a line anywhere else.
   one op has nothing left to fuse.
 
 What the table cannot know, the build checks on the graphs themselves: a link that leaves
-the graph it follows with the same ops and weight types did nothing there (``int8`` after
-``ort-fused`` where no MatMul weight is left outside a fused op) and is refused, naming it.
+the graph it follows as it was (the same ops and attributes, weight, input and output
+types) did nothing there (``int8`` after ``ort-fused`` where no MatMul weight is left
+outside a fused op) and is refused, naming it.
 """
 
 from __future__ import annotations

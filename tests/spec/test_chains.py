@@ -3,6 +3,7 @@ anything is exported, refused in one line naming the link), and the composed tol
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from pathlib import Path
@@ -146,6 +147,14 @@ def test_a_new_variant_joins_chains_with_no_other_code(monkeypatch: pytest.Monke
         variant_chain("int8+static-cache")
     with pytest.raises(UsageError, match="static-cache cannot follow ort-past: "):
         variant_chain("ort-past+static-cache")
+    monkeypatch.setitem(VARIANTS, row.name, dataclasses.replace(row, export_opset=24))
+    with pytest.raises(UsageError) as two:
+        variant_chain("ort-past+static-cache")
+    assert str(two.value) == (
+        "chain ort-past+static-cache: static-cache needs the opset-24 export, a link before it the opset-23 one: "
+        "a chain has one export"
+    )
+    monkeypatch.setitem(VARIANTS, row.name, row)
     spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
     assert spec.tolerance_for("output", "static-cache+int8") == Tolerance(1e-3, 1e-3).then(Tolerance(0.1, 0.1))
     BuildOptions(tmp_path, variants=("static-cache+int8",)).check()

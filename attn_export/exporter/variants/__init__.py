@@ -41,9 +41,13 @@ def op_counts(proto: onnx.ModelProto) -> Counter[str]:
     return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in proto.graph.node)
 
 
-def _signature(proto: onnx.ModelProto) -> tuple[Counter[str], Counter[int]]:
-    """What a link must change to have done anything: the ops, and the weights' types."""
-    return op_counts(proto), Counter(t.data_type for t in proto.graph.initializer)
+def _signature(proto: onnx.ModelProto) -> tuple[Counter[tuple[str, str, bytes]], Counter[int], bytes]:
+    """What a link must change to have done anything, names and order aside: its ops with
+    their attributes, the weights' types, the inputs' and outputs' types."""
+    graph = proto.graph
+    ops = Counter((n.domain, n.op_type, b"".join(a.SerializeToString() for a in n.attribute)) for n in graph.node)
+    io = b"".join(v.type.SerializeToString() for v in (*graph.input, *graph.output))
+    return ops, Counter(t.data_type for t in graph.initializer), io
 
 
 def _make(info: VariantInfo, source: onnx.ModelProto, provider: str) -> VariantGraph:
@@ -65,8 +69,9 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     A chain (``ort-past+int8``, checked by ``variant_chain``) makes its first link from
     ``source`` and each next link from the graph the link before made; its info lists each
     link's, in order, under ``links``, and its warnings name their link. A link whose tool
-    fails on that graph, or that leaves it with the same ops and weight types (``int8``
-    where no MatMul weight is left outside a fused op), cannot follow: ExportFailure naming it."""
+    fails on that graph, or that leaves it as it was (the same ops with the same attributes,
+    weight, input and output types: ``int8`` where no MatMul weight is left outside a fused
+    op), cannot follow: ExportFailure naming it."""
     chain = variant_chain(variant)
     if chain.chooser:
         raise UsageError(f"variant {variant} chooses among the others instead of making a graph")
@@ -85,7 +90,7 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
         except Exception as e:  # noqa: BLE001 - a link's tool meets a graph it was not written for
             raise ExportFailure(f"{cannot}: {link.name} failed on its graph: {first_line(e)}") from e
         if _signature(made.proto) == _signature(graph.proto):
-            raise ExportFailure(f"{cannot}: it leaves {before.name}'s graph with the same ops and weight types")
+            raise ExportFailure(f"{cannot}: it leaves {before.name}'s graph as it was (ops, attributes, types)")
         links.append({"variant": link.name, "info": made.info})
         warnings += [f"{link.name}: {w}" for w in made.warnings]
         graph = made

@@ -23,6 +23,7 @@ from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weigh
 from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow
 from attn_export.pipelines.bench.runners import EAGER, graph_entries, graph_runners
 from attn_export.runtimes import Runtime
+from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.ort import KIND as ORT_KIND
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
@@ -48,7 +49,7 @@ class PrefillCell:
 
 @dataclass(frozen=True)
 class DecodeCell:
-    """One decoder at one batch and past: ``window`` steps of ``seq`` tokens each."""
+    """One decoder at one batch and past: ``plan``'s window of steps of ``seq`` tokens each."""
 
     out_dir: Path
     manifest: Manifest
@@ -57,7 +58,8 @@ class DecodeCell:
     batch: int
     past: int
     seq: int
-    window: int
+    #: The steps' feeds (``decode.plan_window``), made by the run so that every runner decodes the same.
+    plan: DecodeWindow
     #: This run's copy bandwidth (bytes/s): each row's bandwidth limit is taken of it.
     copy_bandwidth: float
 
@@ -138,13 +140,11 @@ def prefill_cell(cell: PrefillCell) -> list[BenchRow]:
 def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
     """Every runner decoding the cell's window from the same prefilled cache, in turns."""
     from attn_export.exporter.factory import instantiate
-    from attn_export.pipelines.bench.decode import plan_window
 
-    spec, options = cell.spec, cell.options
+    spec, options, plan = cell.spec, cell.options, cell.plan
     module = instantiate(spec)
     runners = torch_runners(spec, module, options.provider, options.threads, twin=False)
     runners.update(graph_runners(cell.out_dir, cell.manifest, spec, options))
-    plan = plan_window(spec, cell.batch, cell.past, cell.window, options.seed, cell.seq)
     with contextlib.ExitStack() as active:
         decoders = {label: active.enter_context(runner).decoder(plan) for label, runner in runners.items()}
         stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)

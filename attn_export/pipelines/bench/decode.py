@@ -168,7 +168,17 @@ def run_decode_bench(
     report.copy_gbps = bandwidth / 1e9
     plans = [(spec, _rows(spec, options)) for spec in specs]
     cells = [
-        DecodeCell(out_dir, manifest, spec, options, batch, past, seq, window, bandwidth)
+        DecodeCell(
+            out_dir,
+            manifest,
+            spec,
+            options,
+            batch,
+            past,
+            seq,
+            plan_window(spec, batch, past, window, options.seed, seq),
+            bandwidth,
+        )
         for spec, (points, seq, window) in plans
         for batch, past in points
     ]

@@ -52,6 +52,13 @@ VARIANTS: dict[str, VariantInfo] = {
             "ort_past",
             export_opset=23,
         ),
+        VariantInfo(
+            "static-cache",
+            "a decoder's cache as a fixed-capacity buffer written in place (GroupQueryAttention up to a length)",
+            "static_cache",
+            export_opset=23,
+            auto_candidate=False,
+        ),
         VariantInfo("int8", "dynamic int8 quantization of MatMuls", "int8", tolerance=Tolerance(0.1, 0.1)),
         VariantInfo(
             "fp16",

@@ -178,8 +178,7 @@ def read_cases(
     declared = sum(e.info.file_size for e in entries)
     if declared > budget:
         raise ArtifactError(
-            f"{path}: golden arrays declare {format_bytes(declared)}, over the memory budget of "
-            f"{format_bytes(budget)}"
+            f"{path}: golden arrays declare {format_bytes(declared)}, over the memory budget of {format_bytes(budget)}"
         )
     cases: dict[str, GoldenCase] = {}
     for e in entries:

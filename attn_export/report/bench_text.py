@@ -64,7 +64,7 @@ def markdown_bench_table(report: BenchReport) -> str:
 
 DECODE_HEADER = (
     f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'SEQ':>4} {'MS/STEP':>9} {'P90_MS':>9} "
-    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'MB/TOK':>7} {'GB/S':>6} {'VS_LIMIT':>8} {'OUT%':>5}  VERDICT"
+    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'MB/TOK':>7} {'GB/S':>6} {'VS_LIMIT':>8} {'OUT%':>5} {'SHARED':>6}  VERDICT"
 )
 
 
@@ -76,13 +76,17 @@ def _physics(r: DecodeRow) -> tuple[str, str, str, str]:
     return mb, gbps, _ratio(r.limit_ratio), out
 
 
+def _shared(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
 def format_decode_row(r: DecodeRow) -> str:
     flag = f"  {r.noise}" if r.noise else ""
     mb, gbps, limit, out = _physics(r)
     return (
         f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
         f"{r.latency.p90_ms:>9.3f} {r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} "
-        f"{mb:>7} {gbps:>6} {limit:>8} {out:>5}  {r.verdict or '-'}{flag}"
+        f"{mb:>7} {gbps:>6} {limit:>8} {out:>5} {_shared(r.shared_buffer):>6}  {r.verdict or '-'}{flag}"
     )
 
 
@@ -103,7 +107,8 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
         "MB/TOK: bytes a step moves per token (weights + cache read + cache written); GB/S: achieved; "
         f"VS_LIMIT: p50 over those bytes at this run's copy bandwidth ({_gbps(report.copy_gbps)}); "
-        "OUT%: share of an ONNX Runtime step outside kernels (profiled apart)",
+        "OUT%: share of an ONNX Runtime step outside kernels (profiled apart); "
+        "SHARED: a cache updated in place came back at its past's address every step (written in place)",
     ]
     return "\n".join(lines + _memory_lines(report.memory_mb))
 

@@ -56,9 +56,7 @@ def format_localize(report: LocalizeReport) -> str:
     if report.golden_case is not None:
         case = f"the recorded case {report.golden_case} ({format_sizes(report.sizes)}), PyTorch's values as built"
     elif report.decode_step is not None:
-        case = (
-            f"decode step {report.decode_step} of {report.layout} ({format_sizes(report.sizes)}), seed {report.seed}"
-        )
+        case = f"decode step {report.decode_step} of {report.layout} ({format_sizes(report.sizes)}), seed {report.seed}"
     else:
         case = f"{format_sizes(report.sizes)}, seed {report.seed}, {report.distribution}"
         case += f", mask case {report.mask_case}" if report.mask_case else ""

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from attn_export._deps import require
+from attn_export.runtimes.static_cache import StaticCache
 from attn_export.spec import TensorSpec
 from attn_export.spec.cache import CacheSpec
 
@@ -32,6 +33,8 @@ class DecodeWindow:
     past: int
     pasts: Feeds
     steps: list[Feeds]
+    #: New tokens per step.
+    seq: int = 1
 
     def feeds(self, step: int, pasts: Mapping[str, np.ndarray]) -> Feeds:
         """Step ``step``'s full feeds with ``pasts``, for a plain ``run``."""
@@ -132,13 +135,29 @@ class EagerDecoder:
 
 class OrtDecoder:
     """An ONNX Runtime session decoding a window with inputs and outputs bound: the presents
-    ONNX Runtime allocates are bound as the next step's pasts, with no numpy round trip."""
+    ONNX Runtime allocates are bound as the next step's pasts, with no numpy round trip.
 
-    def __init__(self, session: Any, spec: Signature, plan: DecodeWindow, provider: str = "cpu") -> None:
+    For a graph updating its cache in place (``static``: ``runtimes.static_cache``), each
+    past and its present are bound once to one buffer of ``capacity`` positions, the
+    prefilled cache at its start; a step binds only its length and per-step inputs.
+    ``shared`` says whether, at every step so far, ONNX Runtime returned each present at
+    its buffer's address (written in place, not copied)."""
+
+    def __init__(
+        self,
+        session: Any,
+        spec: Signature,
+        plan: DecodeWindow,
+        provider: str = "cpu",
+        static: StaticCache | None = None,
+        capacity: int = 0,
+    ) -> None:
         import onnxruntime as ort
 
         self.session = session
         self.plan = plan
+        self.static = static
+        self.shared: bool | None = None
         self._device = "cuda" if provider == "cuda" else "cpu"
 
         self._arrays: list[np.ndarray] = []  # on CPU an OrtValue shares its array's memory: keep them alive
@@ -164,6 +183,18 @@ class OrtDecoder:
         for name in self._outputs:
             self._binding.bind_output(name, self._device)
         self._sync = self._binding.synchronize_outputs if self._device != "cpu" else (lambda: None)
+        self._buffers: dict[str, Any] = {}
+        self._lengths: list[Any] = []
+        if static is not None:
+            for past, present in static.pairs:
+                arr = plan.pasts[past]
+                buffer = np.zeros((*arr.shape[:2], capacity, *arr.shape[3:]), arr.dtype)
+                buffer[:, :, : arr.shape[2]] = arr
+                self._buffers[present] = value(buffer)
+                self._binding.bind_ortvalue_input(past, self._buffers[present])
+                self._binding.bind_ortvalue_output(present, self._buffers[present])
+            self._lengths = [value(np.array(plan.past + k * plan.seq, np.int64)) for k in range(len(plan.steps))]
+            self._presents = []
         self.restart()
 
     def restart(self) -> None:
@@ -176,17 +207,28 @@ class OrtDecoder:
         if self._k == len(self._per_step):
             self.restart()
         binding = self._binding
-        for name, v in {**self._per_step[self._k], **self._pasts}.items():
+        per_step = self._per_step[self._k]
+        if self.static is not None:
+            per_step = {**per_step, self.static.length: self._lengths[self._k]}
+        for name, v in {**per_step, **(self._pasts if self.static is None else {})}.items():
             binding.bind_ortvalue_input(name, v)
         for name in self._presents:  # rebinding keeps its place, and ONNX Runtime allocates it anew
             binding.bind_output(name, self._device)
         self.session.run_with_iobinding(binding)
         self._last = binding.get_outputs()
         by_name = dict(zip(self._outputs, self._last, strict=True))
+        if self.static is not None:
+            shared = all(by_name[n].data_ptr() == b.data_ptr() for n, b in self._buffers.items())
+            self.shared = shared if self.shared is None else self.shared and shared
         self._pasts = {past: by_name[present] for past, present in self.plan.cache.pairs}
         self._k += 1
         self._sync()
 
     def outputs(self) -> Feeds:
-        """The last step's outputs as numpy copies (for checks, never timed)."""
-        return {n: v.numpy().copy() for n, v in zip(self._outputs, self._last, strict=True)}
+        """The last step's outputs as numpy copies (for checks, never timed); a buffer's
+        present as its filled positions."""
+        values = {n: v.numpy().copy() for n, v in zip(self._outputs, self._last, strict=True)}
+        if self.static is None:
+            return values
+        filled = self.plan.past + self._k * self.plan.seq
+        return {n: v[:, :, :filled] if n in self._buffers else v for n, v in values.items()}

@@ -18,6 +18,7 @@ import numpy as np
 
 from attn_export.errors import ArtifactError, InputError, ProviderError, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
+from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import PROVIDERS, Target
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
 from attn_export.spec.memory import ENV, format_bytes, memory_budget
@@ -167,8 +168,12 @@ class OnnxRuntime(Runtime):
         budget: int | None = None,
         threads: int | None = None,
         spinning: bool = True,
+        capacity: int | None = None,
     ) -> None:
         super().__init__(inputs, outputs, dims)
+        #: A cache updated in place (``runtimes.static_cache``): the buffer's positions.
+        self.capacity = capacity
+        self.static: StaticCache | None = None
         self.model = model
         self.provider = provider
         self.budget = budget or memory_budget()
@@ -186,6 +191,7 @@ class OnnxRuntime(Runtime):
         self.session = load_session(
             self.model, self.provider, budget=self.budget, threads=self.threads, spinning=self.spinning
         )
+        self.static = StaticCache.from_metadata(self.session.get_modelmeta().custom_metadata_map)
 
     def _deactivate(self) -> None:
         self.session = None
@@ -193,8 +199,10 @@ class OnnxRuntime(Runtime):
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.session is not None
         names = [t.name for t in self.outputs]
+        static = self.static
+        graph_feeds = dict(feeds) if static is None else static.feeds(feeds, self.buffer_capacity)
         try:
-            values = self.session.run(names, dict(feeds))
+            values = self.session.run(names, graph_feeds)
         except Exception as e:
             full = _ARENA_FULL.search(first_line(e))
             if full:
@@ -205,7 +213,14 @@ class OnnxRuntime(Runtime):
                     "in the spec)"
                 ) from e
             raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}") from e
-        return dict(zip(names, values, strict=True))
+        outputs = dict(zip(names, values, strict=True))
+        return outputs if static is None else static.filled((self.inputs, self.outputs, self.dims), feeds, outputs)
+
+    @property
+    def buffer_capacity(self) -> int:
+        """Positions of a static cache's buffers (``static_cache.capacity_for``)."""
+        assert self.static is not None
+        return capacity_for(self.capacity, self.dims, self.outputs, self.static)
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """On CUDA, bind inputs and outputs on the device (IOBinding) so no copy is timed."""
@@ -248,8 +263,14 @@ class OnnxRuntime(Runtime):
                 profile_prefix=Path(tmp) / "profile",
                 spinning=False,
             )
+            static = StaticCache.from_metadata(session.get_modelmeta().custom_metadata_map)
+            graph_feeds = (
+                dict(feeds)
+                if static is None
+                else static.feeds(feeds, capacity_for(self.capacity, self.dims, self.outputs, static))
+            )
             try:
-                session.run(None, dict(feeds))
+                session.run(None, graph_feeds)
             except Exception as e:
                 raise RuntimeFailure(f"{self.name}: the profiled run failed: {first_line(e)}") from e
             path = Path(session.end_profiling())
@@ -259,6 +280,8 @@ class OnnxRuntime(Runtime):
         """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own."""
         from attn_export.runtimes.decoders import OrtDecoder
 
+        if self.static is not None:
+            return OrtDecoder(self.session, self, plan, self.provider, self.static, self.buffer_capacity)
         return OrtDecoder(self.session, self, plan, self.provider)
 
 
@@ -266,7 +289,15 @@ def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | N
     # Timed against PyTorch in one process: idle threads must not spin and steal its cores.
     provider = target.provider or "cpu"
     return OnnxRuntime(
-        model, spec.inputs, spec.outputs, spec.dims, provider=provider, budget=budget, threads=threads, spinning=False
+        model,
+        spec.inputs,
+        spec.outputs,
+        spec.dims,
+        provider=provider,
+        budget=budget,
+        threads=threads,
+        spinning=False,
+        capacity=spec.cache_max_seq,
     )
 
 

@@ -5,6 +5,9 @@ with outputs ``present.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq + seq
 (Hugging Face Optimum and onnxruntime-genai use these names); ``attention_mask``
 ``[batch, past_seq + seq]`` and ``position_ids`` ``[batch, seq]`` are fed per step when the
 module takes them. Decoding (``checks.decode``) needs nothing else from the spec.
+
+``[cache] max_seq`` declares the capacity of a buffer updated in place (the ``static-cache``
+variant): it must hold the longest present the dims allow (``past_seq`` max + ``seq`` max).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class CacheSpec:
     positions: str | None
     #: Axis 0 of the caches, where symbolic.
     batch_dim: str | None = None
+    #: ``[cache] max_seq``: positions of a buffer updated in place; None when undeclared.
+    max_seq: int | None = None
 
 
 def cache_of(spec: ModelSpec) -> CacheSpec | None:
@@ -42,6 +47,8 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
     declared half-way is a SpecError naming what is missing."""
     pasts = [t for t in spec.inputs if _PAST.fullmatch(t.name)]
     if not pasts:
+        if spec.cache_max_seq is not None:
+            raise SpecError(f"{spec.name}: [cache] max_seq needs a past_key_values.* input to hold")
         return None
     outputs = {t.name: t for t in spec.outputs}
 
@@ -94,6 +101,12 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
     for t in spec.inputs:
         if t not in pasts and t is not mask and total in t.shape:
             raise bad(f"input '{t.name}' uses '{total}'; only '{MASK}' and the presents may")
+    longest = spec.dims[past].max + spec.dims[seq].max
+    if spec.cache_max_seq is not None and spec.cache_max_seq < longest:
+        raise bad(
+            f"max_seq = {spec.cache_max_seq} cannot hold a present of {longest} positions "
+            f"('{past}' max {spec.dims[past].max} + '{seq}' max {spec.dims[seq].max}); raise it or narrow the dims"
+        )
     batch = pasts[0].shape[0]
     return CacheSpec(
         tuple(pairs),
@@ -103,4 +116,5 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
         MASK if mask else None,
         POSITIONS if positions else None,
         batch if isinstance(batch, str) else None,
+        spec.cache_max_seq,
     )

@@ -131,6 +131,8 @@ class ModelSpec:
     search_path: str | None = None
     #: Memory budget (bytes) for one verify case; None means this machine's memory.
     max_memory: int | None = None
+    #: ``[cache] max_seq``: the capacity of a cache buffer updated in place (``static-cache``).
+    cache_max_seq: int | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's for that very name, else the table's
@@ -162,29 +164,33 @@ class ModelSpec:
         weights = asdict(self.weights)
         if self.weights.path is not None and self.search_path is not None:
             weights["path"] = os.path.relpath(self.weights.path, self.search_path)
-        return {
-            "name": self.name,
-            "description": self.description,
-            "module": self.module,
-            "kwargs": self.kwargs,
-            "inputs": [t.to_dict() for t in self.inputs],
-            "outputs": [t.to_dict() for t in self.outputs],
-            "dims": {k: v.to_toml() for k, v in self.dims.items()},
-            "opset": self.opset,
-            "exporter": self.exporter,
-            "mode": self.mode,
-            "weights": weights,
-            "tolerance": {
-                **_tolerance_dict(self.tolerance),
-                "outputs": {k: _tolerance_dict(v) for k, v in self.output_tolerances.items()},
-            },
-            "variants": {k: _tolerance_dict(v) for k, v in self.variant_tolerances.items()},
-            "typical": dict(self.typical),
-            "accept_guards": self.accept_guards,
-            **({"config": self.config} if self.config is not None else {}),
-            **({"call": self.call} if self.call else {}),
-            **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
-        } | ({"max_memory": self.max_memory} if self.max_memory else {})
+        return (
+            {
+                "name": self.name,
+                "description": self.description,
+                "module": self.module,
+                "kwargs": self.kwargs,
+                "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs],
+                "dims": {k: v.to_toml() for k, v in self.dims.items()},
+                "opset": self.opset,
+                "exporter": self.exporter,
+                "mode": self.mode,
+                "weights": weights,
+                "tolerance": {
+                    **_tolerance_dict(self.tolerance),
+                    "outputs": {k: _tolerance_dict(v) for k, v in self.output_tolerances.items()},
+                },
+                "variants": {k: _tolerance_dict(v) for k, v in self.variant_tolerances.items()},
+                "typical": dict(self.typical),
+                "accept_guards": self.accept_guards,
+                **({"config": self.config} if self.config is not None else {}),
+                **({"call": self.call} if self.call else {}),
+                **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
+            }
+            | ({"max_memory": self.max_memory} if self.max_memory else {})
+            | ({"cache": {"max_seq": self.cache_max_seq}} if self.cache_max_seq is not None else {})
+        )
 
     @property
     def free_dims(self) -> dict[str, DimRange]:

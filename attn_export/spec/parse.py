@@ -53,6 +53,7 @@ _TOP_KEYS = {
     "config",
     "call",
     "fully_masked",
+    "cache",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape"}
 _INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg", "expand"}
@@ -434,6 +435,19 @@ def _max_memory(where: _Where, raw: dict[str, Any]) -> int | None:
         raise where.error(str(e), "max_memory") from e
 
 
+def _cache_capacity(where: _Where, raw: dict[str, Any]) -> int | None:
+    """``[cache] max_seq``: positions a buffer updated in place holds (checked against the
+    cache's dims by ``cache_of``)."""
+    table = _table(where, raw, "cache", "a table")
+    _check_keys(where, table, {"max_seq"}, "[cache]", "cache")
+    if "max_seq" not in table:
+        return None
+    size = _int(where, table["max_seq"], "cache.max_seq", "max_seq", "cache")
+    if size < 1:
+        raise where.error(f"cache.max_seq = {size} must be at least 1", "max_seq", "cache")
+    return size
+
+
 def _description(where: _Where, raw: dict[str, Any]) -> str:
     value = raw.get("description", "")
     if not isinstance(value, str):
@@ -526,6 +540,7 @@ def spec_from_dict(
         config=_config(where, raw),
         call=_call(where, raw, inputs),
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
+        cache_max_seq=_cache_capacity(where, raw),
     )
     expanded = [t.name for t in inputs if t.expand]
     if expanded and spec.config is None:

@@ -122,6 +122,14 @@ VARIANTS: dict[str, VariantInfo] = {
             takes=frozenset({"float32"}),
         ),
         VariantInfo(
+            "static-cache",
+            "a decoder's cache as a fixed-capacity buffer written in place (GroupQueryAttention up to a length)",
+            "static_cache",
+            export_opset=23,
+            auto_candidate=False,
+            takes=frozenset({"plain-attention"}),
+        ),
+        VariantInfo(
             "fp16",
             "float16 inside, float32 inputs and outputs",
             "fp16",

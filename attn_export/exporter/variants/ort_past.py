@@ -101,11 +101,15 @@ def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[st
     return full, nodes.add("Greater", [top, none], "has_key")
 
 
-def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:
+def _lengths(nodes: _Nodes, op: CacheAttention, length: str | None) -> tuple[str, str]:
     """GroupQueryAttention's ``seqlens_k`` (total - 1 for every row, padding being in the
-    bias) and ``total_sequence_length``, from the shapes of the past and the new keys."""
+    bias) and ``total_sequence_length``: the new keys' length plus the past's, which is the
+    past's shape, or the input ``length`` for a buffer filled up to there."""
     axis = nodes.const("seq_axis", np.array([2], np.int64))
-    past = nodes.add("Gather", [nodes.add("Shape", [op.past_key], "past_shape"), axis], "past_len")
+    if length is None:
+        past = nodes.add("Gather", [nodes.add("Shape", [op.past_key], "past_shape"), axis], "past_len")
+    else:
+        past = nodes.add("Reshape", [length, nodes.const("one_dim", np.array([1], np.int64))], "past_len")
     new = nodes.add("Gather", [nodes.add("Shape", [op.new_key], "new_shape"), axis], "new_len")
     total = nodes.add("Cast", [nodes.add("Add", [past, new], "total_i64")], "total_1", to=TensorProto.INT32)
     scalar = nodes.add("Squeeze", [total], "total")
@@ -122,8 +126,12 @@ def _lengths(nodes: _Nodes, op: CacheAttention) -> tuple[str, str]:
     return nodes.add("Expand", [last, batch], "seqlens_k"), scalar
 
 
-def _replace(proto: onnx.ModelProto, op: CacheAttention, prefix: str) -> tuple[list[onnx.NodeProto], str]:
-    """The nodes standing in for one folded Attention node, and the contrib op they use."""
+def _replace(
+    proto: onnx.ModelProto, op: CacheAttention, prefix: str, length: str | None
+) -> tuple[list[onnx.NodeProto], str]:
+    """The nodes standing in for one folded Attention node, and the contrib op they use:
+    GroupQueryAttention wherever ``length`` names the filled length of a buffer (the only
+    one of the two that reads a buffer up to a length)."""
     node = op.node
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if attrs.get("softcap", 0.0) or attrs.get("qk_matmul_output_mode", 0):
@@ -134,13 +142,13 @@ def _replace(proto: onnx.ModelProto, op: CacheAttention, prefix: str) -> tuple[l
     bias, has_key = _bias(nodes, proto, op) if op.mask else ("", "")
     scale = {"scale": attrs["scale"]} if "scale" in attrs else {}
     y = f"{nodes.prefix}/y_bsh"
-    if heads == kv_heads:
+    if heads == kv_heads and length is None:
         kind = "MultiHeadAttention"
         inputs = [query, key, value, "", "", bias, op.past_key, op.past_value]
         extra: dict[str, Any] = {}
     else:
         kind = "GroupQueryAttention"
-        seqlens, total = _lengths(nodes, op)
+        seqlens, total = _lengths(nodes, op, length)
         inputs = [query, key, value, op.past_key, op.past_value, seqlens, total, "", "", "", bias]
         extra = {"kv_num_heads": kv_heads}
     nodes.nodes.append(
@@ -166,23 +174,31 @@ def _replace(proto: onnx.ModelProto, op: CacheAttention, prefix: str) -> tuple[l
     return nodes.nodes, kind
 
 
-def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
-    """``proto`` is the opset-23 export; refuse it unless an Attention op reads a cache."""
+def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> tuple[list[CacheAttention], list[str]]:
+    """Replace, in place, each Attention op reading a cache by a contrib op with past inputs;
+    the ops folded and the contrib ops used. ``proto`` is the opset-23 export; ExportFailure
+    naming ``variant`` unless an Attention op reads a cache. With ``length`` (an input's
+    name), every op is GroupQueryAttention reading its past up to that length."""
     folded = fold_cache(proto)
     if not folded:
         raise ExportFailure(
-            "variant ort-past needs a decoder whose cache Concat(past, new) feeds "
+            f"variant {variant} needs a decoder whose cache Concat(past, new) feeds "
             "F.scaled_dot_product_attention without is_causal (the opset 23 graph has no such Attention op)"
         )
     graph = proto.graph
     prefixes = _prefixes(proto)
-    replaced = {op.node.output[0]: _replace(proto, op, next(prefixes)) for op in folded}
+    replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
     graph.ClearField("node")
     graph.node.extend(kept)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    kinds = sorted({kind for _, kind in replaced.values()})
+    return folded, sorted({kind for _, kind in replaced.values()})
+
+
+def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
+    """``proto`` is the opset-23 export; refuse it unless an Attention op reads a cache."""
+    _, kinds = rewrite(proto, "ort-past")
     result = VariantGraph(proto, {"cache_ops": kinds, "ops": dict(op_counts(proto))})
     if "GroupQueryAttention" in kinds:
         result.warnings.append(GQA_LIMITS)

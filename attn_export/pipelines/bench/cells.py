@@ -162,8 +162,9 @@ def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
     base = stats[EAGER]
     tokens = cell.batch * cell.seq
     rows = []
+    shared = {label: getattr(d, "shared", None) for label, d in decoders.items()}
     for label, s in stats.items():
-        moved = step_bytes(plan, cell.seq, weights[label]).total
+        moved = step_bytes(plan, cell.seq, weights[label], in_place=bool(shared[label])).total
         rows.append(
             DecodeRow(
                 model=spec.name,
@@ -181,6 +182,7 @@ def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
                 gbps=moved / (s.p50_ms / 1e3) / 1e9,
                 limit_ratio=s.p50_ms / (moved / cell.copy_bandwidth * 1e3),
                 outside_kernels=outside.get(label),
+                shared_buffer=shared[label],
             )
         )
     return rows

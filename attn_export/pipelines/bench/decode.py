@@ -123,7 +123,7 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
             elif t.name == cache.positions:
                 feeds[t.name] = np.broadcast_to(np.arange(first, first + seq), (batch, seq)).astype(t.dtype)
         steps.append(feeds)
-    window_plan = DecodeWindow(cache, past, pasts, steps)
+    window_plan = DecodeWindow(cache, past, pasts, steps, seq)
     inputs = {t.name: t for t in spec.inputs}
     for k in (0, window - 1):  # the first and the longest step: every size is in range
         shapes = {p: (*pasts[p].shape[:2], past + k * seq, pasts[p].shape[3]) for p in past_names}

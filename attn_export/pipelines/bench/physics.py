@@ -72,14 +72,15 @@ class StepBytes:
         return self.weights + self.cache_read + self.cache_written
 
 
-def step_bytes(plan: DecodeWindow, seq: int, weights: int) -> StepBytes:
+def step_bytes(plan: DecodeWindow, seq: int, weights: int, in_place: bool = False) -> StepBytes:
     """Mean bytes per step of ``plan``'s window of ``seq``-token steps: step k reads pasts of
-    the prefilled length plus the k steps before, and writes presents ``seq`` longer."""
+    the prefilled length plus the k steps before, and writes presents ``seq`` longer, or
+    ``in_place`` only the ``seq`` new positions."""
     steps = len(plan.steps)
     per_position = sum(_position_bytes(past) for past in plan.pasts.values())
     lengths = [plan.past + k * seq for k in range(steps)]
     read = sum(lengths) * per_position
-    written = sum(length + seq for length in lengths) * per_position
+    written = sum(seq if in_place else length + seq for length in lengths) * per_position
     return StepBytes(weights, read // steps, written // steps)
 
 
@@ -98,7 +99,9 @@ def outside_kernels(
 
     with tempfile.TemporaryDirectory() as tmp:
         session = load_session(path, provider, threads=threads, spinning=False, profile_prefix=Path(tmp) / "profile")
-        decoder = OrtDecoder(session, signature, plan, provider)
+        static = getattr(signature, "static", None)  # a cache updated in place: bound as the timed runner binds it
+        capacity = signature.buffer_capacity if static is not None else 0
+        decoder = OrtDecoder(session, signature, plan, provider, static, capacity)
         for _ in range(steps):
             decoder.step()
         events = json.loads(Path(session.end_profiling()).read_text())

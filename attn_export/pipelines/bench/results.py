@@ -134,6 +134,9 @@ class DecodeRow:
     limit_ratio: float | None = None
     #: ONNX Runtime rows: the share of a step's wall time outside node kernels, from a profile.
     outside_kernels: float | None = None
+    #: A runner updating its cache in place: whether every timed step returned each present
+    #: at its past's address (ONNX Runtime shared the buffer); None for the others.
+    shared_buffer: bool | None = None
 
     @property
     def noise(self) -> str | None:

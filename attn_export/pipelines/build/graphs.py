@@ -4,6 +4,7 @@ check that runs it in ONNX Runtime. Each is computed once, and a failure is reme
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -26,6 +27,7 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache, graph_signature
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
@@ -185,6 +187,11 @@ class SpecBuild:
             graph = make_variant(name, self.export(opset), self.options.provider)
         except (ExportFailure, GraphCheckError) as e:
             raise type(e)(f"{key}: {e}") from e
+        static = StaticCache.from_metadata({p.key: p.value for p in graph.proto.metadata_props})
+        if static is not None and spec.cache_max_seq is None:
+            raise ExportFailure(
+                f"{key}: a cache updated in place needs its capacity: declare [cache] max_seq in the spec"
+            )
         proto = stamp_metadata(
             graph.proto,
             {
@@ -195,11 +202,12 @@ class SpecBuild:
                 "attn_export.exporter": spec.exporter,
                 "attn_export.opset": str(opset),
                 **{f"attn_export.version.{k}": v for k, v in self.vers.items()},
+                **({METADATA_KEY: json.dumps(static.to_dict())} if static else {}),
             },
         )
         check_model(proto, key)
         check_deterministic(proto, key)
-        check_dynamic_axes(proto, key, spec.inputs, spec.outputs, spec.dims)
+        check_dynamic_axes(proto, key, *graph_signature(proto, spec.inputs, spec.outputs), spec.dims)
         return Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
     def smoke(self, variant: str, model: bytes) -> None:
@@ -208,7 +216,9 @@ class SpecBuild:
         spec = self.spec
         tolerances = spec.tolerances(variant)
         cases = [c for c in self.golden.get() if c.label not in CASES]  # mask cases are settled, not smoked
-        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, provider="cpu") as session:
+        with OnnxRuntime(
+            model, spec.inputs, spec.outputs, spec.dims, provider="cpu", capacity=spec.cache_max_seq
+        ) as session:
             for case in [self.example.get(), *cases]:
                 if split_label(case.label)[1] != DEFAULT_DISTRIBUTION:
                     continue

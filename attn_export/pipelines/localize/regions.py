@@ -188,9 +188,7 @@ def graph_regions(
     regions = []
     for key, members in groups.items():
         outs = outputs(key)
-        read = dict.fromkeys(
-            v for i in members for v in nodes[i].input if v and v not in outs and v not in weights
-        )
+        read = dict.fromkeys(v for i in members for v in nodes[i].input if v and v not in outs and v not in weights)
         compared = [(v, fx_of(v)) for v in dict.fromkeys(outs) if fx_of(v)]
         compared.sort(key=lambda c: c[1] != key)  # the group's own FX node first
         fx = compared[0][1] if compared else ("" if key.startswith("<") else key)

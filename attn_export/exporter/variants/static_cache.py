@@ -1,0 +1,98 @@
+"""static-cache: a decoder's cache as a fixed-capacity buffer that each step writes in place.
+
+From the opset-23 export with the cache folded into the ``Attention`` op (as ``ort-past``),
+each such node becomes ``com.microsoft.GroupQueryAttention`` reading its past up to the
+graph input ``past_length``: the pasts are ``[batch, kv_heads, max_seq, head_dim]`` buffers,
+the new tokens' keys and values are written at ``past_length`` and the presents are the
+buffers again, of the same shape. Bound to one OrtValue, past and present are one buffer
+(ONNX Runtime's ``past_present_share_buffer``, decided by their addresses): a step writes
+only its new tokens, where a growing cache writes the whole present again. The interface
+(``runtimes.static_cache.StaticCache``) is in the graph's metadata and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from attn_export.errors import ExportFailure
+from attn_export.exporter.variants import VariantGraph, op_counts
+from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
+from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
+
+
+def _filled_shapes(proto: onnx.ModelProto, past: str, attention: set[str]) -> None:
+    """Every other node reading a past must be a ``Shape`` of it (the export reads the past's
+    length so): it becomes the buffer's shape with axis 2 the filled length, no copy made."""
+    readers = [n for n in proto.graph.node if past in n.input and n.name not in attention]
+    for node in readers:
+        if node.op_type != "Shape":
+            raise ExportFailure(
+                f"variant static-cache: node '{node.name}' ({node.op_type}) reads the past '{past}' "
+                "itself; only its attention and its shape may"
+            )
+        nodes = _Nodes(f"{node.output[0]}/filled")
+        whole = nodes.add("Shape", [past], "buffer_shape")
+        parts = [
+            nodes.add(
+                "Slice",
+                [whole, nodes.const("zero", np.array([0], np.int64)), nodes.const("two", np.array([2], np.int64))],
+                "lead",
+            ),
+            nodes.add("Reshape", [LENGTH, nodes.const("one", np.array([1], np.int64))], "length"),
+            nodes.add(
+                "Slice",
+                [whole, nodes.const("three", np.array([3], np.int64)), nodes.const("four", np.array([4], np.int64))],
+                "tail",
+            ),
+        ]
+        shape = nodes.add("Concat", parts, "shape", axis=0)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs:  # Shape's start and end (ends past the rank clamp, as Slice's do)
+            start = nodes.const("start", np.array([attrs.get("start", 0)], np.int64))
+            end = nodes.const("end", np.array([attrs.get("end", 4)], np.int64))
+            nodes.add("Slice", [shape, start, end], "shape_part")
+        nodes.nodes[-1].output[0] = node.output[0]
+        at = list(proto.graph.node).index(node)
+        proto.graph.node.remove(node)
+        for i, new in enumerate(nodes.nodes):
+            new.metadata_props.extend(node.metadata_props)
+            proto.graph.node.insert(at + i, new)
+        proto.graph.initializer.extend(nodes.constants)
+
+
+def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
+    """``proto`` is the opset-23 export; refuse it unless an Attention op reads a cache."""
+    graph = proto.graph
+    if any(i.name == LENGTH for i in graph.input):
+        raise ExportFailure(f"variant static-cache needs the input name '{LENGTH}' for itself; the graph has one")
+    folded, kinds = rewrite(proto, "static-cache", LENGTH)
+    pairs = tuple(
+        (past, present)
+        for op in folded
+        for past, present in zip((op.past_key, op.past_value), op.node.output[1:3], strict=True)
+    )
+    outputs = {o.name for o in graph.output}
+    inputs = {i.name for i in graph.input}
+    if not all(past in inputs and present in outputs for past, present in pairs):
+        raise ExportFailure(
+            "variant static-cache needs each cache's past to be a graph input and its present an output"
+        )
+    buffers = {n for pair in pairs for n in pair}
+    for value in (*graph.input, *graph.output):
+        if value.name in buffers:
+            value.type.tensor_type.shape.dim[2].Clear()
+            value.type.tensor_type.shape.dim[2].dim_param = CAPACITY_DIM
+    graph.input.append(helper.make_tensor_value_info(LENGTH, TensorProto.INT64, []))
+    attention = {n.name for n in graph.node if n.op_type == "GroupQueryAttention"}
+    for past, _ in pairs:
+        _filled_shapes(proto, past, attention)
+    interface = StaticCache(pairs)
+    helper.set_model_props(
+        proto, {**{p.key: p.value for p in proto.metadata_props}, METADATA_KEY: json.dumps(interface.to_dict())}
+    )
+    info = {"cache_ops": kinds, "ops": dict(op_counts(proto)), "interface": interface.to_dict()}
+    return VariantGraph(proto, info, [GQA_LIMITS])

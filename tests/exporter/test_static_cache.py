@@ -1,0 +1,133 @@
+"""static-cache: the tiny KV-cache decoder at batch 1 with its cache a buffer of max_seq
+positions written in place, verified over decode steps with its unfilled slots poisoned,
+and decoded bound, past and present one buffer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import helper
+
+from attn_export.cli import cli
+from attn_export.errors import SpecError
+from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
+from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.spec import load_spec
+from attn_export.spec.cache import cache_of
+from tests.conftest import TINY_ZOO, copy_build, plant, shared_build, write_spec
+
+CAPACITY = "\n[cache]\nmax_seq = 48\n"
+
+
+def _one_stream(text: str) -> str:
+    """The tiny decoder at batch 1: GroupQueryAttention takes several new tokens on a
+    non-empty cache only there."""
+    text = text.replace("batch = { min = 1, max = 4 }\n", "").replace('["batch", ', "[1, ")
+    return text.replace('mask = "left-padding"\n', 'mask = "left-padding"\nlayout = "key-padding"\n') + CAPACITY
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory):
+    def specs(models: Path) -> list[Path]:
+        return [write_spec(models, "mha_one_stream", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()))]
+
+    built = shared_build(tmp_path_factory, "static-cache", specs, variants=("static-cache",))
+    assert built.errors["mha_one_stream.static-cache"] is None, built.errors
+    return built
+
+
+def test_the_capacity_must_hold_the_longest_present(tmp_path: Path) -> None:
+    text = (TINY_ZOO / "mha_kv_cache.toml").read_text()
+    with pytest.raises(SpecError, match=r"max_seq = 39 cannot hold a present of 40 positions \('past_seq' max 24"):
+        load_spec(write_spec(tmp_path, "short", text + "\n[cache]\nmax_seq = 39\n"))
+    assert cache_of(load_spec(write_spec(tmp_path, "fits", text + "\n[cache]\nmax_seq = 40\n"))).max_seq == 40
+    with pytest.raises(SpecError, match=r"max_seq needs a past_key_values"):
+        load_spec(write_spec(tmp_path, "none", (TINY_ZOO / "mha.toml").read_text() + CAPACITY))
+
+
+def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
+    from attn_export.pipelines.build import BuildOptions, build_models
+
+    spec = write_spec(
+        tmp_path, "undeclared", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()).replace(CAPACITY, "")
+    )
+    summary = build_models([spec], BuildOptions(tmp_path / "out", variants=("static-cache",)))
+    error = {r.name: r.error for r in summary.results}["undeclared.static-cache"]
+    assert error is not None and "declare [cache] max_seq in the spec" in error
+
+
+def test_the_graph_takes_buffers_and_a_length(built) -> None:
+    proto = onnx.load(built.out / "mha_one_stream.static-cache.onnx")
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
+    assert shapes["past_key_values.0.key"] == [1, 4, "max_seq", 8] and shapes["past_length"] == []
+    (node,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    assert list(node.input[3:5]) == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
+
+
+def _verify(out: Path, models: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.chdir(models.parent)
+    result = CliRunner().invoke(
+        cli, ["verify", str(out / "mha_one_stream.static-cache.onnx"), "--no-latency", "--decode", "3"]
+    )
+    return f"{result.exit_code}\n{result.output}"
+
+
+def test_verify_decodes_it_against_the_growing_cache(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    output = _verify(built.out, built.models, monkeypatch)
+    assert output.startswith("0\n"), output
+    assert "1 of 1 decode trajectories agree (up to 3 steps after the prompt)" in output
+
+
+def test_a_graph_reading_unfilled_slots_fails_naming_the_step(built, tmp_path, monkeypatch) -> None:
+    """Planted: GroupQueryAttention told that every position of the buffer is filled
+    (seqlens_k = max_seq - 1); the NaN poisoning the unfilled slots shows."""
+    copy = copy_build(built, tmp_path)
+    proto = onnx.load(copy.out / "mha_one_stream.static-cache.onnx")
+    (expand,) = [n for n in proto.graph.node if n.output[0].endswith("/seqlens_k")]
+    nodes = [
+        helper.make_node("Shape", ["past_key_values.0.key"], ["planted/capacity"], start=2, end=3),
+        helper.make_node("Cast", ["planted/capacity"], ["planted/capacity_i32"], to=onnx.TensorProto.INT32),
+        helper.make_node("Sub", ["planted/capacity_i32", expand.input[0].rsplit("/", 1)[0] + "/one"], ["planted/last"]),
+    ]
+    expand.input[0] = "planted/last"
+    for i, node in enumerate(nodes):
+        proto.graph.node.insert(i, node)
+    plant(copy.out, "mha_one_stream.static-cache", proto)
+    output = _verify(copy.out, copy.models, monkeypatch)
+    assert output.startswith("1\n"), output
+    assert "decode batch-1: first divergence at step 2 (past 2, seq 1): output: 32 NaN/Inf" in output, output
+
+
+def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
+    spec = load_spec(built.models / "mha_one_stream.toml")
+    cache = cache_of(spec)
+    rng = np.random.default_rng(0)
+    past, steps = 5, 3
+    pasts = {p: rng.standard_normal((1, 4, past, 8)).astype(np.float32) for p, _ in cache.pairs}
+    x = rng.standard_normal((1, 1, 32)).astype(np.float32)
+    feeds = [{"hidden_states": x, "attention_mask": np.ones((1, past + k + 1), np.int64)} for k in range(steps)]
+    plan = DecodeWindow(cache, past, pasts, feeds)
+    with OnnxRuntime(
+        built.out / "mha_one_stream.static-cache.onnx",
+        spec.inputs,
+        spec.outputs,
+        spec.dims,
+        capacity=spec.cache_max_seq,
+    ) as runtime:
+        decoder = runtime.decoder(plan)
+        assert isinstance(decoder, OrtDecoder)
+        grown = dict(pasts)
+        for k in range(steps):
+            decoder.step()
+            want = runtime.run({**feeds[k], **grown})
+            grown = {p: want[q] for p, q in cache.pairs}
+        got = decoder.outputs()
+    assert decoder.shared is True  # every step's present came back at its buffer's address
+    for name, value in want.items():
+        assert got[name].shape == value.shape
+        np.testing.assert_allclose(got[name], value, atol=1e-6)

@@ -14,6 +14,8 @@ from onnx import helper
 
 from attn_export.cli import cli
 from attn_export.errors import SpecError
+from attn_export.exporter.factory import instantiate
+from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import load_spec
@@ -35,8 +37,9 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     def specs(models: Path) -> list[Path]:
         return [write_spec(models, "mha_one_stream", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()))]
 
-    built = shared_build(tmp_path_factory, "static-cache", specs, variants=("static-cache",))
+    built = shared_build(tmp_path_factory, "static-cache", specs, variants=("static-cache", "static-cache+int8"))
     assert built.errors["mha_one_stream.static-cache"] is None, built.errors
+    assert built.errors["mha_one_stream.static-cache+int8"] is None, built.errors
     return built
 
 
@@ -49,6 +52,7 @@ def test_the_capacity_must_hold_the_longest_present(tmp_path: Path) -> None:
         load_spec(write_spec(tmp_path, "none", (TINY_ZOO / "mha.toml").read_text() + CAPACITY))
 
 
+@pytest.mark.slow
 def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
     from attn_export.pipelines.build import BuildOptions, build_models
 
@@ -69,18 +73,56 @@ def test_the_graph_takes_buffers_and_a_length(built) -> None:
     assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
 
 
-def _verify(out: Path, models: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def _verify(out: Path, models: Path, monkeypatch: pytest.MonkeyPatch, variant: str = "static-cache") -> str:
     monkeypatch.chdir(models.parent)
-    result = CliRunner().invoke(
-        cli, ["verify", str(out / "mha_one_stream.static-cache.onnx"), "--no-latency", "--decode", "3"]
-    )
+    graph = str(out / f"mha_one_stream.{variant}.onnx")
+    result = CliRunner().invoke(cli, ["verify", graph, "--no-latency", "--decode", "3", "--distribution", "normal"])
     return f"{result.exit_code}\n{result.output}"
 
 
-def test_verify_decodes_it_against_the_growing_cache(built, monkeypatch: pytest.MonkeyPatch) -> None:
-    output = _verify(built.out, built.models, monkeypatch)
+@pytest.mark.parametrize("variant", ["static-cache", "static-cache+int8"])
+def test_verify_decodes_it_against_the_growing_cache(built, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    output = _verify(built.out, built.models, monkeypatch, variant)
     assert output.startswith("0\n"), output
     assert "1 of 1 decode trajectories agree (up to 3 steps after the prompt)" in output
+
+
+def test_the_int8_chain_keeps_the_buffers_and_quantizes_the_projections(built) -> None:
+    proto = onnx.load(built.out / "mha_one_stream.static-cache+int8.onnx")
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("GroupQueryAttention") == 1 and ops.count("MatMulInteger") == 4 and "MatMul" not in ops
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
+    assert shapes["past_key_values.0.key"] == [1, 4, "max_seq", 8] and shapes["past_length"] == []
+
+
+def test_bench_decode_times_it_in_place(built, tmp_path: Path) -> None:
+    """bench --decode on the batch-1 decoder: the in-place rows say their presents came back
+    at the buffer's address every step, and count only the new token as written."""
+    import json
+
+    copy = copy_build(built, tmp_path)
+    spec = str(copy.models / "mha_one_stream.toml")
+    args = ["bench", spec, "--decode", "--out", str(copy.out), "--past", "8", "--budget", "0.01", "--threads", "1"]
+    args += [
+        "--variant",
+        "static-cache",
+        "--variant",
+        "static-cache+int8",
+        "--no-memory",
+        "--json",
+        str(tmp_path / "d.json"),
+    ]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["runner"]: r for r in json.loads((tmp_path / "d.json").read_text())["rows"]}
+    assert rows["ort:static-cache"]["shared_buffer"] is True and rows["ort:static-cache+int8"]["shared_buffer"] is True
+    assert rows["torch-eager"]["shared_buffer"] is None
+    position = 2 * 4 * 8 * 4  # key and value: heads x head_dim x float32
+    read = (8 + 3.5) * position  # the window's 8 steps read pasts of 8 .. 15 positions
+    weights = graph_weight_bytes(copy.out / "mha_one_stream.static-cache.onnx")
+    assert rows["ort:static-cache"]["bytes_per_token"] == pytest.approx(weights + read + position, abs=1)
+    eager = module_weight_bytes(instantiate(load_spec(copy.models / "mha_one_stream.toml")))
+    assert rows["torch-eager"]["bytes_per_token"] == pytest.approx(eager + read + read + position, abs=1)
 
 
 def test_a_graph_reading_unfilled_slots_fails_naming_the_step(built, tmp_path, monkeypatch) -> None:

@@ -92,8 +92,10 @@ def past_lengths(spec: ModelSpec, requested: Sequence[int] | None = None) -> lis
 
 
 def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int, seq: int = 1) -> dict[str, int]:
-    """The sizes of one step of ``seq`` tokens at ``batch`` and ``past``."""
-    return spec.with_sums({name: 1 for name in spec.dims} | {"batch": batch, cache.seq_dim: seq, cache.past_dim: past})
+    """The sizes of one step of ``seq`` tokens at ``batch`` and ``past`` (a spec without a
+    batch dim runs at batch 1 only: ``plan_window`` says so)."""
+    batched = {"batch": batch} if "batch" in spec.dims else {}
+    return spec.with_sums({name: 1 for name in spec.dims} | batched | {cache.seq_dim: seq, cache.past_dim: past})
 
 
 def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, seq: int = 1) -> DecodeWindow:
@@ -101,8 +103,11 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
     ``past`` random entries, shortened where the spec's past range ends; each step's feeds
     pass ``check_feeds``."""
     cache = _cache(spec)
-    if "batch" not in spec.dims:
-        raise InputError(f"{spec.name}: bench needs a dim named 'batch' (dims: {', '.join(spec.dims)})")
+    if "batch" not in spec.dims and batch != 1:
+        raise InputError(
+            f"{spec.name}: batch {batch} needs a dim named 'batch' (dims: {', '.join(spec.dims)}); "
+            "without one the model runs at batch 1 only"
+        )
     allowed = spec.dims[cache.seq_dim]
     if not allowed.min <= seq <= allowed.max:
         raise InputError(f"{spec.name}: a step of {cache.seq_dim} {seq} is outside [{allowed.min}, {allowed.max}]")

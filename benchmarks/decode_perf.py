@@ -6,8 +6,10 @@ machine's memory bandwidth.
 
 Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads as a
 decoding step with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, past up
-to 4096) with the fp32, attention-op, ort-past, ort-fused and int8 variants, runs
-``bench --decode`` at batch 1 and past 128, 512 and 2048, and prints at past 512:
+to 4096) with the fp32, attention-op, ort-past, ort-fused and int8 variants, and the same
+model at batch 1 with a capacity (``mha_kv_cache_512_one_stream.toml``) with the cache
+updated in place (static-cache, static-cache+int8), runs ``bench --decode`` at batch 1 and
+past 128, 512 and 2048, and prints at past 512:
 
 * the best ONNX Runtime variant's per-token latency against PyTorch eager with its cache
   (target <= 0.5x);
@@ -24,22 +26,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "models" / "mha_kv_cache_512.toml"
+#: The same model at batch 1 with a declared capacity: the cache updated in place.
+ONE_STREAM = HERE / "models" / "mha_kv_cache_512_one_stream.toml"
 PASTS = (128, 512, 2048)
 AT = 512
 VARIANTS = ("fp32", "attention-op", "ort-past", "ort-fused", "int8")
+IN_PLACE = ("static-cache", "static-cache+int8")
 
 
 def last_level_cache() -> str:
@@ -57,28 +58,19 @@ def last_level_cache() -> str:
 def profile_bound_steps(
     model: Path, spec: Any, threads: int, steps: int = 200
 ) -> tuple[dict[str, float], float, float, float]:
-    """ONNX Runtime's profile of the timed path (IOBinding, presents fed back) at past
-    ``AT``: share of kernel time per op type, mean ms per run, mean ms in kernels per run,
-    and nodes run per step. Profiling slows every node: read the shares, not the times."""
+    """ONNX Runtime's profile of the timed path (IOBinding, presents fed back or the buffer
+    written in place) at past ``AT``: share of kernel time per op type, mean ms per run,
+    mean ms in kernels per run, and nodes run per step."""
     from attn_export.pipelines.bench.decode import plan_window
-    from attn_export.runtimes.decoders import OrtDecoder
-    from attn_export.runtimes.ort import load_session
+    from attn_export.pipelines.bench.physics import profile_steps
+    from attn_export.runtimes.ort import OnnxRuntime
 
-    with tempfile.TemporaryDirectory() as tmp:
-        session = load_session(model, "cpu", threads=threads, spinning=False, profile_prefix=Path(tmp) / "profile")
-        decoder = OrtDecoder(session, spec, plan_window(spec, 1, AT, 8, 0))
-        for _ in range(steps):
-            decoder.step()
-        events = json.loads(Path(session.end_profiling()).read_text())
-    per_op: dict[str, float] = defaultdict(float)
-    runs = [e["dur"] for e in events if e.get("cat") == "Session" and e["name"] == "model_run"]
-    for e in events:
-        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
-            per_op[e["args"]["op_name"]] += e["dur"]
-    nodes = sum(1 for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
-    kernels = sum(per_op.values())
-    shares = {op: us / kernels for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])}
-    return shares, float(np.mean(runs)) / 1e3, kernels / len(runs) / 1e3, nodes / len(runs)
+    runtime = OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, threads=threads, capacity=spec.cache_max_seq)
+    with runtime:
+        profile = profile_steps(model, runtime, plan_window(spec, 1, AT, 8, 0), "cpu", threads, steps)
+    kernels = sum(profile.kernel_us.values())
+    shares = {op: us / kernels for op, us in sorted(profile.kernel_us.items(), key=lambda kv: -kv[1])}
+    return shares, profile.run_us / profile.runs / 1e3, kernels / profile.runs / 1e3, profile.nodes / profile.runs
 
 
 def main() -> None:
@@ -103,24 +95,32 @@ def main() -> None:
     from attn_export.spec import load_spec, variant_key
 
     command = " ".join(["python", "benchmarks/decode_perf.py", *sys.argv[1:]])
-    spec = load_spec(SPEC)
+    spec, one_stream = load_spec(SPEC), load_spec(ONE_STREAM)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         t0 = time.perf_counter()
         built = build_models([SPEC], BuildOptions(out, variants=VARIANTS))
+        built.results += build_models([ONE_STREAM], BuildOptions(out, variants=IN_PLACE)).results
         assert all(r.ok for r in built.results), [r.error for r in built.results]
         build_s = time.perf_counter() - t0
         manifest = load_manifest(out)
-        report = run_decode_bench(
-            out,
-            manifest,
-            [spec],
-            DecodeBenchOptions(batches=[1], pasts=PASTS, variants=VARIANTS, threads=args.threads, budget_s=args.budget),
-        )
+
+        def bench(model: Any, variants: tuple[str, ...]) -> Any:
+            options = DecodeBenchOptions(
+                batches=[1], pasts=PASTS, variants=variants, threads=args.threads, budget_s=args.budget
+            )
+            return run_decode_bench(out, manifest, [model], options)
+
+        report = bench(spec, VARIANTS)
+        report.rows += bench(one_stream, IN_PLACE).rows  # each cell timed against its own eager, in turns
         files = {v: out / manifest.models[variant_key(spec.name, v)].file for v in VARIANTS}
+        files |= {v: out / manifest.models[variant_key(one_stream.name, v)].file for v in IN_PLACE}
         bandwidth = (report.copy_gbps or float("nan")) * 1e9
 
-        rows = {r.runner: r for r in report.rows if r.past == AT}
+        rows: dict[str, Any] = {}
+        for r in report.rows:
+            if r.past == AT:
+                rows.setdefault(r.runner, r)  # the first eager: the batch-dim model's
         eager = rows["torch-eager"]
         best = min((r for r in rows.values() if r.runner != "torch-eager"), key=lambda r: r.latency.p50_ms)
         variant = best.runner.removeprefix("ort:")
@@ -152,7 +152,7 @@ def main() -> None:
             "written)"
         )
         print(f"  bandwidth limit    {limit_ms:.3f} ms/token; largest CPU cache {last_level_cache()}")
-        for v in VARIANTS:  # each variant against the limit of its own bytes
+        for v in VARIANTS + IN_PLACE:  # each variant against the limit of its own bytes
             row = rows[f"ort:{v}"]
             outside = "-" if row.outside_kernels is None else f"{100 * row.outside_kernels:.0f}%"
             print(
@@ -176,7 +176,8 @@ def main() -> None:
                 "between steps, so DRAM bandwidth does not bound this size; the limit is a ceiling only past them."
             )
         if not (eager_met and limit_met) or args.profile:
-            shares, run_ms, kernel_ms, nodes = profile_bound_steps(files[variant], spec, report.threads)
+            model = one_stream if variant in IN_PLACE else spec
+            shares, run_ms, kernel_ms, nodes = profile_bound_steps(files[variant], model, report.threads)
             print(
                 f"\nONNX Runtime {variant}, bound decode steps at past {AT} (enable_profiling, which slows each "
                 f"node: {run_ms:.3f} ms per run here against {best.latency.p50_ms:.3f} timed): {nodes:.0f} nodes per "

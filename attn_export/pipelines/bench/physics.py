@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,16 @@ import numpy as np
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.runtimes.decoders import DecodeWindow
 
-__all__ = ["StepBytes", "copy_bandwidth", "graph_weight_bytes", "module_weight_bytes", "outside_kernels", "step_bytes"]
+__all__ = [
+    "StepBytes",
+    "StepProfile",
+    "copy_bandwidth",
+    "graph_weight_bytes",
+    "module_weight_bytes",
+    "outside_kernels",
+    "profile_steps",
+    "step_bytes",
+]
 
 
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
@@ -89,11 +99,27 @@ def _position_bytes(past: np.ndarray) -> int:
     return int(np.prod([past.shape[0], past.shape[1], *past.shape[3:]])) * past.dtype.itemsize
 
 
-def outside_kernels(
+@dataclass(frozen=True)
+class StepProfile:
+    """ONNX Runtime's profile of bound decode steps: wall time of the runs, and kernel time
+    by op type. Profiling slows every node: read its shares, never its times as latency."""
+
+    runs: int
+    run_us: float
+    kernel_us: dict[str, float]
+    nodes: int
+
+    @property
+    def outside(self) -> float:
+        """The share of a run's wall time outside node kernels."""
+        return max(0.0, 1.0 - sum(self.kernel_us.values()) / self.run_us) if self.run_us else 0.0
+
+
+def profile_steps(
     path: Path, signature: Any, plan: DecodeWindow, provider: str, threads: int, steps: int = 50
-) -> float:
-    """The share of a bound decode step's wall time ONNX Runtime spends outside node
-    kernels, from the profile of ``steps`` steps in a session of its own."""
+) -> StepProfile:
+    """Profile ``steps`` bound decode steps of ``plan`` in a session of its own, bound as the
+    timed runner (``signature``, an activated runtime) binds them."""
     from attn_export.runtimes.decoders import OrtDecoder
     from attn_export.runtimes.ort import load_session
 
@@ -105,6 +131,18 @@ def outside_kernels(
         for _ in range(steps):
             decoder.step()
         events = json.loads(Path(session.end_profiling()).read_text())
-    runs = sum(e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
-    kernels = sum(e["dur"] for e in events if e.get("cat") == "Node" and str(e.get("name")).endswith("_kernel_time"))
-    return max(0.0, 1.0 - kernels / runs) if runs else 0.0
+    runs = [e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    kernels: dict[str, float] = defaultdict(float)
+    nodes = 0
+    for e in events:
+        if e.get("cat") == "Node" and str(e.get("name")).endswith("_kernel_time"):
+            kernels[e["args"]["op_name"]] += e["dur"]
+            nodes += 1
+    return StepProfile(len(runs), float(sum(runs)), dict(kernels), nodes)
+
+
+def outside_kernels(
+    path: Path, signature: Any, plan: DecodeWindow, provider: str, threads: int, steps: int = 50
+) -> float:
+    """The share of a bound decode step's wall time ONNX Runtime spends outside node kernels."""
+    return profile_steps(path, signature, plan, provider, threads, steps).outside

@@ -1,7 +1,8 @@
 """``bench --decode``: the cost of one decode step (one new token) against the cache's length.
 
 For each model with a key/value cache (``spec.cache``), batch size and past length, PyTorch
-eager (with its own cache) and ONNX Runtime (each built variant) run decode steps at
+eager (with its own cache), optionally the module through ``torch.compile(dynamic=True)``
+(its compile time apart) and ONNX Runtime (each built variant) run decode steps at
 seq 1: per-token p50/p90, tokens/s, the ratio to eager, and peak memory per runner.
 ``bench --scenario S`` times the steps of a scenario preset (``spec.scenarios``) instead:
 its batch, its first past, its steps as the window and its query tokens per step (more than
@@ -44,9 +45,14 @@ from attn_export.artifacts.provenance import versions
 from attn_export.compare.latency import clearly_faster
 from attn_export.errors import InputError, UsageError
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
-from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
+from attn_export.pipelines.bench.runners import (
+    EAGER,
+    graph_runners,
+    machine_description,
+    peak_memory,
+    torch_runners,
+)
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
-from attn_export.runtimes import Runtime
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.timing import LatencyStats, check_threads, measure_alternating, physical_cores
@@ -160,7 +166,6 @@ def run_decode_bench(
     """Time a decode step of every requested runner at every batch and past length (or the
     steps of ``options.scenario``); graphs come from ``out_dir``."""
     from attn_export.exporter.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
     check_threads(options.threads)
     threads = options.threads or physical_cores()
@@ -172,12 +177,12 @@ def run_decode_bench(
         provider=options.provider,
         seed=options.seed,
     )
-    device = torch_device_for(options.provider)
     for spec in specs:
         cache = _cache(spec)
         points, seq, window = _rows(spec, options)
-        eager = TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
-        runners: dict[str, Runtime] = {EAGER: eager, **graph_runners(out_dir, manifest, spec, options)}
+        runners, unavailable = torch_runners(spec, instantiate(spec), options)
+        report.unavailable.update(unavailable)
+        runners.update(graph_runners(out_dir, manifest, spec, options))
         with contextlib.ExitStack() as active:
             for runner in runners.values():
                 active.enter_context(runner)
@@ -199,6 +204,7 @@ def run_decode_bench(
                         verdict=None if label == EAGER else _verdict(s, base),
                         seq=seq,
                         scenario=options.scenario,
+                        compile_s=runners[label].compile_s,
                     )
                     report.rows.append(row)
                     if on_row:

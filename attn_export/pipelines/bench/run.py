@@ -1,6 +1,7 @@
 """The bench pipeline: for each model, shape and runner (PyTorch eager, PyTorch SDPA,
-ONNX Runtime per variant), latency percentiles, throughput, the ratio to eager, achieved
-GFLOP/s and its share of this machine's measured matmul peak, and peak memory per runner.
+optionally torch.compile, ONNX Runtime per variant), latency percentiles, throughput, the
+ratio to eager, achieved GFLOP/s and its share of this machine's measured matmul peak, the
+compile time apart, and peak memory per runner.
 
 Results are plain dataclasses; ``report/bench_text.py`` and ``report/plot.py`` render them.
 """
@@ -10,16 +11,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError
 from attn_export.pipelines.bench.flops import count_flops, matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
-from attn_export.pipelines.bench.runners import EAGER, graph_runners, machine_description, peak_memory
+from attn_export.pipelines.bench.runners import (
+    EAGER,
+    graph_runners,
+    machine_description,
+    peak_memory,
+    torch_runners,
+)
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
-from attn_export.runtimes import Runtime
 from attn_export.runtimes.timing import check_threads, measure, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.inputs import make_feeds
@@ -35,17 +40,6 @@ def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
     return {name: batch if name == "batch" else seq for name in spec.dims}
 
 
-def _sdpa_twin(spec: ModelSpec, module: Any) -> Any | None:
-    """The same weights in SDPAMultiHeadAttention, for seed-style multi-head modules."""
-    from attn_export.zoo import MultiHeadAttention, SDPAMultiHeadAttention
-
-    if not isinstance(module, MultiHeadAttention) or isinstance(module, SDPAMultiHeadAttention):
-        return None
-    twin = SDPAMultiHeadAttention(module.hidden_dim, module.num_heads, getattr(module, "causal", False))
-    twin.load_state_dict(module.state_dict())
-    return twin.eval()
-
-
 def run_bench(
     out_dir: Path,
     manifest: Manifest,
@@ -55,7 +49,6 @@ def run_bench(
 ) -> BenchReport:
     """Measure every requested runner at every shape; graphs come from ``out_dir``."""
     from attn_export.exporter.factory import instantiate
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
     check_threads(options.threads)
     threads = options.threads or physical_cores()
@@ -67,17 +60,10 @@ def run_bench(
         provider=options.provider,
         peak_gflops=matmul_peak_gflops(threads),
     )
-    device = torch_device_for(options.provider)
     for spec in specs:
         module = instantiate(spec)
-        runners: dict[str, Runtime] = {
-            EAGER: TorchRuntime(module, spec.inputs, spec.outputs, device=device, threads=options.threads)
-        }
-        twin = _sdpa_twin(spec, module)
-        if twin is not None:
-            runners["torch-sdpa"] = TorchRuntime(
-                twin, spec.inputs, spec.outputs, device=device, threads=options.threads
-            )
+        runners, unavailable = torch_runners(spec, module, options)
+        report.unavailable.update(unavailable)
         runners.update(graph_runners(out_dir, manifest, spec, options))
         for batch in options.batches:
             for seq in options.seqs:
@@ -104,6 +90,7 @@ def run_bench(
                         gflops=gflops,
                         peak_share=gflops / report.peak_gflops["peak"],
                         in_verified_range=in_range,
+                        compile_s=runner.compile_s,
                     )
                     report.rows.append(row)
                     if on_row:

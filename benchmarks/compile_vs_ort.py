@@ -82,53 +82,43 @@ def table(kind: str, p50s: Mapping[int, Mapping[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
-def prefill(out: Path, options: Any, repeats: int) -> tuple[dict[int, dict[str, list[float]]], dict[int, float]]:
-    """Per seq, each runner's p50s over the repeats; per seq, the seconds torch.compile
-    spent compiling before timing."""
-    from attn_export.artifacts.manifest import load_manifest
-    from attn_export.exporter.factory import instantiate
-    from attn_export.pipelines.bench.runners import graph_runners, torch_runners
-    from attn_export.spec import load_spec
+def prefill_calls(spec: Any, runners: Mapping[str, Any], seq: int) -> dict[str, Callable[[], object]]:
+    """Each runner's call on the same feeds at batch 1, ``seq``."""
     from attn_export.spec.inputs import make_feeds
 
-    spec = load_spec(PREFILL_SPEC)
-    runners, unavailable = torch_runners(spec, instantiate(spec), options)
-    if unavailable:
-        sys.exit(f"{COMPILED}: {unavailable[COMPILED]}")
-    runners.update(graph_runners(out, load_manifest(out), spec, options))
-    p50s, compile_s = {}, {}
-    with contextlib.ExitStack() as active:
-        for runner in runners.values():
-            active.enter_context(runner)
-        for seq in SIZES:
-            feeds = make_feeds(spec, {"batch": 1, "seq": seq}, 0)
-            calls = {label: runner.prepare(feeds) for label, runner in runners.items()}
-            compile_s[seq] = runners[COMPILED].compile_s or 0.0
-            p50s[seq] = repeated(calls, repeats, options.budget_s)
-    return p50s, compile_s
+    feeds = make_feeds(spec, {"batch": 1, "seq": seq}, 0)
+    return {label: runner.prepare(feeds) for label, runner in runners.items()}
 
 
-def decode(out: Path, options: Any, repeats: int) -> tuple[dict[int, dict[str, list[float]]], dict[int, float]]:
-    """Per past, each runner's per-step p50s over the repeats; per past, the seconds
-    torch.compile spent compiling the window before timing."""
+def decode_calls(spec: Any, runners: Mapping[str, Any], past: int) -> dict[str, Callable[[], object]]:
+    """Each runner's decode step over the same window of 8 steps from ``past``."""
+    from attn_export.pipelines.bench.decode import plan_window
+
+    plan = plan_window(spec, 1, past, 8, 0)
+    return {label: runner.decoder(plan).step for label, runner in runners.items()}
+
+
+def timed(
+    out: Path, spec_path: Path, options: Any, repeats: int, calls: Callable[..., dict[str, Callable[[], object]]]
+) -> tuple[dict[int, dict[str, list[float]]], dict[int, float]]:
+    """Per size, each runner's p50s over the repeats, and the seconds torch.compile spent
+    compiling before timing; ``calls(spec, runners, size)`` gives each runner's call."""
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.exporter.factory import instantiate
-    from attn_export.pipelines.bench.decode import plan_window
     from attn_export.pipelines.bench.runners import graph_runners, torch_runners
     from attn_export.spec import load_spec
 
-    spec = load_spec(DECODE_SPEC)
+    spec = load_spec(spec_path)
     runners, _ = torch_runners(spec, instantiate(spec), options)
     runners.update(graph_runners(out, load_manifest(out), spec, options))
     p50s, compile_s = {}, {}
     with contextlib.ExitStack() as active:
         for runner in runners.values():
             active.enter_context(runner)
-        for past in SIZES:
-            plan = plan_window(spec, 1, past, 8, 0)
-            calls = {label: runner.decoder(plan).step for label, runner in runners.items()}
-            compile_s[past] = runners[COMPILED].compile_s or 0.0
-            p50s[past] = repeated(calls, repeats, options.budget_s)
+        for size in SIZES:
+            at = calls(spec, runners, size)
+            compile_s[size] = runners[COMPILED].compile_s or 0.0
+            p50s[size] = repeated(at, repeats, options.budget_s)
     return p50s, compile_s
 
 
@@ -155,7 +145,11 @@ def main() -> None:
         from attn_export.pipelines.bench.runners import machine_description
         from attn_export.pipelines.build import BuildOptions, build_models
         from attn_export.runtimes.timing import load_average, physical_cores
+        from attn_export.runtimes.torch_compiled import inductor_unavailable
 
+        reason = inductor_unavailable("cpu")
+        if reason is not None:
+            sys.exit(f"{COMPILED}: {reason}")
         load_start = load_average()
         out = Path(tmp) / "build"
         t0 = time.perf_counter()
@@ -165,12 +159,10 @@ def main() -> None:
         build_s = time.perf_counter() - t0
         threads = args.threads or physical_cores()
         shared = {"budget_s": args.budget, "torch_compile": True}
-        prefill_p50s, prefill_compile = prefill(
-            out, BenchOptions(variants=PREFILL_VARIANTS, threads=threads, **shared), args.repeats
-        )
-        decode_p50s, decode_compile = decode(
-            out, DecodeBenchOptions(variants=DECODE_VARIANTS, threads=args.decode_threads, **shared), args.repeats
-        )
+        prefill_options = BenchOptions(variants=PREFILL_VARIANTS, threads=threads, **shared)
+        prefill_p50s, prefill_compile = timed(out, PREFILL_SPEC, prefill_options, args.repeats, prefill_calls)
+        decode_options = DecodeBenchOptions(variants=DECODE_VARIANTS, threads=args.decode_threads, **shared)
+        decode_p50s, decode_compile = timed(out, DECODE_SPEC, decode_options, args.repeats, decode_calls)
 
     load_end = load_average()
     print(f"Measured {datetime.date.today().isoformat()} on {machine_description()} with `{command}`")

@@ -19,7 +19,6 @@ from attn_export._deps import require
 from attn_export.errors import AttnExportError, RuntimeFailure, first_line
 from attn_export.runtimes.timing import first_calls
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import DimRange, TensorSpec
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -56,20 +55,12 @@ class CompiledTorchRuntime(TorchRuntime):
     limit of 8 graphs per function counts this model's alone (a bench of several models of
     one class would otherwise exhaust it, and Dynamo would run the rest eagerly, silently)."""
 
-    def __init__(
-        self,
-        module: Any,
-        inputs: Sequence[TensorSpec],
-        outputs: Sequence[TensorSpec],
-        dims: Mapping[str, DimRange] | None = None,
-        *,
-        device: str = "cpu",
-        threads: int | None = None,
-    ) -> None:
+    def __init__(self, module: Any, *args: Any, **kwargs: Any) -> None:
+        """``TorchRuntime``'s arguments; ``module`` is compiled lazily, at its first call."""
         torch = require("torch", "torch.compile")
         torch._dynamo.reset()
-        super().__init__(torch.compile(module, dynamic=True), inputs, outputs, dims, device=device, threads=threads)
-        self.name = f"torch.compile[{device}]"
+        super().__init__(torch.compile(module, dynamic=True), *args, **kwargs)
+        self.name = f"torch.compile[{self.device}]"
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """The call, compiled for these shapes; ``compile_s`` says how long that took."""
@@ -94,4 +85,5 @@ class CompiledTorchRuntime(TorchRuntime):
         except AttnExportError as e:
             raise RuntimeFailure(f"{self.name}: {e}") from e
         except Exception as e:
-            raise RuntimeFailure(f"{self.name}: compiling failed: {type(e).__name__}: {first_line(e)}") from e
+            cause = getattr(e, "inner_exception", None) or e  # Dynamo wraps the backend's error
+            raise RuntimeFailure(f"{self.name}: compiling failed: {type(cause).__name__}: {first_line(cause)}") from e

@@ -942,6 +942,13 @@ def _sizes(value: str, minimum: int) -> list[int]:
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
 @max_memory_option
 @click.option(
+    "--compile",
+    "torch_compile",
+    is_flag=True,
+    help="Also time torch.compile(module, dynamic=True) (Inductor; on CPU it needs a C++ compiler), its rows "
+    "read torch-compile; the seconds spent compiling each shape are reported apart from its latency.",
+)
+@click.option(
     "--decode",
     is_flag=True,
     help="Time one decode step (seq 1) of models with a key/value cache against the past length, "
@@ -973,6 +980,7 @@ def bench(
     budget: float,
     no_memory: bool,
     max_memory: int | None,
+    torch_compile: bool,
     decode: bool,
     pasts: list[int] | None,
     scenario: str | None,
@@ -982,7 +990,7 @@ def bench(
     **reports: Path | None,
 ) -> None:
     """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
-    the zoo or NAMES (models in --models, or spec files).
+    the zoo or NAMES (models in --models, or spec files); with --compile, torch.compile too.
 
     Reports p50/p90 latency, tokens per second, the ratio to PyTorch eager, achieved
     GFLOP/s and its share of this machine's float32 GEMM peak (measured in the same run),
@@ -996,6 +1004,7 @@ def bench(
 
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
+        attn-export bench mha --seq 128,512,2048 --compile
         attn-export bench mha_kv_cache --decode --past 0,128,256 --plot decode.png
         attn-export bench mha_kv_cache --scenario speculative
         attn-export bench --executor ray   # one model x shape per node of $RAY_ADDRESS's cluster
@@ -1018,6 +1027,7 @@ def bench(
         "memory": not no_memory,
         "runtimes": tuple(dict.fromkeys(runtimes)),
         "max_memory": max_memory,
+        "torch_compile": torch_compile,
     }
     source = click.get_current_context().get_parameter_source
     flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}

@@ -31,8 +31,21 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _compiled(r: BenchRow | DecodeRow) -> str:
+    """A compiling runner's one-off seconds, as a row's trailing note."""
+    return "" if r.compile_s is None else f"  compile {r.compile_s:.2f} s"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_bench_row(r: BenchRow) -> str:
-    flag = ("" if r.in_verified_range else "  (outside the verified range)") + (f"  {r.noise}" if r.noise else "")
+    flag = (
+        _compiled(r)
+        + ("" if r.in_verified_range else "  (outside the verified range)")
+        + (f"  {r.noise}" if r.noise else "")
+    )
     return (
         f"{r.model:<14} {r.runner:<18} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
         f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} {100 * r.peak_share:>5.1f}%{flag}"
@@ -46,20 +59,23 @@ def format_bench_summary(report: BenchReport) -> str:
         f"float32 GEMM peak (2048^3): {peak['peak']:.1f} GFLOP/s "
         f"(torch {peak['torch']:.1f}, onnxruntime {peak['onnxruntime']:.1f})",
     ]
-    return "\n".join(lines + _memory_lines(report.memory_mb))
+    return "\n".join(lines + _runner_lines(report) + _memory_lines(report.memory_mb))
 
 
 def markdown_bench_table(report: BenchReport) -> str:
+    compiled = _any_compiled(report)
     lines = [
-        "| model | runner | batch | seq | p50 (ms) | p90 (ms) | tokens/s | vs eager | GFLOP/s | % of peak |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | runner | batch | seq | p50 (ms) | p90 (ms) | tokens/s | vs eager | GFLOP/s | % of peak |"
+        + (" compile (s) |" if compiled else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if compiled else ""),
     ]
     for r in report.rows:
         lines.append(
             f"| {r.model} | {r.runner} | {r.batch} | {r.seq} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
             f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {r.gflops:.1f} | {100 * r.peak_share:.1f} |"
+            + (f" {_seconds(r.compile_s)} |" if compiled else "")
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _after_table(report)) + "\n"
 
 
 DECODE_HEADER = (
@@ -81,7 +97,7 @@ def _shared(value: bool | None) -> str:
 
 
 def format_decode_row(r: DecodeRow) -> str:
-    flag = f"  {r.noise}" if r.noise else ""
+    flag = _compiled(r) + (f"  {r.noise}" if r.noise else "")
     mb, gbps, limit, out = _physics(r)
     return (
         f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
@@ -110,14 +126,16 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
         "OUT%: share of an ONNX Runtime step outside kernels (profiled apart); "
         "SHARED: a cache updated in place came back at its past's address every step (written in place)",
     ]
-    return "\n".join(lines + _memory_lines(report.memory_mb))
+    return "\n".join(lines + _runner_lines(report) + _memory_lines(report.memory_mb))
 
 
 def markdown_decode_table(report: DecodeBenchReport) -> str:
+    compiled = _any_compiled(report)
     lines = [
         "| model | runner | batch | past | seq | ms/step p50 | p90 | tokens/s | vs eager "
-        "| MB/token | GB/s | vs limit | outside kernels | verdict |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| MB/token | GB/s | vs limit | outside kernels | shared buffer | verdict |"
+        + (" compile (s) |" if compiled else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|" + ("---:|" if compiled else ""),
     ]
     for r in report.rows:
         verdict = (r.verdict or "-") + (f" ({r.noise})" if r.noise else "")
@@ -125,9 +143,35 @@ def markdown_decode_table(report: DecodeBenchReport) -> str:
         lines.append(
             f"| {r.model} | {r.runner} | {r.batch} | {r.past} | {r.seq} | {r.latency.p50_ms:.3f} | "
             f"{r.latency.p90_ms:.3f} | {r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | "
-            f"{mb} | {gbps} | {limit} | {out} | {verdict} |"
+            f"{mb} | {gbps} | {limit} | {out} | {_shared(r.shared_buffer)} | {verdict} |"
+            + (f" {_seconds(r.compile_s)} |" if compiled else "")
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _after_table(report)) + "\n"
+
+
+def _any_compiled(report: BenchReport | DecodeBenchReport) -> bool:
+    return any(r.compile_s is not None for r in report.rows)
+
+
+def _unavailable_lines(report: BenchReport | DecodeBenchReport) -> list[str]:
+    """Each runner asked for that could not run, and why."""
+    return [f"{runner} not timed: {why}" for runner, why in report.unavailable.items()]
+
+
+def _after_table(report: BenchReport | DecodeBenchReport) -> list[str]:
+    """The runners that could not run, a paragraph apart (a line right under a table is a row)."""
+    lines = _unavailable_lines(report)
+    return ["", *lines] if lines else []
+
+
+def _runner_lines(report: BenchReport | DecodeBenchReport) -> list[str]:
+    """What the compile note means, where a row has one, and the runners that could not run."""
+    note = (
+        ["compile: seconds a compiling runner's first calls at that shape spent compiling (once, not in the latency)"]
+        if _any_compiled(report)
+        else []
+    )
+    return note + _unavailable_lines(report)
 
 
 def _memory_lines(memory_mb: dict[str, dict[str, float | None]]) -> list[str]:

@@ -30,6 +30,8 @@ def _entry(name: str, row: BenchRow | DecodeRow, extra: list[str], where: str) -
     lines = [f"p90: {latency.p90_ms:.4f} ms", f"repeats: {latency.repeats}", f"tokens/s: {row.tokens_per_s:.0f}"]
     if row.ratio_to_eager is not None:
         lines.append(f"vs torch-eager: {row.ratio_to_eager:.2f}x")
+    if row.compile_s is not None:
+        lines.append(f"compile: {row.compile_s:.2f} s (once, not in the value)")
     lines += [*extra, *([row.noise] if row.noise else []), where]
     return {
         "name": name,

@@ -75,6 +75,9 @@ class Runtime(ABC):
 
     #: Short label used in reports, e.g. "onnxruntime[cpu]".
     name: str = "runtime"
+    #: Seconds the last ``prepare`` or ``decoder`` spent compiling before any timed call (a
+    #: just-in-time compiler's one-off cost, kept out of latency); None where nothing compiles.
+    compile_s: float | None = None
 
     def __init__(
         self,

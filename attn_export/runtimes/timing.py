@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from attn_export.errors import UsageError
+from attn_export.errors import RuntimeFailure, UsageError
 
 __all__ = [
     "THREADS_PER_CPU",
     "LatencyStats",
     "check_threads",
+    "first_calls",
     "load_average",
     "measure",
     "measure_alternating",
@@ -87,6 +88,26 @@ def measure(
         call()
         times.append(time.perf_counter() - t0)
     return _stats(times)
+
+
+def first_calls(calls: Sequence[Callable[[], object]], changed: Callable[[], object], rounds: int = 4) -> float:
+    """Run ``calls`` in order, round after round, until a round leaves ``changed()`` as it
+    found it (a just-in-time compiler compiled nothing more); return the seconds of the
+    calls during which it changed: the one-off cost that ``measure`` must not see. A
+    compiler still busy after ``rounds`` rounds is a RuntimeFailure."""
+    spent = 0.0
+    for _ in range(rounds):
+        busy = False
+        for call in calls:
+            before = changed()
+            t0 = time.perf_counter()
+            call()
+            took = time.perf_counter() - t0
+            if changed() != before:
+                spent, busy = spent + took, True
+        if not busy:
+            return spent
+    raise RuntimeFailure(f"still compiling after {rounds} rounds of the same {len(calls)} calls")
 
 
 def measure_alternating(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from attn_export.compare import compare_output
 from attn_export.compare.latency import clearly_faster, latency_gate, noise
+from attn_export.errors import RuntimeFailure
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
-from attn_export.runtimes.timing import LatencyStats, measure_alternating
+from attn_export.runtimes.timing import LatencyStats, first_calls, measure_alternating
 from attn_export.spec import Tolerance
 
 
@@ -56,3 +58,31 @@ def test_alternating_blocks_time_every_call_in_turns() -> None:
     assert set(stats) == {"a", "b"} and stats["a"].p50_ms < stats["b"].p50_ms
     switches = sum(x != y for x, y in zip(order, order[1:], strict=False))
     assert switches >= 2 * 4 - 1  # a, b, a, b, ... block by block, not all of a then all of b
+
+
+def test_first_calls_count_only_the_calls_that_compiled_and_stop_once_a_round_compiles_nothing() -> None:
+    graphs = [0]
+    calls: list[int] = []
+
+    def call(k: int):
+        def run() -> None:
+            calls.append(k)
+            if len(calls) <= 4 and k == 1:  # the second call compiles, in rounds one and two only
+                graphs[0] += 1
+                time.sleep(0.05)
+
+        return run
+
+    spent = first_calls([call(0), call(1)], lambda: graphs[0])
+    assert calls == [0, 1, 0, 1, 0, 1]  # round three compiled nothing: warm
+    assert 0.1 <= spent < 0.2  # the two compiling calls, not the four others
+
+
+def test_first_calls_refuse_a_compiler_that_never_settles() -> None:
+    graphs = [0]
+
+    def compiles() -> None:
+        graphs[0] += 1
+
+    with pytest.raises(RuntimeFailure, match="^still compiling after 3 rounds of the same 1 calls$"):
+        first_calls([compiles], lambda: graphs[0], rounds=3)

@@ -1,5 +1,6 @@
-"""bench: JSON holds every requested shape and runner; the plot is a real PNG. No timing
-assertions: figures belong to the benchmark, not the tests."""
+"""bench: JSON holds every requested shape and runner; the plot is a real PNG; torch.compile's
+rows keep its compile time apart, and without a C++ compiler it is one line in the report.
+No timing assertions: figures belong to the benchmark, not the tests."""
 
 from __future__ import annotations
 
@@ -188,3 +189,57 @@ def test_bench_on_a_local_ray_cluster_gives_the_serial_rows(bench_run, tmp_path:
     ray = json.loads((tmp_path / "ray.json").read_text())
     assert _rows(ray) == _rows(serial) and len(_rows(ray)) == 4 * 2 * 4
     assert all(r["latency"]["p50_ms"] > 0 for r in ray["rows"])
+
+
+@pytest.fixture(scope="module")
+def compile_run(bench_run) -> tuple[Path, object]:
+    """One real torch.compile of the tiny model, timed at two sequence lengths."""
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    args = ["bench", str(folder / "models" / "tiny.toml"), "--out", str(folder / "out"), "--seq", "4,8"]
+    args += ["--variant", "fp32", "--compile", "--no-memory", "--budget", "0.01", "--threads", "1"]
+    args += ["--json", str(folder / "compile.json"), "--markdown", str(folder / "compile.md")]
+    return folder, CliRunner().invoke(cli, [*args, "--benchmark-json", str(folder / "compile-benchmark.json")])
+
+
+def test_compiled_rows_keep_the_compile_time_apart_from_the_latency(compile_run) -> None:
+    folder, result = compile_run
+    assert result.exit_code == 0, result.output
+    report = BenchReport.from_dict(json.loads((folder / "compile.json").read_text()))
+    runners = ["torch-eager", "torch-sdpa", "torch-compile", "ort:fp32"]
+    assert [(r.runner, r.seq) for r in report.rows] == [(run, s) for s in (4, 8) for run in runners]
+    first, second = (r for r in report.rows if r.runner == "torch-compile")
+    # seq 4 compiled a graph dynamic in seq, which seq 8 reused; no timed call compiled
+    assert first.compile_s is not None and first.compile_s > 0 and second.compile_s == 0.0
+    assert first.latency.mean_ms * first.latency.repeats < 1000 * first.compile_s
+    assert all(r.compile_s is None for r in report.rows if r.runner != "torch-compile")
+    eager = next(r for r in report.rows if (r.runner, r.seq) == ("torch-eager", 4))
+    assert first.ratio_to_eager == first.latency.p50_ms / eager.latency.p50_ms and first.flops == eager.flops
+    assert report.unavailable == {}
+    assert report.to_dict() == BenchReport.from_dict(report.to_dict()).to_dict()
+    assert f"compile {first.compile_s:.2f} s" in next(line for line in result.output.splitlines() if "compile" in line)
+    markdown = (folder / "compile.md").read_text().splitlines()
+    assert markdown[0].endswith("| % of peak | compile (s) |") and markdown[2].endswith("| - |")
+    assert markdown[4].endswith(f"| {first.compile_s:.2f} |") and markdown[8].endswith("| 0.00 |")
+    entries = custom_smaller_is_better((folder / "compile-benchmark.json").read_text())
+    assert f"compile: {first.compile_s:.2f} s (once, not in the value)" in entries[2]["extra"].splitlines()
+    assert entries[2]["value"] == first.latency.p50_ms and "compile" not in entries[0]["extra"]
+
+
+@pytest.mark.slow  # the decode bench's twin of this test runs by default
+def test_compile_without_a_cxx_compiler_is_one_line_in_the_report(bench_run, tmp_path: Path) -> None:
+    from torch._inductor import config
+
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    args = ["bench", str(folder / "models" / "tiny.toml"), "--out", str(folder / "out"), "--seq", "4"]
+    args += ["--variant", "fp32", "--compile", "--no-memory", "--budget", "0.01", "--json", str(tmp_path / "b.json")]
+    with config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        result = CliRunner().invoke(cli, [*args, "--markdown", str(tmp_path / "b.md")])
+    assert result.exit_code == 0, result.output
+    why = "Inductor needs a C++ compiler and /nonexistent/c++ does not run here (install g++, or name one in CXX)"
+    assert f"torch-compile not timed: {why}\n" in result.output
+    report = BenchReport.from_dict(json.loads((tmp_path / "b.json").read_text()))
+    assert report.unavailable == {"torch-compile": why}
+    assert [r.runner for r in report.rows] == ["torch-eager", "torch-sdpa", "ort:fp32"]
+    assert (tmp_path / "b.md").read_text().endswith(f"\n\ntorch-compile not timed: {why}\n")

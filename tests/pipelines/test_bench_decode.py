@@ -1,7 +1,9 @@
 """bench --decode: a real small run gives one row per runner and past length with figures
 that hang together; the bound ONNX Runtime path feeds its presents back and gives what a
-plain session.run gives; a model without a cache is one line and exit 2. No timing
-assertions: figures belong to the benchmark, not the tests."""
+plain session.run gives; a model without a cache is one line and exit 2; torch.compile's
+decoder compiles as the cache first grows and then reuses one graph, and without a C++
+compiler it is one line in the report. No timing assertions: figures belong to the
+benchmark, not the tests."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from attn_export.pipelines.bench.results import DecodeBenchReport
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
+from attn_export.runtimes.torch_compiled import CompiledTorchRuntime
 from attn_export.spec import load_spec
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
@@ -243,3 +246,63 @@ def test_a_window_of_several_tokens_per_step_positions_each_token() -> None:
         assert feeds["attention_mask"].shape == (2, 240 + 4 * (k + 1))
         assert feeds["position_ids"].tolist() == [list(range(240 + 4 * k, 244 + 4 * k))] * 2
         assert feeds["hidden_states"].shape == (2, 4, 64)
+
+
+def test_compile_without_a_cxx_compiler_is_one_line_in_the_decode_report(built: Path, tmp_path: Path) -> None:
+    from torch._inductor import config
+
+    args = ["bench", str(TINY_SPEC), "--decode", "--past", "0", "--out", str(built), "--variant", "fp32", "--compile"]
+    args += ["--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "d.json")]
+    with config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        result = CliRunner().invoke(cli, [*args, "--markdown", str(tmp_path / "d.md")])
+    assert result.exit_code == 0, result.output
+    why = "Inductor needs a C++ compiler and /nonexistent/c++ does not run here (install g++, or name one in CXX)"
+    assert f"torch-compile not timed: {why}\n" in result.output
+    report = DecodeBenchReport.from_dict(json.loads((tmp_path / "d.json").read_text()))
+    assert report.unavailable == {"torch-compile": why}
+    assert [r.runner for r in report.rows] == ["torch-eager", "ort:fp32"]
+    assert report.to_dict() == DecodeBenchReport.from_dict(report.to_dict()).to_dict()
+    markdown = (tmp_path / "d.md").read_text()
+    assert markdown.endswith(f"|\n\ntorch-compile not timed: {why}\n") and "compile (s)" not in markdown
+
+
+@pytest.mark.slow
+def test_compiled_decode_rows_compile_while_the_cache_first_grows_then_reuse_one_graph(
+    built: Path, tmp_path: Path
+) -> None:
+    args = ["bench", str(TINY_SPEC), "--decode", "--past", "0,16", "--out", str(built), "--variant", "fp32"]
+    args += ["--compile", "--budget", "0.01", "--threads", "1", "--no-memory", "--json", str(tmp_path / "d.json")]
+    result = CliRunner().invoke(cli, [*args, "--markdown", str(tmp_path / "d.md")])
+    assert result.exit_code == 0, result.output
+    report = DecodeBenchReport.from_dict(json.loads((tmp_path / "d.json").read_text()))
+    assert [(r.runner, r.past) for r in report.rows] == [
+        (run, p) for p in (0, 16) for run in ("torch-eager", "torch-compile", "ort:fp32")
+    ]
+    empty, grown = (r for r in report.rows if r.runner == "torch-compile")
+    # past 0 and 1 are specialised, past 2 compiles the graph dynamic in the cache's length,
+    # which every later past reuses: past 16 compiled nothing
+    assert empty.compile_s is not None and empty.compile_s > 0 and grown.compile_s == 0.0
+    assert empty.latency.mean_ms * empty.latency.repeats < 1000 * empty.compile_s
+    assert all(r.compile_s is None for r in report.rows if r.runner != "torch-compile")
+    assert grown.verdict in ("faster", "slower", "within noise") and grown.ratio_to_eager is not None
+    assert f"compile {empty.compile_s:.2f} s" in result.output
+    assert (tmp_path / "d.md").read_text().splitlines()[0].endswith("| verdict | compile (s) |")
+
+
+@pytest.mark.slow
+def test_the_compiled_decoder_decodes_the_same_tokens_as_eager() -> None:
+    spec = load_spec(TINY_SPEC)
+    plan = plan_window(spec, batch=2, past=3, window=3, seed=2)
+    eager = EagerDecoder(instantiate(spec), spec, plan)
+    with CompiledTorchRuntime(instantiate(spec), spec.inputs, spec.outputs, threads=1) as compiled:
+        decoder = compiled.decoder(plan)
+        assert compiled.compile_s is not None and compiled.compile_s > 0
+        for _ in range(3):  # the warm-up pass restarted the window: these are steps 0, 1, 2 again
+            eager.step()
+            decoder.step()
+            want, got = eager.outputs(), decoder.outputs()
+            for name, value in want.items():
+                np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5)
+        assert want["present.0.key"].shape == (2, 4, 6, 8)
+        compiled.decoder(plan_window(spec, batch=2, past=9, window=3, seed=2))
+        assert compiled.compile_s == 0.0

@@ -18,10 +18,11 @@ from typing import Any
 
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
+from attn_export.executors import cell_key
 from attn_export.pipelines.bench.flops import count_flops
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes, outside_kernels, step_bytes
-from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow
-from attn_export.pipelines.bench.runners import EAGER, graph_entries, graph_runners
+from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow, RunnerOptions
+from attn_export.pipelines.bench.runners import EAGER, graph_entries, graph_runners, torch_runners
 from attn_export.runtimes import Runtime
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.ort import KIND as ORT_KIND
@@ -29,7 +30,7 @@ from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 
-__all__ = ["DecodeCell", "PrefillCell", "decode_cell", "prefill_cell", "torch_runners"]
+__all__ = ["DecodeCell", "PrefillCell", "decode_cell", "prefill_cell"]
 
 
 @dataclass(frozen=True)
@@ -67,29 +68,33 @@ class DecodeCell:
 ORT_RUNTIME = ORT_KIND.name
 
 
-def _sdpa_twin(spec: ModelSpec, module: Any) -> Any | None:
-    """The same weights in SDPAMultiHeadAttention, for seed-style multi-head modules."""
-    from attn_export.zoo import MultiHeadAttention, SDPAMultiHeadAttention
+@dataclass
+class _Loaded:
+    """A model's runners, kept by this process for the next cell of the same model: a
+    compiled module keeps what it compiled, as it would for a user timing shape after shape."""
 
-    if not isinstance(module, MultiHeadAttention) or isinstance(module, SDPAMultiHeadAttention):
-        return None
-    twin = SDPAMultiHeadAttention(module.hidden_dim, module.num_heads, getattr(module, "causal", False))
-    twin.load_state_dict(module.state_dict())
-    return twin.eval()
+    key: str
+    module: Any
+    runners: dict[str, Runtime]
+    unavailable: dict[str, str]
 
 
-def torch_runners(spec: ModelSpec, module: Any, provider: str, threads: int | None, twin: bool) -> dict[str, Runtime]:
-    """The PyTorch side: the module as it is (``EAGER``) and, with ``twin``, its SDPA twin."""
-    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+_LOADED: list[_Loaded] = []
 
-    device = torch_device_for(provider)
-    runners: dict[str, Runtime] = {
-        EAGER: TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
-    }
-    other = _sdpa_twin(spec, module) if twin else None
-    if other is not None:
-        runners["torch-sdpa"] = TorchRuntime(other, spec.inputs, spec.outputs, device=device, threads=threads)
-    return runners
+
+def _loaded(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> _Loaded:
+    """This process's runners for the model (its PyTorch ones and each graph's), made anew
+    when the model, its graphs or the options differ from the last cell's."""
+    from attn_export.exporter.factory import instantiate
+
+    graphs = {label: entry.sha256 for label, (_, entry) in graph_entries(manifest, spec, options).items()}
+    key = cell_key("bench-runners", [spec.content_hash(), str(out_dir), graphs, dataclasses.asdict(options)])
+    if not _LOADED or _LOADED[0].key != key:
+        module = instantiate(spec)
+        runners, unavailable = torch_runners(spec, module, options)
+        runners.update(graph_runners(out_dir, manifest, spec, options))
+        _LOADED[:] = [_Loaded(key, module, runners, unavailable)]
+    return _LOADED[0]
 
 
 def _verdict(row: LatencyStats, eager: LatencyStats) -> str:
@@ -100,15 +105,12 @@ def _verdict(row: LatencyStats, eager: LatencyStats) -> str:
     return "within noise"
 
 
-def prefill_cell(cell: PrefillCell) -> list[BenchRow]:
-    """Every runner at the cell's shape, timed in turns; rows in runner order."""
-    from attn_export.exporter.factory import instantiate
-
+def prefill_cell(cell: PrefillCell) -> tuple[list[BenchRow], dict[str, str]]:
+    """Every runner at the cell's shape, timed in turns; rows in runner order, and the
+    runners asked for that cannot run here, with why."""
     spec, options = cell.spec, cell.options
-    module = instantiate(spec)
-    unranged = dataclasses.replace(spec, dims={})  # bench may time shapes outside the ranges
-    runners = torch_runners(unranged, module, options.provider, options.threads, twin=True)
-    runners.update(graph_runners(cell.out_dir, cell.manifest, spec, options))
+    loaded = _loaded(cell.out_dir, cell.manifest, spec, options)
+    module, runners = loaded.module, loaded.runners
     feeds = make_feeds(spec, cell.sizes, 0)
     flops = count_flops(module, feeds)
     in_range = all(spec.dims[k].min <= v <= spec.dims[k].max for k, v in cell.sizes.items())
@@ -132,19 +134,18 @@ def prefill_cell(cell: PrefillCell) -> list[BenchRow]:
                 gflops=gflops,
                 peak_share=gflops / cell.peak_gflops,
                 in_verified_range=in_range,
+                compile_s=runners[label].compile_s,
             )
         )
-    return rows
+    return rows, loaded.unavailable
 
 
-def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
-    """Every runner decoding the cell's window from the same prefilled cache, in turns."""
-    from attn_export.exporter.factory import instantiate
-
+def decode_cell(cell: DecodeCell) -> tuple[list[DecodeRow], dict[str, str]]:
+    """Every runner decoding the cell's window from the same prefilled cache, in turns; and
+    the runners asked for that cannot run here, with why."""
     spec, options, plan = cell.spec, cell.options, cell.plan
-    module = instantiate(spec)
-    runners = torch_runners(spec, module, options.provider, options.threads, twin=False)
-    runners.update(graph_runners(cell.out_dir, cell.manifest, spec, options))
+    loaded = _loaded(cell.out_dir, cell.manifest, spec, options)
+    module, runners = loaded.module, loaded.runners
     with contextlib.ExitStack() as active:
         decoders = {label: active.enter_context(runner).decoder(plan) for label, runner in runners.items()}
         stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
@@ -152,8 +153,8 @@ def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
         label: (name, cell.out_dir / entry.file)
         for label, (name, entry) in graph_entries(cell.manifest, spec, options).items()
     }
-    weights = {label: graph_weight_bytes(path) for label, (_, path) in graphs.items()}
-    weights[EAGER] = module_weight_bytes(module)
+    weights = {label: module_weight_bytes(module) for label in runners if label not in graphs}  # PyTorch's
+    weights |= {label: graph_weight_bytes(path) for label, (_, path) in graphs.items()}
     outside = {
         label: outside_kernels(path, runners[label], plan, options.provider, options.threads or 1)
         for label, (name, path) in graphs.items()
@@ -183,6 +184,7 @@ def decode_cell(cell: DecodeCell) -> list[DecodeRow]:
                 limit_ratio=s.p50_ms / (moved / cell.copy_bandwidth * 1e3),
                 outside_kernels=outside.get(label),
                 shared_buffer=shared[label],
+                compile_s=runners[label].compile_s,
             )
         )
-    return rows
+    return rows, loaded.unavailable

@@ -187,7 +187,8 @@ def run_decode_bench(
         for spec, (points, seq, window) in plans
         for batch, past in points
     ]
-    for rows in run_timed(parallelism, decode_cell, cells):
+    for rows, unavailable in run_timed(parallelism, decode_cell, cells):
+        report.unavailable.update(unavailable)
         for row in rows:
             report.rows.append(row)
             if on_row:

@@ -40,6 +40,9 @@ class RunnerOptions:
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,)
     #: Memory budget per shape in bytes (``spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
+    #: Also time ``torch.compile(module, dynamic=True)`` (runner ``torch-compile``); off by
+    #: default, as compiling takes seconds per model and shape.
+    torch_compile: bool = False
 
 
 @dataclass
@@ -54,7 +57,7 @@ class BenchRow:
     """One model x runner x shape."""
 
     model: str
-    runner: str  # torch-eager, torch-sdpa, or ort:<variant>
+    runner: str  # torch-eager, torch-sdpa, torch-compile, or ort:<variant>
     batch: int
     seq: int
     latency: LatencyStats
@@ -64,6 +67,9 @@ class BenchRow:
     gflops: float
     peak_share: float
     in_verified_range: bool
+    #: Seconds this shape's first calls spent compiling, outside ``latency`` (0.0 where a
+    #: graph compiled earlier served it); None for a runner that compiles nothing.
+    compile_s: float | None = None
 
     @property
     def noise(self) -> str | None:
@@ -83,6 +89,8 @@ class BenchReport:
     rows: list[BenchRow] = field(default_factory=list)
     #: Peak resident memory (MiB) per model and runner, at the run's largest shape.
     memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    #: Runners asked for that could not run here, and why (one line each).
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -90,7 +98,16 @@ class BenchReport:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BenchReport:
         rows = [BenchRow(**{**r, "latency": LatencyStats(**r["latency"])}) for r in d["rows"]]
-        return cls(d["machine"], d["versions"], d["threads"], d["provider"], d["peak_gflops"], rows, d["memory_mb"])
+        return cls(
+            d["machine"],
+            d["versions"],
+            d["threads"],
+            d["provider"],
+            d["peak_gflops"],
+            rows,
+            d["memory_mb"],
+            d.get("unavailable", {}),
+        )
 
 
 @dataclass
@@ -112,7 +129,7 @@ class DecodeRow:
     """One model x runner x batch x past length: the cost of one step of ``seq`` tokens."""
 
     model: str
-    runner: str  # torch-eager, or ort:<variant>
+    runner: str  # torch-eager, torch-compile, or ort:<variant>
     batch: int
     past: int
     #: Steps per window: the timed steps saw past .. past + window - 1.
@@ -137,6 +154,9 @@ class DecodeRow:
     #: A runner updating its cache in place: whether every timed step returned each present
     #: at its past's address (ONNX Runtime shared the buffer); None for the others.
     shared_buffer: bool | None = None
+    #: Seconds the window's first pass spent compiling, outside ``latency`` (0.0 where
+    #: graphs compiled earlier served it); None for a runner that compiles nothing.
+    compile_s: float | None = None
 
     @property
     def noise(self) -> str | None:
@@ -158,6 +178,8 @@ class DecodeBenchReport:
     #: Peak resident memory (MiB) per model and runner: one step at the largest batch and
     #: past, in a fresh process (a plain run, no IOBinding).
     memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    #: Runners asked for that could not run here, and why (one line each).
+    unavailable: dict[str, str] = field(default_factory=dict)
     #: This run's single-threaded copy bandwidth (GB/s, read + written): each row's limit.
     copy_gbps: float | None = None
 
@@ -176,5 +198,6 @@ class DecodeBenchReport:
             d["prefill"],
             rows,
             d["memory_mb"],
+            d.get("unavailable", {}),
             d.get("copy_gbps"),
         )

@@ -61,7 +61,8 @@ def run_bench(
         for b in options.batches
         for s in options.seqs
     ]
-    for rows in run_timed(parallelism, prefill_cell, cells):
+    for rows, unavailable in run_timed(parallelism, prefill_cell, cells):
+        report.unavailable.update(unavailable)
         for row in rows:
             report.rows.append(row)
             if on_row:

@@ -1,6 +1,6 @@
-"""What every bench times and how: the graph runners, built from the runtime registry for each
-requested runtime and variant, each runner's peak memory in a fresh process, and the machine
-the figures were measured on."""
+"""What every bench times and how: the PyTorch runners (eager, its SDPA twin, compiled), the
+graph runners, built from the runtime registry for each requested runtime and variant, each
+runner's peak memory in a fresh process, and the machine the figures were measured on."""
 
 from __future__ import annotations
 
@@ -18,12 +18,26 @@ from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.runtimes import RUNTIMES, Runtime
 from attn_export.runtimes.timing import physical_cores
 from attn_export.spec import ModelSpec, variant_key
+from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
 
-__all__ = ["EAGER", "graph_entries", "graph_runners", "machine_description", "peak_memory"]
+__all__ = [
+    "COMPILED",
+    "EAGER",
+    "SDPA",
+    "graph_entries",
+    "graph_runners",
+    "machine_description",
+    "peak_memory",
+    "torch_runners",
+]
 
 #: The PyTorch module as it is: every other runner's ratio is taken against it.
 EAGER = "torch-eager"
+#: The same weights in the zoo's SDPA module, where the module is the seed's.
+SDPA = "torch-sdpa"
+#: The module through ``torch.compile(dynamic=True)`` (``RunnerOptions.torch_compile``).
+COMPILED = "torch-compile"
 
 
 def machine_description() -> str:
@@ -35,6 +49,44 @@ def machine_description() -> str:
     except OSError:
         pass
     return f"{name}, {physical_cores()} cores"
+
+
+def _sdpa_twin(module: Any) -> Any | None:
+    """The same weights in SDPAMultiHeadAttention, for seed-style multi-head modules."""
+    from attn_export.zoo import MultiHeadAttention, SDPAMultiHeadAttention
+
+    if not isinstance(module, MultiHeadAttention) or isinstance(module, SDPAMultiHeadAttention):
+        return None
+    twin = SDPAMultiHeadAttention(module.hidden_dim, module.num_heads, getattr(module, "causal", False))
+    twin.load_state_dict(module.state_dict())
+    return twin.eval()
+
+
+def torch_runners(spec: ModelSpec, module: Any, options: RunnerOptions) -> tuple[dict[str, Runtime], dict[str, str]]:
+    """The PyTorch runners of ``module`` by label, with the bench's threads on the provider's
+    device: eager, its SDPA twin (not for a decoder step: the twin has no cache) and, with
+    ``options.torch_compile``, the module compiled; and the runners that cannot run here,
+    with why (Inductor without a C++ compiler)."""
+    from attn_export.runtimes.torch_compiled import CompiledTorchRuntime, inductor_unavailable
+    from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
+
+    device = torch_device_for(options.provider)
+    runners: dict[str, Runtime] = {
+        EAGER: TorchRuntime(module, spec.inputs, spec.outputs, device=device, threads=options.threads)
+    }
+    twin = _sdpa_twin(module) if cache_of(spec) is None else None
+    if twin is not None:
+        runners[SDPA] = TorchRuntime(twin, spec.inputs, spec.outputs, device=device, threads=options.threads)
+    unavailable = {}
+    if options.torch_compile:
+        reason = inductor_unavailable(device)
+        if reason is not None:
+            unavailable[COMPILED] = reason
+        else:
+            runners[COMPILED] = CompiledTorchRuntime(
+                module, spec.inputs, spec.outputs, device=device, threads=options.threads
+            )
+    return runners, unavailable
 
 
 def graph_entries(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, tuple[str, ManifestEntry]]:

@@ -1,0 +1,192 @@
+"""PyTorch's own compiler against ONNX Runtime on CPU: torch.compile (Inductor) beside
+PyTorch eager and ONNX Runtime, prefill and decode, with the spread across repeats.
+
+    python benchmarks/compile_vs_ort.py              # about ten minutes on 2 cores
+    python benchmarks/compile_vs_ort.py --repeats 5  # more repeats, a tighter spread
+
+Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads
+(``benchmarks/models/mha_512.toml``, variants fp32, ort-fused, int8) and its decoding step
+with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, variants fp32,
+attention-op, ort-past, int8), then times, at batch 1:
+
+* prefill at seq 128, 512 and 2048: PyTorch eager, PyTorch SDPA, ``torch.compile(module,
+  dynamic=True)`` and ONNX Runtime per variant, each call on inputs already in place;
+* decode at past 128, 512 and 2048: one step (seq 1) of eager with its cache, of the
+  compiled module with its cache, and of ONNX Runtime per variant with inputs and outputs
+  bound, each feeding its presents back over a window of 8 steps (as ``bench --decode``).
+
+Every runner of a table takes turns with the others in alternating blocks
+(``runtimes.timing.measure_alternating``), with the same threads, ONNX Runtime's idle
+threads not spinning; that is one repeat, and ``--repeats`` of them are run. A cell is the
+median over the repeats of each repeat's p50, with the lowest and highest in brackets; a
+ratio is the median of the repeats' ratios, with theirs. Compile times are the one-off
+seconds of the first calls (``bench --compile``), with Inductor's on-disk cache empty
+(a fresh ``TORCHINDUCTOR_CACHE_DIR``): what a first deployment pays. Nothing here
+asserts: figures are printed, from one run of the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PREFILL_SPEC = HERE / "models" / "mha_512.toml"
+DECODE_SPEC = HERE / "models" / "mha_kv_cache_512.toml"
+PREFILL_VARIANTS = ("fp32", "ort-fused", "int8")
+DECODE_VARIANTS = ("fp32", "attention-op", "ort-past", "int8")
+SIZES = (128, 512, 2048)
+COMPILED = "torch-compile"
+
+
+def repeated(calls: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, list[float]]:
+    """Each call's p50 (ms) in each of ``repeats`` rounds of alternating blocks."""
+    from attn_export.runtimes.timing import measure_alternating
+
+    p50s: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(repeats):
+        for label, stats in measure_alternating(calls, budget_s=budget_s).items():
+            p50s[label].append(stats.p50_ms)
+    return p50s
+
+
+def _spread(values: Sequence[float], fmt: str, unit: str = "") -> str:
+    return f"{statistics.median(values):{fmt}}{unit} [{min(values):{fmt}}–{max(values):{fmt}}]"
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
+def table(kind: str, p50s: Mapping[int, Mapping[str, list[float]]]) -> str:
+    """Markdown: a row per runner, per size its median p50 and its ratio to torch.compile."""
+    sizes = list(p50s)
+    head = " | ".join(f"{kind} {s} p50 (ms) | vs compile" for s in sizes)
+    lines = [f"| runner | {head} |", "|---|" + "---:|---:|" * len(sizes)]
+    for label in p50s[sizes[0]]:
+        cells = []
+        for s in sizes:
+            mine, compiled = p50s[s][label], p50s[s].get(COMPILED)
+            ratios = [m / c for m, c in zip(mine, compiled, strict=True)] if compiled else []
+            cells += [_spread(mine, ".3f"), _spread(ratios, ".2f", "x") if ratios else "-"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prefill_calls(spec: Any, runners: Mapping[str, Any], seq: int) -> dict[str, Callable[[], object]]:
+    """Each runner's call on the same feeds at batch 1, ``seq``."""
+    from attn_export.spec.inputs import make_feeds
+
+    feeds = make_feeds(spec, {"batch": 1, "seq": seq}, 0)
+    return {label: runner.prepare(feeds) for label, runner in runners.items()}
+
+
+def decode_calls(spec: Any, runners: Mapping[str, Any], past: int) -> dict[str, Callable[[], object]]:
+    """Each runner's decode step over the same window of 8 steps from ``past``."""
+    from attn_export.pipelines.bench.decode import plan_window
+
+    plan = plan_window(spec, 1, past, 8, 0)
+    return {label: runner.decoder(plan).step for label, runner in runners.items()}
+
+
+def timed(
+    out: Path, spec_path: Path, options: Any, repeats: int, calls: Callable[..., dict[str, Callable[[], object]]]
+) -> tuple[dict[int, dict[str, list[float]]], dict[int, float]]:
+    """Per size, each runner's p50s over the repeats, and the seconds torch.compile spent
+    compiling before timing; ``calls(spec, runners, size)`` gives each runner's call."""
+    from attn_export.artifacts.manifest import load_manifest
+    from attn_export.exporter.factory import instantiate
+    from attn_export.pipelines.bench.runners import graph_runners, torch_runners
+    from attn_export.spec import load_spec
+
+    spec = load_spec(spec_path)
+    runners, _ = torch_runners(spec, instantiate(spec), options)
+    runners.update(graph_runners(out, load_manifest(out), spec, options))
+    p50s, compile_s = {}, {}
+    with contextlib.ExitStack() as active:
+        for runner in runners.values():
+            active.enter_context(runner)
+        for size in SIZES:
+            at = calls(spec, runners, size)
+            compile_s[size] = runners[COMPILED].compile_s or 0.0
+            p50s[size] = repeated(at, repeats, options.budget_s)
+    return p50s, compile_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of alternating blocks per size")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per runner, size and repeat")
+    parser.add_argument("--threads", type=int, help="prefill threads on every side (default: the physical cores)")
+    parser.add_argument(
+        "--decode-threads",
+        type=int,
+        default=1,
+        help="decode threads on every side (default 1, as benchmarks/decode_perf.py: a batch-1 step is a few small "
+        "GEMVs, which more threads on a shared machine only slow down)",
+    )
+    args = parser.parse_args()
+    command = " ".join(["python", "benchmarks/compile_vs_ort.py", *sys.argv[1:]])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # cold: nothing compiled before
+
+        from attn_export.artifacts.provenance import versions
+        from attn_export.pipelines.bench.results import BenchOptions, DecodeBenchOptions
+        from attn_export.pipelines.bench.runners import machine_description
+        from attn_export.pipelines.build import BuildOptions, build_models
+        from attn_export.runtimes.timing import load_average, physical_cores
+        from attn_export.runtimes.torch_compiled import inductor_unavailable
+
+        reason = inductor_unavailable("cpu")
+        if reason is not None:
+            sys.exit(f"{COMPILED}: {reason}")
+        load_start = load_average()
+        out = Path(tmp) / "build"
+        t0 = time.perf_counter()
+        for spec, variants in ((PREFILL_SPEC, PREFILL_VARIANTS), (DECODE_SPEC, DECODE_VARIANTS)):
+            built = build_models([spec], BuildOptions(out, variants=variants))
+            assert all(r.ok for r in built.results), [r.error for r in built.results]
+        build_s = time.perf_counter() - t0
+        threads = args.threads or physical_cores()
+        shared = {"budget_s": args.budget, "torch_compile": True}
+        prefill_options = BenchOptions(variants=PREFILL_VARIANTS, threads=threads, **shared)
+        prefill_p50s, prefill_compile = timed(out, PREFILL_SPEC, prefill_options, args.repeats, prefill_calls)
+        decode_options = DecodeBenchOptions(variants=DECODE_VARIANTS, threads=args.decode_threads, **shared)
+        decode_p50s, decode_compile = timed(out, DECODE_SPEC, decode_options, args.repeats, decode_calls)
+
+    load_end = load_average()
+    print(f"Measured {datetime.date.today().isoformat()} on {machine_description()} with `{command}`")
+    print(", ".join(f"{k} {v}" for k, v in versions().items()))
+    print(
+        f"load average {load_start:.2f} at the start, {load_end:.2f} at the end; build {build_s:.1f} s; "
+        f"{args.repeats} repeats of alternating blocks, {args.budget:g} s per runner, size and repeat\n"
+    )
+    print(f"Prefill, batch 1, {_threads(threads)} on every side; p50 (ms), median [lowest–highest] over the repeats:\n")
+    print(table("seq", prefill_p50s))
+    print(
+        f"\n{COMPILED} compile (cold Inductor cache, once, not in the latency): "
+        + ", ".join(f"seq {s} {v:.2f} s" for s, v in prefill_compile.items())
+    )
+    print(
+        f"\nDecode (one token, a window of 8 steps from the past), batch 1, {_threads(args.decode_threads)} on "
+        "every side; p50 ms per step, median [lowest–highest] over the repeats:\n"
+    )
+    print(table("past", decode_p50s))
+    print(
+        f"\n{COMPILED} compile (cold Inductor cache, once, not in the latency): "
+        + ", ".join(f"past {p} {v:.2f} s" for p, v in decode_compile.items())
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
-from attn_export.executors import cell_key
+from attn_export.executors import Parallelism, cell_key, run_timed
 from attn_export.pipelines.bench.flops import count_flops
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes, outside_kernels, step_bytes
 from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow, RunnerOptions
@@ -30,7 +31,7 @@ from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 
-__all__ = ["DecodeCell", "PrefillCell", "decode_cell", "prefill_cell"]
+__all__ = ["DecodeCell", "PrefillCell", "decode_cell", "prefill_cell", "time_cells"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +189,21 @@ def decode_cell(cell: DecodeCell) -> tuple[list[DecodeRow], dict[str, str]]:
             )
         )
     return rows, loaded.unavailable
+
+
+def time_cells(
+    report: Any,
+    parallelism: Parallelism,
+    fn: Callable[[Any], tuple[list[Any], dict[str, str]]],
+    cells: Sequence[Any],
+    on_row: Callable[[Any], None] | None,
+) -> None:
+    """Run ``fn`` on each cell (``executors.run_timed``: never two at once on one machine)
+    and add its rows to ``report`` in cell order, each heard by ``on_row``, and the runners
+    that could not run."""
+    for rows, unavailable in run_timed(parallelism, fn, cells):
+        report.unavailable.update(unavailable)
+        for row in rows:
+            report.rows.append(row)
+            if on_row:
+                on_row(row)

@@ -41,8 +41,8 @@ import numpy as np
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError, UsageError
-from attn_export.executors import SERIAL, Parallelism, run_timed
-from attn_export.pipelines.bench.cells import DecodeCell, decode_cell
+from attn_export.executors import SERIAL, Parallelism
+from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cells
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import machine_description, peak_memory
@@ -187,12 +187,7 @@ def run_decode_bench(
         for spec, (points, seq, window) in plans
         for batch, past in points
     ]
-    for rows, unavailable in run_timed(parallelism, decode_cell, cells):
-        report.unavailable.update(unavailable)
-        for row in rows:
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
+    time_cells(report, parallelism, decode_cell, cells, on_row)
     for spec, (points, seq, _) in plans if options.memory else []:
         batch, past = max(b for b, _ in points), max(p for _, p in points)
         sizes = _step_sizes(spec, _cache(spec), batch, past, seq)

@@ -14,8 +14,8 @@ from pathlib import Path
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError
-from attn_export.executors import SERIAL, Parallelism, run_timed
-from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell
+from attn_export.executors import SERIAL, Parallelism
+from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_cells
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
 from attn_export.pipelines.bench.runners import machine_description, peak_memory
@@ -61,12 +61,7 @@ def run_bench(
         for b in options.batches
         for s in options.seqs
     ]
-    for rows, unavailable in run_timed(parallelism, prefill_cell, cells):
-        report.unavailable.update(unavailable)
-        for row in rows:
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
+    time_cells(report, parallelism, prefill_cell, cells, on_row)
     for spec in specs if options.memory else []:
         largest = _sizes(spec, max(options.batches), max(options.seqs))
         report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, largest)

@@ -24,8 +24,9 @@ import numpy as np
 from attn_export.artifacts.files import atomic_write, open_regular
 from attn_export.errors import ArtifactError, InputError, first_line
 from attn_export.spec import ModelSpec
+from attn_export.spec.cache import output_shape
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
-from attn_export.spec.shapes import ShapePoint, concrete_shape, validate_sizes
+from attn_export.spec.shapes import ShapePoint, validate_sizes
 
 __all__ = ["GoldenCase", "checked_header", "encode_golden", "load_entry", "npy_header", "read_golden", "write_golden"]
 
@@ -151,10 +152,9 @@ def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_En
             e = got[t.name]
             if e.dtype != np.dtype(t.dtype):
                 raise ArtifactError(f"{path}: {e.where} has dtype {e.dtype}, expected {t.dtype}")
-            if e.shape != concrete_shape(t, case.sizes):
-                raise ArtifactError(
-                    f"{path}: {e.where} has shape {list(e.shape)}, expected {list(concrete_shape(t, case.sizes))}"
-                )
+            want = output_shape(spec, t, case.sizes)
+            if e.shape != want:
+                raise ArtifactError(f"{path}: {e.where} has shape {list(e.shape)}, expected {list(want)}")
 
 
 def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int) -> list[GoldenCase]:

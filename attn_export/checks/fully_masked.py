@@ -21,12 +21,12 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import GraphCheckError
-from attn_export.exporter.graph_checks import check_dynamic_axes, check_model
+from attn_export.exporter.graph_checks import check_model, check_spec_axes
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.cache import output_shape
 from attn_export.spec.masks import CASES, masked_row_selector
-from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
 
@@ -74,11 +74,13 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
             if query is None or batch not in o.shape or query == batch:
                 continue
             offset = sum(case.sizes[p] for p in parts[: parts.index(query)]) if query != key else 0
-            rows = ~keep[:, offset : offset + case.sizes[query]]
             b_axis, q_axis = o.shape.index(batch), o.shape.index(query)
+            sizes = output_shape(spec, o, case.sizes)
+            # a sliding-window present holds only the newest of the tokens
+            stop = offset + case.sizes[query]
+            rows = ~keep[:, stop - sizes[q_axis] : stop]
             shape = [1] * len(o.shape)
             shape[b_axis], shape[q_axis] = rows.shape
-            sizes = concrete_shape(o, case.sizes)
             picked = np.broadcast_to((rows if b_axis < q_axis else rows.T).reshape(shape), sizes)
             out[o.name] = out[o.name] | picked if o.name in out else picked
             count = max(count, int(rows.sum()))
@@ -163,7 +165,7 @@ class FullyMaskedRows:
         """Per output, the elements in rows that attend to nothing (any mask's)."""
         out = {}
         for o in self.spec.outputs:
-            sizes = concrete_shape(o, case.sizes)
+            sizes = output_shape(self.spec, o, case.sizes)
             sel = np.zeros(sizes, dtype=bool)
             for t, mask in self.spec.masks:
                 keep = mask.keep(case.inputs[t.name])
@@ -264,7 +266,7 @@ def _repair(
         if not still:
             proto = onnx.load_from_string(model)
             check_model(proto, key)
-            check_dynamic_axes(proto, key, spec.inputs, spec.outputs, spec.dims)
+            check_spec_axes(proto, key, spec)
             was = {c: g["onnxruntime"] for c, g in gives.items()}
             info["repair"] = {"rewrite": mode, "softmax_nodes": count, "gives": REWRITES[mode], "was": was}
             return model, info

@@ -15,9 +15,9 @@ from attn_export.compare import compare_output
 from attn_export.errors import SpecError
 from attn_export.runtimes import Runtime
 from attn_export.spec import ModelSpec, TensorSpec
+from attn_export.spec.cache import output_shape
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import LAYOUTS, MaskSpec
-from attn_export.spec.shapes import concrete_shape
 
 __all__ = ["check_masks"]
 
@@ -88,7 +88,7 @@ def _probe_one(
     before, after = eager.run(feeds), eager.run(changed)
     kept = np.flatnonzero(~hidden)
     for o in spec.outputs:
-        out_sizes = concrete_shape(o, sizes)
+        out_sizes = output_shape(spec, o, sizes)
         index = _at(o.shape, out_sizes, {batch: b, key: kept, query: q})
         result = compare_output(o.name, before[o.name][index], after[o.name][index], spec.tolerance_for(o.name))
         if not result.passed:

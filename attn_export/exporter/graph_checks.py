@@ -8,6 +8,7 @@ config reads these names). ``name_dims`` gives an export the spec's names.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +17,9 @@ import onnx
 
 from attn_export.artifacts.onnx_file import default_opset, external_data_files
 from attn_export.errors import GraphCheckError, first_line
-from attn_export.spec import DimRange, TensorSpec
+from attn_export.runtimes.static_cache import graph_signature
+from attn_export.spec import DimRange, ModelSpec, TensorSpec
+from attn_export.spec.cache import present_windows
 
 __all__ = [
     "DEFAULT_DOMAINS",
@@ -26,6 +29,7 @@ __all__ = [
     "check_model",
     "check_named_dims",
     "check_opset",
+    "check_spec_axes",
     "graph_shapes",
     "name_dims",
 ]
@@ -91,16 +95,67 @@ def name_dims(
                 d.dim_param = rename[d.dim_param]
 
 
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+_CALLS = {"Max": max, "Min": min}
+
+
+def _evaluate(node: ast.AST, sizes: Mapping[str, int]) -> int:
+    """A graph's dim expression (symbols, integers, + - *, Max, Min) at ``sizes``; ValueError
+    on anything else (it is read as data, never run)."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name) and node.id in sizes:
+        return sizes[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.left, sizes), _evaluate(node.right, sizes))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, sizes)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS and node.args:
+        return _CALLS[node.func.id](_evaluate(a, sizes) for a in node.args)
+    raise ValueError(f"not a dim expression: {ast.dump(node)}")
+
+
+def _window_lengths(
+    have: int | str | None, window: int, total: str, dims: Mapping[str, DimRange], symbol_of: Mapping[str, str]
+) -> list[tuple[int, int]] | None:
+    """(what the graph's axis gives, past + new) at sizes around the window and the ends of
+    the ranges of the sum ``total``'s parts; None where the axis is no expression of them."""
+    parts = dims[total].parts if total in dims else ()
+    if len(parts) != 2 or have is None:
+        return None
+    try:
+        tree = ast.parse(str(have), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def near(r: DimRange) -> list[int]:
+        picks = {r.min, r.max, *range(r.min, r.min + 3), *range(window - 3, window + 4)}
+        return sorted(v for v in picks if r.min <= v <= r.max)
+
+    out = []
+    for a in near(dims[parts[0]]):
+        for b in near(dims[parts[1]]):
+            sizes = {symbol_of.get(parts[0], parts[0]): a, symbol_of.get(parts[1], parts[1]): b}
+            try:
+                out.append((_evaluate(tree, sizes | {symbol_of.get(total, total): a + b}), a + b))
+            except ValueError:
+                return None
+    return out
+
+
 def check_dynamic_axes(
     proto: onnx.ModelProto,
     name: str,
     inputs: Sequence[TensorSpec],
     outputs: Sequence[TensorSpec],
     dims: Mapping[str, DimRange] | None = None,
+    windows: Mapping[str, int] | None = None,
 ) -> None:
     """Raise GraphCheckError naming the first axis that is static, unnamed or merged, or
-    a sum dim (``dims``) whose graph expression is not the sum of its parts."""
-    dims = dims or {}
+    a sum dim (``dims``) whose graph expression is not the sum of its parts. ``windows``
+    (``spec.cache.present_windows``): outputs whose axis 2 keeps at most that many positions,
+    a sliding-window cache's presents."""
+    dims, windows = dims or {}, windows or {}
     declared_in = [i.name for i in proto.graph.input]
     declared_out = [o.name for o in proto.graph.output]
     if declared_in != [t.name for t in inputs]:
@@ -118,6 +173,18 @@ def check_dynamic_axes(
                 f"{name}: {kind} '{t.name}' has rank {len(got)} in the graph, spec says {len(t.shape)}"
             )
         for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
+            if kind == "output" and axis == 2 and t.name in windows and isinstance(want, str):
+                # a sliding-window present: Min(window, total) however the exporter writes it
+                window = windows[t.name]
+                lengths = _window_lengths(have, window, want, dims, symbol_of)
+                if lengths is None or any(got != min(grown, window) for got, grown in lengths):
+                    grows = lengths is not None and all(got == grown for got, grown in lengths)
+                    raise GraphCheckError(
+                        f"{name}: output '{t.name}' axis 2 is {have!r} in the graph, but the spec's [cache] window "
+                        f"keeps {window} positions, Min({window}, {want})"
+                        + (": the graph's cache grows without bound" if grows else "")
+                    )
+                continue
             if isinstance(want, int):
                 if isinstance(have, str):
                     raise GraphCheckError(
@@ -157,6 +224,14 @@ def check_dynamic_axes(
                     f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
                     f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"
                 )
+
+
+def check_spec_axes(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> None:
+    """``check_dynamic_axes`` against everything ``spec`` declares for this graph: the
+    signature of a cache updated in place (``runtimes.static_cache.graph_signature``), a
+    sliding-window cache's presents."""
+    inputs, outputs = graph_signature(proto, spec.inputs, spec.outputs)
+    check_dynamic_axes(proto, name, inputs, outputs, spec.dims, present_windows(spec))
 
 
 def _constant_true(proto: onnx.ModelProto, name: str) -> bool:

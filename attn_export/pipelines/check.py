@@ -27,13 +27,12 @@ from attn_export.exporter.graph_checks import (
     DEFAULT_DOMAINS,
     check_deterministic,
     check_domains,
-    check_dynamic_axes,
     check_model,
     check_named_dims,
     check_opset,
+    check_spec_axes,
 )
 from attn_export.pipelines.verify.models import integrity
-from attn_export.runtimes.static_cache import graph_signature
 
 __all__ = ["CHECKS", "CheckOptions", "CheckReport", "FileCheck", "check_paths"]
 
@@ -146,13 +145,7 @@ def _check_entry(out_dir: Path, entry: ManifestEntry, options: CheckOptions) -> 
     if proto is not None:
         _graph_checks(results, proto, entry.name, out_dir / entry.file, options)
         spec = entry.model_spec
-        _run(
-            results,
-            "axes",
-            lambda: check_dynamic_axes(
-                proto, entry.name, *graph_signature(proto, spec.inputs, spec.outputs), spec.dims
-            ),
-        )
+        _run(results, "axes", lambda: check_spec_axes(proto, entry.name, spec))
     return found
 
 

@@ -6,19 +6,29 @@ with outputs ``present.{i}.key`` / ``.value`` ``[batch, kv_heads, past_seq + seq
 ``[batch, past_seq + seq]`` and ``position_ids`` ``[batch, seq]`` are fed per step when the
 module takes them. Decoding (``checks.decode``) needs nothing else from the spec.
 
+Each step, a present grows by exactly the step's new tokens. A sliding-window cache declares
+its window in the spec (``[cache] window = N``): each present keeps its newest
+``min(past_seq + seq, N)`` positions, the next step's ``attention_mask`` covers those and the
+new tokens (``total_seq`` is still ``past_seq + seq``), and ``position_ids`` keep counting
+every token since the first.
+
 ``[cache] max_seq`` declares the capacity of a buffer updated in place (the ``static-cache``
-variant): it must hold the longest present the dims allow (``past_seq`` max + ``seq`` max).
+variant): it must hold the longest present the dims allow (``past_seq`` max + ``seq`` max),
+and each present comes back as that buffer, at that capacity. A cache declares one or the
+other.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from attn_export.errors import SpecError
-from attn_export.spec.model import ModelSpec
+from attn_export.spec.model import ModelSpec, TensorSpec
+from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["MASK", "POSITIONS", "CacheSpec", "cache_of"]
+__all__ = ["MASK", "POSITIONS", "CacheSpec", "cache_of", "output_shape", "present_windows"]
 
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 MASK = "attention_mask"
@@ -40,20 +50,30 @@ class CacheSpec:
     batch_dim: str | None = None
     #: ``[cache] max_seq``: positions of a buffer updated in place; None when undeclared.
     max_seq: int | None = None
+    #: The positions each present keeps (the newest): a sliding-window cache; None: all.
+    window: int | None = None
+
+    def kept(self, length: int) -> int:
+        """The positions a present holds after a step whose past and new tokens are ``length``."""
+        return length if self.window is None else min(length, self.window)
 
 
 def cache_of(spec: ModelSpec) -> CacheSpec | None:
     """The spec's cache, or None when it declares no ``past_key_values.*`` input; a cache
     declared half-way is a SpecError naming what is missing."""
     pasts = [t for t in spec.inputs if _PAST.fullmatch(t.name)]
-    if not pasts:
-        if spec.cache_max_seq is not None:
-            raise SpecError(f"{spec.name}: [cache] max_seq needs a past_key_values.* input to hold")
-        return None
-    outputs = {t.name: t for t in spec.outputs}
 
     def bad(message: str) -> SpecError:
         return SpecError(f"{spec.name}: KV cache: {message}")
+
+    declared = [k for k, v in (("max_seq", spec.cache_max_seq), ("window", spec.cache_window)) if v is not None]
+    if not pasts:
+        if declared:
+            raise SpecError(f"{spec.name}: [cache] {declared[0]} needs a past_key_values.* input to hold")
+        return None
+    if len(declared) > 1:
+        raise bad("[cache] declares max_seq and window: a buffer updated in place keeps every position; declare one")
+    outputs = {t.name: t for t in spec.outputs}
 
     past_names = {t.name for t in pasts}
     for t in pasts:
@@ -85,6 +105,11 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
         raise bad(f"axis 2 of the presents is '{total}'; declare it in [dims] as \"{past} + <seq dim>\"")
     if spec.dims[past].min != 0:
         raise bad(f"'{past}' needs min = 0: decoding starts from an empty cache")
+    if spec.cache_window is not None and spec.cache_window > spec.dims[past].max:
+        raise bad(
+            f"[cache] window = {spec.cache_window}, but '{past}' max is {spec.dims[past].max}: a full window "
+            "is fed back as the next past"
+        )
     seq = next(p for p in parts if p != past)
     names = {t.name: t for t in spec.inputs}
     mask, positions = names.get(MASK), names.get(POSITIONS)
@@ -117,4 +142,22 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
         POSITIONS if positions else None,
         batch if isinstance(batch, str) else None,
         spec.cache_max_seq,
+        spec.cache_window,
     )
+
+
+def present_windows(spec: ModelSpec) -> dict[str, int]:
+    """Each present of a sliding-window cache and its window (axis 2 keeps at most that
+    many positions); empty for a cache that keeps every position, or no cache."""
+    cache = cache_of(spec)
+    if cache is None or cache.window is None:
+        return {}
+    return {present: cache.window for _, present in cache.pairs}
+
+
+def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """An output's shape at ``sizes``: the declared one, except that a sliding-window
+    cache's present holds at most its window on axis 2."""
+    shape = concrete_shape(tensor, sizes)
+    window = present_windows(spec).get(tensor.name)
+    return shape if window is None else (*shape[:2], min(shape[2], window), *shape[3:])

@@ -133,6 +133,9 @@ class ModelSpec:
     max_memory: int | None = None
     #: ``[cache] max_seq``: the capacity of a cache buffer updated in place (``static-cache``).
     cache_max_seq: int | None = None
+    #: ``[cache] window``: the positions each present of a sliding-window KV cache keeps
+    #: (the newest); None: a cache that keeps every position (``spec.cache``).
+    cache_window: int | None = None
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's for that very name, else the table's
@@ -164,6 +167,8 @@ class ModelSpec:
         weights = asdict(self.weights)
         if self.weights.path is not None and self.search_path is not None:
             weights["path"] = os.path.relpath(self.weights.path, self.search_path)
+        sizes = {"max_seq": self.cache_max_seq, "window": self.cache_window}
+        cache = {k: v for k, v in sizes.items() if v is not None}
         return (
             {
                 "name": self.name,
@@ -189,7 +194,7 @@ class ModelSpec:
                 **({"fully_masked": self.fully_masked} if self.fully_masked != "match" else {}),
             }
             | ({"max_memory": self.max_memory} if self.max_memory else {})
-            | ({"cache": {"max_seq": self.cache_max_seq}} if self.cache_max_seq is not None else {})
+            | ({"cache": cache} if cache else {})
         )
 
     @property

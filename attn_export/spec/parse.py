@@ -435,16 +435,17 @@ def _max_memory(where: _Where, raw: dict[str, Any]) -> int | None:
         raise where.error(str(e), "max_memory") from e
 
 
-def _cache_capacity(where: _Where, raw: dict[str, Any]) -> int | None:
-    """``[cache] max_seq``: positions a buffer updated in place holds (checked against the
-    cache's dims by ``cache_of``)."""
-    table = _table(where, raw, "cache", "a table")
-    _check_keys(where, table, {"max_seq"}, "[cache]", "cache")
-    if "max_seq" not in table:
+def _cache_size(where: _Where, raw: dict[str, Any], key: str) -> int | None:
+    """One ``[cache]`` size, at least 1 (checked against the cache's dims by ``cache_of``):
+    ``max_seq``, the positions a buffer updated in place holds; ``window``, the newest
+    positions a sliding-window cache keeps."""
+    table = _table(where, raw, "cache", "a table like { window = 4096 }")
+    _check_keys(where, table, {"max_seq", "window"}, "[cache]", "cache")
+    if key not in table:
         return None
-    size = _int(where, table["max_seq"], "cache.max_seq", "max_seq", "cache")
+    size = _int(where, table[key], f"cache.{key}", key, "cache")
     if size < 1:
-        raise where.error(f"cache.max_seq = {size} must be at least 1", "max_seq", "cache")
+        raise where.error(f"cache.{key} = {size} must be at least 1", key, "cache")
     return size
 
 
@@ -540,7 +541,8 @@ def spec_from_dict(
         config=_config(where, raw),
         call=_call(where, raw, inputs),
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
-        cache_max_seq=_cache_capacity(where, raw),
+        cache_max_seq=_cache_size(where, raw, "max_seq"),
+        cache_window=_cache_size(where, raw, "window"),
     )
     expanded = [t.name for t in inputs if t.expand]
     if expanded and spec.config is None:

@@ -19,7 +19,7 @@ from attn_export.checks.fully_masked import judge
 from attn_export.checks.mask_probe import check_masks
 from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
-from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
+from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, stamp_metadata
@@ -27,7 +27,7 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache, graph_signature
+from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
@@ -117,7 +117,7 @@ class SpecBuild:
         except SystemExit as e:  # forward() exited: a failed export, not a successful build
             raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         check_model(proto, self.spec.name)
-        check_dynamic_axes(proto, self.spec.name, self.spec.inputs, self.spec.outputs, self.spec.dims)
+        check_spec_axes(proto, self.spec.name, self.spec)
         return proto
 
     def _cases(self, points: list[tuple[ShapePoint, str]], first_seed: int) -> list[GoldenCase]:
@@ -207,7 +207,7 @@ class SpecBuild:
         )
         check_model(proto, key)
         check_deterministic(proto, key)
-        check_dynamic_axes(proto, key, *graph_signature(proto, spec.inputs, spec.outputs), spec.dims)
+        check_spec_axes(proto, key, spec)
         return Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
     def smoke(self, variant: str, model: bytes) -> None:

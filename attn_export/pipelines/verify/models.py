@@ -10,9 +10,8 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
-from attn_export.exporter.graph_checks import check_deterministic, check_dynamic_axes, check_model
+from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
 from attn_export.exporter.source import module_sources
-from attn_export.runtimes.static_cache import graph_signature
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 
@@ -117,7 +116,7 @@ def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool
     except GraphCheckError as e:
         return [str(e)], False
     try:
-        check_dynamic_axes(proto, entry.name, *graph_signature(proto, spec.inputs, spec.outputs), spec.dims)
+        check_spec_axes(proto, entry.name, spec)
     except GraphCheckError as e:
         return [str(e)], True
     return [], True

@@ -13,7 +13,11 @@ Each forward takes positional tensors and returns ``(output, present_key, presen
   ``Attention`` op and its variants can take the cache into the op;
 * a query that sees no key (a left-padded position) gives 0 in PyTorch and in the exported
   graph alike: scores get a finite minimum (never -inf) and the output is multiplied by a
-  has-any-key indicator.
+  has-any-key indicator;
+* ``window=N`` makes the cache a sliding window: each present keeps the newest
+  ``min(past_seq + seq, N)`` positions (``narrow`` by a ``torch.sym_min``, which exports as
+  ``Min(N, total_seq)``), and a query sees itself and the N positions before it, with or
+  without a cache. Its spec declares ``[cache] window = N`` (``spec.cache``).
 """
 
 from __future__ import annotations
@@ -31,15 +35,24 @@ class _CachedAttention(nn.Module):
     """Mask, attention and cache logic shared by the decoder steps below."""
 
     head_dim: int
+    #: The positions a present keeps, and how many before itself a query sees; None: all.
+    window: int | None = None
 
     def causal_mask(self, q_len: int, k_len: int, device: torch.device) -> Tensor:
-        """``[q_len, k_len]`` bool, True where query i may see key j (aligned to the end)."""
-        q_pos = torch.arange(q_len, device=device) + (k_len - q_len)
-        return torch.arange(k_len, device=device)[None, :] <= q_pos[:, None]
+        """``[q_len, k_len]`` bool, True where query i may see key j (aligned to the end;
+        with a window, no further back than ``window`` positions)."""
+        q_pos = (torch.arange(q_len, device=device) + (k_len - q_len))[:, None]
+        k_pos = torch.arange(k_len, device=device)[None, :]
+        allowed = k_pos <= q_pos
+        return allowed if self.window is None else allowed & (k_pos >= q_pos - self.window)
 
     def present(self, full: Tensor) -> Tensor:
-        """The cache handed back: past and new positions."""
-        return full
+        """The cache handed back: past and new positions, the newest ``window`` of them."""
+        if self.window is None:
+            return full
+        length = full.shape[2]
+        kept = torch.sym_min(length, self.window)
+        return full.narrow(2, length - kept, kept)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Attention ``[b, seq, heads * d]`` and a has-any-key indicator ``[b, seq, 1]``."""
@@ -56,6 +69,10 @@ class _CachedAttention(nn.Module):
 class MHAKVCache(MultiHeadAttention, _CachedAttention):
     """The seed MultiHeadAttention as a causal self-attention step with a cache
     ``[batch, heads, past_seq, head_dim]`` (same projections, same weights layout)."""
+
+    def __init__(self, hidden_dim: int, num_heads: int, window: int | None = None) -> None:
+        super().__init__(hidden_dim, num_heads)
+        self.window = window
 
     def forward(  # type: ignore[override]
         self, hidden_states: Tensor, attention_mask: Tensor, past_key: Tensor, past_value: Tensor
@@ -80,9 +97,15 @@ class GQARopeKVCache(_CachedAttention):
     inv_freq: Tensor
 
     def __init__(
-        self, hidden: int = 64, num_heads: int = 8, num_kv_heads: int = 2, rope_theta: float = 10000.0
+        self,
+        hidden: int = 64,
+        num_heads: int = 8,
+        num_kv_heads: int = 2,
+        rope_theta: float = 10000.0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
+        self.window = window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = hidden // num_heads

@@ -47,6 +47,22 @@ class PresentWithoutNewToken(MHAKVCache):
         return out, key.masked_fill(new[:, None], 0.0), value
 
 
+class PresentGrowsExtraRow(MHAKVCache):
+    """Each present holds its first position twice: every output is right, but the cache
+    grows by one row more than the step's tokens."""
+
+    def present(self, full: Tensor) -> Tensor:
+        return torch.cat((full[:, :, :1], full), dim=2)
+
+
+class WindowNeverTrims(MHAKVCache):
+    """A sliding window (``window=N``) that masks the keys beyond it but never drops them:
+    every output is right while the present grows by every token."""
+
+    def present(self, full: Tensor) -> Tensor:
+        return full
+
+
 class PastBaked(GQARopeKVCache):
     """A reshape sized by a Python int taken from the example's cache length."""
 

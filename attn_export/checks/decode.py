@@ -7,7 +7,12 @@ something grows step by step as it does in deployment. Two padding layouts (the 
 ``scenario``, not to be confused with ``spec.scenarios``' presets): batch 1, and a
 left-padded batch with different prompt lengths (one row all padding during the prompt).
 PyTorch is also checked against itself without a cache (every token so far in one step): a
-cache that disagrees with recompute is a bug in the module, reported as such.
+cache that disagrees with recompute is a bug in the module, reported as such. At every step
+each present must hold what its past and the new tokens make, on both sides
+(``checks.cache_growth``). A sliding-window cache (``[cache] window = N``) is fed back as it
+is kept: a step's past is the newest ``min(tokens so far, N)`` positions and its mask covers
+those and the new tokens; the recompute and the padded rows alone compare the positions both
+sides still hold.
 
 Steps are numbered from 1, the prompt; a causal mask aligned to the wrong end first shows
 at step 2, when the cache is no longer empty.
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attn_export.checks.cache_growth import CacheGrowth, cache_growth
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
@@ -85,6 +91,10 @@ class Trajectory:
     def prompt_lengths(self) -> list[int]:
         return [int(k[: self.prompt].sum()) for k in self.keep]
 
+    def span(self, k: int) -> tuple[int, int]:
+        """The tokens of step ``k`` (from 0, the prompt): [start, stop) of the whole sequence."""
+        return (0, self.prompt) if k == 0 else (self.prompt + k - 1, self.prompt + k)
+
 
 def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
     shape = next(t.shape for t in (*spec.inputs, *spec.outputs) if t.name == name)
@@ -100,7 +110,10 @@ def layouts(spec: ModelSpec, cache: CacheSpec) -> list[str]:
 
 
 def step_count(spec: ModelSpec, cache: CacheSpec, n_steps: int) -> tuple[int, list[str]]:
-    """The decode steps that fit the spec's past range, and a note where that is fewer."""
+    """The decode steps that fit the spec's past range, and a note where that is fewer (a
+    sliding-window cache never holds more than its window, which the range holds)."""
+    if cache.window is not None:
+        return n_steps, []
     prompt = _prompt_length(spec, cache)
     fits = spec.dims[cache.past_dim].max - prompt + 1
     if n_steps <= fits:
@@ -114,14 +127,18 @@ def _prompt_length(spec: ModelSpec, cache: CacheSpec) -> int:
     return min(example_sizes(spec)[cache.seq_dim], spec.dims[cache.past_dim].max)
 
 
-def _window(spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray, start: int, stop: int) -> Feeds:
-    """Feeds (pasts excepted) for tokens [start, stop) of every row: the mask covers every
-    token up to ``stop``, positions are ``cumsum(mask) - 1`` (0 on padding)."""
+def _window(
+    spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray, start: int, stop: int, held: int | None = None
+) -> Feeds:
+    """Feeds (pasts excepted) for tokens [start, stop) of every row: the mask covers the
+    ``held`` cached tokens before ``start`` (default: every one) and the new ones, positions
+    are ``cumsum(mask) - 1`` over every token so far (0 on padding)."""
     positions = np.clip(np.cumsum(keep[:, :stop], axis=1) - 1, 0, None)[:, start:stop]
+    first = start - (start if held is None else held)
     feeds: Feeds = {}
     for t in spec.inputs:
         if t.name == cache.mask and t.mask is not None:
-            feeds[t.name] = t.mask.convention.encode(keep[:, :stop].copy(), t.dtype)
+            feeds[t.name] = t.mask.convention.encode(keep[:, first:stop].copy(), t.dtype)
         elif t.name == cache.positions:
             feeds[t.name] = positions.astype(t.dtype)
         elif t.name in tokens:
@@ -147,8 +164,8 @@ def plan_trajectory(spec: ModelSpec, cache: CacheSpec, scenario: str, n_steps: i
     rng = np.random.default_rng(seed)
     tokens = {t.name: make_tensor(t, every_token, rng) for t in spec.inputs if t.name not in fed_back}
     windows = [(0, prompt)] + [(prompt + k - 1, prompt + k) for k in range(1, n_steps + 1)]
-    steps = [_window(spec, cache, tokens, keep, a, b) for a, b in windows]
-    sizes = [spec.with_sums(base | {cache.seq_dim: b - a, cache.past_dim: a}) for a, b in windows]
+    steps = [_window(spec, cache, tokens, keep, a, b, cache.kept(a)) for a, b in windows]
+    sizes = [spec.with_sums(base | {cache.seq_dim: b - a, cache.past_dim: cache.kept(a)}) for a, b in windows]
     seq_max = spec.dims[cache.seq_dim].max
     if prompt + n_steps - 1 > seq_max:
         notes.append(f"recompute checks steps up to {seq_max - prompt + 1}: {cache.seq_dim} max is {seq_max}")
@@ -187,7 +204,11 @@ def pytorch_trajectories(
         traj = plan_trajectory(spec, cache, scenario, n_steps, seed)
         outputs, error = run_trajectory(eager, spec, traj)
         if error:
-            raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}")
+            grew = [
+                (k + 1, g) for k, o in enumerate(outputs) for g in cache_growth(spec, cache, traj.sizes[k], None, o)
+            ]
+            before = f"; before that, {grew[0][1].reason(grew[0][0])}" if grew else ""
+            raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}{before}")
         inputs = step_inputs(spec, traj, outputs)
         traj.floors = [eager.precision_floor(i, o) for i, o in zip(inputs, outputs, strict=True)]
         out.append((traj, outputs))
@@ -239,10 +260,27 @@ def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | No
     every step is compared with the same row of this one pass: a module whose later tokens
     change earlier outputs (no causal mask) or whose result depends on how many keys it
     sees (a scale from the key count) disagrees with it from the first step on."""
-    length = min(traj.keep.shape[1], spec.dims[traj.cache.seq_dim].max)
+    length = _pass_length(spec, traj)
     if length < traj.prompt:
         return None
     return runtime.run(one_pass_feeds(spec, traj, length))
+
+
+def _pass_length(spec: ModelSpec, traj: Trajectory) -> int:
+    """The tokens ``recompute`` takes in its one pass: as many as the seq range holds."""
+    return min(traj.keep.shape[1], spec.dims[traj.cache.seq_dim].max)
+
+
+def _newest(value: np.ndarray, axis: int, count: int) -> np.ndarray:
+    """The last ``count`` positions on ``axis``: the newest ones a cache holds."""
+    n = value.shape[axis]
+    return np.take(value, range(n - count, n), axis=axis)
+
+
+def _key_axis(spec: ModelSpec, cache: CacheSpec, name: str) -> int | None:
+    """The axis of output ``name`` over cached and new positions: a present's axis 2, or
+    an output's ``total_dim``."""
+    return 2 if name in {p for _, p in cache.pairs} else _axis(spec, name, cache.total_dim)
 
 
 def unpadded(
@@ -267,6 +305,7 @@ def unpadded(
             tokens[name] = v if a is None else np.take(v, range(pad, keep.size), axis=a)
         alone = _run_alone(runtime, spec, cache, tokens, np.ones((1, keep.size - pad), dtype=bool))
         batched: Feeds = {}
+        theirs: Feeds = {}
         for t in spec.outputs:
             b_axis = _axis(spec, t.name, cache.batch_dim) or 0
             if (s_axis := _axis(spec, t.name, cache.seq_dim)) is not None:
@@ -274,14 +313,16 @@ def unpadded(
                     [np.take(o[t.name], [row], axis=b_axis) for o in outputs[: len(traj.steps)]], axis=s_axis
                 )
                 batched[t.name] = np.take(whole, range(pad, whole.shape[s_axis]), axis=s_axis)
-            elif (p_axis := _axis(spec, t.name, cache.total_dim)) is not None:
+                theirs[t.name] = alone[t.name]
+            elif (p_axis := _key_axis(spec, cache, t.name)) is not None:
+                # the real positions both still hold: every one, unless a window dropped some
                 last = np.take(outputs[-1][t.name], [row], axis=b_axis)
-                batched[t.name] = np.take(last, range(pad, last.shape[p_axis]), axis=p_axis)
-            else:
-                continue
+                count = min(keep.size - pad, last.shape[p_axis], alone[t.name].shape[p_axis])
+                batched[t.name] = _newest(last, p_axis, count)
+                theirs[t.name] = _newest(alone[t.name], p_axis, count)
         found += [
             dataclasses.replace(c, name=f"{c.name} (row {row})")
-            for c in compare_outputs(batched, {n: alone[n] for n in batched}, tolerances, floors)
+            for c in compare_outputs(batched, theirs, tolerances, floors)
         ]
     return found
 
@@ -292,11 +333,22 @@ class DecodeStep:
     the cached module against its own full recompute."""
 
     step: int
+    #: The cached positions fed as its past, and its new tokens.
     past: int
     seq: int
     comparisons: list[OutputComparison] = field(default_factory=list)
     recompute: list[OutputComparison] = field(default_factory=list)
     error: str | None = None
+    #: Presents that did not grow as declared, on either side (``checks.cache_growth``).
+    growth: list[CacheGrowth] = field(default_factory=list)
+    #: Its first token's place in the whole sequence (more than ``past`` once a sliding
+    #: window dropped tokens); None, as a report without it reads back: ``past``.
+    start: int | None = None
+
+    @property
+    def first(self) -> int:
+        """Its first token's place in the whole sequence."""
+        return self.past if self.start is None else self.start
 
     @property
     def passed(self) -> bool:
@@ -323,6 +375,8 @@ class DecodeStep:
             "error": self.error,
             "comparisons": [c.to_dict() for c in self.comparisons],
             "recompute": [c.to_dict() for c in self.recompute],
+            "growth": [g.to_dict() for g in self.growth],
+            "start": self.start,
         }
 
     @classmethod
@@ -334,6 +388,8 @@ class DecodeStep:
             [OutputComparison.from_dict(c) for c in d["comparisons"]],
             [OutputComparison.from_dict(c) for c in d["recompute"]],
             d.get("error"),
+            [CacheGrowth.from_dict(g) for g in d.get("growth", [])],
+            d.get("start"),
         )
 
 
@@ -367,22 +423,31 @@ class DecodeResult:
         return next((s for s in self.steps if not s.consistent), None)
 
     @property
+    def cache_growth(self) -> DecodeStep | None:
+        """The first step where a present, the graph's or PyTorch's, did not grow as declared."""
+        return next((s for s in self.steps if s.growth), None)
+
+    @property
     def passed(self) -> bool:
         return (
             self.error is None
             and self.first_divergence is None
             and self.module_bug is None
+            and self.cache_growth is None
             and all(c.passed for c in self.unpadded)
         )
 
     def reasons(self) -> list[str]:
         out = [self.error] if self.error else []
+        grew = self.cache_growth
+        if grew is not None:
+            out.append(grew.growth[0].reason(grew.step))
         bug = self.module_bug
         if bug is not None:
             why = next(c.reason() for c in bug.recompute if not c.passed)
             out.append(
                 f"module bug: with its cache the module disagrees with one pass over every token, from step "
-                f"{bug.step} (past {bug.past}, seq {bug.seq}): its rows {bug.past} to {bug.past + bug.seq - 1} "
+                f"{bug.step} (past {bug.past}, seq {bug.seq}): its rows {bug.first} to {bug.first + bug.seq - 1} "
                 f"differ from the same rows of the pass: {why}"
             )
         padded = next((c for c in self.unpadded if not c.passed), None)
@@ -403,7 +468,7 @@ class DecodeResult:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        first, bug = self.first_divergence, self.module_bug
+        first, bug, grew = self.first_divergence, self.module_bug, self.cache_growth
         return {
             "model": self.model,
             "runtime": self.runtime,
@@ -415,6 +480,8 @@ class DecodeResult:
             "error": self.error,
             "first_divergence": first.step if first else None,
             "module_bug_from_step": bug.step if bug else None,
+            "cache_growth_from_step": grew.step if grew else None,
+            "reasons": self.reasons(),
             "notes": self.notes,
             "unpadded": [c.to_dict() for c in self.unpadded],
             "steps": [s.to_dict() for s in self.steps],
@@ -485,33 +552,44 @@ def compare_trajectories(
     cache = traj.cache
     presents = {present for _, present in cache.pairs}
     # the rows of the one pass that each step's outputs hold: its own tokens of a per-token
-    # output, every token so far of a present; an output without either is not compared
+    # output, every token so far of a present (the newest, with a window); an output without
+    # either is not compared
     rows: dict[str, tuple[int, bool]] = {}
     for t in spec.outputs:
         whole = t.name in presents
         axis = _axis(spec, t.name, cache.total_dim if whole else cache.seq_dim)
         if axis is not None:
             rows[t.name] = (axis, whole)
-    length = next((recomputed[n].shape[a] for n, (a, _) in rows.items()), 0) if recomputed is not None else 0
+    length = _pass_length(spec, traj) if recomputed is not None else 0
     steps = []
     for k, sizes in enumerate(traj.sizes[: len(expected)]):
         past, seq = sizes[cache.past_dim], sizes[cache.seq_dim]
-        query_keep = traj.keep[:, past : past + seq]
-        padded = _padded_rows(spec, cache, query_keep)
-        step = DecodeStep(k + 1, past, seq)
+        start, stop = traj.span(k)
+        padded = _padded_rows(spec, cache, traj.keep[:, start:stop])
+        graph = actual[k] if k < len(actual) else None
+        step = DecodeStep(k + 1, past, seq, start=start)
+        step.growth = cache_growth(spec, cache, sizes, graph, expected[k])
         floors = traj.floors[k] if k < len(traj.floors) else {}
-        if k < len(actual):
+        if graph is not None:
             step.comparisons = _compare(
-                expected[k], actual[k], tolerances, padded if spec.fully_masked == "ignore" else {}, floors
+                expected[k], graph, tolerances, padded if spec.fully_masked == "ignore" else {}, floors
             )
         else:
             step.error = actual_error or "the graph produced no output"
-        if recomputed is not None and past + seq <= length:
-            mine = {
-                n: np.take(recomputed[n], range(0 if whole else past, past + seq), axis=a)
-                for n, (a, whole) in rows.items()
-            }
-            step.recompute = _compare(mine, {n: expected[k][n] for n in mine}, tolerances, padded, floors)
+        if recomputed is not None and stop <= length:
+            mine: Feeds = {}
+            theirs: Feeds = {}
+            for n, (a, whole) in rows.items():
+                if not whole:
+                    mine[n], theirs[n] = np.take(recomputed[n], range(start, stop), axis=a), expected[k][n]
+                    continue
+                # the positions both hold: the step's present ends at stop, the pass's at length
+                offset = length - recomputed[n].shape[a]
+                lo = max(stop - expected[k][n].shape[a], offset, 0)
+                if lo < stop:
+                    mine[n] = np.take(recomputed[n], range(lo - offset, stop - offset), axis=a)
+                    theirs[n] = _newest(expected[k][n], a, stop - lo)
+            step.recompute = _compare(mine, theirs, tolerances, padded, floors)
         steps.append(step)
         if step.error:
             break

@@ -68,11 +68,12 @@ def read_trajectories(
         )
         prompt = steps[0].sizes[cache.seq_dim]
         mask = next((t for t in spec.inputs if t.name == cache.mask), None)
-        keep = (
-            mask.mask.keep(steps[-1].inputs[mask.name])
-            if mask is not None and mask.mask is not None
-            else np.ones((steps[0].inputs[cache.pairs[0][0]].shape[0], prompt + len(steps) - 1), dtype=bool)
-        )
+        if mask is not None and mask.mask is not None:
+            # the prompt's mask, then each step's new token (a window's mask covers no more)
+            masks = [mask.mask.keep(c.inputs[mask.name]) for c in steps]
+            keep = np.concatenate([masks[0], *(m[:, -1:] for m in masks[1:])], axis=1)
+        else:
+            keep = np.ones((steps[0].inputs[cache.pairs[0][0]].shape[0], prompt + len(steps) - 1), dtype=bool)
         sizes = [spec.with_sums(c.sizes) for c in steps]
         out.append(
             (

@@ -101,7 +101,8 @@ def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int, seq: i
 def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, seq: int = 1) -> DecodeWindow:
     """The feeds of ``window`` steps of ``seq`` tokens each (1: decode steps) from a cache of
     ``past`` random entries, shortened where the spec's past range ends; each step's feeds
-    pass ``check_feeds``."""
+    pass ``check_feeds``. A sliding-window cache (``[cache] window``) holds the newest
+    ``min(past, window)`` of them, and its mask covers what it holds."""
     cache = _cache(spec)
     if "batch" not in spec.dims and batch != 1:
         raise InputError(
@@ -111,27 +112,29 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
     allowed = spec.dims[cache.seq_dim]
     if not allowed.min <= seq <= allowed.max:
         raise InputError(f"{spec.name}: a step of {cache.seq_dim} {seq} is outside [{allowed.min}, {allowed.max}]")
-    window = max(1, min(window, (spec.dims[cache.past_dim].max - past) // seq + 1))
+    if cache.window is None:
+        window = max(1, min(window, (spec.dims[cache.past_dim].max - past) // seq + 1))
     rng = np.random.default_rng(seed)
-    sizes = _step_sizes(spec, cache, batch, past, seq)
+    sizes = _step_sizes(spec, cache, batch, cache.kept(past), seq)
     past_names = {p for p, _ in cache.pairs}
     per_step = past_names | {cache.mask, cache.positions}
     pasts = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name in past_names}
     fixed = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name not in per_step}
     steps = []
     for k in range(window):
-        first = past + k * seq  # this step's past
+        first = past + k * seq  # this step's first token
         feeds = dict(fixed)
         for t in spec.inputs:
             if t.name == cache.mask and t.mask is not None:
-                feeds[t.name] = t.mask.convention.encode(np.ones((batch, first + seq), dtype=bool), t.dtype)
+                held = np.ones((batch, cache.kept(first) + seq), dtype=bool)
+                feeds[t.name] = t.mask.convention.encode(held, t.dtype)
             elif t.name == cache.positions:
                 feeds[t.name] = np.broadcast_to(np.arange(first, first + seq), (batch, seq)).astype(t.dtype)
         steps.append(feeds)
     window_plan = DecodeWindow(cache, past, pasts, steps, seq)
     inputs = {t.name: t for t in spec.inputs}
     for k in (0, window - 1):  # the first and the longest step: every size is in range
-        shapes = {p: (*pasts[p].shape[:2], past + k * seq, pasts[p].shape[3]) for p in past_names}
+        shapes = {p: (*pasts[p].shape[:2], cache.kept(past + k * seq), pasts[p].shape[3]) for p in past_names}
         stand_in = {p: np.zeros(s, dtype=inputs[p].dtype) for p, s in shapes.items()}
         check_feeds(window_plan.feeds(k, stand_in), spec.inputs, spec.dims)
     return window_plan

@@ -45,13 +45,14 @@ def parting_node(
     over every token of the trajectory (as verify --decode recomputes it) at the same
     tokens; None where they agree, or where the pass does not reach the step."""
     cache = traj.cache
-    sizes = traj.sizes[step - 1]
-    past, seq = sizes[cache.past_dim], sizes[cache.seq_dim]
+    # the step's tokens in the whole sequence (a sliding window's past holds fewer before them)
+    past, stop = traj.span(step - 1)
+    seq = stop - past
     length = min(traj.keep.shape[1], spec.dims[cache.seq_dim].max)
-    if past + seq > length:
+    if stop > length:
         return None
     whole = torch_values(program, spec, one_pass_feeds(spec, traj, length), budget)
-    padded = ~traj.keep[:, past : past + seq]  # a padded query has nothing to agree on
+    padded = ~traj.keep[:, past:stop]  # a padded query has nothing to agree on
     for name, value in cached.items():
         if value.dtype.kind != "f":  # positions, masks: their meaning differs between the two calls,
             continue  # and what they do shows in the first float they feed

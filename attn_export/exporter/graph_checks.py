@@ -96,6 +96,8 @@ def name_dims(
 
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+#: Longer dim expressions are not read (a graph is data: its names may be anything).
+_MAX_EXPRESSION = 512
 _CALLS = {"Max": max, "Min": min}
 
 
@@ -121,7 +123,7 @@ def _window_lengths(
     """(what the graph's axis gives, past + new) at sizes around the window and the ends of
     the ranges of the sum ``total``'s parts; None where the axis is no expression of them."""
     parts = dims[total].parts if total in dims else ()
-    if len(parts) != 2 or have is None:
+    if len(parts) != 2 or have is None or len(str(have)) > _MAX_EXPRESSION:
         return None
     try:
         tree = ast.parse(str(have), mode="eval").body

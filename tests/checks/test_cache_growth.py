@@ -257,3 +257,16 @@ def test_a_hugging_face_sliding_window_cache_keeps_it_and_one_that_grows_fails(t
             "expected min(past 7 + 1 new, window 7) = 7; PyTorch's module holds 7"
         )
         assert next(c for c in grew.comparisons if c.name == "last_hidden_state").passed
+
+
+@pytest.mark.parametrize(
+    "axis",
+    ["Min(6, total_seq) + 0*__import__('os').getpid()", "Min(6, " + "1+" * 400 + "total_seq)", "6", "Min(6, seq)"],
+)
+def test_a_windowed_present_axis_is_read_as_data_and_refused_in_one_line(windowed: Built, axis: str) -> None:
+    proto = onnx.load(windowed.out / "mha_window.onnx")
+    check_spec_axes(proto, "mha_window", load_spec(windowed.models / "mha_window.toml"))  # as built
+    present = next(o for o in proto.graph.output if o.name == "present.0.key")
+    present.type.tensor_type.shape.dim[2].dim_param = axis
+    with pytest.raises(GraphCheckError, match=r"^mha_window: output 'present.0.key' axis 2 is .* in the graph, but"):
+        check_spec_axes(proto, "mha_window", load_spec(windowed.models / "mha_window.toml"))

@@ -94,6 +94,7 @@ def test_a_sliding_window_cache_keeps_its_window_and_passes(windowed: Built) -> 
                 assert {c.name for c in d.steps[-1].recompute} == {"output", "present.0.key", "present.0.value"}
 
 
+@pytest.mark.slow  # an export of its own: the every-report check runs by default on the window's plant
 def test_a_graph_whose_present_grows_an_extra_row_fails_in_every_report(zoo_copy: Path, tmp_path: Path) -> None:
     from tests.faulty_decoders import PresentGrowsExtraRow
 
@@ -129,31 +130,52 @@ def test_a_graph_whose_present_grows_an_extra_row_fails_in_every_report(zoo_copy
     assert f"decode batch-1: {said}" in reports["markdown"].read_text()
 
 
-def test_a_sliding_window_graph_that_never_trims_fails_where_the_window_fills(
+def test_a_sliding_window_graph_that_never_trims_fails_in_every_report(
     windowed: Built, never_trims: onnx.ModelProto, tmp_path: Path
 ) -> None:
     built = copy_build(windowed, tmp_path)
-    proto = never_trims
     grows = (
         "mha_window: output 'present.0.key' axis 2 is 'total_seq' in the graph, but the spec's [cache] window "
         f"keeps {WINDOW} positions, Min({WINDOW}, total_seq): the graph's cache grows without bound"
     )
     with pytest.raises(GraphCheckError) as error:
-        check_spec_axes(proto, "mha_window", load_spec(built.models / "mha_window.toml"))  # what build says
+        check_spec_axes(never_trims, "mha_window", load_spec(built.models / "mha_window.toml"))  # what build says
     assert str(error.value) == grows
-    plant(built.out, "mha_window", proto)
-    report = _decode(built.out, built.models, "mha_window", decode_steps=8)
-    assert report.checks[0].problems == [grows]
-    for d in report.decode:
-        grew = d.cache_growth
-        assert grew is not None and (grew.step, grew.past) == (5, WINDOW), d.reasons()
-        assert d.reasons()[0] == (
-            f"cache growth: at step 5 (past {WINDOW}, seq 1) the graph's present.0.key holds 7 positions on axis 2, "
-            f"expected min(past {WINDOW} + 1 new, window {WINDOW}) = {WINDOW}; PyTorch's module holds {WINDOW} "
-            "positions on axis 2: the export's fault, not the module's"
-        )
-        assert next(c for c in grew.comparisons if c.name == "output").passed  # the logits are still right
-        assert all(s.passed for s in d.steps[: grew.step - 1])
+    plant(built.out, "mha_window", never_trims)
+    reports = {fmt: tmp_path / f"r.{fmt}" for fmt in ("json", "junit", "markdown")}
+    args = ["verify", str(built.out), "--models", str(built.models), "--no-latency"]
+    args += ["--shapes", "batch=1,seq=1,past_seq=0", "--decode", "8"]
+    result = CliRunner().invoke(cli, [*args, *[a for f, p in reports.items() for a in (f"--{f}", str(p))]])
+    assert result.exit_code == 1, result.output
+    said = (
+        f"cache growth: at step 5 (past {WINDOW}, seq 1) the graph's present.0.key holds 7 positions on axis 2, "
+        f"expected min(past {WINDOW} + 1 new, window {WINDOW}) = {WINDOW}; PyTorch's module holds {WINDOW} "
+        "positions on axis 2: the export's fault, not the module's"
+    )
+    for layout in ("batch-1", "left-padded"):
+        assert f"FAIL mha_window onnxruntime[cpu] decode {layout}: {said}" in result.output
+    doc = json.loads(reports["json"].read_text())
+    assert doc["checks"][0]["problems"] == [grows]
+    for d in doc["decode"]:
+        assert d["cache_growth_from_step"] == 5 and d["reasons"][0] == said
+        batch = len(d["prompt_lengths"])
+        assert d["steps"][4]["growth"][0] == {
+            "output": "present.0.key",
+            "past": WINDOW,
+            "seq": 1,
+            "window": WINDOW,
+            "expected": [batch, 4, WINDOW, 8],
+            "graph": [batch, 4, 7, 8],
+            "module": [batch, 4, WINDOW, 8],
+        }
+        outputs = {c["name"]: c["passed"] for c in d["steps"][4]["comparisons"]}
+        assert outputs["output"] and not outputs["present.0.key"]  # the logits are still right
+        assert all(s["passed"] for s in d["steps"][:4])
+    back = VerifyReport.from_dict(doc).decode[0]
+    assert back.cache_growth is not None and back.reasons()[0] == said
+    failure = ET.parse(reports["junit"]).getroot().find("testsuite/testcase/failure")
+    assert failure is not None and f"decode batch-1: {said}" in (failure.text or "")
+    assert f"decode left-padded: {said}" in reports["markdown"].read_text()
 
 
 def test_a_module_whose_cache_never_trims_is_reported_as_the_module(

@@ -9,7 +9,10 @@ tokens. Both sides are checked: the graph, and PyTorch's module at the same step
 build recorded it). Where only the graph breaks the rule, the export is at fault; where
 PyTorch's module breaks it the same way, it is the module's own behaviour, reported as a
 module bug. A length is the only thing that shows a sliding-window cache exported without
-its trim: it grows by every token while the window mask keeps every logit right.
+its trim: it grows by every token while the window mask keeps every logit right. A cache
+updated in place (``[cache] max_seq``, the ``static-cache`` variant) must come back at its
+buffer's capacity: its runtime refuses any other present (``runtimes.static_cache``) before
+cutting it to the positions filled, which are checked here like any cache's.
 """
 
 from __future__ import annotations

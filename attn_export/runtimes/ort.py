@@ -214,7 +214,12 @@ class OnnxRuntime(Runtime):
                 ) from e
             raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}") from e
         outputs = dict(zip(names, values, strict=True))
-        return outputs if static is None else static.filled((self.inputs, self.outputs, self.dims), feeds, outputs)
+        if static is None:
+            return outputs
+        misfit = static.misfit(feeds, outputs, self.buffer_capacity)
+        if misfit:
+            raise RuntimeFailure(f"{self.name}: {misfit}")
+        return static.filled((self.inputs, self.outputs, self.dims), feeds, outputs)
 
     @property
     def buffer_capacity(self) -> int:

@@ -12,7 +12,9 @@ manifest in ``variant_info``.
 graph's: each past copied into the first positions of a buffer of ``capacity`` positions,
 **every other position NaN**, so a graph that reads a slot not yet filled gives NaN and
 fails the comparison; ``StaticCache.filled`` cuts the presents back to the ``past_seq +
-seq`` positions filled, which verify compares with PyTorch's growing cache.
+seq`` positions filled, which verify compares with PyTorch's growing cache. A present that
+does not come back as its buffer (``StaticCache.misfit``: another capacity, or other axes)
+is a failure of the run: a cache updated in place stays at its capacity.
 """
 
 from __future__ import annotations
@@ -92,6 +94,19 @@ class StaticCache:
         total = sum(sizes[p] for p in dims[self.total_dim(specs)].parts)
         presents = {present for _, present in self.pairs}
         return {n: v[:, :, :total] if n in presents else v for n, v in outputs.items()}
+
+    def misfit(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], capacity: int) -> str | None:
+        """Why a present did not come back as its past's buffer for the spec's ``feeds``
+        (``[batch, kv_heads, capacity, head_dim]``), or None."""
+        for past, present in self.pairs:
+            want = [*feeds[past].shape[:2], capacity, *feeds[past].shape[3:]]
+            got = list(outputs[present].shape)
+            if got != want:
+                return (
+                    f"present '{present}' came back {got}, not its buffer {want}: a cache updated in place "
+                    f"stays at its capacity of {capacity} positions"
+                )
+        return None
 
     def signature(
         self, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]

@@ -226,7 +226,8 @@ def test_a_step_result_with_growth_round_trips_through_json() -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ("\n[cache]\nwindow = 0\n", "cache.window must be at least 1, got 0"),
+        ("\n[cache]\nwindow = 0\n", "cache.window = 0 must be at least 1"),
+        ("\n[cache]\nwindow = 4\nmax_seq = 40\n", "declares max_seq and window: .* declare one"),
         ("\n[cache]\nwindow = 25\n", "\\[cache\\] window = 25, but 'past_seq' max is 24"),
         ("\n[cache]\nsize = 4\n", "unknown key 'size' in \\[cache\\]"),
     ],
@@ -234,7 +235,7 @@ def test_a_step_result_with_growth_round_trips_through_json() -> None:
 def test_a_window_declared_wrong_is_refused(tmp_path: Path, edit: str, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         load_spec(write_spec(tmp_path, "bad", (TINY_ZOO / "mha_kv_cache.toml").read_text() + edit))
-    with pytest.raises(SpecError, match="window needs past_key_values"):
+    with pytest.raises(SpecError, match=r"\[cache\] window needs a past_key_values"):
         load_spec(write_spec(tmp_path, "plain", (TINY_ZOO / "mha.toml").read_text() + "\n[cache]\nwindow = 4\n"))
 
 

@@ -145,6 +145,35 @@ def test_a_graph_reading_unfilled_slots_fails_naming_the_step(built, tmp_path, m
     assert "decode batch-1: first divergence at step 2 (past 2, seq 1): output: 32 NaN/Inf" in output, output
 
 
+def test_a_buffer_that_grows_past_its_capacity_fails_naming_the_step(built, tmp_path, monkeypatch) -> None:
+    """Planted: each present comes back one position longer than its buffer (its first
+    position again at the end): the filled positions are still right, the capacity is not."""
+    copy = copy_build(built, tmp_path)
+    proto = onnx.load(copy.out / "mha_one_stream.static-cache.onnx")
+    (gqa,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    gqa.output[1] = "planted/present"
+    one = helper.make_tensor("planted/one", onnx.TensorProto.INT64, [1], [1])
+    zero = helper.make_tensor("planted/zero", onnx.TensorProto.INT64, [1], [0])
+    two = helper.make_tensor("planted/two", onnx.TensorProto.INT64, [1], [2])
+    proto.graph.initializer.extend([one, zero, two])
+    proto.graph.node.extend(
+        [
+            helper.make_node(
+                "Slice", ["planted/present", *(f"planted/{n}" for n in ("zero", "one", "two"))], ["planted/row"]
+            ),
+            helper.make_node("Concat", ["planted/present", "planted/row"], ["present.0.key"], axis=2),
+        ]
+    )
+    plant(copy.out, "mha_one_stream.static-cache", proto)
+    output = _verify(copy.out, copy.models, monkeypatch)
+    assert output.startswith("1\n"), output
+    assert (
+        "decode batch-1: first divergence at step 1 (past 0, seq 2): step 1: onnxruntime[cpu]: present "
+        "'present.0.key' came back [1, 4, 49, 8], not its buffer [1, 4, 48, 8]: a cache updated in place stays "
+        "at its capacity of 48 positions"
+    ) in output, output
+
+
 def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
     spec = load_spec(built.models / "mha_one_stream.toml")
     cache = cache_of(spec)

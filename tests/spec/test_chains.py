@@ -77,6 +77,7 @@ def test_every_two_links_either_chain_or_are_refused_by_the_table() -> None:
         "attention-op+int8", "attention-op+fp16", "attention-op+ort-optimized",
         "ort-past+int8", "ort-past+fp16", "ort-past+ort-optimized",
         "ort-fused+int8", "ort-fused+fp16", "ort-fused+ort-optimized",
+        "static-cache+int8", "static-cache+fp16", "static-cache+ort-optimized",
         "int8+ort-fused", "int8+ort-optimized", "fp16+ort-optimized",
     }  # fmt: skip
     assert all(trait in TRAITS for v in VARIANTS.values() for trait in v.needs | v.takes)

@@ -206,7 +206,11 @@ def run_action(env: Mapping[str, str]) -> int:
             _summary(env, f"### attn-export: ❌ build failed (exit {code})\n\nThe step's log names the models.\n")
     paths = report_paths(inputs)
     for path in paths.values():  # a report an earlier run left there is not this run's
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            print(f"::error title=attn-export::input reports-dir: cannot replace {path}: {e.strerror}", flush=True)
+            code = code or 2
     if code == 0:
         code = _attn_export(verify_command(inputs))  # verify appends its Markdown report to the summary
         verdict = "passed" if code == 0 else f"failed (exit {code})"

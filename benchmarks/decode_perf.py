@@ -126,21 +126,22 @@ def main() -> None:
         files = {v: out / manifest.models[variant_key(spec.name, v)].file for v in VARIANTS}
         files |= {v: out / manifest.models[variant_key(one_stream.name, v)].file for v in IN_PLACE}
 
-        # Per runner and past, the median over the repeats of its p50 and of its ratio to its limit
-        # (the first eager row at a past is the batch-dim model's; the one-stream model's eager is the same module).
+        # Per runner and past, the median over the repeats of its p50, of its ratio to its own
+        # model's eager in the same run (timed in turns with it) and of its ratio to its limit.
         p50: dict[tuple[str, int], list[float]] = defaultdict(list)
         limit: dict[tuple[str, int], list[float]] = defaultdict(list)
+        to_eager: dict[tuple[str, int], list[float]] = defaultdict(list)
         for report in reports:
-            seen = set()
+            eager_of = {(r.model, r.past): r.latency.p50_ms for r in report.rows if r.runner == "torch-eager"}
             for r in report.rows:
-                key = (r.runner, r.past)
-                if key in seen:
-                    continue
-                seen.add(key)
+                own = r.runner == "torch-eager" and r.model == one_stream.name
+                key = ("torch-eager (batch-1 model)" if own else r.runner, r.past)
                 p50[key].append(r.latency.p50_ms)
                 limit[key].append(r.limit_ratio or float("nan"))
+                to_eager[key].append(r.latency.p50_ms / eager_of[(r.model, r.past)])
         ms = {k: _median(v) for k, v in p50.items()}
         vs_limit = {k: _median(v) for k, v in limit.items()}
+        vs_eager = {k: _median(v) for k, v in to_eager.items()}
 
         def best(variants: tuple[str, ...], past: int) -> str:
             return min(variants, key=lambda v: ms[(f"ort:{v}", past)])
@@ -165,12 +166,11 @@ def main() -> None:
         print("|---|" + "---:|" * len(PASTS))
         for runner in dict.fromkeys(r for r, _ in ms):
             cells = [
-                f"{ms[(runner, p)]:.3f} ({ms[(runner, p)] / ms[('torch-eager', p)]:.2f}x eager, "
-                f"{vs_limit[(runner, p)]:.2f}x limit)"
+                f"{ms[(runner, p)]:.3f} ({vs_eager[(runner, p)]:.2f}x eager, {vs_limit[(runner, p)]:.2f}x limit)"
                 for p in PASTS
             ]
             print(f"| {runner} | " + " | ".join(cells) + " |")
-        spread = {p: max(p50[("torch-eager", p)]) / min(p50[("torch-eager", p)]) - 1 for p in PASTS}
+        spread = {p: max(p50[("torch-eager", p)]) / min(p50[("torch-eager", p)]) - 1 for p in PASTS}  # batch-dim model
         print(
             "\neager's p50 across the runs: "
             + "; ".join(
@@ -182,7 +182,7 @@ def main() -> None:
         fp32_512, fp32_2048, int8_512 = best(fp32_variants, AT), best(fp32_variants, 2048), best(int8_variants, AT)
 
         def eager_ratio(v: str, past: int) -> float:
-            return ms[(f"ort:{v}", past)] / ms[("torch-eager", past)]
+            return vs_eager[(f"ort:{v}", past)]
 
         targets = [
             (

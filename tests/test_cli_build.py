@@ -100,7 +100,7 @@ BAD_SPECS = [
     (
         "unknown_key",
         lambda t: "colour = 1\n" + t,
-        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: accept_guards, call, config, description,",
+        "[spec] {p}:1: unknown key 'colour' in the spec (expected one of: accept_guards, cache, call, config,",
     ),
     (
         "unknown_module",

@@ -3,9 +3,10 @@
 A new graph, golden or intermediates file is first written, atomically, under a staged name
 (``.<file>.<sha256 prefix>.staged``: hidden, content-addressed, never a model's name) that
 no manifest names yet. The manifest is then swapped to name it (the commit); its bytes
-are copied to the stable name ``<file>`` and the manifest swapped again; only then is the
-staged file removed. At every instant the manifest names complete files with the hashes
-it records, so an interrupted build leaves each graph's previous or new entry, never a mix.
+are copied to the stable name ``<file>`` and the manifest swapped again; the staged files
+are removed at the build's end, once no graph of the build can name them. At every
+instant the manifest names complete files with the hashes it records, so an interrupted
+build leaves each graph's previous or new entry, never a mix.
 
 What an interruption leaves (temporary files, staged files no manifest names, entries still
 naming staged files) is cleaned up by the next build, or by verify, with one line saying so.
@@ -81,21 +82,18 @@ def _holds(path: Path, sha: str) -> bool:
 
 def commit(out_dir: Path, manifest: Manifest, name: str, entry: ManifestEntry) -> None:
     """Make ``entry`` (naming staged files) part of the folder: swap in the manifest with
-    it, move its files to their stable names, swap again, remove its staged files (only
-    its own: a build's other cells may have staged files that await their commit).
+    it, move its files to their stable names, swap again. The staged files stay until the
+    build's end (``remove_leftovers``): another graph of the build, committed next, may
+    name the same staged file (a model's golden file), and other cells' staged files await
+    their commit.
 
     ``manifest`` takes the entry only once it is on disk, so a failed first swap leaves
     memory and disk agreeing on the previous build."""
-    staged = {n for n, _ in entry.files() if _STAGED.fullmatch(n)}
     candidate = Manifest(manifest.toolkit_version, {**manifest.models, name: entry})
     save_manifest(out_dir, candidate)
     manifest.models = candidate.models
     if _promote(out_dir, manifest):
         save_manifest(out_dir, manifest)
-    named = {n for e in manifest.models.values() for n, _ in e.files()}
-    for promoted in staged - named:  # only the entry's own: other staged files may await their commit
-        with contextlib.suppress(OSError):
-            (out_dir / promoted).unlink(missing_ok=True)
 
 
 def leftovers(out_dir: Path, *manifests: Manifest) -> list[Path]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from attn_export._deps import missing
-from attn_export.errors import RuntimeFailure, UsageError
+from attn_export.errors import AttnExportError, RuntimeFailure, UsageError, first_line
 
 __all__ = [
     "EXECUTORS",
@@ -142,6 +142,13 @@ def open_executor(parallelism: Parallelism, exclusive: bool = False) -> Iterator
             f"a process of --jobs {parallelism.jobs} ended abruptly ({e.__cause__ or 'killed, or out of memory'}); "
             "a script that starts them must guard its own work with if __name__ == '__main__':"
         ) from e
+    except Exception as e:
+        if not type(e).__module__.startswith("ray."):
+            raise
+        cause = getattr(e, "cause", None)  # a task's own exception, under Ray's remote traceback
+        if isinstance(cause, AttnExportError):
+            raise cause.with_traceback(None) from None
+        raise RuntimeFailure(f"a Ray task failed: {first_line(cause or e)}") from e
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
 

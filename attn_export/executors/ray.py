@@ -34,6 +34,7 @@ class RayExecutor(Executor):
         self._jobs = jobs
         self._remote: dict[Callable[..., Any], Any] = {}
         self._in_flight: list[Future[Any]] = []
+        self._refs: list[Any] = []
         self._nodes = self._whole_nodes() if exclusive else []
         self._submitted = 0
 
@@ -61,11 +62,15 @@ class RayExecutor(Executor):
         if self._nodes:
             remote = remote.options(**self._nodes[self._submitted % len(self._nodes)])
         self._submitted += 1
-        future: Future[T] = remote.remote(*args, **kwargs).future()
+        ref = remote.remote(*args, **kwargs)
+        self._refs.append(ref)
+        future: Future[T] = ref.future()
         self._in_flight.append(future)
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for ref in self._refs if cancel_futures else []:
+            self._ray.cancel(ref)  # a task not started never starts; one running is stopped
         for future in self._in_flight if wait else []:
             future.exception()
         if self._started:

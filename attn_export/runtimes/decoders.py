@@ -139,9 +139,10 @@ class OrtDecoder:
 
     For a graph updating its cache in place (``static``: ``runtimes.static_cache``), each
     past and its present are bound once to one buffer of ``capacity`` positions, the
-    prefilled cache at its start; a step binds only its length and per-step inputs.
-    ``shared`` says whether, at every step so far, ONNX Runtime returned each present at
-    its buffer's address (written in place, not copied)."""
+    prefilled cache at its start and every other position NaN (as verify poisons them); a
+    step binds only its length and per-step inputs. ``shared`` is the caller's finding that
+    the graph writes each present directly into that buffer (``StaticCache.in_place``);
+    None for a growing cache."""
 
     def __init__(
         self,
@@ -151,13 +152,14 @@ class OrtDecoder:
         provider: str = "cpu",
         static: StaticCache | None = None,
         capacity: int = 0,
+        shared: bool | None = None,
     ) -> None:
         import onnxruntime as ort
 
         self.session = session
         self.plan = plan
         self.static = static
-        self.shared: bool | None = None
+        self.shared = shared
         self._device = "cuda" if provider == "cuda" else "cpu"
 
         self._arrays: list[np.ndarray] = []  # on CPU an OrtValue shares its array's memory: keep them alive
@@ -168,7 +170,7 @@ class OrtDecoder:
 
         cache = plan.cache
         per_step = {cache.mask, cache.positions} - {None}
-        self._prefilled = {n: value(v) for n, v in plan.pasts.items()}
+        self._prefilled = {} if static else {n: value(v) for n, v in plan.pasts.items()}
         self._per_step = [{n: value(v) for n, v in feeds.items() if n in per_step} for feeds in plan.steps]
         self._binding = session.io_binding()
         self._fixed = {n: value(v) for n, v in plan.steps[0].items() if n not in per_step}
@@ -186,11 +188,9 @@ class OrtDecoder:
         self._buffers: dict[str, Any] = {}
         self._lengths: list[Any] = []
         if static is not None:
+            buffers = static.feeds(plan.pasts, capacity)
             for past, present in static.pairs:
-                arr = plan.pasts[past]
-                buffer = np.zeros((*arr.shape[:2], capacity, *arr.shape[3:]), arr.dtype)
-                buffer[:, :, : arr.shape[2]] = arr
-                self._buffers[present] = value(buffer)
+                self._buffers[present] = value(buffers[past])
                 self._binding.bind_ortvalue_input(past, self._buffers[present])
                 self._binding.bind_ortvalue_output(present, self._buffers[present])
             self._lengths = [value(np.array(plan.past + k * plan.seq, np.int64)) for k in range(len(plan.steps))]
@@ -216,11 +216,9 @@ class OrtDecoder:
             binding.bind_output(name, self._device)
         self.session.run_with_iobinding(binding)
         self._last = binding.get_outputs()
-        by_name = dict(zip(self._outputs, self._last, strict=True))
-        if self.static is not None:
-            shared = all(by_name[n].data_ptr() == b.data_ptr() for n, b in self._buffers.items())
-            self.shared = shared if self.shared is None else self.shared and shared
-        self._pasts = {past: by_name[present] for past, present in self.plan.cache.pairs}
+        if self.static is None:
+            by_name = dict(zip(self._outputs, self._last, strict=True))
+            self._pasts = {past: by_name[present] for past, present in self.plan.cache.pairs}
         self._k += 1
         self._sync()
 

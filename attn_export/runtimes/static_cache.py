@@ -23,13 +23,16 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
-from attn_export.errors import ArtifactError
+from attn_export.errors import ArtifactError, InputError
 from attn_export.spec import DimRange, TensorSpec
 from attn_export.spec.shapes import sizes_from_feeds
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["CAPACITY_DIM", "LENGTH", "METADATA_KEY", "StaticCache", "capacity_for", "graph_signature"]
 
@@ -77,6 +80,20 @@ class StaticCache:
         out[self.length] = np.array(past, np.int64)
         return out
 
+    def in_place(self, proto: onnx.ModelProto) -> bool:
+        """Whether every present is written straight into its past's buffer: it is an output
+        of the GroupQueryAttention node that reads that past (ONNX Runtime then appends in
+        the past's memory when both are bound to one buffer). A present that another node
+        produces would be a copy into the bound buffer, not the same memory."""
+        makers = {out: node for node in proto.graph.node for out in node.output}
+        for past, present in self.pairs:
+            node = makers.get(present)
+            if node is None or (node.domain, node.op_type) != ("com.microsoft", "GroupQueryAttention"):
+                return False
+            if past not in node.input:
+                return False
+        return True
+
     def total_dim(self, outputs: Sequence[TensorSpec]) -> str:
         """The spec's name for the presents' length (``total_seq``)."""
         present = self.pairs[0][1]
@@ -91,7 +108,13 @@ class StaticCache:
         """``outputs`` with each present cut to the positions filled after this step."""
         inputs, specs, dims = signature
         sizes = sizes_from_feeds(inputs, {k: v.shape for k, v in feeds.items()})
-        total = sum(sizes[p] for p in dims[self.total_dim(specs)].parts)
+        name = self.total_dim(specs)
+        if name in sizes:  # an input of that length (a mask) says it
+            total = sizes[name]
+        elif name in dims:
+            total = sum(sizes[p] for p in dims[name].parts)
+        else:
+            raise InputError(f"no input and no declared dim says how long '{name}' is: the filled length is unknown")
         presents = {present for _, present in self.pairs}
         return {n: v[:, :, :total] if n in presents else v for n, v in outputs.items()}
 

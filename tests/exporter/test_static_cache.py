@@ -202,3 +202,17 @@ def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
     for name, value in want.items():
         assert got[name].shape == value.shape
         np.testing.assert_allclose(got[name], value, atol=1e-6)
+
+
+def test_a_present_copied_after_the_attention_is_not_written_in_place(built) -> None:
+    """SHARED is read from the graph: a present that another node produces (here an Identity
+    after GroupQueryAttention) is a copy into the bound buffer, not the buffer written in place."""
+    from attn_export.runtimes.static_cache import StaticCache
+
+    proto = onnx.load(built.out / "mha_one_stream.static-cache.onnx")
+    static = StaticCache.from_metadata({p.key: p.value for p in proto.metadata_props})
+    assert static is not None and static.in_place(proto)
+    (node,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    node.output[1] = "planted/key"
+    proto.graph.node.append(helper.make_node("Identity", ["planted/key"], ["present.0.key"]))
+    assert not static.in_place(proto)

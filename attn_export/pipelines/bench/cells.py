@@ -201,9 +201,12 @@ def time_cells(
     """Run ``fn`` on each cell (``executors.run_timed``: never two at once on one machine)
     and add its rows to ``report`` in cell order, each heard by ``on_row``, and the runners
     that could not run."""
-    for rows, unavailable in run_timed(parallelism, fn, cells):
-        report.unavailable.update(unavailable)
-        for row in rows:
-            report.rows.append(row)
-            if on_row:
-                on_row(row)
+    try:
+        for rows, unavailable in run_timed(parallelism, fn, cells):
+            report.unavailable.update(unavailable)
+            for row in rows:
+                report.rows.append(row)
+                if on_row:
+                    on_row(row)
+    finally:
+        _LOADED.clear()  # the last model's runners, where this process ran the cells

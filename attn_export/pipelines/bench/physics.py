@@ -85,12 +85,13 @@ class StepBytes:
 def step_bytes(plan: DecodeWindow, seq: int, weights: int, in_place: bool = False) -> StepBytes:
     """Mean bytes per step of ``plan``'s window of ``seq``-token steps: step k reads pasts of
     the prefilled length plus the k steps before, and writes presents ``seq`` longer, or
-    ``in_place`` only the ``seq`` new positions."""
+    ``in_place`` only the ``seq`` new positions (a sliding-window cache: at most its window)."""
     steps = len(plan.steps)
     per_position = sum(_position_bytes(past) for past in plan.pasts.values())
     lengths = [plan.past + k * seq for k in range(steps)]
-    read = sum(lengths) * per_position
-    written = sum(seq if in_place else length + seq for length in lengths) * per_position
+    kept = plan.cache.kept  # a sliding-window cache holds at most its window
+    read = sum(kept(length) for length in lengths) * per_position
+    written = sum(seq if in_place else kept(length + seq) for length in lengths) * per_position
     return StepBytes(weights, read // steps, written // steps)
 
 

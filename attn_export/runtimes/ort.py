@@ -204,7 +204,9 @@ class OnnxRuntime(Runtime):
         static = self.static
         graph_feeds = dict(feeds) if static is None else static.feeds(feeds, self.buffer_capacity)
         try:
-            values = self.session.run(names, graph_feeds)
+            values = self.session.run(names, graph_feeds) if static is None else self._run_static(names, graph_feeds)
+        except RuntimeFailure:
+            raise
         except Exception as e:
             full = _ARENA_FULL.search(first_line(e))
             if full:
@@ -222,6 +224,42 @@ class OnnxRuntime(Runtime):
         if misfit:
             raise RuntimeFailure(f"{self.name}: {misfit}")
         return static.filled((self.inputs, self.outputs, self.dims), feeds, outputs)
+
+    def _run_static(self, names: list[str], graph_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """A run in the shared-buffer mode; where it fails, a plain run (separate past and
+        present) says why: a present that does not fit its buffer, or a graph that runs
+        only with separate buffers (both failures)."""
+        assert self.session is not None and self.static is not None
+        try:
+            return self._run_shared(names, graph_feeds)
+        except Exception as shared:
+            values = self.session.run(names, dict(graph_feeds))  # raises where the graph fails anyway
+            misfit = self.static.misfit(graph_feeds, dict(zip(names, values, strict=True)), self.buffer_capacity)
+            reason = misfit or f"it runs with separate past and present, not with one buffer: {first_line(shared)}"
+            raise RuntimeFailure(f"{self.name}: {reason}") from shared
+
+    def _run_shared(self, names: list[str], graph_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """A run of a graph updating its cache in place as it is deployed: each past and its
+        present bound to one buffer (ONNX Runtime's shared-buffer mode, where the attention
+        appends in the past's memory), the other outputs ONNX Runtime's own."""
+        import onnxruntime as ort
+
+        assert self.session is not None and self.static is not None
+        device = "cuda" if self.provider == "cuda" else "cpu"
+        binding = self.session.io_binding()
+        values = {
+            n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, 0) for n, a in graph_feeds.items()
+        }
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        buffers = {present: values[past] for past, present in self.static.pairs}
+        for name in names:
+            if name in buffers:
+                binding.bind_ortvalue_output(name, buffers[name])
+            else:
+                binding.bind_output(name, device)
+        self.session.run_with_iobinding(binding)
+        return [v.numpy().copy() for v in binding.get_outputs()]
 
     def _proto(self) -> onnx.ModelProto:
         """The graph itself (read again: a session does not expose its nodes)."""

@@ -73,6 +73,7 @@ def test_export_raises_the_check_that_failed(tmp_path: Path) -> None:
         attn_export.export(module, inputs=inputs, dims={"batch": (1, 4)}, path=tmp_path / "m.onnx")
 
 
+@pytest.mark.slow
 def test_a_rotary_layer_in_hand_takes_its_rotary_module_from_its_own_config(tmp_path: Path) -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding

@@ -83,6 +83,7 @@ def _cli(cwd: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
     return CliRunner().invoke(cli, list(args))
 
 
+@pytest.mark.slow
 def test_readme_quickstart_passes_and_fails_as_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = _blocks(README.split("## Quickstart", 1)[1], "toml")[0]
     models = tmp_path / "models"

@@ -34,6 +34,7 @@ def test_my_graph_matches_my_module():
 """
 
 
+@pytest.mark.slow
 def test_plugin_collects_every_case_and_fails_only_the_planted_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -105,6 +105,7 @@ def test_the_build_names_the_link_that_did_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "sdpa.ort-fused+int8.onnx").exists()
 
 
+@pytest.mark.slow
 def test_bench_times_a_chain_like_any_variant(cache_build: Built, tmp_path: Path) -> None:
     copy = copy_build(cache_build, tmp_path)  # bench takes the folder's lock: never the shared one
     spec = str(copy.models / f"{DECODER}.toml")

@@ -95,6 +95,7 @@ def test_the_int8_chain_keeps_the_buffers_and_quantizes_the_projections(built) -
     assert shapes["past_key_values.0.key"] == [1, 4, "max_seq", 8] and shapes["past_length"] == []
 
 
+@pytest.mark.slow
 def test_bench_decode_times_it_in_place(built, tmp_path: Path) -> None:
     """bench --decode on the batch-1 decoder: the in-place rows say their presents came back
     at the buffer's address every step, and count only the new token as written."""

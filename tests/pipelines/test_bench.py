@@ -202,6 +202,7 @@ def compile_run(bench_run) -> tuple[Path, object]:
     return folder, CliRunner().invoke(cli, [*args, "--benchmark-json", str(folder / "compile-benchmark.json")])
 
 
+@pytest.mark.slow
 def test_compiled_rows_keep_the_compile_time_apart_from_the_latency(compile_run) -> None:
     folder, result = compile_run
     assert result.exit_code == 0, result.output

@@ -339,6 +339,7 @@ def test_a_branch_on_a_shape_fails_the_build_naming_its_line(tmp_path: Path, exp
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 
+@pytest.mark.slow
 def test_an_accepted_guard_is_still_judged_on_the_whole_range(tmp_path: Path) -> None:
     models = tmp_path / "models"
     summary = _build([_branch_spec(models, "accept_guards = true\n")], tmp_path / "out")

@@ -202,7 +202,7 @@ class OnnxRuntime(Runtime):
         assert self.session is not None
         names = [t.name for t in self.outputs]
         static = self.static
-        graph_feeds = dict(feeds) if static is None else static.feeds(feeds, self.buffer_capacity)
+        graph_feeds = self._graph_feeds(feeds, static)
         try:
             values = self.session.run(names, graph_feeds) if static is None else self._run_static(names, graph_feeds)
         except RuntimeFailure:
@@ -275,13 +275,20 @@ class OnnxRuntime(Runtime):
         assert self.static is not None
         return capacity_for(self.capacity, self.dims, self.outputs, self.static)
 
+    def _graph_feeds(self, feeds: Mapping[str, np.ndarray], static: StaticCache | None) -> dict[str, np.ndarray]:
+        """The graph's feeds for the spec's ``feeds``: the same, or for a cache updated in
+        place (``static``, as the session's metadata records it), pasts in NaN-poisoned buffers."""
+        if static is None:
+            return dict(feeds)
+        return static.feeds(feeds, capacity_for(self.capacity, self.dims, self.outputs, static))
+
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """On CUDA, bind inputs and outputs on the device (IOBinding) so no copy is timed; a
         cache updated in place gets its buffers once, outside the timed call."""
         check_feeds(feeds, self.inputs, self.dims)
         assert self.session is not None
         session = self.session
-        graph_feeds = dict(feeds) if self.static is None else self.static.feeds(feeds, self.buffer_capacity)
+        graph_feeds = self._graph_feeds(feeds, self.static)
         if self.provider != "cuda":
             return super().prepare(feeds) if self.static is None else (lambda: session.run(None, graph_feeds))
         import onnxruntime as ort
@@ -319,11 +326,7 @@ class OnnxRuntime(Runtime):
                 spinning=False,
             )
             static = StaticCache.from_metadata(session.get_modelmeta().custom_metadata_map)
-            graph_feeds = (
-                dict(feeds)
-                if static is None
-                else static.feeds(feeds, capacity_for(self.capacity, self.dims, self.outputs, static))
-            )
+            graph_feeds = self._graph_feeds(feeds, static)
             try:
                 session.run(None, graph_feeds)
             except Exception as e:

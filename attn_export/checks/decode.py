@@ -48,6 +48,7 @@ __all__ = [
     "Trajectory",
     "compare_trajectories",
     "one_pass_feeds",
+    "pass_length",
     "plan_trajectory",
     "pytorch_trajectories",
     "layouts",
@@ -260,13 +261,13 @@ def recompute(runtime: Runtime, spec: ModelSpec, traj: Trajectory) -> Feeds | No
     every step is compared with the same row of this one pass: a module whose later tokens
     change earlier outputs (no causal mask) or whose result depends on how many keys it
     sees (a scale from the key count) disagrees with it from the first step on."""
-    length = _pass_length(spec, traj)
+    length = pass_length(spec, traj)
     if length < traj.prompt:
         return None
     return runtime.run(one_pass_feeds(spec, traj, length))
 
 
-def _pass_length(spec: ModelSpec, traj: Trajectory) -> int:
+def pass_length(spec: ModelSpec, traj: Trajectory) -> int:
     """The tokens ``recompute`` takes in its one pass: as many as the seq range holds."""
     return min(traj.keep.shape[1], spec.dims[traj.cache.seq_dim].max)
 
@@ -560,7 +561,7 @@ def compare_trajectories(
         axis = _axis(spec, t.name, cache.total_dim if whole else cache.seq_dim)
         if axis is not None:
             rows[t.name] = (axis, whole)
-    length = _pass_length(spec, traj) if recomputed is not None else 0
+    length = pass_length(spec, traj) if recomputed is not None else 0
     steps = []
     for k, sizes in enumerate(traj.sizes[: len(expected)]):
         past, seq = sizes[cache.past_dim], sizes[cache.seq_dim]

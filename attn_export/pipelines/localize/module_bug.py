@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.checks.decode import Trajectory, one_pass_feeds
+from attn_export.checks.decode import Trajectory, one_pass_feeds, pass_length
 from attn_export.compare.outputs import compare_output
 from attn_export.pipelines.localize.judge import left_out, region_tolerance
 from attn_export.pipelines.localize.results import RegionError
@@ -44,11 +44,10 @@ def parting_node(
     the prompt), computed with the cache (``cached``), differs from its value in one pass
     over every token of the trajectory (as verify --decode recomputes it) at the same
     tokens; None where they agree, or where the pass does not reach the step."""
-    cache = traj.cache
     # the step's tokens in the whole sequence (a sliding window's past holds fewer before them)
     past, stop = traj.span(step - 1)
     seq = stop - past
-    length = min(traj.keep.shape[1], spec.dims[cache.seq_dim].max)
+    length = pass_length(spec, traj)
     if stop > length:
         return None
     whole = torch_values(program, spec, one_pass_feeds(spec, traj, length), budget)

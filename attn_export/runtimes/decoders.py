@@ -186,38 +186,40 @@ class OrtDecoder:
             self._binding.bind_output(name, self._device)
         self._sync = self._binding.synchronize_outputs if self._device != "cpu" else (lambda: None)
         self._buffers: dict[str, Any] = {}
-        self._lengths: list[Any] = []
         if static is not None:
             buffers = static.feeds(plan.pasts, capacity)
             for past, present in static.pairs:
                 self._buffers[present] = value(buffers[past])
                 self._binding.bind_ortvalue_input(past, self._buffers[present])
                 self._binding.bind_ortvalue_output(present, self._buffers[present])
-            self._lengths = [value(np.array(plan.past + k * plan.seq, np.int64)) for k in range(len(plan.steps))]
             self._presents = []
+            for k, feeds in enumerate(self._per_step):
+                feeds[static.length] = value(np.array(plan.past + k * plan.seq, np.int64))
+        # What a step binds, worked out once: a timed step is the binds a deployment makes
+        # and the run, none of Python's bookkeeping around them.
+        self._binds = [list(feeds.items()) for feeds in self._per_step]
         self.restart()
 
     def restart(self) -> None:
         self._k = 0
         self._pasts: dict[str, Any] = dict(self._prefilled)
-        self._last: list[Any] = []
 
     def step(self) -> None:
-        """One decode step; the window restarts when it is used up."""
-        if self._k == len(self._per_step):
+        """One decode step; the window restarts when it is used up. A buffer updated in place
+        needs no outputs read back each step: ``outputs`` reads them."""
+        if self._k == len(self._binds):
             self.restart()
         binding = self._binding
-        per_step = self._per_step[self._k]
-        if self.static is not None:
-            per_step = {**per_step, self.static.length: self._lengths[self._k]}
-        for name, v in {**per_step, **(self._pasts if self.static is None else {})}.items():
+        for name, v in self._binds[self._k]:
             binding.bind_ortvalue_input(name, v)
-        for name in self._presents:  # rebinding keeps its place, and ONNX Runtime allocates it anew
-            binding.bind_output(name, self._device)
-        self.session.run_with_iobinding(binding)
-        self._last = binding.get_outputs()
         if self.static is None:
-            by_name = dict(zip(self._outputs, self._last, strict=True))
+            for name, v in self._pasts.items():
+                binding.bind_ortvalue_input(name, v)
+            for name in self._presents:  # rebinding keeps its place, and ONNX Runtime allocates it anew
+                binding.bind_output(name, self._device)
+        self.session.run_with_iobinding(binding)
+        if self.static is None:
+            by_name = dict(zip(self._outputs, binding.get_outputs(), strict=True))
             self._pasts = {past: by_name[present] for past, present in self.plan.cache.pairs}
         self._k += 1
         self._sync()
@@ -225,7 +227,7 @@ class OrtDecoder:
     def outputs(self) -> Feeds:
         """The last step's outputs as numpy copies (for checks, never timed); a buffer's
         present as its filled positions."""
-        values = {n: v.numpy().copy() for n, v in zip(self._outputs, self._last, strict=True)}
+        values = {n: v.numpy().copy() for n, v in zip(self._outputs, self._binding.get_outputs(), strict=True)}
         if self.static is None:
             return values
         filled = self.plan.past + self._k * self.plan.seq

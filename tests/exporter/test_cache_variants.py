@@ -59,6 +59,24 @@ def test_onnx_runtime_cache_ops_take_the_cache_in(built) -> None:
         assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
 
 
+def test_onnx_runtime_cache_ops_read_the_projections_with_no_layout_ops(built) -> None:
+    """A step runs every node of the graph: heads a module only splits out of a projection
+    (not the rotated query and key of the GQA model) reach the op as the projection, with no
+    Reshape/Transpose pair each step, and nothing is left that nobody reads."""
+    out, _, _ = built
+    for key, op_type, projections in (
+        ("mha_kv_cache.ort-past", "MultiHeadAttention", ["Add", "Add", "Add"]),
+        ("gqa_one_stream.ort-past", "GroupQueryAttention", ["Reshape", "Reshape", "MatMul"]),
+    ):
+        proto = _graph(out, key)
+        producers = {o: n for n in proto.graph.node for o in n.output}
+        node = _cache_op(proto, op_type)
+        assert [producers[name].op_type for name in node.input[:3]] == projections, key
+        read = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+        assert not [n.name for n in proto.graph.node if not any(o in read for o in n.output)], key
+        assert {c.name for c in proto.graph.initializer} <= read, key
+
+
 def test_cache_variants_pass_verify_over_decode_steps(built, monkeypatch: pytest.MonkeyPatch) -> None:
     out, models, _ = built
     monkeypatch.chdir(models.parent)

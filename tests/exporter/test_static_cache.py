@@ -71,6 +71,9 @@ def test_the_graph_takes_buffers_and_a_length(built) -> None:
     (node,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert list(node.input[3:5]) == ["past_key_values.0.key", "past_key_values.0.value"]
     assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
+    # the export's read of the past's length is the filled length, one node a step
+    filled = [n for n in proto.graph.node if "/filled/" in n.name]
+    assert [(n.op_type, list(n.input)) for n in filled] == [("Reshape", ["past_length", filled[0].input[1]])]
 
 
 def _verify(out: Path, models: Path, monkeypatch: pytest.MonkeyPatch, variant: str = "static-cache") -> str:

@@ -76,6 +76,36 @@ class _Nodes:
         return self.add("Reshape", [moved, self.const("bsh_shape", np.array([0, 0, -1], np.int64))], f"{label}_bsh")
 
 
+def _dims(proto: onnx.ModelProto, name: str) -> list[str | int | None]:
+    """The graph's declared dims of ``name`` (a symbol, a size or None each); [] if none."""
+    info = value_info(proto, name)
+    dims = info.shape.dim if info is not None and info.HasField("shape") else []
+    return [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in dims]
+
+
+def _merged_heads(proto: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto]) -> str | None:
+    """The ``[batch, seq, heads * head_dim]`` tensor whose heads ``name`` only splits out
+    (a Reshape to ``[batch, seq, heads, head_dim]`` and a Transpose, as a module turns its
+    projection into heads), or None. The contrib ops read that tensor as it is: no layout
+    ops each step."""
+    moved = producers.get(name)
+    if moved is None or moved.op_type != "Transpose" or list(_attr(moved, "perm")) != [0, 2, 1, 3]:
+        return None
+    split = producers.get(moved.input[0])
+    if split is None or split.op_type != "Reshape":
+        return None
+    merged, heads = _dims(proto, split.input[0]), _dims(proto, split.output[0])
+    if len(merged) != 3 or len(heads) != 4 or None in (*merged, *heads):
+        return None
+    same_lead = merged[:2] == heads[:2]
+    sizes = [d for d in (merged[2], heads[2], heads[3]) if isinstance(d, int)]
+    return split.input[0] if same_lead and len(sizes) == 3 and sizes[0] == sizes[1] * sizes[2] else None
+
+
+def _attr(node: onnx.NodeProto, name: str) -> Any:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), [])
+
+
 def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[str, str]:
     """The op's mask as the additive ``[batch or 1, heads or 1, seq, total]`` bias the
     contrib ops take (a boolean mask becomes 0 / the dtype's minimum), and a
@@ -101,28 +131,20 @@ def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[st
     return full, nodes.add("Greater", [top, none], "has_key")
 
 
-def _lengths(nodes: _Nodes, op: CacheAttention, length: str | None) -> tuple[str, str]:
+def _lengths(nodes: _Nodes, op: CacheAttention, query: str, key: str, length: str | None) -> tuple[str, str]:
     """GroupQueryAttention's ``seqlens_k`` (total - 1 for every row, padding being in the
-    bias) and ``total_sequence_length``: the new keys' length plus the past's, which is the
-    past's shape, or the input ``length`` for a buffer filled up to there."""
-    axis = nodes.const("seq_axis", np.array([2], np.int64))
+    bias) and ``total_sequence_length``: the new keys' length (axis 1 of ``key``,
+    ``[batch, seq, hidden]`` as the op reads it) plus the past's, which is the past's
+    shape, or the input ``length`` for a buffer filled up to there."""
     if length is None:
-        past = nodes.add("Gather", [nodes.add("Shape", [op.past_key], "past_shape"), axis], "past_len")
+        past = nodes.add("Shape", [op.past_key], "past_len", start=2, end=3)
     else:
         past = nodes.add("Reshape", [length, nodes.const("one_dim", np.array([1], np.int64))], "past_len")
-    new = nodes.add("Gather", [nodes.add("Shape", [op.new_key], "new_shape"), axis], "new_len")
+    new = nodes.add("Shape", [key], "new_len", start=1, end=2)
     total = nodes.add("Cast", [nodes.add("Add", [past, new], "total_i64")], "total_1", to=TensorProto.INT32)
     scalar = nodes.add("Squeeze", [total], "total")
     last = nodes.add("Sub", [total, nodes.const("one", np.array([1], np.int32))], "last")
-    batch = nodes.add(
-        "Slice",
-        [
-            nodes.add("Shape", [op.query], "q_shape"),
-            nodes.const("start", np.array([0], np.int64)),
-            nodes.const("end", np.array([1], np.int64)),
-        ],
-        "batch",
-    )
+    batch = nodes.add("Shape", [query], "batch", start=0, end=1)
     return nodes.add("Expand", [last, batch], "seqlens_k"), scalar
 
 
@@ -138,7 +160,11 @@ def _replace(
         raise ExportFailure("variant ort-past cannot express an Attention op with softcap or score outputs")
     heads, kv_heads = _heads(proto, op.query), _heads(proto, op.past_key)
     nodes = _Nodes(prefix)
-    query, key, value = (nodes.to_bsh(op.query, "q"), nodes.to_bsh(op.new_key, "k"), nodes.to_bsh(op.new_value, "v"))
+    producers = {out: n for n in proto.graph.node for out in n.output}
+    query, key, value = (
+        _merged_heads(proto, name, producers) or nodes.to_bsh(name, label)
+        for name, label in ((op.query, "q"), (op.new_key, "k"), (op.new_value, "v"))
+    )
     bias, has_key = _bias(nodes, proto, op) if op.mask else ("", "")
     scale = {"scale": attrs["scale"]} if "scale" in attrs else {}
     y = f"{nodes.prefix}/y_bsh"
@@ -148,7 +174,7 @@ def _replace(
         extra: dict[str, Any] = {}
     else:
         kind = "GroupQueryAttention"
-        seqlens, total = _lengths(nodes, op, length)
+        seqlens, total = _lengths(nodes, op, query, key, length)
         inputs = [query, key, value, op.past_key, op.past_value, seqlens, total, "", "", "", bias]
         extra = {"kv_num_heads": kv_heads}
     nodes.nodes.append(
@@ -174,6 +200,27 @@ def _replace(
     return nodes.nodes, kind
 
 
+def _read(node: onnx.NodeProto) -> Iterator[str]:
+    """The names ``node`` reads, its subgraphs' reads of outer names included."""
+    yield from node.input
+    for attr in node.attribute:
+        for graph in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+            for inner in graph.node:
+                yield from _read(inner)
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """``nodes`` without those whose every output nobody reads: the layout ops a module
+    split its heads with, once the contrib op reads the projection itself. ONNX Runtime
+    runs a dead node every step all the same."""
+    while True:
+        read = outputs | {name for node in nodes for name in _read(node)}
+        kept = [n for n in nodes if any(o in read for o in n.output if o)]
+        if len(kept) == len(nodes):
+            return kept
+        nodes = kept
+
+
 def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> tuple[list[CacheAttention], list[str]]:
     """Replace, in place, each Attention op reading a cache by a contrib op with past inputs;
     the ops folded and the contrib ops used. ``proto`` is the opset-23 export; ExportFailure
@@ -190,7 +237,11 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
     replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
     graph.ClearField("node")
-    graph.node.extend(kept)
+    graph.node.extend(_live(kept, {o.name for o in graph.output}))
+    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input}
+    constants = [c for c in graph.initializer if c.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(constants)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return folded, sorted({kind for _, kind in replaced.values()})

@@ -24,9 +24,16 @@ from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
 from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
 
 
+def _axis(bound: int) -> int:
+    """A ``Shape`` start or end on the rank-4 buffer, counted from 0 and clamped as Slice clamps."""
+    return min(max(bound + 4 if bound < 0 else bound, 0), 4)
+
+
 def _filled_shapes(proto: onnx.ModelProto, past: str, attention: set[str]) -> None:
     """Every other node reading a past must be a ``Shape`` of it (the export reads the past's
-    length so): it becomes the buffer's shape with axis 2 the filled length, no copy made."""
+    length so): it becomes the buffer's shape with axis 2 the filled length, no copy made,
+    or the filled length alone where the ``Shape`` asks for axis 2 alone (one node a step,
+    not six)."""
     readers = [n for n in proto.graph.node if past in n.input and n.name not in attention]
     for node in readers:
         if node.op_type != "Shape":
@@ -35,26 +42,34 @@ def _filled_shapes(proto: onnx.ModelProto, past: str, attention: set[str]) -> No
                 "itself; only its attention and its shape may"
             )
         nodes = _Nodes(f"{node.output[0]}/filled")
-        whole = nodes.add("Shape", [past], "buffer_shape")
-        parts = [
-            nodes.add(
-                "Slice",
-                [whole, nodes.const("zero", np.array([0], np.int64)), nodes.const("two", np.array([2], np.int64))],
-                "lead",
-            ),
-            nodes.add("Reshape", [LENGTH, nodes.const("one", np.array([1], np.int64))], "length"),
-            nodes.add(
-                "Slice",
-                [whole, nodes.const("three", np.array([3], np.int64)), nodes.const("four", np.array([4], np.int64))],
-                "tail",
-            ),
-        ]
-        shape = nodes.add("Concat", parts, "shape", axis=0)
+        one = nodes.const("one", np.array([1], np.int64))
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs:  # Shape's start and end (ends past the rank clamp, as Slice's do)
-            start = nodes.const("start", np.array([attrs.get("start", 0)], np.int64))
-            end = nodes.const("end", np.array([attrs.get("end", 4)], np.int64))
-            nodes.add("Slice", [shape, start, end], "shape_part")
+        span = tuple(_axis(int(attrs.get(k, d))) for k, d in (("start", 0), ("end", 4)))
+        if span == (2, 3):
+            nodes.add("Reshape", [LENGTH, one], "length")
+        else:
+            whole = nodes.add("Shape", [past], "buffer_shape")
+            parts = [
+                nodes.add(
+                    "Slice",
+                    [whole, nodes.const("zero", np.array([0], np.int64)), nodes.const("two", np.array([2], np.int64))],
+                    "lead",
+                ),
+                nodes.add("Reshape", [LENGTH, one], "length"),
+                nodes.add(
+                    "Slice",
+                    [
+                        whole,
+                        nodes.const("three", np.array([3], np.int64)),
+                        nodes.const("four", np.array([4], np.int64)),
+                    ],
+                    "tail",
+                ),
+            ]
+            shape = nodes.add("Concat", parts, "shape", axis=0)
+            if span != (0, 4):
+                bounds = [nodes.const(k, np.array([v], np.int64)) for k, v in zip(("start", "end"), span, strict=True)]
+                nodes.add("Slice", [shape, *bounds], "shape_part")
         nodes.nodes[-1].output[0] = node.output[0]
         at = list(proto.graph.node).index(node)
         proto.graph.node.remove(node)

@@ -84,6 +84,8 @@ class VariantInfo:
     needs: frozenset[str] = PORTABLE
     #: Traits its graph no longer has.
     takes: frozenset[str] = frozenset()
+    #: Writes the cache into a buffer of the spec's ``[cache] max_seq``, which must be declared.
+    in_place: bool = False
 
 
 AUTO = "auto"
@@ -128,6 +130,7 @@ VARIANTS: dict[str, VariantInfo] = {
             export_opset=23,
             auto_candidate=False,
             takes=frozenset({"plain-attention"}),
+            in_place=True,
         ),
         VariantInfo(
             "fp16",
@@ -178,6 +181,10 @@ class Chain:
     @property
     def provider_dependent(self) -> bool:
         return any(link.provider_dependent for link in self.links)
+
+    @property
+    def in_place(self) -> bool:
+        return any(link.in_place for link in self.links)
 
     @property
     def chooser(self) -> bool:

@@ -52,7 +52,6 @@ def test_the_capacity_must_hold_the_longest_present(tmp_path: Path) -> None:
         load_spec(write_spec(tmp_path, "none", (TINY_ZOO / "mha.toml").read_text() + CAPACITY))
 
 
-@pytest.mark.slow
 def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
     from attn_export.pipelines.build import BuildOptions, build_models
 

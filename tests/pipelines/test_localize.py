@@ -321,6 +321,7 @@ def test_a_planted_fault_is_localized_on_a_box_without_torch_from_the_recorded_i
 ) -> None:
     """build --record-intermediates kept PyTorch's values on the case `distinct`; localize
     --golden reads them, with torch and the models' code out of reach."""
+
     def golden(*args: str) -> subprocess.CompletedProcess[str]:
         run = [sys.executable, "-c", NO_TORCH, "localize", str(zoo_copy), "mha", "--golden", *args]
         return subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)  # no checkout here

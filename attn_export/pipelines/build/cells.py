@@ -24,7 +24,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.folder import stage
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
-from attn_export.errors import ArtifactError, AttnExportError
+from attn_export.errors import ArtifactError, AttnExportError, ExportFailure
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
@@ -94,6 +94,11 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     """The variant's graph through every check (fully masked rows repaired where they
     differ from PyTorch), and what its making recorded; the stages fill ``result``."""
     spec = ctx.spec
+    if variant_chain(variant).in_place and spec.cache_max_seq is None:  # said before any export
+        raise ExportFailure(
+            f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
+            "declare [cache] max_seq in the spec"
+        )
     with stage_timer(result, "module"):
         ctx.module.get()
     with stage_timer(result, "masks"):

@@ -188,10 +188,6 @@ class SpecBuild:
         except (ExportFailure, GraphCheckError) as e:
             raise type(e)(f"{key}: {e}") from e
         static = StaticCache.from_metadata({p.key: p.value for p in graph.proto.metadata_props})
-        if static is not None and spec.cache_max_seq is None:
-            raise ExportFailure(
-                f"{key}: a cache updated in place needs its capacity: declare [cache] max_seq in the spec"
-            )
         proto = stamp_metadata(
             graph.proto,
             {

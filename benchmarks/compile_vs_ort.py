@@ -31,13 +31,14 @@ import argparse
 import contextlib
 import datetime
 import os
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from repeats import spread  # benchmarks/repeats.py, next to this script
 
 HERE = Path(__file__).resolve().parent
 PREFILL_SPEC = HERE / "models" / "mha_512.toml"
@@ -59,10 +60,6 @@ def repeated(calls: dict[str, Callable[[], object]], repeats: int, budget_s: flo
     return p50s
 
 
-def _spread(values: Sequence[float], fmt: str, unit: str = "") -> str:
-    return f"{statistics.median(values):{fmt}}{unit} [{min(values):{fmt}}–{max(values):{fmt}}]"
-
-
 def _threads(n: int) -> str:
     return f"{n} thread" + ("s" if n != 1 else "")
 
@@ -77,7 +74,7 @@ def table(kind: str, p50s: Mapping[int, Mapping[str, list[float]]]) -> str:
         for s in sizes:
             mine, compiled = p50s[s][label], p50s[s].get(COMPILED)
             ratios = [m / c for m, c in zip(mine, compiled, strict=True)] if compiled else []
-            cells += [_spread(mine, ".3f"), _spread(ratios, ".2f", "x") if ratios else "-"]
+            cells += [spread(mine, ".3f"), spread(ratios, ".2f", "x") if ratios else "-"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -14,8 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
+from attn_export.pipelines.bench.physics import profile_calls
 from attn_export.pipelines.bench.results import BenchReport
-from tests.conftest import plant, tiny_spec
+from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
+from tests.conftest import Built, plant, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 
 
@@ -244,3 +247,17 @@ def test_compile_without_a_cxx_compiler_is_one_line_in_the_report(bench_run, tmp
     assert report.unavailable == {"torch-compile": why}
     assert [r.runner for r in report.rows] == ["torch-eager", "torch-sdpa", "ort:fp32"]
     assert (tmp_path / "b.md").read_text().endswith(f"\n\ntorch-compile not timed: {why}\n")
+
+
+def test_a_prefill_profile_counts_the_profiled_calls_alone(shared_tiny: Built) -> None:
+    """The warm-up calls and their nodes stay out of the profile: a call runs the same nodes
+    however many are profiled, and every op's share is of the calls' kernel time."""
+    spec = load_spec(shared_tiny.models / "tiny.toml")
+    feeds = make_feeds(spec, {"batch": 1, "seq": 5, "kv_seq": 7}, 0)
+    few, more = (profile_calls(shared_tiny.out / "tiny.onnx", feeds, "cpu", 1, calls=n, warmup=4) for n in (2, 5))
+    assert (few.runs, more.runs) == (2, 5)
+    assert few.nodes > 0 and few.nodes / 2 == more.nodes / 5
+    assert set(few.shares()) == set(few.kernel_us) and "MatMul" in few.kernel_us
+    assert sum(more.shares().values()) == pytest.approx(1.0)
+    assert list(more.shares().values()) == sorted(more.shares().values(), reverse=True)
+    assert 0.0 <= more.outside < 1.0

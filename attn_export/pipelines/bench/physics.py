@@ -14,14 +14,15 @@ how far it is from the hardware, where ``ratio_to_eager`` only says how far from
 * **Time outside kernels**: from ONNX Runtime's profile of the same bound decode steps in a
   separate, profiled session (profiling slows every node, so its times are never the row's):
   the share of a run's wall time not spent in node kernels (per-run and per-node overhead).
+  ``profile_calls`` profiles a prefill graph's plain calls the same way.
 """
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.runtimes.decoders import DecodeWindow
+from attn_export.runtimes.placement import read_profile
 
 __all__ = [
     "StepBytes",
@@ -38,6 +40,7 @@ __all__ = [
     "graph_weight_bytes",
     "module_weight_bytes",
     "outside_kernels",
+    "profile_calls",
     "profile_steps",
     "step_bytes",
 ]
@@ -102,8 +105,9 @@ def _position_bytes(past: np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class StepProfile:
-    """ONNX Runtime's profile of bound decode steps: wall time of the runs, and kernel time
-    by op type. Profiling slows every node: read its shares, never its times as latency."""
+    """ONNX Runtime's profile of timed runs (bound decode steps, or prefill calls): wall time
+    of the runs, kernel time by op type and nodes run. Profiling slows every node: read its
+    shares, never its times as latency."""
 
     runs: int
     run_us: float
@@ -114,6 +118,31 @@ class StepProfile:
     def outside(self) -> float:
         """The share of a run's wall time outside node kernels."""
         return max(0.0, 1.0 - sum(self.kernel_us.values()) / self.run_us) if self.run_us else 0.0
+
+    def shares(self) -> dict[str, float]:
+        """Each op type's share of kernel time, largest first."""
+        total = sum(self.kernel_us.values())
+        ranked = sorted(self.kernel_us.items(), key=lambda kv: -kv[1])
+        return {op: us / total for op, us in ranked} if total else {}
+
+
+def _read_steps(path: Path, skip: int = 0) -> StepProfile:
+    """The runs of the profile at ``path`` but its first ``skip`` (warm-up) and their nodes."""
+    events = read_profile(path)
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=_ts)
+    start = _ts(runs[skip - 1]) + float(runs[skip - 1]["dur"]) if skip else float("-inf")
+    kernels: dict[str, float] = defaultdict(float)
+    nodes = 0
+    for e in events:
+        if e.get("cat") == "Node" and str(e.get("name")).endswith("_kernel_time") and _ts(e) >= start:
+            kernels[e["args"]["op_name"]] += e["dur"]
+            nodes += 1
+    kept = runs[skip:]
+    return StepProfile(len(kept), float(sum(e["dur"] for e in kept)), dict(kernels), nodes)
+
+
+def _ts(event: dict[str, Any]) -> float:
+    return float(event.get("ts", 0))
 
 
 def profile_steps(
@@ -131,15 +160,22 @@ def profile_steps(
         decoder = OrtDecoder(session, signature, plan, provider, static, capacity)
         for _ in range(steps):
             decoder.step()
-        events = json.loads(Path(session.end_profiling()).read_text())
-    runs = [e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    kernels: dict[str, float] = defaultdict(float)
-    nodes = 0
-    for e in events:
-        if e.get("cat") == "Node" and str(e.get("name")).endswith("_kernel_time"):
-            kernels[e["args"]["op_name"]] += e["dur"]
-            nodes += 1
-    return StepProfile(len(runs), float(sum(runs)), dict(kernels), nodes)
+        return _read_steps(Path(session.end_profiling()))
+
+
+def profile_calls(
+    path: Path, feeds: Mapping[str, np.ndarray], provider: str, threads: int, calls: int = 100, warmup: int = 10
+) -> StepProfile:
+    """Profile ``calls`` plain calls of a prefill graph on ``feeds`` in a session of its own,
+    made as bench makes the timed one, after ``warmup`` calls that the profile leaves out
+    (the first calls allocate what the later ones reuse)."""
+    from attn_export.runtimes.ort import load_session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session = load_session(path, provider, threads=threads, spinning=False, profile_prefix=Path(tmp) / "profile")
+        for _ in range(warmup + calls):
+            session.run(None, feeds)
+        return _read_steps(Path(session.end_profiling()), skip=warmup)
 
 
 def outside_kernels(

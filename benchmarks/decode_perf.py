@@ -170,11 +170,13 @@ def main() -> None:
                 for p in PASTS
             ]
             print(f"| {runner} | " + " | ".join(cells) + " |")
-        spread = {p: max(p50[("torch-eager", p)]) / min(p50[("torch-eager", p)]) - 1 for p in PASTS}  # batch-dim model
+        # +-x%: the farthest run from the median, as a share of it (the batch-dim model's eager)
+        spread = {p: max(abs(x / ms[("torch-eager", p)] - 1) for x in p50[("torch-eager", p)]) for p in PASTS}
         print(
             "\neager's p50 across the runs: "
             + "; ".join(
-                f"past {p}: {', '.join(f'{x:.3f}' for x in p50[('torch-eager', p)])} ms ({100 * spread[p]:.0f}% spread)"
+                f"past {p}: {', '.join(f'{x:.3f}' for x in p50[('torch-eager', p)])} ms "
+                f"(+-{100 * spread[p]:.0f}% of the median)"
                 for p in PASTS
             )
         )
@@ -202,13 +204,13 @@ def main() -> None:
             name: vs_eager[(f"ort:{who}", past)] / vs_limit[(f"ort:{who}", past)]
             for (name, _, _, who), past in zip(targets[1:3], (AT, 2048), strict=True)
         }
-        print("\n| target | measured | met | the bandwidth limit's ratio |\n|---|---|---|---|")
+        print("\n| target | measured | met | at its bandwidth limit |\n|---|---|---|---|")
         for name, value, bound, who in targets:
             floor = f"{floors[name]:.2f}x eager" if name in floors else ""
             print(f"| {name} | {value:.2f} ({who}) | {'yes' if value <= bound else 'no'} | {floor} |")
         print(
-            "\n(the last column: the time the variant's bytes take at the measured copy bandwidth, over eager's; "
-            "a target below it can be met only where the bytes stay in the CPU's caches)"
+            "\n(at its bandwidth limit: the time the variant's bytes take at the measured copy bandwidth, over "
+            "eager's; a target below it can be met only where the bytes stay in the CPU's caches)"
         )
         missed = [who for _, value, bound, who in targets[:4] if value > bound]
         for variant in dict.fromkeys(missed if not args.profile else [fp32_512, int8_512]):

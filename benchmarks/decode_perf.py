@@ -72,9 +72,8 @@ def profile_bound_steps(
     runtime = OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, threads=threads, capacity=spec.cache_max_seq)
     with runtime:
         profile = profile_steps(model, runtime, plan_window(spec, 1, AT, 8, 0), "cpu", threads, steps)
-    kernels = sum(profile.kernel_us.values())
-    shares = {op: us / kernels for op, us in sorted(profile.kernel_us.items(), key=lambda kv: -kv[1])}
-    return shares, profile.run_us / profile.runs / 1e3, kernels / profile.runs / 1e3, profile.nodes / profile.runs
+    runs, kernels = profile.runs, sum(profile.kernel_us.values())
+    return profile.shares(), profile.run_us / runs / 1e3, kernels / runs / 1e3, profile.nodes / runs
 
 
 def _median(values: list[float]) -> float:

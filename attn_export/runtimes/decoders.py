@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from attn_export._deps import require
+from attn_export.errors import RuntimeFailure
 from attn_export.runtimes.static_cache import StaticCache
 from attn_export.spec import TensorSpec
 from attn_export.spec.cache import CacheSpec
@@ -227,6 +228,8 @@ class OrtDecoder:
     def outputs(self) -> Feeds:
         """The last step's outputs as numpy copies (for checks, never timed); a buffer's
         present as its filled positions."""
+        if self._k == 0:  # the binding still holds the last window's outputs, or none
+            raise RuntimeFailure("a decoder's outputs are read after a step of its window, not before")
         values = {n: v.numpy().copy() for n, v in zip(self._outputs, self._binding.get_outputs(), strict=True)}
         if self.static is None:
             return values

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from onnx import helper
 
 from attn_export.cli import cli
-from attn_export.errors import SpecError
+from attn_export.errors import RuntimeFailure, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
@@ -59,8 +59,9 @@ def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
         tmp_path, "undeclared", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()).replace(CAPACITY, "")
     )
     summary = build_models([spec], BuildOptions(tmp_path / "out", variants=("static-cache",)))
-    error = {r.name: r.error for r in summary.results}["undeclared.static-cache"]
-    assert error is not None and "declare [cache] max_seq in the spec" in error
+    (result,) = [r for r in summary.results if r.name == "undeclared.static-cache"]
+    assert result.error is not None and "declare [cache] max_seq in the spec" in result.error
+    assert result.stages["spec"] is False and result.stages["export"] is None  # refused before the export
 
 
 def test_the_graph_takes_buffers_and_a_length(built) -> None:
@@ -199,6 +200,8 @@ def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
     ) as runtime:
         decoder = runtime.decoder(plan)
         assert isinstance(decoder, OrtDecoder)
+        with pytest.raises(RuntimeFailure, match="after a step"):
+            decoder.outputs()  # nothing stepped: no values to read, rather than stale ones
         grown = dict(pasts)
         for k in range(steps):
             decoder.step()

@@ -201,10 +201,12 @@ def _replace(
 
 
 def _read(node: onnx.NodeProto) -> Iterator[str]:
-    """The names ``node`` reads, its subgraphs' reads of outer names included."""
+    """The names ``node`` reads, its subgraphs' reads of outer names included (a subgraph
+    output may name an outer value directly)."""
     yield from node.input
     for attr in node.attribute:
         for graph in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
+            yield from (o.name for o in graph.output)
             for inner in graph.node:
                 yield from _read(inner)
 
@@ -236,9 +238,10 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
     prefixes = _prefixes(proto)
     replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
+    outputs = {o.name for o in graph.output}
     graph.ClearField("node")
-    graph.node.extend(_live(kept, {o.name for o in graph.output}))
-    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input}
+    graph.node.extend(_live(kept, outputs))
+    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input} | outputs
     constants = [c for c in graph.initializer if c.name in read]
     graph.ClearField("initializer")
     graph.initializer.extend(constants)

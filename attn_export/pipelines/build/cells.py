@@ -94,11 +94,12 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     """The variant's graph through every check (fully masked rows repaired where they
     differ from PyTorch), and what its making recorded; the stages fill ``result``."""
     spec = ctx.spec
-    if variant_chain(variant).in_place and spec.cache_max_seq is None:  # said before any export
-        raise ExportFailure(
-            f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
-            "declare [cache] max_seq in the spec"
-        )
+    with stage_timer(result, "spec"):  # said before any export
+        if variant_chain(variant).in_place and spec.cache_max_seq is None:
+            raise ExportFailure(
+                f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
+                "declare [cache] max_seq in the spec"
+            )
     with stage_timer(result, "module"):
         ctx.module.get()
     with stage_timer(result, "masks"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-__all__ = ["CacheAttention", "fold_cache", "value_info"]
+__all__ = ["CacheAttention", "attribute", "fold_cache", "value_info"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ def _seq_dim(proto: onnx.ModelProto, name: str) -> str | int | None:
     return dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
 
 
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
+def attribute(node: onnx.NodeProto, name: str, default: object) -> object:
+    """The value of ``node``'s attribute ``name``, or ``default``."""
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
@@ -73,7 +74,7 @@ def _cache_concat(
     known = None not in (new_len, q_len)
     if (known and new_len != q_len) or (node.input[1] in inputs and not known):
         return None  # two graph inputs: only their declared lengths tell the past from the new keys
-    if _attr(node, "axis", None) not in (2, -2) or _rank(proto, node.input[0]) != 4:
+    if attribute(node, "axis", None) not in (2, -2) or _rank(proto, node.input[0]) != 4:
         return None
     return node if uses.get(name, 0) == 1 else None
 
@@ -94,7 +95,7 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
     for node in graph.node:
         if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) > 4:
             continue
-        if _attr(node, "is_causal", 0) or len(node.output) > 1:
+        if attribute(node, "is_causal", 0) or len(node.output) > 1:
             continue
         key, value = (_cache_concat(proto, name, node.input[0], producers, uses) for name in node.input[1:3])
         if key is None or value is None or key is value:

@@ -24,8 +24,6 @@ from attn_export.spec import DimRange, ModelSpec, TensorSpec
 from attn_export.spec.memory import ENV, format_bytes, memory_budget
 
 if TYPE_CHECKING:
-    import onnx
-
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
     from attn_export.runtimes.placement import Placement
 
@@ -183,17 +181,26 @@ class OnnxRuntime(Runtime):
         self.spinning = spinning
         self.name = f"onnxruntime[{provider}]"
         self.session: Any = None
+        #: Whether each present of a static cache is written into its past's buffer (``StaticCache.in_place``).
+        self._in_place: bool | None = None
 
     def _activate(self) -> None:
         from attn_export.artifacts.onnx_file import load_model_file
 
         require_provider(self.provider)
-        if isinstance(self.model, Path):
-            load_model_file(self.model)  # refuses corrupt files and external data outside its folder
+        # a file is read first: that refuses corrupt files and external data outside its folder
+        proto = load_model_file(self.model) if isinstance(self.model, Path) else None
         self.session = load_session(
             self.model, self.provider, budget=self.budget, threads=self.threads, spinning=self.spinning
         )
         self.static = StaticCache.from_metadata(self.session.get_modelmeta().custom_metadata_map)
+        if self.static is not None:  # read from the graph once, not for each decoder
+            import onnx
+
+            if proto is None:
+                assert isinstance(self.model, bytes)
+                proto = onnx.load_from_string(self.model)
+            self._in_place = self.static.in_place(proto)
 
     def _deactivate(self) -> None:
         self.session = None
@@ -260,14 +267,6 @@ class OnnxRuntime(Runtime):
                 binding.bind_output(name, device)
         self.session.run_with_iobinding(binding)
         return [v.numpy().copy() for v in binding.get_outputs()]
-
-    def _proto(self) -> onnx.ModelProto:
-        """The graph itself (read again: a session does not expose its nodes)."""
-        import onnx
-
-        from attn_export.artifacts.onnx_file import load_model_file
-
-        return load_model_file(self.model) if isinstance(self.model, Path) else onnx.load_from_string(self.model)
 
     @property
     def buffer_capacity(self) -> int:
@@ -339,8 +338,9 @@ class OnnxRuntime(Runtime):
         from attn_export.runtimes.decoders import OrtDecoder
 
         if self.static is not None:
-            shared = self.static.in_place(self._proto())
-            return OrtDecoder(self.session, self, plan, self.provider, self.static, self.buffer_capacity, shared)
+            return OrtDecoder(
+                self.session, self, plan, self.provider, self.static, self.buffer_capacity, self._in_place
+            )
         return OrtDecoder(self.session, self, plan, self.provider)
 
 

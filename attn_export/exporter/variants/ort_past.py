@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import CacheAttention, fold_cache, value_info
+from attn_export.exporter.cache_in_op import CacheAttention, attribute, fold_cache, value_info
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
@@ -89,7 +89,7 @@ def _merged_heads(proto: onnx.ModelProto, name: str, producers: dict[str, onnx.N
     projection into heads), or None. The contrib ops read that tensor as it is: no layout
     ops each step."""
     moved = producers.get(name)
-    if moved is None or moved.op_type != "Transpose" or list(_attr(moved, "perm")) != [0, 2, 1, 3]:
+    if moved is None or moved.op_type != "Transpose" or attribute(moved, "perm", []) != [0, 2, 1, 3]:
         return None
     split = producers.get(moved.input[0])
     if split is None or split.op_type != "Reshape":
@@ -100,10 +100,6 @@ def _merged_heads(proto: onnx.ModelProto, name: str, producers: dict[str, onnx.N
     same_lead = merged[:2] == heads[:2]
     sizes = [d for d in (merged[2], heads[2], heads[3]) if isinstance(d, int)]
     return split.input[0] if same_lead and len(sizes) == 3 and sizes[0] == sizes[1] * sizes[2] else None
-
-
-def _attr(node: onnx.NodeProto, name: str) -> Any:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), [])
 
 
 def _bias(nodes: _Nodes, proto: onnx.ModelProto, op: CacheAttention) -> tuple[str, str]:
@@ -149,7 +145,11 @@ def _lengths(nodes: _Nodes, op: CacheAttention, query: str, key: str, length: st
 
 
 def _replace(
-    proto: onnx.ModelProto, op: CacheAttention, prefix: str, length: str | None
+    proto: onnx.ModelProto,
+    op: CacheAttention,
+    prefix: str,
+    length: str | None,
+    producers: dict[str, onnx.NodeProto],
 ) -> tuple[list[onnx.NodeProto], str]:
     """The nodes standing in for one folded Attention node, and the contrib op they use:
     GroupQueryAttention wherever ``length`` names the filled length of a buffer (the only
@@ -160,7 +160,6 @@ def _replace(
         raise ExportFailure("variant ort-past cannot express an Attention op with softcap or score outputs")
     heads, kv_heads = _heads(proto, op.query), _heads(proto, op.past_key)
     nodes = _Nodes(prefix)
-    producers = {out: n for n in proto.graph.node for out in n.output}
     query, key, value = (
         _merged_heads(proto, name, producers) or nodes.to_bsh(name, label)
         for name, label in ((op.query, "q"), (op.new_key, "k"), (op.new_value, "v"))
@@ -236,7 +235,8 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
         )
     graph = proto.graph
     prefixes = _prefixes(proto)
-    replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length) for op in folded}
+    producers = {out: n for n in graph.node for out in n.output}
+    replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length, producers) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
     outputs = {o.name for o in graph.output}
     graph.ClearField("node")

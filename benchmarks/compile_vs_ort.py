@@ -40,13 +40,14 @@ from typing import Any
 
 from repeats import spread  # benchmarks/repeats.py, next to this script
 
+from attn_export.pipelines.bench.runners import COMPILED
+
 HERE = Path(__file__).resolve().parent
 PREFILL_SPEC = HERE / "models" / "mha_512.toml"
 DECODE_SPEC = HERE / "models" / "mha_kv_cache_512.toml"
 PREFILL_VARIANTS = ("fp32", "ort-fused", "int8")
 DECODE_VARIANTS = ("fp32", "attention-op", "ort-past", "int8")
 SIZES = (128, 512, 2048)
-COMPILED = "torch-compile"
 
 
 def repeated(calls: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, list[float]]:

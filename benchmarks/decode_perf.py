@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import tempfile
 import time
@@ -38,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from repeats import spread  # benchmarks/repeats.py, next to this script
+from repeats import float32_exact, spread  # benchmarks/repeats.py, next to this script
+
+from attn_export.runtimes.timing import load_average
 
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "models" / "mha_kv_cache_512.toml"
@@ -156,12 +157,12 @@ def main() -> None:
         def best(variants: tuple[str, ...], past: int, by: dict[tuple[str, int], float]) -> str:
             return min(variants, key=lambda v: by[(f"ort:{v}", past)])
 
-        fp32_variants = tuple(v for v in VARIANTS + IN_PLACE if "int8" not in v)
-        int8_variants = tuple(v for v in VARIANTS + IN_PLACE if "int8" in v)
+        fp32_variants = tuple(v for v in VARIANTS + IN_PLACE if float32_exact(v))
+        int8_variants = tuple(v for v in VARIANTS + IN_PLACE if not float32_exact(v))
         first = reports[0]
         print(f"Measured {datetime.date.today().isoformat()} on {first.machine} with `{command}`")
         print(", ".join(f"{k} {v}" for k, v in first.versions.items()))
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        load = load_average() or float("nan")
         print(
             f"threads {first.threads} on both sides; {args.repeats} runs; load average at the end {load:.2f}; "
             f"build {build_s:.1f} s; copy bandwidth "

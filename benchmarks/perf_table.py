@@ -36,23 +36,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from repeats import spread  # benchmarks/repeats.py, next to this script
+from repeats import float32_exact, spread  # benchmarks/repeats.py, next to this script
+
+from attn_export.pipelines.bench.runners import COMPILED, EAGER
 
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "models" / "mha_512.toml"
 VARIANTS = ("fp32", "ort-fused", "int8")
 SEQS = (128, 512, 2048)
-EAGER, COMPILED = "torch-eager", "torch-compile"
 #: The prefill targets: the least GEMM-peak share at these seqs and above.
 PEAK_TARGETS = {128: 0.70, 512: 0.85}
 PROFILED_SEQ = 128
-
-
-def float32_exact(variant: str) -> bool:
-    """No link of the variant's chain computes below float32 (int8, fp16 do)."""
-    from attn_export.spec import variant_chain
-
-    return not any("float32" in link.takes for link in variant_chain(variant).links)
 
 
 def gathered(reports: list[Any]) -> dict[tuple[str, int], dict[str, list[float]]]:

@@ -169,3 +169,34 @@ def test_ort_past_gives_what_the_attention_op_gives_on_rows_without_a_key(mask: 
     assert not np.any(expected[0][:, :, 0]) and not np.any(got[0][:, :, 0])
     for e, g in zip(expected, got, strict=True):
         np.testing.assert_allclose(g, e, atol=2e-3 if dtype == np.float16 else 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("split_shape", "perm", "merged"),
+    [
+        (["b", "s", 4, 8], [0, 2, 1, 3], True),  # heads split out of the projection: read it as it is
+        (["s", "b", 4, 8], [0, 2, 1, 3], False),  # the lead axes swapped: not the projection's layout
+        (["b", "s", 8, 4], [0, 2, 1, 3], True),  # any heads x head_dim of the same width splits alike
+        (["b", "s", 4, 8], [0, 2, 3, 1], False),  # another transpose
+        (["b", "s", 4, 4], [0, 2, 1, 3], False),  # a width that is not the projection's
+        (["b", "s", 4, None], [0, 2, 1, 3], False),  # a size the graph does not declare
+    ],
+)
+def test_only_a_pure_head_split_is_read_as_the_projection(split_shape: list, perm: list[int], merged: bool) -> None:
+    from attn_export.exporter.variants.ort_past import _merged_heads
+
+    nodes = [
+        helper.make_node("Reshape", ["proj", "shape"], ["split"]),
+        helper.make_node("Transpose", ["split"], ["heads"], perm=perm),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("proj", TensorProto.FLOAT, ["b", "s", 32])],
+        [helper.make_tensor_value_info("heads", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array([0, 0, 4, 8], np.int64), "shape")],
+        value_info=[helper.make_tensor_value_info("split", TensorProto.FLOAT, split_shape)],
+    )
+    proto = helper.make_model(graph)
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    assert _merged_heads(proto, "heads", producers) == ("proj" if merged else None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-__all__ = ["CacheAttention", "attribute", "fold_cache", "value_info"]
+__all__ = ["CacheAttention", "attribute", "declared_dims", "fold_cache", "value_info"]
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,17 @@ def value_info(proto: onnx.ModelProto, name: str) -> onnx.TypeProto.Tensor | Non
     return next((i.type.tensor_type for i in (*graph.input, *graph.value_info, *graph.output) if i.name == name), None)
 
 
-def _rank(proto: onnx.ModelProto, name: str) -> int | None:
+def declared_dims(proto: onnx.ModelProto, name: str) -> list[str | int | None]:
+    """The graph's declared dims of ``name`` (a symbol, a size or None each); [] if none."""
     info = value_info(proto, name)
-    return len(info.shape.dim) if info is not None and info.HasField("shape") else None
+    dims = info.shape.dim if info is not None and info.HasField("shape") else []
+    return [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in dims]
 
 
 def _seq_dim(proto: onnx.ModelProto, name: str) -> str | int | None:
     """Axis 2 of a rank-4 tensor as the graph declares it (a symbol or a size), or None."""
-    info = value_info(proto, name)
-    if info is None or not info.HasField("shape") or len(info.shape.dim) != 4:
-        return None
-    dim = info.shape.dim[2]
-    return dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else None)
+    dims = declared_dims(proto, name)
+    return dims[2] if len(dims) == 4 else None
 
 
 def attribute(node: onnx.NodeProto, name: str, default: object) -> object:
@@ -74,7 +73,7 @@ def _cache_concat(
     known = None not in (new_len, q_len)
     if (known and new_len != q_len) or (node.input[1] in inputs and not known):
         return None  # two graph inputs: only their declared lengths tell the past from the new keys
-    if attribute(node, "axis", None) not in (2, -2) or _rank(proto, node.input[0]) != 4:
+    if attribute(node, "axis", None) not in (2, -2) or len(declared_dims(proto, node.input[0])) != 4:
         return None
     return node if uses.get(name, 0) == 1 else None
 

@@ -200,3 +200,22 @@ def test_only_a_pure_head_split_is_read_as_the_projection(split_shape: list, per
     proto = helper.make_model(graph)
     producers = {o: n for n in proto.graph.node for o in n.output}
     assert _merged_heads(proto, "heads", producers) == ("proj" if merged else None)
+
+
+def test_attention_op_gives_a_mask_one_row_per_query_where_onnx_runtime_needs_it() -> None:
+    """ONNX broadcasts a ``[batch, 1, 1, keys]`` padding mask (``nn.MultiheadAttention``'s)
+    over the queries; ONNX Runtime's kernel refuses it unless axis -2 is the query's length."""
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for n in ("q", "k_in", "v")}
+    feeds |= {n: rng.standard_normal((1, 2, 2, 4)).astype(np.float32) for n in ("past_k", "past_v")}
+    keep = np.array([[[[True, False, True, True, False]]]])
+    padding = _attention_graph(mask=TensorProto.BOOL, mask_shape=(1, 1, 1, "t"))
+    with pytest.raises(Exception, match="inconsistent q_sequence_length"):
+        _run(padding, feeds | {"mask": keep})
+    variant = make_variant("attention-op", padding)
+    assert variant.info["mask_rows_expanded"] == 1
+    rows = _attention_graph(mask=TensorProto.BOOL, mask_shape=(1, 1, "s", "t"))
+    expected = _run(rows, feeds | {"mask": np.broadcast_to(keep, (1, 1, 3, 5))})
+    for e, g in zip(expected, _run(variant.proto, feeds | {"mask": keep}), strict=True):
+        np.testing.assert_allclose(g, e, atol=1e-6)
+    assert make_variant("attention-op", rows).info["mask_rows_expanded"] == 0  # already one row per query

@@ -3,11 +3,47 @@ becomes the ONNX ``Attention`` op; a decoder's cache Concats become the op's pas
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import fold_cache
+from attn_export.exporter.cache_in_op import declared_dims, fold_cache
 from attn_export.exporter.variants import VariantGraph, op_counts
+
+
+def _mask_rows(proto: onnx.ModelProto) -> int:
+    """Give every Attention mask one row per query, in place; how many masks needed it.
+
+    ONNX broadcasts the mask to ``[batch, heads, q_seq, total_seq]``, but ONNX Runtime's
+    kernel refuses a mask whose axis -2 is not the query's length, such as the
+    ``[batch, 1, 1, kv_seq]`` key padding mask ``nn.MultiheadAttention`` exports. A mask
+    the graph declares with the query's length on that axis is left as it is."""
+    graph = proto.graph
+    nodes: list[onnx.NodeProto] = []
+    expanded = 0
+    for node in graph.node:
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.input) > 3 and node.input[3]:
+            query, mask = declared_dims(proto, node.input[0]), declared_dims(proto, node.input[3])
+            q_axis = 2 if len(query) == 4 else 1
+            if not (len(query) > q_axis and len(mask) >= 2 and query[q_axis] is not None and mask[-2] == query[q_axis]):
+                prefix = f"{node.name or node.output[0]}/mask_rows"
+                one = numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/one")
+                graph.initializer.append(one)
+                nodes += [
+                    helper.make_node("Shape", [node.input[0]], [f"{prefix}/q_seq"], start=q_axis, end=q_axis + 1),
+                    helper.make_node("Concat", [f"{prefix}/q_seq", one.name], [f"{prefix}/rows"], axis=0),
+                    helper.make_node("Expand", [node.input[3], f"{prefix}/rows"], [prefix]),
+                ]
+                for new in nodes[-3:]:  # traced, like the node they serve, to its source line
+                    new.name = new.output[0]
+                    new.metadata_props.extend(node.metadata_props)
+                node.input[3] = prefix
+                expanded += 1
+        nodes.append(node)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return expanded
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
@@ -18,4 +54,5 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
             "(the opset 23 graph holds no Attention op)"
         )
     folded = fold_cache(proto)
-    return VariantGraph(proto, {"ops": dict(op_counts(proto)), "cache_in_op": len(folded)})
+    rows = _mask_rows(proto)
+    return VariantGraph(proto, {"ops": dict(op_counts(proto)), "cache_in_op": len(folded), "mask_rows_expanded": rows})

@@ -17,7 +17,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import CacheAttention, attribute, fold_cache, value_info
+from attn_export.exporter.cache_in_op import CacheAttention, attribute, declared_dims, fold_cache, value_info
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
@@ -76,13 +76,6 @@ class _Nodes:
         return self.add("Reshape", [moved, self.const("bsh_shape", np.array([0, 0, -1], np.int64))], f"{label}_bsh")
 
 
-def _dims(proto: onnx.ModelProto, name: str) -> list[str | int | None]:
-    """The graph's declared dims of ``name`` (a symbol, a size or None each); [] if none."""
-    info = value_info(proto, name)
-    dims = info.shape.dim if info is not None and info.HasField("shape") else []
-    return [d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in dims]
-
-
 def _merged_heads(proto: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto]) -> str | None:
     """The ``[batch, seq, heads * head_dim]`` tensor whose heads ``name`` only splits out
     (a Reshape to ``[batch, seq, heads, head_dim]`` and a Transpose, as a module turns its
@@ -94,7 +87,7 @@ def _merged_heads(proto: onnx.ModelProto, name: str, producers: dict[str, onnx.N
     split = producers.get(moved.input[0])
     if split is None or split.op_type != "Reshape":
         return None
-    merged, heads = _dims(proto, split.input[0]), _dims(proto, split.output[0])
+    merged, heads = declared_dims(proto, split.input[0]), declared_dims(proto, split.output[0])
     if len(merged) != 3 or len(heads) != 4 or None in (*merged, *heads):
         return None
     same_lead = merged[:2] == heads[:2]

@@ -3,7 +3,8 @@ from PyTorch, and the comparisons verify makes under the spec's ``fully_masked``
 
 What a row gives is told apart by running the graph rewritten both ways
 (``exporter.masked_softmax``): "0" (PyTorch's safe softmax), "mean of V" (uniform weights),
-"NaN", "other", or "unknown" where the graph has no Softmax to rewrite. The rewrites are
+"NaN", "other", or "unknown" where the graph has no Softmax to rewrite and the output
+there is neither 0 nor NaN (the two that show by themselves). The rewrites are
 also the repairs: where PyTorch gives one of them and the graph does not, build keeps the
 rewritten graph, checked and compared like any other.
 """
@@ -30,6 +31,8 @@ from attn_export.spec.masks import CASES, masked_row_selector
 
 __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
 
+#: What a fully masked row gives where the graph has no Softmax to rewrite and it is not 0 or NaN.
+UNSEEN = "unknown"
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
 PADDED = "their own token is padding, and the module's causal or window mask can leave them no key"
 
@@ -183,14 +186,17 @@ class FullyMaskedRows:
         refs = {REWRITES[mode]: rows(self._run(mode, case.inputs)) for mode in REWRITES}
         tol = self.tolerances
         if _agree(refs["0"], refs["mean of V"], tol):
-            return ["unknown" for _ in runs]  # no Softmax the rewrites could tell apart
+            # No Softmax the rewrites could tell apart (one fused op): only 0 is known by sight.
+            zeros = {n: np.zeros_like(v) for n, v in refs["0"].items()}
+            refs = {"0": zeros}
         found = []
         for values in runs:
             picked = rows(values)
             if not all(np.isfinite(v).all() for v in picked.values() if v.dtype.kind == "f"):
                 found.append("NaN")
                 continue
-            found.append(next((name for name, ref in refs.items() if _agree(ref, picked, tol)), "other"))
+            other = "other" if len(refs) == len(REWRITES) else UNSEEN
+            found.append(next((name for name, ref in refs.items() if _agree(ref, picked, tol)), other))
         return found
 
     def compare(
@@ -279,6 +285,6 @@ def _repair(
             "to leave those rows out"
         )
     raise GraphCheckError(
-        f"{key}: fully masked rows ({label}): {told if torch_gives != 'unknown' else 'PyTorch and the graph differ'}; "
+        f"{key}: fully masked rows ({label}): {told if torch_gives != UNSEEN else 'PyTorch and the graph differ'}; "
         f'{why}; set fully_masked = "ignore" in the spec to accept the difference'
     )

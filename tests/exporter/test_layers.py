@@ -120,6 +120,22 @@ def test_a_difference_no_rewrite_can_repair_fails_naming_the_cause(tmp_path: Pat
     )
 
 
+@pytest.mark.slow  # an opset-23 export and a verify (12 s); the graph change has its own fast test
+def test_multihead_attention_with_a_key_padding_mask_builds_and_verifies_as_the_attention_op(tmp_path: Path) -> None:
+    """nn.MultiheadAttention's padding mask reaches the Attention op as ``[batch, heads, 1, keys]``,
+    which ONNX Runtime refuses; what the op gives on the padded sequence is seen in its output."""
+    out = tmp_path / "out"
+    result = build_models([TINY_ZOO / "torch_mha.toml"], BuildOptions(out, variants=("attention-op",))).results[0]
+    assert result.status == "built", result.error
+    entry = load_manifest(out).models["torch_mha.attention-op"]
+    assert entry.variant_info["mask_rows_expanded"] == 1
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, n_random=4)
+    report = verify_artifacts(out, load_manifest(out), ["torch_mha.attention-op"], options)
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+    (padded,) = [c for c in report.cases if c.shape == "fully-padded-sequence"]
+    assert padded.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]
+
+
 LLAMA_MODEL = """
 module = "transformers:LlamaModel"
 call = { use_cache = false }

@@ -11,7 +11,10 @@ the mean of V). The rewrites, each on its own copy of the graph:
 
 A row counts as fully masked when its largest score is at most ``FULLY_MASKED`` (-1e8):
 every masking fill in use (-inf, the float minimum, the -1e9 of hand-written masked_fill)
-is below it, and no real attention score comes near it.
+is below it, and no real attention score comes near it. float16 cannot hold -1e8 (it
+becomes -inf, which a fill clamped to float16's lowest, -65504, never reaches), so the
+rows of a Softmax whose scores are float16, or were until a Cast, are judged against
+``FULLY_MASKED_HALF`` (-3e4) instead.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from onnx import TensorProto, helper
 
 from attn_export.artifacts.onnx_file import default_opset
 
-__all__ = ["FULLY_MASKED", "REWRITES", "rewrite_softmax"]
+__all__ = ["FULLY_MASKED", "FULLY_MASKED_HALF", "REWRITES", "rewrite_softmax"]
 
 FULLY_MASKED = -1e8
+FULLY_MASKED_HALF = -3e4
 #: Marks the names of the values a rewrite adds.
 _MARK = ".fully_masked."
 #: Rewrite name -> what a fully masked row then gives.
@@ -68,6 +72,16 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         return out, 0
     nodes: list[onnx.NodeProto] = []
     count = 0
+    typed = onnx.shape_inference.infer_shapes(out)
+    types = {v.name: v.type.tensor_type.elem_type for v in (*typed.graph.input, *typed.graph.value_info)}
+    producers = {o: n for n in out.graph.node for o in n.output}
+
+    def computed_in(name: str) -> int | None:
+        """The element type ``name`` was computed in, before any Cast."""
+        while name in producers and producers[name].op_type == "Cast":
+            name = producers[name].input[0]
+        return types.get(name)
+
     for node in _undo(list(out.graph.node)):
         if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
             nodes.append(node)
@@ -75,10 +89,11 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
         x, y = node.input[0], node.output[0]
         p = f"{y}{_MARK}"
+        limit = FULLY_MASKED_HALF if computed_in(x) == TensorProto.FLOAT16 else FULLY_MASKED
         new = [
             *_reduce_max(x, axis, f"{p}max", f"{p}axes", opset),
             helper.make_node(
-                "Constant", [], [f"{p}limit_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [FULLY_MASKED])
+                "Constant", [], [f"{p}limit_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [limit])
             ),
             helper.make_node(
                 "Constant", [], [f"{p}zero_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [0.0])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
@@ -171,3 +172,25 @@ def test_mask_case_reproduces_one_named_case(repaired: Path, zoo_dir: Path) -> N
     assert "mha: --mask-case fully-masked-row does not apply (it has: no mask)" in wrong.output
     _, mask = load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0]
     assert mask.layout == "batch-heads-query-key"
+
+
+@pytest.mark.parametrize("scores", [onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16])
+def test_a_row_masked_in_float16_counts_as_fully_masked(scores: int) -> None:
+    """float16 holds no -1e8: its masking fills clamp to -65504, which the fp16 variant
+    casts to float32 for the Softmax; the zero rewrite still finds the row."""
+    x = onnx.helper.make_tensor_value_info("x", scores, [2, 3])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])
+    nodes = [
+        onnx.helper.make_node("Cast", ["x"], ["x32"], to=onnx.TensorProto.FLOAT),
+        onnx.helper.make_node("Softmax", ["x32"], ["y"], axis=-1),
+    ]
+    graph = onnx.helper.make_graph(nodes, "g", [x], [y])
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    zero, count = rewrite_softmax(proto, "zero")
+    assert count == 1
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(scores)
+    rows = np.array([[0.5, 1.0, -65504.0], [-65504.0, -65504.0, -65504.0]], dtype)
+    session = ort.InferenceSession(zero.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"x": rows})[0]
+    np.testing.assert_allclose(got[1], 0 if scores == onnx.TensorProto.FLOAT16 else 1 / 3, rtol=1e-6)
+    assert got[0].sum() == pytest.approx(1.0)

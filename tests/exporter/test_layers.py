@@ -136,6 +136,34 @@ def test_multihead_attention_with_a_key_padding_mask_builds_and_verifies_as_the_
     assert padded.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]
 
 
+@pytest.mark.slow  # three Hugging Face exports (35 s); the graph changes have their own fast tests
+@needs_transformers
+def test_hugging_face_layers_build_their_variants_or_say_what_differs(tmp_path: Path) -> None:
+    """Llama's fused graph writes ONNX Runtime's SimplifiedLayerNormalization in the ONNX
+    domain, which ONNX Runtime runs; BERT's float16 graph masks at float16's lowest, which
+    the fully masked row test still finds; Llama's fused attention gives NaN on a fully
+    masked row, which shows by itself and is named."""
+    cases = [("llama_sdpa_kv_cache", "ort-fused"), ("bert_attention", "fp16"), ("llama_attention", "ort-fused")]
+    results = {}
+    for name, variant in cases:
+        options = BuildOptions(tmp_path / "out", variants=(variant,))
+        results[name] = build_models([TINY_ZOO / f"{name}.toml"], options).results[0]
+    assert results["llama_sdpa_kv_cache"].status == "built", results["llama_sdpa_kv_cache"].error
+    assert results["bert_attention"].status == "built", results["bert_attention"].error
+    assert results["llama_attention"].error == (
+        "llama_attention.ort-fused: fully masked rows (fully-masked-row): PyTorch gives 0, onnxruntime[cpu] "
+        "gives NaN; the graph has no Softmax to rewrite (its attention is one fused op); "
+        'set fully_masked = "ignore" in the spec to accept the difference'
+    )
+    manifest = load_manifest(tmp_path / "out")
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, distributions=("normal",), decode_steps=2)
+    keys = ["llama_sdpa_kv_cache.ort-fused", "bert_attention.fp16"]
+    report = verify_artifacts(tmp_path / "out", manifest, keys, options)
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+    padded = [c for c in report.cases if c.shape == "fully-padded-sequence" and c.model == "bert_attention.fp16"]
+    assert [c.notes for c in padded] == [["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]]
+
+
 LLAMA_MODEL = """
 module = "transformers:LlamaModel"
 call = { use_cache = false }

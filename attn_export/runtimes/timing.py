@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from attn_export.errors import RuntimeFailure, UsageError
+from attn_export.runtimes.allocator import keep_freed_memory
 
 __all__ = [
     "THREADS_PER_CPU",
@@ -78,7 +79,9 @@ def measure(
     max_repeats: int = 10_000,
 ) -> LatencyStats:
     """Run ``call`` ``warmup`` times untimed, then repeatedly until ``budget_s`` is spent
-    (at least ``min_repeats`` times), and report percentiles."""
+    (at least ``min_repeats`` times), and report percentiles. The process keeps its freed
+    memory from then on (``allocator.keep_freed_memory``)."""
+    keep_freed_memory()
     for _ in range(warmup):
         call()
     times: list[float] = []
@@ -115,7 +118,9 @@ def measure_alternating(
 ) -> dict[str, LatencyStats]:
     """Time several calls fairly in one process: each is warmed up, then they take turns
     in ``blocks`` blocks of ``budget_s / blocks`` seconds each, so a slow phase of the
-    machine (or another runtime's threads still spinning) falls on all of them alike."""
+    machine (or another runtime's threads still spinning) falls on all of them alike. The
+    process keeps its freed memory from then on (``allocator.keep_freed_memory``)."""
+    keep_freed_memory()
     for call in calls.values():
         for _ in range(warmup):
             call()

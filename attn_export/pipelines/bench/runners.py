@@ -16,6 +16,7 @@ from attn_export.exporter.graph_checks import check_model
 from attn_export.pipelines.bench.memory import peak_rss_mb
 from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.runtimes import RUNTIMES, Runtime
+from attn_export.runtimes.allocator import keep_freed_memory
 from attn_export.runtimes.timing import physical_cores
 from attn_export.spec import ModelSpec, variant_key
 from attn_export.spec.cache import cache_of
@@ -41,14 +42,14 @@ COMPILED = "torch-compile"
 
 
 def machine_description() -> str:
-    """CPU model and usable cores, for titles and reports."""
+    """CPU model, usable cores and the C allocator the timings run with, for titles and reports."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name}, {physical_cores()} cores"
+    return f"{name}, {physical_cores()} cores, allocator: {keep_freed_memory()}"
 
 
 def _sdpa_twin(module: Any) -> Any | None:

@@ -14,7 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ __all__ = [
     "Parallelism",
     "cell_key",
     "open_executor",
-    "run_timed",
+    "run_in_order",
 ]
 
 T = TypeVar("T")
@@ -153,10 +153,14 @@ def open_executor(parallelism: Parallelism, exclusive: bool = False) -> Iterator
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-def run_timed(parallelism: Parallelism, fn: Callable[[Any], T], cells: Sequence[Any]) -> Iterator[T]:
-    """``fn`` of each cell, in order, on an exclusive executor: one cell after another in
-    this process, or all submitted at once to a cluster that runs one per machine."""
-    with open_executor(parallelism, exclusive=True) as executor:
+def run_in_order(
+    parallelism: Parallelism, fn: Callable[[Any], T], cells: Sequence[Any], *, exclusive: bool = False
+) -> Generator[T, None, None]:
+    """``fn`` of each cell, in the cells' order: one cell after another in this process, or
+    all submitted at once to a parallel executor (with ``exclusive``, one that never runs
+    two on one machine: cells that time). Closing the iterator early cancels the cells not
+    started."""
+    with open_executor(parallelism, exclusive=exclusive) as executor:
         futures = [executor.submit(fn, c) for c in cells] if parallelism.parallel else []
         for i, cell in enumerate(cells):
             yield (futures[i] if futures else executor.submit(fn, cell)).result()

@@ -19,7 +19,7 @@ from typing import Any
 
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
-from attn_export.executors import Parallelism, cell_key, run_timed
+from attn_export.executors import Parallelism, cell_key, run_in_order
 from attn_export.pipelines.bench.flops import count_flops
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes, outside_kernels, step_bytes
 from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow, RunnerOptions
@@ -198,11 +198,11 @@ def time_cells(
     cells: Sequence[Any],
     on_row: Callable[[Any], None] | None,
 ) -> None:
-    """Run ``fn`` on each cell (``executors.run_timed``: never two at once on one machine)
+    """Run ``fn`` on each cell (``executors.run_in_order``, exclusive: never two at once on one machine)
     and add its rows to ``report`` in cell order, each heard by ``on_row``, and the runners
     that could not run."""
     try:
-        for rows, unavailable in run_timed(parallelism, fn, cells):
+        for rows, unavailable in run_in_order(parallelism, fn, cells, exclusive=True):
             report.unavailable.update(unavailable)
             for row in rows:
                 report.rows.append(row)

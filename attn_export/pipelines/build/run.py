@@ -22,7 +22,7 @@ from attn_export.artifacts.folder import commit, recover, remove_leftovers
 from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
-from attn_export.executors import SERIAL, Parallelism, open_executor
+from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
@@ -100,16 +100,14 @@ def build_models(
         vers = versions()
         cells = [BuildCell(p, options, vers, dict(manifest.models)) for p in spec_paths]
         try:
-            with open_executor(parallelism) as executor:
-                pending = [executor.submit(build_cell, c) for c in cells] if parallelism.parallel else []
-                for i, cell in enumerate(cells):
-                    graphs = (pending[i] if pending else executor.submit(build_cell, cell)).result()
+            with contextlib.closing(run_in_order(parallelism, build_cell, cells)) as built:
+                for graphs in built:
                     for graph in graphs:
                         results.append(_commit(options.out_dir, manifest, graph))
                         if on_result:
                             on_result(results[-1])
                     if options.fail_fast and results and not results[-1].ok:
-                        break  # the executor's exit cancels the cells not started
+                        break  # closing cancels the cells not started
         finally:
             _remove_leftovers(options.out_dir, manifest)
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)

@@ -9,6 +9,10 @@ the mean of V). The rewrites, each on its own copy of the graph:
 - ``zero``: ``Where(ReduceMax(x) <= FULLY_MASKED, 0, Softmax(x))``, PyTorch's safe softmax;
 - ``uniform``: ``Softmax(Where(ReduceMax(x) <= FULLY_MASKED, 0, x))``, the mean of V.
 
+ONNX Runtime's fused ``MultiHeadAttention`` (the ort-fused variant) is rewritten alike where
+it takes an additive bias: the row test reads the bias, and ``zero`` zeroes the op's output
+for each head whose row sees no key, ``uniform`` fills the bias row with the lowest float.
+
 A row counts as fully masked when its largest score is at most ``FULLY_MASKED`` (-1e8):
 every masking fill in use (-inf, the float minimum, the -1e9 of hand-written masked_fill)
 is below it, and no real attention score comes near it. float16 cannot hold -1e8 (it
@@ -28,6 +32,8 @@ __all__ = ["FULLY_MASKED", "FULLY_MASKED_HALF", "REWRITES", "rewrite_softmax"]
 
 FULLY_MASKED = -1e8
 FULLY_MASKED_HALF = -3e4
+#: The lowest finite float32 and float16: a bias row of it gives uniform weights.
+_LOWEST, _HALF_LOWEST = -3.4028234663852886e38, -65504.0
 #: Marks the names of the values a rewrite adds.
 _MARK = ".fully_masked."
 #: Rewrite name -> what a fully masked row then gives.
@@ -43,26 +49,95 @@ def _reduce_max(x: str, axis: int, out: str, axes_name: str, opset: int) -> list
     return [helper.make_node("ReduceMax", [x], [out], axes=[axis], keepdims=1)]
 
 
+#: ONNX Runtime's fused attention, rewritten where it takes an additive bias (input 5).
+_FUSED = ("com.microsoft", "MultiHeadAttention")
+_BIAS = 5
+
+
+def _fused(node: onnx.NodeProto) -> bool:
+    return (node.domain, node.op_type) == _FUSED and len(node.input) > _BIAS and bool(node.input[_BIAS])
+
+
 def _undo(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` with an earlier rewrite taken out, so rewriting a repaired graph starts
-    from the exporter's Softmax again."""
+    from the exporter's Softmax (or fused attention) again."""
     produced = {o: n for n in nodes for o in n.output}
     kept = []
     for node in nodes:
-        if node.op_type == "Softmax":
-            node.output[0] = node.output[0].removesuffix(f"{_MARK}weights")
-            if node.input[0].endswith(f"{_MARK}scores"):
-                node.input[0] = produced[node.input[0]].input[2]
+        if node.op_type == "Softmax" or _fused(node):
+            node.output[0] = node.output[0].removesuffix(f"{_MARK}weights").removesuffix(f"{_MARK}attended")
+            x = 0 if node.op_type == "Softmax" else _BIAS
+            if node.input[x].endswith(f"{_MARK}scores"):
+                node.input[x] = produced[node.input[x]].input[2]
         elif any(_MARK in o for o in node.output) or (node.op_type == "Where" and _MARK in node.input[2]):
             continue  # the row test, uniform's Where, zero's Where
         kept.append(node)
     return kept
 
 
+def _row_test(x: str, axis: int, p: str, limit: float, opset: int) -> list[onnx.NodeProto]:
+    """``{p}rows``: True where ``x``'s largest score along ``axis`` is at most ``limit``;
+    ``{p}zero``: a 0 of ``x``'s type."""
+    return [
+        *_reduce_max(x, axis, f"{p}max", f"{p}axes", opset),
+        helper.make_node("Constant", [], [f"{p}limit_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [limit])),
+        helper.make_node("Constant", [], [f"{p}zero_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [0.0])),
+        helper.make_node("CastLike", [f"{p}limit_f", x], [f"{p}limit"]),
+        helper.make_node("CastLike", [f"{p}zero_f", x], [f"{p}zero"]),
+        helper.make_node("LessOrEqual", [f"{p}max", f"{p}limit"], [f"{p}rows"]),
+    ]
+
+
+def _softmax(node: onnx.NodeProto, mode: str, p: str) -> list[onnx.NodeProto]:
+    """The Softmax's rewrite after its row test: its weights zeroed, or its scores."""
+    softmax = onnx.NodeProto()
+    softmax.CopyFrom(node)
+    x, y = node.input[0], node.output[0]
+    if mode == "zero":
+        softmax.output[0] = f"{p}weights"
+        return [softmax, helper.make_node("Where", [f"{p}rows", f"{p}zero", f"{p}weights"], [y])]
+    softmax.input[0] = f"{p}scores"
+    return [helper.make_node("Where", [f"{p}rows", f"{p}zero", x], [f"{p}scores"]), softmax]
+
+
+def _fused_attention(node: onnx.NodeProto, mode: str, p: str, lowest: float) -> list[onnx.NodeProto]:
+    """The fused op's rewrite after the row test of its bias ``[batch, heads or 1, seq,
+    keys]``: its bias rows set to ``lowest``, which swamps every score alike (uniform
+    weights; a zero bias would unmask the row instead), or its output ``[batch, seq, heads
+    * head_dim]`` zeroed per head where that head's row sees no key."""
+    op = onnx.NodeProto()
+    op.CopyFrom(node)
+    if mode == "uniform":
+        bias = node.input[_BIAS]
+        op.input[_BIAS] = f"{p}scores"
+        value = helper.make_tensor("", TensorProto.FLOAT, [], [lowest])
+        return [
+            helper.make_node("Constant", [], [f"{p}lowest_f"], value=value),
+            helper.make_node("CastLike", [f"{p}lowest_f", bias], [f"{p}lowest"]),
+            helper.make_node("Where", [f"{p}rows", f"{p}lowest", bias], [f"{p}scores"]),
+            op,
+        ]
+    heads = next(a.i for a in node.attribute if a.name == "num_heads")
+    op.output[0] = f"{p}attended"
+    split = helper.make_tensor("", TensorProto.INT64, [4], [0, 0, heads, -1])
+    return [
+        op,
+        helper.make_node("Constant", [], [f"{p}split_shape"], value=split),
+        helper.make_node("Reshape", [f"{p}attended", f"{p}split_shape"], [f"{p}split"]),
+        helper.make_node("Transpose", [f"{p}rows"], [f"{p}token_rows"], perm=[0, 2, 1, 3]),
+        helper.make_node("Shape", [f"{p}split"], [f"{p}split_dims"]),
+        helper.make_node("Expand", [f"{p}token_rows", f"{p}split_dims"], [f"{p}head_rows"]),
+        helper.make_node("Shape", [f"{p}attended"], [f"{p}dims"]),
+        helper.make_node("Reshape", [f"{p}head_rows", f"{p}dims"], [f"{p}out_rows"]),
+        helper.make_node("Where", [f"{p}out_rows", f"{p}zero", f"{p}attended"], [node.output[0]]),
+    ]
+
+
 def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``proto`` with every Softmax of the main graph rewritten (``mode`` is a key
-    of ``REWRITES``), and how many were; 0 where the graph has none it can rewrite (opsets
-    before 13, whose Softmax flattens, or attention done by a fused op)."""
+    """A copy of ``proto`` with every Softmax of the main graph, and every ONNX Runtime
+    MultiHeadAttention that takes an additive bias, rewritten (``mode`` is a key of
+    ``REWRITES``), and how many were; 0 where the graph has none it can rewrite (opsets
+    before 13, whose Softmax flattens, or attention done by another fused op)."""
     if mode not in REWRITES:
         raise ValueError(f"unknown rewrite {mode!r}")
     out = onnx.ModelProto()
@@ -83,36 +158,20 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         return types.get(name)
 
     for node in _undo(list(out.graph.node)):
-        if node.op_type != "Softmax" or node.domain not in ("", "ai.onnx"):
+        softmax = node.op_type == "Softmax" and node.domain in ("", "ai.onnx")
+        if not softmax and not _fused(node):
             nodes.append(node)
             continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-        x, y = node.input[0], node.output[0]
-        p = f"{y}{_MARK}"
-        limit = FULLY_MASKED_HALF if computed_in(x) == TensorProto.FLOAT16 else FULLY_MASKED
-        new = [
-            *_reduce_max(x, axis, f"{p}max", f"{p}axes", opset),
-            helper.make_node(
-                "Constant", [], [f"{p}limit_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [limit])
-            ),
-            helper.make_node(
-                "Constant", [], [f"{p}zero_f"], value=helper.make_tensor("", TensorProto.FLOAT, [], [0.0])
-            ),
-            helper.make_node("CastLike", [f"{p}limit_f", x], [f"{p}limit"]),
-            helper.make_node("CastLike", [f"{p}zero_f", x], [f"{p}zero"]),
-            helper.make_node("LessOrEqual", [f"{p}max", f"{p}limit"], [f"{p}rows"]),
-        ]
-        softmax = onnx.NodeProto()
-        softmax.CopyFrom(node)
-        if mode == "zero":
-            softmax.output[0] = f"{p}weights"
-            new += [softmax, helper.make_node("Where", [f"{p}rows", f"{p}zero", f"{p}weights"], [y])]
-        else:
-            softmax.input[0] = f"{p}scores"
-            new += [helper.make_node("Where", [f"{p}rows", f"{p}zero", x], [f"{p}scores"]), softmax]
+        x = node.input[0] if softmax else node.input[_BIAS]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1) if softmax else -1
+        p = f"{node.output[0]}{_MARK}"
+        half = computed_in(x) == TensorProto.FLOAT16
+        limit, lowest = (FULLY_MASKED_HALF, _HALF_LOWEST) if half else (FULLY_MASKED, _LOWEST)
+        rewritten = _softmax(node, mode, p) if softmax else _fused_attention(node, mode, p, lowest)
+        new = _row_test(x, axis, p, limit, opset) + rewritten
         for k, added in enumerate(new):
-            if added is not softmax:  # the repair is part of the softmax's FX node and source line
-                added.name = f"{node.name or y}{_MARK}{k}"
+            if added.op_type != node.op_type:  # the repair is part of the node's FX node and source line
+                added.name = f"{node.name or node.output[0]}{_MARK}{k}"
                 added.metadata_props.extend(node.metadata_props)
         nodes += new
         count += 1

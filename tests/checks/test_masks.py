@@ -194,3 +194,41 @@ def test_a_row_masked_in_float16_counts_as_fully_masked(scores: int) -> None:
     got = session.run(None, {"x": rows})[0]
     np.testing.assert_allclose(got[1], 0 if scores == onnx.TensorProto.FLOAT16 else 1 / 3, rtol=1e-6)
     assert got[0].sum() == pytest.approx(1.0)
+
+
+def _fused_graph() -> onnx.ModelProto:
+    """ONNX Runtime's MultiHeadAttention, 2 heads of 2, with an additive bias per head."""
+    h = onnx.helper
+    inputs = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1, s, 4]) for n, s in (("q", 2), ("k", 3), ("v", 3))]
+    inputs.append(h.make_tensor_value_info("bias", onnx.TensorProto.FLOAT, [1, 2, 2, 3]))
+    qkv_bias = ["q", "k", "v", "", "", "bias"]
+    node = h.make_node("MultiHeadAttention", qkv_bias, ["y"], domain="com.microsoft", num_heads=2)
+    graph = h.make_graph([node], "g", inputs, [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 4])])
+    opsets = [h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)]
+    return h.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("fill", [-np.inf, np.finfo(np.float32).min])
+def test_a_fused_attention_is_rewritten_per_head_like_a_softmax(fill: float) -> None:
+    """Only the head whose row sees no key changes: 0 (zero) or the mean of its V (uniform)."""
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, s, 4)).astype(np.float32) for n, s in (("q", 2), ("k", 3), ("v", 3))}
+    bias = np.zeros((1, 2, 2, 3), np.float32)
+    bias[0, 0, 1, :] = fill  # head 0, query 1: no key
+    bias[0, 1, 1, 1] = fill  # head 1, query 1: one key masked
+    feeds["bias"] = bias
+
+    def run(proto: onnx.ModelProto) -> np.ndarray:
+        return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    graph = _fused_graph()
+    plain = run(graph)
+    (zero, zeros), (uniform, uniforms) = (rewrite_softmax(graph, mode) for mode in ("zero", "uniform"))
+    assert zeros == uniforms == 1
+    got, mean = run(zero), run(uniform)
+    assert not got[0, 1, :2].any()  # head 0's half of query 1
+    np.testing.assert_allclose(mean[0, 1, :2], feeds["v"][0, :, :2].mean(axis=0), rtol=1e-5)
+    for rewritten in (got, mean):
+        np.testing.assert_allclose(rewritten[0, 1, 2:], plain[0, 1, 2:], rtol=1e-6)  # head 1 keeps its keys
+        np.testing.assert_allclose(rewritten[0, 0], plain[0, 0], rtol=1e-6)
+    assert rewrite_softmax(uniform, "zero")[0].SerializeToString() == zero.SerializeToString()

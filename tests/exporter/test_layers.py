@@ -108,16 +108,25 @@ def test_the_spec_calls_llama_attention_as_llama_model_does() -> None:
 
 
 @needs_transformers
-def test_a_difference_no_rewrite_can_repair_fails_naming_the_cause(tmp_path: Path) -> None:
-    """ort-fused turns BertAttention into one fused op: no Softmax is left to rewrite."""
-    options = BuildOptions(tmp_path / "out", variants=("ort-fused",))
-    result = build_models([TINY_ZOO / "bert_attention.toml"], options).results[0]
-    assert (result.status, result.failed_stage) == ("failed", "fully_masked"), result.error
-    assert result.error == (
-        "bert_attention.ort-fused: fully masked rows (fully-padded-sequence): PyTorch and the graph differ; "
-        "the graph has no Softmax to rewrite (its attention is one fused op); "
-        'set fully_masked = "ignore" in the spec to accept the difference'
-    )
+def test_a_fused_attention_is_repaired_like_a_softmax(tmp_path: Path) -> None:
+    """ort-fused turns BertAttention into ONNX Runtime's MultiHeadAttention, which gives the
+    mean of V on a padded sequence: build rewrites the fused op so it gives PyTorch's 0."""
+    out = tmp_path / "out"
+    result = build_models([TINY_ZOO / "bert_attention.toml"], BuildOptions(out, variants=("ort-fused",))).results[0]
+    assert result.status == "built", result.error
+    entry = load_manifest(out).models["bert_attention.ort-fused"]
+    assert entry.variant_info["fully_masked"]["repair"] == {
+        "rewrite": "zero",
+        "softmax_nodes": 1,
+        "gives": "0",
+        "was": {"fully-padded-sequence": "mean of V"},
+    }
+    assert "com.microsoft.MultiHeadAttention" in entry.variant_info["ops"]
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, distributions=("normal",), n_random=0)
+    report = verify_artifacts(out, load_manifest(out), ["bert_attention.ort-fused"], options)
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+    (padded,) = [c for c in report.cases if c.shape == "fully-padded-sequence"]
+    assert padded.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]
 
 
 @pytest.mark.slow  # an opset-23 export and a verify (12 s); the graph change has its own fast test
@@ -138,30 +147,25 @@ def test_multihead_attention_with_a_key_padding_mask_builds_and_verifies_as_the_
 
 @pytest.mark.slow  # three Hugging Face exports (35 s); the graph changes have their own fast tests
 @needs_transformers
-def test_hugging_face_layers_build_their_variants_or_say_what_differs(tmp_path: Path) -> None:
+def test_hugging_face_layers_build_their_variants_and_verify(tmp_path: Path) -> None:
     """Llama's fused graph writes ONNX Runtime's SimplifiedLayerNormalization in the ONNX
     domain, which ONNX Runtime runs; BERT's float16 graph masks at float16's lowest, which
     the fully masked row test still finds; Llama's fused attention gives NaN on a fully
-    masked row, which shows by itself and is named."""
+    masked row until build rewrites the fused op."""
     cases = [("llama_sdpa_kv_cache", "ort-fused"), ("bert_attention", "fp16"), ("llama_attention", "ort-fused")]
-    results = {}
     for name, variant in cases:
-        options = BuildOptions(tmp_path / "out", variants=(variant,))
-        results[name] = build_models([TINY_ZOO / f"{name}.toml"], options).results[0]
-    assert results["llama_sdpa_kv_cache"].status == "built", results["llama_sdpa_kv_cache"].error
-    assert results["bert_attention"].status == "built", results["bert_attention"].error
-    assert results["llama_attention"].error == (
-        "llama_attention.ort-fused: fully masked rows (fully-masked-row): PyTorch gives 0, onnxruntime[cpu] "
-        "gives NaN; the graph has no Softmax to rewrite (its attention is one fused op); "
-        'set fully_masked = "ignore" in the spec to accept the difference'
-    )
+        result = build_models([TINY_ZOO / f"{name}.toml"], BuildOptions(tmp_path / "out", variants=(variant,)))
+        assert result.results[0].status == "built", result.results[0].error
     manifest = load_manifest(tmp_path / "out")
+    repair = manifest.models["llama_attention.ort-fused"].variant_info["fully_masked"]["repair"]
+    assert repair["was"] == {"fully-masked-row": "NaN", "fully-padded-sequence": "NaN"} and repair["gives"] == "0"
     options = VerifyOptions(models_dir=TINY_ZOO, latency=False, distributions=("normal",), decode_steps=2)
-    keys = ["llama_sdpa_kv_cache.ort-fused", "bert_attention.fp16"]
+    keys = [f"{name}.{variant}" for name, variant in cases]
     report = verify_artifacts(tmp_path / "out", manifest, keys, options)
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
-    padded = [c for c in report.cases if c.shape == "fully-padded-sequence" and c.model == "bert_attention.fp16"]
-    assert [c.notes for c in padded] == [["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]]
+    named = [c for c in report.cases if c.shape.startswith("fully-") and not c.model.startswith("llama_sdpa")]
+    assert len(named) == 3
+    assert all(c.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"] for c in named)
 
 
 LLAMA_MODEL = """

@@ -142,7 +142,7 @@ def main() -> None:
 
         from attn_export.artifacts.provenance import versions
         from attn_export.pipelines.bench.results import BenchOptions, DecodeBenchOptions
-        from attn_export.pipelines.bench.runners import machine_description
+        from attn_export.pipelines.bench.runners import timing_machine
         from attn_export.pipelines.build import BuildOptions, build_models
         from attn_export.runtimes.timing import load_average, physical_cores
         from attn_export.runtimes.torch_compiled import inductor_unavailable
@@ -165,7 +165,7 @@ def main() -> None:
         decode_p50s, decode_compile = timed(out, DECODE_SPEC, decode_options, args.repeats, decode_calls)
 
     load_end = load_average()
-    print(f"Measured {datetime.date.today().isoformat()} on {machine_description()} with `{command}`")
+    print(f"Measured {datetime.date.today().isoformat()} on {timing_machine()} with `{command}`")
     print(", ".join(f"{k} {v}" for k, v in versions().items()))
     print(
         f"load average {load_start:.2f} at the start, {load_end:.2f} at the end; build {build_s:.1f} s; "

@@ -189,8 +189,8 @@ def main() -> None:
             print(f"| {runner} | " + " | ".join(cells) + " |")
 
         def farthest(values: list[float]) -> float:
-            """+-x: the farthest run from the median, as a share of it."""
-            return max(abs(v / _median(values) - 1) for v in values)
+            """+-x: the farthest run from the median, as a share of it (nan without runs)."""
+            return max((abs(v / _median(values) - 1) for v in values), default=float("nan"))
 
         # the batch-dim model's eager; its ratio to its limit is its time over the run's copy
         # bandwidth: the host's own speed taken out

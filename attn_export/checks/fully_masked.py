@@ -31,7 +31,8 @@ from attn_export.spec.masks import CASES, masked_row_selector
 
 __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
 
-#: What a fully masked row gives where the graph has no Softmax to rewrite and it is not 0 or NaN.
+#: What fully masked rows give where nothing in the graph can be rewritten to tell and they
+#: are neither 0 nor NaN, or where the case has no such row.
 UNSEEN = "unknown"
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
 PADDED = "their own token is padding, and the module's causal or window mask can leave them no key"
@@ -184,20 +185,22 @@ class FullyMaskedRows:
             return {n: values[n][s] for n, s in sel.items() if n in values and values[n].shape == s.shape}
 
         tol = self.tolerances
+        picked = [rows(values) for values in runs]
+        if not any(v.size for p in picked for v in p.values()):
+            return [UNSEEN for _ in runs]  # no element of this case is in a fully masked row
         refs = {}
         if self.rewritten("zero")[1]:
             refs = {REWRITES[mode]: rows(self._run(mode, case.inputs)) for mode in REWRITES}
+        other = "other"
         if not refs or _agree(refs["0"], refs["mean of V"], tol):
-            # No Softmax the rewrites could tell apart (one fused op): only 0 and NaN show by themselves.
-            refs = {"0": {n: np.zeros_like(v) for n, v in rows(runs[0]).items()}} if runs else {}
+            # Nothing the rewrites could tell apart (a fused op): only 0 and NaN show by themselves.
+            refs, other = {"0": {n: np.zeros_like(v) for n, v in picked[0].items()}}, UNSEEN
         found = []
-        for values in runs:
-            picked = rows(values)
-            if not all(np.isfinite(v).all() for v in picked.values() if v.dtype.kind == "f"):
+        for values in picked:
+            if not all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f"):
                 found.append("NaN")
                 continue
-            other = "other" if len(refs) == len(REWRITES) else UNSEEN
-            found.append(next((name for name, ref in refs.items() if _agree(ref, picked, tol)), other))
+            found.append(next((name for name, ref in refs.items() if _agree(ref, values, tol)), other))
         return found
 
     def compare(

@@ -23,6 +23,7 @@ from attn_export.spec.cache import present_windows
 
 __all__ = [
     "DEFAULT_DOMAINS",
+    "RUNTIME_ONNX_OPS",
     "check_deterministic",
     "check_domains",
     "check_dynamic_axes",
@@ -32,7 +33,6 @@ __all__ = [
     "check_spec_axes",
     "graph_shapes",
     "name_dims",
-    "runtime_only_ops",
 ]
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -43,57 +43,62 @@ RANDOM_OPS = ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUnifor
 DEFAULT_DOMAINS = ("ai.onnx", "ai.onnx.ml", "com.microsoft")
 
 
-#: The private domain the checker sees ONNX Runtime's own ONNX-domain ops in (it has no schema for them).
-_RUNTIME_DOMAIN = "ai.onnxruntime.onnx-domain"
+def _same_as_input(ctx: onnx.shape_inference.InferenceContext) -> None:
+    ctx.set_output_type(0, ctx.get_input_type(0))
 
 
-def runtime_only_ops(proto: onnx.ModelProto) -> set[str]:
-    """Ops in the ONNX domain that ONNX does not define but ONNX Runtime runs there, such as
-    the ``SimplifiedLayerNormalization`` onnxscript's ORT fusions write: valid for the
-    runtime this tool targets, unknown to onnx.checker. ONNX Runtime is imported only when
-    the graph holds an op ONNX does not define."""
-    unknown = {n.op_type for n in all_nodes(proto) if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)}
-    if not unknown:
-        return set()
-    from onnxruntime.capi import _pybind_state
+def _simplified_layer_normalization() -> onnx.defs.OpSchema:
+    """ONNX Runtime's RMS normalization, which it registers in the ONNX domain (version 1)
+    and onnxscript's ORT fusions write: ``Y = X / sqrt(mean(X^2) + epsilon) * scale``."""
+    schema = onnx.defs.OpSchema
+    floats = ["tensor(float16)", "tensor(float)", "tensor(double)", "tensor(bfloat16)"]
+    optional = schema.FormalParameterOption.Optional
+    made = schema(
+        "SimplifiedLayerNormalization",
+        "",
+        1,
+        inputs=[schema.FormalParameter("X", "T"), schema.FormalParameter("scale", "T")],
+        outputs=[schema.FormalParameter("Y", "T"), schema.FormalParameter("inv_std_var", "U", param_option=optional)],
+        type_constraints=[("T", floats, ""), ("U", ["tensor(float)", "tensor(double)"], "")],
+        attributes=[
+            schema.Attribute(name, kind, "", required=False)
+            for name, kind in (
+                ("axis", schema.AttrType.INT),
+                ("epsilon", schema.AttrType.FLOAT),
+                ("stash_type", schema.AttrType.INT),
+            )
+        ],
+    )
+    made.set_type_and_shape_inference_function(_same_as_input)
+    return made
 
-    registered = {k.op_name for k in _pybind_state.get_all_opkernel_def() if k.domain in ("", "ai.onnx")}
-    return unknown & registered
+
+#: Ops ONNX Runtime runs in the ONNX domain that ONNX has no schema for, and the schema
+#: that lets onnx.checker check them (their inputs, attributes and types, and the shapes
+#: that follow from them) instead of refusing the graph.
+RUNTIME_ONNX_OPS = {"SimplifiedLayerNormalization": _simplified_layer_normalization}
 
 
-def _checkable(proto: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
-    """A copy the checker can read: ``ops`` moved to a private domain it does not check, and
-    external weights turned into graph inputs of the same type and shape (their files are
-    validated apart: ``onnx_file.check_external_data``)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    for node in all_nodes(copy):
-        if node.domain in ("", "ai.onnx") and node.op_type in ops:
-            node.domain = _RUNTIME_DOMAIN
-    copy.opset_import.append(onnx.helper.make_opsetid(_RUNTIME_DOMAIN, 1))
-    graph = copy.graph
-    external = [t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    for tensor in external:
-        graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-        graph.initializer.remove(tensor)
-    return copy
+def _register_runtime_ops(proto: onnx.ModelProto) -> None:
+    """Register the schemas of ``RUNTIME_ONNX_OPS`` the graph uses, once per process."""
+    used = {n.op_type for n in all_nodes(proto) if n.domain in ("", "ai.onnx")}
+    for name in sorted(used & RUNTIME_ONNX_OPS.keys()):
+        if not onnx.defs.has(name):
+            onnx.defs.register_schema(RUNTIME_ONNX_OPS[name]())
 
 
 def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> None:
     """onnx.checker with full_check (which includes strict shape inference).
 
     A model with external data is checked from ``path``, whose folder holds that data;
-    callers validate the data's locations first (``onnx_file.check_external_data``). Ops
-    ONNX Runtime runs in the ONNX domain without an ONNX schema (``runtime_only_ops``) are
-    accepted; the rest of the graph is checked around them.
+    callers validate the data's locations first (``onnx_file.check_external_data``). An op
+    ONNX Runtime runs in the ONNX domain without an ONNX schema (``RUNTIME_ONNX_OPS``) is
+    checked against the schema ONNX Runtime declares for it.
     """
     uses_external = path is not None and bool(external_data_files(proto))
-    runtime_ops = runtime_only_ops(proto)
+    _register_runtime_ops(proto)
     try:
-        if runtime_ops:
-            onnx.checker.check_model(_checkable(proto, runtime_ops), full_check=True)
-        else:
-            onnx.checker.check_model(str(path) if uses_external else proto, full_check=True)
+        onnx.checker.check_model(str(path) if uses_external else proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
         raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first_line(e)}") from e
 

@@ -58,6 +58,10 @@ def _fused(node: onnx.NodeProto) -> bool:
     return (node.domain, node.op_type) == _FUSED and len(node.input) > _BIAS and bool(node.input[_BIAS])
 
 
+def _rewritable(node: onnx.NodeProto) -> bool:
+    return (node.op_type == "Softmax" and node.domain in ("", "ai.onnx")) or _fused(node)
+
+
 def _undo(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` with an earlier rewrite taken out, so rewriting a repaired graph starts
     from the exporter's Softmax (or fused attention) again."""
@@ -147,25 +151,29 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         return out, 0
     nodes: list[onnx.NodeProto] = []
     count = 0
+    original = _undo(list(out.graph.node))
+    if not any(_rewritable(n) for n in original):
+        return out, 0
     typed = onnx.shape_inference.infer_shapes(out)
-    types = {v.name: v.type.tensor_type.elem_type for v in (*typed.graph.input, *typed.graph.value_info)}
+    graph = typed.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
     producers = {o: n for n in out.graph.node for o in n.output}
 
-    def computed_in(name: str) -> int | None:
-        """The element type ``name`` was computed in, before any Cast."""
-        while name in producers and producers[name].op_type == "Cast":
+    def passed_half(name: str) -> bool:
+        """Whether ``name`` is float16, or was before a Cast."""
+        while types.get(name) != TensorProto.FLOAT16 and name in producers and producers[name].op_type == "Cast":
             name = producers[name].input[0]
-        return types.get(name)
+        return types.get(name) == TensorProto.FLOAT16
 
-    for node in _undo(list(out.graph.node)):
-        softmax = node.op_type == "Softmax" and node.domain in ("", "ai.onnx")
-        if not softmax and not _fused(node):
+    for node in original:
+        if not _rewritable(node):
             nodes.append(node)
             continue
+        softmax = node.op_type == "Softmax"
         x = node.input[0] if softmax else node.input[_BIAS]
         axis = next((a.i for a in node.attribute if a.name == "axis"), -1) if softmax else -1
         p = f"{node.output[0]}{_MARK}"
-        half = computed_in(x) == TensorProto.FLOAT16
+        half = passed_half(x)
         limit, lowest = (FULLY_MASKED_HALF, _HALF_LOWEST) if half else (FULLY_MASKED, _LOWEST)
         rewritten = _softmax(node, mode, p) if softmax else _fused_attention(node, mode, p, lowest)
         new = _row_test(x, axis, p, limit, opset) + rewritten

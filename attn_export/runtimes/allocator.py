@@ -6,15 +6,15 @@ then page-faults a new buffer in on every call: hundreds of faults per step, up 
 of its time in the kernel, and a figure that doubles when the host is busy. ONNX Runtime
 keeps its tensors in its own arena; PyTorch gets the same footing here, as its CPU tuning
 guide advises with a caching allocator (jemalloc or tcmalloc, which a user can preload
-instead: then nothing is changed).
+instead: where one is loaded, nothing is changed).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import platform
+import re
 import sys
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_freed_memory"]
@@ -26,15 +26,27 @@ TRIM_THRESHOLD = 512 * 2**20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 
 
+def _caching_allocator() -> str | None:
+    """The caching allocator (jemalloc, tcmalloc, mimalloc) mapped into this process, if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            found = re.search(r"/(lib(?:jemalloc|tcmalloc|mimalloc)[^/\s]*)$", maps.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
 @functools.cache
 def keep_freed_memory() -> str:
     """Set glibc's thresholds for this process, once; what the allocator now is, for reports."""
-    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").split() if "malloc" in os.path.basename(p)]
-    if preloaded:
-        return f"{os.path.basename(preloaded[0])} (preloaded)"
     if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
         return "the C library's, as it is"
+    loaded = _caching_allocator()
+    if loaded:
+        return f"{loaded} (loaded in this process)"
     libc = ctypes.CDLL("libc.so.6")
-    if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "glibc, as it is (mallopt refused the thresholds)"
+    thresholds = (("mmap", _M_MMAP_THRESHOLD, MMAP_THRESHOLD), ("trim", _M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    refused = [name for name, param, value in thresholds if not libc.mallopt(param, value)]
+    if refused:
+        return f"glibc, its {' and '.join(refused)} threshold as it is (mallopt refused it)"
     return f"glibc keeping freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim {TRIM_THRESHOLD >> 20} MiB)"

@@ -3,11 +3,14 @@ page-faults a fresh buffer in on every call (glibc's default hands it back each 
 
 from __future__ import annotations
 
+import io
 import platform
 import subprocess
 import sys
 
 import pytest
+
+from attn_export.runtimes import allocator
 
 STEP_FAULTS = """
 import resource, torch
@@ -30,7 +33,19 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 100)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's")
 def test_a_timed_decode_step_does_not_page_fault_its_cache_in_every_call() -> None:
+    pytest.importorskip("torch")
     done = subprocess.run([sys.executable, "-c", STEP_FAULTS], capture_output=True, text=True, check=True)
     faults = float(done.stdout.split()[-1])
     # glibc's default: 95 to 480 per step here; kept: 0 to 5 (Python's own arenas are mmapped apart)
     assert faults < 20, f"{faults} page faults per step"
+
+
+def test_a_caching_allocator_loaded_in_the_process_is_named_and_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    maps = (
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /opt/lib/libjemalloc.so.2\n"
+    )
+    monkeypatch.setattr(allocator, "open", lambda *_: io.StringIO(maps), raising=False)
+    assert allocator._caching_allocator() == "libjemalloc.so.2"
+    monkeypatch.setattr(allocator, "open", lambda *_: io.StringIO(maps.splitlines()[0]), raising=False)
+    assert allocator._caching_allocator() is None

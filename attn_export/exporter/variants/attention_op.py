@@ -24,14 +24,14 @@ def _mask_rows(proto: onnx.ModelProto) -> int:
     expanded = 0
     for node in graph.node:
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.input) > 3 and node.input[3]:
+            # the query's length is its axis -2 whether it is [batch, seq, hidden] or [batch, heads, seq, head_dim]
             query, mask = declared_dims(proto, node.input[0]), declared_dims(proto, node.input[3])
-            q_axis = 2 if len(query) == 4 else 1
-            if not (len(query) > q_axis and len(mask) >= 2 and query[q_axis] is not None and mask[-2] == query[q_axis]):
+            if not (len(query) >= 3 and len(mask) >= 2 and query[-2] is not None and mask[-2] == query[-2]):
                 prefix = f"{node.name or node.output[0]}/mask_rows"
                 one = numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/one")
                 graph.initializer.append(one)
                 nodes += [
-                    helper.make_node("Shape", [node.input[0]], [f"{prefix}/q_seq"], start=q_axis, end=q_axis + 1),
+                    helper.make_node("Shape", [node.input[0]], [f"{prefix}/q_seq"], start=-2, end=-1),
                     helper.make_node("Concat", [f"{prefix}/q_seq", one.name], [f"{prefix}/rows"], axis=0),
                     helper.make_node("Expand", [node.input[3], f"{prefix}/rows"], [prefix]),
                 ]

@@ -45,7 +45,7 @@ from attn_export.executors import SERIAL, Parallelism
 from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cells
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
-from attn_export.pipelines.bench.runners import machine_description, peak_memory
+from attn_export.pipelines.bench.runners import peak_memory, timing_machine
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
@@ -166,7 +166,7 @@ def run_decode_bench(
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
     report = DecodeBenchReport(
-        machine=machine_description(),
+        machine=timing_machine(),
         versions=versions(),
         threads=threads,
         provider=options.provider,

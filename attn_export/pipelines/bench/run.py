@@ -18,7 +18,7 @@ from attn_export.executors import SERIAL, Parallelism
 from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_cells
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
-from attn_export.pipelines.bench.runners import machine_description, peak_memory
+from attn_export.pipelines.bench.runners import peak_memory, timing_machine
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
@@ -49,7 +49,7 @@ def run_bench(
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
     report = BenchReport(
-        machine=machine_description(),
+        machine=timing_machine(),
         versions=versions(),
         threads=threads,
         provider=options.provider,

@@ -28,8 +28,8 @@ __all__ = [
     "SDPA",
     "graph_entries",
     "graph_runners",
-    "machine_description",
     "peak_memory",
+    "timing_machine",
     "torch_runners",
 ]
 
@@ -41,8 +41,10 @@ SDPA = "torch-sdpa"
 COMPILED = "torch-compile"
 
 
-def machine_description() -> str:
-    """CPU model, usable cores and the C allocator the timings run with, for titles and reports."""
+def timing_machine() -> str:
+    """CPU model, usable cores and the C allocator, for titles and reports; called where a
+    run that times starts, it also sets the allocator every timing here then runs with
+    (``runtimes.allocator``: each process that times sets it alike)."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

@@ -1,0 +1,65 @@
+"""What fully masked rows give, told on a graph with nothing to rewrite (a fused op's
+stand-in): 0 and NaN show by themselves, anything else is unknown, and a case with no
+fully masked row is unknown rather than a vacuous 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from attn_export.artifacts.golden import GoldenCase
+from attn_export.checks.fully_masked import FullyMaskedRows
+from attn_export.spec import Tolerance, load_spec
+from tests.conftest import write_spec
+
+SPEC = """
+module = "torch.nn:Identity"
+
+[[inputs]]
+name = "x"
+shape = ["batch", "seq", 4]
+[[inputs]]
+name = "key_padding_mask"
+dtype = "bool"
+shape = ["batch", "seq"]
+mask = "padding"
+convention = "ignore"
+
+[[outputs]]
+name = "y"
+shape = ["batch", "seq", 4]
+
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 8 }
+"""
+
+
+def _passthrough() -> bytes:
+    """``y = x``: no Softmax, so the rewrites cannot tell anything apart."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 4]),
+            helper.make_tensor_value_info("key_padding_mask", TensorProto.BOOL, ["batch", "seq"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+def test_rows_with_nothing_to_rewrite_are_told_by_sight(tmp_path: Path) -> None:
+    spec = load_spec(write_spec(tmp_path, "m", SPEC))
+    padded = np.array([[True, True, True], [False, False, True]])  # True = ignore: sequence 0 sees no key
+    x = np.ones((2, 3, 4), np.float32)
+    case = GoldenCase("fully-padded-sequence", {"batch": 2, "seq": 3}, {"x": x, "key_padding_mask": padded})
+    zero, nan, other = (x.copy() for _ in range(3))
+    zero[0], nan[0] = 0, np.nan
+    with FullyMaskedRows(spec, _passthrough(), {"y": Tolerance(1e-5, 1e-4)}) as rows:
+        gives = rows.behaviours(case, {"y": zero}, {"y": nan}, {"y": other})
+        assert gives == ["0", "NaN", "unknown"]
+        none = GoldenCase("fully-padded-sequence", case.sizes, {"x": x, "key_padding_mask": np.zeros((2, 3), bool)})
+        assert rows.behaviours(none, {"y": zero}) == ["unknown"]  # no row sees no key: nothing to tell

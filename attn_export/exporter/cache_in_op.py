@@ -10,12 +10,14 @@ take the node over.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import onnx
 from onnx import helper
 
-__all__ = ["CacheAttention", "attribute", "declared_dims", "fold_cache", "value_info"]
+__all__ = ["CacheAttention", "attribute", "declared_dims", "fold_cache", "fresh_prefixes", "value_info"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,16 @@ def _seq_dim(proto: onnx.ModelProto, name: str) -> str | int | None:
     """Axis 2 of a rank-4 tensor as the graph declares it (a symbol or a size), or None."""
     dims = declared_dims(proto, name)
     return dims[2] if len(dims) == 4 else None
+
+
+def fresh_prefixes(proto: onnx.ModelProto, stem: str) -> Iterator[str]:
+    """Name prefixes ``{stem}_0``, ``{stem}_1``, ... for new nodes and tensors (named
+    ``prefix/...``) that no name in the graph starts with."""
+    graph = proto.graph
+    names = {n for node in graph.node for n in (node.name, *node.output)}
+    names |= {i.name for i in (*graph.input, *graph.initializer)}
+    heads = {n.split("/", 1)[0] for n in names}
+    return (p for p in (f"{stem}_{i}" for i in itertools.count()) if p not in heads)
 
 
 def attribute(node: onnx.NodeProto, name: str, default: object) -> object:

@@ -219,3 +219,11 @@ def test_attention_op_gives_a_mask_one_row_per_query_where_onnx_runtime_needs_it
     for e, g in zip(expected, _run(variant.proto, feeds | {"mask": keep}), strict=True):
         np.testing.assert_allclose(g, e, atol=1e-6)
     assert make_variant("attention-op", rows).info["mask_rows_expanded"] == 0  # already one row per query
+    second = helper.make_node("Attention", ["q", "present_k", "present_v", "mask"], ["y2"])  # a second reader
+    padding.graph.node.append(second)
+    padding.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, None))
+    shared = make_variant("attention-op", padding)
+    assert shared.info["mask_rows_expanded"] == 1 and shared.info["ops"]["Expand"] == 1
+    attention = [n for n in shared.proto.graph.node if n.op_type == "Attention"]
+    assert attention[0].input[3] == attention[1].input[3] != "mask"
+    _run(shared.proto, feeds | {"mask": keep})

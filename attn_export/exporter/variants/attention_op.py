@@ -8,42 +8,48 @@ import onnx
 from onnx import helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import declared_dims, fold_cache
+from attn_export.exporter.cache_in_op import declared_dims, fold_cache, fresh_prefixes
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 
 def _mask_rows(proto: onnx.ModelProto) -> int:
-    """Give every Attention mask one row per query, in place; how many masks needed it.
+    """Give every Attention mask one row per query, in place; how many masks it expanded.
 
     ONNX broadcasts the mask to ``[batch, heads, q_seq, total_seq]``, but ONNX Runtime's
     kernel refuses a mask whose axis -2 is not the query's length, such as the
     ``[batch, 1, 1, kv_seq]`` key padding mask ``nn.MultiheadAttention`` exports. A mask
-    the graph declares with the query's length on that axis is left as it is."""
+    the graph declares with the query's length on that axis is left as it is; layers that
+    share a mask and a query length share its expansion."""
     graph = proto.graph
+    prefixes = fresh_prefixes(proto, "mask_rows")
+    expanded: dict[tuple[str, object], str] = {}
     nodes: list[onnx.NodeProto] = []
-    expanded = 0
     for node in graph.node:
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.input) > 3 and node.input[3]:
             # the query's length is its axis -2 whether it is [batch, seq, hidden] or [batch, heads, seq, head_dim]
             query, mask = declared_dims(proto, node.input[0]), declared_dims(proto, node.input[3])
-            if not (len(query) >= 3 and len(mask) >= 2 and query[-2] is not None and mask[-2] == query[-2]):
-                prefix = f"{node.name or node.output[0]}/mask_rows"
-                one = numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/one")
-                graph.initializer.append(one)
-                nodes += [
-                    helper.make_node("Shape", [node.input[0]], [f"{prefix}/q_seq"], start=-2, end=-1),
-                    helper.make_node("Concat", [f"{prefix}/q_seq", one.name], [f"{prefix}/rows"], axis=0),
-                    helper.make_node("Expand", [node.input[3], f"{prefix}/rows"], [prefix]),
-                ]
-                for new in nodes[-3:]:  # traced, like the node they serve, to its source line
-                    new.name = new.output[0]
-                    new.metadata_props.extend(node.metadata_props)
-                node.input[3] = prefix
-                expanded += 1
+            known = len(query) >= 3 and query[-2] is not None
+            if not (known and len(mask) >= 2 and mask[-2] == query[-2]):
+                key = (node.input[3], query[-2] if known else node.input[0])
+                if key not in expanded:
+                    prefix = next(prefixes)
+                    one = numpy_helper.from_array(np.array([1], np.int64), f"{prefix}/one")
+                    graph.initializer.append(one)
+                    new = [
+                        helper.make_node("Shape", [node.input[0]], [f"{prefix}/q_seq"], start=-2, end=-1),
+                        helper.make_node("Concat", [f"{prefix}/q_seq", one.name], [f"{prefix}/rows"], axis=0),
+                        helper.make_node("Expand", [node.input[3], f"{prefix}/rows"], [f"{prefix}/mask"]),
+                    ]
+                    for added in new:  # traced, like the node they serve, to its source line
+                        added.name = added.output[0]
+                        added.metadata_props.extend(node.metadata_props)
+                    nodes += new
+                    expanded[key] = f"{prefix}/mask"
+                node.input[3] = expanded[key]
         nodes.append(node)
     graph.ClearField("node")
     graph.node.extend(nodes)
-    return expanded
+    return len(expanded)
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:

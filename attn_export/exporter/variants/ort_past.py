@@ -8,7 +8,6 @@ the append to the cache runs inside the kernel. The mask goes in as ``attention_
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import CacheAttention, attribute, declared_dims, fold_cache, value_info
+from attn_export.exporter.cache_in_op import (
+    CacheAttention,
+    attribute,
+    declared_dims,
+    fold_cache,
+    fresh_prefixes,
+    value_info,
+)
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
@@ -40,15 +46,6 @@ def _heads(proto: onnx.ModelProto, name: str) -> int:
 def _dtype(proto: onnx.ModelProto, name: str) -> np.dtype:
     info = value_info(proto, name)
     return np.dtype(helper.tensor_dtype_to_np_dtype(info.elem_type if info is not None else TensorProto.FLOAT))
-
-
-def _prefixes(proto: onnx.ModelProto) -> Iterator[str]:
-    """Name prefixes for new nodes and tensors that no name in the graph starts with."""
-    graph = proto.graph
-    names = {n for node in graph.node for n in (node.name, *node.output)}
-    names |= {i.name for i in (*graph.input, *graph.initializer)}
-    heads = {n.split("/", 1)[0] for n in names}
-    return (p for p in (f"ort_past_{i}" for i in itertools.count()) if p not in heads)
 
 
 class _Nodes:
@@ -227,7 +224,7 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
             "F.scaled_dot_product_attention without is_causal (the opset 23 graph has no such Attention op)"
         )
     graph = proto.graph
-    prefixes = _prefixes(proto)
+    prefixes = fresh_prefixes(proto, "ort_past")
     producers = {out: n for n in graph.node for out in n.output}
     replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length, producers) for op in folded}
     kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]

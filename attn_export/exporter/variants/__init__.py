@@ -34,6 +34,8 @@ class VariantGraph:
     proto: onnx.ModelProto
     info: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    #: Metadata the graph's file must carry for a runtime to run it (a static cache's interface).
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def op_counts(proto: onnx.ModelProto) -> Counter[str]:
@@ -81,6 +83,7 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
         return graph
     links = [{"variant": first.name, "info": graph.info}]
     warnings = [f"{first.name}: {w}" for w in graph.warnings]
+    metadata = dict(graph.metadata)
     for before, link in zip(chain.links, rest, strict=False):
         cannot = f"{link.name} cannot follow {before.name}"
         try:
@@ -93,5 +96,6 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
             raise ExportFailure(f"{cannot}: it leaves {before.name}'s graph as it was (ops, attributes, types)")
         links.append({"variant": link.name, "info": made.info})
         warnings += [f"{link.name}: {w}" for w in made.warnings]
+        metadata |= made.metadata
         graph = made
-    return VariantGraph(graph.proto, {"links": links}, warnings)
+    return VariantGraph(graph.proto, {"links": links}, warnings, metadata)

@@ -106,8 +106,5 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     for past, _ in pairs:
         _filled_shapes(proto, past, attention)
     interface = StaticCache(pairs)
-    helper.set_model_props(
-        proto, {**{p.key: p.value for p in proto.metadata_props}, METADATA_KEY: json.dumps(interface.to_dict())}
-    )
     info = {"cache_ops": kinds, "ops": dict(op_counts(proto)), "interface": interface.to_dict()}
-    return VariantGraph(proto, info, [GQA_LIMITS])
+    return VariantGraph(proto, info, [GQA_LIMITS], {METADATA_KEY: json.dumps(interface.to_dict())})

@@ -4,7 +4,6 @@ check that runs it in ONNX Runtime. Each is computed once, and a failure is reme
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -27,7 +26,6 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
@@ -187,7 +185,6 @@ class SpecBuild:
             graph = make_variant(name, self.export(opset), self.options.provider)
         except (ExportFailure, GraphCheckError) as e:
             raise type(e)(f"{key}: {e}") from e
-        static = StaticCache.from_metadata({p.key: p.value for p in graph.proto.metadata_props})
         proto = stamp_metadata(
             graph.proto,
             {
@@ -198,7 +195,7 @@ class SpecBuild:
                 "attn_export.exporter": spec.exporter,
                 "attn_export.opset": str(opset),
                 **{f"attn_export.version.{k}": v for k, v in self.vers.items()},
-                **({METADATA_KEY: json.dumps(static.to_dict())} if static else {}),
+                **graph.metadata,
             },
         )
         check_model(proto, key)

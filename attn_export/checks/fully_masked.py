@@ -35,12 +35,36 @@ __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "se
 #: are neither 0 nor NaN, or where the case has no such row.
 UNSEEN = "unknown"
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
-PADDED = "their own token is padding, and the module's causal or window mask can leave them no key"
+PADDED = "padding with no real token at or before it, within the window: a causal or window mask leaves it no key"
+
+
+def _positions_before(spec: ModelSpec) -> int | None:
+    """How many positions before itself a query sees under the module's own window, where
+    the spec says: its ``[cache] window`` (itself and the N before it) or a Hugging Face
+    config's ``sliding_window`` (itself and the N - 1 before it); None: all of them."""
+    if spec.cache_window is not None:
+        return spec.cache_window
+    window = (spec.config or {}).get("sliding_window")
+    return window - 1 if isinstance(window, int) and window > 0 else None
+
+
+def _keyless(keep: np.ndarray, before: int | None) -> np.ndarray:
+    """``[batch, key]`` True where a query at that key position would see no kept key under
+    a causal mask aligned to the end of the keys (and ``before`` positions of window): a
+    left-padded prompt's rows before its first real token, or padding longer than the
+    window. A padded token with a kept key before it is a row like any other."""
+    kept = np.cumsum(keep, axis=-1)
+    if before is not None and before + 1 < kept.shape[-1]:
+        earlier = np.zeros_like(kept)
+        earlier[:, before + 1 :] = kept[:, : -(before + 1)]
+        kept = kept - earlier
+    return kept == 0
 
 
 def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
-    """``[batch, query]`` True where a query row's own token is padding (every self-attention
-    key-padding mask of the spec, over this case's new tokens); None where the spec has none.
+    """``[batch, query]`` True where a padded query row may see no key (``padded_query_rows``,
+    every self-attention key-padding mask of the spec, over this case's new tokens); None
+    where the spec has none.
     Intermediate values are matched to it by their batch and query sizes (``localize``)."""
     rows: np.ndarray | None = None
     for t, mask in spec.masks:
@@ -53,18 +77,20 @@ def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
         if not any(query in o.shape for o in spec.outputs):
             continue  # a mask over keys only (cross-attention): no query row is a token
         offset = sum(case.sizes[p] for p in parts[:-1])
-        padded = ~keep[:, offset : offset + case.sizes[query]]
+        padded = _keyless(keep, _positions_before(spec))[:, offset : offset + case.sizes[query]]
         rows = padded if rows is None or rows.shape != padded.shape else rows | padded
     return rows
 
 
 def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.ndarray], int]:
-    """Per output, the elements of query rows whose own token is padding, and how many such
+    """Per output, the elements of padded query rows that may see no key, and how many such
     rows there are. In self-attention a key-padding mask marks tokens, and a query row at a
-    masked token is padding too: the module's own causal or sliding-window mask can leave it
-    no key at all (a left-padded prompt, padding longer than the window), and there PyTorch
-    and any graph differ. The key dim is the query's own dim, or a sum whose other parts
-    come first (``total_seq = "past_seq + seq"``: the new tokens follow the cached ones)."""
+    masked token is padding too: where no kept key comes at or before it (within the
+    window), the module's own causal or sliding-window mask leaves it no key at all (a
+    left-padded prompt, padding longer than the window), and there PyTorch and any graph
+    differ. Any other padded row sees a real key, and is compared like every row. The key
+    dim is the query's own dim, or a sum whose other parts come first (``total_seq =
+    "past_seq + seq"``: the new tokens follow the cached ones)."""
     out: dict[str, np.ndarray] = {}
     count = 0
     for t, mask in spec.masks:
@@ -72,7 +98,7 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
             continue
         batch, key = t.shape[0], t.shape[1]
         parts = spec.dims[key].parts if key in spec.dims else ()
-        keep = mask.keep(case.inputs[t.name])
+        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec))
         for o in spec.outputs:
             query = key if key in o.shape else next((p for p in parts if p in o.shape), None)
             if query is None or batch not in o.shape or query == batch:
@@ -82,7 +108,7 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
             sizes = output_shape(spec, o, case.sizes)
             # a sliding-window present holds only the newest of the tokens
             stop = offset + case.sizes[query]
-            rows = ~keep[:, stop - sizes[q_axis] : stop]
+            rows = keyless[:, stop - sizes[q_axis] : stop]
             shape = [1] * len(o.shape)
             shape[b_axis], shape[q_axis] = rows.shape
             picked = np.broadcast_to((rows if b_axis < q_axis else rows.T).reshape(shape), sizes)

@@ -67,8 +67,8 @@ def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_p
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (
-        "padded query rows (their own token is padding, and the module's causal or window mask can leave them "
-        'no key); set fully_masked = "ignore" in the spec to leave them out' in built.output
+        "padded query rows (padding with no real token at or before it, within the window: a causal or window "
+        'mask leaves it no key); set fully_masked = "ignore" in the spec to leave them out' in built.output
     )
 
 
@@ -77,3 +77,28 @@ def test_an_ignore_spec_builds_and_verifies_leaving_out_only_the_padded_rows(tmp
     assert built.exit_code == 0, built.output
     assert verified.exit_code == 0, verified.output
     assert 'fully_masked = "ignore": ' in verified.output and "padded query rows not compared" in verified.output
+
+
+class WrongOnPaddedTokens(torch.nn.Module):
+    """A non-causal encoder whose exported graph doubles the rows of padded tokens: those
+    rows still see every real token, so they are real rows and the fault is real."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(hidden, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        y = self.attention(x, x, x, key_padding_mask=~keep, need_weights=False)[0]
+        if torch.compiler.is_exporting():
+            y = torch.where(keep[..., None], y, 2 * y)
+        return y
+
+
+def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path) -> None:
+    """Right padding after real tokens: a padded row sees them, so "ignore" compares it."""
+    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens").replace('"left-padding"', '"padding"')
+    models = tmp_path / "models"
+    write_spec(models, "padded", spec.replace("{rule}", 'fully_masked = "ignore"'))
+    result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert "[smoke] padded: smoke check at" in result.output and "outside atol" in result.output

@@ -94,6 +94,10 @@ def test_group_query_attention_where_onnx_runtime_refuses_a_declared_size(built)
     error = errors["gqa_rope_kv_cache.ort-past"]
     assert error is not None
     assert "smoke check at" in error and "batch_size must be 1 when sequence_length > 1 and past context" in error
+    assert error.endswith(  # the plain export runs at the same feeds: the rewrite is named
+        "; the export it was made from runs there, so the rewrite made the graph ONNX Runtime refuses (ort-past: "
+        "a decoder's cache attention as ONNX Runtime's MultiHeadAttention or GroupQueryAttention with past inputs)"
+    )
 
 
 def _attention_graph(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import onnx
 
 from attn_export.artifacts.golden import GoldenCase, encode_golden
@@ -203,6 +204,21 @@ class SpecBuild:
         check_spec_axes(proto, key, spec)
         return Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
+    def _made_by(self, variant: str, feeds: dict[str, np.ndarray]) -> str:
+        """Where ONNX Runtime cannot run a variant's graph but runs the export it was made
+        from on the same feeds, what says that the variant's rewrite made the fault."""
+        chain = variant_chain(variant)
+        if all(link.maker is None for link in chain.links):
+            return ""
+        source = self.export(max(self.spec.opset, chain.export_opset or 0)).SerializeToString()
+        try:
+            with OnnxRuntime(source, self.spec.inputs, self.spec.outputs, self.spec.dims, provider="cpu") as plain:
+                plain.run(feeds)
+        except RuntimeFailure:
+            return ""
+        made = "; ".join(f"{link.name}: {link.summary}" for link in chain.links if link.maker is not None)
+        return f"; the export it was made from runs there, so the rewrite made the graph ONNX Runtime refuses ({made})"
+
     def smoke(self, variant: str, model: bytes) -> None:
         """ONNX Runtime (CPU) against PyTorch at the example and golden shapes, at the
         variant's tolerance."""
@@ -219,7 +235,7 @@ class SpecBuild:
                 try:
                     got = session.run(case.inputs)
                 except RuntimeFailure as e:
-                    raise GraphCheckError(f"{where} failed: {e}") from e
+                    raise GraphCheckError(f"{where} failed: {e}{self._made_by(variant, case.inputs)}") from e
                 comparisons, notes = judge(spec, case, got, tolerances)
                 failed = [c.reason() for c in comparisons if not c.passed]
                 if failed:

@@ -103,11 +103,23 @@ def _load_state_dict(spec: ModelSpec, module: Any) -> None:
     module.load_state_dict(state, strict=True)
 
 
+def _vary_constant_parameters(module: Any, torch: Any) -> None:
+    """Give every parameter that its init fills with one value (a bias of zeros, a norm's
+    weight of ones) seeded values around it: a graph that drops or misplaces a zero bias
+    computes the same as one that keeps it, so only a varied one can tell them apart."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point() and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+                param.add_(0.1 * torch.randn_like(param))
+
+
 def instantiate(spec: ModelSpec) -> Any:
     """The spec's module with its weights, in eval mode (dropout off).
 
     Weights are a seeded random init unless the spec names a state_dict file, which is
-    loaded with ``weights_only=True`` so a pickle carrying code is refused.
+    loaded with ``weights_only=True`` so a pickle carrying code is refused. In a seeded
+    init, a parameter its init fills with one value gets values around it
+    (``_vary_constant_parameters``).
     """
     torch = require("torch", "building the PyTorch module")
     from attn_export.exporter.adapter import wrap
@@ -119,6 +131,8 @@ def instantiate(spec: ModelSpec) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.weights.seed)
         module = _construct(spec, spec.module, {**spec.kwargs, **({"config": config} if config is not None else {})})
+        if isinstance(module, torch.nn.Module) and spec.weights.path is None:
+            _vary_constant_parameters(module, torch)
     if not isinstance(module, torch.nn.Module):
         raise SpecError(f"{spec.name}: {spec.module} did not return a torch.nn.Module")
     if spec.weights.path is not None:

@@ -75,7 +75,7 @@ def test_repair_turns_nan_into_pytorchs_value(zoo_dir: Path) -> None:
     with OnnxRuntime(zoo_dir / entry.file, spec.inputs, spec.outputs, spec.dims) as after:
         repaired = after.run(feeds)["output"]
     assert np.isnan(nan[0]).all() and np.isfinite(nan[1:]).all()  # only the padded sequence
-    assert (expected[0] == 0).all()  # no key attended: 0 (its out_proj bias starts at 0)
+    assert (expected[0] == expected[0, :1]).all()  # no key attended: 0, then out_proj's bias on every row
     np.testing.assert_allclose(repaired, expected, atol=1e-5, rtol=1e-4)
     np.testing.assert_allclose(nan[1:], expected[1:], atol=1e-5, rtol=1e-4)
 
@@ -142,7 +142,8 @@ def test_multihead_attention_with_a_key_padding_mask_builds_and_verifies_as_the_
     report = verify_artifacts(out, load_manifest(out), ["torch_mha.attention-op"], options)
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
     (padded,) = [c for c in report.cases if c.shape == "fully-padded-sequence"]
-    assert padded.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]
+    assert padded.passed
+    assert padded.notes == ["fully masked rows: torch[cpu] gives unknown, onnxruntime[cpu] gives unknown"]
 
 
 @pytest.mark.slow  # three Hugging Face exports (35 s); the graph changes have their own fast tests

@@ -140,6 +140,18 @@ def test_planted_wrong_scale_is_caught(zoo_copy: Path) -> None:
     assert "reproduce: attn-export verify" in result.output
 
 
+def test_planted_zero_bias_is_caught(zoo_copy: Path) -> None:
+    """nn.MultiheadAttention's init fills its biases with zeros, where a graph that drops one
+    computes the same; the seeded init varies them, so zeroing one is a fault verify sees."""
+    proto = onnx.load(zoo_copy / "torch_mha.onnx")
+    (bias,) = [t for t in proto.graph.initializer if t.name.endswith("in_proj_bias")]
+    assert np.abs(onnx.numpy_helper.to_array(bias)).max() > 0
+    bias.CopyFrom(onnx.numpy_helper.from_array(np.zeros(tuple(bias.dims), np.float32), bias.name))
+    plant(zoo_copy, "torch_mha", proto)
+    report = verify_artifacts(zoo_copy, load_manifest(zoo_copy), ["torch_mha"], VERIFY_TINY)
+    assert not report.passed and all(not c.passed for c in report.cases if c.distribution == "normal")
+
+
 def test_planted_flipped_mask_is_caught(zoo_copy: Path) -> None:
     proto = onnx.load(zoo_copy / "sdpa_masked.onnx")
     where = node(proto, "Where")

@@ -12,6 +12,8 @@ the mean of V). The rewrites, each on its own copy of the graph:
 ONNX Runtime's fused ``MultiHeadAttention`` (the ort-fused variant) is rewritten alike where
 it takes an additive bias: the row test reads the bias, and ``zero`` zeroes the op's output
 for each head whose row sees no key, ``uniform`` fills the bias row with the lowest float.
+So is the ONNX ``Attention`` op (the attention-op variant) with a float mask and a 4-D
+query: ``zero`` zeroes its output there, ``uniform`` zeroes that row's query and mask.
 
 A row counts as fully masked when its largest score is at most ``FULLY_MASKED`` (-1e8):
 every masking fill in use (-inf, the float minimum, the -1e9 of hand-written masked_fill)
@@ -52,27 +54,36 @@ def _reduce_max(x: str, axis: int, out: str, axes_name: str, opset: int) -> list
 #: ONNX Runtime's fused attention, rewritten where it takes an additive bias (input 5).
 _FUSED = ("com.microsoft", "MultiHeadAttention")
 _BIAS = 5
+#: The ONNX Attention op's mask input.
+_MASK = 3
 
 
 def _fused(node: onnx.NodeProto) -> bool:
     return (node.domain, node.op_type) == _FUSED and len(node.input) > _BIAS and bool(node.input[_BIAS])
 
 
+def _attention(node: onnx.NodeProto) -> bool:
+    """The ONNX Attention op (opset 23) with a mask and no causal flag of its own."""
+    if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) <= _MASK:
+        return False
+    return bool(node.input[_MASK]) and not any(a.name == "is_causal" and a.i for a in node.attribute)
+
+
 def _rewritable(node: onnx.NodeProto) -> bool:
-    return (node.op_type == "Softmax" and node.domain in ("", "ai.onnx")) or _fused(node)
+    return (node.op_type == "Softmax" and node.domain in ("", "ai.onnx")) or _fused(node) or _attention(node)
 
 
 def _undo(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` with an earlier rewrite taken out, so rewriting a repaired graph starts
-    from the exporter's Softmax (or fused attention) again."""
+    from the exporter's Softmax (or attention op) again."""
     produced = {o: n for n in nodes for o in n.output}
     kept = []
     for node in nodes:
-        if node.op_type == "Softmax" or _fused(node):
+        if _rewritable(node):
             node.output[0] = node.output[0].removesuffix(f"{_MARK}weights").removesuffix(f"{_MARK}attended")
-            x = 0 if node.op_type == "Softmax" else _BIAS
-            if node.input[x].endswith(f"{_MARK}scores"):
-                node.input[x] = produced[node.input[x]].input[2]
+            for i, name in enumerate(node.input):
+                if name.endswith((f"{_MARK}scores", f"{_MARK}query")):
+                    node.input[i] = produced[name].input[2]
         elif any(_MARK in o for o in node.output) or (node.op_type == "Where" and _MARK in node.input[2]):
             continue  # the row test, uniform's Where, zero's Where
         kept.append(node)
@@ -137,11 +148,30 @@ def _fused_attention(node: onnx.NodeProto, mode: str, p: str, lowest: float) -> 
     ]
 
 
+def _onnx_attention(node: onnx.NodeProto, mode: str, p: str) -> list[onnx.NodeProto]:
+    """The ONNX Attention op's rewrite after the row test of its additive mask, for a
+    ``[batch, heads, seq, head_dim]`` query: its output zeroed where a head's row sees no
+    key, or that row's query and mask zeroed, so every score is 0 (uniform weights: a
+    runtime may treat the lowest float in a mask as no key at all)."""
+    op = onnx.NodeProto()
+    op.CopyFrom(node)
+    if mode == "zero":
+        op.output[0] = f"{p}attended"
+        return [op, helper.make_node("Where", [f"{p}rows", f"{p}zero", f"{p}attended"], [node.output[0]])]
+    op.input[0], op.input[_MASK] = f"{p}query", f"{p}scores"
+    return [
+        helper.make_node("Where", [f"{p}rows", f"{p}zero", node.input[0]], [f"{p}query"]),
+        helper.make_node("Where", [f"{p}rows", f"{p}zero", node.input[_MASK]], [f"{p}scores"]),
+        op,
+    ]
+
+
 def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto, int]:
-    """A copy of ``proto`` with every Softmax of the main graph, and every ONNX Runtime
-    MultiHeadAttention that takes an additive bias, rewritten (``mode`` is a key of
-    ``REWRITES``), and how many were; 0 where the graph has none it can rewrite (opsets
-    before 13, whose Softmax flattens, or attention done by another fused op)."""
+    """A copy of ``proto`` with every Softmax of the main graph, every ONNX Runtime
+    MultiHeadAttention that takes an additive bias and every ONNX Attention op with a float
+    mask rewritten (``mode`` is a key of ``REWRITES``), and how many were; 0 where the graph
+    has none it can rewrite (opsets before 13, whose Softmax flattens, or attention done by
+    another fused op)."""
     if mode not in REWRITES:
         raise ValueError(f"unknown rewrite {mode!r}")
     out = onnx.ModelProto()
@@ -156,7 +186,9 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
         return out, 0
     typed = onnx.shape_inference.infer_shapes(out)
     graph = typed.graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    values = (*graph.input, *graph.value_info, *graph.output)
+    types = {v.name: v.type.tensor_type.elem_type for v in values}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in values if v.type.tensor_type.HasField("shape")}
     producers = {o: n for n in out.graph.node for o in n.output}
 
     def passed_half(name: str) -> bool:
@@ -165,17 +197,28 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
             name = producers[name].input[0]
         return types.get(name) == TensorProto.FLOAT16
 
+    def taken(node: onnx.NodeProto) -> bool:
+        """An Attention op is rewritten only with a float mask and a 4-D query."""
+        if not _attention(node):
+            return _rewritable(node)
+        return ranks.get(node.input[0]) == 4 and types.get(node.input[_MASK]) != TensorProto.BOOL
+
     for node in original:
-        if not _rewritable(node):
+        if not taken(node):
             nodes.append(node)
             continue
         softmax = node.op_type == "Softmax"
-        x = node.input[0] if softmax else node.input[_BIAS]
+        x = node.input[0] if softmax else node.input[_BIAS] if _fused(node) else node.input[_MASK]
         axis = next((a.i for a in node.attribute if a.name == "axis"), -1) if softmax else -1
         p = f"{node.output[0]}{_MARK}"
         half = passed_half(x)
         limit, lowest = (FULLY_MASKED_HALF, _HALF_LOWEST) if half else (FULLY_MASKED, _LOWEST)
-        rewritten = _softmax(node, mode, p) if softmax else _fused_attention(node, mode, p, lowest)
+        if softmax:
+            rewritten = _softmax(node, mode, p)
+        elif _fused(node):
+            rewritten = _fused_attention(node, mode, p, lowest)
+        else:
+            rewritten = _onnx_attention(node, mode, p)
         new = _row_test(x, axis, p, limit, opset) + rewritten
         for k, added in enumerate(new):
             if added.op_type != node.op_type:  # the repair is part of the node's FX node and source line

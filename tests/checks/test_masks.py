@@ -232,3 +232,33 @@ def test_a_fused_attention_is_rewritten_per_head_like_a_softmax(fill: float) -> 
         np.testing.assert_allclose(rewritten[0, 1, 2:], plain[0, 1, 2:], rtol=1e-6)  # head 1 keeps its keys
         np.testing.assert_allclose(rewritten[0, 0], plain[0, 0], rtol=1e-6)
     assert rewrite_softmax(uniform, "zero")[0].SerializeToString() == zero.SerializeToString()
+
+
+def test_the_onnx_attention_op_is_rewritten_per_head_like_a_softmax() -> None:
+    """The opset-23 Attention op with an additive mask: zero gives 0 on the head's row that
+    sees no key, uniform the mean of its V, though ONNX Runtime itself gives 0 there."""
+    h = onnx.helper
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, 2, s, 4)).astype(np.float32) for n, s in (("q", 2), ("k", 3), ("v", 3))}
+    mask = np.zeros((1, 2, 2, 3), np.float32)
+    mask[0, 0, 1, :] = np.finfo(np.float32).min  # head 0, query 1: no key
+    mask[0, 1, 1, 1] = np.finfo(np.float32).min  # head 1, query 1: one key masked
+    feeds["mask"] = mask
+    inputs = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, list(a.shape)) for n, a in feeds.items()]
+    node = h.make_node("Attention", ["q", "k", "v", "mask"], ["y"])
+    graph = h.make_graph([node], "g", inputs, [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2, 2, 4])])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 23)])
+
+    def run(model: onnx.ModelProto) -> np.ndarray:
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    plain = run(proto)
+    (zero, zeros), (uniform, uniforms) = (rewrite_softmax(proto, mode) for mode in ("zero", "uniform"))
+    assert zeros == uniforms == 1
+    got, mean = run(zero), run(uniform)
+    assert not got[0, 0, 1].any()
+    np.testing.assert_allclose(mean[0, 0, 1], feeds["v"][0, 0].mean(axis=0), rtol=1e-5)
+    for rewritten in (got, mean):
+        np.testing.assert_allclose(rewritten[0, 1], plain[0, 1], rtol=1e-6)  # head 1 keeps its keys
+        np.testing.assert_allclose(rewritten[0, 0, 0], plain[0, 0, 0], rtol=1e-6)
+    assert rewrite_softmax(uniform, "zero")[0].SerializeToString() == zero.SerializeToString()

@@ -29,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from attn_export.artifacts.onnx_file import default_opset
+from attn_export.exporter.cache_in_op import attribute
 
 __all__ = ["FULLY_MASKED", "FULLY_MASKED_HALF", "REWRITES", "rewrite_softmax"]
 
@@ -58,19 +59,18 @@ _BIAS = 5
 _MASK = 3
 
 
-def _fused(node: onnx.NodeProto) -> bool:
-    return (node.domain, node.op_type) == _FUSED and len(node.input) > _BIAS and bool(node.input[_BIAS])
-
-
-def _attention(node: onnx.NodeProto) -> bool:
-    """The ONNX Attention op (opset 23) with a mask and no causal flag of its own."""
-    if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.input) <= _MASK:
-        return False
-    return bool(node.input[_MASK]) and not any(a.name == "is_causal" and a.i for a in node.attribute)
-
-
-def _rewritable(node: onnx.NodeProto) -> bool:
-    return (node.op_type == "Softmax" and node.domain in ("", "ai.onnx")) or _fused(node) or _attention(node)
+def _scores(node: onnx.NodeProto) -> int | None:
+    """The input a rewrite's row test reads: a Softmax's scores, the fused op's bias, the
+    ONNX Attention op's mask (where it has no causal flag of its own); None for any other
+    node, which is not rewritten."""
+    onnx_domain = node.domain in ("", "ai.onnx")
+    if node.op_type == "Softmax" and onnx_domain:
+        return 0
+    if (node.domain, node.op_type) == _FUSED and len(node.input) > _BIAS and node.input[_BIAS]:
+        return _BIAS
+    if node.op_type == "Attention" and onnx_domain and len(node.input) > _MASK and node.input[_MASK]:
+        return None if attribute(node, "is_causal", 0) else _MASK
+    return None
 
 
 def _undo(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
@@ -79,7 +79,7 @@ def _undo(nodes: list[onnx.NodeProto]) -> list[onnx.NodeProto]:
     produced = {o: n for n in nodes for o in n.output}
     kept = []
     for node in nodes:
-        if _rewritable(node):
+        if _scores(node) is not None:
             node.output[0] = node.output[0].removesuffix(f"{_MARK}weights").removesuffix(f"{_MARK}attended")
             for i, name in enumerate(node.input):
                 if name.endswith((f"{_MARK}scores", f"{_MARK}query")):
@@ -182,7 +182,7 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
     nodes: list[onnx.NodeProto] = []
     count = 0
     original = _undo(list(out.graph.node))
-    if not any(_rewritable(n) for n in original):
+    if all(_scores(n) is None for n in original):
         return out, 0
     typed = onnx.shape_inference.infer_shapes(out)
     graph = typed.graph
@@ -197,25 +197,20 @@ def rewrite_softmax(proto: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto,
             name = producers[name].input[0]
         return types.get(name) == TensorProto.FLOAT16
 
-    def taken(node: onnx.NodeProto) -> bool:
-        """An Attention op is rewritten only with a float mask and a 4-D query."""
-        if not _attention(node):
-            return _rewritable(node)
-        return ranks.get(node.input[0]) == 4 and types.get(node.input[_MASK]) != TensorProto.BOOL
-
     for node in original:
-        if not taken(node):
+        scores = _scores(node)
+        if scores == _MASK and (ranks.get(node.input[0]) != 4 or types.get(node.input[_MASK]) == TensorProto.BOOL):
+            scores = None  # an Attention op is rewritten only with a float mask and a 4-D query
+        if scores is None:
             nodes.append(node)
             continue
-        softmax = node.op_type == "Softmax"
-        x = node.input[0] if softmax else node.input[_BIAS] if _fused(node) else node.input[_MASK]
-        axis = next((a.i for a in node.attribute if a.name == "axis"), -1) if softmax else -1
+        x = node.input[scores]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), -1) if scores == 0 else -1
         p = f"{node.output[0]}{_MARK}"
-        half = passed_half(x)
-        limit, lowest = (FULLY_MASKED_HALF, _HALF_LOWEST) if half else (FULLY_MASKED, _LOWEST)
-        if softmax:
+        limit, lowest = (FULLY_MASKED_HALF, _HALF_LOWEST) if passed_half(x) else (FULLY_MASKED, _LOWEST)
+        if scores == 0:
             rewritten = _softmax(node, mode, p)
-        elif _fused(node):
+        elif scores == _BIAS:
             rewritten = _fused_attention(node, mode, p, lowest)
         else:
             rewritten = _onnx_attention(node, mode, p)

@@ -6,6 +6,7 @@ only there says so."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -32,6 +33,17 @@ class LeftPaddedCausalAttention(torch.nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h))
 
 
+class WrongOnKeylessRows(LeftPaddedCausalAttention):
+    """Its exported graph adds 1 to the rows that see no key, where PyTorch gives 0: it
+    differs there alone, and no rewrite of its Softmax mends that."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, keep)
+        if torch.compiler.is_exporting():
+            y = torch.where((keep.cumsum(-1) == 0)[..., None], y + 1, y)
+        return y
+
+
 SPEC = f"""
 module = "{__name__}:LeftPaddedCausalAttention"
 {{rule}}
@@ -52,9 +64,9 @@ seq = {{ min = 1, max = 12 }}
 """
 
 
-def _build_and_verify(tmp_path: Path, rule: str) -> tuple[object, object]:
+def _build_and_verify(tmp_path: Path, rule: str, module: str = "LeftPaddedCausalAttention") -> tuple[object, object]:
     models = tmp_path / "models"
-    write_spec(models, "padded", SPEC.replace("{rule}", rule))
+    write_spec(models, "padded", SPEC.replace("{rule}", rule).replace("LeftPaddedCausalAttention", module))
     built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
     if built.exit_code:
         return built, None
@@ -62,8 +74,19 @@ def _build_and_verify(tmp_path: Path, rule: str) -> tuple[object, object]:
     return built, CliRunner().invoke(cli, args)
 
 
+def test_padded_rows_under_match_are_repaired_to_give_pytorchs_result(tmp_path: Path) -> None:
+    """PyTorch's sdpa gives 0 on a left-padded row and the graph does not: build rewrites the
+    graph's Softmax before its smoke check, and verify compares every row."""
+    built, verified = _build_and_verify(tmp_path, "")
+    assert built.exit_code == 0, built.output
+    info = json.loads((tmp_path / "out" / "manifest.json").read_text())["models"]["padded"]["variant_info"]
+    assert info["fully_masked"]["repair"]["gives"] == "0"
+    assert verified.exit_code == 0, verified.output
+    assert "not compared" not in verified.output
+
+
 def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_path: Path) -> None:
-    built, _ = _build_and_verify(tmp_path, "")
+    built, _ = _build_and_verify(tmp_path, "", module="WrongOnKeylessRows")
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (

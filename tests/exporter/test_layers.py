@@ -170,6 +170,23 @@ def test_hugging_face_layers_build_their_variants_and_verify(tmp_path: Path) -> 
     assert all(c.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"] for c in named)
 
 
+@pytest.mark.slow  # a Hugging Face decoder's export and verify (20 s)
+@needs_transformers
+def test_a_float16_decoder_is_repaired_before_its_smoke_check(tmp_path: Path) -> None:
+    """LlamaModel's float16 graph masks at -65504, so a left-padded row's scores round apart and
+    its weights are not uniform, as PyTorch's are: the graph differs only there. Build repairs
+    it before the smoke check, which then passes, where it used to fail the build."""
+    out = tmp_path / "out"
+    result = build_models([TINY_ZOO / "llama_model_kv_cache.toml"], BuildOptions(out, variants=("fp16",))).results[0]
+    assert result.status == "built", result.error
+    manifest = load_manifest(out)
+    repair = manifest.models["llama_model_kv_cache.fp16"].variant_info["fully_masked"]["repair"]
+    assert repair["rewrite"] == "uniform" and repair["was"] == {"fully-padded-sequence": "other"}
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, distributions=("normal",), decode_steps=2)
+    report = verify_artifacts(out, manifest, ["llama_model_kv_cache.fp16"], options)
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+
+
 LLAMA_MODEL = """
 module = "transformers:LlamaModel"
 call = { use_cache = false }

@@ -24,7 +24,7 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import format_localize, where
-from tests.conftest import TINY_ZOO, Built, needs_transformers, plant
+from tests.conftest import TINY_ZOO, Built, needs_transformers, plant, write_spec
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 #: The CLI where torch cannot be imported, as on a deploy box.
@@ -292,14 +292,24 @@ def test_the_repair_of_fully_masked_rows_keeps_the_softmaxs_node_and_line(zoo_di
     assert all(n.metadata_props == softmax.metadata_props for n in added), "traced to the same FX node and line"
 
 
-@pytest.mark.slow  # two localize runs of a Llama decoder (17 s); CI runs it
+@pytest.mark.slow  # a Llama decoder's build and two localize runs (30 s); CI runs it
 @needs_transformers
-def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(zoo_dir: Path) -> None:
-    """The sdpa decoder's padded query rows have no key; its spec leaves them out (ignore)."""
-    calm = _localize(zoo_dir, "llama_sdpa_kv_cache", distribution="large", seed=7)
+def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(tmp_path: Path) -> None:
+    """The sdpa decoder's padded query rows have no key. Built under ignore, its graph is kept
+    as exported (the mean of V there, where PyTorch gives 0): those rows are left out of every
+    region, and under match the first region that differs is the attention."""
+    models = tmp_path / "models"
+    spec = (TINY_ZOO / "llama_sdpa_kv_cache.toml").read_text()
+    write_spec(models, "llama_sdpa_kv_cache", 'fully_masked = "ignore"\n' + spec)
+    built = build_models([models / "llama_sdpa_kv_cache.toml"], BuildOptions(tmp_path / "out")).results[0]
+    assert built.status == "built", built.error
+
+    def run(**options: object) -> LocalizeReport:
+        return localize_model(tmp_path / "out", "llama_sdpa_kv_cache", LocalizeOptions(models_dir=models, **options))  # type: ignore[arg-type]
+
+    calm = run(distribution="large", seed=7)
     assert calm.agrees and not [r.fx_node for r in calm.regions if r.breaks]
-    compared = _localize(zoo_dir, "llama_sdpa_kv_cache", sizes={"batch": 1, "seq": 16, "past_seq": 0},
-                         fully_masked="match")  # fmt: skip
+    compared = run(sizes={"batch": 1, "seq": 16, "past_seq": 0}, fully_masked="match")
     assert not compared.agrees and compared.first is not None
     assert compared.first.fx_node == "scaled_dot_product_attention" and compared.cause == "graph"
     assert any("padded query rows" in n for n in compared.notes)

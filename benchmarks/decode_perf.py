@@ -2,7 +2,7 @@
 machine's memory bandwidth.
 
     python benchmarks/decode_perf.py             # about three minutes on 2 cores
-    python benchmarks/decode_perf.py --profile   # always print ONNX Runtime's breakdown by op
+    python benchmarks/decode_perf.py --profile   # print ONNX Runtime's breakdown for every target
 
 Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads as a
 decoding step with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, past up
@@ -21,8 +21,10 @@ across the runs is printed. The in-place variants are timed in turns with the ba
 model's eager, the others with the reference model's: the same module, whose two figures
 can differ by a quarter, so every ratio to eager is taken against the faster of the two in
 its run. Where a target is missed, ONNX Runtime's profile of the timed
-(bound) path of that variant is broken down by op type. Nothing here asserts: figures are
-printed.
+(bound) path of that variant at that target's past is broken down by op type, with each
+op's time per step and, for the ops that read the cache or the weights, the bandwidth they
+achieve: a step far from its limit shows there whether its time goes to moving bytes or to
+a kernel. Nothing here asserts: figures are printed.
 """
 
 from __future__ import annotations
@@ -64,21 +66,42 @@ def last_level_cache() -> str:
     return max(sizes)[1] if sizes else "?"
 
 
-def profile_bound_steps(
-    model: Path, spec: Any, threads: int, steps: int = 200
-) -> tuple[dict[str, float], float, float, float]:
+#: Op types that read the cache, and those that read the weights: each one's profiled kernel
+#: time over the bytes it moves is its achieved bandwidth.
+CACHE_OPS = ("GroupQueryAttention", "Attention", "MultiHeadAttention", "Concat")
+WEIGHT_OPS = ("MatMul", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits", "Gemm")
+
+
+def profile_bound_steps(model: Path, spec: Any, threads: int, past: int, in_place: bool, steps: int = 200) -> str:
     """ONNX Runtime's profile of the timed path (IOBinding, presents fed back or the buffer
-    written in place) at past ``AT``: share of kernel time per op type, mean ms per run,
-    mean ms in kernels per run, and nodes run per step."""
+    written in place) at ``past``, as lines: ms per run and in kernels, nodes per step, and
+    each op type's share of kernel time with its ms per step. The ops that read the cache
+    and those that read the weights also get their achieved bandwidth (bytes over kernel
+    time), which says whether a step's remainder lies in moving bytes or in a kernel."""
     from attn_export.pipelines.bench.decode import plan_window
-    from attn_export.pipelines.bench.physics import profile_steps
+    from attn_export.pipelines.bench.physics import graph_weight_bytes, profile_steps, step_bytes
     from attn_export.runtimes.ort import OnnxRuntime
 
+    plan = plan_window(spec, 1, past, 8, 0)
     runtime = OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims, threads=threads, capacity=spec.cache_max_seq)
     with runtime:
-        profile = profile_steps(model, runtime, plan_window(spec, 1, AT, 8, 0), "cpu", threads, steps)
+        profile = profile_steps(model, runtime, plan, "cpu", threads, steps)
+    moved = step_bytes(plan, 1, graph_weight_bytes(model), in_place)
     runs, kernels = profile.runs, sum(profile.kernel_us.values())
-    return profile.shares(), profile.run_us / runs / 1e3, kernels / runs / 1e3, profile.nodes / runs
+    lines = [
+        f"{profile.run_us / runs / 1e3:.3f} ms per profiled run (profiling slows each node), "
+        f"{100 * kernels / profile.run_us:.0f}% in kernels, {profile.nodes / runs:.0f} nodes per step; "
+        f"bytes per step: weights {moved.weights / 1e6:.2f} MB, cache read {moved.cache_read / 1e6:.2f} MB, "
+        f"written {moved.cache_written / 1e6:.2f} MB; by op type:"
+    ]
+    for op, share in profile.shares().items():
+        if share < 0.005:
+            continue
+        ms = profile.kernel_us[op] / runs / 1e3
+        nbytes = moved.cache_read + moved.cache_written if op in CACHE_OPS else moved.weights if op in WEIGHT_OPS else 0
+        speed = f", {nbytes / ms / 1e6:.1f} GB/s over the {'cache' if op in CACHE_OPS else 'weights'}" if nbytes else ""
+        lines.append(f"  {op:<22} {100 * share:5.1f}%  {ms:.3f} ms{speed}")
+    return "\n".join(lines)
 
 
 def _median(values: list[float]) -> float:
@@ -209,29 +232,39 @@ def main() -> None:
         fp32_limit, int8_limit = best(fp32_variants, AT, vs_limit), best(int8_variants, AT, vs_limit)
         fp32_512, fp32_2048 = best(fp32_variants, AT, vs_eager), best(fp32_variants, 2048, vs_eager)
 
-        # Each target: its name, the figure per run, the bound, and whose figure it is.
+        # Each target: its name, the figure per run, the bound, whose figure it is and at what past.
         targets = [
             (
                 f"best fp32 variant <= 1.2x its bandwidth limit at past {AT}",
                 limit[(f"ort:{fp32_limit}", AT)],
                 1.2,
                 fp32_limit,
+                AT,
             ),
-            (f"best fp32 variant <= 0.3x eager at past {AT}", to_eager[(f"ort:{fp32_512}", AT)], 0.3, fp32_512),
-            ("best fp32 variant <= 0.4x eager at past 2048", to_eager[(f"ort:{fp32_2048}", 2048)], 0.4, fp32_2048),
-            (f"best int8 chain <= 2x the int8 limit at past {AT}", limit[(f"ort:{int8_limit}", AT)], 2.0, int8_limit),
+            (f"best fp32 variant <= 0.3x eager at past {AT}", to_eager[(f"ort:{fp32_512}", AT)], 0.3, fp32_512, AT),
+            (
+                "best fp32 variant <= 0.4x eager at past 2048",
+                to_eager[(f"ort:{fp32_2048}", 2048)],
+                0.4,
+                fp32_2048,
+                2048,
+            ),
+            (
+                f"best int8 chain <= 2x the int8 limit at past {AT}",
+                limit[(f"ort:{int8_limit}", AT)],
+                2.0,
+                int8_limit,
+                AT,
+            ),
         ]
         # A ratio to eager has a floor: the variant's own bandwidth limit over eager's time. A
         # target under it asks the step to move its bytes faster than this machine copies.
-        floors = {
-            name: _median(floor[(f"ort:{who}", past)])
-            for (name, _, _, who), past in zip(targets[1:3], (AT, 2048), strict=True)
-        }
+        floors = {name: _median(floor[(f"ort:{who}", past)]) for name, _, _, who, past in targets[1:3]}
         print(
             "\n| target | measured: median [lowest–highest] over the runs | met | at its bandwidth limit |"
             "\n|---|---|---|---|"
         )
-        for name, runs, bound, who in targets:
+        for name, runs, bound, who, _ in targets:
             at_limit = f"{floors[name]:.2f}x eager" if name in floors else ""
             met = "yes" if _median(runs) <= bound else "no"
             print(f"| {name} | {spread(runs, '.2f')} ({who}) | {met} | {at_limit} |")
@@ -244,18 +277,16 @@ def main() -> None:
             "\n(at its bandwidth limit: the time the variant's bytes take at the measured copy bandwidth, over "
             "eager's; a target below it can be met only where the bytes stay in the CPU's caches)"
         )
-        missed = [who for _, runs, bound, who in targets if _median(runs) > bound]
-        for variant in dict.fromkeys(missed if not args.profile else [fp32_limit, int8_limit]):
+        missed = [(who, past) for _, runs, bound, who, past in targets if _median(runs) > bound]
+        shown = missed if not args.profile else [(who, past) for _, _, _, who, past in targets]
+        copy = _median([r.copy_gbps or 0 for r in reports])
+        for variant, past in dict.fromkeys(shown):
             model = one_stream if variant in IN_PLACE else spec
-            shares, run_ms, kernel_ms, nodes = profile_bound_steps(files[variant], model, first.threads)
             print(
-                f"\nONNX Runtime {variant}, bound decode steps at past {AT} (enable_profiling, which slows each "
-                f"node: {run_ms:.3f} ms per run against {ms[(f'ort:{variant}', AT)]:.3f} timed): {nodes:.0f} nodes "
-                f"per step, {100 * kernel_ms / run_ms:.0f}% of a run in kernels; share of kernel time by op type:"
+                f"\nONNX Runtime {variant}, bound decode steps at past {past} ({ms[(f'ort:{variant}', past)]:.3f} ms "
+                f"timed; copy bandwidth {copy:.1f} GB/s): "
+                + profile_bound_steps(files[variant], model, first.threads, past, variant in IN_PLACE)
             )
-            for op, share in shares.items():
-                if share >= 0.005:
-                    print(f"  {op:<22} {100 * share:5.1f}%")
 
 
 if __name__ == "__main__":

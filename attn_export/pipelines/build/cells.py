@@ -24,7 +24,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.folder import stage
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
-from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError
+from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
@@ -122,9 +122,9 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
             model, masked = settle(
                 spec, variant_key(spec.name, variant), graph.model, ctx.golden.get(), spec.tolerances(variant)
             )
-        except GraphCheckError:
+        except (GraphCheckError, RuntimeFailure):
             with stage_timer(result, "smoke"):
-                ctx.smoke(variant, graph.model)  # a graph wrong in rows that see keys says that first
+                ctx.smoke(variant, graph.model)  # a graph wrong (or refused) in rows that see keys says that first
             raise
         info = {**info, **({"fully_masked": masked} if masked else {})}
         graph = dataclasses.replace(graph, model=model)

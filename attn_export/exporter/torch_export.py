@@ -24,6 +24,7 @@ import onnx
 from attn_export._deps import require
 from attn_export.errors import ExportFailure, first_line
 from attn_export.exporter.graph_checks import name_dims
+from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.spec import ModelSpec
 
 __all__ = ["export_onnx", "export_program", "stamp_metadata"]
@@ -154,6 +155,8 @@ def export_onnx_program(
     """``export_onnx``'s graph and the FX program it was converted from (``export_program``;
     None from the torchscript exporter)."""
     result = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter)
+    if result.exported_program is not None:
+        refuse_random_ops(result.exported_program, spec.name)
     proto = result.model_proto
     name_dims(proto, spec.inputs, spec.outputs, spec.dims)
     return proto, result.exported_program

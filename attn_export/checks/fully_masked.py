@@ -2,16 +2,17 @@
 from PyTorch, and the comparisons verify makes under the spec's ``fully_masked``.
 
 What a row gives is told apart by running the graph rewritten both ways
-(``exporter.masked_softmax``): "0" (PyTorch's safe softmax), "mean of V" (uniform weights),
-"NaN", "other", or "unknown" where the graph has no Softmax to rewrite and the output
-there is neither 0 nor NaN (the two that show by themselves). The rewrites are
+(``exporter.masked_softmax``), or the same model's plain export where the graph has nothing
+to rewrite: "0" (PyTorch's safe softmax), "mean of V" (uniform weights), "NaN", "other", or
+"unknown" where neither can be rewritten and the output there is neither 0 nor NaN (the two
+that show by themselves). The rewrites are
 also the repairs: where PyTorch gives one of them and the graph does not, build keeps the
 rewritten graph, checked and compared like any other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,17 +156,28 @@ def _agree(expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray],
 class FullyMaskedRows:
     """Judges the named mask cases of one graph; the rewritten graphs it classifies with
     are made and loaded on first use (ONNX Runtime, CPU, each session's arena held to
-    ``budget``: ``runtimes.ort.load_session``)."""
+    ``budget``: ``runtimes.ort.load_session``).
+
+    ``plain`` is the same model's plain export (a file, or a function that makes it), whose
+    rewrites tell what each side gives where this graph has nothing to rewrite (a fused
+    attention op): PyTorch's rows are PyTorch's whichever graph it is judged with."""
 
     def __init__(
-        self, spec: ModelSpec, model: Path | bytes, tolerances: Mapping[str, Tolerance], budget: int | None = None
+        self,
+        spec: ModelSpec,
+        model: Path | bytes,
+        tolerances: Mapping[str, Tolerance],
+        budget: int | None = None,
+        plain: Path | Callable[[], bytes] | None = None,
     ) -> None:
         self.spec = spec
         self.model = model
         self.tolerances = dict(tolerances)
         self.budget = budget
+        self.plain = plain
         self._rewritten: dict[str, tuple[bytes, int]] = {}
         self._sessions: dict[str, OnnxRuntime] = {}
+        self._labeller: FullyMaskedRows | None = None
 
     def rewritten(self, mode: str) -> tuple[bytes, int]:
         """The graph with every Softmax rewritten (``masked_softmax.REWRITES``), and how many were."""
@@ -190,6 +202,19 @@ class FullyMaskedRows:
         for session in self._sessions.values():
             session.deactivate()
         self._sessions.clear()
+        if self._labeller is not None:
+            self._labeller.__exit__()
+
+    def _references(self) -> FullyMaskedRows | None:
+        """The rows whose rewrites tell 0 from the mean of V: this graph's, else the plain
+        export's; None where neither has anything to rewrite."""
+        if self.rewritten("zero")[1]:
+            return self
+        if self.plain is not None and self._labeller is None:
+            model = self.plain if isinstance(self.plain, Path) else self.plain()
+            self._labeller = FullyMaskedRows(self.spec, model, self.tolerances, self.budget)
+        labeller = self._labeller
+        return labeller if labeller is not None and labeller.rewritten("zero")[1] else None
 
     def selectors(self, case: GoldenCase) -> dict[str, np.ndarray]:
         """Per output, the elements in rows that attend to nothing (any mask's)."""
@@ -215,11 +240,12 @@ class FullyMaskedRows:
         if not any(v.size for p in picked for v in p.values()):
             return [UNSEEN for _ in runs]  # no element of this case is in a fully masked row
         refs = {}
-        if self.rewritten("zero")[1]:
-            refs = {REWRITES[mode]: rows(self._run(mode, case.inputs)) for mode in REWRITES}
+        judge = self._references()
+        if judge is not None:
+            refs = {REWRITES[mode]: rows(judge._run(mode, case.inputs)) for mode in REWRITES}
         other = "other"
         if not refs or _agree(refs["0"], refs["mean of V"], tol):
-            # Nothing the rewrites could tell apart (a fused op): only 0 and NaN show by themselves.
+            # Nothing the rewrites could tell apart: only 0 and NaN show by themselves.
             refs, other = {"0": {n: np.zeros_like(v) for n, v in picked[0].items()}}, UNSEEN
         found = []
         for values in picked:
@@ -251,16 +277,22 @@ class FullyMaskedRows:
 
 
 def settle(
-    spec: ModelSpec, key: str, model: bytes, cases: Sequence[GoldenCase], tolerances: Mapping[str, Tolerance]
+    spec: ModelSpec,
+    key: str,
+    model: bytes,
+    cases: Sequence[GoldenCase],
+    tolerances: Mapping[str, Tolerance],
+    plain: Callable[[], bytes] | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """The graph to keep, and what its fully masked rows give next to PyTorch's (``cases``
-    hold PyTorch's outputs). Where they differ and the spec says ``fully_masked = "match"``,
-    the graph rewritten to give PyTorch's result, checked again; GraphCheckError where no
-    rewrite does."""
+    hold PyTorch's outputs; ``plain`` makes the plain export, which labels them where the
+    graph has nothing to rewrite). Where they differ and the spec says ``fully_masked =
+    "match"``, the graph rewritten to give PyTorch's result, checked again; GraphCheckError
+    where no rewrite does."""
     cases = [c for c in cases if c.label in CASES]
     if not cases:
         return model, {}
-    with FullyMaskedRows(spec, model, tolerances) as rows:
+    with FullyMaskedRows(spec, model, tolerances, plain=plain) as rows:
         with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims) as session:
             runs = [(c, session.run(c.inputs)) for c in cases]
         gives = {

@@ -1,6 +1,7 @@
 """What fully masked rows give, told on a graph with nothing to rewrite (a fused op's
 stand-in): 0 and NaN show by themselves, anything else is unknown, and a case with no
-fully masked row is unknown rather than a vacuous 0."""
+fully masked row is unknown rather than a vacuous 0; with the model's plain export at hand,
+its rewrites tell every side what it gives."""
 
 from __future__ import annotations
 
@@ -49,6 +50,46 @@ def _passthrough() -> bytes:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+def _attention() -> bytes:
+    """The same model's plain export: ``y = Softmax(x x^T masked) x``, its padded keys
+    filled with float32's lowest, which the rewrites take."""
+    h = helper
+    lowest = h.make_tensor("lowest", TensorProto.FLOAT, [], [float(np.finfo(np.float32).min)])
+    axis = h.make_tensor("axis", TensorProto.INT64, [1], [1])
+    nodes = [
+        h.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        h.make_node("MatMul", ["x", "xt"], ["scores"]),
+        h.make_node("Unsqueeze", ["key_padding_mask", "axis"], ["hidden"]),
+        h.make_node("Where", ["hidden", "lowest", "scores"], ["masked"]),
+        h.make_node("Softmax", ["masked"], ["weights"], axis=-1),
+        h.make_node("MatMul", ["weights", "x"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [
+            h.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 4]),
+            h.make_tensor_value_info("key_padding_mask", TensorProto.BOOL, ["batch", "seq"]),
+        ],
+        [h.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+        initializer=[lowest, axis],
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]).SerializeToString()
+
+
+def test_a_graph_with_nothing_to_rewrite_is_labelled_by_the_plain_export(tmp_path: Path) -> None:
+    """PyTorch's rows are PyTorch's whichever graph it is judged with: where the graph is
+    fused, the plain export's rewrites say 0 or the mean of V, for PyTorch and the graph."""
+    spec = load_spec(write_spec(tmp_path, "m", SPEC))
+    padded = np.array([[True, True, True], [False, False, True]])
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    case = GoldenCase("fully-padded-sequence", {"batch": 2, "seq": 3}, {"x": x, "key_padding_mask": padded})
+    zero, mean = x.copy(), x.copy()
+    zero[0], mean[0] = 0, x[0].mean(axis=0)
+    with FullyMaskedRows(spec, _passthrough(), {"y": Tolerance(1e-5, 1e-4)}, plain=_attention) as rows:
+        assert rows.behaviours(case, {"y": zero}, {"y": mean}, {"y": x}) == ["0", "mean of V", "other"]
 
 
 def test_rows_with_nothing_to_rewrite_are_told_by_sight(tmp_path: Path) -> None:

@@ -187,6 +187,26 @@ def test_a_float16_decoder_is_repaired_before_its_smoke_check(tmp_path: Path) ->
     assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
 
 
+@pytest.mark.slow  # a Hugging Face decoder's two exports and a verify (30 s)
+@needs_transformers
+def test_a_variant_with_nothing_to_rewrite_is_labelled_by_the_plain_export(tmp_path: Path) -> None:
+    """The Llama sdpa decoder's Attention op has a boolean mask, which no rewrite takes: what
+    PyTorch and the graph give on a padded sequence is told by the plain export's rewrites,
+    in build (the export in hand) and in verify (the plain graph in the same folder)."""
+    out = tmp_path / "out"
+    options = BuildOptions(out, variants=("fp32", "attention-op"))
+    results = build_models([TINY_ZOO / "llama_sdpa_kv_cache.toml"], options).results
+    assert all(r.status == "built" for r in results), [r.error for r in results]
+    manifest = load_manifest(out)
+    gives = manifest.models["llama_sdpa_kv_cache.attention-op"].variant_info["fully_masked"]["cases"]
+    assert gives == {"fully-padded-sequence": {"torch": "0", "onnxruntime": "0"}}
+    options = VerifyOptions(models_dir=TINY_ZOO, latency=False, distributions=("normal",), decode_steps=0)
+    report = verify_artifacts(out, manifest, ["llama_sdpa_kv_cache.attention-op"], options)
+    assert report.passed, [r for c in report.failed_cases for r in c.reasons()]
+    (padded,) = [c for c in report.cases if c.shape == "fully-padded-sequence"]
+    assert padded.notes == ["fully masked rows: torch[cpu] gives 0, onnxruntime[cpu] gives 0"]
+
+
 LLAMA_MODEL = """
 module = "transformers:LlamaModel"
 call = { use_cache = false }

@@ -120,7 +120,12 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     with stage_timer(result, "fully_masked"):
         try:
             model, masked = settle(
-                spec, variant_key(spec.name, variant), graph.model, ctx.golden.get(), spec.tolerances(variant)
+                spec,
+                variant_key(spec.name, variant),
+                graph.model,
+                ctx.golden.get(),
+                spec.tolerances(variant),
+                lambda: ctx.export(spec.opset).SerializeToString(),
             )
         except (GraphCheckError, RuntimeFailure):
             with stage_timer(result, "smoke"):

@@ -83,9 +83,10 @@ class TargetRun:
         variant: str = "fp32",
         module: Any = None,
         golden: Sequence[GoldenCase] = (),
+        plain: Path | None = None,
     ) -> None:
         self.name, self.path, self.spec, self.target, self.options = name, path, spec, target, options
-        self.variant, self.module, self.golden = variant, module, list(golden)
+        self.variant, self.module, self.golden, self.plain = variant, module, list(golden), plain
         self.kind = RUNTIMES[target.runtime]
         self.eager: Runtime | None = None
         self.activation_error: str | None = None
@@ -107,7 +108,7 @@ class TargetRun:
         # golden mode: the manifest's spec is data, its max_memory not obeyed
         budget = memory_budget(options.max_memory, None if self.module is None else spec)
         tolerances = tolerances_for(spec, self.variant, options)
-        self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget))
+        self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget, self.plain))
         self.expected: Expected
         if self.module is None:
             file = options.inputs_file
@@ -186,12 +187,16 @@ class ModelWork:
     #: The checkout's spec (against PyTorch) or the manifest's (golden mode).
     spec: ModelSpec
     options: VerifyOptions
+    #: The same model's plain export in ``out_dir``, intact (``plain_export``), which labels
+    #: fully masked rows where this graph has nothing to rewrite; None where there is none.
+    plain: ManifestEntry | None
 
     def content(self) -> list[Any]:
-        """What its cells load and how they judge it: the graph's (and golden file's) hash,
-        the spec, the options."""
+        """What its cells load and how they judge it: the graph's (and golden file's and
+        plain export's) hash, the spec, the options."""
         e, o = self.entry, self.options
-        return [e.sha256, e.golden_sha256 if o.golden else None, e.variant, self.spec.to_dict(), o.settings(), o.seed]
+        files = [e.sha256, e.golden_sha256 if o.golden else None, self.plain.sha256 if self.plain else None]
+        return [*files, e.variant, self.spec.to_dict(), o.settings(), o.seed]
 
 
 @dataclass(frozen=True)
@@ -213,8 +218,9 @@ class TargetWork(ModelWork):
 
             golden, module = [], instantiate(self.spec)
         path = self.out_dir / self.entry.file
+        plain = self.out_dir / self.plain.file if self.plain else None
         return TargetRun(
-            self.entry.name, path, self.spec, self.target, self.options, self.entry.variant, module, golden
+            self.entry.name, path, self.spec, self.target, self.options, self.entry.variant, module, golden, plain
         )
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "graph_problems",
     "integrity",
     "parse_shard",
+    "plain_export",
     "select_models",
     "shard_names",
     "stale_reasons",
@@ -97,6 +98,18 @@ def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:
                 f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
             )
     return problems
+
+
+def plain_export(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> ManifestEntry | None:
+    """The plain export of ``entry``'s model in the same build folder: built from the same
+    spec and intact, so that its rewrites may label fully masked rows where ``entry``'s
+    graph has nothing to rewrite; None for a plain export itself, or where there is none."""
+    if entry.variant == "fp32":
+        return None
+    plain = manifest.models.get(entry.model_spec.name)
+    if plain is None or plain.variant != "fp32" or plain.spec_hash != entry.spec_hash or integrity(out_dir, plain):
+        return None
+    return plain
 
 
 def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:

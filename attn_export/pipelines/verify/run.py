@@ -39,7 +39,7 @@ from attn_export.pipelines.verify.cells import (
     time_case,
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
-from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, stale_reasons
+from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.placement import gate_cases
 from attn_export.pipelines.verify.results import (
     CaseResult,
@@ -118,7 +118,7 @@ def _verify_locked(
             for sizes in options.shapes:
                 validate_sizes(spec, sizes)
         check_mask_case(spec, options.mask_case, name)
-    models = [_plan_model(out_dir, entry, spec, options) for entry, spec in zip(entries, specs, strict=True)]
+    models = [_plan_model(out_dir, manifest, entry, spec, options) for entry, spec in zip(entries, specs, strict=True)]
     if not any(m.cases or m.decode or m.placement for m in models):
         parallelism = SERIAL  # nothing to run: no processes, no cluster
     try:
@@ -145,7 +145,9 @@ class _Model:
     placements: list[PlacementResult] = field(default_factory=list)
 
 
-def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> _Model:
+def _plan_model(
+    out_dir: Path, manifest: Manifest, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
+) -> _Model:
     """The checks that come before any run (files intact, build current, graph sound), then
     the model's cells; a problem found planning them is a failed check, never an exception
     (except bad usage)."""
@@ -167,10 +169,11 @@ def _plan_model(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: V
         return model
     try:
         golden = read_model_golden(out_dir, entry, options)
+        plain = plain_export(out_dir, manifest, entry)
         for target in options.targets:
-            on_target = TargetWork(out_dir, entry, spec, options, target)
+            on_target = TargetWork(out_dir, entry, spec, options, plain, target)
             model.cases += [CaseCell(on_target, i) for i in range(_case_count(spec, target, options, golden))]
-        work = ModelWork(out_dir, entry, spec, options)
+        work = ModelWork(out_dir, entry, spec, options, plain)
         cache = cache_of(spec)
         if cache is not None and options.steps:
             model.decode = DecodeCell(work, cache)

@@ -17,7 +17,17 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-__all__ = ["CacheAttention", "attribute", "declared_dims", "fold_cache", "fresh_prefixes", "value_info"]
+from attn_export.exporter.stack import innermost_line
+
+__all__ = [
+    "CacheAttention",
+    "attribute",
+    "declared_dims",
+    "fold_cache",
+    "fresh_prefixes",
+    "unfolded_cache",
+    "value_info",
+]
 
 
 @dataclass(frozen=True)
@@ -119,3 +129,37 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
         graph.node.remove(value)
         folded.append(CacheAttention(node, *node.input))
     return folded
+
+
+def _named(node: onnx.NodeProto) -> str:
+    """``node`` as a message names it: op, name and the module's source line where known."""
+    stack = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.stack_trace"), "")
+    line = innermost_line(stack)
+    return f"{node.op_type} node '{node.name}'" + (f" ({line[0]} `{line[1]}`)" if line else "")
+
+
+def unfolded_cache(proto: onnx.ModelProto) -> str | None:
+    """Why a graph that concatenates a cache input (``Concat`` of a rank-4 graph input) kept
+    it out of its Attention op, as ``fold_cache`` left it: what the first such op reads
+    instead. None where no Concat reads a cache or nothing can be said."""
+    graph = proto.graph
+    inputs = {i.name for i in graph.input}
+    caches = [
+        n
+        for n in graph.node
+        if n.op_type == "Concat" and n.input and n.input[0] in inputs and len(declared_dims(proto, n.input[0])) == 4
+    ]
+    ops = [n for n in graph.node if n.op_type == "Attention" and n.domain in ("", "ai.onnx")]
+    if not caches or not ops:
+        return None
+    node = ops[0]
+    if attribute(node, "is_causal", 0):
+        return f"{_named(node)} has is_causal=1, whose causal mask past inputs would align differently"
+    producers = {out: n for n in graph.node for out in n.output}
+    key = producers.get(node.input[1])
+    if key is None or key.op_type == "Concat":
+        return f"the key of {_named(node)} is not a Concat(past, new) along the sequence axis read by it alone"
+    return (
+        f"the key of Attention node '{node.name}' comes from {_named(key)}, not from the cache's Concat "
+        f"'{caches[0].name}': what lies between them (a repeat of the key/value heads, say) stays outside the op"
+    )

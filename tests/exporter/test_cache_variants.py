@@ -145,6 +145,32 @@ def test_only_a_cache_concat_in_past_new_order_without_is_causal_is_folded() -> 
     assert [list(op.node.input) for op in folded] == [["q", "k", "v", "", "past_k", "past_v"]]
 
 
+def test_a_cache_kept_out_of_the_op_says_what_the_op_reads_instead() -> None:
+    """A grouped-query decoder repeats its cached heads before SDPA: the op reads that
+    repeat, not the Concat. ort-past refuses naming it; attention-op builds and warns."""
+    causal = _attention_graph(is_causal=1)
+    causal.graph.node[-1].name = "sdpa"
+    with pytest.raises(ExportFailure, match="here Attention node 'sdpa' has is_causal=1"):
+        make_variant("ort-past", causal)
+    proto = _attention_graph()
+    proto.graph.node[1].name = "cat_k"
+    attention = proto.graph.node[-1]
+    attention.name = "sdpa"
+    attention.input[1] = "repeated_k"
+    repeat = helper.make_node("Identity", ["present_k"], ["repeated_k"], name="repeat_kv")
+    proto.graph.node.insert(3, repeat)
+    said = "the key of Attention node 'sdpa' comes from Identity node 'repeat_kv', not from the cache's Concat 'cat_k'"
+    with pytest.raises(ExportFailure, match=f"here {said}"):
+        make_variant("ort-past", proto)
+    variant = make_variant("attention-op", proto)
+    assert variant.info["cache_in_op"] == 0
+    assert variant.warnings == [
+        f"the cache stays outside the Attention op, concatenated every step as in the plain export: {said}: what "
+        "lies between them (a repeat of the key/value heads, say) stays outside the op"
+    ]
+    assert make_variant("attention-op", _attention_graph()).warnings == []  # folded: nothing to say
+
+
 @pytest.mark.parametrize(
     ("mask", "dtype", "rank"),
     [

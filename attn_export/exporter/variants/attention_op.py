@@ -8,7 +8,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.cache_in_op import declared_dims, fold_cache, fresh_prefixes
+from attn_export.exporter.cache_in_op import declared_dims, fold_cache, fresh_prefixes, unfolded_cache
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 
@@ -60,5 +60,8 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
             "(the opset 23 graph holds no Attention op)"
         )
     folded = fold_cache(proto)
+    unfolded = None if folded else unfolded_cache(proto)
     rows = _mask_rows(proto)
-    return VariantGraph(proto, {"ops": dict(op_counts(proto)), "cache_in_op": len(folded), "mask_rows_expanded": rows})
+    info = {"ops": dict(op_counts(proto)), "cache_in_op": len(folded), "mask_rows_expanded": rows}
+    warnings = [f"the cache stays outside the Attention op, concatenated every step as in the plain export: {unfolded}"]
+    return VariantGraph(proto, info, warnings if unfolded else [])

@@ -22,6 +22,7 @@ from attn_export.exporter.cache_in_op import (
     declared_dims,
     fold_cache,
     fresh_prefixes,
+    unfolded_cache,
     value_info,
 )
 from attn_export.exporter.variants import VariantGraph, op_counts
@@ -219,9 +220,12 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
     name), every op is GroupQueryAttention reading its past up to that length."""
     folded = fold_cache(proto)
     if not folded:
+        why = unfolded_cache(proto)
         raise ExportFailure(
             f"variant {variant} needs a decoder whose cache Concat(past, new) feeds "
-            "F.scaled_dot_product_attention without is_causal (the opset 23 graph has no such Attention op)"
+            "F.scaled_dot_product_attention without is_causal ("
+            + (f"here {why}" if why else "the opset 23 graph has no such Attention op")
+            + ")"
         )
     graph = proto.graph
     prefixes = fresh_prefixes(proto, "ort_past")

@@ -19,7 +19,7 @@ from attn_export.errors import SpecError
 from attn_export.spec import ModelSpec
 from attn_export.spec.masks import EXPANSIONS
 
-__all__ = ["SpecCall", "needs_adapter", "pick_outputs", "wrap"]
+__all__ = ["SpecCall", "check_call", "needs_adapter", "pick_outputs", "wrap"]
 
 
 def needs_adapter(spec: ModelSpec) -> bool:
@@ -97,8 +97,43 @@ class SpecCall(torch.nn.Module):
         return pick_outputs(self.module(*args, **kwargs), [t.pick for t in self.spec.outputs])
 
 
+def _ordinal(i: int) -> str:
+    return f"{i + 1}{'st' if i == 0 else 'nd' if i == 1 else 'rd' if i == 2 else 'th'}"
+
+
+def check_call(module: torch.nn.Module, spec: ModelSpec) -> None:
+    """SpecError unless ``module.forward`` takes the spec's inputs as the spec passes them:
+    in order, but those with ``arg`` and ``[call]``'s, which go by keyword. Left unchecked,
+    an input missing or out of order fails deep in the export with a message about another
+    input, or exports a graph that feeds the mask where the positions go."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return  # a forward Python cannot describe: the export judges the call
+    positional = [t.name for t in spec.inputs if t.arg is None]
+    keywords = [t.arg for t in spec.inputs if t.arg is not None] + list(spec.call)
+    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params]
+    for i, name in enumerate(positional):
+        if name in names and names.index(name) != i and i < len(names):
+            raise SpecError(
+                f"{spec.name}: input '{name}' is listed {_ordinal(i)}, so it is passed as forward's parameter "
+                f"'{names[i]}', but forward takes '{name}' {_ordinal(names.index(name))}: list the inputs in "
+                f"forward's order, or set arg = \"{name}\" on it"
+            )
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as e:
+        by_keyword = f" and {', '.join(keywords)} by keyword" if keywords else ""
+        raise SpecError(
+            f"{spec.name}: {type(module).__name__}.forward({', '.join(signature.parameters)}) does not take the "
+            f"spec's inputs, passed as {', '.join(positional)} in order{by_keyword}: {e}"
+        ) from None
+
+
 def wrap(module: torch.nn.Module, spec: ModelSpec, config: Any, resolve: Callable[[str], Any]) -> torch.nn.Module:
     """``module`` called as ``spec`` says; rotary modules are built from the spec's config."""
+    check_call(module, spec)
     if not needs_adapter(spec):
         return module
     rotary = {

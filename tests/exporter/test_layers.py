@@ -5,6 +5,7 @@ picked from tuples and model-output objects), each verified against PyTorch."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import EXPANSIONS
 from attn_export.spec.shapes import example_sizes
-from tests.conftest import TINY_ZOO, ZOO, needs_transformers, write_spec
+from tests.conftest import TINY_ZOO, ZOO, needs_transformers, tiny_spec, write_spec
 
 #: The new zoo models, what their exported graph gave on fully masked rows, and PyTorch's.
 NEW_ZOO = [
@@ -275,6 +276,40 @@ def test_a_factory_function_and_a_missing_pick_name(tmp_path: Path) -> None:
     wrong = text.replace("pick = 0", 'pick = "attn_output"')
     result = build_models([write_spec(tmp_path / "w", "torch_mha", wrong)], BuildOptions(tmp_path / "out2")).results[0]
     assert "pick = 'attn_output': the module returned a tuple with no names" in (result.error or "")
+
+
+KEYS = '[[inputs]]\nname = "keys"\nshape = ["batch", "kv_seq", 16]\n'
+VALUES = '[[inputs]]\nname = "values"\nshape = ["batch", "kv_seq", 16]\n'
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            lambda text: text.replace(KEYS + VALUES, VALUES + KEYS),
+            "input 'values' is listed 2nd, so it is passed as forward's parameter 'keys', but forward takes "
+            "'values' 3rd: list the inputs in forward's order, or set arg = \"values\" on it",
+        ),
+        (
+            lambda text: text.replace(VALUES, ""),
+            "MultiHeadAttention.forward(query, keys, values) does not take the spec's inputs, passed as query, "
+            "keys in order: missing a required argument: 'values'",
+        ),
+    ],
+    ids=["out of order", "missing"],
+)
+def test_inputs_that_do_not_fit_forward_exit_2_before_the_export(
+    tmp_path: Path, edit: Callable[[str], str], said: str
+) -> None:
+    """Inputs bind to forward's parameters in the spec's order: one missing or out of order
+    used to fail deep in the export naming another input, or to build a graph whose named
+    inputs lie (keys and values swapped give the same numbers on both sides)."""
+    text = tiny_spec(tmp_path / "models").read_text()
+    spec = write_spec(tmp_path / "bad", "tiny", edit(text))
+    assert spec.read_text() != text
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"[module] tiny: {said}" in result.output
 
 
 def test_missing_transformers_exits_2_naming_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ import onnx
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.compare import OutputComparison, compare_outputs
-from attn_export.errors import GraphCheckError
+from attn_export.errors import AttnExportError, GraphCheckError, RuntimeFailure
 from attn_export.exporter.graph_checks import check_model, check_spec_axes
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
@@ -205,16 +205,25 @@ class FullyMaskedRows:
         if self._labeller is not None:
             self._labeller.__exit__()
 
-    def _references(self) -> FullyMaskedRows | None:
-        """The rows whose rewrites tell 0 from the mean of V: this graph's, else the plain
-        export's; None where neither has anything to rewrite."""
+    def _references(self, case: GoldenCase) -> dict[str, dict[str, np.ndarray]]:
+        """The graph's outputs rewritten each way (``REWRITES``' names) in ``case``'s fully
+        masked rows: this graph's, else the plain export's; empty where neither has anything
+        to rewrite, or where the plain export cannot be made or run (it only labels)."""
         if self.rewritten("zero")[1]:
-            return self
-        if self.plain is not None and self._labeller is None:
-            model = self.plain if isinstance(self.plain, Path) else self.plain()
-            self._labeller = FullyMaskedRows(self.spec, model, self.tolerances, self.budget)
-        labeller = self._labeller
-        return labeller if labeller is not None and labeller.rewritten("zero")[1] else None
+            return {REWRITES[mode]: self._run(mode, case.inputs) for mode in REWRITES}
+        if self.plain is None:
+            return {}
+        try:
+            if self._labeller is None:
+                model = self.plain if isinstance(self.plain, Path) else self.plain()
+                self._labeller = FullyMaskedRows(self.spec, model, self.tolerances, self.budget)
+            labeller = self._labeller
+            if not labeller.rewritten("zero")[1]:
+                return {}
+            return {REWRITES[mode]: labeller._run(mode, case.inputs) for mode in REWRITES}
+        except (AttnExportError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+            self.plain = None  # nothing to label with: rows read as where there is no plain export
+            return {}
 
     def selectors(self, case: GoldenCase) -> dict[str, np.ndarray]:
         """Per output, the elements in rows that attend to nothing (any mask's)."""
@@ -239,10 +248,7 @@ class FullyMaskedRows:
         picked = [rows(values) for values in runs]
         if not any(v.size for p in picked for v in p.values()):
             return [UNSEEN for _ in runs]  # no element of this case is in a fully masked row
-        refs = {}
-        judge = self._references()
-        if judge is not None:
-            refs = {REWRITES[mode]: rows(judge._run(mode, case.inputs)) for mode in REWRITES}
+        refs = {name: rows(values) for name, values in self._references(case).items()}
         other = "other"
         if not refs or _agree(refs["0"], refs["mean of V"], tol):
             # Nothing the rewrites could tell apart: only 0 and NaN show by themselves.
@@ -329,8 +335,13 @@ def _repair(
         why = f"PyTorch gives {torch_gives} there, which no rewrite reproduces"
     else:
         model, count = rows.rewritten(mode)
-        with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims) as session:
-            still = [c.label for c in cases if not _agree(c.outputs, session.run(c.inputs), tolerances)]
+        try:
+            with OnnxRuntime(model, spec.inputs, spec.outputs, spec.dims) as session:
+                still = [c.label for c in cases if not _agree(c.outputs, session.run(c.inputs), tolerances)]
+        except RuntimeFailure as e:
+            raise GraphCheckError(
+                f"{key}: fully masked rows ({label}): the graph rewritten to give {REWRITES[mode]} does not run: {e}"
+            ) from e
         if not still:
             proto = onnx.load_from_string(model)
             check_model(proto, key)

@@ -104,3 +104,17 @@ def test_rows_with_nothing_to_rewrite_are_told_by_sight(tmp_path: Path) -> None:
         assert gives == ["0", "NaN", "unknown"]
         none = GoldenCase("fully-padded-sequence", case.sizes, {"x": x, "key_padding_mask": np.zeros((2, 3), bool)})
         assert rows.behaviours(none, {"y": zero}) == ["unknown"]  # no row sees no key: nothing to tell
+
+
+def test_a_plain_export_that_cannot_be_read_labels_nothing(tmp_path: Path) -> None:
+    """It only labels: a file that is no graph leaves the rows as without one."""
+    spec = load_spec(write_spec(tmp_path, "m", SPEC))
+    bad = tmp_path / "plain.onnx"
+    bad.write_bytes(b"not a graph")
+    x = np.ones((2, 3, 4), np.float32)
+    padded = np.array([[True, True, True], [False, False, True]])
+    case = GoldenCase("fully-padded-sequence", {"batch": 2, "seq": 3}, {"x": x, "key_padding_mask": padded})
+    zero = x.copy()
+    zero[0] = 0
+    with FullyMaskedRows(spec, _passthrough(), {"y": Tolerance(1e-5, 1e-4)}, plain=bad) as rows:
+        assert rows.behaviours(case, {"y": zero}, {"y": x}) == ["0", "unknown"]

@@ -330,3 +330,20 @@ def test_property_any_shape_within_the_declared_ranges_agrees(zoo_dir: Path) -> 
             assert all(r.passed for r in results), [r.reason() for r in results]
 
         check()
+
+
+def test_the_plain_export_that_labels_a_variant_is_never_needed(zoo_copy: Path) -> None:
+    """The plain graph only labels a variant's fully masked rows: one missing, built from
+    other sources or unreadable is passed over, never a reason to stop or fail the variant."""
+    import dataclasses
+
+    from attn_export.pipelines.verify.models import plain_export
+
+    manifest = load_manifest(zoo_copy)
+    variant = dataclasses.replace(manifest.models["mha"], name="mha.fp16", variant="fp16")
+    assert plain_export(zoo_copy, manifest, variant) is manifest.models["mha"]
+    assert plain_export(zoo_copy, manifest, manifest.models["mha"]) is None  # a plain export itself
+    edited = dataclasses.replace(variant, sources={"model.py": "0" * 64})
+    assert plain_export(zoo_copy, manifest, edited) is None  # the module changed since the plain graph
+    (zoo_copy / manifest.models["mha"].file).unlink()
+    assert plain_export(zoo_copy, manifest, variant) is None

@@ -44,7 +44,7 @@ from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
-from attn_export.pipelines.verify.models import checkout_spec, integrity, stale_reasons
+from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
@@ -226,10 +226,8 @@ def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> onn
     """For a variant made from the plain export (not re-exported at another opset; for a
     chain, its first link), the folder's plain graph of the same spec: what its fused
     regions are mapped back to."""
-    plain = manifest.models.get(entry.model_spec.name)
-    if entry.variant == "fp32" or variant_chain(entry.variant).export_opset or plain is None:
-        return None
-    if plain.spec_hash != entry.spec_hash or integrity(out_dir, plain):
+    plain = plain_export(out_dir, manifest, entry)
+    if plain is None or variant_chain(entry.variant).export_opset:
         return None
     return load_model_file(out_dir / plain.file)
 

@@ -192,11 +192,10 @@ class ModelWork:
     plain: ManifestEntry | None
 
     def content(self) -> list[Any]:
-        """What its cells load and how they judge it: the graph's (and golden file's and
-        plain export's) hash, the spec, the options."""
+        """What its cells load and how they judge it: the graph's (and golden file's) hash,
+        the spec, the options."""
         e, o = self.entry, self.options
-        files = [e.sha256, e.golden_sha256 if o.golden else None, self.plain.sha256 if self.plain else None]
-        return [*files, e.variant, self.spec.to_dict(), o.settings(), o.seed]
+        return [e.sha256, e.golden_sha256 if o.golden else None, e.variant, self.spec.to_dict(), o.settings(), o.seed]
 
 
 @dataclass(frozen=True)
@@ -207,8 +206,10 @@ class TargetWork(ModelWork):
 
     @functools.cached_property
     def key(self) -> str:
-        """Hashed once per target (each of its case cells' keys is made from it)."""
-        return cell_key("verify-target", [*self.content(), self.target.label])
+        """Hashed once per target (each of its case cells' keys is made from it); its cases'
+        notes also read the plain export."""
+        plain = self.plain.sha256 if self.plain else None
+        return cell_key("verify-target", [*self.content(), plain, self.target.label])
 
     def open(self) -> TargetRun:
         if self.options.golden:

@@ -101,15 +101,20 @@ def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:
 
 
 def plain_export(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> ManifestEntry | None:
-    """The plain export of ``entry``'s model in the same build folder: built from the same
-    spec and intact, so that its rewrites may label fully masked rows where ``entry``'s
-    graph has nothing to rewrite; None for a plain export itself, or where there is none."""
-    if entry.variant == "fp32":
-        return None
+    """The plain export of ``entry``'s model in the same build folder, built from the same
+    spec, module sources and tool versions, its file intact: what a variant's fused regions
+    are mapped back to (localize) and what labels its fully masked rows where its own graph
+    has nothing to rewrite. None for a plain export itself, or where there is no such graph:
+    it only ever adds to what is said of ``entry``, never stops its check."""
     plain = manifest.models.get(entry.model_spec.name)
-    if plain is None or plain.variant != "fp32" or plain.spec_hash != entry.spec_hash or integrity(out_dir, plain):
+    if entry.variant == "fp32" or plain is None or plain.variant != "fp32":
         return None
-    return plain
+    built_alike = (plain.spec_hash, plain.sources, plain.versions) == (entry.spec_hash, entry.sources, entry.versions)
+    try:
+        intact = not integrity(out_dir, plain)
+    except ArtifactError:  # missing or unreadable
+        return None
+    return plain if built_alike and intact else None
 
 
 def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:

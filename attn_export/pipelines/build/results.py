@@ -16,6 +16,8 @@ from attn_export.spec import EXPORTERS, variant_chain
 
 __all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "BuildSummary"]
 
+#: In the order a failure is reported by (``failed_stage``): the smoke check runs after
+#: fully masked rows are settled, but where both fail, the smoke check's failure says more.
 STAGES = ("spec", "module", "masks", "export", "variant", "checker", "axes", "smoke", "fully_masked", "write")
 BuildStatus = Literal["built", "skipped", "failed"]
 STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")

@@ -80,8 +80,9 @@ class GraphCheckError(CheckFailed):
 
 
 class NondeterministicModule(CheckFailed):
-    """Raised when the PyTorch module gives two answers to one input in eval mode: it cannot
-    be the reference, and its randomness must never become tolerance."""
+    """Raised when the PyTorch module is random in eval mode (its FX program draws random
+    numbers, or two runs on one input differ): it cannot be the reference, and its
+    randomness must never become tolerance."""
 
 
 class RuntimeFailure(CheckFailed):

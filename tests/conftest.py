@@ -313,6 +313,19 @@ def tiny_spec(folder: Path, name: str = "tiny", exporter: str = "dynamo", body: 
     return write_spec(folder, name, body.replace("{exporter}", exporter))
 
 
+def build_tiny_with(tmp_path: Path, module: type, exporter: str = "dynamo") -> Any:
+    """``attn-export build`` of ``tiny_spec`` with ``module`` (the seed MHA's signature) in
+    its place, into ``tmp_path / "out"``: the CLI's result."""
+    from click.testing import CliRunner
+
+    from attn_export.cli import cli
+
+    spec = tiny_spec(tmp_path / "models", exporter=exporter)
+    seed_mha = 'module = "attn_export.zoo.seed:MultiHeadAttention"'
+    spec.write_text(spec.read_text().replace(seed_mha, f'module = "{module.__module__}:{module.__name__}"'))
+    return CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+
+
 # -- planting faults ------------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from attn_export.compare import compare_output
 from attn_export.errors import SpecError
 from attn_export.runtimes import Runtime
+from attn_export.runtimes.torch_eager import same_answer
 from attn_export.spec import ModelSpec, TensorSpec
 from attn_export.spec.cache import output_shape
 from attn_export.spec.inputs import make_feeds
@@ -86,6 +87,7 @@ def _probe_one(
     if all(changed[n] is feeds[n] for n in feeds):
         return  # no input carries the keys: nothing to perturb
     before, after = eager.run(feeds), eager.run(changed)
+    same_answer(before, eager.run(feeds))  # a module random in eval changes every row: not the mask's doing
     kept = np.flatnonzero(~hidden)
     for o in spec.outputs:
         out_sizes = output_shape(spec, o, sizes)

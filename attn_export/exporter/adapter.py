@@ -119,7 +119,7 @@ def check_call(module: torch.nn.Module, spec: ModelSpec) -> None:
             raise SpecError(
                 f"{spec.name}: input '{name}' is listed {_ordinal(i)}, so it is passed as forward's parameter "
                 f"'{names[i]}', but forward takes '{name}' {_ordinal(names.index(name))}: list the inputs in "
-                f"forward's order, or set arg = \"{name}\" on it"
+                f'forward\'s order, or set arg = "{name}" on it'
             )
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))

@@ -50,7 +50,7 @@ def _draw(node: Any) -> tuple[str, str] | None:
         return None
     args = _arguments(node)
     switch = next((n for n in _SWITCHES if n in args), None)
-    if switch is not None and args[switch] is not True:
+    if switch is not None and args[switch] not in (True, None):  # an optional flag left None means on
         return None
     chance = next((n for n in _PROBABILITIES if n in args), "p" if switch and "p" in args else None)
     value = args.get(chance or "")

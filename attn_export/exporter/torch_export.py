@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 
 from attn_export._deps import require
-from attn_export.errors import ExportFailure, first_line
+from attn_export.errors import ExportFailure, NondeterministicModule, first_line
 from attn_export.exporter.graph_checks import name_dims
 from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.spec import ModelSpec
@@ -155,8 +155,6 @@ def export_onnx_program(
     """``export_onnx``'s graph and the FX program it was converted from (``export_program``;
     None from the torchscript exporter)."""
     result = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter)
-    if result.exported_program is not None:
-        refuse_random_ops(result.exported_program, spec.name)
     proto = result.model_proto
     name_dims(proto, spec.inputs, spec.outputs, spec.dims)
     return proto, result.exported_program
@@ -190,7 +188,9 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
         with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 program = _dynamo(torch, module, args, spec, guards)
-                return torch.onnx.export(
+                if program is not None:  # before the conversion, which fails on a draw it cannot write
+                    refuse_random_ops(program, spec.name)
+                result = torch.onnx.export(
                     module if program is None else program,
                     args,
                     dynamo=True,
@@ -202,6 +202,9 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                     verbose=False,
                     report=False,
                 )
+                if program is None:  # exported by torch.onnx's own, narrower, export
+                    refuse_random_ops(result.exported_program, spec.name)
+                return result
             buf = io.BytesIO()
             axes = {t.name: _axes(t.shape) for t in spec.inputs + spec.outputs}
             torch.onnx.export(
@@ -217,7 +220,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
             )
             _frozen_values(caught, spec)
             return _Proto(onnx.load_from_string(buf.getvalue()))
-    except ExportFailure:
+    except (ExportFailure, NondeterministicModule):
         raise
     except Exception as e:
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""

@@ -16,7 +16,7 @@ from attn_export.spec import DimRange, TensorSpec
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
 
-__all__ = ["TorchRuntime", "torch_device_for"]
+__all__ = ["TorchRuntime", "same_answer", "torch_device_for"]
 
 
 def torch_device_for(provider: str | None) -> str:
@@ -98,7 +98,7 @@ class TorchRuntime(Runtime):
 
         First the module must agree with itself: a second run that differs from
         ``outputs`` raises ``NondeterministicModule``; randomness never becomes tolerance."""
-        _same_answer(outputs, self._run(feeds))
+        same_answer(outputs, self._run(feeds))
         exact = self._float64(feeds)
         if exact is None:  # a module that cannot run in float64 has no floor to offer
             return {name: 0.0 for name in outputs}
@@ -161,7 +161,7 @@ def _error(got: np.ndarray, exact: np.ndarray | None) -> float:
 _SAME = 1e-5
 
 
-def _same_answer(first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> None:
+def same_answer(first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray]) -> None:
     """Raise ``NondeterministicModule`` when two runs on one input differ beyond rounding."""
     for name, a in first.items():
         b = second[name]

@@ -1,0 +1,91 @@
+"""A module random in eval mode is refused from the FX program its graph is made from,
+naming the op and its source line: the exported graph drops dropout outside training, and
+a rare drop lets two runs of the module agree. Ops whose own arguments switch the draw off
+in eval (a dropout probability of 0, a training flag that is False) are left alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tests.random_modules as random_modules
+from attn_export.errors import NondeterministicModule
+from attn_export.exporter.random_ops import refuse_random_ops
+from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
+from tests.conftest import build_tiny_with, write_spec
+from tests.random_modules import (
+    DropoutAlwaysAttention,
+    DropoutTrainingAttention,
+    NoDropoutAttention,
+    NoisyAttention,
+    TinyDropoutAttention,
+)
+
+
+@pytest.mark.parametrize(
+    ("module", "said"),
+    [
+        (DropoutAlwaysAttention, "aten::scaled_dot_product_attention (dropout_p=0.1)"),
+        (TinyDropoutAttention, "aten::scaled_dot_product_attention (dropout_p=1e-06)"),
+        (DropoutTrainingAttention, "aten::dropout (p=0.1, train=True)"),
+        (NoisyAttention, "aten::randn_like (a random draw)"),
+    ],
+)
+def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
+    tmp_path: Path, module: type, said: str
+) -> None:
+    result = build_tiny_with(tmp_path, module)
+    assert result.exit_code == 1, result.output
+    assert f"[export] tiny: the module is random in eval mode: {said} at {random_modules.__file__}:" in result.output
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_a_module_without_draws_in_eval_builds(tmp_path: Path) -> None:
+    result = build_tiny_with(tmp_path, NoDropoutAttention)
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: torch.nn.LSTM(8, 8, num_layers=2, dropout=0.3, batch_first=True),
+        lambda: torch.nn.GRU(8, 8, num_layers=2, dropout=0.3, batch_first=True),
+        lambda: torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.3, batch_first=True),
+        lambda: torch.nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True),
+    ],
+    ids=["LSTM", "GRU", "TransformerEncoderLayer", "MultiheadAttention"],
+)
+def test_stock_layers_with_dropout_are_not_random_in_eval(layer: object) -> None:
+    class Call(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer()  # type: ignore[operator]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.layer(x, x, x) if isinstance(self.layer, torch.nn.MultiheadAttention) else self.layer(x)
+            return out[0] if isinstance(out, tuple) else out
+
+    module = Call()
+    with torch.no_grad():
+        refuse_random_ops(torch.export.export(module.eval(), (torch.randn(2, 3, 8),), strict=False), "m")
+        trained = torch.export.export(module.train(), (torch.randn(2, 3, 8),), strict=False)
+    with pytest.raises(NondeterministicModule, match="the module is random in eval mode"):
+        refuse_random_ops(trained, "m")  # the same layers in training draw: the check reads them
+
+
+def test_a_masked_module_random_in_eval_is_not_blamed_on_its_mask(tmp_path: Path) -> None:
+    """Build probes the masks with the module before it exports: a random module fails
+    there as random, not as a mask read the wrong way."""
+    from click.testing import CliRunner
+
+    from attn_export.cli import cli
+
+    spec = PADDED_SPEC.replace("{rule}", "").replace(
+        "tests.checks.test_padded_rows:LeftPaddedCausalAttention", "tests.random_modules:MaskedDropoutAttention"
+    )
+    path = write_spec(tmp_path / "models", "masked", spec.replace('"left-padding"', '"padding"'))
+    result = CliRunner().invoke(cli, ["build", str(path), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert "PyTorch is not deterministic in eval mode" in result.output and "convention" not in result.output

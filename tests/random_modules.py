@@ -1,0 +1,69 @@
+"""Modules that draw random numbers in eval mode, or that only look as if they might."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attn_export.zoo.seed import MultiHeadAttention
+
+
+class DropoutAlwaysAttention(MultiHeadAttention):
+    """SDPA called with ``dropout_p`` whatever the mode, as common code does."""
+
+    dropout_p = 0.1
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, s, _ = query.shape
+        q = self.q_linear(query).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_linear(keys).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_linear(values).view(b, -1, self.num_heads, self.head_dim).transpose(1, 2)
+        out = self.noise(F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p))
+        return self.out_linear(out.transpose(1, 2).reshape(b, s, self.hidden_dim))
+
+    def noise(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+
+class TinyDropoutAttention(DropoutAlwaysAttention):
+    """A drop so rare that two runs of the module agree most of the time."""
+
+    dropout_p = 1e-6
+
+
+class DropoutTrainingAttention(DropoutAlwaysAttention):
+    dropout_p = 0.0
+
+    def noise(self, out: torch.Tensor) -> torch.Tensor:
+        return F.dropout(out, 0.1, training=True)
+
+
+class NoisyAttention(DropoutAlwaysAttention):
+    dropout_p = 0.0
+
+    def noise(self, out: torch.Tensor) -> torch.Tensor:
+        return out + 1e-3 * torch.randn_like(out)
+
+
+class NoDropoutAttention(DropoutAlwaysAttention):
+    """``dropout_p`` 0 and dropout outside training: deterministic, as the exported graph is."""
+
+    dropout_p = 0.0
+
+    def noise(self, out: torch.Tensor) -> torch.Tensor:
+        return F.dropout(out, 0.5, training=self.training)
+
+
+class MaskedDropoutAttention(torch.nn.Module):
+    """SDPA with a padding mask and ``dropout_p`` whatever the mode: build probes the mask
+    (with the module) before it exports."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], dropout_p=0.1)
+        return y.transpose(1, 2).reshape(b, s, h)

@@ -66,9 +66,11 @@ def last_level_cache() -> str:
     return max(sizes)[1] if sizes else "?"
 
 
-#: Op types that read the cache, and those that read the weights: each one's profiled kernel
-#: time over the bytes it moves is its achieved bandwidth.
-CACHE_OPS = ("GroupQueryAttention", "Attention", "MultiHeadAttention", "Concat")
+#: A fused attention op reads the whole cache, and where one is present the matrix
+#: products left read the weights alone: each one's profiled kernel time over those bytes
+#: is its achieved bandwidth. Without one, attention is MatMuls over the cache too, and
+#: nothing is attributed.
+CACHE_OPS = ("GroupQueryAttention", "Attention", "MultiHeadAttention")
 WEIGHT_OPS = ("MatMul", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits", "Gemm")
 
 
@@ -94,11 +96,14 @@ def profile_bound_steps(model: Path, spec: Any, threads: int, past: int, in_plac
         f"bytes per step: weights {moved.weights / 1e6:.2f} MB, cache read {moved.cache_read / 1e6:.2f} MB, "
         f"written {moved.cache_written / 1e6:.2f} MB; by op type:"
     ]
+    fused = [op for op in profile.kernel_us if op in CACHE_OPS]
     for op, share in profile.shares().items():
         if share < 0.005:
             continue
         ms = profile.kernel_us[op] / runs / 1e3
-        nbytes = moved.cache_read + moved.cache_written if op in CACHE_OPS else moved.weights if op in WEIGHT_OPS else 0
+        nbytes = 0
+        if len(fused) == 1:
+            nbytes = moved.cache_read + moved.cache_written if op in fused else moved.weights if op in WEIGHT_OPS else 0
         speed = f", {nbytes / ms / 1e6:.1f} GB/s over the {'cache' if op in CACHE_OPS else 'weights'}" if nbytes else ""
         lines.append(f"  {op:<22} {100 * share:5.1f}%  {ms:.3f} ms{speed}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
@@ -85,6 +86,7 @@ def test_padded_rows_under_match_are_repaired_to_give_pytorchs_result(tmp_path: 
     assert "not compared" not in verified.output
 
 
+@pytest.mark.slow  # a build (4 s); the repair beside it is make test's
 def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_path: Path) -> None:
     built, _ = _build_and_verify(tmp_path, "", module="WrongOnKeylessRows")
     assert built.exit_code == 1, built.output

@@ -112,10 +112,9 @@ def check_call(module: torch.nn.Module, spec: ModelSpec) -> None:
         return  # a forward Python cannot describe: the export judges the call
     positional = [t.name for t in spec.inputs if t.arg is None]
     keywords = [t.arg for t in spec.inputs if t.arg is not None] + list(spec.call)
-    params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [p.name for p in params]
+    names = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     for i, name in enumerate(positional):
-        if name in names and names.index(name) != i and i < len(names):
+        if name in names and i < len(names) and names.index(name) != i:
             raise SpecError(
                 f"{spec.name}: input '{name}' is listed {_ordinal(i)}, so it is passed as forward's parameter "
                 f"'{names[i]}', but forward takes '{name}' {_ordinal(names.index(name))}: list the inputs in "

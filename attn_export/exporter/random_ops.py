@@ -53,9 +53,10 @@ def _draw(node: Any) -> tuple[str, str] | None:
     if switch is not None and args[switch] not in (True, None):  # an optional flag left None means on
         return None
     chance = next((n for n in _PROBABILITIES if n in args), "p" if switch and "p" in args else None)
-    value = args.get(chance or "")
-    if chance is not None and not (isinstance(value, int | float) and value > 0):
-        return None
+    if chance is not None:
+        value = args[chance]
+        if not (isinstance(value, int | float) and value > 0):
+            return None
     why = ", ".join(f"{n}={args[n]}" for n in (chance, switch) if n is not None) or "a random draw"
     if chance == "dropout_p":
         return why, "pass dropout_p=(p if self.training else 0.0)"

@@ -63,5 +63,5 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     unfolded = None if folded else unfolded_cache(proto)
     rows = _mask_rows(proto)
     info = {"ops": dict(op_counts(proto)), "cache_in_op": len(folded), "mask_rows_expanded": rows}
-    warnings = [f"the cache stays outside the Attention op, concatenated every step as in the plain export: {unfolded}"]
-    return VariantGraph(proto, info, warnings if unfolded else [])
+    stays = "the cache stays outside the Attention op, concatenated every step as in the plain export"
+    return VariantGraph(proto, info, [f"{stays}: {unfolded}"] if unfolded else [])

@@ -187,9 +187,6 @@ class ModelWork:
     #: The checkout's spec (against PyTorch) or the manifest's (golden mode).
     spec: ModelSpec
     options: VerifyOptions
-    #: The same model's plain export in ``out_dir``, intact (``plain_export``), which labels
-    #: fully masked rows where this graph has nothing to rewrite; None where there is none.
-    plain: ManifestEntry | None
 
     def content(self) -> list[Any]:
         """What its cells load and how they judge it: the graph's (and golden file's) hash,
@@ -202,12 +199,14 @@ class ModelWork:
 class TargetWork(ModelWork):
     """What every cell of one model x target shares."""
 
+    #: The same model's plain export in ``out_dir``, intact (``plain_export``), which labels
+    #: the cases' fully masked rows where this graph has nothing to rewrite; None where there is none.
+    plain: ManifestEntry | None
     target: Target
 
     @functools.cached_property
     def key(self) -> str:
-        """Hashed once per target (each of its case cells' keys is made from it); its cases'
-        notes also read the plain export."""
+        """Hashed once per target (each of its case cells' keys is made from it)."""
         plain = self.plain.sha256 if self.plain else None
         return cell_key("verify-target", [*self.content(), plain, self.target.label])
 

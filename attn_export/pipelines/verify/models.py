@@ -109,12 +109,12 @@ def plain_export(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> Man
     plain = manifest.models.get(entry.model_spec.name)
     if entry.variant == "fp32" or plain is None or plain.variant != "fp32":
         return None
-    built_alike = (plain.spec_hash, plain.sources, plain.versions) == (entry.spec_hash, entry.sources, entry.versions)
+    if (plain.spec_hash, plain.sources, plain.versions) != (entry.spec_hash, entry.sources, entry.versions):
+        return None
     try:
-        intact = not integrity(out_dir, plain)
+        return None if integrity(out_dir, plain) else plain
     except ArtifactError:  # missing or unreadable
         return None
-    return plain if built_alike and intact else None
 
 
 def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:

@@ -173,7 +173,7 @@ def _plan_model(
         for target in options.targets:
             on_target = TargetWork(out_dir, entry, spec, options, plain, target)
             model.cases += [CaseCell(on_target, i) for i in range(_case_count(spec, target, options, golden))]
-        work = ModelWork(out_dir, entry, spec, options, plain)
+        work = ModelWork(out_dir, entry, spec, options)
         cache = cache_of(spec)
         if cache is not None and options.steps:
             model.decode = DecodeCell(work, cache)

@@ -160,6 +160,21 @@ def shared_zoo(factory: pytest.TempPathFactory, name: str, specs: Sequence[Path]
     return Built(_session_root(factory) / "shared-builds" / name / "out", Path(done["models"]), done["errors"])
 
 
+def built_on_demand(factory: pytest.TempPathFactory, write: Callable[[Path, str], Path]) -> Callable[[str], Built]:
+    """A builder of one spec at a time, each when a test first asks for it by name (so a
+    test pays only for the graphs it reads): ``write(folder, name)`` writes its spec file."""
+    built: dict[str, Built] = {}
+
+    def build(name: str) -> Built:
+        if name not in built:
+            root = factory.mktemp(name)
+            summary = build_models([write(root / "models", name)], BuildOptions(root / "out"))
+            built[name] = Built(root / "out", root / "models", {r.name: r.error for r in summary.results})
+        return built[name]
+
+    return build
+
+
 def copy_build(built: Built, dest: Path) -> Built:
     """A copy of a shared build to change: ``dest/out``, and ``dest/models`` where its specs
     were written for it (a zoo's spec folder is never copied: it is the checkout's)."""

@@ -5,6 +5,7 @@ break, each caught at the step where it first shows."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,6 @@ from attn_export.cli import cli
 from attn_export.errors import ArtifactError, InputError, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.torch_export import export_onnx
-from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, verify_artifacts
 from attn_export.report.junit import junit_xml
 from attn_export.report.markdown import markdown_report
@@ -27,7 +27,7 @@ from attn_export.runtimes import check_feeds
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
-from tests.conftest import HAS_TRANSFORMERS, TINY_ZOO, ZOO, plant, write_spec
+from tests.conftest import HAS_TRANSFORMERS, TINY_ZOO, ZOO, Built, built_on_demand, plant, write_spec
 
 CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_model_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]
 MODULES = {
@@ -138,35 +138,39 @@ def test_decode_report_per_step_in_the_terminal_and_json(zoo_dir: Path, tmp_path
     assert VerifyReport.from_dict(doc).decode[0].steps[2].past == 4
 
 
+#: Each faulty decoder: the tiny zoo decoder it is written as, and the module class in its place.
+FAULTY = {
+    "top_left": ("mha_kv_cache", "TopLeftCausal"),
+    "rope": ("gqa_rope_kv_cache", "RotaryNotOffset"),
+    "zeros": ("mha_kv_cache", "PresentWithoutNewToken"),
+    "drops": ("mha_kv_cache", "PresentDropsNewToken"),
+    "baked": ("gqa_rope_kv_cache", "PastBaked"),
+    "prompt_path": ("mha_kv_cache", "PromptIgnoresPadding"),
+    "ignores": ("mha_kv_cache", "IgnoresMask"),
+    "first_row": ("mha_kv_cache", "FirstRowMask"),
+}
+
+
 @pytest.fixture(scope="module")
-def faulty(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str | None]]:
-    root = tmp_path_factory.mktemp("faulty")
-    specs = [
-        _faulty(root / "models", "top_left", "mha_kv_cache", "TopLeftCausal"),
-        _faulty(root / "models", "rope", "gqa_rope_kv_cache", "RotaryNotOffset"),
-        _faulty(root / "models", "zeros", "mha_kv_cache", "PresentWithoutNewToken"),
-        _faulty(root / "models", "drops", "mha_kv_cache", "PresentDropsNewToken"),
-        _faulty(root / "models", "baked", "gqa_rope_kv_cache", "PastBaked"),
-        _faulty(root / "models", "prompt_path", "mha_kv_cache", "PromptIgnoresPadding"),
-        _faulty(root / "models", "ignores", "mha_kv_cache", "IgnoresMask"),
-        _faulty(root / "models", "first_row", "mha_kv_cache", "FirstRowMask"),
-    ]
-    summary = build_models(specs, BuildOptions(root / "out"))
-    return root / "out", root / "models", {r.name: r.error for r in summary.results}
+def faulty(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    """Each faulty decoder built when a test first asks for it."""
+    return built_on_demand(tmp_path_factory, lambda folder, name: _faulty(folder, name, *FAULTY[name]))
 
 
 @pytest.mark.parametrize(
     ("name", "step", "why"),
     [
         ("top_left", 2, {"output"}),  # right while the cache is empty
-        ("rope", 2, {"output", "present.0.key"}),  # position 0 again for the first decoded token
-        ("zeros", 2, {"output"}),  # the cache read back holds no keys for the tokens before
+        # position 0 again for the first decoded token
+        pytest.param("rope", 2, {"output", "present.0.key"}, marks=pytest.mark.slow),
+        # the cache read back holds no keys for the tokens before
+        pytest.param("zeros", 2, {"output"}, marks=pytest.mark.slow),
     ],
 )
 def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name: str, step: int, why: set[str]) -> None:
-    out, models, errors = faulty
-    assert errors[name] is None, errors[name]  # the graph is faithful to a wrong module
-    report = _decode(out, models, [name])
+    built = faulty(name)
+    assert built.errors[name] is None, built.errors  # the graph is faithful to a wrong module
+    report = _decode(built.out, built.models, [name])
     assert not report.failed_cases and not report.passed
     for d in report.decode:
         assert d.module_bug is not None and d.module_bug.step == step, d.reasons()
@@ -178,22 +182,20 @@ def test_a_cache_bug_in_the_module_is_reported_as_such_at_its_step(faulty, name:
 
 
 def test_a_present_without_the_new_token_fails_the_build_naming_the_axis(faulty) -> None:
-    _, _, errors = faulty
-    assert errors["drops"] == (
+    assert faulty("drops").errors["drops"] == (
         "drops: output 'present.0.key' axis 2 is 'total_seq - 1' in the graph, but the spec declares "
         "total_seq = past_seq + seq"
     )
 
 
 def test_a_past_length_baked_from_the_example_fails_the_build_naming_the_line(faulty) -> None:
-    _, _, errors = faulty
-    assert "specialized it to be a constant" in errors["baked"]
-    assert "faulty_decoders.py:" in errors["baked"] and "`t = int(full.shape[2])`" in errors["baked"]
+    error = faulty("baked").errors["baked"]
+    assert error is not None and "specialized it to be a constant" in error
+    assert "faulty_decoders.py:" in error and "`t = int(full.shape[2])`" in error
 
 
 def test_a_branch_on_an_empty_cache_kept_without_a_guard_fails_the_build_naming_the_line(faulty) -> None:
-    _, _, errors = faulty
-    error = errors["prompt_path"]
+    error = faulty("prompt_path").errors["prompt_path"]
     assert error is not None and "smoke check at" in error and "past_seq=0" in error
     assert "the module's Python takes another path at" in error
     assert "faulty_decoders.py:" in error and "`attention_mask = torch.ones_like(attention_mask)`" in error
@@ -215,11 +217,11 @@ def test_a_graph_that_breaks_on_a_fully_left_padded_row_diverges_at_step_1(zoo_c
         assert decode["left-padded"].module_bug is None
 
 
-@pytest.mark.parametrize("name", ["ignores", "first_row"])
+@pytest.mark.parametrize("name", ["ignores", pytest.param("first_row", marks=pytest.mark.slow)])
 def test_a_mask_the_module_misreads_fails_where_padding_is(faulty, name: str, tmp_path: Path) -> None:
-    out, models, errors = faulty
-    assert errors[name] is None, errors[name]
-    report = _decode(out, models, [name])
+    built = faulty(name)
+    assert built.errors[name] is None, built.errors
+    report = _decode(built.out, built.models, [name])
     decode = _by_scenario(report)
     assert decode["batch-1"].passed  # one row, no padding: nothing to misread
     reasons = decode["left-padded"].reasons()

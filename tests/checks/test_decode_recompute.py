@@ -5,52 +5,57 @@ how many keys it sees, fails verify --decode even without an attention mask."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_failures, localize_model
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from attn_export.report.localize_text import format_localize
-from tests.conftest import TINY_ZOO, write_spec
+from tests.conftest import TINY_ZOO, Built, built_on_demand, write_spec
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 MASK_INPUT = re.compile(r'\[\[inputs\]\]\nname = "attention_mask"\n.*?(?=\[\[inputs\]\])', re.S)
 
 
-def _without_mask(folder: Path, cls: str) -> Path:
+#: Each decoder without a mask, by the name it is built as: its module class.
+CLASSES = {"withoutmask": "WithoutMask", "nocausalmask": "NoCausalMask", "keycountscale": "KeyCountScale"}
+
+
+def _without_mask(folder: Path, name: str) -> Path:
+    cls = CLASSES[name]
     text = (TINY_ZOO / "mha_kv_cache.toml").read_text()
     text = MASK_INPUT.sub("", text).replace("attn_export.zoo.kv_cache:MHAKVCache", f"tests.faulty_decoders:{cls}")
     assert "attention_mask" not in text
-    return write_spec(folder, cls.lower(), text)
+    return write_spec(folder, name, text)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("recompute")
-    specs = [_without_mask(root / "models", cls) for cls in ("WithoutMask", "NoCausalMask", "KeyCountScale")]
-    summary = build_models(specs, BuildOptions(root / "out"))
-    assert all(r.ok for r in summary.results), [r.error for r in summary.results]
-    return root / "out", root / "models"
+def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
+    """Each decoder built when a test first asks for it."""
+    return built_on_demand(tmp_path_factory, _without_mask)
 
 
-def _decode(built: tuple[Path, Path], name: str) -> list[str]:
-    out, models = built
-    options = VerifyOptions(models_dir=models, latency=False, distributions=("normal",), n_random=0, decode_steps=8)
-    report = verify_artifacts(out, load_manifest(out), [name], options)
+def _decode(built: Callable[[str], Built], name: str) -> list[str]:
+    done = built(name)
+    assert done.errors[name] is None, done.errors
+    options = VerifyOptions(
+        models_dir=done.models, latency=False, distributions=("normal",), n_random=0, decode_steps=8
+    )
+    report = verify_artifacts(done.out, load_manifest(done.out), [name], options)
     assert report.decode, "the spec declares a cache: verify decodes it"
     return [r for d in report.decode for r in d.reasons()]
 
 
-def test_a_correct_decoder_without_a_mask_agrees_with_one_pass(built: tuple[Path, Path]) -> None:
+def test_a_correct_decoder_without_a_mask_agrees_with_one_pass(built: Callable[[str], Built]) -> None:
     assert _decode(built, "withoutmask") == []
 
 
-@pytest.mark.parametrize("name", ["nocausalmask", "keycountscale"])
-def test_a_decoder_wrong_over_the_sequence_fails_from_the_prompt_on(built: tuple[Path, Path], name: str) -> None:
+@pytest.mark.parametrize("name", [pytest.param("nocausalmask", marks=pytest.mark.slow), "keycountscale"])
+def test_a_decoder_wrong_over_the_sequence_fails_from_the_prompt_on(built: Callable[[str], Built], name: str) -> None:
     reasons = _decode(built, name)
     assert reasons, f"{name} passed verify --decode"
     assert reasons[0].startswith(
@@ -87,9 +92,9 @@ def test_a_padded_row_that_differs_only_in_its_cache_is_said_so() -> None:
     ],
 )
 def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its_one_pass(
-    built: tuple[Path, Path], name: str, fx_node: str, step: int
+    built: Callable[[str], Built], name: str, fx_node: str, step: int
 ) -> None:
-    out, models = built
+    out, models = built(name).out, built(name).models
     report = localize_model(out, name, LocalizeOptions(models_dir=models, decode_step=step))
     bug = report.module_bug
     assert report.graph_agrees and not report.agrees, "the graph does as the module does; the module is wrong"
@@ -105,7 +110,7 @@ def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its
 
 
 @pytest.mark.slow  # the zoo decoders' five-seed localize sweep covers it too; CI runs it
-def test_localize_finds_no_module_bug_in_a_correct_decoder(built: tuple[Path, Path]) -> None:
-    out, models = built
+def test_localize_finds_no_module_bug_in_a_correct_decoder(built: Callable[[str], Built]) -> None:
+    out, models = built("withoutmask").out, built("withoutmask").models
     report = localize_model(out, "withoutmask", LocalizeOptions(models_dir=models, decode_step=3))
     assert report.agrees and report.module_bug is None

@@ -1,8 +1,9 @@
 """Golden vector files: PyTorch's outputs at fixed shapes, so ``verify --golden`` needs no torch.
 
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
-``<case>/outputs/<name>`` and ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
-float32 error on the case); written with fixed timestamps and sorted entries (deterministic).
+``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
+float32 error on the case) and, where true, ``<case>/facts/sees_later`` (a bool scalar:
+``GoldenCase.sees_later``); written with fixed timestamps and sorted entries (deterministic).
 
 A golden file may come from anywhere, so it is read from its zip directory and .npy
 headers first: every entry's declared size, dtype and shape (against the spec, at the
@@ -30,7 +31,9 @@ from attn_export.spec.shapes import ShapePoint, validate_sizes
 
 __all__ = ["GoldenCase", "checked_header", "encode_golden", "load_entry", "npy_header", "read_golden", "write_golden"]
 
-_SECTIONS = ("sizes", "inputs", "outputs", "floors")
+_SECTIONS = ("sizes", "inputs", "outputs", "floors", "facts")
+#: What a golden case may say of the module beside its numbers (``facts``).
+_FACTS = ("sees_later",)
 
 
 @dataclass
@@ -43,6 +46,9 @@ class GoldenCase:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     #: Per output, PyTorch's own float32 error against float64 on these inputs.
     floors: dict[str, float] = field(default_factory=dict)
+    #: The module lets a query see the tokens after it (``checks.causality``), so a padded
+    #: row of a key-padding mask sees the real tokens wherever they are.
+    sees_later: bool = False
 
 
 def encode_golden(cases: list[GoldenCase]) -> bytes:
@@ -57,6 +63,8 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
             arrays[f"{case.label}/outputs/{k}"] = a
         for k, f in case.floors.items():
             arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
+        if case.sees_later:
+            arrays[f"{case.label}/facts/sees_later"] = np.asarray(True)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for key in sorted(arrays):
@@ -200,6 +208,11 @@ def read_cases(
                     f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
                 )
             cases[e.label].floors[e.name] = float(value)
+        elif e.section == "facts":
+            if e.name not in _FACTS or e.shape != () or e.dtype != np.bool_:
+                where = f"{e.label}/facts/{e.name}"
+                raise ArtifactError(f"{path}: fact entry '{where}' is not a bool scalar of {list(_FACTS)}")
+            cases[e.label].sees_later = bool(load_entry(path, zf, e.info))
         elif e.section != "sizes":
             section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
             section[e.name] = load_entry(path, zf, e.info)

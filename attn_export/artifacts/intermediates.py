@@ -2,7 +2,7 @@
 ``localize --golden`` finds where a graph leaves PyTorch on a box without torch.
 
 The file (``<model>.intermediates.npz``) is a zip, written deterministically like a golden
-file: the case in the golden file's layout (``<case>/sizes|inputs|outputs|floors/<name>``),
+file: the case in the golden file's layout (``<case>/sizes|inputs|outputs|floors|facts/<name>``),
 ``values/<fx node>.npy`` for each FX node's tensor, and ``meta.json`` naming the case, the
 FX node that gives each output and each node's aten op and source line. It may come from
 anywhere, so it is read like a golden file: every header and the total against the memory

@@ -21,6 +21,7 @@ import onnx
 
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.checks.causality import query_dims
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError, RuntimeFailure
 from attn_export.exporter.graph_checks import check_model, check_spec_axes
@@ -36,7 +37,10 @@ __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "se
 #: are neither 0 nor NaN, or where the case has no such row.
 UNSEEN = "unknown"
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
-PADDED = "padding with no real token at or before it, within the window: a causal or window mask leaves it no key"
+PADDED = (
+    "padding that sees no real token: none at or before it (within the window) where the module is causal, "
+    "none at all where it is not"
+)
 
 
 def _positions_before(spec: ModelSpec) -> int | None:
@@ -49,11 +53,15 @@ def _positions_before(spec: ModelSpec) -> int | None:
     return window - 1 if isinstance(window, int) and window > 0 else None
 
 
-def _keyless(keep: np.ndarray, before: int | None) -> np.ndarray:
-    """``[batch, key]`` True where a query at that key position would see no kept key under
-    a causal mask aligned to the end of the keys (and ``before`` positions of window): a
+def _keyless(keep: np.ndarray, before: int | None, sees_later: bool) -> np.ndarray:
+    """``[batch, key]`` True where a query at that key position would see no kept key: under
+    a causal mask aligned to the end of the keys (and ``before`` positions of window), a
     left-padded prompt's rows before its first real token, or padding longer than the
-    window. A padded token with a kept key before it is a row like any other."""
+    window; where the module lets a query see the tokens after it (``sees_later``), only
+    the rows of a sequence with no kept token at all. A padded token with a kept key in
+    sight is a row like any other."""
+    if sees_later:
+        return np.broadcast_to(~keep.any(axis=-1, keepdims=True), keep.shape)
     kept = np.cumsum(keep, axis=-1)
     if before is not None and before + 1 < kept.shape[-1]:
         earlier = np.zeros_like(kept)
@@ -69,16 +77,13 @@ def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
     Intermediate values are matched to it by their batch and query sizes (``localize``)."""
     rows: np.ndarray | None = None
     for t, mask in spec.masks:
-        if mask.layout != "key-padding" or not isinstance(t.shape[1], str):
+        query = query_dims(spec).get(t.name)
+        if query is None:
             continue
-        key = t.shape[1]
-        parts = spec.dims[key].parts if key in spec.dims else ()
-        keep = mask.keep(case.inputs[t.name])
-        query = parts[-1] if parts else key  # the new tokens follow the cached ones
-        if not any(query in o.shape for o in spec.outputs):
-            continue  # a mask over keys only (cross-attention): no query row is a token
+        parts = spec.dims[t.shape[1]].parts if t.shape[1] in spec.dims else ()
         offset = sum(case.sizes[p] for p in parts[:-1])
-        padded = _keyless(keep, _positions_before(spec))[:, offset : offset + case.sizes[query]]
+        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec), case.sees_later)
+        padded = keyless[:, offset : offset + case.sizes[query]]
         rows = padded if rows is None or rows.shape != padded.shape else rows | padded
     return rows
 
@@ -89,7 +94,9 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
     masked token is padding too: where no kept key comes at or before it (within the
     window), the module's own causal or sliding-window mask leaves it no key at all (a
     left-padded prompt, padding longer than the window), and there PyTorch and any graph
-    differ. Any other padded row sees a real key, and is compared like every row. The key
+    differ; where the module lets a query see later tokens (``case.sees_later``), only a
+    sequence with no real token at all. Any other padded row sees a real key, and is
+    compared like every row. The key
     dim is the query's own dim, or a sum whose other parts come first (``total_seq =
     "past_seq + seq"``: the new tokens follow the cached ones)."""
     out: dict[str, np.ndarray] = {}
@@ -99,7 +106,7 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
             continue
         batch, key = t.shape[0], t.shape[1]
         parts = spec.dims[key].parts if key in spec.dims else ()
-        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec))
+        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec), case.sees_later)
         for o in spec.outputs:
             query = key if key in o.shape else next((p for p in parts if p in o.shape), None)
             if query is None or batch not in o.shape or query == batch:

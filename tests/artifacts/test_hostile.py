@@ -322,6 +322,10 @@ def _rewrite_golden(folder: Path, name: str, change) -> None:
             "case 'min' input 'q' has dtype float64, expected float32",
         ),
         (lambda a: a.__setitem__("min/whatever/q", np.zeros(1)), "unexpected entry 'min/whatever/q' in golden file"),
+        (
+            lambda a: a.__setitem__("min/facts/sees_later", np.ones(2, bool)),
+            "fact entry 'min/facts/sees_later' is not a bool scalar of ['sees_later']",
+        ),
     ],
 )
 def test_golden_file_with_wrong_keys_or_dtypes(zoo_copy: Path, change, message: str) -> None:

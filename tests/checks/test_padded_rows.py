@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,8 +93,9 @@ def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_p
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (
-        "padded query rows (padding with no real token at or before it, within the window: a causal or window "
-        'mask leaves it no key); set fully_masked = "ignore" in the spec to leave them out' in built.output
+        "padded query rows (padding that sees no real token: none at or before it (within the window) where the "
+        'module is causal, none at all where it is not); set fully_masked = "ignore" in the spec to leave them out'
+        in built.output
     )
 
 
@@ -127,3 +129,39 @@ def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path) 
     result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1, result.output
     assert "[smoke] padded: smoke check at" in result.output and "outside atol" in result.output
+
+
+def test_ignore_compares_left_padded_rows_of_a_module_that_sees_later_tokens(tmp_path: Path) -> None:
+    """Left padding into an encoder: each padded row sees the real tokens after it, so the
+    causal reading of "no real token at or before it" does not make it keyless, and a graph
+    wrong there fails. Only a sequence with no real token at all is left out."""
+    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens")
+    models = tmp_path / "models"
+    write_spec(models, "padded", spec.replace("{rule}", 'fully_masked = "ignore"'))
+    result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1, result.output
+    assert "[smoke] padded: smoke check at" in result.output and "outside atol" in result.output
+
+
+def test_which_padded_rows_see_no_key_follows_whether_the_module_sees_later_tokens(tmp_path: Path) -> None:
+    """PyTorch says whether a query sees later tokens; the golden file keeps the answer, and
+    the padded rows left without a key follow it."""
+    from attn_export.artifacts.golden import GoldenCase, read_golden, write_golden
+    from attn_export.checks.causality import sees_later_tokens
+    from attn_export.checks.fully_masked import padded_tokens
+    from attn_export.exporter.factory import instantiate
+    from attn_export.runtimes.torch_eager import TorchRuntime
+    from attn_export.spec import load_spec
+
+    sizes = {"batch": 2, "seq": 4}
+    keep = np.array([[False, False, True, True], [False, False, False, False]])
+    for module, later in (("LeftPaddedCausalAttention", False), ("WrongOnPaddedTokens", True)):
+        text = SPEC.replace("{rule}", "").replace("LeftPaddedCausalAttention", module)
+        spec = load_spec(write_spec(tmp_path / module, "padded", text))
+        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+            assert sees_later_tokens(spec, eager, sizes) is later
+        write_golden(tmp_path / module / "g.npz", [GoldenCase("c", sizes, {"keep": keep}, sees_later=later)])
+        [case] = read_golden(tmp_path / module / "g.npz")
+        rows = padded_tokens(spec, case)
+        assert rows is not None and rows[1].all()  # no real token at all: no key either way
+        assert rows[0].tolist() == ([False] * 4 if later else [True, True, False, False])

@@ -33,7 +33,9 @@ def test_a_module_random_in_eval_fails_the_torchscript_build_naming_pytorch(tmp_
     """The torchscript exporter keeps no FX program: two runs of the module judge it."""
     result = build_tiny_with(tmp_path, DropoutAlwaysAttention, exporter="torchscript")
     assert result.exit_code == 1, result.output
-    assert "PyTorch is not deterministic in eval mode: two runs of the module on one input differ by" in result.output
+    assert "[golden] PyTorch is not deterministic in eval mode: two runs of the module on one input differ by" in (
+        result.output
+    )
     assert "dropout_p" in result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 

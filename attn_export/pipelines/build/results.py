@@ -18,7 +18,19 @@ __all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "
 
 #: In the order a failure is reported by (``failed_stage``): the smoke check runs after
 #: fully masked rows are settled, but where both fail, the smoke check's failure says more.
-STAGES = ("spec", "module", "masks", "export", "variant", "checker", "axes", "smoke", "fully_masked", "write")
+STAGES = (
+    "spec",
+    "module",
+    "masks",
+    "export",
+    "variant",
+    "checker",
+    "axes",
+    "golden",
+    "smoke",
+    "fully_masked",
+    "write",
+)
 BuildStatus = Literal["built", "skipped", "failed"]
 STATUSES: tuple[BuildStatus, ...] = ("built", "skipped", "failed")
 

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,8 @@ from attn_export.spec.model import FULLY_MASKED
 from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
-    pass
+    from attn_export.pipelines.bench.results import RunnerOptions
+    from attn_export.report.bench_text import Widths
 
 __all__ = ["cli", "main"]
 
@@ -1046,27 +1048,34 @@ def bench(
             scenario=scenario,
             **shared,
         )
+        paths = spec_paths(models_dir, names)
+        w = _widths(bench_text.DECODE_WIDTHS, paths, decode_options)
         _run_bench(
             lambda on_row: bench_decode_models(
-                spec_paths(models_dir, names),
-                out_dir,
-                decode_options,
-                on_row,
-                skip_without_cache=not names,
-                parallelism=parallelism,
+                paths, out_dir, decode_options, on_row, skip_without_cache=not names, parallelism=parallelism
             ),
-            (bench_text.DECODE_HEADER, bench_text.format_decode_row, bench_text.format_decode_summary),
+            (bench_text.decode_header(w), partial(bench_text.format_decode_row, w=w), bench_text.format_decode_summary),
             files,
         )
         return
     if pasts is not None:
         raise click.UsageError("--past needs --decode")
     options = BenchOptions(seqs=seqs, variants=tuple(dict.fromkeys(variants)) or BenchOptions.variants, **shared)
+    paths = spec_paths(models_dir, names)
+    w = _widths(bench_text.BENCH_WIDTHS, paths, options)
     _run_bench(
-        lambda on_row: bench_models(spec_paths(models_dir, names), out_dir, options, on_row, parallelism),
-        (bench_text.BENCH_HEADER, bench_text.format_bench_row, bench_text.format_bench_summary),
+        lambda on_row: bench_models(paths, out_dir, options, on_row, parallelism),
+        (bench_text.bench_header(w), partial(bench_text.format_bench_row, w=w), bench_text.format_bench_summary),
         files,
     )
+
+
+def _widths(default: Widths, paths: list[Path], options: RunnerOptions) -> Widths:
+    """The table's column widths, fitting every model and runner the run can print."""
+    from attn_export.pipelines.bench.runners import COMPILED, EAGER, SDPA
+
+    graphs = [RUNTIMES[n].runner_label(v) for n in options.runtimes for v in options.variants]
+    return default.fitting([p.stem for p in paths], [EAGER, SDPA, COMPILED, *graphs])
 
 
 def _run_bench(

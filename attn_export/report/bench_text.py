@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from attn_export.artifacts.files import write_output
@@ -10,8 +12,11 @@ from attn_export.report.base import BenchFormat
 
 __all__ = [
     "BENCH_FORMAT",
-    "BENCH_HEADER",
-    "DECODE_HEADER",
+    "BENCH_WIDTHS",
+    "DECODE_WIDTHS",
+    "Widths",
+    "bench_header",
+    "decode_header",
     "format_bench_row",
     "format_bench_summary",
     "format_decode_row",
@@ -21,10 +26,29 @@ __all__ = [
     "write_markdown",
 ]
 
-BENCH_HEADER = (
-    f"{'MODEL':<14} {'RUNNER':<18} {'BATCH':>5} {'SEQ':>6} {'P50_MS':>9} {'P90_MS':>9} "
-    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'GFLOP/S':>8} {'PEAK%':>6}"
-)
+
+@dataclass(frozen=True)
+class Widths:
+    """The widths of a table's MODEL and RUNNER columns. Rows are printed as they come, so
+    the widths are fixed before the first: wide enough for every name the run can print."""
+
+    model: int
+    runner: int
+
+    def fitting(self, models: Iterable[str], runners: Iterable[str]) -> Widths:
+        """These widths, widened to the longest of ``models`` and ``runners``."""
+        return Widths(max([self.model, *map(len, models)]), max([self.runner, *map(len, runners)]))
+
+
+BENCH_WIDTHS = Widths(14, 18)
+DECODE_WIDTHS = Widths(18, 16)
+
+
+def bench_header(w: Widths = BENCH_WIDTHS) -> str:
+    return (
+        f"{'MODEL':<{w.model}} {'RUNNER':<{w.runner}} {'BATCH':>5} {'SEQ':>6} {'P50_MS':>9} {'P90_MS':>9} "
+        f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'GFLOP/S':>8} {'PEAK%':>6}"
+    )
 
 
 def _ratio(value: float | None) -> str:
@@ -40,15 +64,16 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def format_bench_row(r: BenchRow) -> str:
+def format_bench_row(r: BenchRow, w: Widths = BENCH_WIDTHS) -> str:
     flag = (
         _compiled(r)
         + ("" if r.in_verified_range else "  (outside the verified range)")
         + (f"  {r.noise}" if r.noise else "")
     )
     return (
-        f"{r.model:<14} {r.runner:<18} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} {r.latency.p90_ms:>9.3f} "
-        f"{r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} {100 * r.peak_share:>5.1f}%{flag}"
+        f"{r.model:<{w.model}} {r.runner:<{w.runner}} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} "
+        f"{r.latency.p90_ms:>9.3f} {r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} "
+        f"{100 * r.peak_share:>5.1f}%{flag}"
     )
 
 
@@ -78,10 +103,12 @@ def markdown_bench_table(report: BenchReport) -> str:
     return "\n".join(lines + _after_table(report)) + "\n"
 
 
-DECODE_HEADER = (
-    f"{'MODEL':<18} {'RUNNER':<16} {'BATCH':>5} {'PAST':>6} {'SEQ':>4} {'MS/STEP':>9} {'P90_MS':>9} "
-    f"{'TOKENS/S':>10} {'VS_EAGER':>8} {'MB/TOK':>7} {'GB/S':>6} {'VS_LIMIT':>8} {'OUT%':>5} {'SHARED':>6}  VERDICT"
-)
+def decode_header(w: Widths = DECODE_WIDTHS) -> str:
+    return (
+        f"{'MODEL':<{w.model}} {'RUNNER':<{w.runner}} {'BATCH':>5} {'PAST':>6} {'SEQ':>4} {'MS/STEP':>9} "
+        f"{'P90_MS':>9} {'TOKENS/S':>10} {'VS_EAGER':>8} {'MB/TOK':>7} {'GB/S':>6} {'VS_LIMIT':>8} {'OUT%':>5} "
+        f"{'SHARED':>6}  VERDICT"
+    )
 
 
 def _physics(r: DecodeRow) -> tuple[str, str, str, str]:
@@ -96,11 +123,11 @@ def _shared(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "NO")
 
 
-def format_decode_row(r: DecodeRow) -> str:
+def format_decode_row(r: DecodeRow, w: Widths = DECODE_WIDTHS) -> str:
     flag = _compiled(r) + (f"  {r.noise}" if r.noise else "")
     mb, gbps, limit, out = _physics(r)
     return (
-        f"{r.model:<18} {r.runner:<16} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
+        f"{r.model:<{w.model}} {r.runner:<{w.runner}} {r.batch:>5} {r.past:>6} {r.seq:>4} {r.latency.p50_ms:>9.3f} "
         f"{r.latency.p90_ms:>9.3f} {r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} "
         f"{mb:>7} {gbps:>6} {limit:>8} {out:>5} {_shared(r.shared_buffer):>6}  {r.verdict or '-'}{flag}"
     )

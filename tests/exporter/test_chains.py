@@ -114,3 +114,7 @@ def test_bench_times_a_chain_like_any_variant(cache_build: Built, tmp_path: Path
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert {r["runner"] for r in rows} == {"torch-eager", "ort:ort-past+int8"}
+    lines = result.output.splitlines()
+    batch_ends = next(line for line in lines if line.startswith("MODEL")).index("BATCH") + len("BATCH")
+    table = [line for line in lines if line.startswith(DECODER)]
+    assert len(table) == 2 and all(line[:batch_ends].endswith(" 1") for line in table), "columns out of line"

@@ -121,21 +121,13 @@ class WrongOnPaddedTokens(torch.nn.Module):
         return y
 
 
-def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path) -> None:
-    """Right padding after real tokens: a padded row sees them, so "ignore" compares it."""
-    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens").replace('"left-padding"', '"padding"')
-    models = tmp_path / "models"
-    write_spec(models, "padded", spec.replace("{rule}", 'fully_masked = "ignore"'))
-    result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
-    assert result.exit_code == 1, result.output
-    assert "[smoke] padded: smoke check at" in result.output and "outside atol" in result.output
-
-
-def test_ignore_compares_left_padded_rows_of_a_module_that_sees_later_tokens(tmp_path: Path) -> None:
-    """Left padding into an encoder: each padded row sees the real tokens after it, so the
-    causal reading of "no real token at or before it" does not make it keyless, and a graph
-    wrong there fails. Only a sequence with no real token at all is left out."""
-    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens")
+@pytest.mark.parametrize("padding", ["padding", "left-padding"])
+def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path, padding: str) -> None:
+    """An encoder's padded rows see real tokens: after them (right padding), and before
+    them too, since its queries see later tokens (left padding, where a causal reading of
+    "no real token at or before it" would call them keyless). So "ignore" compares them,
+    and a graph wrong there fails; only a sequence with no real token at all is left out."""
+    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens").replace('"left-padding"', f'"{padding}"')
     models = tmp_path / "models"
     write_spec(models, "padded", spec.replace("{rule}", 'fully_masked = "ignore"'))
     result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])

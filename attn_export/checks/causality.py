@@ -19,6 +19,9 @@ from attn_export.spec.inputs import make_feeds
 
 __all__ = ["query_dims", "sees_later_tokens"]
 
+#: Other seeds tried for the last token's inputs until they differ from the first.
+_TRIES = 8
+
 
 def query_dims(spec: ModelSpec) -> dict[str, str]:
     """Per self-attention key-padding mask (by input name), the dim of its query rows: the
@@ -42,9 +45,9 @@ def _along(axis: int, ndim: int, pick: int | slice) -> tuple[int | slice, ...]:
 
 
 def sees_later_tokens(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], seed: int = 0) -> bool:
-    """True where changing the last token's inputs changes an output row before it, with
-    every token of every key-padding mask kept; False where no row could show it (no such
-    mask, or one token at most)."""
+    """True where changing the last token's inputs (token ids as well as vectors) changes an
+    output row before it, with every token of every key-padding mask kept; False where no
+    row could show it (no such mask, or one token at most)."""
     dims = query_dims(spec)
     if not dims:
         return False
@@ -60,13 +63,16 @@ def sees_later_tokens(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int],
         if t.name in dims:
             feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
     changed = dict(feeds)
-    rng = np.random.default_rng(seed)
     for u in spec.inputs:
-        if u.mask is None and u.dtype.startswith("float") and query in u.shape:
+        if u.mask is not None or query not in u.shape:
+            continue
+        last = _along(u.shape.index(query), len(u.shape), -1)
+        for other in range(seed + 1, seed + 1 + _TRIES):  # token ids from a small vocabulary may draw the same
             value = feeds[u.name].copy()
-            last = _along(u.shape.index(query), value.ndim, -1)
-            value[last] = 3 * rng.standard_normal(value[last].shape).astype(value.dtype)
-            changed[u.name] = value
+            value[last] = make_feeds(spec, sizes, other)[u.name][last]
+            if not np.array_equal(value, feeds[u.name]):
+                changed[u.name] = value
+                break
     before, after = eager.run(feeds), eager.run(changed)
     for o in spec.outputs:
         if query not in o.shape:

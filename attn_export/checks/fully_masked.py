@@ -125,6 +125,10 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
     return out, count
 
 
+def _rows(count: int) -> str:
+    return f"{count} padded query row{'s' if count != 1 else ''}"
+
+
 def judge(
     spec: ModelSpec, case: GoldenCase, actual: Mapping[str, np.ndarray], tolerances: Mapping[str, Tolerance]
 ) -> tuple[list[OutputComparison], list[str]]:
@@ -136,12 +140,12 @@ def judge(
         return compare_outputs(case.outputs, actual, tolerances, case.floors), []
     if spec.fully_masked == "ignore":
         comparisons = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
-        return comparisons, [f'fully_masked = "ignore": {count} padded query rows not compared ({PADDED})']
+        return comparisons, [f'fully_masked = "ignore": {_rows(count)} not compared ({PADDED})']
     comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors)
     blanked = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
     if not all(c.passed for c in comparisons) and all(c.passed for c in blanked):
         return comparisons, [
-            f"every difference is in the {count} padded query rows ({PADDED}); "
+            f"every difference is in the {_rows(count)} ({PADDED}); "
             'set fully_masked = "ignore" in the spec to leave them out'
         ]
     return comparisons, []

@@ -121,6 +121,25 @@ class WrongOnPaddedTokens(torch.nn.Module):
         return y
 
 
+class TokenEncoder(torch.nn.Module):
+    """An encoder fed token ids: its queries see later tokens, which only a change of the
+    later ids shows."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, hidden)
+        self.attention = torch.nn.MultiheadAttention(hidden, heads, batch_first=True)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.attention(x, x, x, key_padding_mask=~keep, need_weights=False)[0]
+
+
+TOKEN_SPEC = SPEC.replace(
+    'name = "x"\nshape = ["batch", "seq", 16]', 'name = "ids"\ndtype = "int64"\nshape = ["batch", "seq"]'
+)
+
+
 @pytest.mark.parametrize("padding", ["padding", "left-padding"])
 def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path, padding: str) -> None:
     """An encoder's padded rows see real tokens: after them (right padding), and before
@@ -147,8 +166,9 @@ def test_which_padded_rows_see_no_key_follows_whether_the_module_sees_later_toke
 
     sizes = {"batch": 2, "seq": 4}
     keep = np.array([[False, False, True, True], [False, False, False, False]])
-    for module, later in (("LeftPaddedCausalAttention", False), ("WrongOnPaddedTokens", True)):
-        text = SPEC.replace("{rule}", "").replace("LeftPaddedCausalAttention", module)
+    cases = (("LeftPaddedCausalAttention", SPEC, False), ("WrongOnPaddedTokens", SPEC, True))
+    for module, body, later in (*cases, ("TokenEncoder", TOKEN_SPEC, True)):  # ids change as vectors do
+        text = body.replace("{rule}", "").replace("LeftPaddedCausalAttention", module)
         spec = load_spec(write_spec(tmp_path / module, "padded", text))
         with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
             assert sees_later_tokens(spec, eager, sizes) is later

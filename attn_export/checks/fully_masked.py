@@ -145,7 +145,7 @@ def judge(
     blanked = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
     if not all(c.passed for c in comparisons) and all(c.passed for c in blanked):
         return comparisons, [
-            f"every difference is in the {_rows(count)} ({PADDED}); "
+            f"every difference is in {_rows(count)} ({PADDED}); "
             'set fully_masked = "ignore" in the spec to leave them out'
         ]
     return comparisons, []

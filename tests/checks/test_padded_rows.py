@@ -93,9 +93,9 @@ def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_p
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (
-        "padded query rows (padding that sees no real token: none at or before it (within the window) where the "
-        'module is causal, none at all where it is not); set fully_masked = "ignore" in the spec to leave them out'
-        in built.output
+        "every difference is in 1 padded query row (padding that sees no real token: none at or before it (within "
+        "the window) where the module is causal, none at all where it is not); "
+        'set fully_masked = "ignore" in the spec to leave them out' in built.output
     )
 
 

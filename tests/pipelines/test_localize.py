@@ -312,7 +312,7 @@ def test_padded_query_rows_left_out_of_the_outputs_are_left_out_of_every_region(
     compared = run(sizes={"batch": 1, "seq": 16, "past_seq": 0}, fully_masked="match")
     assert not compared.agrees and compared.first is not None
     assert compared.first.fx_node == "scaled_dot_product_attention" and compared.cause == "graph"
-    assert any("padded query rows" in n for n in compared.notes)
+    assert any("padded query row" in n for n in compared.notes)
     assert compared.reproduce.endswith("--fully-masked match")
 
 

@@ -2,8 +2,9 @@
 
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
-float32 error on the case) and, where true, ``<case>/facts/sees_later`` (a bool scalar:
-``GoldenCase.sees_later``); written with fixed timestamps and sorted entries (deterministic).
+float32 error on the case) and ``<case>/sight/<mask>`` (two int64, -1 for "all": what a query
+sees under each self-attention key-padding mask, ``GoldenCase.sights``); written with fixed
+timestamps and sorted entries (deterministic).
 
 A golden file may come from anywhere, so it is read from its zip directory and .npy
 headers first: every entry's declared size, dtype and shape (against the spec, at the
@@ -29,11 +30,40 @@ from attn_export.spec.cache import output_shape
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, validate_sizes
 
-__all__ = ["GoldenCase", "checked_header", "encode_golden", "load_entry", "npy_header", "read_golden", "write_golden"]
+__all__ = [
+    "GOLDEN_FORMAT",
+    "GoldenCase",
+    "Sight",
+    "checked_header",
+    "encode_golden",
+    "load_entry",
+    "npy_header",
+    "read_golden",
+    "write_golden",
+]
 
-_SECTIONS = ("sizes", "inputs", "outputs", "floors", "facts")
-#: What a golden case may say of the module beside its numbers (``facts``).
-_FACTS = ("sees_later",)
+_SECTIONS = ("sizes", "inputs", "outputs", "floors", "sight")
+#: What a golden file records; part of every build's key, so that a build folder written
+#: before a change of it is rebuilt, not judged by what its golden files lack.
+GOLDEN_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class Sight:
+    """How many positions before and after its own a query of the module sees (None: all
+    of them), with every token kept (``checks.causality``). It decides which padded rows
+    see no key."""
+
+    before: int | None
+    after: int | None
+
+    def to_array(self) -> np.ndarray:
+        return np.asarray([-1 if v is None else v for v in (self.before, self.after)], dtype=np.int64)
+
+    @classmethod
+    def from_array(cls, value: np.ndarray) -> Sight:
+        before, after = (None if v == -1 else int(v) for v in value)
+        return cls(before, after)
 
 
 @dataclass
@@ -46,9 +76,14 @@ class GoldenCase:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     #: Per output, PyTorch's own float32 error against float64 on these inputs.
     floors: dict[str, float] = field(default_factory=dict)
-    #: The module lets a query see the tokens after it (``checks.causality``), so a padded
-    #: row of a key-padding mask sees the real tokens wherever they are.
-    sees_later: bool = False
+    #: The positions a query of the module sees, per self-attention key-padding mask.
+    sights: dict[str, Sight] = field(default_factory=dict)
+
+    def sight(self, mask: str) -> Sight:
+        """What a query sees under ``mask``; where the case records nothing (the user's
+        recorded inputs), every position: only a sequence with no real token then counts
+        as seeing no key, so no row that might see one is left out."""
+        return self.sights.get(mask, Sight(None, None))
 
 
 def encode_golden(cases: list[GoldenCase]) -> bytes:
@@ -63,8 +98,8 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
             arrays[f"{case.label}/outputs/{k}"] = a
         for k, f in case.floors.items():
             arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
-        if case.sees_later:
-            arrays[f"{case.label}/facts/sees_later"] = np.asarray(True)
+        for k, seen in case.sights.items():
+            arrays[f"{case.label}/sight/{k}"] = seen.to_array()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for key in sorted(arrays):
@@ -151,6 +186,10 @@ def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_En
     except InputError as exc:
         raise ArtifactError(f"{path}: case '{case.label}': {exc}") from exc
     check_memory(spec, [ShapePoint(case.label, case.sizes)], budget)
+    masks = {t.name for t, _ in spec.masks}
+    unknown = sorted(e.name for e in entries if e.section == "sight" and e.name not in masks)
+    if unknown:
+        raise ArtifactError(f"{path}: case '{case.label}' records a sight under {unknown}, no mask of the spec")
     for section, tensors in (("inputs", spec.inputs), ("outputs", spec.outputs)):
         got = {e.name: e for e in entries if e.section == section}
         names = sorted(t.name for t in tensors)
@@ -208,11 +247,11 @@ def read_cases(
                     f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
                 )
             cases[e.label].floors[e.name] = float(value)
-        elif e.section == "facts":
-            if e.name not in _FACTS or e.shape != () or e.dtype != np.bool_:
-                where = f"{e.label}/facts/{e.name}"
-                raise ArtifactError(f"{path}: fact entry '{where}' is not a bool scalar of {list(_FACTS)}")
-            cases[e.label].sees_later = bool(load_entry(path, zf, e.info))
+        elif e.section == "sight":
+            value = load_entry(path, zf, e.info)
+            if e.shape != (2,) or e.dtype.kind not in "iu" or value.min() < -1:
+                raise ArtifactError(f"{path}: entry '{e.label}/sight/{e.name}' is not a sight: two ints of -1 or more")
+            cases[e.label].sights[e.name] = Sight.from_array(value)
         elif e.section != "sizes":
             section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
             section[e.name] = load_entry(path, zf, e.info)

@@ -1,9 +1,11 @@
-"""Does a query see the tokens after it? Which padded rows of a self-attention key-padding
-mask see no key depends on it: under a causal mask a left-padded prompt's rows before its
-first real token see nothing, while in an encoder every padded row still sees every real
-token, and is a row like any other. So PyTorch is asked once per model: with every token
-kept, the last token's inputs change; do the rows before it change? Build records the
-answer in each golden case, so that a golden file is judged the same way without torch.
+"""Which tokens does a query see? Which padded rows of a self-attention key-padding mask see
+no key depends on it: under a causal mask a left-padded prompt's rows before its first real
+token see nothing; under a window, a padded row too far from every real token sees nothing;
+in an encoder every padded row still sees every real token, and is a row like any other. So
+PyTorch is asked once per model and query dim: with every key kept, each token's inputs
+change in turn; which rows change with it? The farthest row before and after a token that
+does is the module's ``Sight``. Build records it in each golden case, so that a golden file
+is judged the same way without torch.
 """
 
 from __future__ import annotations
@@ -12,15 +14,23 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from attn_export.artifacts.golden import Sight
 from attn_export.compare import compare_output
+from attn_export.errors import InputError
 from attn_export.runtimes import Runtime
 from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import validate_sizes
 
-__all__ = ["query_dims", "sees_later_tokens"]
+__all__ = ["query_dims", "sights"]
 
-#: Other seeds tried for the last token's inputs until they differ from the first.
+#: Query tokens the probe runs with (fewer where the spec's range ends first): a window up to
+#: this wide is found, a wider one reads as none, so its far rows are compared.
+PROBE_TOKENS = 12
+#: Other seeds tried for a token's inputs until they differ from the first.
 _TRIES = 8
+#: The probe's feeds: one seed, so that build, verify and localize find the same.
+_SEED = 0
 
 
 def query_dims(spec: ModelSpec) -> dict[str, str]:
@@ -44,41 +54,68 @@ def _along(axis: int, ndim: int, pick: int | slice) -> tuple[int | slice, ...]:
     return tuple(pick if i == axis else slice(None) for i in range(ndim))
 
 
-def sees_later_tokens(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], seed: int = 0) -> bool:
-    """True where changing the last token's inputs (token ids as well as vectors) changes an
-    output row before it, with every token of every key-padding mask kept; False where no
-    row could show it (no such mask, or one token at most)."""
-    dims = query_dims(spec)
-    if not dims:
-        return False
-    query = next(iter(dims.values()))
-    sizes = dict(sizes)
-    if sizes[query] < 2:
-        if spec.dims[query].max < 2:
-            return False
-        sizes[query] = 2
-    sizes = spec.with_sums(sizes)
-    feeds = make_feeds(spec, sizes, seed)
-    for t, mask in spec.masks:
-        if t.name in dims:
-            feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
+def _probe_sizes(spec: ModelSpec, sizes: Mapping[str, int], query: str) -> dict[str, int]:
+    """``sizes`` with ``PROBE_TOKENS`` query tokens where the spec's ranges allow it."""
+    wanted = spec.with_sums({**sizes, query: min(spec.dims[query].max, max(PROBE_TOKENS, sizes[query]))})
+    try:
+        validate_sizes(spec, wanted)
+        return wanted
+    except InputError:
+        return spec.with_sums(sizes)
+
+
+def _changed_at(
+    spec: ModelSpec, feeds: dict[str, np.ndarray], sizes: dict[str, int], query: str, j: int
+) -> dict[str, np.ndarray] | None:
+    """``feeds`` with every input of token ``j`` (ids as well as vectors) taken from feeds of
+    another seed; None where nothing carries the token."""
     changed = dict(feeds)
     for u in spec.inputs:
         if u.mask is not None or query not in u.shape:
             continue
-        last = _along(u.shape.index(query), len(u.shape), -1)
-        for other in range(seed + 1, seed + 1 + _TRIES):  # token ids from a small vocabulary may draw the same
+        at = _along(u.shape.index(query), len(u.shape), j)
+        for other in range(_SEED + 1, _SEED + 1 + _TRIES):  # ids from a small vocabulary may draw the same
             value = feeds[u.name].copy()
-            value[last] = make_feeds(spec, sizes, other)[u.name][last]
+            value[at] = make_feeds(spec, sizes, other)[u.name][at]
             if not np.array_equal(value, feeds[u.name]):
                 changed[u.name] = value
                 break
-    before, after = eager.run(feeds), eager.run(changed)
-    for o in spec.outputs:
-        if query not in o.shape:
-            continue
-        earlier = _along(o.shape.index(query), len(o.shape), slice(0, -1))
-        moved = compare_output(o.name, before[o.name][earlier], after[o.name][earlier], spec.tolerance_for(o.name))
-        if not moved.passed:
-            return True
-    return False
+    return None if all(changed[n] is feeds[n] for n in feeds) else changed
+
+
+def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], query: str) -> Sight:
+    probe = _probe_sizes(spec, sizes, query)
+    n = probe[query]
+    if n < 2:
+        return Sight(None, None)  # one token sees all there is
+    feeds = make_feeds(spec, probe, _SEED)
+    for t, mask in spec.masks:  # the module's own masking alone
+        feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
+    base = eager.run(feeds)
+    before = after = 0
+    for j in range(n):
+        changed = _changed_at(spec, feeds, probe, query, j)
+        if changed is None:
+            return Sight(None, None)  # nothing to change: judged as seeing every position
+        got = eager.run(changed)
+        for o in spec.outputs:
+            if query not in o.shape:
+                continue
+            axis = o.shape.index(query)
+            for i in range(n):
+                row = _along(axis, len(o.shape), i)
+                if not compare_output(o.name, base[o.name][row], got[o.name][row], spec.tolerance_for(o.name)).passed:
+                    before, after = max(before, i - j), max(after, j - i)
+    return Sight(None if before >= n - 1 else before, None if after >= n - 1 else after)
+
+
+def sights(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int]) -> dict[str, Sight]:
+    """Per self-attention key-padding mask, the module's ``Sight`` along its query dim: for
+    each token, which rows change when its inputs do, with every mask keeping every key."""
+    found: dict[str, Sight] = {}
+    out = {}
+    for name, query in query_dims(spec).items():
+        if query not in found:
+            found[query] = _sight_along(spec, eager, sizes, query)
+        out[name] = found[query]
+    return out

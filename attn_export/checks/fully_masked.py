@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.checks.causality import query_dims
 from attn_export.compare import OutputComparison, compare_outputs
@@ -37,13 +37,10 @@ __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "se
 #: are neither 0 nor NaN, or where the case has no such row.
 UNSEEN = "unknown"
 #: Why padded query rows are treated as fully masked, in every note and message that says so.
-PADDED = (
-    "padding that sees no real token: none at or before it (within the window) where the module is causal, "
-    "none at all where it is not"
-)
+PADDED = "padding that sees no real token under the module's own causal mask or window"
 
 
-def _positions_before(spec: ModelSpec) -> int | None:
+def _declared_before(spec: ModelSpec) -> int | None:
     """How many positions before itself a query sees under the module's own window, where
     the spec says: its ``[cache] window`` (itself and the N before it) or a Hugging Face
     config's ``sliding_window`` (itself and the N - 1 before it); None: all of them."""
@@ -53,21 +50,20 @@ def _positions_before(spec: ModelSpec) -> int | None:
     return window - 1 if isinstance(window, int) and window > 0 else None
 
 
-def _keyless(keep: np.ndarray, before: int | None, sees_later: bool) -> np.ndarray:
-    """``[batch, key]`` True where a query at that key position would see no kept key: under
-    a causal mask aligned to the end of the keys (and ``before`` positions of window), a
-    left-padded prompt's rows before its first real token, or padding longer than the
-    window; where the module lets a query see the tokens after it (``sees_later``), only
-    the rows of a sequence with no kept token at all. A padded token with a kept key in
-    sight is a row like any other."""
-    if sees_later:
-        return np.broadcast_to(~keep.any(axis=-1, keepdims=True), keep.shape)
-    kept = np.cumsum(keep, axis=-1)
-    if before is not None and before + 1 < kept.shape[-1]:
-        earlier = np.zeros_like(kept)
-        earlier[:, before + 1 :] = kept[:, : -(before + 1)]
-        kept = kept - earlier
-    return kept == 0
+def _keyless(spec: ModelSpec, keep: np.ndarray, sight: Sight) -> np.ndarray:
+    """``[batch, key]`` True where a query at that key position would see no kept key, the
+    positions it sees taken from the module (``sight``; a window wider than its probe from
+    the spec): a left-padded prompt's rows before its first real token under a causal
+    mask, padding further than the window from every real token, and in an encoder only
+    a sequence with no real token at all. A padded token with a kept key in sight is a row
+    like any other."""
+    before = sight.before if sight.before is not None else _declared_before(spec)
+    n = keep.shape[-1]
+    kept = np.concatenate([np.zeros_like(keep[:, :1], dtype=np.int64), np.cumsum(keep, axis=-1)], axis=-1)
+    positions = np.arange(n)
+    first = np.zeros(n, dtype=np.int64) if before is None else np.maximum(positions - before, 0)
+    stop = np.full(n, n) if sight.after is None else np.minimum(positions + sight.after + 1, n)
+    return (kept[:, stop] - kept[:, first]) == 0
 
 
 def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
@@ -76,13 +72,14 @@ def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
     where the spec has none.
     Intermediate values are matched to it by their batch and query sizes (``localize``)."""
     rows: np.ndarray | None = None
+    dims = query_dims(spec)
     for t, mask in spec.masks:
-        query = query_dims(spec).get(t.name)
+        query = dims.get(t.name)
         if query is None:
             continue
         parts = spec.dims[t.shape[1]].parts if t.shape[1] in spec.dims else ()
         offset = sum(case.sizes[p] for p in parts[:-1])
-        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec), case.sees_later)
+        keyless = _keyless(spec, mask.keep(case.inputs[t.name]), case.sight(t.name))
         padded = keyless[:, offset : offset + case.sizes[query]]
         rows = padded if rows is None or rows.shape != padded.shape else rows | padded
     return rows
@@ -91,31 +88,31 @@ def padded_tokens(spec: ModelSpec, case: GoldenCase) -> np.ndarray | None:
 def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.ndarray], int]:
     """Per output, the elements of padded query rows that may see no key, and how many such
     rows there are. In self-attention a key-padding mask marks tokens, and a query row at a
-    masked token is padding too: where no kept key comes at or before it (within the
-    window), the module's own causal or sliding-window mask leaves it no key at all (a
-    left-padded prompt, padding longer than the window), and there PyTorch and any graph
-    differ; where the module lets a query see later tokens (``case.sees_later``), only a
-    sequence with no real token at all. Any other padded row sees a real key, and is
-    compared like every row. The key
-    dim is the query's own dim, or a sum whose other parts come first (``total_seq =
-    "past_seq + seq"``: the new tokens follow the cached ones)."""
+    masked token is padding too: where no kept key is in its sight (``case.sight``: before
+    it under a causal mask, within a window, anywhere in an encoder), the module's own mask
+    leaves it no key at all (a left-padded prompt, padding longer than the window, a
+    sequence with no real token), and there PyTorch and any graph differ. Any other padded
+    row sees a real key, and is compared like every row. An output's rows are the query
+    dim's, or the key dim's where it is a sum whose other parts come first (``total_seq =
+    "past_seq + seq"``: the presents hold the cached tokens, then the new ones)."""
     out: dict[str, np.ndarray] = {}
     count = 0
+    dims = query_dims(spec)
     for t, mask in spec.masks:
-        if mask.layout != "key-padding" or not isinstance(t.shape[1], str):
+        if t.name not in dims:
             continue
-        batch, key = t.shape[0], t.shape[1]
+        batch, key, query = t.shape[0], str(t.shape[1]), dims[t.name]  # a str: query_dims says so
         parts = spec.dims[key].parts if key in spec.dims else ()
-        keyless = _keyless(mask.keep(case.inputs[t.name]), _positions_before(spec), case.sees_later)
+        keyless = _keyless(spec, mask.keep(case.inputs[t.name]), case.sight(t.name))
         for o in spec.outputs:
-            query = key if key in o.shape else next((p for p in parts if p in o.shape), None)
-            if query is None or batch not in o.shape or query == batch:
+            rows_dim = key if key in o.shape else query if query in o.shape else None
+            if rows_dim is None or batch not in o.shape or rows_dim == batch:
                 continue
-            offset = sum(case.sizes[p] for p in parts[: parts.index(query)]) if query != key else 0
-            b_axis, q_axis = o.shape.index(batch), o.shape.index(query)
+            offset = sum(case.sizes[p] for p in parts[:-1]) if rows_dim != key else 0
+            b_axis, q_axis = o.shape.index(batch), o.shape.index(rows_dim)
             sizes = output_shape(spec, o, case.sizes)
             # a sliding-window present holds only the newest of the tokens
-            stop = offset + case.sizes[query]
+            stop = offset + case.sizes[rows_dim]
             rows = keyless[:, stop - sizes[q_axis] : stop]
             shape = [1] * len(o.shape)
             shape[b_axis], shape[q_axis] = rows.shape

@@ -323,8 +323,8 @@ def _rewrite_golden(folder: Path, name: str, change) -> None:
         ),
         (lambda a: a.__setitem__("min/whatever/q", np.zeros(1)), "unexpected entry 'min/whatever/q' in golden file"),
         (
-            lambda a: a.__setitem__("min/facts/sees_later", np.ones(2, bool)),
-            "fact entry 'min/facts/sees_later' is not a bool scalar of ['sees_later']",
+            lambda a: a.__setitem__("min/sight/k", np.asarray([3, 0])),
+            "case 'min' records a sight under ['k'], no mask of the spec",
         ),
     ],
 )

@@ -6,7 +6,9 @@ only there says so."""
 
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 
 from attn_export.cli import cli
+from attn_export.errors import ArtifactError
 from tests.conftest import write_spec
 
 
@@ -66,9 +69,21 @@ seq = {{ min = 1, max = 12 }}
 """
 
 
-def _build_and_verify(tmp_path: Path, rule: str, module: str = "LeftPaddedCausalAttention") -> tuple[object, object]:
+SPEC_MODULE = "LeftPaddedCausalAttention"
+
+
+def _npy(value: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, value)
+    return buf.getvalue()
+
+
+def _build_and_verify(
+    tmp_path: Path, rule: str, module: str = SPEC_MODULE, padding: str = "left-padding"
+) -> tuple[object, object]:
     models = tmp_path / "models"
-    write_spec(models, "padded", SPEC.replace("{rule}", rule).replace("LeftPaddedCausalAttention", module))
+    text = SPEC.replace("{rule}", rule).replace(SPEC_MODULE, module).replace('"left-padding"', f'"{padding}"')
+    write_spec(models, "padded", text)
     built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
     if built.exit_code:
         return built, None
@@ -93,12 +108,13 @@ def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_p
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (
-        "every difference is in 1 padded query row (padding that sees no real token: none at or before it (within "
-        "the window) where the module is causal, none at all where it is not); "
+        "every difference is in 1 padded query row (padding that sees no real token under the module's own "
+        "causal mask or window); "
         'set fully_masked = "ignore" in the spec to leave them out' in built.output
     )
 
 
+@pytest.mark.slow  # a build and a verify (8 s); the window's beside it is make test's
 def test_an_ignore_spec_builds_and_verifies_leaving_out_only_the_padded_rows(tmp_path: Path) -> None:
     built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"')
     assert built.exit_code == 0, built.output
@@ -140,40 +156,75 @@ TOKEN_SPEC = SPEC.replace(
 )
 
 
-@pytest.mark.parametrize("padding", ["padding", "left-padding"])
+@pytest.mark.parametrize("padding", [pytest.param("padding", marks=pytest.mark.slow), "left-padding"])
 def test_ignore_leaves_out_no_padded_row_that_sees_a_real_token(tmp_path: Path, padding: str) -> None:
     """An encoder's padded rows see real tokens: after them (right padding), and before
     them too, since its queries see later tokens (left padding, where a causal reading of
     "no real token at or before it" would call them keyless). So "ignore" compares them,
     and a graph wrong there fails; only a sequence with no real token at all is left out."""
-    spec = SPEC.replace("LeftPaddedCausalAttention", "WrongOnPaddedTokens").replace('"left-padding"', f'"{padding}"')
-    models = tmp_path / "models"
-    write_spec(models, "padded", spec.replace("{rule}", 'fully_masked = "ignore"'))
-    result = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
-    assert result.exit_code == 1, result.output
-    assert "[smoke] padded: smoke check at" in result.output and "outside atol" in result.output
+    built, _ = _build_and_verify(tmp_path, 'fully_masked = "ignore"', "WrongOnPaddedTokens", padding)
+    assert built.exit_code == 1, built.output
+    assert "[smoke] padded: smoke check at" in built.output and "outside atol" in built.output
 
 
-def test_which_padded_rows_see_no_key_follows_whether_the_module_sees_later_tokens(tmp_path: Path) -> None:
-    """PyTorch says whether a query sees later tokens; the golden file keeps the answer, and
-    the padded rows left without a key follow it."""
-    from attn_export.artifacts.golden import GoldenCase, read_golden, write_golden
-    from attn_export.checks.causality import sees_later_tokens
+class WindowedEncoder(LeftPaddedCausalAttention):
+    """Self-attention where each query sees the two tokens either side of it, and the key
+    padding: a window of its own, which no [cache] declares."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        near = (positions[:, None] - positions[None, :]).abs() <= 2
+        mask = near[None, None] & keep[:, None, None, :]
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h))
+
+
+@pytest.mark.parametrize(
+    ("module", "body", "seen", "keep", "keyless"),
+    [
+        ("LeftPaddedCausalAttention", SPEC, (None, 0), "..xx....", "11000000"),
+        ("WrongOnPaddedTokens", SPEC, (None, None), "..xx....", "00000000"),
+        ("TokenEncoder", TOKEN_SPEC, (None, None), "..xx....", "00000000"),  # ids change as vectors do
+        ("WindowedEncoder", SPEC, (2, 2), "xx......", "00001111"),
+    ],
+    ids=["causal", "encoder", "token-ids", "window"],
+)
+def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
+    tmp_path: Path, module: str, body: str, seen: tuple[int | None, int | None], keep: str, keyless: str
+) -> None:
+    """PyTorch says which positions a query sees; the golden file keeps the answer, and the
+    padded rows left without a key follow it (a sequence with no real token has none)."""
+    from attn_export.artifacts.golden import GoldenCase, Sight, read_golden, write_golden
+    from attn_export.checks.causality import sights
     from attn_export.checks.fully_masked import padded_tokens
     from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime
     from attn_export.spec import load_spec
 
-    sizes = {"batch": 2, "seq": 4}
-    keep = np.array([[False, False, True, True], [False, False, False, False]])
-    cases = (("LeftPaddedCausalAttention", SPEC, False), ("WrongOnPaddedTokens", SPEC, True))
-    for module, body, later in (*cases, ("TokenEncoder", TOKEN_SPEC, True)):  # ids change as vectors do
-        text = body.replace("{rule}", "").replace("LeftPaddedCausalAttention", module)
-        spec = load_spec(write_spec(tmp_path / module, "padded", text))
-        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
-            assert sees_later_tokens(spec, eager, sizes) is later
-        write_golden(tmp_path / module / "g.npz", [GoldenCase("c", sizes, {"keep": keep}, sees_later=later)])
-        [case] = read_golden(tmp_path / module / "g.npz")
-        rows = padded_tokens(spec, case)
-        assert rows is not None and rows[1].all()  # no real token at all: no key either way
-        assert rows[0].tolist() == ([False] * 4 if later else [True, True, False, False])
+    spec = load_spec(write_spec(tmp_path, "padded", body.replace("{rule}", "").replace(SPEC_MODULE, module)))
+    sizes = {"batch": 2, "seq": len(keep)}
+    with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+        assert sights(spec, eager, sizes) == {"keep": Sight(*seen)}
+    mask = np.array([[c == "x" for c in keep], [False] * len(keep)])
+    write_golden(tmp_path / "g.npz", [GoldenCase("c", sizes, {"keep": mask}, sights={"keep": Sight(*seen)})])
+    [case] = read_golden(tmp_path / "g.npz")
+    rows = padded_tokens(spec, case)
+    assert rows is not None and rows[1].all()
+    assert "".join("1" if r else "0" for r in rows[0]) == keyless
+    # a case that records no sight (the user's recorded inputs) counts every position as seen;
+    # a sight that is not one is refused
+    with zipfile.ZipFile(tmp_path / "g.npz", "a") as zf:
+        zf.writestr("c/sight/bad.npy", _npy(np.asarray([1, -2])))
+    with pytest.raises(ArtifactError, match="entry 'c/sight/bad' is not a sight: two ints of -1 or more"):
+        read_golden(tmp_path / "g.npz")
+    unseen = padded_tokens(spec, GoldenCase("c", sizes, {"keep": mask}))
+    assert unseen is not None and unseen[1].all() and not unseen[0].any()
+
+
+def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_its_sight(tmp_path: Path) -> None:
+    """Right padding longer than the module's own window: the rows it leaves no key are
+    left out (not failed, as when every padded row after a real one counted as seeing it)."""
+    built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"', "WindowedEncoder", "padding")
+    assert built.exit_code == 0, built.output
+    assert verified.exit_code == 0, verified.output

@@ -22,6 +22,7 @@ from typing import Any
 
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.folder import stage
+from attn_export.artifacts.golden import GOLDEN_FORMAT
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
@@ -62,8 +63,8 @@ def stage_timer(result: BuildResult, name: str) -> Iterator[None]:
 
 def _build_key(spec: ModelSpec, sources: dict[str, str], vers: Mapping[str, str], variant: str, provider: str) -> str:
     """What a graph depends on: the spec and weights, the module's source files, the tool
-    versions, the variant (a chain's every link, in order) and, where a link depends on it,
-    the provider."""
+    versions, the variant (a chain's every link, in order), where a link depends on it, the
+    provider, and what a golden file records (``GOLDEN_FORMAT``)."""
     target = provider if variant_chain(variant).provider_dependent else None
     blob = json.dumps(
         {
@@ -72,6 +73,7 @@ def _build_key(spec: ModelSpec, sources: dict[str, str], vers: Mapping[str, str]
             "versions": dict(vers),
             "variant": variant,
             "provider": target,
+            "golden": GOLDEN_FORMAT,
         },
         sort_keys=True,
     )

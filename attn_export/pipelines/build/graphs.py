@@ -11,9 +11,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import onnx
 
-from attn_export.artifacts.golden import GoldenCase, encode_golden
+from attn_export.artifacts.golden import GoldenCase, Sight, encode_golden
 from attn_export.artifacts.intermediates import encode_intermediates
-from attn_export.checks.causality import sees_later_tokens
+from attn_export.checks.causality import sights
 from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
 from attn_export.checks.decode_record import record_trajectory
 from attn_export.checks.fully_masked import judge
@@ -89,7 +89,7 @@ class SpecBuild:
         self.sizes = example_sizes(spec)
         self.sources = module_sources(spec)
         self.module = Once(lambda: instantiate(spec))
-        #: Whether a query sees later tokens, once every mask is read as the spec says.
+        #: The positions a query sees, once every mask is read as the spec says.
         self.masks = Once(self._probe_masks)
         self.exports: dict[int, Once[onnx.ModelProto]] = {}
         #: The FX program each export converted (dynamo only), for recorded intermediates.
@@ -100,12 +100,12 @@ class SpecBuild:
         self.golden_file = Once(lambda: encode_golden(self.golden.get()))
         self.graphs: dict[str, Once[Graph]] = {}
 
-    def _probe_masks(self) -> bool:
-        """The module reads every mask as the spec says (``mask_probe``); and whether a query
-        sees the tokens after it (``causality``), which each golden case records."""
+    def _probe_masks(self) -> dict[str, Sight]:
+        """The module reads every mask as the spec says (``mask_probe``); and the positions a
+        query sees (``causality``), which each golden case records."""
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
             check_masks(self.spec, eager, self.sizes, BUILD_SEED)
-            return sees_later_tokens(self.spec, eager, self.sizes, BUILD_SEED)
+            return sights(self.spec, eager, self.sizes)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""
@@ -127,14 +127,14 @@ class SpecBuild:
         spec = self.spec
         check_memory(spec, [p for p, _ in points], memory_budget(self.options.max_memory, spec))
         cases: list[GoldenCase] = []
-        sees_later = self.masks.get()
+        seen = self.masks.get()
         with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
             for i, (point, distribution) in enumerate(points):
                 feeds = make_feeds(spec, point.sizes, first_seed + i, case=point.case, distribution=distribution)
                 label = case_label(point.label, distribution)
                 outputs = eager.run(feeds)
                 floors = eager.precision_floor(feeds, outputs)
-                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors, sees_later))
+                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors, dict(seen)))
         return cases
 
     def _example(self) -> GoldenCase:

@@ -24,7 +24,7 @@ from attn_export.artifacts.intermediates import read_intermediates
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import default_opset, load_model_file
 from attn_export.artifacts.recorded import RECORDED
-from attn_export.checks.causality import sees_later_tokens
+from attn_export.checks.causality import sights
 from attn_export.checks.decode import (
     DEFAULT_STEPS,
     Trajectory,
@@ -356,8 +356,8 @@ def _pytorch_side(
     values = torch_values(program, spec, feeds, budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)
-        later = sees_later_tokens(spec, eager, example_sizes(spec), options.seed)
-        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs), later)
+        seen = sights(spec, eager, example_sizes(spec))
+        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs), seen)
     side = _Side(dict(sizes), feeds, values, case)
     if options.decode_step is not None:
         side.module_bug = parting_node(program, spec, traj, options.decode_step, values, budget, spec.tolerance)

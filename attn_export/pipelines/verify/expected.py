@@ -10,7 +10,7 @@ from pathlib import Path
 
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.recorded import RECORDED, read_recorded
-from attn_export.checks.causality import sees_later_tokens
+from attn_export.checks.causality import sights
 from attn_export.checks.decode_record import split_recorded_label
 from attn_export.errors import InputError
 from attn_export.pipelines.verify.results import VerifyOptions
@@ -110,15 +110,15 @@ def golden_expected(golden: list[GoldenCase]) -> Expected:
 
 
 def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[ShapePoint, str]], seed: int) -> Expected:
-    sees_later = sees_later_tokens(spec, torch_rt, example_sizes(spec), seed)
+    seen = sights(spec, torch_rt, example_sizes(spec))
 
     def make(i: int, outputs: bool) -> GoldenCase:
         point, distribution = plan[i]
         feeds = make_feeds(spec, point.sizes, seed + i, case=point.case, distribution=distribution)
         if not outputs:
-            return GoldenCase(point.label, dict(point.sizes), feeds, {}, sees_later=sees_later)
+            return GoldenCase(point.label, dict(point.sizes), feeds, {}, sights=dict(seen))
         got = torch_rt.run(feeds)
-        return GoldenCase(point.label, dict(point.sizes), feeds, got, torch_rt.precision_floor(feeds, got), sees_later)
+        return GoldenCase(point.label, dict(point.sizes), feeds, got, torch_rt.precision_floor(feeds, got), dict(seen))
 
     cases = [PlannedCase(p.label, dict(p.sizes), seed + i, d) for i, (p, d) in enumerate(plan)]
     return Expected(torch_rt.name, cases, make)
@@ -144,10 +144,10 @@ def recorded_expected(spec: ModelSpec, path: Path, budget: int, torch_rt: TorchR
     expected = _given("golden", cases, [0] * len(cases), [RECORDED] * len(cases))
     if torch_rt is None:
         return expected
-    sees_later = sees_later_tokens(spec, torch_rt, example_sizes(spec))
+    seen = sights(spec, torch_rt, example_sizes(spec))
 
     def make(i: int, outputs: bool) -> GoldenCase:
-        case = dataclasses.replace(cases[i], sees_later=sees_later)
+        case = dataclasses.replace(cases[i], sights=dict(seen))
         if outputs and torch_rt is not None:
             got = torch_rt.run(case.inputs)
             case = dataclasses.replace(case, outputs=got, floors=torch_rt.precision_floor(case.inputs, got))

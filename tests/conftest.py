@@ -81,6 +81,10 @@ def _one_core_per_worker() -> None:
     import torch
 
     torch.set_num_threads(1)
+    # and the processes a test starts (build --jobs, Ray): PyTorch's float32 sums, which
+    # golden files hold, round by the thread count, and a folder built by any executor
+    # must be byte for byte a serial build's
+    os.environ["OMP_NUM_THREADS"] = "1"
 
     class OneThread(onnxruntime.SessionOptions):  # type: ignore[misc]
         def __init__(self) -> None:

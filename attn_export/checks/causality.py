@@ -65,18 +65,18 @@ def _probe_sizes(spec: ModelSpec, sizes: Mapping[str, int], query: str) -> dict[
 
 
 def _changed_at(
-    spec: ModelSpec, feeds: dict[str, np.ndarray], sizes: dict[str, int], query: str, j: int
+    spec: ModelSpec, feeds: dict[str, np.ndarray], others: list[dict[str, np.ndarray]], query: str, j: int
 ) -> dict[str, np.ndarray] | None:
-    """``feeds`` with every input of token ``j`` (ids as well as vectors) taken from feeds of
-    another seed; None where nothing carries the token."""
+    """``feeds`` with every input of token ``j`` (ids as well as vectors) taken from the first
+    of ``others`` (feeds of other seeds) that changes it; None where nothing carries the token."""
     changed = dict(feeds)
     for u in spec.inputs:
         if u.mask is not None or query not in u.shape:
             continue
         at = _along(u.shape.index(query), len(u.shape), j)
-        for other in range(_SEED + 1, _SEED + 1 + _TRIES):  # ids from a small vocabulary may draw the same
+        for other in others:  # ids from a small vocabulary may draw the same
             value = feeds[u.name].copy()
-            value[at] = make_feeds(spec, sizes, other)[u.name][at]
+            value[at] = other[u.name][at]
             if not np.array_equal(value, feeds[u.name]):
                 changed[u.name] = value
                 break
@@ -92,9 +92,10 @@ def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], quer
     for t, mask in spec.masks:  # the module's own masking alone
         feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
     base = eager.run(feeds)
+    others = [make_feeds(spec, probe, seed) for seed in range(_SEED + 1, _SEED + 1 + _TRIES)]
     before = after = 0
     for j in range(n):
-        changed = _changed_at(spec, feeds, probe, query, j)
+        changed = _changed_at(spec, feeds, others, query, j)
         if changed is None:
             return Sight(None, None)  # nothing to change: judged as seeing every position
         got = eager.run(changed)

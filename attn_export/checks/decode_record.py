@@ -4,11 +4,12 @@ checked whole, to replay them on the graph."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.checks.decode import LAYOUTS, Feeds, Trajectory, layouts, step_inputs
 from attn_export.errors import ArtifactError
 from attn_export.spec import ModelSpec
@@ -19,11 +20,14 @@ __all__ = ["read_trajectories", "record_trajectory", "recorded_label", "split_re
 _LABEL = "decode"
 
 
-def record_trajectory(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[GoldenCase]:
+def record_trajectory(
+    spec: ModelSpec, traj: Trajectory, outputs: list[Feeds], sights: Mapping[str, Sight]
+) -> list[GoldenCase]:
     """The steps as golden cases: each step's feeds with the pasts PyTorch fed itself, and
-    its outputs (``verify --golden`` replays them, feeding the graph its own pasts)."""
+    its outputs (``verify --golden`` replays them, feeding the graph its own pasts), with
+    what a query of the module sees (``GoldenCase.sights``)."""
     return [
-        GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]))
+        GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]), dict(sights))
         for k, (inputs, out) in enumerate(zip(step_inputs(spec, traj, outputs), outputs, strict=True))
     ]
 

@@ -94,7 +94,8 @@ def test_a_padded_row_that_differs_only_in_its_cache_is_said_so() -> None:
 def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its_one_pass(
     built: Callable[[str], Built], name: str, fx_node: str, step: int
 ) -> None:
-    out, models = built(name).out, built(name).models
+    done = built(name)
+    out, models = done.out, done.models
     report = localize_model(out, name, LocalizeOptions(models_dir=models, decode_step=step))
     bug = report.module_bug
     assert report.graph_agrees and not report.agrees, "the graph does as the module does; the module is wrong"
@@ -111,6 +112,7 @@ def test_localize_names_the_first_fx_node_where_the_cached_module_parts_from_its
 
 @pytest.mark.slow  # the zoo decoders' five-seed localize sweep covers it too; CI runs it
 def test_localize_finds_no_module_bug_in_a_correct_decoder(built: Callable[[str], Built]) -> None:
-    out, models = built("withoutmask").out, built("withoutmask").models
+    done = built("withoutmask")
+    out, models = done.out, done.models
     report = localize_model(out, "withoutmask", LocalizeOptions(models_dir=models, decode_step=3))
     assert report.agrees and report.module_bug is None

@@ -4,7 +4,6 @@ check that runs it in ONNX Runtime. Each is computed once, and a failure is reme
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -159,8 +158,7 @@ class SpecBuild:
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
             recorded = pytorch_trajectories(eager, self.spec, cache, DEFAULT_STEPS, BUILD_SEED)
         seen = self.masks.get()
-        steps = [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs)]
-        return [dataclasses.replace(case, sights=dict(seen)) for case in steps]
+        return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs, seen)]
 
     def intermediates(self, variant: str, model: bytes) -> tuple[bytes | None, str | None]:
         """``build --record-intermediates``: PyTorch's value of every FX node on the golden

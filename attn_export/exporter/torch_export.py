@@ -81,6 +81,38 @@ def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.Warnin
         guard_logger.handlers = saved[3]
 
 
+#: torch.onnx's table of ONNX functions per opset (``_one_registry_per_opset``).
+_REGISTRIES: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _one_registry_per_opset() -> Iterator[None]:
+    """torch.onnx.export builds its table of ONNX functions from torchlib anew on every call,
+    a second or more of each export, though it depends on the opset alone and the export only
+    reads it: within our exports, each opset's is built once per process. Other callers of
+    torch.onnx (which may add to the table) get their own, as before."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+
+        registry = _registration.ONNXRegistry
+        original = registry.__dict__["from_torchlib"]
+        build = original.__func__
+    except (ImportError, AttributeError, KeyError):  # another torch: export as it does
+        yield
+        return
+
+    def shared(cls: Any, opset_version: int = _registration._constants.TORCHLIB_OPSET) -> Any:
+        if opset_version not in _REGISTRIES:
+            _REGISTRIES[opset_version] = build(cls, opset_version)
+        return _REGISTRIES[opset_version]
+
+    registry.from_torchlib = classmethod(shared)
+    try:
+        yield
+    finally:
+        registry.from_torchlib = original
+
+
 def _axes(shape: tuple[int | str, ...]) -> dict[int, str]:
     return {i: d for i, d in enumerate(shape) if isinstance(d, str)}
 
@@ -185,7 +217,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     output_names = [t.name for t in spec.outputs]
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
     try:
-        with _quiet(torch_dir) as (guards, caught), torch.no_grad():
+        with _quiet(torch_dir) as (guards, caught), torch.no_grad(), _one_registry_per_opset():
             if exporter == "dynamo":
                 program = _dynamo(torch, module, args, spec, guards)
                 if program is not None:  # before the conversion, which fails on a draw it cannot write

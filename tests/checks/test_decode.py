@@ -29,7 +29,7 @@ from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
 from tests.conftest import HAS_TRANSFORMERS, TINY_ZOO, ZOO, Built, built_on_demand, plant, write_spec
 
-CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_model_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]
+CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_sdpa_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]
 MODULES = {
     "mha_kv_cache": "attn_export.zoo.kv_cache:MHAKVCache",
     "gqa_rope_kv_cache": "attn_export.zoo.kv_cache:GQARopeKVCache",

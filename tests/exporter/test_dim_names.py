@@ -15,7 +15,7 @@ from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes, 
 from attn_export.spec import ModelSpec, load_spec
 from tests.conftest import TINY_ZOO, needs_transformers
 
-DECODERS = ["mha_kv_cache", pytest.param("llama_model_kv_cache", marks=needs_transformers)]
+DECODERS = ["mha_kv_cache", pytest.param("llama_sdpa_kv_cache", marks=needs_transformers)]
 
 
 @pytest.fixture(scope="module", params=DECODERS)

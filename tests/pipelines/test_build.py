@@ -8,6 +8,7 @@ import os
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +31,18 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import golden_points, sweep
-from tests.conftest import ROOT, TINY_SPECS, Built, tiny_spec, write_spec
+from tests.conftest import APART_SPECS, ROOT, TINY_SPECS, Built, tiny_spec, write_spec
 
-ZOO_NAMES = sorted(p.stem for p in TINY_SPECS)
+#: Every tiny zoo model: the shared zoo's, and in the slow set those it leaves out.
+ZOO_NAMES = [
+    *sorted(p.stem for p in TINY_SPECS),
+    *(pytest.param(p.stem, marks=pytest.mark.slow) for p in APART_SPECS),
+]
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
-def test_zoo_model_matches_pytorch_across_shapes(zoo_dir: Path, name: str) -> None:
+def test_zoo_model_matches_pytorch_across_shapes(zoo_model: Callable[[str], Path], name: str) -> None:
+    zoo_dir = zoo_model(name)
     entry = load_manifest(zoo_dir).models[name]
     spec = entry.model_spec
     points = sweep(spec)[:5]  # min, distinct, max, and the two skewed points
@@ -55,7 +61,8 @@ def test_zoo_model_matches_pytorch_across_shapes(zoo_dir: Path, name: str) -> No
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
-def test_declared_axes_are_symbolic_and_distinct(zoo_dir: Path, name: str) -> None:
+def test_declared_axes_are_symbolic_and_distinct(zoo_model: Callable[[str], Path], name: str) -> None:
+    zoo_dir = zoo_model(name)
     entry = load_manifest(zoo_dir).models[name]
     proto = onnx.load(zoo_dir / entry.file)
     check_dynamic_axes(proto, name, entry.model_spec.inputs, entry.model_spec.outputs, entry.model_spec.dims)

@@ -102,6 +102,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
                 f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
                 "declare [cache] max_seq in the spec"
             )
+        ctx.check_budget()
     with stage_timer(result, "module"):
         ctx.module.get()
     with stage_timer(result, "masks"):

@@ -100,6 +100,10 @@ class SpecBuild:
         self.golden_file = Once(lambda: encode_golden(self.golden.get()))
         self.graphs: dict[str, Once[Graph]] = {}
 
+    def check_budget(self) -> None:
+        """Every golden case fits the memory budget: refused before the export, not after it."""
+        check_memory(self.spec, golden_points(self.spec), memory_budget(self.options.max_memory, self.spec))
+
     def _probe_masks(self) -> dict[str, Sight]:
         """The module reads every mask as the spec says (``mask_probe``); and the positions a
         query sees (``causality``), which each golden case records."""

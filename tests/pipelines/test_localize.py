@@ -24,7 +24,7 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.report.localize_text import format_localize, where
-from tests.conftest import TINY_ZOO, Built, needs_transformers, plant, write_spec
+from tests.conftest import TINY_SPECS, TINY_ZOO, Built, needs_transformers, plant, write_spec
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 #: The CLI where torch cannot be imported, as on a deploy box.
@@ -176,7 +176,7 @@ def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, 
         (["mha", "--shapes", "batch=2,seq=500"], "seq=500 is outside"),
         (["mha", "--shapes", "batch=2,seq=5;batch=1,seq=3"], "--shapes: localize takes one case; give one shape point"),
         (["nope"], "no model 'nope'"),
-        ([], "holds 14 models; name one"),
+        ([], f"holds {len(TINY_SPECS)} models; name one"),
         (["mha", "--mask-case", "fully-masked-row"], "--mask-case fully-masked-row does not apply"),
     ],
 )

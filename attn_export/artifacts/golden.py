@@ -39,6 +39,7 @@ __all__ = [
     "load_entry",
     "npy_header",
     "read_golden",
+    "read_sights",
     "write_golden",
 ]
 
@@ -80,9 +81,9 @@ class GoldenCase:
     sights: dict[str, Sight] = field(default_factory=dict)
 
     def sight(self, mask: str) -> Sight:
-        """What a query sees under ``mask``; where the case records nothing (the user's
-        recorded inputs), every position: only a sequence with no real token then counts
-        as seeing no key, so no row that might see one is left out."""
+        """What a query sees under ``mask``; where the case records nothing, every
+        position: only a sequence with no real token then counts as seeing no key, so no
+        row that might see one is left out."""
         return self.sights.get(mask, Sight(None, None))
 
 
@@ -204,13 +205,19 @@ def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_En
                 raise ArtifactError(f"{path}: {e.where} has shape {list(e.shape)}, expected {list(want)}")
 
 
-def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int) -> list[GoldenCase]:
+def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int, only: str | None = None) -> list[GoldenCase]:
+    """The file's cases; with ``only``, each holding that section alone (none where no case has it)."""
     try:
         zf = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise ArtifactError(f"{path}: not a golden file (not a zip archive, as every .npz is)") from exc
     with zf:
-        return read_cases(path, zf, zf.infolist(), spec, budget)
+        infos = zf.infolist()
+        if only is not None:
+            infos = [i for i in infos if i.filename.split("/")[1:2] == [only]]
+            if not infos:
+                return []
+        return read_cases(path, zf, infos, spec, budget)
 
 
 def read_cases(
@@ -269,3 +276,21 @@ def read_golden(
         raise ArtifactError(f"{path}: golden file is missing")
     with open_regular(path, root) as (f, _):
         return _read(path, f, spec, budget or memory_budget())
+
+
+def read_sights(path: Path, spec: ModelSpec, budget: int | None = None, root: Path | None = None) -> dict[str, Sight]:
+    """What a query sees under each of the spec's masks, as a build's golden file records it
+    (each of its cases records the same), read alone: golden mode judges the user's recorded
+    inputs by it, as it judges the build's own cases. Empty where none is recorded."""
+    if not path.exists() and not path.is_symlink():
+        raise ArtifactError(f"{path}: golden file is missing")
+    with open_regular(path, root) as (f, _):
+        cases = _read(path, f, None, budget or memory_budget(), only="sight")
+    masks = {t.name for t, _ in spec.masks}
+    found: dict[str, Sight] = {}
+    for case in cases:
+        unknown = sorted(set(case.sights) - masks)
+        if unknown:
+            raise ArtifactError(f"{path}: case '{case.label}' records a sight under {unknown}, no mask of the spec")
+        found.update(case.sights)
+    return found

@@ -212,7 +212,7 @@ def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     rows = padded_tokens(spec, case)
     assert rows is not None and rows[1].all()
     assert "".join("1" if r else "0" for r in rows[0]) == keyless
-    # a case that records no sight (the user's recorded inputs) counts every position as seen;
+    # a case that records no sight counts every position as seen;
     # a sight that is not one is refused
     with zipfile.ZipFile(tmp_path / "g.npz", "a") as zf:
         zf.writestr("c/sight/bad.npy", _npy(np.asarray([1, -2])))
@@ -224,7 +224,27 @@ def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
 
 def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_its_sight(tmp_path: Path) -> None:
     """Right padding longer than the module's own window: the rows it leaves no key are
-    left out (not failed, as when every padded row after a real one counted as seeing it)."""
+    left out (not failed, as when every padded row after a real one counted as seeing it),
+    in golden mode too, where the user's recorded inputs are judged by what the build
+    recorded the module sees."""
+    from attn_export.exporter.factory import instantiate
+    from attn_export.runtimes.torch_eager import TorchRuntime
+    from attn_export.spec import load_spec
+
     built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"', "WindowedEncoder", "padding")
     assert built.exit_code == 0, built.output
     assert verified.exit_code == 0, verified.output
+    spec = load_spec(tmp_path / "models" / "padded.toml")
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 16), dtype=np.float32)}
+    feeds["keep"] = np.array([[True, True] + [False] * 6])  # rows 4-7 see no real token within 2 of theirs
+    with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+        outputs = eager.run(feeds)
+    recorded = tmp_path / "recorded.npz"
+    with zipfile.ZipFile(recorded, "w") as zf:
+        for section, arrays in (("inputs", feeds), ("outputs", outputs)):
+            for name, value in arrays.items():
+                zf.writestr(f"real/{section}/{name}.npy", _npy(value))
+    args = ["verify", str(tmp_path / "out"), "--golden", "--inputs", str(recorded), "--no-latency"]
+    golden = CliRunner().invoke(cli, args)
+    assert golden.exit_code == 0, golden.output
+    assert 'fully_masked = "ignore": 4 padded query rows not compared' in golden.output

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from attn_export.artifacts.golden import GoldenCase, read_golden
+from attn_export.artifacts.golden import GoldenCase, Sight, read_golden, read_sights
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.decode import DecodeResult
 from attn_export.checks.fully_masked import FullyMaskedRows
@@ -60,6 +60,13 @@ __all__ = [
 T = TypeVar("T")
 
 
+def read_golden_sights(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> dict[str, Sight]:
+    """Golden mode with recorded inputs: what a query sees, as the build recorded it."""
+    if not options.golden or not options.inputs_file:
+        return {}
+    return read_sights(out_dir / entry.golden, entry.model_spec, memory_budget(options.max_memory), out_dir)
+
+
 def read_model_golden(out_dir: Path, entry: ManifestEntry, options: VerifyOptions) -> list[GoldenCase]:
     """Golden mode: the golden file's cases (the sweep's and the decode steps'); none when
     recorded inputs replace the sweep. The manifest's spec is data: its max_memory is not obeyed."""
@@ -84,9 +91,11 @@ class TargetRun:
         module: Any = None,
         golden: Sequence[GoldenCase] = (),
         plain: Path | None = None,
+        golden_sights: Mapping[str, Sight] | None = None,
     ) -> None:
         self.name, self.path, self.spec, self.target, self.options = name, path, spec, target, options
         self.variant, self.module, self.golden, self.plain = variant, module, list(golden), plain
+        self.golden_sights = golden_sights
         self.kind = RUNTIMES[target.runtime]
         self.eager: Runtime | None = None
         self.activation_error: str | None = None
@@ -112,7 +121,10 @@ class TargetRun:
         self.expected: Expected
         if self.module is None:
             file = options.inputs_file
-            self.expected = recorded_expected(spec, file, budget) if file else golden_expected(self.golden)
+            if file:
+                self.expected = recorded_expected(spec, file, budget, golden_sights=self.golden_sights)
+            else:
+                self.expected = golden_expected(self.golden)
         else:
             device = torch_device_for(self.target.provider) if kind.timed else "cpu"
             threads = options.threads if kind.timed else None
@@ -211,6 +223,7 @@ class TargetWork(ModelWork):
         return cell_key("verify-target", [*self.content(), plain, self.target.label])
 
     def open(self) -> TargetRun:
+        sights = read_golden_sights(self.out_dir, self.entry, self.options)
         if self.options.golden:
             golden, module = read_model_golden(self.out_dir, self.entry, self.options), None
         else:
@@ -220,7 +233,16 @@ class TargetWork(ModelWork):
         path = self.out_dir / self.entry.file
         plain = self.out_dir / self.plain.file if self.plain else None
         return TargetRun(
-            self.entry.name, path, self.spec, self.target, self.options, self.entry.variant, module, golden, plain
+            self.entry.name,
+            path,
+            self.spec,
+            self.target,
+            self.options,
+            self.entry.variant,
+            module,
+            golden,
+            plain,
+            sights,
         )
 
 

@@ -4,11 +4,11 @@ user's recorded inputs, with the tolerances the options set."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from attn_export.artifacts.golden import GoldenCase
+from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.checks.causality import sights
 from attn_export.checks.decode_record import split_recorded_label
@@ -124,11 +124,19 @@ def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[Sha
     return Expected(torch_rt.name, cases, make)
 
 
-def recorded_expected(spec: ModelSpec, path: Path, budget: int, torch_rt: TorchRuntime | None = None) -> Expected:
+def recorded_expected(
+    spec: ModelSpec,
+    path: Path,
+    budget: int,
+    torch_rt: TorchRuntime | None = None,
+    golden_sights: Mapping[str, Sight] | None = None,
+) -> Expected:
     """The user's recorded inputs, checked against the spec like any feeds and against the
     memory budget (the file's declared sizes before loading, each case's floor before it
-    runs); expected outputs from PyTorch (when a case is made), or (golden mode) from the file."""
-    cases = read_recorded(path, budget)
+    runs); expected outputs from PyTorch (when a case is made), or (golden mode) from the file.
+    What a query sees is PyTorch's answer, or in golden mode the build's (``golden_sights``), never the
+    file's: it decides which padded rows are compared."""
+    cases = [dataclasses.replace(c, sights=dict(golden_sights or {})) for c in read_recorded(path, budget)]
     for case in cases:
         try:
             check_feeds(case.inputs, spec.inputs, spec.dims)

@@ -71,7 +71,7 @@ def test_plugin_collects_every_case_and_fails_only_the_planted_model(
 
 @pytest.fixture
 def one_model(tmp_path: Path) -> Path:
-    spec = write_spec(tmp_path / "models", "good", TINY_MHA.replace("{exporter}", "dynamo"))
+    spec = write_spec(tmp_path / "models", "good", TINY_MHA.replace("{exporter}", "torchscript"))
     assert build_models([spec], BuildOptions(tmp_path / "build")).exit_code == 0
     return tmp_path
 

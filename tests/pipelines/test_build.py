@@ -261,7 +261,7 @@ def test_a_frozen_python_value_fails_the_torchscript_export(tmp_path: Path) -> N
 
 
 def test_train_mode_warns_and_exports_in_eval_mode(tmp_path: Path) -> None:
-    path = tiny_spec(tmp_path / "models")
+    path = tiny_spec(tmp_path / "models", exporter="torchscript")
     path.write_text('mode = "train"\n' + path.read_text())
     r = _build([path], tmp_path / "out").results[0]
     assert r.status == "built"

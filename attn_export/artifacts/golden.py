@@ -32,6 +32,7 @@ from attn_export.spec.shapes import ShapePoint, validate_sizes
 
 __all__ = [
     "GOLDEN_FORMAT",
+    "SECTIONS",
     "GoldenCase",
     "Sight",
     "checked_header",
@@ -43,7 +44,8 @@ __all__ = [
     "write_golden",
 ]
 
-_SECTIONS = ("sizes", "inputs", "outputs", "floors", "sight")
+#: What a case's entries hold (``<case>/<section>/<name>``).
+SECTIONS = ("sizes", "inputs", "outputs", "floors", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
 GOLDEN_FORMAT = 2
@@ -165,7 +167,7 @@ def checked_header(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tu
 def _entry(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> _Entry:
     key = info.filename.removesuffix(".npy")
     parts = key.split("/")
-    if key == info.filename or len(parts) != 3 or parts[1] not in _SECTIONS:
+    if key == info.filename or len(parts) != 3 or parts[1] not in SECTIONS:
         raise ArtifactError(f"{path}: unexpected entry '{key}' in golden file")
     shape, dtype = checked_header(path, zf, info)
     return _Entry(info, parts[0], parts[1], parts[2], shape, dtype)
@@ -205,16 +207,21 @@ def _check_case(path: Path, spec: ModelSpec, case: GoldenCase, entries: list[_En
                 raise ArtifactError(f"{path}: {e.where} has shape {list(e.shape)}, expected {list(want)}")
 
 
-def _read(path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int, only: str | None = None) -> list[GoldenCase]:
-    """The file's cases; with ``only``, each holding that section alone (none where no case has it)."""
+def _read(
+    path: Path, f: IO[bytes], spec: ModelSpec | None, budget: int, sections: tuple[str, ...] = SECTIONS
+) -> list[GoldenCase]:
+    """The file's cases, the entries of ``sections`` read and those of the other sections
+    never (an entry of no section is refused as ever); none where no entry is left to read
+    and not every section is asked for."""
     try:
         zf = zipfile.ZipFile(f)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise ArtifactError(f"{path}: not a golden file (not a zip archive, as every .npz is)") from exc
     with zf:
         infos = zf.infolist()
-        if only is not None:
-            infos = [i for i in infos if i.filename.split("/")[1:2] == [only]]
+        if sections != SECTIONS:
+            skipped = set(SECTIONS) - set(sections)
+            infos = [i for i in infos if i.filename.partition("/")[2].partition("/")[0] not in skipped]
             if not infos:
                 return []
         return read_cases(path, zf, infos, spec, budget)
@@ -246,17 +253,17 @@ def read_cases(
     if spec is not None:
         for case in cases.values():
             _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
-    for e in entries:
+    for e in entries:  # a floor's and a sight's shape and dtype are checked before they are loaded
         if e.section == "floors":
-            value = load_entry(path, zf, e.info)
-            if e.shape != () or e.dtype != np.float64 or not np.isfinite(value) or value < 0:
+            value = load_entry(path, zf, e.info) if e.shape == () and e.dtype == np.float64 else None
+            if value is None or not np.isfinite(value) or value < 0:
                 raise ArtifactError(
                     f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
                 )
             cases[e.label].floors[e.name] = float(value)
         elif e.section == "sight":
-            value = load_entry(path, zf, e.info)
-            if e.shape != (2,) or e.dtype.kind not in "iu" or value.min() < -1:
+            value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype.kind in "iu" else None
+            if value is None or value.min() < -1:
                 raise ArtifactError(f"{path}: entry '{e.label}/sight/{e.name}' is not a sight: two ints of -1 or more")
             cases[e.label].sights[e.name] = Sight.from_array(value)
         elif e.section != "sizes":
@@ -266,16 +273,20 @@ def read_cases(
 
 
 def read_golden(
-    path: Path, spec: ModelSpec | None = None, budget: int | None = None, root: Path | None = None
+    path: Path,
+    spec: ModelSpec | None = None,
+    budget: int | None = None,
+    root: Path | None = None,
+    sections: tuple[str, ...] = SECTIONS,
 ) -> list[GoldenCase]:
     """Read golden vectors back, checking every header first (see the module's docstring);
     with ``spec``, each array must have the spec's dtype and shape at its case's sizes.
-    ``budget`` defaults to the caller's (``memory_budget``); ``root`` is the folder the file must stay in.
-    A malformed file is an ArtifactError, never a crash."""
+    ``budget`` defaults to the caller's (``memory_budget``); ``root`` is the folder the file must stay in;
+    only the entries of ``sections`` are read. A malformed file is an ArtifactError, never a crash."""
     if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{path}: golden file is missing")
     with open_regular(path, root) as (f, _):
-        return _read(path, f, spec, budget or memory_budget())
+        return _read(path, f, spec, budget or memory_budget(), sections)
 
 
 def read_sights(path: Path, spec: ModelSpec, budget: int | None = None, root: Path | None = None) -> dict[str, Sight]:
@@ -285,12 +296,14 @@ def read_sights(path: Path, spec: ModelSpec, budget: int | None = None, root: Pa
     if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{path}: golden file is missing")
     with open_regular(path, root) as (f, _):
-        cases = _read(path, f, None, budget or memory_budget(), only="sight")
+        cases = _read(path, f, None, budget or memory_budget(), ("sight",))
     masks = {t.name for t, _ in spec.masks}
     found: dict[str, Sight] = {}
     for case in cases:
         unknown = sorted(set(case.sights) - masks)
         if unknown:
             raise ArtifactError(f"{path}: case '{case.label}' records a sight under {unknown}, no mask of the spec")
-        found.update(case.sights)
+        for mask, seen in case.sights.items():
+            if found.setdefault(mask, seen) != seen:
+                raise ArtifactError(f"{path}: its cases record different sights under mask '{mask}'")
     return found

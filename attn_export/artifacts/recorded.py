@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export.artifacts.files import open_regular
-from attn_export.artifacts.golden import GoldenCase, npy_header, read_golden
+from attn_export.artifacts.golden import SECTIONS, GoldenCase, npy_header, read_golden
 from attn_export.errors import ArtifactError
 from attn_export.spec.memory import format_bytes
 
@@ -40,7 +40,8 @@ def read_recorded(path: Path, budget: int) -> list[GoldenCase]:
             raise ArtifactError(f"{path}: not a readable .npz of inputs ({type(e).__name__})") from e
     if flat is not None:
         return [GoldenCase("recorded", {}, flat)]
-    cases = read_golden(path, budget=budget)
+    # what a query sees is the build's to say, or PyTorch's: never read from this file
+    cases = read_golden(path, budget=budget, sections=tuple(s for s in SECTIONS if s != "sight"))
     for case in cases:
         if not case.inputs:
             raise ArtifactError(f"{path}: case '{case.label}' holds no inputs")

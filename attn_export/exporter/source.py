@@ -81,10 +81,15 @@ def _installed(top: str, path: Path) -> str | None:
     an installed library (site-packages), else None (the checkout, a spec's folder)."""
     if not {"site-packages", "dist-packages"} & set(path.parts):
         return None
-    names = _distributions().get(top, [])
-    if not names:
-        return None
-    return f"{names[0]}=={importlib.metadata.version(names[0])}"
+    for fresh in (False, True):
+        if fresh:  # uninstalled since it was read
+            _distributions.cache_clear()
+        names = _distributions().get(top, [])
+        try:
+            return f"{names[0]}=={importlib.metadata.version(names[0])}" if names else None
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def module_sources(spec: ModelSpec) -> dict[str, str]:

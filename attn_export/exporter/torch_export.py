@@ -14,6 +14,8 @@ import linecache
 import logging
 import os
 import re
+import sys
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -81,36 +83,53 @@ def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.Warnin
         guard_logger.handlers = saved[3]
 
 
-#: torch.onnx's table of ONNX functions per opset (``_one_registry_per_opset``).
-_REGISTRIES: dict[int, Any] = {}
+#: torch.onnx's tables of ONNX functions, by opset and what they were made from
+#: (``_one_registry_per_opset``); the lock keeps one export at a time in the patched window.
+_REGISTRIES: dict[tuple[object, ...], Any] = {}
+_PATCHED = threading.Lock()
+
+
+def _table_sources() -> tuple[object, ...]:
+    """What torch.onnx's table holds besides the opset's: the functions of torch's torchlib
+    and of onnxscript's (a module may register its own) and whether torchvision's ops exist."""
+    from onnxscript.function_libs.torch_lib.registration import default_registry
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    onnxscript_functions = sum(len(f.overloads) + len(f.complex) for f in default_registry.values())
+    return len(_torchlib_registry._registry), onnxscript_functions, "torchvision" in sys.modules
 
 
 @contextlib.contextmanager
 def _one_registry_per_opset() -> Iterator[None]:
     """torch.onnx.export builds its table of ONNX functions from torchlib anew on every call,
-    a second or more of each export, though it depends on the opset alone and the export only
-    reads it: within our exports, each opset's is built once per process. Other callers of
-    torch.onnx (which may add to the table) get their own, as before."""
+    a second or more of each export, though the export only reads it: within our exports,
+    one table is built per opset and process, and again when the functions it is made from
+    change. Other callers of torch.onnx (which may add to the table) get their own, as before."""
     try:
         from torch.onnx._internal.exporter import _registration
 
         registry = _registration.ONNXRegistry
         original = registry.__dict__["from_torchlib"]
-        build = original.__func__
-    except (ImportError, AttributeError, KeyError):  # another torch: export as it does
+        build, default_opset = original.__func__, _registration._constants.TORCHLIB_OPSET
+        _table_sources()
+    except (ImportError, AttributeError, KeyError):  # another torch or onnxscript: export as it does
         yield
         return
 
-    def shared(cls: Any, opset_version: int = _registration._constants.TORCHLIB_OPSET) -> Any:
-        if opset_version not in _REGISTRIES:
-            _REGISTRIES[opset_version] = build(cls, opset_version)
-        return _REGISTRIES[opset_version]
+    def shared(cls: Any, opset_version: int = default_opset) -> Any:
+        key = (opset_version, *_table_sources())
+        if key not in _REGISTRIES:
+            table = build(cls, opset_version)
+            _REGISTRIES[(opset_version, *_table_sources())] = table  # with what building it imported
+            return table
+        return _REGISTRIES[key]
 
-    registry.from_torchlib = classmethod(shared)
-    try:
-        yield
-    finally:
-        registry.from_torchlib = original
+    with _PATCHED:
+        registry.from_torchlib = classmethod(shared)
+        try:
+            yield
+        finally:
+            registry.from_torchlib = original
 
 
 def _axes(shape: tuple[int | str, ...]) -> dict[int, str]:

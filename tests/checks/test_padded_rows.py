@@ -248,3 +248,26 @@ def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_it
     golden = CliRunner().invoke(cli, args)
     assert golden.exit_code == 0, golden.output
     assert 'fully_masked = "ignore": 4 padded query rows not compared' in golden.output
+
+
+def test_sights_are_read_from_a_build_and_never_from_recorded_inputs(tmp_path: Path) -> None:
+    """Golden mode takes what a query sees from the build's golden file, whose cases must
+    agree; a file of recorded inputs is inputs and outputs: a sight in it is not read."""
+    from attn_export.artifacts.golden import GoldenCase, Sight, read_sights, write_golden
+    from attn_export.artifacts.recorded import read_recorded
+    from attn_export.spec import load_spec
+
+    spec = load_spec(write_spec(tmp_path, "padded", SPEC.replace("{rule}", "")))
+    sizes, keep = {"batch": 1, "seq": 4}, {"keep": np.ones((1, 4), dtype=bool)}
+    cases = [GoldenCase(c, sizes, keep, sights={"keep": Sight(None, s)}) for c, s in (("a", 0), ("b", 0))]
+    write_golden(tmp_path / "agree.npz", cases)
+    assert read_sights(tmp_path / "agree.npz", spec) == {"keep": Sight(None, 0)}
+    cases[1] = GoldenCase("b", sizes, keep, sights={"keep": Sight(None, None)})
+    write_golden(tmp_path / "differ.npz", cases)
+    with pytest.raises(ArtifactError, match="its cases record different sights under mask 'keep'"):
+        read_sights(tmp_path / "differ.npz", spec)
+    with zipfile.ZipFile(tmp_path / "differ.npz", "a") as zf:
+        zf.writestr("a/sight/bad.npy", _npy(np.zeros((512, 512))))  # refused from its header
+    with pytest.raises(ArtifactError, match="entry 'a/sight/bad' is not a sight"):
+        read_sights(tmp_path / "differ.npz", spec)
+    assert [c.sights for c in read_recorded(tmp_path / "differ.npz", 2**30)] == [{}, {}]

@@ -9,7 +9,7 @@ OUT ?= build
 # `make test-all`, which CI runs, is the same command with every test.
 MARK ?= not slow
 
-.PHONY: demo test test-all docs clean
+.PHONY: demo test test-all typecheck docs-check docs clean
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,17 @@ demo: $(STAMP)
 	$(BIN)/attn-export build --out $(OUT)
 	$(BIN)/attn-export verify $(OUT)
 
+# The type check and the strict docs build run side by side (one core each), before the tests.
 test: $(STAMP)
 	$(BIN)/ruff check attn_export tests benchmarks
-	$(BIN)/mypy
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site-check
+	$(MAKE) --no-print-directory -j2 typecheck docs-check
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile $(if $(MARK),-m "$(MARK)")
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+docs-check: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site-check
 
 test-all:
 	$(MAKE) test MARK=

@@ -86,7 +86,7 @@ def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.Warnin
 #: torch.onnx's tables of ONNX functions, by opset and what they were made from
 #: (``_one_registry_per_opset``); the lock keeps one export at a time in the patched window.
 _REGISTRIES: dict[tuple[object, ...], Any] = {}
-_PATCHED = threading.Lock()
+_PATCHED = threading.RLock()
 
 
 def _table_sources() -> tuple[object, ...]:

@@ -293,10 +293,7 @@ def read_sights(path: Path, spec: ModelSpec, budget: int | None = None, root: Pa
     """What a query sees under each of the spec's masks, as a build's golden file records it
     (each of its cases records the same), read alone: golden mode judges the user's recorded
     inputs by it, as it judges the build's own cases. Empty where none is recorded."""
-    if not path.exists() and not path.is_symlink():
-        raise ArtifactError(f"{path}: golden file is missing")
-    with open_regular(path, root) as (f, _):
-        cases = _read(path, f, None, budget or memory_budget(), ("sight",))
+    cases = read_golden(path, budget=budget, root=root, sections=("sight",))
     masks = {t.name for t, _ in spec.masks}
     found: dict[str, Sight] = {}
     for case in cases:

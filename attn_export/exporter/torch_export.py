@@ -236,23 +236,24 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     output_names = [t.name for t in spec.outputs]
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
     try:
-        with _quiet(torch_dir) as (guards, caught), torch.no_grad(), _one_registry_per_opset():
+        with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 program = _dynamo(torch, module, args, spec, guards)
                 if program is not None:  # before the conversion, which fails on a draw it cannot write
                     refuse_random_ops(program, spec.name)
-                result = torch.onnx.export(
-                    module if program is None else program,
-                    args,
-                    dynamo=True,
-                    opset_version=opset,
-                    input_names=input_names,
-                    output_names=output_names,
-                    # names the graph's symbolic dims after the spec's
-                    dynamic_shapes=_dim_shapes(torch, spec),
-                    verbose=False,
-                    report=False,
-                )
+                with _one_registry_per_opset():
+                    result = torch.onnx.export(
+                        module if program is None else program,
+                        args,
+                        dynamo=True,
+                        opset_version=opset,
+                        input_names=input_names,
+                        output_names=output_names,
+                        # names the graph's symbolic dims after the spec's
+                        dynamic_shapes=_dim_shapes(torch, spec),
+                        verbose=False,
+                        report=False,
+                    )
                 if program is None:  # exported by torch.onnx's own, narrower, export
                     refuse_random_ops(result.exported_program, spec.name)
                 return result

@@ -4,13 +4,15 @@ token see nothing; under a window, a padded row too far from every real token se
 in an encoder every padded row still sees every real token, and is a row like any other. So
 PyTorch is asked once per model and query dim: with every key kept, each token's inputs
 change in turn; which rows change with it? The farthest row before and after a token that
-does is the module's ``Sight``. Build records it in each golden case, so that a golden file
-is judged the same way without torch.
+does is the module's ``Sight``. A short probe asks every token; where its reach runs to the
+probe's end, a probe as long as the longest case judged asks again from its first and last
+token, so that a window wider than the short probe is still found. Build records the sight
+in each golden case, so that a golden file is judged the same way without torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -24,8 +26,8 @@ from attn_export.spec.shapes import validate_sizes
 
 __all__ = ["query_dims", "sights"]
 
-#: Query tokens the probe runs with (fewer where the spec's range ends first): a window up to
-#: this wide is found, a wider one reads as none, so its far rows are compared.
+#: Query tokens the short probe runs with (fewer where the spec's range ends first), every one
+#: of them changed in turn.
 PROBE_TOKENS = 12
 #: Other seeds tried for a token's inputs until they differ from the first.
 _TRIES = 8
@@ -54,9 +56,9 @@ def _along(axis: int, ndim: int, pick: int | slice) -> tuple[int | slice, ...]:
     return tuple(pick if i == axis else slice(None) for i in range(ndim))
 
 
-def _probe_sizes(spec: ModelSpec, sizes: Mapping[str, int], query: str) -> dict[str, int]:
-    """``sizes`` with ``PROBE_TOKENS`` query tokens where the spec's ranges allow it."""
-    wanted = spec.with_sums({**sizes, query: min(spec.dims[query].max, max(PROBE_TOKENS, sizes[query]))})
+def _probe_sizes(spec: ModelSpec, sizes: Mapping[str, int], query: str, tokens: int) -> dict[str, int]:
+    """``sizes`` with ``tokens`` query tokens where the spec's ranges allow it."""
+    wanted = spec.with_sums({**sizes, query: min(spec.dims[query].max, max(tokens, sizes[query]))})
     try:
         validate_sizes(spec, wanted)
         return wanted
@@ -83,21 +85,22 @@ def _changed_at(
     return None if all(changed[n] is feeds[n] for n in feeds) else changed
 
 
-def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], query: str) -> Sight:
-    probe = _probe_sizes(spec, sizes, query)
+def _reach(
+    spec: ModelSpec, eager: Runtime, probe: Mapping[str, int], query: str, tokens: Iterable[int]
+) -> tuple[int, int] | None:
+    """How far before and after itself a row changes when one of ``tokens`` does, at most;
+    None where a token has nothing to change."""
     n = probe[query]
-    if n < 2:
-        return Sight(None, None)  # one token sees all there is
     feeds = make_feeds(spec, probe, _SEED)
     for t, mask in spec.masks:  # the module's own masking alone
         feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
     base = eager.run(feeds)
     others = [make_feeds(spec, probe, seed) for seed in range(_SEED + 1, _SEED + 1 + _TRIES)]
     before = after = 0
-    for j in range(n):
+    for j in tokens:
         changed = _changed_at(spec, feeds, others, query, j)
         if changed is None:
-            return Sight(None, None)  # nothing to change: judged as seeing every position
+            return None
         got = eager.run(changed)
         for o in spec.outputs:
             if query not in o.shape:
@@ -107,16 +110,44 @@ def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], quer
                 row = _along(axis, len(o.shape), i)
                 if not compare_output(o.name, base[o.name][row], got[o.name][row], spec.tolerance_for(o.name)).passed:
                     before, after = max(before, i - j), max(after, j - i)
-    return Sight(None if before >= n - 1 else before, None if after >= n - 1 else after)
+    return before, after
 
 
-def sights(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int]) -> dict[str, Sight]:
+def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], query: str, longest: int) -> Sight:
+    probe = _probe_sizes(spec, sizes, query, PROBE_TOKENS)
+    n = probe[query]
+    if n < 2:
+        return Sight(None, None)  # one token sees all there is
+    reach = _reach(spec, eager, probe, query, range(n))
+    if reach is None:
+        return Sight(None, None)  # nothing to change: judged as seeing every position
+    before, after = (None if r >= n - 1 else r for r in reach)
+    if longest > n and None in (before, after):
+        far = _probe_sizes(spec, sizes, query, longest)
+        m = far[query]
+        # the rows the first token changes say how far back a query sees; the last's, how far ahead
+        ends = [j for j, unknown in ((0, before is None), (m - 1, after is None)) if unknown]
+        farther = _reach(spec, eager, far, query, ends) if m > n else None
+        if farther is not None and before is None and farther[0] < m - 1:
+            before = farther[0]
+        if farther is not None and after is None and farther[1] < m - 1:
+            after = farther[1]
+    return Sight(before, after)
+
+
+def sights(
+    spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], judged: Iterable[Mapping[str, int]] = ()
+) -> dict[str, Sight]:
     """Per self-attention key-padding mask, the module's ``Sight`` along its query dim: for
-    each token, which rows change when its inputs do, with every mask keeping every key."""
+    each token, which rows change when its inputs do, with every mask keeping every key;
+    measured as far as the longest of the ``judged`` cases' sizes reaches, since a window
+    wider than the probe reads as none."""
+    judged = list(judged)
     found: dict[str, Sight] = {}
     out = {}
     for name, query in query_dims(spec).items():
         if query not in found:
-            found[query] = _sight_along(spec, eager, sizes, query)
+            longest = max((case[query] for case in judged if query in case), default=0)
+            found[query] = _sight_along(spec, eager, sizes, query, longest)
         out[name] = found[query]
     return out

@@ -52,8 +52,8 @@ def _declared_before(spec: ModelSpec) -> int | None:
 
 def _keyless(spec: ModelSpec, keep: np.ndarray, sight: Sight) -> np.ndarray:
     """``[batch, key]`` True where a query at that key position would see no kept key, the
-    positions it sees taken from the module (``sight``; a window wider than its probe from
-    the spec): a left-padded prompt's rows before its first real token under a causal
+    positions it sees taken from the module (``sight``; a window wider than the probed
+    cases from the spec): a left-padded prompt's rows before its first real token under a causal
     mask, padding further than the window from every real token, and in an encoder only
     a sequence with no real token at all. A padded token with a kept key in sight is a row
     like any other."""

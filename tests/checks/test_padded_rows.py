@@ -79,10 +79,10 @@ def _npy(value: np.ndarray) -> bytes:
 
 
 def _build_and_verify(
-    tmp_path: Path, rule: str, module: str = SPEC_MODULE, padding: str = "left-padding"
+    tmp_path: Path, rule: str, module: str = SPEC_MODULE, padding: str = "left-padding", body: str = SPEC
 ) -> tuple[object, object]:
     models = tmp_path / "models"
-    text = SPEC.replace("{rule}", rule).replace(SPEC_MODULE, module).replace('"left-padding"', f'"{padding}"')
+    text = body.replace("{rule}", rule).replace(SPEC_MODULE, module).replace('"left-padding"', f'"{padding}"')
     write_spec(models, "padded", text)
     built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
     if built.exit_code:
@@ -171,30 +171,45 @@ class WindowedEncoder(LeftPaddedCausalAttention):
     """Self-attention where each query sees the two tokens either side of it, and the key
     padding: a window of its own, which no [cache] declares."""
 
+    reach = 2
+
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
         positions = torch.arange(s, device=x.device)
-        near = (positions[:, None] - positions[None, :]).abs() <= 2
+        near = (positions[:, None] - positions[None, :]).abs() <= self.reach
         mask = near[None, None] & keep[:, None, None, :]
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h))
+
+
+class WideWindowedEncoder(WindowedEncoder):
+    """A window wider than the short probe's tokens: only a probe as long as the cases finds it."""
+
+    reach = 14
+
+
+#: Room for right padding longer than the wide window.
+WIDE_SPEC = SPEC.replace("seq = { min = 1, max = 12 }", "seq = { min = 1, max = 40 }")
 
 
 @pytest.mark.parametrize(
     ("module", "body", "seen", "keep", "keyless"),
     [
         ("LeftPaddedCausalAttention", SPEC, (None, 0), "..xx....", "11000000"),
+        ("LeftPaddedCausalAttention", WIDE_SPEC, (None, 0), "..xx" + "." * 28, "11" + "0" * 30),
         ("WrongOnPaddedTokens", SPEC, (None, None), "..xx....", "00000000"),
         ("TokenEncoder", TOKEN_SPEC, (None, None), "..xx....", "00000000"),  # ids change as vectors do
         ("WindowedEncoder", SPEC, (2, 2), "xx......", "00001111"),
+        ("WideWindowedEncoder", WIDE_SPEC, (14, 14), "xx" + "." * 30, "0" * 16 + "1" * 16),
     ],
-    ids=["causal", "encoder", "token-ids", "window"],
+    ids=["causal", "long-causal", "encoder", "token-ids", "window", "wide-window"],
 )
 def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     tmp_path: Path, module: str, body: str, seen: tuple[int | None, int | None], keep: str, keyless: str
 ) -> None:
-    """PyTorch says which positions a query sees; the golden file keeps the answer, and the
-    padded rows left without a key follow it (a sequence with no real token has none)."""
+    """PyTorch says which positions a query sees, probed at a few tokens and then as far as
+    the cases judged; the golden file keeps the answer, and the padded rows left without a
+    key follow it (a sequence with no real token has none)."""
     from attn_export.artifacts.golden import GoldenCase, Sight, read_golden, write_golden
     from attn_export.checks.causality import sights
     from attn_export.checks.fully_masked import padded_tokens
@@ -205,7 +220,7 @@ def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     spec = load_spec(write_spec(tmp_path, "padded", body.replace("{rule}", "").replace(SPEC_MODULE, module)))
     sizes = {"batch": 2, "seq": len(keep)}
     with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
-        assert sights(spec, eager, sizes) == {"keep": Sight(*seen)}
+        assert sights(spec, eager, {"batch": 2, "seq": 2}, [sizes]) == {"keep": Sight(*seen)}
     mask = np.array([[c == "x" for c in keep], [False] * len(keep)])
     write_golden(tmp_path / "g.npz", [GoldenCase("c", sizes, {"keep": mask}, sights={"keep": Sight(*seen)})])
     [case] = read_golden(tmp_path / "g.npz")
@@ -222,21 +237,31 @@ def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     assert unseen is not None and unseen[1].all() and not unseen[0].any()
 
 
-def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_its_sight(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("module", "body", "length", "keyless"),
+    [
+        ("WindowedEncoder", SPEC, 8, 4),  # rows 4-7 see no real token within 2 of theirs
+        pytest.param("WideWindowedEncoder", WIDE_SPEC, 32, 16, marks=pytest.mark.slow),  # rows 16-31, within 14
+    ],
+    ids=["window", "wide-window"],
+)
+def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_its_sight(
+    tmp_path: Path, module: str, body: str, length: int, keyless: int
+) -> None:
     """Right padding longer than the module's own window: the rows it leaves no key are
     left out (not failed, as when every padded row after a real one counted as seeing it),
     in golden mode too, where the user's recorded inputs are judged by what the build
-    recorded the module sees."""
+    recorded the module sees; a window wider than the short probe included."""
     from attn_export.exporter.factory import instantiate
     from attn_export.runtimes.torch_eager import TorchRuntime
     from attn_export.spec import load_spec
 
-    built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"', "WindowedEncoder", "padding")
+    built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"', module, "padding", body)
     assert built.exit_code == 0, built.output
     assert verified.exit_code == 0, verified.output
     spec = load_spec(tmp_path / "models" / "padded.toml")
-    feeds = {"x": np.random.default_rng(0).standard_normal((1, 8, 16), dtype=np.float32)}
-    feeds["keep"] = np.array([[True, True] + [False] * 6])  # rows 4-7 see no real token within 2 of theirs
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, length, 16), dtype=np.float32)}
+    feeds["keep"] = np.array([[True, True] + [False] * (length - 2)])
     with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)
     recorded = tmp_path / "recorded.npz"
@@ -247,7 +272,7 @@ def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_it
     args = ["verify", str(tmp_path / "out"), "--golden", "--inputs", str(recorded), "--no-latency"]
     golden = CliRunner().invoke(cli, args)
     assert golden.exit_code == 0, golden.output
-    assert 'fully_masked = "ignore": 4 padded query rows not compared' in golden.output
+    assert f'fully_masked = "ignore": {keyless} padded query rows not compared' in golden.output
 
 
 def test_sights_are_read_from_a_build_and_never_from_recorded_inputs(tmp_path: Path) -> None:

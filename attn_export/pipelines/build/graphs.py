@@ -109,7 +109,7 @@ class SpecBuild:
         query sees (``causality``), which each golden case records."""
         with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
             check_masks(self.spec, eager, self.sizes, BUILD_SEED)
-            return sights(self.spec, eager, self.sizes)
+            return sights(self.spec, eager, self.sizes, [p.sizes for p in golden_points(self.spec)])
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""

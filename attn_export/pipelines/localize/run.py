@@ -356,7 +356,7 @@ def _pytorch_side(
     values = torch_values(program, spec, feeds, budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)
-        seen = sights(spec, eager, example_sizes(spec))
+        seen = sights(spec, eager, example_sizes(spec), [sizes])
         case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs), seen)
     side = _Side(dict(sizes), feeds, values, case)
     if options.decode_step is not None:

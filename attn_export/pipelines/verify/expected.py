@@ -110,7 +110,7 @@ def golden_expected(golden: list[GoldenCase]) -> Expected:
 
 
 def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[ShapePoint, str]], seed: int) -> Expected:
-    seen = sights(spec, torch_rt, example_sizes(spec))
+    seen = sights(spec, torch_rt, example_sizes(spec), [p.sizes for p, _ in plan])
 
     def make(i: int, outputs: bool) -> GoldenCase:
         point, distribution = plan[i]
@@ -152,7 +152,7 @@ def recorded_expected(
     expected = _given("golden", cases, [0] * len(cases), [RECORDED] * len(cases))
     if torch_rt is None:
         return expected
-    seen = sights(spec, torch_rt, example_sizes(spec))
+    seen = sights(spec, torch_rt, example_sizes(spec), [c.sizes for c in cases])
 
     def make(i: int, outputs: bool) -> GoldenCase:
         case = dataclasses.replace(cases[i], sights=dict(seen))

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from repeats import spread  # benchmarks/repeats.py, next to this script
+from repeats import repeated, spread  # benchmarks/repeats.py, next to this script
 
 from attn_export.pipelines.bench.runners import COMPILED
 from attn_export.runtimes.allocator import keep_freed_memory
@@ -49,17 +49,6 @@ DECODE_SPEC = HERE / "models" / "mha_kv_cache_512.toml"
 PREFILL_VARIANTS = ("fp32", "ort-fused", "int8")
 DECODE_VARIANTS = ("fp32", "attention-op", "ort-past", "int8")
 SIZES = (128, 512, 2048)
-
-
-def repeated(calls: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, list[float]]:
-    """Each call's p50 (ms) in each of ``repeats`` rounds of alternating blocks."""
-    from attn_export.runtimes.timing import measure_alternating
-
-    p50s: dict[str, list[float]] = {label: [] for label in calls}
-    for _ in range(repeats):
-        for label, stats in measure_alternating(calls, budget_s=budget_s).items():
-            p50s[label].append(stats.p50_ms)
-    return p50s
 
 
 def _threads(n: int) -> str:

@@ -79,14 +79,18 @@ def verify(
     max_memory: int | str | None = None,
     jobs: int | None = None,
     executor: str = "local",
+    spec: str | Path | None = None,
+    variant: str = "fp32",
 ) -> VerifyReport:
     """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
     off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``;
     ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``; ``jobs`` and
     ``executor`` are ``--jobs`` and ``--executor`` (a script that starts processes guards its
-    own work with ``if __name__ == "__main__":``)."""
+    own work with ``if __name__ == "__main__":``). With ``spec`` (a spec file), ``artifacts``
+    is one .onnx file no build made, judged as a graph of ``variant``: ``--spec``, ``--variant``."""
     paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
-    out_dir, manifest, names = select_models(paths)
+    spec_file = None if spec is None else Path(spec)
+    out_dir, manifest, names = select_models(paths, spec_file, variant)
     options = VerifyOptions(
         targets=resolve_targets(runtimes, providers),
         models_dir=Path(models),
@@ -98,6 +102,8 @@ def verify(
         rtol=rtol,
         latency=latency,
         max_memory=_bytes(max_memory),
+        spec_file=spec_file,
+        variant=variant,
     )
     return verify_artifacts(out_dir, manifest, names, options, parallelism=Parallelism(executor, jobs))
 

@@ -417,6 +417,19 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @checkout_models_option
 @click.option(
+    "--spec",
+    "spec_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Verify one .onnx file no build made (edited by hand, or exported by a script) against this spec's "
+    "module, as a built graph is; replaces --models. Not with --golden or --localize.",
+)
+@click.option(
+    "--variant",
+    default="fp32",
+    show_default=True,
+    help="With --spec: the variant the graph is (its name and tolerance), e.g. int8.",
+)
+@click.option(
     "--provider",
     "providers",
     multiple=True,
@@ -520,6 +533,8 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 def verify(
     paths: tuple[Path, ...],
     models_dir: Path,
+    spec_path: Path | None,
+    variant: str,
     providers: tuple[str, ...],
     runtimes: tuple[str, ...],
     golden: bool,
@@ -551,14 +566,16 @@ def verify(
     PATHS is a build folder (default: build) or .onnx files from one. Each artifact's
     sha256 is checked against the manifest, its dynamic axes against the graph, and its
     outputs against the PyTorch original at batch 1, sequence 1, unequal query and kv
-    lengths, the longest allowed lengths and seeded random shapes. Exit 0 when all agree,
-    1 on any mismatch or failed gate, 2 on bad usage or input.
+    lengths, the longest allowed lengths and seeded random shapes. With --spec, PATHS is
+    one .onnx file no build made, checked the same way against that spec. Exit 0 when all
+    agree, 1 on any mismatch or failed gate, 2 on bad usage or input.
 
     Example:
 
         attn-export verify build --json report.json --junit junit.xml
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
+        attn-export verify edited/mha.onnx --spec models/mha.toml
     """
     from attn_export.artifacts.folder import tidy
     from attn_export.executors import Parallelism
@@ -595,13 +612,17 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
+    if spec_path is None and variant != "fp32":
+        raise click.UsageError("--variant needs --spec: a built graph's manifest names its own variant")
+    if spec_path is not None and localize_first:
+        raise click.UsageError("--localize reads a build folder; a graph given with --spec has none")
     report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     parallelism = Parallelism(executor, jobs)
-    out_dir, manifest, names = select_models(list(paths) or [Path("build")])
+    out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
-        models_dir=models_dir,
+        models_dir=models_dir if spec_path is None else spec_path.parent,
         golden=golden,
         shapes=parse_shapes(shapes) if shapes else None,
         distributions=distributions or None,
@@ -620,12 +641,14 @@ def verify(
         decode_steps=decode_steps,
         require_placement=require_placement,
         scenario=scenario,
+        spec_file=spec_path,
+        variant=variant,
     )
     options.check()  # before the folder's decoders are picked for --scenario
     if scenario:
         names = decoder_names(manifest, names, scenario, _notice)
     selected, names = names, shard_names(names, shard)
-    notice = tidy(out_dir)
+    notice = tidy(out_dir) if spec_path is None else None  # a graph's own folder is no build's to tidy
     if notice:
         _notice(notice)
     if not names and not shard:

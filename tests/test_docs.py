@@ -128,7 +128,7 @@ def test_api_example_runs_as_written(
     assert "'was': {'fully-padded-sequence': 'NaN'}" in out
     assert out.strip().endswith(
         "True {'models': 1, 'cases': 14, 'failed_cases': 0, 'failed_checks': 0, 'noisy_timings': 0, "
-        "'placement_fallbacks': 0, 'failed_placements': 0}"
+        "'placement_fallbacks': 0, 'failed_placements': 0} True"
     )
 
 

@@ -12,6 +12,7 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
 from attn_export.exporter.source import module_sources
+from attn_export.pipelines.verify.outside import outside_manifest
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 
@@ -61,8 +62,15 @@ def decoder_names(
     return kept
 
 
-def select_models(paths: Sequence[Path]) -> tuple[Path, Manifest, list[str]]:
-    """Resolve ``DIR`` or ``FILES...`` (all in one build folder) to a manifest and model names."""
+def select_models(
+    paths: Sequence[Path], spec_file: Path | None = None, variant: str = "fp32"
+) -> tuple[Path, Manifest, list[str]]:
+    """Resolve ``DIR`` or ``FILES...`` (all in one build folder) to a manifest and model
+    names; or with ``spec_file``, one .onnx file no build made (``outside_manifest``)."""
+    if spec_file is not None:
+        if len(paths) != 1:
+            raise UsageError("--spec verifies one .onnx file: give exactly one")
+        return outside_manifest(paths[0], spec_file, variant)
     if not paths:
         raise UsageError("give a build folder or .onnx files from one")
     if len(paths) == 1 and paths[0].is_dir():

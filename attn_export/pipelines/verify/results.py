@@ -79,6 +79,10 @@ class VerifyOptions:
     require_placement: bool | None = None
     #: A decoder scenario preset (``spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
     scenario: str | None = None
+    #: A graph no build made is verified against this spec file (``verify_outside``), as a
+    #: graph of ``variant`` (its name and tolerance); None for built graphs.
+    spec_file: Path | None = None
+    variant: str = "fp32"
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
@@ -142,6 +146,7 @@ class VerifyOptions:
             "decode_steps": self.steps,
             "require_placement": self.require_placement,
             "scenario": self.scenario,
+            **({"spec": str(self.spec_file), "variant": self.variant} if self.spec_file else {}),
         }
 
 
@@ -447,8 +452,11 @@ class VerifyReport:
         args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
         if case.distribution == RECORDED:
             args += ["--inputs", str(self.settings.get("inputs"))]
-        models = self.settings.get("models")
-        if models and models != "models":  # verify's default
+        models, spec = self.settings.get("models"), self.settings.get("spec")
+        if spec:  # a graph no build made
+            variant = self.settings["variant"]
+            args += ["--spec", spec, *(["--variant", variant] if variant != "fp32" else [])]
+        elif models and models != "models":  # verify's default
             args += ["--models", models]
         if case.expected_from == "golden":
             args += ["--golden"]

@@ -74,13 +74,43 @@ def verify_artifacts(
     checkout for a model verified against PyTorch). Cells run on the executor ``parallelism``
     names (by default one after another, in this process): the report is the same whichever
     runs them. The folder is read under a shared lock: a build in progress is waited for
-    (``on_notice`` hears it once), and ``manifest`` is read again once it is done."""
+    (``on_notice`` hears it once), and ``manifest`` is read again once it is done. With
+    ``options.spec_file``, the manifest is ``outside_manifest``'s of a graph no build made
+    (``_verify_outside``)."""
+    if options.spec_file is not None:
+        return _verify_outside(out_dir, manifest, names, options, on_model, on_notice, parallelism)
     with read_lock(out_dir, options.lock_wait_s, on_notice):
         if (out_dir / MANIFEST_NAME).is_file():
             manifest = load_manifest(out_dir)
         missing = [n for n in names if n not in manifest.models]
         if missing:
             raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
+        if not options.golden and options.models_dir.resolve().is_relative_to(out_dir.resolve()):
+            raise UsageError(
+                f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from the "
+                "checkout, never from a build folder; pass --models with the checkout's spec folder"
+            )
+        return _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+
+
+def _verify_outside(
+    out_dir: Path,
+    manifest: Manifest,
+    names: Sequence[str],
+    options: VerifyOptions,
+    on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
+    on_notice: Callable[[str], None] | None,
+    parallelism: Parallelism,
+) -> VerifyReport:
+    """A graph no build made (edited by hand, or exported by a script of the user's), listed
+    by ``outside.outside_manifest`` in a manifest of its own that is never read from the
+    folder, judged against ``options.spec_file``. Golden mode needs a build's golden file
+    and is refused. A build in progress in the folder is waited for."""
+    assert options.spec_file is not None
+    if options.golden:
+        raise UsageError("--golden compares with a build's golden file; a graph given with --spec has none")
+    options = dataclasses.replace(options, models_dir=options.spec_file.parent)
+    with read_lock(out_dir, options.lock_wait_s, on_notice):
         return _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
 
 
@@ -94,11 +124,6 @@ def _verify_locked(
 ) -> VerifyReport:
     options.check()
     check_threads(options.threads)
-    if not options.golden and options.models_dir.resolve().is_relative_to(out_dir.resolve()):
-        raise UsageError(
-            f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from the "
-            "checkout, never from a build folder; pass --models with the checkout's spec folder"
-        )
     options = dataclasses.replace(options, threads=options.threads or physical_cores())
     started = time.perf_counter()
     report = VerifyReport(

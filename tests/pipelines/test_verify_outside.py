@@ -1,0 +1,112 @@
+"""A graph no build made (edited by hand after a build, or exported by a script of the
+user's) is verified with ``--spec``, as a built graph is: against the spec's module, over
+the sweep, with a reproduce command that reruns a failing case; nothing is written beside
+it, and a build folder it sits in is left as it was."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from attn_export.cli import cli
+from tests.conftest import Built
+
+
+def _edited(built: Built, dest: Path, shift: float = 0.0) -> Path:
+    """The tiny build's graph, a node renamed (what a careful hand edit leaves: the same
+    numbers) and the output bias moved by ``shift`` (a careless one), alone in ``dest``."""
+    proto = onnx.load(built.out / "tiny.onnx")
+    proto.graph.node[0].name += "_edited"
+    for init in proto.graph.initializer:
+        if init.name.endswith("out_linear.bias"):
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) + np.float32(shift), init.name))
+    dest.mkdir(parents=True, exist_ok=True)
+    onnx.save(proto, dest / "tiny.onnx")
+    return dest / "tiny.onnx"
+
+
+def _verify(*args: str) -> object:
+    return CliRunner().invoke(cli, ["verify", *args, "--no-latency", "--random", "0"])
+
+
+def test_a_graph_no_build_made_is_verified_against_the_spec_it_is_given(shared_tiny: Built, tmp_path: Path) -> None:
+    graph = _edited(shared_tiny, tmp_path / "edited")
+    report = tmp_path / "report.json"
+    result = _verify(str(graph), "--spec", str(shared_tiny.models / "tiny.toml"), "--json", str(report))
+    assert result.exit_code == 0, result.output
+    assert "verify PASSED" in result.output and "tiny " in result.output
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["tiny.onnx"]  # nothing written beside it
+    doc = json.loads(report.read_text())
+    assert doc["settings"]["spec"] == str(shared_tiny.models / "tiny.toml")
+    assert doc["cases"] and all(" --spec " in c["reproduce"] for c in doc["cases"])
+
+
+def test_a_wrong_edit_fails_and_its_reproduce_command_fails_the_same_case(shared_tiny: Built, tmp_path: Path) -> None:
+    graph = _edited(shared_tiny, tmp_path / "edited", shift=0.01)
+    result = _verify(str(graph), "--spec", str(shared_tiny.models / "tiny.toml"))
+    assert result.exit_code == 1, result.output
+    assert "outside atol" in result.output and "max abs 0.01" in result.output
+    command = next(line.split("reproduce: ", 1)[1] for line in result.output.splitlines() if "reproduce: " in line)
+    again = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert again.exit_code == 1, again.output
+    assert "0 of 1 cases agree" in again.output
+    # judged by the variant's tolerance when the graph is one (int8's atol is 0.1)
+    loose = _verify(str(graph), "--spec", str(shared_tiny.models / "tiny.toml"), "--variant", "int8")
+    assert loose.exit_code == 0, loose.output
+    assert "tiny.int8" in loose.output
+
+
+def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Built) -> None:
+    """The build's own check still fails the edited file (it is not the graph built); with
+    --spec it is judged by its numbers, and the manifest is not touched."""
+    manifest = (tiny_build.out / "manifest.json").read_bytes()
+    shutil.move(_edited(tiny_build, tiny_build.out / "edit"), tiny_build.out / "tiny.onnx")
+    built = _verify(str(tiny_build.out), "--models", str(tiny_build.models))
+    assert built.exit_code == 1 and "tiny.onnx changed after the build" in built.output
+    spec = _verify(str(tiny_build.out / "tiny.onnx"), "--spec", str(tiny_build.models / "tiny.toml"))
+    assert spec.exit_code == 0, spec.output
+    assert (tiny_build.out / "manifest.json").read_bytes() == manifest
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{dir}", "--spec", "{spec}"], "--spec judges one .onnx file, not a folder or another file"),
+        (["{graph}", "{graph}", "--spec", "{spec}"], "--spec verifies one .onnx file: give exactly one"),
+        (["{graph}", "--spec", "{spec}", "--golden"], "--golden compares with a build's golden file"),
+        (["{graph}", "--spec", "{spec}", "--localize"], "--localize reads a build folder"),
+        (["{graph}", "--variant", "int8"], "--variant needs --spec"),
+        (["{graph}", "--spec", "{spec}", "--variant", "auto"], "--variant auto chooses among variants"),
+        (["{graph}", "--spec", "{dir}/none.toml"], "none.toml: no such spec file"),
+        (["{dir}/none.onnx", "--spec", "{spec}"], "none.onnx: no such file"),
+    ],
+    ids=["folder", "two-files", "golden", "localize", "variant-alone", "chooser", "no-spec", "no-graph"],
+)
+def test_bad_usage_is_one_line_and_exit_2(shared_tiny: Built, tmp_path: Path, args: list[str], message: str) -> None:
+    graph = _edited(shared_tiny, tmp_path / "edited")
+    where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": str(shared_tiny.models / "tiny.toml")}
+    for key, value in where.items():
+        args = [a.replace(key, value) for a in args]
+    result = _verify(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["tiny.onnx"]
+
+
+def test_the_python_api_takes_the_spec_too(shared_tiny: Built, tmp_path: Path) -> None:
+    import attn_export
+
+    graph = _edited(shared_tiny, tmp_path / "edited", shift=0.01)
+    report = attn_export.verify(graph, spec=shared_tiny.models / "tiny.toml", n_random=0)
+    assert not report.passed and report.models() == ["tiny"]
+    assert report.settings["spec"] == str(shared_tiny.models / "tiny.toml")
+    loose = attn_export.verify(graph, spec=shared_tiny.models / "tiny.toml", variant="int8", n_random=0)
+    assert loose.passed and loose.models() == ["tiny.int8"]

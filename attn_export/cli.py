@@ -188,6 +188,30 @@ def _models_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyw
 checkout_models_option = _models_option(
     "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest."
 )
+
+
+def outside_graph_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--spec`` and ``--variant``: one .onnx file no build made, judged against a spec."""
+    f = click.option(
+        "--variant",
+        default="fp32",
+        show_default=True,
+        help="With --spec: the variant the graph is (its name and tolerance), e.g. int8.",
+    )(f)
+    return click.option(
+        "--spec",
+        "spec_path",
+        type=click.Path(path_type=Path, dir_okay=False),
+        help="Take one .onnx file no build made (edited by hand, or exported by a script) and judge it against "
+        "this spec's module, as a built graph is; replaces --models. Not with --golden.",
+    )(f)
+
+
+def _check_outside(spec_path: Path | None, variant: str) -> None:
+    if spec_path is None and variant != "fp32":
+        raise click.UsageError("--variant needs --spec: a built graph's manifest names its own variant")
+
+
 models_option = _models_option("Folder of *.toml model specs.")
 
 
@@ -416,19 +440,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @cli.command()
 @click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
 @checkout_models_option
-@click.option(
-    "--spec",
-    "spec_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Verify one .onnx file no build made (edited by hand, or exported by a script) against this spec's "
-    "module, as a built graph is; replaces --models. Not with --golden or --localize.",
-)
-@click.option(
-    "--variant",
-    default="fp32",
-    show_default=True,
-    help="With --spec: the variant the graph is (its name and tolerance), e.g. int8.",
-)
+@outside_graph_options
 @click.option(
     "--provider",
     "providers",
@@ -612,10 +624,7 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    if spec_path is None and variant != "fp32":
-        raise click.UsageError("--variant needs --spec: a built graph's manifest names its own variant")
-    if spec_path is not None and localize_first:
-        raise click.UsageError("--localize reads a build folder; a graph given with --spec has none")
+    _check_outside(spec_path, variant)
     report_paths = _format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths)
     parallelism = Parallelism(executor, jobs)
@@ -719,9 +728,10 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("folder", type=click.Path(path_type=Path))
 @click.argument("model", required=False)
 @checkout_models_option
+@outside_graph_options
 @click.option("--shapes", help="The case's sizes, e.g. \"batch=2,seq=5,kv_seq=7\" (default: the build's example).")
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the case's inputs.")
 @click.option(
@@ -794,6 +804,8 @@ def localize(
     folder: Path,
     model: str | None,
     models_dir: Path,
+    spec_path: Path | None,
+    variant: str,
     shapes: str | None,
     seed: int,
     distribution: str,
@@ -813,7 +825,8 @@ def localize(
     wait_s: float,
 ) -> None:
     """Name the first node where a built graph leaves PyTorch on one case, with the FX
-    node, module and source line it came from.
+    node, module and source line it came from. FOLDER is a build folder, or with --spec
+    one .onnx file no build made.
 
     Both sides run once with every intermediate value kept; then each group of ONNX nodes
     made from one FX node runs alone on PyTorch's values, so its own error is told apart
@@ -829,6 +842,7 @@ def localize(
         attn-export localize build mha_kv_cache --decode-step 3 --layout left-padded
         attn-export localize build mha --golden
         attn-export localize build mha --runtime onnx-reference
+        attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
     """
     from attn_export.artifacts.files import output_target, write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
@@ -836,6 +850,9 @@ def localize(
     from attn_export.report.model_explorer import format_overlay
     from attn_export.spec.shapes import parse_shapes
 
+    _check_outside(spec_path, variant)
+    if spec_path is None and folder.is_file():
+        raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
     for path in (json_path, overlay_path):
         if path is not None:
             output_target(path)
@@ -868,6 +885,8 @@ def localize(
         decode_steps=decode_steps,
         fully_masked=fully_masked,
         golden=golden,
+        spec_file=spec_path,
+        variant=variant,
     )
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))

@@ -64,6 +64,29 @@ def test_a_wrong_edit_fails_and_its_reproduce_command_fails_the_same_case(shared
     assert "tiny.int8" in loose.output
 
 
+def test_a_wrong_edit_is_localized_to_its_node_and_source_line(shared_tiny: Built, tmp_path: Path) -> None:
+    """verify --localize and localize --spec name the node the edit changed, from the
+    graph's own FX metadata and the spec's module; the reproduce line reruns it."""
+    graph = _edited(shared_tiny, tmp_path / "edited", shift=0.01)
+    spec = str(shared_tiny.models / "tiny.toml")
+    verified = _verify(str(graph), "--spec", spec, "--localize")
+    assert verified.exit_code == 1, verified.output
+    blame = "DIVERGES first at ONNX node_linear_3 (+1 nodes) [MatMul+Add] from FX node linear_3"
+    assert blame in verified.output and "`output = self.out_linear(output)`" in verified.output
+    line = next(x for x in verified.output.splitlines() if x.startswith("reproduce: attn-export localize "))
+    assert f"{graph} --spec {spec} " in line
+    again = CliRunner().invoke(cli, shlex.split(line.removeprefix("reproduce: "))[1:])
+    assert again.exit_code == 1 and blame in again.output, again.output
+    for args, message in (
+        ([str(graph)], "is a file: give its build folder, or --spec"),
+        ([str(graph), "other", "--spec", spec], "makes it model 'tiny', not 'other'"),
+        ([str(graph), "--spec", spec, "--golden"], "--golden localizes a build's recorded intermediates"),
+        ([str(graph), "--variant", "int8"], "--variant needs --spec"),
+    ):
+        refused = CliRunner().invoke(cli, ["localize", *args])
+        assert refused.exit_code == 2 and message in refused.output, refused.output
+
+
 def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Built) -> None:
     """The build's own check still fails the edited file (it is not the graph built); with
     --spec it is judged by its numbers, and the manifest is not touched."""
@@ -82,13 +105,12 @@ def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Bu
         (["{dir}", "--spec", "{spec}"], "--spec judges one .onnx file, not a folder or another file"),
         (["{graph}", "{graph}", "--spec", "{spec}"], "--spec verifies one .onnx file: give exactly one"),
         (["{graph}", "--spec", "{spec}", "--golden"], "--golden compares with a build's golden file"),
-        (["{graph}", "--spec", "{spec}", "--localize"], "--localize reads a build folder"),
         (["{graph}", "--variant", "int8"], "--variant needs --spec"),
         (["{graph}", "--spec", "{spec}", "--variant", "auto"], "--variant auto chooses among variants"),
         (["{graph}", "--spec", "{dir}/none.toml"], "none.toml: no such spec file"),
         (["{dir}/none.onnx", "--spec", "{spec}"], "none.onnx: no such file"),
     ],
-    ids=["folder", "two-files", "golden", "localize", "variant-alone", "chooser", "no-spec", "no-graph"],
+    ids=["folder", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph"],
 )
 def test_bad_usage_is_one_line_and_exit_2(shared_tiny: Built, tmp_path: Path, args: list[str], message: str) -> None:
     graph = _edited(shared_tiny, tmp_path / "edited")

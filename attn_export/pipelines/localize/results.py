@@ -48,6 +48,10 @@ class LocalizeOptions:
     #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
     #: no torch and no checkout needed.
     golden: bool = False
+    #: A graph no build made, localized against this spec file as a graph of ``variant``
+    #: (``verify --spec``); None for built graphs.
+    spec_file: Path | None = None
+    variant: str = "fp32"
 
     @property
     def target(self) -> Target:

@@ -46,6 +46,7 @@ from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeRepo
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
+from attn_export.pipelines.verify.outside import outside_manifest
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
@@ -205,18 +206,24 @@ def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> t
     return next((r for r in errors if r.propagated and not r.propagated.passed), None), "accumulated"
 
 
-def _reproduce(out_dir: Path, model: str, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
+def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, sizes: Mapping[str, int]) -> str:
+    if options.spec_file is not None:  # a graph no build made: the file and its spec
+        where = [str(out_dir / entry.file), "--spec", str(options.spec_file)]
+        where += ["--variant", options.variant] if options.variant != "fp32" else []
+    else:
+        where = [str(out_dir), entry.name]
     if options.golden:
-        args = [str(out_dir), model, "--golden"]
+        args = [*where, "--golden"]
     elif options.decode_step is None:
-        args = [str(out_dir), model, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
+        args = [*where, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
         args += ["--distribution", options.distribution]
     else:
-        args = [str(out_dir), model, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
+        args = [*where, "--decode-step", str(options.decode_step), "--seed", str(options.seed)]
         args += ["--layout", options.layout] if options.layout else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
-    args += ["--models", str(options.models_dir)] if str(options.models_dir) != "models" and not options.golden else []
+    models = str(options.models_dir) != "models" and not options.golden and options.spec_file is None
+    args += ["--models", str(options.models_dir)] if models else []
     args += ["--runtime", options.runtime] if options.runtime != DEFAULT_RUNTIME else []
     args += ["--provider", options.provider] if options.target.provider not in (None, "cpu") else []
     args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
@@ -252,12 +259,15 @@ def _check_golden(options: LocalizeOptions) -> None:
 
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
-    one). UsageError/ArtifactError on bad input; the verdict is data."""
+    one); with ``options.spec_file``, ``out_dir`` is one .onnx file no build made
+    (``verify --spec``). UsageError/ArtifactError on bad input; the verdict is data."""
     if options.runtime not in RUNTIMES:
         raise UsageError(f"unknown runtime {options.runtime} (known: {', '.join(RUNTIMES)})")
     if options.target.provider is not None:
         require_provider(options.target.provider)
     _check_golden(options)
+    if options.spec_file is not None:
+        return _localize_found(*_outside(out_dir, model, options), options)
     with read_lock(out_dir, options.lock_wait_s):
         manifest = load_manifest(out_dir)
         if model is None:
@@ -285,6 +295,35 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
                 raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
         plain = _plain_graph(out_dir, manifest, entry)
+    return _localize_found(out_dir, model, entry, spec, proto, plain, options)
+
+
+def _outside(
+    graph: Path, model: str | None, options: LocalizeOptions
+) -> tuple[Path, str, ManifestEntry, ModelSpec, onnx.ModelProto, None]:
+    """A graph no build made, as ``outside_manifest`` lists it, with its spec and no plain
+    export beside it."""
+    assert options.spec_file is not None
+    if options.golden:
+        raise UsageError("--golden localizes a build's recorded intermediates; a graph given with --spec has none")
+    out_dir, manifest, (name,) = outside_manifest(graph, options.spec_file, options.variant)
+    if model not in (None, name):
+        raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
+    entry = manifest.models[name]
+    return out_dir, name, entry, checkout_spec(options.spec_file.parent, entry), load_model_file(graph), None
+
+
+def _localize_found(
+    out_dir: Path,
+    model: str,
+    entry: ManifestEntry,
+    spec: ModelSpec,
+    proto: onnx.ModelProto,
+    plain: onnx.ModelProto | None,
+    options: LocalizeOptions,
+) -> LocalizeReport:
+    """The case localized once the graph and its spec are found: shrunk, and its blamed
+    region written as a replay bundle, where asked."""
     if options.bundle is not None:
         check_bundle_folder(options.bundle)
     report, replay = _localize(out_dir, model, entry, spec, proto, plain, options)
@@ -424,7 +463,7 @@ def _localize(
         decode_step=options.decode_step,
         layout=options.layout,
         notes=notes,
-        reproduce=_reproduce(out_dir, model, options, sizes),
+        reproduce=_reproduce(out_dir, entry, options, sizes),
         module_bug=side.module_bug,
     )
     replay = None
@@ -450,8 +489,14 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
     localized (one case per model bounds the cost: the others usually fail at the same node)."""
     out_dir = Path(report.artifacts)
     base = LocalizeOptions(
-        models_dir=options.models_dir, max_memory=options.max_memory, lock_wait_s=options.lock_wait_s
+        models_dir=options.models_dir,
+        max_memory=options.max_memory,
+        lock_wait_s=options.lock_wait_s,
+        spec_file=options.spec_file,
+        variant=options.variant,
     )
+    if options.spec_file is not None:  # the one graph verify was given, not a build folder
+        out_dir = out_dir / report.checks[0].file
     asked: dict[str, LocalizeOptions] = {}
     for case in report.failed_cases:
         numeric = case.expected_from.startswith("torch") and case.distribution != RECORDED

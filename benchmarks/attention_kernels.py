@@ -28,15 +28,17 @@ Nothing here asserts: figures are printed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from repeats import repeated, spread  # benchmarks/repeats.py, next to this script
-
-from attn_export.runtimes.allocator import keep_freed_memory
+from repeats import (  # benchmarks/repeats.py, next to this script
+    heading,
+    repeated,
+    spread,
+    started,
+    timing_arguments,
+)
 
 HIDDEN, HEADS = 512, 8
 SIZES = (128, 512, 2048)
@@ -174,39 +176,27 @@ def _verdict(mine: list[float], theirs: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of alternating blocks per seq")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per kernel, seq and repeat")
-    parser.add_argument("--threads", type=int, help="threads on every side (default: the physical cores)")
+    timing_arguments(
+        parser,
+        repeats="rounds of alternating blocks per seq",
+        budget="seconds of timed calls per kernel, seq and repeat",
+        threads="threads on every side (default: the physical cores)",
+    )
     args = parser.parse_args()
-    keep_freed_memory()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    command = " ".join(["python", "benchmarks/attention_kernels.py", *sys.argv[1:]])
+    command, threads = started(parser, args, "attention_kernels.py")
 
-    from attn_export.artifacts.provenance import versions
-    from attn_export.errors import AttnExportError
-    from attn_export.pipelines.bench.runners import timing_machine
-    from attn_export.runtimes.timing import check_threads, load_average, physical_cores
-    from attn_export.runtimes.torch_compiled import inductor_unavailable
-
-    try:
-        check_threads(args.threads)
-    except AttnExportError as e:
-        parser.error(str(e))
-    reason = inductor_unavailable("cpu")
-    if reason is not None:
-        sys.exit(f"torch-compile: {reason}")
     import torch
 
+    from attn_export.artifacts.provenance import versions
+    from attn_export.pipelines.bench.runners import timing_machine
+    from attn_export.runtimes.timing import load_average
     from attn_export.zoo.seed import MultiHeadAttention
 
-    threads = args.threads or physical_cores()
     load_start = load_average()
     compiled = torch.compile(MultiHeadAttention(HIDDEN, HEADS).eval(), dynamic=True)
     by_seq = {seq: repeated(kernels(seq, threads, compiled), args.repeats, args.budget) for seq in SIZES}
     load_end = load_average()
-    print(f"Measured {datetime.date.today().isoformat()} on {timing_machine()} with `{command}`")
-    print(", ".join(f"{k} {v}" for k, v in versions().items()))
+    print(heading(command, timing_machine(), versions()))
     print(
         f"load average {load_start:.2f} at the start, {load_end:.2f} at the end; batch 1, hidden {HIDDEN}, "
         f"{HEADS} heads, {threads} thread{'s' if threads != 1 else ''} on every side; {args.repeats} repeats "

@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from repeats import repeated, spread  # benchmarks/repeats.py, next to this script
+from repeats import heading, repeated, spread, started, timing_arguments  # benchmarks/repeats.py, next to this script
 
 from attn_export.pipelines.bench.runners import COMPILED
-from attn_export.runtimes.allocator import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 PREFILL_SPEC = HERE / "models" / "mha_512.toml"
@@ -112,9 +109,12 @@ def timed(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of alternating blocks per size")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per runner, size and repeat")
-    parser.add_argument("--threads", type=int, help="prefill threads on every side (default: the physical cores)")
+    timing_arguments(
+        parser,
+        repeats="rounds of alternating blocks per size",
+        budget="seconds of timed calls per runner, size and repeat",
+        threads="prefill threads on every side (default: the physical cores)",
+    )
     parser.add_argument(
         "--decode-threads",
         type=int,
@@ -123,8 +123,7 @@ def main() -> None:
         "GEMVs, which more threads on a shared machine only slow down)",
     )
     args = parser.parse_args()
-    keep_freed_memory()  # before the builds fill the heap: the timed calls then never page-fault
-    command = " ".join(["python", "benchmarks/compile_vs_ort.py", *sys.argv[1:]])
+    command, threads = started(parser, args, "compile_vs_ort.py")
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # cold: nothing compiled before
@@ -133,12 +132,8 @@ def main() -> None:
         from attn_export.pipelines.bench.results import BenchOptions, DecodeBenchOptions
         from attn_export.pipelines.bench.runners import timing_machine
         from attn_export.pipelines.build import BuildOptions, build_models
-        from attn_export.runtimes.timing import load_average, physical_cores
-        from attn_export.runtimes.torch_compiled import inductor_unavailable
+        from attn_export.runtimes.timing import load_average
 
-        reason = inductor_unavailable("cpu")
-        if reason is not None:
-            sys.exit(f"{COMPILED}: {reason}")
         load_start = load_average()
         out = Path(tmp) / "build"
         t0 = time.perf_counter()
@@ -146,7 +141,6 @@ def main() -> None:
             built = build_models([spec], BuildOptions(out, variants=variants))
             assert all(r.ok for r in built.results), [r.error for r in built.results]
         build_s = time.perf_counter() - t0
-        threads = args.threads or physical_cores()
         shared = {"budget_s": args.budget, "torch_compile": True}
         prefill_options = BenchOptions(variants=PREFILL_VARIANTS, threads=threads, **shared)
         prefill_p50s, prefill_compile = timed(out, PREFILL_SPEC, prefill_options, args.repeats, prefill_calls)
@@ -154,8 +148,7 @@ def main() -> None:
         decode_p50s, decode_compile = timed(out, DECODE_SPEC, decode_options, args.repeats, decode_calls)
 
     load_end = load_average()
-    print(f"Measured {datetime.date.today().isoformat()} on {timing_machine()} with `{command}`")
-    print(", ".join(f"{k} {v}" for k, v in versions().items()))
+    print(heading(command, timing_machine(), versions()))
     print(
         f"load average {load_start:.2f} at the start, {load_end:.2f} at the end; build {build_s:.1f} s; "
         f"{args.repeats} repeats of alternating blocks, {args.budget:g} s per runner, size and repeat\n"

@@ -26,7 +26,6 @@ asserts: figures are printed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -36,10 +35,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from repeats import float32_exact, spread  # benchmarks/repeats.py, next to this script
+from repeats import (  # benchmarks/repeats.py, next to this script
+    float32_exact,
+    heading,
+    spread,
+    started,
+    timing_arguments,
+)
 
 from attn_export.pipelines.bench.runners import COMPILED, EAGER
-from attn_export.runtimes.allocator import keep_freed_memory
 
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "models" / "mha_512.toml"
@@ -130,35 +134,23 @@ def profile_lines(out: Path, manifest: Any, spec: Any, variants: tuple[str, ...]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="whole bench runs; cells are their medians")
-    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per runner, seq and run")
-    parser.add_argument("--threads", type=int, help="threads on every side (default: the physical cores)")
+    timing_arguments(
+        parser,
+        repeats="whole bench runs; cells are their medians",
+        budget="seconds of timed calls per runner, seq and run",
+        threads="threads on every side (default: the physical cores)",
+    )
     parser.add_argument("--profile", action="store_true", help="print ONNX Runtime's profile at seq 128")
     args = parser.parse_args()
-    keep_freed_memory()  # before the builds fill the heap: the timed calls then never page-fault
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    command = " ".join(["python", "benchmarks/perf_table.py", *sys.argv[1:]])
-
-    from attn_export.errors import AttnExportError
-    from attn_export.runtimes.timing import check_threads, load_average, physical_cores
-    from attn_export.runtimes.torch_compiled import inductor_unavailable
-
-    try:
-        check_threads(args.threads)
-    except AttnExportError as e:
-        parser.error(str(e))
-    reason = inductor_unavailable("cpu")
-    if reason is not None:
-        sys.exit(f"{COMPILED}: {reason}")
+    command, threads = started(parser, args, "perf_table.py")
 
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import run_bench
     from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.runtimes.timing import load_average
     from attn_export.spec import load_spec
 
-    threads = args.threads or physical_cores()
     spec = load_spec(SPEC)
     load_start = load_average()
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,8 +176,7 @@ def main() -> None:
     load_end = load_average()
 
     first = reports[0]
-    print(f"Measured {datetime.date.today().isoformat()} on {first.machine} with `{command}`")
-    print(", ".join(f"{k} {v}" for k, v in first.versions.items()))
+    print(heading(command, first.machine, first.versions))
     print(
         f"load average {load_start or 0:.2f} at the start, {load_end or 0:.2f} at the end; build {build_s:.1f} s; "
         f"{args.repeats} whole runs, {args.budget:g} s of timed calls per runner, seq and run\n"

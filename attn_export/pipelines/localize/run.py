@@ -266,8 +266,49 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
     if options.target.provider is not None:
         require_provider(options.target.provider)
     _check_golden(options)
-    if options.spec_file is not None:
-        return _localize_found(*_outside(out_dir, model, options), options)
+    found = _built(out_dir, model, options) if options.spec_file is None else _outside(out_dir, model, options)
+    if options.bundle is not None:
+        check_bundle_folder(options.bundle)
+    report, replay = _localize(found, options)
+    if options.shrink and not report.agrees:
+        asked = report.sizes
+        smallest, _, tries = shrink_case(found.spec, options, report, lambda trial: _localize(found, trial)[0])
+        report, replay = _localize(found, smallest)  # its bundle too
+        report.shrunk_from, report.shrink_tries = asked, tries
+    if options.bundle is not None and (replay is None or report.first is None):
+        why = "the case agrees" if report.agrees else "no single region's own error is to blame"
+        report.notes.append(f"no replay bundle written: {why}")
+    if options.bundle is not None and replay is not None and report.first is not None:
+        first = report.first
+        info = {
+            "model": found.entry.name,
+            "fx_node": first.fx_node,
+            "nodes": first.nodes,
+            "value": first.value,
+            "source": first.source,
+            "code": first.code,
+            "tolerance": {"atol": replay.tolerance.atol, "rtol": replay.tolerance.rtol},
+            "localize": report.reproduce,
+        }
+        write_bundle(options.bundle, replay.model, replay.inputs, replay.expected, info)
+        report.bundle = str(options.bundle)
+    return report
+
+
+@dataclass
+class _Found:
+    """The graph a case is localized on, with what it is judged by."""
+
+    out_dir: Path
+    entry: ManifestEntry
+    spec: ModelSpec
+    proto: onnx.ModelProto
+    #: For a variant, the plain export beside it, which its fused regions are mapped back to.
+    plain: onnx.ModelProto | None
+
+
+def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found:
+    """A built graph of the folder, its files intact and its build current."""
     with read_lock(out_dir, options.lock_wait_s):
         manifest = load_manifest(out_dir)
         if model is None:
@@ -294,13 +335,10 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
             if stale:
                 raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         proto = load_model_file(out_dir / entry.file)
-        plain = _plain_graph(out_dir, manifest, entry)
-    return _localize_found(out_dir, model, entry, spec, proto, plain, options)
+        return _Found(out_dir, entry, spec, proto, _plain_graph(out_dir, manifest, entry))
 
 
-def _outside(
-    graph: Path, model: str | None, options: LocalizeOptions
-) -> tuple[Path, str, ManifestEntry, ModelSpec, onnx.ModelProto, None]:
+def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
     """A graph no build made, as ``outside_manifest`` lists it, with its spec and no plain
     export beside it."""
     assert options.spec_file is not None
@@ -310,48 +348,7 @@ def _outside(
     if model not in (None, name):
         raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
     entry = manifest.models[name]
-    return out_dir, name, entry, checkout_spec(options.spec_file.parent, entry), load_model_file(graph), None
-
-
-def _localize_found(
-    out_dir: Path,
-    model: str,
-    entry: ManifestEntry,
-    spec: ModelSpec,
-    proto: onnx.ModelProto,
-    plain: onnx.ModelProto | None,
-    options: LocalizeOptions,
-) -> LocalizeReport:
-    """The case localized once the graph and its spec are found: shrunk, and its blamed
-    region written as a replay bundle, where asked."""
-    if options.bundle is not None:
-        check_bundle_folder(options.bundle)
-    report, replay = _localize(out_dir, model, entry, spec, proto, plain, options)
-    if options.shrink and not report.agrees:
-        asked = report.sizes
-        smallest, _, tries = shrink_case(
-            spec, options, report, lambda trial: _localize(out_dir, model, entry, spec, proto, plain, trial)[0]
-        )
-        report, replay = _localize(out_dir, model, entry, spec, proto, plain, smallest)  # its bundle too
-        report.shrunk_from, report.shrink_tries = asked, tries
-    if options.bundle is not None and (replay is None or report.first is None):
-        why = "the case agrees" if report.agrees else "no single region's own error is to blame"
-        report.notes.append(f"no replay bundle written: {why}")
-    if options.bundle is not None and replay is not None and report.first is not None:
-        first = report.first
-        info = {
-            "model": model,
-            "fx_node": first.fx_node,
-            "nodes": first.nodes,
-            "value": first.value,
-            "source": first.source,
-            "code": first.code,
-            "tolerance": {"atol": replay.tolerance.atol, "rtol": replay.tolerance.rtol},
-            "localize": report.reproduce,
-        }
-        write_bundle(options.bundle, replay.model, replay.inputs, replay.expected, info)
-        report.bundle = str(options.bundle)
-    return report
+    return _Found(out_dir, entry, checkout_spec(options.spec_file.parent, entry), load_model_file(graph), None)
 
 
 @dataclass
@@ -409,15 +406,9 @@ def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
     return _Side(rec.case.sizes, rec.case.inputs, TorchValues.from_recorded(rec), rec.case)
 
 
-def _localize(
-    out_dir: Path,
-    model: str,
-    entry: ManifestEntry,
-    spec: ModelSpec,
-    proto: onnx.ModelProto,
-    plain: onnx.ModelProto | None,
-    options: LocalizeOptions,
-) -> tuple[LocalizeReport, _Replay | None]:
+def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, _Replay | None]:
+    out_dir, entry, spec, proto, plain = found.out_dir, found.entry, found.spec, found.proto, found.plain
+    model = entry.name
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not (has_fx_metadata(proto) or (plain is not None and has_fx_metadata(plain))):
         raise UsageError(

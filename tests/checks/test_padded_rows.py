@@ -190,6 +190,10 @@ class WideWindowedEncoder(WindowedEncoder):
 
 #: Room for right padding longer than the wide window.
 WIDE_SPEC = SPEC.replace("seq = { min = 1, max = 12 }", "seq = { min = 1, max = 40 }")
+#: A sequence long enough that a far token's weight in a row falls below the tolerance.
+LONG_LOOSE_SPEC = (
+    SPEC.replace("seq = { min = 1, max = 12 }", "seq = { min = 1, max = 256 }") + "[tolerance]\natol = 1e-2\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -197,12 +201,13 @@ WIDE_SPEC = SPEC.replace("seq = { min = 1, max = 12 }", "seq = { min = 1, max = 
     [
         ("LeftPaddedCausalAttention", SPEC, (None, 0), "..xx....", "11000000"),
         ("LeftPaddedCausalAttention", WIDE_SPEC, (None, 0), "..xx" + "." * 28, "11" + "0" * 30),
+        ("LeftPaddedCausalAttention", LONG_LOOSE_SPEC, (None, 0), "..xx" + "." * 252, "11" + "0" * 254),
         ("WrongOnPaddedTokens", SPEC, (None, None), "..xx....", "00000000"),
         ("TokenEncoder", TOKEN_SPEC, (None, None), "..xx....", "00000000"),  # ids change as vectors do
         ("WindowedEncoder", SPEC, (2, 2), "xx......", "00001111"),
         ("WideWindowedEncoder", WIDE_SPEC, (14, 14), "xx" + "." * 30, "0" * 16 + "1" * 16),
     ],
-    ids=["causal", "long-causal", "encoder", "token-ids", "window", "wide-window"],
+    ids=["causal", "long-causal", "faint-causal", "encoder", "token-ids", "window", "wide-window"],
 )
 def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     tmp_path: Path, module: str, body: str, seen: tuple[int | None, int | None], keep: str, keyless: str

@@ -631,7 +631,7 @@ def verify(
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
-        models_dir=models_dir if spec_path is None else spec_path.parent,
+        models_dir=models_dir,
         golden=golden,
         shapes=parse_shapes(shapes) if shapes else None,
         distributions=distributions or None,

@@ -103,6 +103,7 @@ def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Bu
     ("args", "message"),
     [
         (["{dir}", "--spec", "{spec}"], "--spec judges one .onnx file, not a folder or another file"),
+        (["{dir}/sub.onnx", "--spec", "{spec}"], "sub.onnx: --spec judges one .onnx file, not a folder"),
         (["{graph}", "{graph}", "--spec", "{spec}"], "--spec verifies one .onnx file: give exactly one"),
         (["{graph}", "--spec", "{spec}", "--golden"], "--golden compares with a build's golden file"),
         (["{graph}", "--variant", "int8"], "--variant needs --spec"),
@@ -110,17 +111,18 @@ def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Bu
         (["{graph}", "--spec", "{dir}/none.toml"], "none.toml: no such spec file"),
         (["{dir}/none.onnx", "--spec", "{spec}"], "none.onnx: no such file"),
     ],
-    ids=["folder", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph"],
+    ids=["folder", "folder.onnx", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph"],
 )
 def test_bad_usage_is_one_line_and_exit_2(shared_tiny: Built, tmp_path: Path, args: list[str], message: str) -> None:
     graph = _edited(shared_tiny, tmp_path / "edited")
+    (graph.parent / "sub.onnx").mkdir()
     where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": str(shared_tiny.models / "tiny.toml")}
     for key, value in where.items():
         args = [a.replace(key, value) for a in args]
     result = _verify(*args)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
-    assert sorted(p.name for p in graph.parent.iterdir()) == ["tiny.onnx"]
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["sub.onnx", "tiny.onnx"]
 
 
 def test_the_python_api_takes_the_spec_too(shared_tiny: Built, tmp_path: Path) -> None:
@@ -132,3 +134,47 @@ def test_the_python_api_takes_the_spec_too(shared_tiny: Built, tmp_path: Path) -
     assert report.settings["spec"] == str(shared_tiny.models / "tiny.toml")
     loose = attn_export.verify(graph, spec=shared_tiny.models / "tiny.toml", variant="int8", n_random=0)
     assert loose.passed and loose.models() == ["tiny.int8"]
+
+
+def test_a_spec_in_a_build_folder_is_refused(tiny_build: Built) -> None:
+    """A build folder is data: a spec in it (beside the graph, or below it) names a module
+    verify would import, so it is refused, as --models inside a build folder is."""
+    for where in (tiny_build.out, tiny_build.out / "models"):
+        where.mkdir(exist_ok=True)
+        spec = shutil.copy(tiny_build.models / "tiny.toml", where / "tiny.toml")
+        result = _verify(str(tiny_build.out / "tiny.onnx"), "--spec", str(spec))
+        assert result.exit_code == 2 and "lies in the build folder" in result.output, result.output
+
+
+def test_the_spec_file_named_is_the_one_read(shared_tiny: Built, tmp_path: Path) -> None:
+    """Not a spec of the same name beside it: the file given, whatever its name."""
+    graph = _edited(shared_tiny, tmp_path / "edited")
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    named = shutil.copy(shared_tiny.models / "tiny.toml", specs / "tiny.txt")
+    text = (shared_tiny.models / "tiny.toml").read_text().replace("hidden_dim = 16", "hidden_dim = 32")
+    (specs / "tiny.toml").write_text(text)  # another module by the same name
+    result = _verify(str(graph), "--spec", str(named))
+    assert result.exit_code == 0, result.output
+
+
+def test_a_graph_that_changes_while_it_is_verified_fails(
+    shared_tiny: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run reads the file again: one changed after it was hashed was not the graph
+    judged, and the verdict says so."""
+    import attn_export.pipelines.verify.run as run
+
+    graph = _edited(shared_tiny, tmp_path / "edited")
+    wrong = _edited(shared_tiny, tmp_path / "wrong", shift=0.01).read_bytes()
+    judged = run._verify_locked
+
+    def swapped(*args: object) -> object:
+        report = judged(*args)  # type: ignore[arg-type]
+        graph.write_bytes(wrong)
+        return report
+
+    monkeypatch.setattr(run, "_verify_locked", swapped)
+    result = _verify(str(graph), "--spec", str(shared_tiny.models / "tiny.toml"))
+    assert result.exit_code == 1, result.output
+    assert "tiny.onnx changed while it was verified" in result.output

@@ -8,27 +8,36 @@ from __future__ import annotations
 from pathlib import Path
 
 from attn_export import __version__
-from attn_export.artifacts.files import sha256_file
-from attn_export.artifacts.manifest import Manifest, ManifestEntry
+from attn_export.artifacts.files import LOCK_NAME, sha256_file
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, UsageError
 from attn_export.exporter.source import module_sources
 from attn_export.spec import load_spec, variant_chain
 
-__all__ = ["outside_manifest"]
+__all__ = ["changed_since", "outside_manifest"]
 
 
 def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tuple[Path, Manifest, list[str]]:
     """``graph``'s folder, a manifest listing ``graph`` alone as the model of ``spec_path``
     (named as build names ``variant``'s graph, judged by its tolerance), and that name.
     The entry's spec, sources and versions are the checkout's, so it is never stale; its
-    hash is the file's, so a graph that changes while it is verified still fails."""
-    if graph.suffix != ".onnx":
+    hash is the file's as read now (``changed_since``). A spec in a build folder is
+    refused: its module would be code from a folder that is data."""
+    if graph.suffix != ".onnx" or graph.is_dir():
         raise UsageError(f"{graph}: --spec judges one .onnx file, not a folder or another file")
     if not graph.is_file():
         raise ArtifactError(f"{graph}: no such file")
     if variant_chain(variant).chooser:
         raise UsageError(f"--variant {variant} chooses among variants; name the variant of the graph")
+    home = spec_path.resolve().parent
+    builds = [home] + ([graph.resolve().parent] if home.is_relative_to(graph.resolve().parent) else [])
+    for folder in builds:
+        if any((folder / name).exists() for name in (MANIFEST_NAME, LOCK_NAME)):
+            raise UsageError(
+                f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
+                "never from a build folder; name the checkout's spec"
+            )
     spec = load_spec(spec_path)
     name = spec.name if variant == "fp32" else f"{spec.name}.{variant}"
     entry = ManifestEntry(
@@ -45,3 +54,15 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
         variant=variant,
     )
     return graph.parent, Manifest(__version__, {name: entry}), [name]
+
+
+def changed_since(out_dir: Path, entry: ManifestEntry) -> str | None:
+    """What to say where the graph no longer has the hash it was listed with: verify read it
+    again for each run, and a file changed meanwhile was not the one judged."""
+    now = sha256_file(out_dir / entry.file)
+    if now == entry.sha256:
+        return None
+    return (
+        f"{entry.name}: {entry.file} changed while it was verified (sha256 {entry.sha256[:12]}... when read, "
+        f"{now[:12]}... now); verify it again"
+    )

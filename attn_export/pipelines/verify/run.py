@@ -40,6 +40,7 @@ from attn_export.pipelines.verify.cells import (
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
+from attn_export.pipelines.verify.outside import changed_since
 from attn_export.pipelines.verify.placement import gate_cases
 from attn_export.pipelines.verify.results import (
     CaseResult,
@@ -51,7 +52,7 @@ from attn_export.pipelines.verify.results import (
 )
 from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.timing import check_threads, physical_cores
-from attn_export.spec import ModelSpec
+from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
 from attn_export.spec.scenarios import scenario_sizes
@@ -111,7 +112,12 @@ def _verify_outside(
         raise UsageError("--golden compares with a build's golden file; a graph given with --spec has none")
     options = dataclasses.replace(options, models_dir=options.spec_file.parent)
     with read_lock(out_dir, options.lock_wait_s, on_notice):
-        return _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+        report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+    for check in report.checks:
+        changed = changed_since(out_dir, manifest.models[check.model])
+        if changed:
+            check.problems.append(changed)
+    return report
 
 
 def _verify_locked(
@@ -134,7 +140,7 @@ def _verify_locked(
         versions=runtime_versions(),
     )
     entries = [manifest.models[name] for name in names]
-    specs = [e.model_spec if options.golden else checkout_spec(options.models_dir, e) for e in entries]
+    specs = [_judging_spec(e, options) for e in entries]
     if options.scenario:  # every model fits it, before any work
         for spec in specs:
             scenario_sizes(spec, options.scenario)
@@ -153,6 +159,16 @@ def _verify_locked(
         release()  # the graph this process kept for the next cell (one job runs cells here)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _judging_spec(entry: ManifestEntry, options: VerifyOptions) -> ModelSpec:
+    """What a graph is judged by: its golden file's spec (data), else the spec file named for
+    a graph no build made, else the checkout's spec of its name."""
+    if options.golden:
+        return entry.model_spec
+    if options.spec_file is not None:
+        return load_spec(options.spec_file)
+    return checkout_spec(options.models_dir, entry)
 
 
 @dataclass

@@ -2,17 +2,21 @@
 no key depends on it: under a causal mask a left-padded prompt's rows before its first real
 token see nothing; under a window, a padded row too far from every real token sees nothing;
 in an encoder every padded row still sees every real token, and is a row like any other. So
-PyTorch is asked once per model and query dim: with every key kept, each token's inputs
-change in turn; which rows change with it? The farthest row before and after a token that
-does is the module's ``Sight``. A short probe asks every token; where its reach runs to the
-probe's end, a probe as long as the longest case judged asks again from its first and last
-token, so that a window wider than the short probe is still found. Build records the sight
-in each golden case, so that a golden file is judged the same way without torch.
+PyTorch is asked once per model and query dim, on one set of inputs: with the key-padding
+mask keeping no key, and then keeping one token's key alone, in turn; the rows whose output
+differs between the two see that token. The farthest row before and after a token that
+does is the module's ``Sight``. Asking with one key kept, not with every key, reads the
+mask's reach and not the weights: a far key's weight among many can round to nothing,
+while a row that sees only masked keys gives the same output whatever they hold. A short
+probe asks every token; where its reach runs to the probe's end, a probe as long as the
+longest case judged asks again of its first and last token, so that a window wider than the
+short probe is still found. Build records the sight in each golden case, so that a golden
+file is judged the same way without torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -26,10 +30,8 @@ from attn_export.spec.shapes import validate_sizes
 __all__ = ["query_dims", "sights"]
 
 #: Query tokens the short probe runs with (fewer where the spec's range ends first), every one
-#: of them changed in turn.
+#: of them asked in turn.
 PROBE_TOKENS = 12
-#: Other seeds tried for a token's inputs until they differ from the first.
-_TRIES = 8
 #: The probe's feeds: one seed, so that build, verify and localize find the same.
 _SEED = 0
 
@@ -65,62 +67,42 @@ def _probe_sizes(spec: ModelSpec, sizes: Mapping[str, int], query: str, tokens: 
         return spec.with_sums(sizes)
 
 
-def _changed_at(
-    spec: ModelSpec,
-    feeds: dict[str, np.ndarray],
-    other: Callable[[int], dict[str, np.ndarray]],
-    query: str,
-    j: int,
-) -> dict[str, np.ndarray] | None:
-    """``feeds`` with every input of token ``j`` (ids as well as vectors) taken from the first
-    of the feeds of other seeds (``other(k)``, ``k < _TRIES``) that changes it; None where
-    nothing carries the token."""
-    changed = dict(feeds)
-    for u in spec.inputs:
-        if u.mask is not None or query not in u.shape:
-            continue
-        at = _along(u.shape.index(query), len(u.shape), j)
-        for k in range(_TRIES):  # ids from a small vocabulary may draw the same
-            value = feeds[u.name].copy()
-            value[at] = other(k)[u.name][at]
-            if not np.array_equal(value, feeds[u.name]):
-                changed[u.name] = value
-                break
-    return None if all(changed[n] is feeds[n] for n in feeds) else changed
+def _keeping(
+    spec: ModelSpec, feeds: dict[str, np.ndarray], probe: Mapping[str, int], query: str, token: int | None
+) -> dict[str, np.ndarray]:
+    """``feeds`` with each key-padding mask over ``query``'s tokens keeping the key of
+    ``token`` alone (None: no key), and every other mask keeping every key."""
+    dims = query_dims(spec)
+    out = dict(feeds)
+    for t, mask in spec.masks:
+        keep = np.ones(feeds[t.name].shape, dtype=bool)
+        if dims.get(t.name) == query:
+            parts = spec.dims[t.shape[1]].parts if t.shape[1] in spec.dims else ()
+            keep[:] = False
+            if token is not None:  # the query's tokens follow a sum's other parts (cached tokens)
+                keep[:, sum(probe[p] for p in parts[:-1]) + token] = True
+        out[t.name] = mask.convention.encode(keep, t.dtype)
+    return out
 
 
 def _reach(
     spec: ModelSpec, eager: Runtime, probe: Mapping[str, int], query: str, tokens: Iterable[int]
-) -> tuple[int, int] | None:
-    """How far before and after itself a row changes when one of ``tokens`` does, at most;
-    None where a token has nothing to change. A row changes on any difference, however
-    small: a far token's weight in a row can fall below any tolerance, while a key the
-    module masks adds exactly nothing."""
+) -> tuple[int, int]:
+    """How far before and after itself a row sees one of ``tokens``, at most: its output
+    differs, however little, between no key kept and that token's key kept alone."""
     n = probe[query]
     feeds = make_feeds(spec, probe, _SEED)
-    for t, mask in spec.masks:  # the module's own masking alone
-        feeds[t.name] = mask.convention.encode(np.ones(feeds[t.name].shape, dtype=bool), t.dtype)
-    base = eager.run(feeds)
-    made: dict[int, dict[str, np.ndarray]] = {}
-
-    def other(k: int) -> dict[str, np.ndarray]:  # made only when needed: a long probe's feeds are large
-        if k not in made:
-            made[k] = make_feeds(spec, probe, _SEED + 1 + k)
-        return made[k]
-
+    blind = eager.run(_keeping(spec, feeds, probe, query, None))
     before = after = 0
     for j in tokens:
-        changed = _changed_at(spec, feeds, other, query, j)
-        if changed is None:
-            return None
-        got = eager.run(changed)
+        got = eager.run(_keeping(spec, feeds, probe, query, j))
         for o in spec.outputs:
             if query not in o.shape:
                 continue
             axis = o.shape.index(query)
             for i in range(n):
                 row = _along(axis, len(o.shape), i)
-                if not np.array_equal(base[o.name][row], got[o.name][row], equal_nan=True):
+                if not np.array_equal(blind[o.name][row], got[o.name][row], equal_nan=True):
                     before, after = max(before, i - j), max(after, j - i)
     return before, after
 
@@ -130,19 +112,16 @@ def _sight_along(spec: ModelSpec, eager: Runtime, sizes: Mapping[str, int], quer
     n = probe[query]
     if n < 2:
         return Sight(None, None)  # one token sees all there is
-    reach = _reach(spec, eager, probe, query, range(n))
-    if reach is None:
-        return Sight(None, None)  # nothing to change: judged as seeing every position
-    before, after = (None if r >= n - 1 else r for r in reach)
-    if longest > n and None in (before, after):
-        far = _probe_sizes(spec, sizes, query, longest)
-        m = far[query]
-        # the rows the first token changes say how far back a query sees; the last's, how far ahead
+    before, after = (None if r >= n - 1 else r for r in _reach(spec, eager, probe, query, range(n)))
+    far = _probe_sizes(spec, sizes, query, longest)
+    m = far[query]
+    if m > n and None in (before, after):
+        # the rows that see the first token say how far back a query sees; the last's, how far ahead
         ends = [j for j, unknown in ((0, before is None), (m - 1, after is None)) if unknown]
-        farther = _reach(spec, eager, far, query, ends) if m > n else None
-        if farther is not None and before is None and farther[0] < m - 1:
+        farther = _reach(spec, eager, far, query, ends)
+        if before is None and farther[0] < m - 1:
             before = farther[0]
-        if farther is not None and after is None and farther[1] < m - 1:
+        if after is None and farther[1] < m - 1:
             after = farther[1]
     return Sight(before, after)
 

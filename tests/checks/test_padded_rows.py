@@ -182,6 +182,33 @@ class WindowedEncoder(LeftPaddedCausalAttention):
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, h))
 
 
+class DistanceBiasedEncoder(LeftPaddedCausalAttention):
+    """An encoder with a distance bias (ALiBi's, steep) and no window: among many keys a far
+    one weighs nothing a float32 sum can hold, yet where padding leaves only far real keys,
+    they carry the whole row."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        positions = torch.arange(s, device=x.device)
+        bias = -8.0 * (positions[:, None] - positions[None, :]).abs().float()
+        bias = bias[None, None].masked_fill(~keep[:, None, None, :], float("-inf"))
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(b, s, h))
+
+
+class GloballyShiftedCausal(LeftPaddedCausalAttention):
+    """Causal attention whose softmax shift is the largest score over every key, later ones
+    too: causal in its arithmetic, not in its bits."""
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / h**0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True)) * (causal[None] & keep[:, None, :])
+        return self.out((weights / weights.sum(-1, keepdim=True)) @ v)
+
+
 class WideWindowedEncoder(WindowedEncoder):
     """A window wider than the short probe's tokens: only a probe as long as the cases finds it."""
 
@@ -206,8 +233,20 @@ LONG_LOOSE_SPEC = (
         ("TokenEncoder", TOKEN_SPEC, (None, None), "..xx....", "00000000"),  # ids change as vectors do
         ("WindowedEncoder", SPEC, (2, 2), "xx......", "00001111"),
         ("WideWindowedEncoder", WIDE_SPEC, (14, 14), "xx" + "." * 30, "0" * 16 + "1" * 16),
+        ("DistanceBiasedEncoder", WIDE_SPEC, (None, None), "xx" + "." * 30, "0" * 32),
+        ("GloballyShiftedCausal", SPEC, (None, 0), "..xx....", "11000000"),
     ],
-    ids=["causal", "long-causal", "faint-causal", "encoder", "token-ids", "window", "wide-window"],
+    ids=[
+        "causal",
+        "long-causal",
+        "faint-causal",
+        "encoder",
+        "token-ids",
+        "window",
+        "wide-window",
+        "distance-bias",
+        "shifted-causal",
+    ],
 )
 def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     tmp_path: Path, module: str, body: str, seen: tuple[int | None, int | None], keep: str, keyless: str

@@ -123,7 +123,7 @@ def main() -> None:
         "GEMVs, which more threads on a shared machine only slow down)",
     )
     args = parser.parse_args()
-    command, threads = started(parser, args, "compile_vs_ort.py")
+    command, threads = started(parser, args, "compile_vs_ort.py", decode_threads=args.decode_threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")  # cold: nothing compiled before

@@ -45,7 +45,9 @@ def timing_arguments(parser: argparse.ArgumentParser, repeats: str, budget: str,
     parser.add_argument("--threads", type=int, help=threads)
 
 
-def started(parser: argparse.ArgumentParser, args: argparse.Namespace, script: str) -> tuple[str, int]:
+def started(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, script: str, **more_threads: int | None
+) -> tuple[str, int]:
     """The command as run, and the threads on every side (default: the physical cores),
     once the options are checked and torch.compile can run here: a usage error or a one-line
     exit otherwise. The process keeps the memory it frees from now on, before any build
@@ -60,6 +62,8 @@ def started(parser: argparse.ArgumentParser, args: argparse.Namespace, script: s
         parser.error("--repeats must be at least 1")
     try:
         check_threads(args.threads)
+        for option, threads in more_threads.items():  # another part's own count (decode's) too
+            check_threads(threads, "--" + option.replace("_", "-"))
     except AttnExportError as e:
         parser.error(str(e))
     reason = inductor_unavailable("cpu")

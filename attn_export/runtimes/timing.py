@@ -145,11 +145,12 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def check_threads(threads: int | None) -> None:
-    """Refuse a thread count below 1 or above ``THREADS_PER_CPU`` per usable CPU."""
+def check_threads(threads: int | None, option: str = "--threads") -> None:
+    """Refuse a thread count below 1 or above ``THREADS_PER_CPU`` per usable CPU, naming the
+    ``option`` that gave it."""
     limit = THREADS_PER_CPU * usable_cpus()
     if threads is not None and not 1 <= threads <= limit:
-        raise UsageError(f"--threads {threads}: give 1 to {limit} ({THREADS_PER_CPU} per CPU this process may use)")
+        raise UsageError(f"{option} {threads}: give 1 to {limit} ({THREADS_PER_CPU} per CPU this process may use)")
 
 
 def physical_cores() -> int:

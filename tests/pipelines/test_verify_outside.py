@@ -136,14 +136,25 @@ def test_the_python_api_takes_the_spec_too(shared_tiny: Built, tmp_path: Path) -
     assert loose.passed and loose.models() == ["tiny.int8"]
 
 
-def test_a_spec_in_a_build_folder_is_refused(tiny_build: Built) -> None:
-    """A build folder is data: a spec in it (beside the graph, or below it) names a module
-    verify would import, so it is refused, as --models inside a build folder is."""
-    for where in (tiny_build.out, tiny_build.out / "models"):
-        where.mkdir(exist_ok=True)
+def test_a_spec_in_a_build_folder_is_refused(tiny_build: Built, tmp_path: Path) -> None:
+    """A build folder is data: a spec in it, at any depth, names a module verify would
+    import, so it is refused, as --models inside a build folder is; a project's own file
+    named manifest.json does not make its folder a build folder."""
+    graph = _edited(tiny_build, tmp_path / "edited")
+    for where in (tiny_build.out, tiny_build.out / "models" / "deeper"):
+        where.mkdir(parents=True, exist_ok=True)
         spec = shutil.copy(tiny_build.models / "tiny.toml", where / "tiny.toml")
-        result = _verify(str(tiny_build.out / "tiny.onnx"), "--spec", str(spec))
-        assert result.exit_code == 2 and "lies in the build folder" in result.output, result.output
+        for target in (tiny_build.out / "tiny.onnx", graph):
+            result = _verify(str(target), "--spec", str(spec))
+            assert result.exit_code == 2 and "lies in the build folder" in result.output, result.output
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    (project / "manifest.json").write_text('{"name": "a web app", "schema": "other"}')
+    spec = shutil.copy(tiny_build.models / "tiny.toml", project / "models" / "tiny.toml")
+    assert _verify(str(graph), "--spec", str(spec)).exit_code == 0
+    (project / "models" / "loop.toml").symlink_to(project / "models" / "loop.toml")
+    looped = _verify(str(graph), "--spec", str(project / "models" / "loop.toml"))
+    assert looped.exit_code == 2 and "Traceback" not in looped.output, looped.output
 
 
 def test_the_spec_file_named_is_the_one_read(shared_tiny: Built, tmp_path: Path) -> None:

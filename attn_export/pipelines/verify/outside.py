@@ -5,11 +5,12 @@ them, and nothing is read from or written to the graph's folder besides the grap
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from attn_export import __version__
 from attn_export.artifacts.files import LOCK_NAME, sha256_file
-from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry
+from attn_export.artifacts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA, Manifest, ManifestEntry
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, UsageError
 from attn_export.exporter.source import module_sources
@@ -22,23 +23,22 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     """``graph``'s folder, a manifest listing ``graph`` alone as the model of ``spec_path``
     (named as build names ``variant``'s graph, judged by its tolerance), and that name.
     The entry's spec, sources and versions are the checkout's, so it is never stale; its
-    hash is the file's as read now (``changed_since``). A spec in a build folder is
-    refused: its module would be code from a folder that is data."""
+    hash is the file's as read now (``changed_since``). A spec in a build folder, or in any
+    folder below one, is refused: its module would be code from a folder that is data."""
     if graph.suffix != ".onnx" or graph.is_dir():
         raise UsageError(f"{graph}: --spec judges one .onnx file, not a folder or another file")
     if not graph.is_file():
         raise ArtifactError(f"{graph}: no such file")
     if variant_chain(variant).chooser:
         raise UsageError(f"--variant {variant} chooses among variants; name the variant of the graph")
+    spec = load_spec(spec_path)  # data only: a spec names its module, which is imported later
     home = spec_path.resolve().parent
-    builds = [home] + ([graph.resolve().parent] if home.is_relative_to(graph.resolve().parent) else [])
-    for folder in builds:
-        if any((folder / name).exists() for name in (MANIFEST_NAME, LOCK_NAME)):
+    for folder in (home, *home.parents):
+        if _is_build_folder(folder):
             raise UsageError(
                 f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
                 "never from a build folder; name the checkout's spec"
             )
-    spec = load_spec(spec_path)
     name = spec.name if variant == "fp32" else f"{spec.name}.{variant}"
     entry = ManifestEntry(
         name=name,
@@ -56,10 +56,25 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     return graph.parent, Manifest(__version__, {name: entry}), [name]
 
 
+def _is_build_folder(folder: Path) -> bool:
+    """A folder a build locked, or whose manifest.json is attn-export's (not any file of that
+    name a project may hold)."""
+    if (folder / LOCK_NAME).exists():
+        return True
+    try:
+        with open(folder / MANIFEST_NAME, encoding="utf-8") as f:
+            return bool(re.search(rf'"schema"\s*:\s*"{re.escape(SCHEMA)}"', f.read(MAX_MANIFEST_BYTES)))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def changed_since(out_dir: Path, entry: ManifestEntry) -> str | None:
     """What to say where the graph no longer has the hash it was listed with: verify read it
     again for each run, and a file changed meanwhile was not the one judged."""
-    now = sha256_file(out_dir / entry.file)
+    try:
+        now = sha256_file(out_dir / entry.file)
+    except ArtifactError as e:
+        return f"{entry.name}: {entry.file} cannot be read again after it was verified: {e}"
     if now == entry.sha256:
         return None
     return (

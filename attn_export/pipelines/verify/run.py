@@ -111,13 +111,17 @@ def _verify_outside(
     if options.golden:
         raise UsageError("--golden compares with a build's golden file; a graph given with --spec has none")
     options = dataclasses.replace(options, models_dir=options.spec_file.parent)
-    with read_lock(out_dir, options.lock_wait_s, on_notice):
-        report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
-    for check in report.checks:
-        changed = changed_since(out_dir, manifest.models[check.model])
+
+    def rehashed(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
+        """The graph's hash taken again once its runs are done, before its rows are shown."""
+        changed = changed_since(out_dir, manifest.models[name])
         if changed:
             check.problems.append(changed)
-    return report
+        if on_model is not None:
+            on_model(name, cases, check)
+
+    with read_lock(out_dir, options.lock_wait_s, on_notice):
+        return _verify_locked(out_dir, manifest, names, options, rehashed, parallelism)
 
 
 def _verify_locked(

@@ -155,8 +155,6 @@ def _dynamo(torch: Any, module: Any, args: tuple[Any, ...], spec: ModelSpec, gua
         text = str(e)
         if "Constraints violated" not in text and "specialized" not in text:
             raise
-        if spec.accept_guards:
-            return None  # torch.onnx.export falls back to its own, narrower, export
         found = [line.strip(" -") for line in text.splitlines() if line.strip().startswith("- ")]
         why = found[0] if found else first_line(e)
         raise ExportFailure(
@@ -238,7 +236,9 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     try:
         with _quiet(torch_dir) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
-                program = _dynamo(torch, module, args, spec, guards)
+                # a spec that accepts guards leaves the trace to torch.onnx.export, which narrows
+                # the ranges where the code does: tracing it here first would only fail
+                program = None if spec.accept_guards else _dynamo(torch, module, args, spec, guards)
                 if program is not None:  # before the conversion, which fails on a draw it cannot write
                     refuse_random_ops(program, spec.name)
                 with _one_registry_per_opset():

@@ -34,6 +34,7 @@ import pytest
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
+from attn_export.pipelines.verify.models import checkout_spec
 from attn_export.spec import load_spec, spec_paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +59,12 @@ def buildable(folder: Path) -> list[Path]:
     return [p for p in spec_paths(folder) if HAS_TRANSFORMERS or not _needs_hf(p)]
 
 
-def zoo_cases(specs: Sequence[Path], options: VerifyOptions | None = None) -> int:
-    """Cases a verify of these specs runs: every model's sweep, named mask cases included."""
-    return sum(len(case_plan(load_spec(p), options or VerifyOptions())) for p in specs)
+def zoo_cases(built: Path, specs: Sequence[Path], options: VerifyOptions | None = None) -> int:
+    """Cases a verify of these specs' graphs in ``built`` runs: every model's sweep, with the
+    sizes where the guards its build accepted fail, named mask cases included."""
+    models = load_manifest(built).models
+    specs = [checkout_spec(p.parent, models[p.stem]) for p in specs]
+    return sum(len(case_plan(spec, options or VerifyOptions())) for spec in specs)
 
 
 #: Tiny zoo models the shared zoo (``tiny_zoo``) leaves out: Hugging Face decoders that each
@@ -71,7 +75,6 @@ APART = ("llama_model_kv_cache", "mistral_sdpa_kv_cache")
 #: ``APART_SPECS``, the rest of the tiny zoo's.
 TINY_SPECS = [p for p in buildable(TINY_ZOO) if p.stem not in APART]
 APART_SPECS = [p for p in buildable(TINY_ZOO) if p.stem in APART]
-TINY_CASES = zoo_cases(TINY_SPECS)
 
 
 # -- one core per worker -------------------------------------------------------------------------

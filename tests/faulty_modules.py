@@ -30,6 +30,17 @@ class ShapeBranchAttention(MultiHeadAttention):
         return out
 
 
+class SevenAttention(MultiHeadAttention):
+    """Seed MHA whose Python halves its output at exactly seven query positions: torch.export
+    guards seq != 7, and a graph built past the guard agrees with PyTorch at every corner."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().forward(query, keys, values)
+        if query.shape[1] == 7:
+            out = out * 0.5
+        return out
+
+
 class LongSequenceBranchAttention(MultiHeadAttention):
     """Seed MHA that halves its output past 64 query positions: the trace keeps one branch."""
 

@@ -1,4 +1,5 @@
-"""Modules that draw random numbers in eval mode, or that only look as if they might."""
+"""Modules that draw random numbers in eval mode, or keep state between calls, or that only
+look as if they might."""
 
 from __future__ import annotations
 
@@ -52,6 +53,35 @@ class NoDropoutAttention(DropoutAlwaysAttention):
 
     def noise(self, out: torch.Tensor) -> torch.Tensor:
         return F.dropout(out, 0.5, training=self.training)
+
+
+class CountingAttention(DropoutAlwaysAttention):
+    """Counts its calls in a buffer and drifts with the count, by less than two runs of the
+    module can tell from rounding."""
+
+    dropout_p = 0.0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(query, keys, values) * (1 + 1e-7 * self.calls)
+
+
+class KeptStateAttention(CountingAttention):
+    """Keeps the last call's first value in a slice of a buffer, as a cache kept inside a module does."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("last", torch.zeros(2))
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = DropoutAlwaysAttention.forward(self, query, keys, values)
+        before = out + 1e-7 * self.last[0]
+        self.last[0] = out[0, 0, 0]
+        return before
 
 
 class MaskedDropoutAttention(torch.nn.Module):

@@ -18,7 +18,7 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.exporter.stack import innermost_line
-from attn_export.spec import ModelSpec
+from attn_export.spec import Guard, ModelSpec
 from attn_export.spec.shapes import format_sizes
 
 __all__ = ["PathDifference", "path_difference", "traced_lines"]
@@ -52,6 +52,8 @@ class PathDifference:
     sizes: dict[str, int]
     only_example: dict[str, str]
     only_here: dict[str, str]
+    #: The guards the spec accepted that fail at ``sizes``: where the export knew it.
+    guards: tuple[Guard, ...] = ()
 
     def describe(self) -> str:
         def show(lines: dict[str, str]) -> str:
@@ -63,9 +65,14 @@ class PathDifference:
             parts.append(f"only at the example: {show(self.only_example)}")
         if self.only_here:
             parts.append(f"only at these sizes: {show(self.only_here)}")
+        known = (
+            f"where the spec accepted the guard {'; '.join(g.describe() for g in self.guards)}"
+            if self.guards
+            else "and torch.export kept the example's without a guard"
+        )
         return (
             f"the module's Python takes another path at {format_sizes(self.sizes)} than at the example the graph "
-            f"was exported at, and torch.export kept the example's without a guard ({', '.join(parts)}); "
+            f"was exported at, {known} ({', '.join(parts)}); "
             "make that code independent of the sizes, or narrow [dims] to leave these sizes out"
         )
 
@@ -78,7 +85,8 @@ def path_difference(
     sizes: Mapping[str, int],
 ) -> PathDifference | None:
     """Where the module's path at ``feeds`` (of ``sizes``) leaves its path at ``example``;
-    None when both run the same lines, or when the module cannot be traced at one of them."""
+    None when both run the same lines, or when the module cannot be traced at one of them.
+    The spec's accepted guards that fail at ``sizes`` are named as the known cause."""
     try:
         at_example, here = traced_lines(module, spec, example), traced_lines(module, spec, feeds)
     except Exception:  # noqa: BLE001 - a module that torch.export cannot trace has no path to compare
@@ -87,4 +95,4 @@ def path_difference(
     only_here = {k: v for k, v in here.items() if k not in at_example}
     if not only_example and not only_here:
         return None
-    return PathDifference(dict(sizes), only_example, only_here)
+    return PathDifference(dict(sizes), only_example, only_here, tuple(g for g in spec.guards if g.fails_at(sizes)))

@@ -9,8 +9,9 @@ import functools
 import importlib.util
 import os
 import re
+import sys
 
-__all__ = ["innermost_line"]
+__all__ = ["import_path", "innermost_line"]
 
 #: ``File "...", line N, in f`` and the line's text, as torch writes a stack.
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
@@ -33,3 +34,13 @@ def innermost_line(stack: str) -> tuple[str, str] | None:
         return None
     path, line, text = (outside or frames)[-1]
     return f"{path}:{line}", text.strip()
+
+
+def import_path(filename: str, *roots: str) -> str:
+    """``filename`` as its module is imported (relative to the longest of ``roots`` and the
+    ``sys.path`` entries holding it: ``transformers/modeling_utils.py``), so that a record
+    names no machine's folders; unchanged when none holds it."""
+    path = os.path.abspath(filename)
+    roots = tuple(os.path.abspath(p or os.curdir) for p in (*roots, *sys.path))
+    holding = [r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)]
+    return os.path.relpath(path, max(holding, key=len)) if holding else filename

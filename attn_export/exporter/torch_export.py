@@ -18,32 +18,44 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
 from attn_export._deps import require
-from attn_export.errors import ExportFailure, NondeterministicModule, first_line
+from attn_export.errors import ExportFailure, NondeterministicModule, SpecError, first_line
 from attn_export.exporter.graph_checks import name_dims
+from attn_export.exporter.guards import accepted_guards
 from attn_export.exporter.random_ops import refuse_random_ops
-from attn_export.spec import ModelSpec
+from attn_export.exporter.stack import import_path
+from attn_export.exporter.state_updates import refuse_state_updates
+from attn_export.spec import Guard, ModelSpec
+from attn_export.spec.shapes import sizes_from_feeds
 
-__all__ = ["export_onnx", "export_program", "stamp_metadata"]
+__all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "stamp_metadata"]
 
 #: Logger on which torch's shape environment reports each guard it adds, with its source.
 _GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
+#: Loggers that print past ``redirect_stderr`` (torch's handler holds the real stream), and
+#: the level each is held to: a failed op's traceback from the fake-tensor run is the export's
+#: failure, which we report in one line.
+_QUIETED = {"torch.onnx": logging.ERROR, "torch._subclasses.fake_tensor": logging.CRITICAL}
 #: TracerWarnings that mean a traced value was frozen into the graph.
 _FROZEN = re.compile(r"Python (boolean|integer|float|index)|Converting a tensor to a Python")
 
 
 class _GuardSources(logging.Handler):
-    """Collects the user source lines (outside torch) at which the exporter added guards."""
+    """Collects the user source lines (outside torch) at which the exporter added guards,
+    and each guard's line (as its module is imported) by the guard as torch prints it."""
 
-    def __init__(self, torch_dir: str) -> None:
+    def __init__(self, torch_dir: str, roots: tuple[str, ...]) -> None:
         super().__init__(logging.INFO)
         self.torch_dir = torch_dir
+        self.roots = roots
         self.lines: list[str] = []
+        self.located: dict[str, str] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
         if "guard added" not in str(record.msg) or not isinstance(record.args, tuple):
@@ -54,18 +66,23 @@ class _GuardSources(logging.Handler):
             if frame is not None and filename and not os.path.abspath(filename).startswith(self.torch_dir):
                 code = (getattr(frame, "line", "") or "").strip()
                 self.lines.append(f"{filename}:{frame.lineno}" + (f" `{code}`" if code else ""))
+                if len(record.args) > 1:  # (prefix, guard, where, ...)
+                    at = f"{import_path(filename, *self.roots)}:{frame.lineno}" + (f" `{code}`" if code else "")
+                    self.located[str(record.args[1])] = at
 
 
 @contextlib.contextmanager
-def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.WarningMessage]]]:
+def _quiet(torch_dir: str, roots: tuple[str, ...]) -> Iterator[tuple[_GuardSources, list[warnings.WarningMessage]]]:
     """Silence the exporters' prints, warnings and log lines, keeping what we judge by:
-    guard sources and warnings."""
-    onnx_logger, guard_logger = logging.getLogger("torch.onnx"), logging.getLogger(_GUARD_LOGGER)
-    saved = (onnx_logger.level, guard_logger.level, guard_logger.propagate, guard_logger.handlers)
-    onnx_logger.setLevel(logging.ERROR)
+    guard sources (named from ``roots`` where they lie there) and warnings."""
+    quieted = {logging.getLogger(name): level for name, level in _QUIETED.items()}
+    guard_logger = logging.getLogger(_GUARD_LOGGER)
+    saved = ({lg: lg.level for lg in quieted}, guard_logger.level, guard_logger.propagate, guard_logger.handlers)
+    for lg, level in quieted.items():
+        lg.setLevel(level)
     guard_logger.setLevel(logging.INFO)
     guard_logger.propagate = False
-    guards = _GuardSources(torch_dir)
+    guards = _GuardSources(torch_dir, roots)
     guard_logger.handlers = [guards]  # torch's own handler would print every guard
     sink = io.StringIO()
     try:
@@ -77,7 +94,8 @@ def _quiet(torch_dir: str) -> Iterator[tuple[_GuardSources, list[warnings.Warnin
             warnings.simplefilter("always")
             yield guards, caught
     finally:
-        onnx_logger.setLevel(saved[0])
+        for lg, level in saved[0].items():
+            lg.setLevel(level)
         guard_logger.setLevel(saved[1])
         guard_logger.propagate = saved[2]
         guard_logger.handlers = saved[3]
@@ -190,7 +208,7 @@ def export_onnx(
     The examples must give every symbolic dim its own size (``shapes.example_sizes``);
     the caller checks the result with ``graph_checks.check_dynamic_axes``.
     """
-    return export_onnx_program(module, spec, example_feeds, opset=opset, exporter=exporter)[0]
+    return export_onnx_program(module, spec, example_feeds, opset=opset, exporter=exporter).proto
 
 
 def export_onnx_program(
@@ -200,30 +218,30 @@ def export_onnx_program(
     *,
     opset: int | None = None,
     exporter: str | None = None,
-) -> tuple[onnx.ModelProto, Any]:
-    """``export_onnx``'s graph and the FX program it was converted from (``export_program``;
-    None from the torchscript exporter)."""
-    result = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter)
-    proto = result.model_proto
-    name_dims(proto, spec.inputs, spec.outputs, spec.dims)
-    return proto, result.exported_program
+) -> Exported:
+    """``export_onnx``'s graph, with the FX program and the guards behind it."""
+    exported = _export(module, spec, example_feeds, opset or spec.opset, exporter or spec.exporter)
+    name_dims(exported.proto, spec.inputs, spec.outputs, spec.dims)
+    return exported
 
 
 def export_program(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], *, opset: int) -> Any:
     """The FX program the dynamo exporter turned into ONNX, as ``export_onnx`` exports it:
     its node names are the ``pkg.torch.onnx.fx_node`` names in the graph's metadata."""
-    return _export(module, spec, example_feeds, opset, "dynamo").exported_program
+    return _export(module, spec, example_feeds, opset, "dynamo").program
 
 
-class _Proto:
-    """The torchscript exporter's result, shaped like the dynamo exporter's ONNXProgram."""
+@dataclass(frozen=True)
+class Exported:
+    """An export: its graph, the FX program it was converted from (``export_program``; None
+    from the torchscript exporter) and the guards a spec that accepts them let through."""
 
-    def __init__(self, model_proto: onnx.ModelProto) -> None:
-        self.model_proto = model_proto
-        self.exported_program = None
+    proto: onnx.ModelProto
+    program: Any = None
+    guards: tuple[Guard, ...] = ()
 
 
-def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opset: int, exporter: str) -> Any:
+def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opset: int, exporter: str) -> Exported:
     torch = require("torch", "exporting")
     linecache.checkcache()  # the graph's stack traces quote source lines: not a file's older text
     args = tuple(
@@ -234,13 +252,15 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     output_names = [t.name for t in spec.outputs]
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
     try:
-        with _quiet(torch_dir) as (guards, caught), torch.no_grad():
+        roots = (spec.search_path,) if spec.search_path else ()
+        with _quiet(torch_dir, roots) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 # a spec that accepts guards leaves the trace to torch.onnx.export, which narrows
                 # the ranges where the code does: tracing it here first would only fail
                 program = None if spec.accept_guards else _dynamo(torch, module, args, spec, guards)
                 if program is not None:  # before the conversion, which fails on a draw it cannot write
                     refuse_random_ops(program, spec.name)
+                    refuse_state_updates(program, spec.name)
                 with _one_registry_per_opset():
                     result = torch.onnx.export(
                         module if program is None else program,
@@ -254,9 +274,14 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                         verbose=False,
                         report=False,
                     )
-                if program is None:  # exported by torch.onnx's own, narrower, export
-                    refuse_random_ops(result.exported_program, spec.name)
-                return result
+                if program is not None:
+                    return Exported(result.model_proto, result.exported_program)
+                # exported by torch.onnx's own export, which narrowed what the code needs
+                program = result.exported_program
+                refuse_random_ops(program, spec.name)
+                refuse_state_updates(program, spec.name)
+                sizes = sizes_from_feeds(spec.inputs, {t.name: a.shape for t, a in zip(spec.inputs, args, strict=True)})
+                return Exported(result.model_proto, program, accepted_guards(program, spec, sizes, guards.located))
             buf = io.BytesIO()
             axes = {t.name: _axes(t.shape) for t in spec.inputs + spec.outputs}
             torch.onnx.export(
@@ -271,15 +296,31 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                 do_constant_folding=True,
             )
             _frozen_values(caught, spec)
-            return _Proto(onnx.load_from_string(buf.getvalue()))
+            return Exported(onnx.load_from_string(buf.getvalue()))
     except (ExportFailure, NondeterministicModule):
         raise
     except Exception as e:
+        _refuse_misfit(module, args, spec)
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
         raise ExportFailure(
             f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
             f" (rerun with --debug for the traceback{hint})"
         ) from e
+
+
+def _refuse_misfit(module: Any, args: tuple[Any, ...], spec: ModelSpec) -> None:
+    """After a failed export: a module that fails on the example inputs in PyTorch too was
+    given inputs it does not take (a wrong size or dtype in the spec), which no exporter fixes."""
+    torch = require("torch", "exporting")
+    try:
+        with torch.no_grad(), _quiet("", ()):
+            module(*args)
+    except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
+        shapes = ", ".join(f"{t.name} {list(a.shape)} {t.dtype}" for t, a in zip(spec.inputs, args, strict=True))
+        raise SpecError(
+            f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "
+            f"{type(e).__name__}: {first_line(e)}; check [[inputs]] against the module's forward"
+        ) from None
 
 
 def stamp_metadata(proto: onnx.ModelProto, metadata: Mapping[str, str]) -> onnx.ModelProto:

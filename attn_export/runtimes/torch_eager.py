@@ -179,5 +179,5 @@ def same_answer(first: Mapping[str, np.ndarray], second: Mapping[str, np.ndarray
                 f"PyTorch is not deterministic in eval mode: two runs of the module on one input differ{by} in "
                 f"output '{name}', so it cannot be the reference; look for dropout_p passed to "
                 "F.scaled_dot_product_attention whatever the mode, F.dropout(..., training=True), "
-                "or torch.rand/randn in forward()"
+                "torch.rand/randn in forward(), or a buffer forward() updates"
             )

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_DIM",
     "MODES",
     "DimRange",
+    "Guard",
     "ModelSpec",
     "TensorSpec",
     "WeightsSpec",
@@ -58,6 +59,30 @@ class DimRange:
     def to_toml(self) -> dict[str, int] | str:
         """The form a spec file writes: ``{min, max}``, or the sum's expression."""
         return " + ".join(self.parts) if self.parts else {"min": self.min, "max": self.max}
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A condition on the dims that an export accepted (``accept_guards``): the graph follows
+    the module's code only where it holds. ``points`` are sizes of the free dims, inside the
+    declared range, where it does not: the module may compute something else there, so
+    build's smoke check and verify's sweep run them."""
+
+    #: In the spec's dim names: ``seq != 7``.
+    condition: str
+    #: The module's source line that made it (``file:line `code```), where torch named one.
+    where: str = ""
+    points: tuple[dict[str, int], ...] = ()
+
+    def describe(self) -> str:
+        return self.condition + (f" (at {self.where})" if self.where else " (assumed by torch's trace, at no line)")
+
+    def fails_at(self, sizes: Mapping[str, int]) -> bool:
+        """Whether ``sizes`` (sums included or not) is one of the points where it fails."""
+        return any(all(sizes.get(k) == v for k, v in p.items()) for p in self.points)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"condition": self.condition, "where": self.where, "points": [dict(p) for p in self.points]}
 
 
 @dataclass(frozen=True)
@@ -136,6 +161,8 @@ class ModelSpec:
     #: ``[cache] window``: the positions each present of a sliding-window KV cache keeps
     #: (the newest); None: a cache that keeps every position (``spec.cache``).
     cache_window: int | None = None
+    #: What the build's export accepted: set by build, never by a spec file.
+    guards: tuple[Guard, ...] = ()
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's for that very name, else the table's
@@ -195,6 +222,7 @@ class ModelSpec:
             }
             | ({"max_memory": self.max_memory} if self.max_memory else {})
             | ({"cache": cache} if cache else {})
+            | ({"guards": [g.to_dict() for g in self.guards]} if self.guards else {})
         )
 
     @property
@@ -218,6 +246,7 @@ class ModelSpec:
         d = self.to_dict()
         d.pop("description")
         d.pop("max_memory", None)
+        d.pop("guards", None)  # learnt from the export, not a cause of it
         if self.weights.path is not None:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

@@ -25,6 +25,7 @@ from attn_export.spec.model import (
     MAX_DIM,
     MODES,
     DimRange,
+    Guard,
     ModelSpec,
     TensorSpec,
     WeightsSpec,
@@ -449,6 +450,29 @@ def _cache_size(where: _Where, raw: dict[str, Any], key: str) -> int | None:
     return size
 
 
+def _guards(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> tuple[Guard, ...]:
+    """A built spec's accepted guards (``Guard.to_dict``): each point sizes every free dim
+    inside its declared range."""
+    value = raw.get("guards", [])
+    if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+        raise where.error("'guards' must be a list of tables", "guards")
+    free = {k: r for k, r in dims.items() if not r.parts}
+    guards = []
+    for g in value:
+        _check_keys(where, g, {"condition", "where", "points"}, "a guard", "guards")
+        condition, at, points = g.get("condition"), g.get("where", ""), g.get("points", [])
+        if not isinstance(condition, str) or not isinstance(at, str) or not isinstance(points, list):
+            raise where.error("a guard needs a condition and where (strings) and points (a list)", "guards")
+        for point in points:
+            if not isinstance(point, dict) or set(point) != set(free):
+                raise where.error(f"guard '{condition}': a point must size the dims {', '.join(free)}", "guards")
+            for k, v in point.items():
+                if not free[k].min <= _int(where, v, f"guard '{condition}': {k}", "guards") <= free[k].max:
+                    raise where.error(f"guard '{condition}': {k}={v} is outside its declared range", "guards")
+        guards.append(Guard(condition, at, tuple(dict(p) for p in points)))
+    return tuple(guards)
+
+
 def _description(where: _Where, raw: dict[str, Any]) -> str:
     value = raw.get("description", "")
     if not isinstance(value, str):
@@ -499,8 +523,8 @@ def spec_from_dict(
     (a manifest's copy): nothing it names is resolved, checked or importable."""
     where = _Where(path, text)
     folder = path.parent.resolve() if path is not None else folder
-    # A copy made by to_dict (no path) also carries its name.
-    _check_keys(where, raw, _TOP_KEYS | ({"name"} if path is None else set()), "the spec", None)
+    # A copy made by to_dict (no path) also carries its name and what its export accepted.
+    _check_keys(where, raw, _TOP_KEYS | ({"name", "guards"} if path is None else set()), "the spec", None)
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
@@ -543,6 +567,7 @@ def spec_from_dict(
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
         cache_max_seq=_cache_size(where, raw, "max_seq"),
         cache_window=_cache_size(where, raw, "window"),
+        guards=_guards(where, raw, dims),
     )
     expanded = [t.name for t in inputs if t.expand]
     if expanded and spec.config is None:

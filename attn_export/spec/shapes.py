@@ -109,10 +109,17 @@ def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:
     return [ShapePoint(case, dict(sizes), case) for case in mask_cases(spec)]
 
 
+def _guard_points(spec: ModelSpec) -> list[ShapePoint]:
+    """Where an accepted guard does not hold (``Guard.points``): the graph may go wrong there."""
+    points = [{k: p[k] for k in spec.free_dims} for g in spec.guards for p in g.points]  # in the spec's order
+    return [ShapePoint(f"guard-{i}", spec.with_sums(p)) for i, p in enumerate(points, 1)]
+
+
 def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None = None) -> list[ShapePoint]:
     """The default verification sweep: minimum sizes, distinct sizes, maximum sizes,
     skewed points where neighbouring dims sit at opposite ends (query length != kv length),
-    seeded random points, then the named mask cases at the distinct sizes. Duplicates are
+    the points where an accepted guard fails, seeded random points, then the named mask
+    cases at the distinct sizes. Duplicates are
     dropped; ``cap`` bounds every size for slow runtimes.
     """
     dims = spec.free_dims
@@ -123,6 +130,7 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
         ShapePoint("max", {k: r.max for k, r in dims.items()}),
         ShapePoint("skew-a", {k: (dims[k].max if i % 2 else dims[k].min) for i, k in enumerate(names)}),
         ShapePoint("skew-b", {k: (dims[k].min if i % 2 else dims[k].max) for i, k in enumerate(names)}),
+        *_guard_points(spec),
     ]
     rng = random.Random(seed)
     candidates += [
@@ -173,13 +181,14 @@ def corner_points(spec: ModelSpec) -> list[ShapePoint]:
 
 
 def golden_points(spec: ModelSpec) -> list[ShapePoint]:
-    """The shapes build smoke-checks and records as golden vectors: distinct sizes, every
-    corner of the declared range, and a long point; so ``verify --golden`` covers the
-    range's ends as the PyTorch sweep does."""
+    """The shapes build smoke-checks and records as golden vectors: distinct sizes, the
+    points where an accepted guard fails, every corner of the declared range, and a long
+    point; so ``verify --golden`` covers the range's ends as the PyTorch sweep does."""
     dims = spec.free_dims
     long = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
         ShapePoint("distinct", example_sizes(spec)),
+        *_guard_points(spec),  # before the corners: a smoke check that fails there names the guard
         *corner_points(spec),
         ShapePoint("long", spec.with_sums({k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)})),
     ]

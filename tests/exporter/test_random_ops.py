@@ -16,8 +16,10 @@ from attn_export.exporter.random_ops import refuse_random_ops
 from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
 from tests.conftest import build_tiny_with, write_spec
 from tests.random_modules import (
+    CountingAttention,
     DropoutAlwaysAttention,
     DropoutTrainingAttention,
+    KeptStateAttention,
     NoDropoutAttention,
     NoisyAttention,
     TinyDropoutAttention,
@@ -42,6 +44,26 @@ def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
     result = build_tiny_with(tmp_path, module)
     assert result.exit_code == 1, result.output
     assert f"[export] tiny: the module is random in eval mode: {said} at {random_modules.__file__}:" in result.output
+    assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "buffer", "line"),
+    [
+        (CountingAttention, "calls", "self.calls.add_(1)"),
+        pytest.param(KeptStateAttention, "last", "self.last[0] = out[0, 0, 0]", marks=SLOW),
+    ],
+)
+def test_a_module_that_updates_its_buffers_fails_its_export_naming_the_line(
+    tmp_path: Path, module: type, buffer: str, line: str
+) -> None:
+    """Its drift is below rounding on the second call: only the FX program shows the update."""
+    result = build_tiny_with(tmp_path, module)
+    assert result.exit_code == 1, result.output
+    source = Path(random_modules.__file__).read_text().splitlines()
+    number = next(i for i, text in enumerate(source, 1) if text.strip() == line)
+    at = f"{random_modules.__file__}:{number} `{line}`"
+    assert f"[export] tiny: forward() updates the module's buffer '{buffer}' at {at}" in result.output, result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 

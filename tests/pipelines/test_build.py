@@ -360,3 +360,28 @@ def test_golden_points_cover_every_corner_of_the_declared_range(tmp_path: Path) 
     for mix in itertools.product(("min", "max"), repeat=3):
         corner = {k: getattr(spec.dims[k], m) for k, m in zip(spec.dims, mix, strict=True)}
         assert corner in sizes, corner
+
+
+def _line(text: str) -> int:
+    source = (ROOT / "tests" / "faulty_modules.py").read_text().splitlines()
+    return next(i for i, line in enumerate(source, 1) if text in line)
+
+
+def test_an_accepted_guard_is_smoke_checked_where_it_fails(tmp_path: Path) -> None:
+    """A graph traced past ``if seq == 7`` agrees with PyTorch at every corner of the range:
+    the build finds the sizes where each accepted guard fails, and smoke-checks them first."""
+    path = tiny_spec(tmp_path / "models")
+    text = path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:SevenAttention")
+    path.write_text("accept_guards = true\n" + text)
+    r = _build([path], tmp_path / "out").results[0]
+    seven = f"seq != 7 (at tests/faulty_modules.py:{_line('query.shape[1] == 7')} `if query.shape[1] == 7:`)"
+    assert r.warnings[0] == (
+        f"accepted guard {seven}: smoke-checked and verified where it fails, at batch=2,seq=7,kv_seq=5"
+    )
+    assert r.failed_stage == "smoke" and r.error.startswith(
+        "tiny: smoke check at guard-1 (batch=2,seq=7,kv_seq=5) failed: the module's Python takes another path at "
+        "batch=2,seq=7,kv_seq=5 than at the example the graph was exported at, where the spec accepted the guard "
+        + seven
+    ), r.error
+    assert "; output: " in r.error  # and the numbers
+    assert not (tmp_path / "out" / "tiny.onnx").exists()

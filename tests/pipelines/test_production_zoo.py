@@ -29,5 +29,5 @@ def test_the_production_zoo_builds_and_verifies(tmp_path: Path, names: tuple[str
     assert build.output.splitlines()[-1].startswith(f"{len(specs)} graphs: {len(specs)} built, 0 skipped, 0 failed")
     verify = CliRunner().invoke(cli, ["verify", str(out), "--models", str(ZOO), "--no-latency"])
     assert verify.exit_code == 0, verify.output
-    cases = zoo_cases(specs)
+    cases = zoo_cases(out, specs)
     assert f"verify PASSED: {cases} of {cases} cases agree across {len(specs)} models" in verify.output

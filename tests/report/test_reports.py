@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.report.json_report import dump_json_report, load_json_report
 from attn_export.report.markdown import markdown_report
-from tests.conftest import ROOT, TINY_CASES, TINY_SPECS, TINY_ZOO, node, plant, set_initializer
+from tests.conftest import ROOT, TINY_SPECS, TINY_ZOO, node, plant, set_initializer, zoo_cases
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def reports(failing_zoo: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         ],
     )
     assert result.exit_code == 1, result.output
-    paths["summary"] = summary
+    paths["summary"], paths["zoo"] = summary, failing_zoo
     return paths
 
 
@@ -67,7 +67,11 @@ def test_json_report_round_trips(reports: dict[str, Path]) -> None:
     doc = json.loads(text)
     assert doc["passed"] is False
     summary = doc["summary"]
-    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (len(TINY_SPECS), TINY_CASES, 0)
+    assert (summary["models"], summary["cases"], summary["failed_checks"]) == (
+        len(TINY_SPECS),
+        zoo_cases(reports["zoo"], TINY_SPECS),
+        0,
+    )
     sdpa = [c for c in doc["cases"] if c["model"] == "sdpa"]
     assert 0 < summary["failed_cases"] < len(sdpa)  # kv_seq=1 hides a wrong scale
     failing = [c for c in doc["cases"] if not c["passed"]]
@@ -117,7 +121,7 @@ def test_markdown_table_and_step_summary(reports: dict[str, Path]) -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
     end = next(i for i, line in enumerate(lines) if i > header + 1 and not line.startswith("| "))
     rows = lines[header + 2 : end]
-    assert len(rows) == TINY_CASES and all(row.count("|") == 11 for row in rows)
+    assert len(rows) == zoo_cases(reports["zoo"], TINY_SPECS) and all(row.count("|") == 11 for row in rows)
     failed = json.loads(reports["json"].read_text())["summary"]["failed_cases"]
     assert sum("**FAIL**" in row for row in rows) == failed
     assert "#### Max abs error by value distribution" in md

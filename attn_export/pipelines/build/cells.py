@@ -30,6 +30,7 @@ from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
 from attn_export.spec import ModelSpec, load_spec, variant_chain, variant_key
+from attn_export.spec.shapes import format_sizes
 
 __all__ = ["BuildCell", "BuiltGraph", "build_cell", "checked_graph", "stage_timer"]
 
@@ -109,6 +110,11 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
         ctx.masks.get()
     with stage_timer(result, "export"):
         ctx.export(spec.opset)
+    result.warnings += [
+        f"accepted guard {g.describe()}: smoke-checked and verified "
+        f"where it fails, at {'; '.join(format_sizes(p) for p in g.points)}"
+        for g in ctx.spec.guards
+    ]
     with stage_timer(result, "variant"):
         if variant_chain(variant).chooser:
             chosen, info = auto_choice(ctx)
@@ -156,6 +162,7 @@ def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None,
         result.warnings.append(f"spec asks for mode '{spec.mode}'; exported in eval mode (dropout off)")
 
     graph, info = checked_graph(ctx, variant, result)
+    spec = ctx.spec  # as built: with the guards its export accepted
     name = variant_key(spec.name, variant)
     with stage_timer(result, "write"):
         file, sha = stage(out_dir, f"{name}.onnx", graph.model)

@@ -3,6 +3,7 @@ the graph sound, the checkout's spec and sources unchanged since the build."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -153,8 +154,9 @@ _EXPORT_ONLY = ("description", "opset", "exporter")
 
 
 def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models") -> ModelSpec:
-    """The checkout's spec for a built graph: the only source of code verify runs. ``option``
-    is how the caller's user names the folder (the pytest plugin has its own)."""
+    """The checkout's spec for a built graph: the only source of code verify runs, with the
+    guards the graph's export accepted (data: where verify must also look). ``option`` is how
+    the caller's user names the folder (the pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
     if not path.is_file():
@@ -162,7 +164,7 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
             f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
         )
-    return load_spec(path)
+    return dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
 
 
 def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:

@@ -1,0 +1,159 @@
+"""The guards a spec accepts (``accept_guards``): the conditions on the dims that torch's
+trace assumed, read from the exported program (the guards its shape environment added, the
+runtime asserts it deferred, the ranges it narrowed), each with sizes inside the declared
+range where it fails. There the module's code takes another path than the graph, so build
+smoke-checks those sizes and verify sweeps them: a graph traced past ``if seq == 7`` passed
+every other point of its range.
+
+Only conditions on the spec's dims are kept: one on a size made inside the module (a
+cache's own length) cannot be steered from the inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from attn_export.spec import Guard, ModelSpec
+
+__all__ = ["accepted_guards"]
+
+#: A dim's range is tried size by size up to this width; a wider one at its ends and next
+#: to the condition's own constants.
+_SCAN = 1024
+#: Points kept per condition, and per spec: each is one more golden case and sweep point.
+_PER_GUARD = 3
+_PER_SPEC = 8
+
+
+def accepted_guards(
+    program: Any, spec: ModelSpec, sizes: Mapping[str, int], located: Mapping[str, str]
+) -> tuple[Guard, ...]:
+    """The conditions ``program`` (traced at ``sizes``) holds only for part of the declared
+    range, each with where it fails; ``located`` maps a condition as torch prints it to the
+    module's line that made it."""
+    symbols = _dim_symbols(program, spec)
+    found = [(expr, _where(expr, located)) for expr in _conditions(program, spec, symbols)]
+    guards: list[Guard] = []
+    taken: list[dict[str, int]] = []
+    for expr, where in sorted(found, key=lambda f: not f[1]):  # the module's own lines first
+        points = [p for p in _failing(expr, symbols, spec, sizes) if p not in taken][: _PER_SPEC - len(taken)]
+        if points:
+            taken += points
+            guards.append(Guard(_render(expr, symbols), where, tuple(points)))
+    return tuple(guards)
+
+
+def _where(expr: Any, located: Mapping[str, str]) -> str:
+    """The line that made ``expr``; for a range torch narrowed (``>=``, ``<=``), the line of
+    the first comparison of the same sizes it logged. Torch's own assumptions (a size is
+    not 1) have none."""
+    if str(expr) in located:
+        return located[str(expr)]
+    if getattr(expr, "rel_op", None) not in (">=", "<="):
+        return ""
+    names = [re.compile(rf"\b{s}\b") for s in map(str, expr.free_symbols)]
+    compared = {k: v for k, v in located.items() if not k.startswith(("Eq(", "Ne("))}
+    return next((at for logged, at in compared.items() if all(n.search(logged) for n in names)), "")
+
+
+def _shape_env(program: Any) -> Any:
+    for node in program.graph.nodes:
+        for size in getattr(node.meta.get("val"), "shape", ()):
+            env = getattr(getattr(size, "node", None), "shape_env", None)
+            if env is not None:
+                return env
+    return None
+
+
+def _dim_symbols(program: Any, spec: ModelSpec) -> dict[Any, str]:
+    """Each symbol that sizes an input axis, with the spec dim it stands for."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user = [nodes[name] for name in program.graph_signature.user_inputs if name in nodes]
+    symbols: dict[Any, str] = {}
+    if len(user) != len(spec.inputs):
+        return symbols
+    for node, tensor in zip(user, spec.inputs, strict=True):
+        shape = getattr(node.meta.get("val"), "shape", ())
+        for dim, size in zip(tensor.shape, shape, strict=False):
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if isinstance(dim, str) and getattr(expr, "is_Symbol", False):
+                symbols.setdefault(expr, dim)
+    return symbols
+
+
+def _conditions(program: Any, spec: ModelSpec, symbols: Mapping[Any, str]) -> list[Any]:
+    """Every condition on the spec's dims alone, once, in the order torch made them."""
+    import sympy
+
+    env = _shape_env(program)
+    found = [g.expr for g in getattr(env, "guards", ())]
+    found += [a.expr for asserts in getattr(env, "deferred_runtime_asserts", {}).values() for a in asserts]
+    for symbol, dim in symbols.items():
+        declared, traced = spec.dims[dim], program.range_constraints.get(symbol)
+        if declared.parts or traced is None:
+            continue
+        if traced.lower.is_integer and int(traced.lower) > declared.min:
+            found.append(sympy.Ge(symbol, int(traced.lower)))
+        if traced.upper.is_integer and int(traced.upper) < declared.max:
+            found.append(sympy.Le(symbol, int(traced.upper)))
+    unique: dict[str, Any] = {}
+    for expr in found:
+        if expr.free_symbols and expr.free_symbols <= set(symbols):
+            unique.setdefault(str(expr), expr)
+    return list(unique.values())
+
+
+def _render(expr: Any, symbols: Mapping[Any, str]) -> str:
+    """``expr`` in the spec's dim names: ``seq != 7``."""
+    import sympy
+
+    named = expr.xreplace({s: sympy.Symbol(d) for s, d in symbols.items()})
+    op = getattr(named, "rel_op", None)
+    return f"{named.lhs} {op} {named.rhs}" if op else str(named)
+
+
+def _holds(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, free: Mapping[str, int]) -> bool:
+    """Whether ``expr`` holds at the free dims' sizes ``free`` (an undecidable one counts as held)."""
+    import sympy
+
+    sizes = spec.with_sums(free)
+    value = expr.xreplace({s: sympy.Integer(sizes[d]) for s, d in symbols.items() if s in expr.free_symbols})
+    return value is not sympy.false
+
+
+def _tried(expr: Any, low: int, high: int) -> list[int]:
+    if high - low <= _SCAN:
+        return list(range(low, high + 1))
+    near = {int(a) + d for a in expr.atoms() if getattr(a, "is_Integer", False) for d in (-1, 0, 1)}
+    return sorted({low, high} | {n for n in near if low <= n <= high})
+
+
+def _failing(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, sizes: Mapping[str, int]) -> list[dict[str, int]]:
+    """Free-dim sizes where ``expr`` fails, next to where it holds: one dim is tried over its
+    range while the others sit at the traced size, their minimum or their maximum."""
+    free = spec.free_dims
+    named = {symbols[s] for s in expr.free_symbols}
+    varying = [d for d in free if d in named or any(d in spec.dims[n].parts for n in named)]
+    points: list[dict[str, int]] = []
+    for tried in varying:
+        others = [d for d in varying if d != tried]
+        for fixed in itertools.product(*[(sizes[d], free[d].min, free[d].max) for d in others]):
+            base = {k: sizes[k] for k in free} | dict(zip(others, fixed, strict=True))
+            values = _tried(expr, free[tried].min, free[tried].max)
+            held = [_holds(expr, symbols, spec, base | {tried: v}) for v in values]
+            fails = [v for i, v in enumerate(values) if not held[i]]
+            edges = [
+                v
+                for i, v in enumerate(values)
+                if not held[i] and ((i > 0 and held[i - 1]) or (i + 1 < len(values) and held[i + 1]))
+            ]
+            for v in edges or fails[:1]:
+                point = base | {tried: v}
+                if point not in points:
+                    points.append(point)
+                if len(points) == _PER_GUARD:
+                    return points
+    return points

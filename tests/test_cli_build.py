@@ -118,6 +118,12 @@ BAD_SPECS = [
         "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.zoo.seed:MultiHeadAttention",
     ),
     (
+        "input_misfit",  # the module's first Linear takes 16 features: no exporter can fix that
+        lambda t: t.replace('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "seq", 24]\n[[inputs]]', 1),
+        "tiny: the module fails in PyTorch on inputs shaped as the spec declares them (query [2, 3, 24] float32, "
+        "keys [2, 5, 16] float32, values [2, 5, 16] float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+    ),
+    (
         "min_gt_max",
         lambda t: t.replace("min = 1, max = 24", "min = 30, max = 24"),
         "[spec] {p}:21: dim 'seq': min 30 is greater than max 24",
@@ -126,13 +132,21 @@ BAD_SPECS = [
 
 
 @pytest.mark.parametrize(("case", "edit", "message"), BAD_SPECS, ids=[b[0] for b in BAD_SPECS])
-def test_bad_spec_exits_2_with_one_line(tmp_path: Path, case: str, edit, message: str) -> None:
+def test_bad_spec_exits_2_with_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], case: str, edit, message: str
+) -> None:
     path = tiny_spec(tmp_path / "models")
     path.write_text(edit(path.read_text()))
     result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2, result.output
     failed = next(line for line in result.output.splitlines() if line.startswith("FAILED"))
     assert message.replace("{p}", str(path)) in failed
+    # nothing built: no manifest promised (nor a folder made for a spec that does not load),
+    # no traceback from torch's loggers
+    assert result.output.splitlines()[-1].endswith(f"(nothing written to {tmp_path / 'out'})")
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out").exists() or not message.startswith("[spec]")
+    assert "Traceback" not in capfd.readouterr().err
     assert "Traceback" not in result.output
 
 

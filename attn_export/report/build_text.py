@@ -29,7 +29,8 @@ def format_build_summary(s: BuildSummary) -> str:
     c = s.counts
     return (
         f"{len(s.results)} graphs: {c['built']} built, {c['skipped']} skipped, {c['failed']} failed "
-        f"in {s.seconds:.1f} s -> {s.out_dir}/manifest.json"
+        f"in {s.seconds:.1f} s "
+        + (f"-> {s.out_dir}/manifest.json" if s.manifest else f"(nothing written to {s.out_dir})")
     )
 
 

@@ -105,6 +105,9 @@ class BuildSummary:
     out_dir: str
     results: list[BuildResult]
     seconds: float
+    #: Whether the folder holds a manifest after the run (a run that built nothing into a
+    #: new folder leaves none).
+    manifest: bool = True
 
     @property
     def exit_code(self) -> int:
@@ -120,9 +123,10 @@ class BuildSummary:
             "seconds": round(self.seconds, 3),
             "counts": self.counts,
             "exit_code": self.exit_code,
+            "manifest": self.manifest,
             "results": [dataclasses.asdict(r) for r in self.results],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BuildSummary:
-        return cls(d["out_dir"], [BuildResult(**r) for r in d["results"]], d["seconds"])
+        return cls(d["out_dir"], [BuildResult(**r) for r in d["results"]], d["seconds"], d.get("manifest", True))

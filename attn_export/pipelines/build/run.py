@@ -19,14 +19,14 @@ from typing import Any
 from attn_export import __version__
 from attn_export.artifacts.files import build_lock, sha256_bytes, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
-from attn_export.artifacts.manifest import Manifest, load_manifest
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
-from attn_export.spec import ModelSpec, variant_chain
+from attn_export.spec import ModelSpec, load_spec, variant_chain
 
 __all__ = ["build_models", "export_module"]
 
@@ -66,6 +66,14 @@ def _commit(out_dir: Path, manifest: Manifest, graph: BuiltGraph) -> BuildResult
     return result
 
 
+def _loads(path: Path) -> bool:
+    try:
+        load_spec(path)
+    except AttnExportError:
+        return False
+    return True
+
+
 def build_models(
     spec_paths: Sequence[Path],
     options: BuildOptions,
@@ -92,6 +100,14 @@ def build_models(
         raise UsageError(f"{both} both name model '{twice}': one build folder holds one model of a name")
     started = time.perf_counter()
     results: list[BuildResult] = []
+    if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
+        for cell in (BuildCell(p, options, {}, {}) for p in spec_paths):
+            for graph in build_cell(cell):
+                results.append(graph.result)
+                if on_result:
+                    on_result(graph.result)
+        written = (options.out_dir / MANIFEST_NAME).is_file()
+        return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
     with build_lock(options.out_dir, options.lock_wait_s, on_notice):
         manifest = _open_manifest(options.out_dir, options.force)
         notice = recover(options.out_dir, manifest)
@@ -110,7 +126,8 @@ def build_models(
                         break  # closing cancels the cells not started
         finally:
             _remove_leftovers(options.out_dir, manifest)
-    return BuildSummary(str(options.out_dir), results, time.perf_counter() - started)
+    written = (options.out_dir / MANIFEST_NAME).is_file()
+    return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
 
 
 def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:

@@ -193,6 +193,27 @@ def _window_lengths(
     return out
 
 
+def check_signature(
+    proto: onnx.ModelProto, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
+) -> None:
+    """The graph's inputs and outputs are the spec's, by name, order and rank: else no feed
+    made from the spec fits the graph, and nothing can be compared."""
+    declared_in = [i.name for i in proto.graph.input]
+    declared_out = [o.name for o in proto.graph.output]
+    if declared_in != [t.name for t in inputs]:
+        raise GraphCheckError(f"{name}: graph inputs {declared_in} != spec inputs {[t.name for t in inputs]}")
+    if declared_out != [t.name for t in outputs]:
+        raise GraphCheckError(f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}")
+    shapes = graph_shapes(proto)
+    for t in list(inputs) + list(outputs):
+        got = shapes[t.name]
+        if len(got) != len(t.shape):
+            kind = "input" if t in inputs else "output"
+            raise GraphCheckError(
+                f"{name}: {kind} '{t.name}' has rank {len(got)} in the graph, spec says {len(t.shape)}"
+            )
+
+
 def check_dynamic_axes(
     proto: onnx.ModelProto,
     name: str,
@@ -206,22 +227,13 @@ def check_dynamic_axes(
     (``spec.cache.present_windows``): outputs whose axis 2 keeps at most that many positions,
     a sliding-window cache's presents."""
     dims, windows = dims or {}, windows or {}
-    declared_in = [i.name for i in proto.graph.input]
-    declared_out = [o.name for o in proto.graph.output]
-    if declared_in != [t.name for t in inputs]:
-        raise GraphCheckError(f"{name}: graph inputs {declared_in} != spec inputs {[t.name for t in inputs]}")
-    if declared_out != [t.name for t in outputs]:
-        raise GraphCheckError(f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}")
+    check_signature(proto, name, inputs, outputs)
     shapes = graph_shapes(proto)
     symbol_of: dict[str, str] = {}
     dims_of_symbol: dict[str, str] = {}
     for t in list(inputs) + list(outputs):
         kind = "input" if t in inputs else "output"
         got = shapes[t.name]
-        if len(got) != len(t.shape):
-            raise GraphCheckError(
-                f"{name}: {kind} '{t.name}' has rank {len(got)} in the graph, spec says {len(t.shape)}"
-            )
         for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
             if kind == "output" and axis == 2 and t.name in windows and isinstance(want, str):
                 # a sliding-window present: Min(window, total) however the exporter writes it
@@ -274,6 +286,11 @@ def check_dynamic_axes(
                     f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
                     f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"
                 )
+
+
+def check_spec_signature(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> None:
+    """``check_signature`` against the graph ``spec`` declares (``check_spec_axes``)."""
+    check_signature(proto, name, *graph_signature(proto, spec.inputs, spec.outputs))
 
 
 def check_spec_axes(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> None:

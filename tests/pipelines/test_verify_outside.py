@@ -110,18 +110,29 @@ def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Bu
         (["{graph}", "--spec", "{spec}", "--variant", "auto"], "--variant auto chooses among variants"),
         (["{graph}", "--spec", "{dir}/none.toml"], "none.toml: no such spec file"),
         (["{dir}/none.onnx", "--spec", "{spec}"], "none.onnx: no such file"),
+        (
+            ["{graph}", "--spec", "{renamed}"],
+            "tiny.onnx: graph inputs ['query', 'keys', 'values'] != spec inputs ['q', 'keys', 'values']: "
+            "--spec {renamed} does not describe this graph",
+        ),
     ],
-    ids=["folder", "folder.onnx", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph"],
+    ids=["folder", "folder.onnx", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph", "renamed"],
 )
 def test_bad_usage_is_one_line_and_exit_2(shared_tiny: Built, tmp_path: Path, args: list[str], message: str) -> None:
     graph = _edited(shared_tiny, tmp_path / "edited")
     (graph.parent / "sub.onnx").mkdir()
-    where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": str(shared_tiny.models / "tiny.toml")}
+    renamed = tmp_path / "renamed" / "tiny.toml"  # a spec of another graph: no feed made from it fits
+    renamed.parent.mkdir()
+    renamed.write_text((shared_tiny.models / "tiny.toml").read_text().replace('name = "query"', 'name = "q"'))
+    spec = str(shared_tiny.models / "tiny.toml")
+    where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": spec, "{renamed}": str(renamed)}
     for key, value in where.items():
         args = [a.replace(key, value) for a in args]
+        message = message.replace(key, value)
     result = _verify(*args)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+    assert "FAIL " not in result.output  # refused before any case ran
     assert sorted(p.name for p in graph.parent.iterdir()) == ["sub.onnx", "tiny.onnx"]
 
 

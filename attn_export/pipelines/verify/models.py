@@ -11,7 +11,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
-from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
+from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes, check_spec_signature
 from attn_export.exporter.source import module_sources
 from attn_export.pipelines.verify.outside import outside_manifest
 from attn_export.spec import ModelSpec, load_spec
@@ -130,16 +130,15 @@ def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool
     """Problems found in the graph itself, and whether it is sound enough to run.
 
     A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
-    checker rejects is not run; one with wrong dynamic axes is, to show the consequences.
+    checker rejects, or whose inputs and outputs are not the spec's, is not run; one with
+    wrong dynamic axes is, to show the consequences.
     """
     spec = entry.model_spec
     proto = load_model_file(out_dir / entry.file)
     try:
         check_model(proto, entry.name, out_dir / entry.file)
-    except GraphCheckError as e:
-        return [str(e)], False
-    try:
         check_deterministic(proto, entry.name)
+        check_spec_signature(proto, entry.name, spec)
     except GraphCheckError as e:
         return [str(e)], False
     try:

@@ -11,8 +11,10 @@ from pathlib import Path
 from attn_export import __version__
 from attn_export.artifacts.files import LOCK_NAME, sha256_file
 from attn_export.artifacts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA, Manifest, ManifestEntry
+from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
-from attn_export.errors import ArtifactError, UsageError
+from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.source import module_sources
 from attn_export.spec import load_spec, variant_chain
 
@@ -40,6 +42,10 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
                 "never from a build folder; name the checkout's spec"
             )
     name = spec.name if variant == "fp32" else f"{spec.name}.{variant}"
+    try:
+        check_spec_signature(load_model_file(graph), graph.name, spec)
+    except GraphCheckError as e:  # no case could feed it: the spec names another graph
+        raise UsageError(f"{e}: --spec {spec_path} does not describe this graph") from None
     entry = ManifestEntry(
         name=name,
         file=graph.name,

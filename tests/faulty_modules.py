@@ -31,12 +31,17 @@ class ShapeBranchAttention(MultiHeadAttention):
 
 
 class SevenAttention(MultiHeadAttention):
-    """Seed MHA whose Python halves its output at exactly seven query positions: torch.export
-    guards seq != 7, and a graph built past the guard agrees with PyTorch at every corner."""
+    """Seed MHA whose Python halves its output at exactly seven query positions (and at a
+    batch of three, and at 1280..1343 positions): torch.export guards seq != 7, batch != 3
+    and seq // 64 != 20, and a graph built past them agrees with PyTorch at every corner."""
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         out = super().forward(query, keys, values)
         if query.shape[1] == 7:
+            out = out * 0.5
+        if query.shape[0] == 3:
+            out = out * 0.5
+        if query.shape[1] // 64 == 20:
             out = out * 0.5
         return out
 

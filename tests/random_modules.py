@@ -84,6 +84,16 @@ class KeptStateAttention(CountingAttention):
         return before
 
 
+class InPlaceInputAttention(DropoutAlwaysAttention):
+    """Scales its query in place: deterministic, as long as each run gets its own copy."""
+
+    dropout_p = 0.0
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        query.mul_(2)
+        return super().forward(query, keys, values)
+
+
 class MaskedDropoutAttention(torch.nn.Module):
     """SDPA with a padding mask and ``dropout_p`` whatever the mode: build probes the mask
     (with the module) before it exports."""

@@ -16,16 +16,29 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from attn_export.spec import Guard, ModelSpec
 
 __all__ = ["accepted_guards"]
 
-#: A dim's range is tried size by size up to this width; a wider one at its ends and next
-#: to the condition's own constants.
+#: Where numpy cannot evaluate a condition as sympy does, a dim's range is tried size by size
+#: up to this width, a wider one at its ends and next to the condition's own constants.
 _SCAN = 1024
-#: Points kept per condition, and per spec: each is one more golden case and sweep point.
+#: Points kept per condition, and per spec: each is one more golden case and sweep point. A
+#: condition past the spec's share is kept without points, and build says it is unchecked.
 _PER_GUARD = 3
-_PER_SPEC = 8
+_PER_SPEC = 32
+#: torch's integer functions in a condition, for numpy (``sympy.lambdify``).
+_NUMPY = {
+    "FloorDiv": np.floor_divide,
+    "CleanDiv": np.floor_divide,
+    "PythonMod": np.mod,
+    "Mod": np.mod,
+    "ModularIndexing": lambda base, divisor, modulus: (base // divisor) % modulus,
+    "Max": np.maximum,
+    "Min": np.minimum,
+}
 
 
 def accepted_guards(
@@ -35,28 +48,38 @@ def accepted_guards(
     range, each with where it fails; ``located`` maps a condition as torch prints it to the
     module's line that made it."""
     symbols = _dim_symbols(program, spec)
-    found = [(expr, _where(expr, located)) for expr in _conditions(program, spec, symbols)]
+    env = _shape_env(program)
+    canonical = {_canonical(logged, env): at for logged, at in reversed(list(located.items()))}  # first wins
+    found = [(expr, _where(expr, canonical)) for expr in _conditions(program, spec, symbols)]
     guards: list[Guard] = []
     taken: list[dict[str, int]] = []
     for expr, where in sorted(found, key=lambda f: not f[1]):  # the module's own lines first
-        points = [p for p in _failing(expr, symbols, spec, sizes) if p not in taken][: _PER_SPEC - len(taken)]
-        if points:
+        failing = _failing(expr, symbols, spec, sizes)
+        points = [p for p in failing if p not in taken][: _PER_SPEC - len(taken)]
+        if failing and (points or len(taken) == _PER_SPEC):  # else: checked at another's points
             taken += points
             guards.append(Guard(_render(expr, symbols), where, tuple(points)))
     return tuple(guards)
 
 
+def _canonical(text: str, env: Any) -> str:
+    """``text`` (a condition as torch logged it) with each symbol torch later found equal to
+    another (the batch of two inputs) written as that one, as the program's conditions are."""
+    same = {str(k): str(v) for k, v in getattr(env, "replacements", {}).items() if v.is_Symbol}
+    return re.sub(r"\b[a-z]+\d+\b", lambda m: same.get(m.group(0), m.group(0)), text)
+
+
 def _where(expr: Any, located: Mapping[str, str]) -> str:
-    """The line that made ``expr``; for a range torch narrowed (``>=``, ``<=``), the line of
-    the first comparison of the same sizes it logged. Torch's own assumptions (a size is
-    not 1) have none."""
+    """The line that made ``expr`` (``located``: each logged condition, canonical); for a range
+    torch narrowed (``>=``, ``<=``), the line of the first comparison of the same sizes it
+    logged. Torch's own assumptions (a size is not 1) have none."""
     if str(expr) in located:
         return located[str(expr)]
     if getattr(expr, "rel_op", None) not in (">=", "<="):
         return ""
-    names = [re.compile(rf"\b{s}\b") for s in map(str, expr.free_symbols)]
+    sizes = [re.compile(rf"\b{s}\b") for s in map(str, expr.free_symbols)]
     compared = {k: v for k, v in located.items() if not k.startswith(("Eq(", "Ne("))}
-    return next((at for logged, at in compared.items() if all(n.search(logged) for n in names)), "")
+    return next((at for logged, at in compared.items() if all(n.search(logged) for n in sizes)), "")
 
 
 def _shape_env(program: Any) -> Any:
@@ -124,11 +147,39 @@ def _holds(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, free: Mapping
     return value is not sympy.false
 
 
-def _tried(expr: Any, low: int, high: int) -> list[int]:
+def _held(
+    expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, base: dict[str, int], tried: str
+) -> tuple[list[int], list[bool]]:
+    """Sizes of dim ``tried`` (the others at ``base``) and whether ``expr`` holds at each: over
+    the whole range with numpy where it evaluates ``expr`` as sympy does at the range's ends
+    and middle, else one size at a time (a wide range at its ends and the constants' sides)."""
+    import sympy
+
+    low, high = spec.free_dims[tried].min, spec.free_dims[tried].max
+    ordered = sorted(expr.free_symbols, key=str)
+    values = np.arange(low, high + 1, dtype=np.int64)
+    sums = spec.with_sums(base)
+    args = [
+        values + (sums[d] - base[tried]) if d == tried or tried in spec.dims[d].parts else np.int64(sums[d])
+        for d in (symbols[s] for s in ordered)
+    ]
+    try:
+        held = np.broadcast_to(
+            np.asarray(sympy.lambdify(ordered, expr, modules=[_NUMPY, "numpy"])(*args)), values.shape
+        )
+        probe = sorted({0, len(values) // 2, len(values) - 1})
+        if held.dtype == bool and all(
+            held[i] == _holds(expr, symbols, spec, base | {tried: int(values[i])}) for i in probe
+        ):
+            return values.tolist(), held.tolist()
+    except Exception:  # noqa: BLE001 - a function numpy lacks: sympy, one size at a time
+        pass
     if high - low <= _SCAN:
-        return list(range(low, high + 1))
-    near = {int(a) + d for a in expr.atoms() if getattr(a, "is_Integer", False) for d in (-1, 0, 1)}
-    return sorted({low, high} | {n for n in near if low <= n <= high})
+        tried_sizes = list(range(low, high + 1))
+    else:
+        near = {int(a) + d for a in expr.atoms() if getattr(a, "is_Integer", False) for d in (-1, 0, 1)}
+        tried_sizes = sorted({low, high} | {n for n in near if low <= n <= high})
+    return tried_sizes, [_holds(expr, symbols, spec, base | {tried: v}) for v in tried_sizes]
 
 
 def _failing(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, sizes: Mapping[str, int]) -> list[dict[str, int]]:
@@ -142,8 +193,7 @@ def _failing(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, sizes: Mapp
         others = [d for d in varying if d != tried]
         for fixed in itertools.product(*[(sizes[d], free[d].min, free[d].max) for d in others]):
             base = {k: sizes[k] for k in free} | dict(zip(others, fixed, strict=True))
-            values = _tried(expr, free[tried].min, free[tried].max)
-            held = [_holds(expr, symbols, spec, base | {tried: v}) for v in values]
+            values, held = _held(expr, symbols, spec, base, tried)
             fails = [v for i, v in enumerate(values) if not held[i]]
             edges = [
                 v

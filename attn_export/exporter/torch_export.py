@@ -41,7 +41,11 @@ _GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
 #: Loggers that print past ``redirect_stderr`` (torch's handler holds the real stream), and
 #: the level each is held to: a failed op's traceback from the fake-tensor run is the export's
 #: failure, which we report in one line.
-_QUIETED = {"torch.onnx": logging.ERROR, "torch._subclasses.fake_tensor": logging.CRITICAL}
+_QUIETED = {
+    "torch.onnx": logging.ERROR,
+    "torch._subclasses.fake_tensor": logging.CRITICAL,
+    "torch.export._trace": logging.CRITICAL,
+}
 #: TracerWarnings that mean a traced value was frozen into the graph.
 _FROZEN = re.compile(r"Python (boolean|integer|float|index)|Converting a tensor to a Python")
 

@@ -63,7 +63,8 @@ class TorchRuntime(Runtime):
 
     def _tensors(self, feeds: Mapping[str, np.ndarray]) -> list[Any]:
         torch = require("torch", "running the PyTorch original")
-        return [torch.from_numpy(np.ascontiguousarray(feeds[t.name])).to(self.device) for t in self.inputs]
+        # copies: a forward() that writes to its inputs must not change the feeds the graph is given
+        return [torch.from_numpy(np.array(feeds[t.name], order="C")).to(self.device) for t in self.inputs]
 
     def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
         torch = require("torch", "running the PyTorch original")
@@ -121,7 +122,7 @@ class TorchRuntime(Runtime):
             self._double = copy.deepcopy(self.module).double()
         args = [
             a.double() if a.is_floating_point() else a
-            for a in (torch.from_numpy(np.ascontiguousarray(feeds[t.name])).to(self.device) for t in self.inputs)
+            for a in (torch.from_numpy(np.array(feeds[t.name], order="C")).to(self.device) for t in self.inputs)
         ]
         try:
             with torch.no_grad():

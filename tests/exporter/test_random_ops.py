@@ -7,18 +7,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import tests.random_modules as random_modules
 from attn_export.errors import NondeterministicModule
 from attn_export.exporter.random_ops import refuse_random_ops
+from attn_export.runtimes.torch_eager import TorchRuntime, same_answer
+from attn_export.spec import load_spec
+from attn_export.spec.inputs import make_feeds
+from attn_export.spec.shapes import example_sizes
 from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
-from tests.conftest import build_tiny_with, write_spec
+from tests.conftest import build_tiny_with, tiny_spec, write_spec
 from tests.random_modules import (
     CountingAttention,
     DropoutAlwaysAttention,
     DropoutTrainingAttention,
+    InPlaceInputAttention,
     KeptStateAttention,
     NoDropoutAttention,
     NoisyAttention,
@@ -65,6 +71,17 @@ def test_a_module_that_updates_its_buffers_fails_its_export_naming_the_line(
     at = f"{random_modules.__file__}:{number} `{line}`"
     assert f"[export] tiny: forward() updates the module's buffer '{buffer}' at {at}" in result.output, result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+def test_a_module_that_writes_to_its_inputs_is_run_on_copies(tmp_path: Path) -> None:
+    """PyTorch runs on copies of the feeds: two runs on one input agree, and the feeds the
+    graph is given stay the values the module was."""
+    spec = load_spec(tiny_spec(tmp_path))
+    feeds = make_feeds(spec, example_sizes(spec), 0)
+    given = {k: v.copy() for k, v in feeds.items()}
+    with TorchRuntime(InPlaceInputAttention(hidden_dim=16, num_heads=2).eval(), spec.inputs, spec.outputs) as eager:
+        same_answer(eager.run(feeds), eager.run(feeds))
+    assert all(np.array_equal(feeds[k], given[k]) for k in feeds)
 
 
 @pytest.mark.slow  # a whole build (3 s); the stock layers below check the same cheaply

@@ -370,15 +370,26 @@ def _line(text: str) -> int:
 
 def test_an_accepted_guard_is_smoke_checked_where_it_fails(tmp_path: Path) -> None:
     """A graph traced past ``if seq == 7`` agrees with PyTorch at every corner of the range:
-    the build finds the sizes where each accepted guard fails, and smoke-checks them first."""
+    the build finds the sizes where each accepted guard fails (over a range wider than any
+    scan, and on a dim two inputs share), and smoke-checks them first."""
     path = tiny_spec(tmp_path / "models")
     text = path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:SevenAttention")
-    path.write_text("accept_guards = true\n" + text)
-    r = _build([path], tmp_path / "out").results[0]
-    seven = f"seq != 7 (at tests/faulty_modules.py:{_line('query.shape[1] == 7')} `if query.shape[1] == 7:`)"
-    assert r.warnings[0] == (
-        f"accepted guard {seven}: smoke-checked and verified where it fails, at batch=2,seq=7,kv_seq=5"
+    path.write_text(
+        "accept_guards = true\n" + text.replace("seq = { min = 1, max = 24 }", "seq = { min = 1, max = 4096 }")
     )
+    r = _build([path], tmp_path / "out").results[0]
+
+    def guard(condition: str, line: str, sizes: str) -> str:
+        at = f"tests/faulty_modules.py:{_line(line)} `{line}`"
+        return f"accepted guard {condition} (at {at}): smoke-checked and verified where it fails, at {sizes}"
+
+    wide = "batch=2,seq=1280,kv_seq=5; batch=2,seq=1343,kv_seq=5"  # found over all 4096 sizes
+    assert r.warnings[0] == guard("seq != 7", "if query.shape[1] == 7:", "batch=2,seq=7,kv_seq=5")
+    assert set(r.warnings[1:3]) == {
+        guard("batch != 3", "if query.shape[0] == 3:", "batch=3,seq=3,kv_seq=5"),  # a dim three inputs share
+        guard("(seq//64) != 20", "if query.shape[1] // 64 == 20:", wide),
+    }
+    seven = f"seq != 7 (at tests/faulty_modules.py:{_line('query.shape[1] == 7')} `if query.shape[1] == 7:`)"
     assert r.failed_stage == "smoke" and r.error.startswith(
         "tiny: smoke check at guard-1 (batch=2,seq=7,kv_seq=5) failed: the module's Python takes another path at "
         "batch=2,seq=7,kv_seq=5 than at the example the graph was exported at, where the spec accepted the guard "

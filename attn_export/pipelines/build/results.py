@@ -71,6 +71,8 @@ class BuildOptions:
             raise UsageError(f"--wait {self.lock_wait_s}: give a finite number >= 0")
         if self.max_memory is not None and self.max_memory < 1:
             raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise UsageError(f"cannot use output directory {self.out_dir}: not a directory")
 
 
 @dataclass

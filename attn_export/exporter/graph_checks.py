@@ -13,7 +13,9 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import helper
 
 from attn_export.artifacts.onnx_file import default_opset, external_data_files
 from attn_export.errors import GraphCheckError, first_line
@@ -196,8 +198,8 @@ def _window_lengths(
 def check_signature(
     proto: onnx.ModelProto, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
 ) -> None:
-    """The graph's inputs and outputs are the spec's, by name, order and rank: else no feed
-    made from the spec fits the graph, and nothing can be compared."""
+    """The graph's inputs and outputs are the spec's, by name, order, rank, dtype and static
+    sizes: else no feed made from the spec fits the graph, and nothing can be compared."""
     declared_in = [i.name for i in proto.graph.input]
     declared_out = [o.name for o in proto.graph.output]
     if declared_in != [t.name for t in inputs]:
@@ -205,13 +207,19 @@ def check_signature(
     if declared_out != [t.name for t in outputs]:
         raise GraphCheckError(f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}")
     shapes = graph_shapes(proto)
+    types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
     for t in list(inputs) + list(outputs):
-        got = shapes[t.name]
+        kind, got = ("input" if t in inputs else "output"), shapes[t.name]
         if len(got) != len(t.shape):
-            kind = "input" if t in inputs else "output"
             raise GraphCheckError(
                 f"{name}: {kind} '{t.name}' has rank {len(got)} in the graph, spec says {len(t.shape)}"
             )
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(types[t.name])).name if types[t.name] else t.dtype
+        if dtype != t.dtype:
+            raise GraphCheckError(f"{name}: {kind} '{t.name}' is {dtype} in the graph, spec says {t.dtype}")
+        for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
+            if isinstance(want, int) and isinstance(have, int) and have != want:
+                raise GraphCheckError(f"{name}: {kind} '{t.name}' axis {axis} is {have} in the graph, spec says {want}")
 
 
 def check_dynamic_axes(

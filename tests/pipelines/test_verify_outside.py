@@ -115,17 +115,44 @@ def test_an_edit_inside_a_build_folder_leaves_the_build_as_it_was(tiny_build: Bu
             "tiny.onnx: graph inputs ['query', 'keys', 'values'] != spec inputs ['q', 'keys', 'values']: "
             "--spec {renamed} does not describe this graph",
         ),
+        (
+            ["{graph}", "--spec", "{float64}"],
+            "tiny.onnx: input 'query' is float32 in the graph, spec says float64: --spec {float64} does not",
+        ),
+        (
+            ["{graph}", "--spec", "{wider}"],
+            "tiny.onnx: input 'query' axis 2 is 16 in the graph, spec says 24: --spec {wider} does not",
+        ),
     ],
-    ids=["folder", "folder.onnx", "two-files", "golden", "variant-alone", "chooser", "no-spec", "no-graph", "renamed"],
+    ids=[
+        "folder",
+        "folder.onnx",
+        "two-files",
+        "golden",
+        "variant-alone",
+        "chooser",
+        "no-spec",
+        "no-graph",
+        "renamed",
+        "float64",
+        "wider",
+    ],
 )
 def test_bad_usage_is_one_line_and_exit_2(shared_tiny: Built, tmp_path: Path, args: list[str], message: str) -> None:
     graph = _edited(shared_tiny, tmp_path / "edited")
     (graph.parent / "sub.onnx").mkdir()
-    renamed = tmp_path / "renamed" / "tiny.toml"  # a spec of another graph: no feed made from it fits
-    renamed.parent.mkdir()
-    renamed.write_text((shared_tiny.models / "tiny.toml").read_text().replace('name = "query"', 'name = "q"'))
     spec = str(shared_tiny.models / "tiny.toml")
-    where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": spec, "{renamed}": str(renamed)}
+    where = {"{graph}": str(graph), "{dir}": str(graph.parent), "{spec}": spec}
+    edits = {  # specs of other graphs: no feed made from them fits this one
+        "{renamed}": ('name = "query"', 'name = "q"'),
+        "{float64}": ('name = "query"', 'name = "query"\ndtype = "float64"'),
+        "{wider}": ('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "seq", 24]\n[[inputs]]'),
+    }
+    for key, (old, new) in edits.items():
+        other = tmp_path / key.strip("{}") / "tiny.toml"
+        other.parent.mkdir()
+        other.write_text((shared_tiny.models / "tiny.toml").read_text().replace(old, new, 1))
+        where[key] = str(other)
     for key, value in where.items():
         args = [a.replace(key, value) for a in args]
         message = message.replace(key, value)

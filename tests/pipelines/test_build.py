@@ -368,6 +368,7 @@ def _line(text: str) -> int:
     return next(i for i, line in enumerate(source, 1) if text in line)
 
 
+@pytest.mark.slow  # a build (6 s); test_guards checks the fast path on the tiny zoo's recorded guard
 def test_an_accepted_guard_is_smoke_checked_where_it_fails(tmp_path: Path) -> None:
     """A graph traced past ``if seq == 7`` agrees with PyTorch at every corner of the range:
     the build finds the sizes where each accepted guard fails (over a range wider than any

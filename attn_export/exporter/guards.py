@@ -50,7 +50,7 @@ def accepted_guards(
     symbols = _dim_symbols(program, spec)
     env = _shape_env(program)
     canonical = {_canonical(logged, env): at for logged, at in reversed(list(located.items()))}  # first wins
-    found = [(expr, _where(expr, canonical)) for expr in _conditions(program, spec, symbols)]
+    found = [(expr, _where(expr, canonical)) for expr in _conditions(program, env, spec, symbols)]
     guards: list[Guard] = []
     taken: list[dict[str, int]] = []
     for expr, where in sorted(found, key=lambda f: not f[1]):  # the module's own lines first
@@ -107,11 +107,10 @@ def _dim_symbols(program: Any, spec: ModelSpec) -> dict[Any, str]:
     return symbols
 
 
-def _conditions(program: Any, spec: ModelSpec, symbols: Mapping[Any, str]) -> list[Any]:
+def _conditions(program: Any, env: Any, spec: ModelSpec, symbols: Mapping[Any, str]) -> list[Any]:
     """Every condition on the spec's dims alone, once, in the order torch made them."""
     import sympy
 
-    env = _shape_env(program)
     found = [g.expr for g in getattr(env, "guards", ())]
     found += [a.expr for asserts in getattr(env, "deferred_runtime_asserts", {}).values() for a in asserts]
     for symbol, dim in symbols.items():
@@ -147,14 +146,23 @@ def _holds(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, free: Mapping
     return value is not sympy.false
 
 
-def _held(
-    expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, base: dict[str, int], tried: str
-) -> tuple[list[int], list[bool]]:
-    """Sizes of dim ``tried`` (the others at ``base``) and whether ``expr`` holds at each: over
-    the whole range with numpy where it evaluates ``expr`` as sympy does at the range's ends
-    and middle, else one size at a time (a wide range at its ends and the constants' sides)."""
+def _vectorized(expr: Any) -> Any:
+    """``expr`` as a numpy function of its symbols in ``str`` order; None where numpy lacks one."""
     import sympy
 
+    try:
+        return sympy.lambdify(sorted(expr.free_symbols, key=str), expr, modules=[_NUMPY, "numpy"])
+    except Exception:  # noqa: BLE001 - a function numpy lacks: sympy, one size at a time
+        return None
+
+
+def _held(
+    expr: Any, vectorized: Any, symbols: Mapping[Any, str], spec: ModelSpec, base: dict[str, int], tried: str
+) -> tuple[list[int], list[bool]]:
+    """Sizes of dim ``tried`` (the others at ``base``) and whether ``expr`` holds at each: over
+    the whole range with numpy (``vectorized``) where it evaluates ``expr`` as sympy does at
+    the range's ends and middle, else one size at a time (a wide range at its ends and the
+    constants' sides)."""
     low, high = spec.free_dims[tried].min, spec.free_dims[tried].max
     ordered = sorted(expr.free_symbols, key=str)
     values = np.arange(low, high + 1, dtype=np.int64)
@@ -164,9 +172,7 @@ def _held(
         for d in (symbols[s] for s in ordered)
     ]
     try:
-        held = np.broadcast_to(
-            np.asarray(sympy.lambdify(ordered, expr, modules=[_NUMPY, "numpy"])(*args)), values.shape
-        )
+        held = np.broadcast_to(np.asarray(vectorized(*args)), values.shape)
         probe = sorted({0, len(values) // 2, len(values) - 1})
         if held.dtype == bool and all(
             held[i] == _holds(expr, symbols, spec, base | {tried: int(values[i])}) for i in probe
@@ -189,11 +195,12 @@ def _failing(expr: Any, symbols: Mapping[Any, str], spec: ModelSpec, sizes: Mapp
     named = {symbols[s] for s in expr.free_symbols}
     varying = [d for d in free if d in named or any(d in spec.dims[n].parts for n in named)]
     points: list[dict[str, int]] = []
+    vectorized = _vectorized(expr)
     for tried in varying:
         others = [d for d in varying if d != tried]
         for fixed in itertools.product(*[(sizes[d], free[d].min, free[d].max) for d in others]):
             base = {k: sizes[k] for k in free} | dict(zip(others, fixed, strict=True))
-            values, held = _held(expr, symbols, spec, base, tried)
+            values, held = _held(expr, vectorized, symbols, spec, base, tried)
             fails = [v for i, v in enumerate(values) if not held[i]]
             edges = [
                 v

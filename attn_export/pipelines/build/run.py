@@ -100,32 +100,33 @@ def build_models(
         raise UsageError(f"{both} both name model '{twice}': one build folder holds one model of a name")
     started = time.perf_counter()
     results: list[BuildResult] = []
+
+    def report(result: BuildResult) -> None:
+        results.append(result)
+        if on_result:
+            on_result(result)
+
     if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
-        for cell in (BuildCell(p, options, {}, {}) for p in spec_paths):
-            for graph in build_cell(cell):
-                results.append(graph.result)
-                if on_result:
-                    on_result(graph.result)
-        written = (options.out_dir / MANIFEST_NAME).is_file()
-        return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
-    with build_lock(options.out_dir, options.lock_wait_s, on_notice):
-        manifest = _open_manifest(options.out_dir, options.force)
-        notice = recover(options.out_dir, manifest)
-        if notice and on_notice:
-            on_notice(notice)
-        vers = versions()
-        cells = [BuildCell(p, options, vers, dict(manifest.models)) for p in spec_paths]
-        try:
-            with contextlib.closing(run_in_order(parallelism, build_cell, cells)) as built:
-                for graphs in built:
-                    for graph in graphs:
-                        results.append(_commit(options.out_dir, manifest, graph))
-                        if on_result:
-                            on_result(results[-1])
-                    if options.fail_fast and results and not results[-1].ok:
-                        break  # closing cancels the cells not started
-        finally:
-            _remove_leftovers(options.out_dir, manifest)
+        for p in spec_paths:
+            for graph in build_cell(BuildCell(p, options, {}, {})):
+                report(graph.result)
+    else:
+        with build_lock(options.out_dir, options.lock_wait_s, on_notice):
+            manifest = _open_manifest(options.out_dir, options.force)
+            notice = recover(options.out_dir, manifest)
+            if notice and on_notice:
+                on_notice(notice)
+            vers = versions()
+            cells = [BuildCell(p, options, vers, dict(manifest.models)) for p in spec_paths]
+            try:
+                with contextlib.closing(run_in_order(parallelism, build_cell, cells)) as built:
+                    for graphs in built:
+                        for graph in graphs:
+                            report(_commit(options.out_dir, manifest, graph))
+                        if options.fail_fast and results and not results[-1].ok:
+                            break  # closing cancels the cells not started
+            finally:
+                _remove_leftovers(options.out_dir, manifest)
     written = (options.out_dir / MANIFEST_NAME).is_file()
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
 

@@ -84,6 +84,39 @@ class KeptStateAttention(CountingAttention):
         return before
 
 
+class AttributeStateAttention(DropoutAlwaysAttention):
+    """Keeps the last call's first value in a plain tensor attribute (not a buffer)."""
+
+    dropout_p = 0.0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.last = torch.zeros(2)
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = super().forward(query, keys, values)
+        before = out + 1e-7 * self.last[1]
+        self.last[1] = out[0, 0, 0]
+        return before
+
+
+class ReassignedStateAttention(AttributeStateAttention):
+    """Counts its calls by assigning a new tensor to an attribute each call."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.last = self.last + 1
+        return DropoutAlwaysAttention.forward(self, query, keys, values) * (1 + 1e-7 * self.last[0])
+
+
+class KeptWeightsAttention(AttributeStateAttention):
+    """Keeps its last output for inspection, as many modules keep attention weights: it is
+    never read back, so no call depends on another."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.last = DropoutAlwaysAttention.forward(self, query, keys, values)
+        return self.last
+
+
 class InPlaceInputAttention(DropoutAlwaysAttention):
     """Scales its query in place: deterministic, as long as each run gets its own copy."""
 

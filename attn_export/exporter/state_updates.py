@@ -1,19 +1,28 @@
-"""A module whose forward() updates its own buffers (a call counter, a cache kept inside the
+"""A module whose forward() updates its own state (a call counter, a cache kept inside the
 module) answers each call by its earlier ones, while the ONNX graph keeps no state between
 runs: the two agree on the first call at most, and PyTorch cannot be the reference. Two runs
 of the module catch a large drift only; the FX program says it outright: an in-place op
-writing to a buffer (or a view of one), or, in a functional program, the buffers its graph
-signature mutates. Each is named with the line that updates it.
+writing to a buffer or a plain tensor attribute (or a view of one), the buffers its graph
+signature mutates, or an attribute torch saw assigned a new tensor that the graph also reads.
+Each is named with the line that updates or reads it.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 from attn_export.errors import NondeterministicModule
 from attn_export.exporter.stack import innermost_line
 
 __all__ = ["refuse_state_updates"]
+
+#: The warning torch.export gives for tensor attributes assigned in forward().
+_ASSIGNED = re.compile(r"The tensor attributes? (.+?) (?:was|were) assigned during export")
+#: What the program's input kinds hold, as the message names it.
+_STATE = {"BUFFER": "buffer", "CONSTANT_TENSOR": "tensor attribute"}
 
 
 def _schema(node: Any) -> Any:
@@ -39,32 +48,43 @@ def _base(node: Any) -> Any:
         node = node.args[0]
 
 
-def _updates(program: Any) -> tuple[str, Any] | None:
-    """The first buffer ``program`` updates, and the node computing its new value."""
+def _assigned(caught: Iterable[warnings.WarningMessage]) -> set[str]:
+    """The attributes (``sub.calls``) torch.export warned were assigned a tensor in forward()."""
+    found = (_ASSIGNED.search(str(w.message)) for w in caught)
+    return {path.removeprefix("self.") for m in found if m for path in m.group(1).split(", ")}
+
+
+def _updates(program: Any, assigned: set[str]) -> tuple[str, str, Any] | None:
+    """The first piece of state ``program`` updates: its kind, its name, and the node that
+    writes it (or, for an attribute assigned anew, the first that reads its old value)."""
     signature = program.graph_signature
-    buffers = {s.arg.name: s.target for s in signature.input_specs if s.kind.name == "BUFFER"}
+    state = {s.arg.name: (_STATE[s.kind.name], s.target) for s in signature.input_specs if s.kind.name in _STATE}
+    nodes = {n.name: n for n in program.graph.nodes}
     for node in program.graph.nodes:
         for arg in _written(node):
             base = _base(arg) if hasattr(arg, "op") else None
-            if base is not None and base.op == "placeholder" and base.name in buffers:
-                return buffers[base.name], node
-    nodes = {n.name: n for n in program.graph.nodes}
+            if base is not None and base.op == "placeholder" and base.name in state:
+                return (*state[base.name], node)
     for output, buffer in getattr(signature, "buffers_to_mutate", {}).items():
-        return buffer, nodes.get(output)
+        return "buffer", buffer, nodes.get(output)
+    for name, (kind, target) in state.items():
+        if target in assigned:
+            return kind, target, next(iter(nodes[name].users), None)
     return None
 
 
-def refuse_state_updates(program: Any, model: str) -> None:
-    """``NondeterministicModule`` naming the first buffer ``program`` (a torch.export
-    ExportedProgram) updates in forward(), and the source line that updates it."""
-    found = _updates(program)
+def refuse_state_updates(program: Any, model: str, caught: Iterable[warnings.WarningMessage] = ()) -> None:
+    """``NondeterministicModule`` naming the first buffer or tensor attribute ``program`` (a
+    torch.export ExportedProgram) updates in forward(), and the source line that does it;
+    ``caught``: the warnings of the export, which name the attributes assigned anew."""
+    found = _updates(program, _assigned(caught))
     if found is None:
         return
-    buffer, node = found
+    kind, name, node = found
     line = innermost_line(node.meta.get("stack_trace") or "") if node is not None else None
     where = f" at {line[0]} `{line[1]}`" if line else ""
     raise NondeterministicModule(
-        f"{model}: forward() updates the module's buffer '{buffer}'{where}, so each call depends on the calls "
+        f"{model}: forward() updates the module's {kind} '{name}'{where}, so each call depends on the calls "
         "before it, and the ONNX graph keeps no state between runs; pass that state as an input and return "
         "its new value as an output (as a KV cache is)"
     )

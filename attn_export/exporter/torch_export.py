@@ -264,7 +264,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                 program = None if spec.accept_guards else _dynamo(torch, module, args, spec, guards)
                 if program is not None:  # before the conversion, which fails on a draw it cannot write
                     refuse_random_ops(program, spec.name)
-                    refuse_state_updates(program, spec.name)
+                    refuse_state_updates(program, spec.name, caught)
                 with _one_registry_per_opset():
                     result = torch.onnx.export(
                         module if program is None else program,
@@ -283,7 +283,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                 # exported by torch.onnx's own export, which narrowed what the code needs
                 program = result.exported_program
                 refuse_random_ops(program, spec.name)
-                refuse_state_updates(program, spec.name)
+                refuse_state_updates(program, spec.name, caught)
                 sizes = sizes_from_feeds(spec.inputs, {t.name: a.shape for t, a in zip(spec.inputs, args, strict=True)})
                 return Exported(result.model_proto, program, accepted_guards(program, spec, sizes, guards.located))
             buf = io.BytesIO()

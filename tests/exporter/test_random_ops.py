@@ -21,13 +21,16 @@ from attn_export.spec.shapes import example_sizes
 from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
 from tests.conftest import build_tiny_with, tiny_spec, write_spec
 from tests.random_modules import (
+    AttributeStateAttention,
     CountingAttention,
     DropoutAlwaysAttention,
     DropoutTrainingAttention,
     InPlaceInputAttention,
     KeptStateAttention,
+    KeptWeightsAttention,
     NoDropoutAttention,
     NoisyAttention,
+    ReassignedStateAttention,
     TinyDropoutAttention,
 )
 
@@ -54,22 +57,25 @@ def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
 
 
 @pytest.mark.parametrize(
-    ("module", "buffer", "line"),
+    ("module", "state", "line"),
     [
-        (CountingAttention, "calls", "self.calls.add_(1)"),
-        pytest.param(KeptStateAttention, "last", "self.last[0] = out[0, 0, 0]", marks=SLOW),
+        (CountingAttention, "buffer 'calls'", "self.calls.add_(1)"),
+        pytest.param(KeptStateAttention, "buffer 'last'", "self.last[0] = out[0, 0, 0]", marks=SLOW),
+        pytest.param(AttributeStateAttention, "tensor attribute 'last'", "self.last[1] = out[0, 0, 0]", marks=SLOW),
+        pytest.param(ReassignedStateAttention, "tensor attribute 'last'", "self.last = self.last + 1", marks=SLOW),
     ],
 )
-def test_a_module_that_updates_its_buffers_fails_its_export_naming_the_line(
-    tmp_path: Path, module: type, buffer: str, line: str
+def test_a_module_that_updates_its_state_fails_its_export_naming_the_line(
+    tmp_path: Path, module: type, state: str, line: str
 ) -> None:
-    """Its drift is below rounding on the second call: only the FX program shows the update."""
+    """Its drift is below rounding on the second call: only the FX program shows the update,
+    of a buffer or of a plain tensor attribute (written in place, or assigned anew and read)."""
     result = build_tiny_with(tmp_path, module)
     assert result.exit_code == 1, result.output
     source = Path(random_modules.__file__).read_text().splitlines()
     number = next(i for i, text in enumerate(source, 1) if text.strip() == line)
     at = f"{random_modules.__file__}:{number} `{line}`"
-    assert f"[export] tiny: forward() updates the module's buffer '{buffer}' at {at}" in result.output, result.output
+    assert f"[export] tiny: forward() updates the module's {state} at {at}" in result.output, result.output
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 
 
@@ -85,8 +91,10 @@ def test_a_module_that_writes_to_its_inputs_is_run_on_copies(tmp_path: Path) -> 
 
 
 @pytest.mark.slow  # a whole build (3 s); the stock layers below check the same cheaply
-def test_a_module_without_draws_in_eval_builds(tmp_path: Path) -> None:
-    result = build_tiny_with(tmp_path, NoDropoutAttention)
+@pytest.mark.parametrize("module", [NoDropoutAttention, KeptWeightsAttention])
+def test_a_module_without_draws_or_state_in_eval_builds(tmp_path: Path, module: type) -> None:
+    """Nor is an attribute refused that forward() assigns but never reads back."""
+    result = build_tiny_with(tmp_path, module)
     assert result.exit_code == 0, result.output
 
 

@@ -157,12 +157,19 @@ CONVENTIONS: dict[str, Convention] = {
 }
 
 
-def default_layout(shape: Sequence[int | str], batch_dim: int | str | None) -> str | None:
-    """The layout a mask's rank implies; a 2-D mask is key padding when its first dim is the
-    batch dim (the first dim of the first other input), else [query, key]."""
+def default_layout(shape: Sequence[int | str], others: Sequence[Sequence[int | str]]) -> str | None:
+    """The layout a mask's rank implies, given the shapes of the other inputs. A 2-D mask
+    ``[a, b]`` is key padding when ``a`` is the batch dim: a dim the inputs holding the key
+    dim ``b`` hold too (``[batch, kv_seq, embed]`` or seq-first ``[kv_seq, batch, embed]``),
+    or, where no input holds ``b`` (a sum dim), the first dim of the first input; else
+    ``[query, key]``."""
     rank = len(shape)
     if rank == 2:
-        return "key-padding" if isinstance(shape[0], str) and shape[0] == batch_dim else "query-key"
+        a, b = shape
+        holding = [s for s in others if b in s]
+        first = others[0][0] if others and others[0] else None
+        batch = a != b and any(a in s for s in holding) if holding else a == first
+        return "key-padding" if isinstance(a, str) and batch else "query-key"
     return {3: "batch-query-key", 4: "batch-heads-query-key"}.get(rank)
 
 

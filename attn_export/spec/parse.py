@@ -238,21 +238,21 @@ def _expand(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, keys:
 
 
 def _resolve_layouts(where: _Where, inputs: list[tuple[TensorSpec, _MaskKeys | None]]) -> tuple[TensorSpec, ...]:
-    """Give every mask its ``MaskSpec``, the layout resolved from its rank where not given;
-    the batch dim is the first dim of the first other input."""
-    batch = next((t.shape[0] for t, keys in inputs if keys is None), None)
+    """Give every mask its ``MaskSpec``, the layout resolved from its rank and the other
+    inputs' dims where not given (``masks.default_layout``)."""
+    others = [t.shape for t, keys in inputs if keys is None]
     resolved = []
     for i, (t, keys) in enumerate(inputs):
         if keys is not None:
             pattern, convention, given = keys
-            layout = given or default_layout(t.shape, batch)
+            layout = given or default_layout(t.shape, others)
             assert layout is not None  # the rank was checked
             if pattern == "causal" and "query" not in LAYOUTS[layout]:
                 hint = (
                     ""
                     if given
-                    else f" (read from its dims: its first dim '{t.shape[0]}' is the first input's first dim; "
-                    'for a [seq, kv_seq] mask of seq-first inputs set layout = "query-key")'
+                    else f" (read from its dims: its first dim '{t.shape[0]}' was taken for the batch; "
+                    'for a [seq, kv_seq] mask set layout = "query-key")'
                 )
                 raise where.error(
                     f"input '{t.name}': a causal mask needs a query axis; {layout} has none{hint}", "mask", "inputs", i
@@ -301,6 +301,8 @@ def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
             raise bad(f"min must be at least 0, got {lo}")
         if lo > hi:
             raise bad(f"min {lo} is greater than max {hi}")
+        if lo == hi:
+            raise bad(f"min and max are both {lo}: a dim of one size is static; write {lo} in the shapes instead")
         if hi < 2:
             raise bad("max must be at least 2 for the axis to be dynamic")
         if hi > MAX_DIM:
@@ -335,6 +337,16 @@ def _check_dim_use(
     for d in dims:
         if d not in used:
             raise where.error(f"dim '{d}' is declared but no input or output uses it", d, "dims")
+    for i, t in enumerate(inputs):
+        key = t.shape[-1] if t.mask is not None else None  # every layout ends in the key axis
+        if isinstance(key, str) and dims[key].min == 0:
+            raise where.error(
+                f"mask '{t.name}': its key dim '{key}' has min = 0, and a query needs a key to attend to; "
+                'a mask\'s keys are the cache and the new tokens (a sum dim like "past_seq + seq")',
+                "shape",
+                "inputs",
+                i,
+            )
     input_dims = {d for t in inputs for d in t.shape if isinstance(d, str)}
     for t in outputs:
         for d in t.shape:

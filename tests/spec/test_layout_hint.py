@@ -1,6 +1,7 @@
-"""A [seq, kv_seq] mask of seq-first inputs reads as key padding by its dims; the error a
-causal pattern meets there says how to declare it (layout = "query-key"), and with that
-the spec is what the module means."""
+"""A 2-D mask's layout is read from which inputs hold its dims, batch-first or seq-first:
+``[batch, kv_seq]`` is key padding, ``[seq, kv_seq]`` is query-key. Where no input holds
+the key dim, its first dim is taken for the batch when it is the first input's first dim;
+the error a causal pattern meets there says how to declare it (layout = "query-key")."""
 
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ shape = ["kv_seq", "batch", 16]
 name = "value"
 shape = ["kv_seq", "batch", 16]
 [[inputs]]
-name = "attn_mask"
+name = "mask"
 dtype = "bool"
-shape = ["seq", "kv_seq"]
-mask = "causal"
+shape = {mask}
+mask = "{pattern}"
 convention = "ignore"
-arg = "attn_mask"
+arg = "{arg}"
 {layout}
 [[outputs]]
 name = "output"
@@ -44,11 +45,38 @@ kv_seq = { min = 1, max = 16 }
 """
 
 
-def test_a_seq_first_mask_read_as_key_padding_suggests_its_layout(tmp_path: Path) -> None:
+def _spec(tmp_path: Path, mask: str, pattern: str, arg: str, extra: str = "") -> Path:
+    """The seq-first spec with its mask shaped ``mask``; ``extra``: lines after the mask's."""
+    fields = {"{mask}": mask, "{pattern}": pattern, "{arg}": arg, "{layout}": extra}
+    text = SEQ_FIRST
+    for key, value in fields.items():
+        text = text.replace(key, value)
+    return write_spec(tmp_path, "seq_first", text)
+
+
+@pytest.mark.parametrize(
+    ("mask", "pattern", "arg", "layout"),
+    [
+        ('["seq", "kv_seq"]', "causal", "attn_mask", "query-key"),
+        ('["batch", "kv_seq"]', "padding", "key_padding_mask", "key-padding"),
+        ('["batch", "seq"]', "padding", "key_padding_mask", "key-padding"),
+        ('["seq", "seq"]', "causal", "attn_mask", "query-key"),
+    ],
+)
+def test_a_seq_first_masks_layout_is_read_from_the_inputs_holding_its_dims(
+    tmp_path: Path, mask: str, pattern: str, arg: str, layout: str
+) -> None:
+    ((_, read),) = load_spec(_spec(tmp_path, mask, pattern, arg)).masks
+    assert read.layout == layout
+
+
+def test_a_mask_whose_dims_cannot_tell_suggests_its_layout(tmp_path: Path) -> None:
+    """The mask's key dim is in no other input: its first dim, the query's first, is taken for the batch."""
+    length = "[dims.mask_len]\nmin = 1\nmax = 16\n"
     with pytest.raises(SpecError) as caught:
-        load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.replace("{layout}", "")))
+        load_spec(_spec(tmp_path, '["seq", "mask_len"]', "causal", "attn_mask", length))
     assert "a causal mask needs a query axis; key-padding has none (read from its dims" in str(caught.value)
     assert 'set layout = "query-key"' in str(caught.value)
-    spec = load_spec(write_spec(tmp_path, "seq_first", SEQ_FIRST.replace("{layout}", 'layout = "query-key"')))
-    ((_, mask),) = spec.masks
+    declared = _spec(tmp_path, '["seq", "mask_len"]', "causal", "attn_mask", 'layout = "query-key"\n' + length)
+    ((_, mask),) = load_spec(declared).masks
     assert mask.layout == "query-key"

@@ -144,6 +144,11 @@ EDITS = [
         r"tiny.toml:\d+: dim 'seq': min 30 is greater than max 24",
     ),
     (
+        "min_eq_max",
+        ("seq = { min = 1, max = 24 }", "seq = { min = 2, max = 2 }"),
+        r"tiny.toml:\d+: dim 'seq': min and max are both 2: a dim of one size is static; write 2 in the shapes",
+    ),
+    (
         "undeclared_dim",
         ('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "len", 16]\n[[inputs]]'),
         r"'query' uses dim 'len', which \[dims\] does not declare",
@@ -249,6 +254,16 @@ def test_bad_spec_fields(tmp_path: Path, case: str, edit: tuple[str, str], patte
     assert edit[0] in text
     path.write_text(text.replace(edit[0], edit[1], 1))
     with pytest.raises(SpecError, match=pattern):
+        load_spec(path)
+
+
+def test_a_mask_whose_keys_may_be_none_is_refused(tmp_path: Path) -> None:
+    """No query attends to zero keys: the mask's fill has no key to keep."""
+    path = tiny_spec(tmp_path)
+    mask = '[[inputs]]\nname = "m"\ndtype = "bool"\nshape = ["batch", "kv_seq"]\nmask = "padding"\n'
+    text = path.read_text().replace("\n[[outputs]]", mask + "\n[[outputs]]", 1)
+    path.write_text(text.replace("kv_seq = { min = 1,", "kv_seq = { min = 0,"))
+    with pytest.raises(SpecError, match=r"mask 'm': its key dim 'kv_seq' has min = 0, and a query needs a key"):
         load_spec(path)
 
 

@@ -72,3 +72,18 @@ class ConventionAttention(nn.Module):
 def make_mha(embed_dim: int, num_heads: int, batch_first: bool) -> nn.MultiheadAttention:
     """A factory function, as a spec's module may name instead of a class."""
     return nn.MultiheadAttention(embed_dim, num_heads, batch_first=batch_first)
+
+
+class TokenAttention(nn.Module):
+    """Token ids and token types through their own embeddings (a view of the ids, as
+    Hugging Face reshapes them), then self-attention."""
+
+    def __init__(self, vocab: int = 50, types: int = 2, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.words = nn.Embedding(vocab, hidden)
+        self.types = nn.Embedding(types, hidden)
+        self.attention = nn.MultiheadAttention(hidden, heads, batch_first=True)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.words(input_ids.view(-1, input_ids.shape[-1])) + self.types(token_type_ids)
+        return self.attention(x, x, x, need_weights=False)[0]

@@ -163,7 +163,11 @@ def plan_trajectory(spec: ModelSpec, cache: CacheSpec, scenario: str, n_steps: i
     fed_back = {past for past, _ in cache.pairs} | {cache.mask, cache.positions}
     every_token = spec.with_sums(base | {cache.seq_dim: keep.shape[1], cache.past_dim: 0})
     rng = np.random.default_rng(seed)
-    tokens = {t.name: make_tensor(t, every_token, rng) for t in spec.inputs if t.name not in fed_back}
+    tokens = {
+        t.name: make_tensor(t, every_token, rng, values=spec.int_values(t))
+        for t in spec.inputs
+        if t.name not in fed_back
+    }
     windows = [(0, prompt)] + [(prompt + k - 1, prompt + k) for k in range(1, n_steps + 1)]
     steps = [_window(spec, cache, tokens, keep, a, b, cache.kept(a)) for a, b in windows]
     sizes = [spec.with_sums(base | {cache.seq_dim: b - a, cache.past_dim: cache.kept(a)}) for a, b in windows]

@@ -25,16 +25,18 @@ def make_tensor(
     *,
     case: str = PATTERN,
     distribution: str = DEFAULT,
+    values: tuple[int, int] = (0, 7),
 ) -> np.ndarray:
     """One input at the given sizes; masks get their pattern, in the module's convention,
-    and the named ``case`` (``masks.CASES``) where one is asked for."""
+    and the named ``case`` (``masks.CASES``) where one is asked for; integers are drawn
+    from ``values`` (``ModelSpec.int_values``)."""
     shape = concrete_shape(t, sizes)
     if t.mask is not None:
         return fill_mask(t.mask, t.dtype, shape, rng, case)
     if t.dtype == "bool":
         return rng.random(shape) < 0.5
     if t.dtype.startswith("int"):
-        return rng.integers(0, 8, size=shape).astype(t.dtype)
+        return rng.integers(values[0], values[1], size=shape, endpoint=True).astype(t.dtype)
     return sample(distribution, rng, shape, t.dtype)
 
 
@@ -44,4 +46,7 @@ def make_feeds(
     """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``; masks
     follow the named ``case``, float inputs follow ``distribution`` (``spec.distributions``)."""
     rng = np.random.default_rng(seed)
-    return {t.name: make_tensor(t, sizes, rng, case=case, distribution=distribution) for t in spec.inputs}
+    return {
+        t.name: make_tensor(t, sizes, rng, case=case, distribution=distribution, values=spec.int_values(t))
+        for t in spec.inputs
+    }

@@ -100,6 +100,8 @@ class TensorSpec:
     pick: int | str | None = None
     #: For a 2-D mask input: how the adapter expands it for the module (``masks.EXPANSIONS``).
     expand: str | None = None
+    #: For an integer input (token ids): the least and greatest value drawn, as declared.
+    values: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
@@ -108,6 +110,8 @@ class TensorSpec:
         for key in ("arg", "pick", "expand"):
             if getattr(self, key) is not None:
                 d[key] = getattr(self, key)
+        if self.values is not None:
+            d["values"] = {"min": self.values[0], "max": self.values[1]}
         return d
 
 
@@ -163,6 +167,9 @@ class ModelSpec:
     cache_window: int | None = None
     #: What the build's export accepted: set by build, never by a spec file.
     guards: tuple[Guard, ...] = ()
+    #: The rows of the embedding each integer input without declared ``values`` indexes,
+    #: read from the module by build (``exporter.index_inputs``), never by a spec file.
+    vocab: dict[str, int] = field(default_factory=dict)
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's for that very name, else the table's
@@ -223,7 +230,16 @@ class ModelSpec:
             | ({"max_memory": self.max_memory} if self.max_memory else {})
             | ({"cache": cache} if cache else {})
             | ({"guards": [g.to_dict() for g in self.guards]} if self.guards else {})
+            | ({"vocab": dict(self.vocab)} if self.vocab else {})
         )
+
+    def int_values(self, t: TensorSpec) -> tuple[int, int]:
+        """The least and greatest value an integer input is drawn from: as declared, else
+        every row of the embedding it indexes (ids past a few are where a clamped or
+        truncated table shows), else 0..7."""
+        if t.values is not None:
+            return t.values
+        return (0, self.vocab[t.name] - 1) if t.name in self.vocab else (0, 7)
 
     @property
     def free_dims(self) -> dict[str, DimRange]:
@@ -247,6 +263,7 @@ class ModelSpec:
         d.pop("description")
         d.pop("max_memory", None)
         d.pop("guards", None)  # learnt from the export, not a cause of it
+        d.pop("vocab", None)  # learnt from the module
         if self.weights.path is not None:
             d["weights"]["path"] = _file_sha256(Path(self.weights.path))
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()

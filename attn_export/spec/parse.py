@@ -57,7 +57,7 @@ _TOP_KEYS = {
     "cache",
 }
 _TENSOR_KEYS = {"name", "dtype", "shape"}
-_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg", "expand"}
+_INPUT_KEYS = _TENSOR_KEYS | {"mask", "convention", "layout", "arg", "expand", "values"}
 _OUTPUT_KEYS = _TENSOR_KEYS | {"pick"}
 _OBJECT = re.compile(r"[\w.]+:[\w.]+")
 _DIM_KEYS = {"min", "max"}
@@ -220,7 +220,31 @@ def _tensor(where: _Where, raw: Any, kind: str, index: int) -> tuple[TensorSpec,
     if arg is not None and not (isinstance(arg, str) and _NAME.fullmatch(arg)):
         raise bad(f"input '{name}': arg must be a forward() keyword name, got {arg!r}", "arg")
     keys = _mask_keys(bad, raw, name, dtype, len(shape))
-    return TensorSpec(name, dtype, tuple(shape), arg=arg, expand=_expand(bad, raw, name, keys)), keys
+    values = _values(where, raw, name, dtype, keys, index)
+    return TensorSpec(name, dtype, tuple(shape), arg=arg, expand=_expand(bad, raw, name, keys), values=values), keys
+
+
+def _values(
+    where: _Where, raw: dict[str, Any], name: str, dtype: str, keys: _MaskKeys | None, index: int
+) -> tuple[int, int] | None:
+    """``values = { min, max }``: the range an integer input (token ids) is drawn from."""
+    table = raw.get("values")
+    if table is None:
+        return None
+    if not dtype.startswith("int") or keys is not None:
+        raise where.error(
+            f"input '{name}': values applies to an integer input that is not a mask", "values", "inputs", index
+        )
+    if not isinstance(table, dict) or set(table) != {"min", "max"}:
+        raise where.error(
+            f"input '{name}': values must be a table like {{ min = 0, max = 999 }}", "values", "inputs", index
+        )
+    lo = _int(where, table["min"], f"input '{name}': values.min", "values", "inputs")
+    hi = _int(where, table["max"], f"input '{name}': values.max", "values", "inputs")
+    bits = int(dtype.removeprefix("int"))
+    if not -(2 ** (bits - 1)) <= lo <= hi < 2 ** (bits - 1):
+        raise where.error(f"input '{name}': values {lo}..{hi} is empty or outside {dtype}", "values", "inputs", index)
+    return lo, hi
 
 
 def _expand(bad: Callable[..., SpecError], raw: dict[str, Any], name: str, keys: _MaskKeys | None) -> str | None:
@@ -485,6 +509,17 @@ def _guards(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> tu
     return tuple(guards)
 
 
+def _vocab(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, int]:
+    """A built spec's embedding rows per integer input (``ModelSpec.vocab``)."""
+    value = raw.get("vocab", {})
+    ints = {t.name for t in inputs if t.dtype.startswith("int") and t.mask is None and t.values is None}
+    if not isinstance(value, dict) or not all(
+        k in ints and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in value.items()
+    ):
+        raise where.error("'vocab' must map integer inputs to their embedding's row count (1 or more)", "vocab")
+    return dict(value)
+
+
 def _description(where: _Where, raw: dict[str, Any]) -> str:
     value = raw.get("description", "")
     if not isinstance(value, str):
@@ -536,7 +571,7 @@ def spec_from_dict(
     where = _Where(path, text)
     folder = path.parent.resolve() if path is not None else folder
     # A copy made by to_dict (no path) also carries its name and what its export accepted.
-    _check_keys(where, raw, _TOP_KEYS | ({"name", "guards"} if path is None else set()), "the spec", None)
+    _check_keys(where, raw, _TOP_KEYS | ({"name", "guards", "vocab"} if path is None else set()), "the spec", None)
     name = raw.get("name", path.stem if path else None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise where.error(f"model name {name!r} must be letters, digits, '_', '-' or '.'", "name")
@@ -580,6 +615,7 @@ def spec_from_dict(
         cache_max_seq=_cache_size(where, raw, "max_seq"),
         cache_window=_cache_size(where, raw, "window"),
         guards=_guards(where, raw, dims),
+        vocab=_vocab(where, raw, inputs),
     )
     expanded = [t.name for t in inputs if t.expand]
     if expanded and spec.config is None:

@@ -154,6 +154,11 @@ EDITS = [
         r"'query' uses dim 'len', which \[dims\] does not declare",
     ),
     ("bad_dtype", ('name = "query"', 'name = "query"\ndtype = "complex64"'), r"dtype 'complex64' is not one of"),
+    (
+        "float_values",
+        ('name = "query"', 'name = "query"\nvalues = { min = 0, max = 9 }'),
+        r"input 'query': values applies to an integer input that is not a mask",
+    ),
     ("bad_exporter", ('exporter = "dynamo"', 'exporter = "jit"'), r"exporter 'jit' is not one of dynamo, torchscript"),
     (
         "unknown_dim_key",

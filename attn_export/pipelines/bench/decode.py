@@ -118,8 +118,10 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
     sizes = _step_sizes(spec, cache, batch, cache.kept(past), seq)
     past_names = {p for p, _ in cache.pairs}
     per_step = past_names | {cache.mask, cache.positions}
-    pasts = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name in past_names}
-    fixed = {t.name: make_tensor(t, sizes, rng) for t in spec.inputs if t.name not in per_step}
+    pasts = {t.name: make_tensor(t, sizes, rng, values=spec.int_values(t)) for t in spec.inputs if t.name in past_names}
+    fixed = {
+        t.name: make_tensor(t, sizes, rng, values=spec.int_values(t)) for t in spec.inputs if t.name not in per_step
+    }
     steps = []
     for k in range(window):
         first = past + k * seq  # this step's first token

@@ -21,6 +21,7 @@ from attn_export.checks.mask_probe import check_masks
 from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
+from attn_export.exporter.index_inputs import embedding_rows
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, stamp_metadata
@@ -88,7 +89,7 @@ class SpecBuild:
         self.options = options
         self.sizes = example_sizes(spec)
         self.sources = module_sources(spec)
-        self.module = Once(lambda: instantiate(spec))
+        self.module = Once(self._instantiate)
         #: The positions a query sees, once every mask is read as the spec says.
         self.masks = Once(self._probe_masks)
         self.exports: dict[int, Once[onnx.ModelProto]] = {}
@@ -103,6 +104,15 @@ class SpecBuild:
     def check_budget(self) -> None:
         """Every golden case fits the memory budget: refused before the export, not after it."""
         check_memory(self.spec, golden_points(self.spec), memory_budget(self.options.max_memory, self.spec))
+
+    def _instantiate(self) -> Any:
+        """The module; the spec as built learns the embedding rows its token ids index,
+        before any feed is made from it."""
+        module = instantiate(self.spec)
+        vocab = embedding_rows(module, self.spec)
+        if vocab:
+            self.spec = replace(self.spec, vocab=vocab)
+        return module
 
     def _probe_masks(self) -> dict[str, Sight]:
         """The module reads every mask as the spec says (``mask_probe``); and the positions a

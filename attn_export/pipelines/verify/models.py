@@ -154,7 +154,8 @@ _EXPORT_ONLY = ("description", "opset", "exporter")
 
 def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models") -> ModelSpec:
     """The checkout's spec for a built graph: the only source of code verify runs, with the
-    guards the graph's export accepted (data: where verify must also look). ``option`` is how
+    guards the graph's export accepted and the embedding rows build read (data: where verify
+    must also look). ``option`` is how
     the caller's user names the folder (the pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
@@ -163,7 +164,8 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
             f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
         )
-    return dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
+    built = entry.model_spec
+    return dataclasses.replace(load_spec(path), guards=built.guards, vocab=built.vocab)
 
 
 def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:

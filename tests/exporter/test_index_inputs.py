@@ -1,0 +1,118 @@
+"""Token ids are drawn over every row of the embedding they index (read from the module
+by build, or declared as ``values``), not from a few small values: a graph that clamps or
+truncates its table differs only at the rows those never reach."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from attn_export.cli import cli
+from attn_export.errors import SpecError
+from attn_export.exporter.factory import instantiate
+from attn_export.exporter.index_inputs import embedding_rows
+from attn_export.spec import load_spec, spec_from_dict
+from attn_export.spec.inputs import make_feeds
+from tests.conftest import plant, write_spec
+
+TOKENS = """
+module = "tests.user_modules:TokenAttention"
+[[inputs]]
+name = "input_ids"
+dtype = "int64"
+shape = ["batch", "seq"]
+{values}
+[[inputs]]
+name = "token_type_ids"
+dtype = "int64"
+shape = ["batch", "seq"]
+[[outputs]]
+name = "output"
+shape = ["batch", "seq", 16]
+[dims]
+batch = { min = 1, max = 3 }
+seq = { min = 1, max = 16 }
+"""
+
+
+def _spec(folder: Path, values: str = "") -> Path:
+    return write_spec(folder, "tokens", TOKENS.replace("{values}", values))
+
+
+def test_each_id_input_is_drawn_over_the_rows_of_its_embedding(tmp_path: Path) -> None:
+    spec = load_spec(_spec(tmp_path))
+    vocab = embedding_rows(instantiate(spec), spec)
+    assert vocab == {"input_ids": 50, "token_type_ids": 2}
+    feeds = [make_feeds(dataclasses.replace(spec, vocab=vocab), {"batch": 3, "seq": 16}, s) for s in range(3)]
+    assert max(f["input_ids"].max() for f in feeds) > 40  # 0..7 before: a table cut at 8 rows passed
+    assert {int(v) for f in feeds for v in f["token_type_ids"].flat} == {0, 1}  # 0..7 failed: 2 rows
+
+
+def test_declared_values_are_drawn_and_never_replaced(tmp_path: Path) -> None:
+    spec = load_spec(_spec(tmp_path, "values = { min = 3, max = 5 }"))
+    assert embedding_rows(instantiate(spec), spec) == {"token_type_ids": 2}
+    drawn = make_feeds(spec, {"batch": 3, "seq": 16}, 0)["input_ids"]
+    assert set(drawn.flat) == {3, 4, 5}
+    assert spec.to_dict()["inputs"][0]["values"] == {"min": 3, "max": 5}
+
+
+def _clamp_ids(path: Path, top: int) -> onnx.ModelProto:
+    """The graph with its token ids clamped to ``top``, as a table cut short would read them."""
+    proto = onnx.load(path)
+    graph = proto.graph
+    for node in graph.node:
+        node.input[:] = ["ids_clamped" if i == "input_ids" else i for i in node.input]
+    top_value = onnx.helper.make_tensor("ids_top", onnx.TensorProto.INT64, [], [top])
+    graph.initializer.append(top_value)
+    graph.node.insert(0, onnx.helper.make_node("Min", ["input_ids", "ids_top"], ["ids_clamped"]))
+    return proto
+
+
+@pytest.mark.slow  # a build and two verifies (10 s)
+def test_a_graph_that_clamps_its_ids_fails_verify(tmp_path: Path) -> None:
+    models, out = tmp_path / "models", tmp_path / "out"
+    _spec(models)
+    built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(out)])
+    assert built.exit_code == 0, built.output
+    assert json.loads((out / "manifest.json").read_text())["models"]["tokens"]["spec"]["vocab"] == {
+        "input_ids": 50,
+        "token_type_ids": 2,
+    }
+    verify = ["verify", str(out), "--models", str(models), "--no-latency"]
+    assert CliRunner().invoke(cli, verify).exit_code == 0
+    plant(out, "tokens", _clamp_ids(out / "tokens.onnx", 7))
+    result = CliRunner().invoke(cli, verify)
+    assert result.exit_code == 1, result.output
+    assert "FAIL tokens" in result.output and "output:" in result.output
+
+
+def test_the_rows_travel_with_the_built_spec_and_only_there(tmp_path: Path) -> None:
+    """The manifest's copy keeps them, outside the content hash; a spec file declares
+    ``values`` instead, on an integer input only."""
+    spec = load_spec(_spec(tmp_path))
+    built = dataclasses.replace(spec, vocab={"input_ids": 50})
+    assert spec_from_dict(built.to_dict()).vocab == {"input_ids": 50}
+    assert built.content_hash() == spec.content_hash()
+    path = _spec(tmp_path)
+    path.write_text("vocab = { input_ids = 50 }\n" + path.read_text())
+    with pytest.raises(SpecError, match="unknown key 'vocab'"):
+        load_spec(path)
+    raw = built.to_dict() | {"vocab": {"output": 3}}
+    with pytest.raises(SpecError, match="'vocab' must map integer inputs"):
+        spec_from_dict(raw)
+    path.write_text(
+        TOKENS.replace("{values}", "").replace('name = "output"', 'name = "output"\nvalues = { min = 0, max = 1 }')
+    )
+    with pytest.raises(SpecError, match="unknown key 'values' in outputs"):
+        load_spec(path)
+    for values, said in [
+        ("values = { min = 5, max = 4 }", "values 5..4 is empty or outside int64"),
+        ("values = [0, 4]", r"values must be a table like \{ min = 0, max = 999 \}"),
+    ]:
+        with pytest.raises(SpecError, match=said):
+            load_spec(_spec(tmp_path, values))

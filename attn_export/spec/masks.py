@@ -179,10 +179,12 @@ def role_axis(layout: str, role: str) -> int | None:
 
 
 def case_applies(case: str, layout: str, shape: Sequence[int | str]) -> bool:
-    """A fully masked row needs a query axis of its own (not a broadcast 1)."""
-    if case in (PATTERN, "fully-padded-sequence"):
+    """A fully masked row needs a query axis of its own (not a broadcast 1); a fully padded
+    sequence, a batch axis of its own: without one it pads every sequence, and under
+    ``fully_masked = "ignore"`` the case would compare nothing and still pass."""
+    if case == PATTERN:
         return True
-    axis = role_axis(layout, "query")
+    axis = role_axis(layout, "query" if case == "fully-masked-row" else "batch")
     return axis is not None and shape[axis] != 1
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from attn_export.errors import SpecError
 from attn_export.spec import load_spec
+from attn_export.spec.shapes import mask_cases
 from tests.conftest import write_spec
 
 SEQ_FIRST = """
@@ -66,8 +67,12 @@ def _spec(tmp_path: Path, mask: str, pattern: str, arg: str, extra: str = "") ->
 def test_a_seq_first_masks_layout_is_read_from_the_inputs_holding_its_dims(
     tmp_path: Path, mask: str, pattern: str, arg: str, layout: str
 ) -> None:
-    ((_, read),) = load_spec(_spec(tmp_path, mask, pattern, arg)).masks
+    spec = load_spec(_spec(tmp_path, mask, pattern, arg))
+    ((_, read),) = spec.masks
     assert read.layout == layout
+    # a mask without a batch axis pads every sequence at once: under fully_masked = "ignore"
+    # that case would compare nothing, and pass
+    assert mask_cases(spec) == (["fully-masked-row"] if layout == "query-key" else ["fully-padded-sequence"])
 
 
 def test_a_mask_whose_dims_cannot_tell_suggests_its_layout(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure
 from attn_export.runtimes.base import Runtime, check_feeds
+from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, TensorSpec
 
@@ -126,7 +127,10 @@ class TorchRuntime(Runtime):
         ]
         try:
             with torch.no_grad():
-                result = self._double(*args)
+                try:
+                    result = self._double(*args)
+                except Exception:  # noqa: BLE001 - code that names float32 itself: widen every op
+                    result = in_float64(self._double, *args)
         except Exception:
             return None
         values = result if isinstance(result, tuple | list) else (result,)

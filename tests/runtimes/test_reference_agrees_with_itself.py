@@ -59,3 +59,26 @@ def test_the_floor_is_the_larger_of_the_runs_threads_and_one_thread(threads: int
     assert floor == pytest.approx(1e-3, rel=1e-3)
     with TorchRuntime(ThreadSensitive(), [X], [Y], threads=1) as eager:
         assert eager.precision_floor(feeds, eager.run(feeds))["y"] == pytest.approx(1e-3, rel=1e-3)
+
+
+class NamesFloat32(torch.nn.Module):
+    """Projects through a table its code builds in float32, as rotary and projection code
+    often does: cast to double as a whole, it fails at the matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = torch.eye(32, dtype=torch.float32) / 3
+        return torch.softmax(self.linear(x) @ table, dim=-1).float() * 1e3
+
+
+def test_the_floor_is_measured_where_the_code_names_float32() -> None:
+    """Before, the float64 run failed and the floor was 0: PyTorch's own rounding failed the graph."""
+    torch.manual_seed(0)
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32) * 30}
+    with TorchRuntime(NamesFloat32().eval(), [X], [Y]) as eager:
+        outputs = eager.run(feeds)
+        floor = eager.precision_floor(feeds, outputs)["y"]
+    assert 0 < floor < 1e-2

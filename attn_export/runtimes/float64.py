@@ -1,0 +1,34 @@
+"""Run a module in float64 where its code names a narrower float: ``torch.eye(n,
+dtype=torch.float32)``, ``x.float()``, a table built in float32. Cast to double as a whole,
+such a module fails at the first op that meets a float32 tensor, and PyTorch's own rounding
+error (the precision floor a comparison allows for) cannot be measured; under this mode
+every float tensor an op is given, and every float dtype it is asked for, is float64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attn_export._deps import require
+
+__all__ = ["in_float64"]
+
+
+def in_float64(call: Any, *args: Any) -> Any:
+    """``call(*args)`` with every float32, float16 and bfloat16 widened to float64."""
+    torch = require("torch", "running the PyTorch original")
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_map
+
+    narrow = (torch.float32, torch.float16, torch.bfloat16)
+
+    def wide(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dtype in narrow:
+            return x.double()
+        return torch.float64 if isinstance(x, torch.dtype) and x in narrow else x
+
+    class Widened(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*tree_map(wide, tuple(args)), **tree_map(wide, dict(kwargs or {})))
+
+    with Widened():
+        return call(*args)

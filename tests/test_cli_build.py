@@ -95,6 +95,37 @@ def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
     assert (manifest["spec"]["opset"], manifest["spec"]["exporter"]) == (17, "torchscript")
 
 
+#: nn.MultiheadAttention with a key-padding mask, and a query wider than its embedding.
+TORCH_MHA_24 = """
+module = "torch.nn:MultiheadAttention"
+kwargs = { embed_dim = 16, num_heads = 2, batch_first = true }
+call = { need_weights = false }
+[[inputs]]
+name = "query"
+shape = ["batch", "seq", 24]
+[[inputs]]
+name = "key"
+shape = ["batch", "kv_seq", 16]
+[[inputs]]
+name = "value"
+shape = ["batch", "kv_seq", 16]
+[[inputs]]
+name = "key_padding_mask"
+dtype = "bool"
+shape = ["batch", "kv_seq"]
+mask = "padding"
+convention = "ignore"
+arg = "key_padding_mask"
+[[outputs]]
+name = "output"
+shape = ["batch", "seq", 16]
+pick = 0
+[dims]
+batch = { min = 1, max = 4 }
+seq = { min = 1, max = 24 }
+kv_seq = { min = 1, max = 40 }
+"""
+
 BAD_SPECS = [
     ("toml", lambda t: t.replace('name = "query"', 'name = "query'), "[spec] {p}: invalid TOML: "),
     (
@@ -117,12 +148,17 @@ BAD_SPECS = [
         lambda t: t.replace("num_heads = 2", "heads = 2"),
         "tiny: kwargs {'hidden_dim': 16, 'heads': 2} do not fit attn_export.zoo.seed:MultiHeadAttention",
     ),
-    pytest.param(
+    (
         "input_misfit",  # the module's first Linear takes 16 features: no exporter can fix that
         lambda t: t.replace('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "seq", 24]\n[[inputs]]', 1),
         "tiny: the module fails in PyTorch on inputs shaped as the spec declares them (query [2, 3, 24] float32, "
         "keys [2, 5, 16] float32, values [2, 5, 16] float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied",
-        marks=pytest.mark.slow,  # a failed export (5 s)
+    ),
+    (
+        "mask_misfit",  # said before the masks are probed, which once reported it as their own failure
+        lambda t: TORCH_MHA_24,
+        "tiny: the module fails in PyTorch on inputs shaped as the spec declares them (query [2, 3, 24] float32, "
+        "key [2, 5, 16] float32, value [2, 5, 16] float32, key_padding_mask [2, 5] bool): AssertionError:",
     ),
     (
         "min_gt_max",
@@ -214,7 +250,7 @@ class QuitInForward(torch.nn.Module):
     ("cls", "code", "message"),
     [
         ("QuitInInit", 2, "tiny: constructing quitting_mod:QuitInInit raised SystemExit: 0"),
-        ("QuitInForward", 1, "tiny: export failed: forward raised SystemExit: 0"),
+        ("QuitInForward", 1, "[module] tiny: forward raised SystemExit: 0"),
     ],
 )
 def test_module_that_calls_sys_exit_fails_the_build(tmp_path: Path, cls: str, code: int, message: str) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from attn_export._deps import require
-from attn_export.errors import ExportFailure, NondeterministicModule, SpecError, first_line
+from attn_export.errors import ExportFailure, NondeterministicModule, RuntimeFailure, SpecError, first_line
 from attn_export.exporter.graph_checks import name_dims
 from attn_export.exporter.guards import accepted_guards
 from attn_export.exporter.random_ops import refuse_random_ops
@@ -34,7 +34,7 @@ from attn_export.exporter.state_updates import refuse_state_updates
 from attn_export.spec import Guard, ModelSpec
 from attn_export.spec.shapes import sizes_from_feeds
 
-__all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "stamp_metadata"]
+__all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "refuse_misfit", "stamp_metadata"]
 
 #: Logger on which torch's shape environment reports each guard it adds, with its source.
 _GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
@@ -248,10 +248,7 @@ class Exported:
 def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opset: int, exporter: str) -> Exported:
     torch = require("torch", "exporting")
     linecache.checkcache()  # the graph's stack traces quote source lines: not a file's older text
-    args = tuple(
-        v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
-        for v in (example_feeds[t.name] for t in spec.inputs)
-    )
+    args = _args(torch, spec, example_feeds)
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
@@ -304,7 +301,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     except (ExportFailure, NondeterministicModule):
         raise
     except Exception as e:
-        _refuse_misfit(module, args, spec)
+        refuse_misfit(module, spec, example_feeds)
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
         raise ExportFailure(
             f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
@@ -312,19 +309,39 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
         ) from e
 
 
-def _refuse_misfit(module: Any, args: tuple[Any, ...], spec: ModelSpec) -> None:
-    """After a failed export: a module that fails on the example inputs in PyTorch too was
-    given inputs it does not take (a wrong size or dtype in the spec), which no exporter fixes."""
+def _args(torch: Any, spec: ModelSpec, feeds: Mapping[str, Any]) -> tuple[Any, ...]:
+    """``feeds`` as tensors, in the spec's input order (forward()'s)."""
+    return tuple(
+        v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))
+        for v in (feeds[t.name] for t in spec.inputs)
+    )
+
+
+def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]) -> None:
+    """A module that fails in PyTorch on the spec's example inputs was given inputs it does
+    not take (a wrong size or dtype, an id past its embedding): a spec error, which no
+    exporter fixes and no later stage should report as its own failure."""
     torch = require("torch", "exporting")
+    args = _args(torch, spec, example_feeds)
     try:
         with torch.no_grad(), _quiet("", ()):
             module(*args)
+    except SystemExit as e:  # the module's own doing, whatever its inputs
+        raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
-        shapes = ", ".join(f"{t.name} {list(a.shape)} {t.dtype}" for t, a in zip(spec.inputs, args, strict=True))
+        shapes = ", ".join(
+            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*spec.int_values(t)) if _ids(t) else "")
+            for t, a in zip(spec.inputs, args, strict=True)
+        )
         raise SpecError(
             f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "
             f"{type(e).__name__}: {first_line(e)}; check [[inputs]] against the module's forward"
         ) from None
+
+
+def _ids(t: Any) -> bool:
+    """An integer input drawn from a range (not a mask)."""
+    return bool(t.dtype.startswith("int") and t.mask is None)
 
 
 def stamp_metadata(proto: onnx.ModelProto, metadata: Mapping[str, str]) -> onnx.ModelProto:

@@ -24,7 +24,7 @@ from attn_export.exporter.graph_checks import check_deterministic, check_model, 
 from attn_export.exporter.index_inputs import embedding_rows
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
-from attn_export.exporter.torch_export import export_onnx_program, stamp_metadata
+from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
@@ -106,12 +106,13 @@ class SpecBuild:
         check_memory(self.spec, golden_points(self.spec), memory_budget(self.options.max_memory, self.spec))
 
     def _instantiate(self) -> Any:
-        """The module; the spec as built learns the embedding rows its token ids index,
-        before any feed is made from it."""
+        """The module, run once on the example inputs (a spec error where it cannot take
+        them); the spec as built learns the embedding rows its token ids index first."""
         module = instantiate(self.spec)
         vocab = embedding_rows(module, self.spec)
         if vocab:
             self.spec = replace(self.spec, vocab=vocab)
+        refuse_misfit(module, self.spec, make_feeds(self.spec, self.sizes, BUILD_SEED))
         return module
 
     def _probe_masks(self) -> dict[str, Sight]:

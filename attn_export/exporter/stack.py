@@ -25,14 +25,17 @@ def _torch_dir() -> str | None:
 
 
 def innermost_line(stack: str) -> tuple[str, str] | None:
-    """``("file:line", text)`` of the innermost frame of ``stack`` outside torch (the
-    innermost of all when every frame is torch's); None when it has none."""
+    """``("file:line", text)`` of the innermost frame of ``stack`` outside torch and this
+    package's exporter (whose adapter calls every module); the innermost of all where no
+    frame is outside them (a torch layer: its own line, not the adapter's call of it); None
+    when it has none."""
     frames = _FRAME.findall(stack or "")
-    torch_dir = _torch_dir()
-    outside = [f for f in frames if not (torch_dir and os.path.abspath(f[0]).startswith(torch_dir + os.sep))]
-    if not (outside or frames):
+    if not frames:
         return None
-    path, line, text = (outside or frames)[-1]
+    torch_dir, exporter_dir = _torch_dir(), os.path.dirname(os.path.abspath(__file__))
+    layers = [f for f in frames if not os.path.abspath(f[0]).startswith(exporter_dir + os.sep)]
+    outside = [f for f in layers if not (torch_dir and os.path.abspath(f[0]).startswith(torch_dir + os.sep))]
+    path, line, text = (outside or layers or frames)[-1]
     return f"{path}:{line}", text.strip()
 
 

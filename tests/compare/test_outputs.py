@@ -60,6 +60,14 @@ def test_matching_infinities_are_no_numbers_and_fail_unless_allowed_like_nan() -
     assert not compare_output("o", e, np.array([np.inf, np.inf, 1.0], np.float32), TOL).passed
 
 
+def test_a_finite_value_where_expected_is_infinite_has_an_infinite_error() -> None:
+    """A masked score PyTorch leaves at -inf and a graph fills with a number: before, the
+    report said "max abs 0" beside the elements it failed."""
+    c = compare_output("o", np.array([-np.inf, 1.0], np.float32), np.array([0.0, 1.0], np.float32), TOL)
+    assert not c.passed and c.mismatched == 1
+    assert c.max_abs_error == math.inf and c.min_passing_atol == math.inf
+
+
 def test_a_case_that_compared_no_element_proves_nothing() -> None:
     empty = np.zeros((0, 4), np.float32)
     case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {}, 0, "torch[cpu]")

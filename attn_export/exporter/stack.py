@@ -10,18 +10,51 @@ import importlib.util
 import os
 import re
 import sys
+import sysconfig
+import traceback
 
-__all__ = ["import_path", "innermost_line"]
+__all__ = ["import_path", "innermost_line", "root_cause"]
 
 #: ``File "...", line N, in f`` and the line's text, as torch writes a stack.
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
 
 
 @functools.cache
-def _torch_dir() -> str | None:
-    """torch's package folder, found without importing it."""
-    found = importlib.util.find_spec("torch")
+def _package_dir(name: str) -> str | None:
+    """A package's folder, found without importing it."""
+    found = importlib.util.find_spec(name)
     return os.path.dirname(os.path.abspath(found.origin)) if found and found.origin else None
+
+
+def _torch_dir() -> str | None:
+    return _package_dir("torch")
+
+
+@functools.cache
+def _not_module_code() -> tuple[str, ...]:
+    """Folders whose frames are the exporters', Python's or this package's exporter's own."""
+    found = [_package_dir(p) for p in ("torch", "onnxscript", "onnx")]
+    found += [sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.abspath(__file__))]
+    return tuple(os.path.abspath(d) + os.sep for d in found if d)
+
+
+def root_cause(error: BaseException, *roots: str) -> tuple[BaseException, str]:
+    """The error an exporter's wrappers hide (the innermost cause: "Failed to export ..."
+    says nothing of why), and `` at file:line `code` `` of the innermost frame of the
+    module's code the chain passed through ("" where none did)."""
+    chain = [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
+        chain.append(cause)
+    for err in reversed(chain):
+        frames = [
+            f
+            for f in traceback.extract_tb(err.__traceback__)
+            if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_not_module_code())
+        ]
+        if frames:
+            at = f" at {import_path(frames[-1].filename, *roots)}:{frames[-1].lineno}"
+            return chain[-1], at + (f" `{frames[-1].line.strip()}`" if frames[-1].line else "")
+    return chain[-1], ""
 
 
 def innermost_line(stack: str) -> tuple[str, str] | None:

@@ -29,7 +29,7 @@ from attn_export.errors import ExportFailure, NondeterministicModule, RuntimeFai
 from attn_export.exporter.graph_checks import name_dims
 from attn_export.exporter.guards import accepted_guards
 from attn_export.exporter.random_ops import refuse_random_ops
-from attn_export.exporter.stack import import_path
+from attn_export.exporter.stack import import_path, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
 from attn_export.spec import Guard, ModelSpec
 from attn_export.spec.shapes import sizes_from_feeds
@@ -252,8 +252,8 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     input_names = [t.name for t in spec.inputs]
     output_names = [t.name for t in spec.outputs]
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
+    roots = (spec.search_path,) if spec.search_path else ()
     try:
-        roots = (spec.search_path,) if spec.search_path else ()
         with _quiet(torch_dir, roots) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 # a spec that accepts guards leaves the trace to torch.onnx.export, which narrows
@@ -303,8 +303,14 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     except Exception as e:
         refuse_misfit(module, spec, example_feeds)
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
+        cause, at = root_cause(e, *roots)
+        if "DataDependent" in type(cause).__name__:
+            hint = (
+                "; a branch on a tensor's values, not its shape, is not a graph: write it with torch.where "
+                "or torch.cond" + hint
+            )
         raise ExportFailure(
-            f"{spec.name}: {exporter} export failed: {type(e).__name__}: {first_line(e)}"
+            f"{spec.name}: {exporter} export failed: {type(cause).__name__}: {first_line(cause)}{at}"
             f" (rerun with --debug for the traceback{hint})"
         ) from e
 

@@ -398,3 +398,20 @@ def test_an_accepted_guard_is_smoke_checked_where_it_fails(tmp_path: Path) -> No
     ), r.error
     assert "; output: " in r.error  # and the numbers
     assert not (tmp_path / "out" / "tiny.onnx").exists()
+
+
+@pytest.mark.slow  # a failed export (5 s)
+@pytest.mark.parametrize("accept_guards", [False, True])
+def test_a_branch_on_values_fails_its_export_naming_the_line(tmp_path: Path, accept_guards: bool) -> None:
+    """torch's own message names an unbacked symbol; the export wrapped it in "Failed to
+    export" where the spec accepts guards. Both now say where, and what to write instead."""
+    path = tiny_spec(tmp_path / "models")
+    text = path.read_text().replace(
+        "attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:ValueBranchAttention"
+    )
+    path.write_text(("accept_guards = true\n" if accept_guards else "") + text)
+    r = _build([path], tmp_path / "out").results[0]
+    line = "if query.abs().max() > 50:"
+    assert r.failed_stage == "export" and "GuardOnDataDependentSymNode: Could not guard on data-dependent" in r.error
+    assert f"at tests/faulty_modules.py:{_line(line)} `{line}`" in r.error, r.error
+    assert "a branch on a tensor's values, not its shape, is not a graph: write it with torch.where" in r.error

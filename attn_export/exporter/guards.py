@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from attn_export.errors import ExportFailure
 from attn_export.spec import Guard, ModelSpec
 
-__all__ = ["accepted_guards"]
+__all__ = ["accepted_guards", "refuse_fixed_dims"]
 
 #: Where numpy cannot evaluate a condition as sympy does, a dim's range is tried size by size
 #: up to this width, a wider one at its ends and next to the condition's own constants.
@@ -62,6 +63,34 @@ def accepted_guards(
     return tuple(guards)
 
 
+def refuse_fixed_dims(program: Any, spec: ModelSpec, located: Mapping[str, str]) -> None:
+    """``ExportFailure`` where the trace fixed a spec dim to the example's size (code that
+    computes with the size as a Python number: ``math.log(seq)``): the graph then holds at
+    that one size, which no guard point can cover; named with the lines that fixed it."""
+    for node, tensor in zip(_user_inputs(program), spec.inputs, strict=False):
+        shape = getattr(node.meta.get("val"), "shape", ())
+        for axis, (dim, size) in enumerate(zip(tensor.shape, shape, strict=False)):
+            if isinstance(dim, str) and isinstance(size, int):
+                lines = [at for condition, at in located.items() if at and _fixes_one_size(condition)]
+                where = f" at {'; '.join(dict.fromkeys(lines))}" if lines else ""
+                raise ExportFailure(
+                    f"{spec.name}: the module's code fixes dim '{dim}' (input '{tensor.name}', axis {axis}) to the "
+                    f"example's size {size}{where}, so the graph holds at that size only, whatever accept_guards "
+                    "lets through; compute with the size as a tensor, or declare the axis static"
+                )
+
+
+def _fixes_one_size(condition: str) -> bool:
+    """``Eq(s27 + 1, 4)``: one size set equal to a number (not two sizes to each other)."""
+    return condition.startswith("Eq(") and len(set(re.findall(r"\b[a-z]+\d+\b", condition))) == 1
+
+
+def _user_inputs(program: Any) -> list[Any]:
+    """The program's placeholders for forward()'s inputs, in order."""
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    return [nodes[name] for name in program.graph_signature.user_inputs if name in nodes]
+
+
 def _canonical(text: str, env: Any) -> str:
     """``text`` (a condition as torch logged it) with each symbol torch later found equal to
     another (the batch of two inputs) written as that one, as the program's conditions are."""
@@ -93,8 +122,7 @@ def _shape_env(program: Any) -> Any:
 
 def _dim_symbols(program: Any, spec: ModelSpec) -> dict[Any, str]:
     """Each symbol that sizes an input axis, with the spec dim it stands for."""
-    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    user = [nodes[name] for name in program.graph_signature.user_inputs if name in nodes]
+    user = _user_inputs(program)
     symbols: dict[Any, str] = {}
     if len(user) != len(spec.inputs):
         return symbols

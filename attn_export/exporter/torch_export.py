@@ -27,7 +27,7 @@ import onnx
 from attn_export._deps import require
 from attn_export.errors import ExportFailure, NondeterministicModule, RuntimeFailure, SpecError, first_line
 from attn_export.exporter.graph_checks import name_dims
-from attn_export.exporter.guards import accepted_guards
+from attn_export.exporter.guards import accepted_guards, refuse_fixed_dims
 from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.exporter.stack import import_path, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
@@ -281,6 +281,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                 program = result.exported_program
                 refuse_random_ops(program, spec.name)
                 refuse_state_updates(program, spec.name, caught)
+                refuse_fixed_dims(program, spec, guards.located)
                 sizes = sizes_from_feeds(spec.inputs, {t.name: a.shape for t, a in zip(spec.inputs, args, strict=True)})
                 return Exported(result.model_proto, program, accepted_guards(program, spec, sizes, guards.located))
             buf = io.BytesIO()

@@ -415,3 +415,18 @@ def test_a_branch_on_values_fails_its_export_naming_the_line(tmp_path: Path, acc
     assert r.failed_stage == "export" and "GuardOnDataDependentSymNode: Could not guard on data-dependent" in r.error
     assert f"at tests/faulty_modules.py:{_line(line)} `{line}`" in r.error, r.error
     assert "a branch on a tensor's values, not its shape, is not a graph: write it with torch.where" in r.error
+
+
+@pytest.mark.slow  # a failed export (5 s)
+def test_a_dim_the_code_fixes_fails_an_export_that_accepts_guards_naming_the_line(tmp_path: Path) -> None:
+    """Accepting guards, torch fixes the length to the example's rather than fail; before,
+    build said only that the axis was static."""
+    path = tiny_spec(tmp_path / "models")
+    text = path.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", "tests.faulty_modules:LogScaleAttention")
+    path.write_text("accept_guards = true\n" + text)
+    r = _build([path], tmp_path / "out").results[0]
+    line = "return super().forward(query, keys, values) * math.log(query.shape[1] + 1)"
+    assert r.failed_stage == "export" and r.error.startswith(
+        "tiny: the module's code fixes dim 'seq' (input 'query', axis 1) to the example's size 3 at "
+        f"tests/faulty_modules.py:{_line(line)} `{line}`, so the graph holds at that size only"
+    ), r.error

@@ -246,7 +246,8 @@ def test_smoke_check_failure_fails_the_build(tmp_path: Path) -> None:
         "another path at batch=1,seq=1,kv_seq=40 than at the example"
     )
     # the branch's lines, then the numbers
-    assert "faulty_modules.py:29 `return self.out_linear(self.v_linear(values).mean(dim=1, keepdim=True))`" in r.error
+    line = "return self.out_linear(self.v_linear(values).mean(dim=1, keepdim=True))"
+    assert f"faulty_modules.py:{_line(line)} `{line}`" in r.error
     assert "; output: 16/16 elements" in r.error
     assert not (tmp_path / "out" / "tiny.onnx").exists()
 

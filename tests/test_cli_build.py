@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from attn_export import __version__
 from attn_export.cli import cli
-from tests.conftest import ZOO, tiny_spec
+from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 
 
 def invoke(*args: str):
@@ -95,37 +95,6 @@ def test_build_opset_and_exporter_overrides(tmp_path: Path) -> None:
     assert (manifest["spec"]["opset"], manifest["spec"]["exporter"]) == (17, "torchscript")
 
 
-#: nn.MultiheadAttention with a key-padding mask, and a query wider than its embedding.
-TORCH_MHA_24 = """
-module = "torch.nn:MultiheadAttention"
-kwargs = { embed_dim = 16, num_heads = 2, batch_first = true }
-call = { need_weights = false }
-[[inputs]]
-name = "query"
-shape = ["batch", "seq", 24]
-[[inputs]]
-name = "key"
-shape = ["batch", "kv_seq", 16]
-[[inputs]]
-name = "value"
-shape = ["batch", "kv_seq", 16]
-[[inputs]]
-name = "key_padding_mask"
-dtype = "bool"
-shape = ["batch", "kv_seq"]
-mask = "padding"
-convention = "ignore"
-arg = "key_padding_mask"
-[[outputs]]
-name = "output"
-shape = ["batch", "seq", 16]
-pick = 0
-[dims]
-batch = { min = 1, max = 4 }
-seq = { min = 1, max = 24 }
-kv_seq = { min = 1, max = 40 }
-"""
-
 BAD_SPECS = [
     ("toml", lambda t: t.replace('name = "query"', 'name = "query'), "[spec] {p}: invalid TOML: "),
     (
@@ -156,9 +125,9 @@ BAD_SPECS = [
     ),
     (
         "mask_misfit",  # said before the masks are probed, which once reported it as their own failure
-        lambda t: TORCH_MHA_24,
+        lambda t: (TINY_ZOO / "torch_mha.toml").read_text().replace('["batch", "seq", 32]', '["batch", "seq", 24]', 1),
         "tiny: the module fails in PyTorch on inputs shaped as the spec declares them (query [2, 3, 24] float32, "
-        "key [2, 5, 16] float32, value [2, 5, 16] float32, key_padding_mask [2, 5] bool): AssertionError:",
+        "key [2, 5, 32] float32, value [2, 5, 32] float32, key_padding_mask [2, 5] bool): AssertionError:",
     ),
     (
         "min_gt_max",

@@ -8,6 +8,7 @@ view of it: ``input_ids.view(-1, seq)``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,22 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
 
-__all__ = ["embedding_rows"]
+__all__ = ["embedding_rows", "spec_with_vocab"]
+
+
+def _ids(spec: ModelSpec) -> list[str]:
+    """The integer inputs drawn from a range the spec does not declare (not masks)."""
+    return [t.name for t in spec.inputs if t.dtype.startswith("int") and t.mask is None and t.values is None]
+
+
+def spec_with_vocab(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the rows its token ids index, read from its module (built only where
+    an id input needs it): a graph no build made has no manifest that learnt them."""
+    if not _ids(spec):
+        return spec
+    from attn_export.exporter.factory import instantiate
+
+    return dataclasses.replace(spec, vocab=embedding_rows(instantiate(spec), spec))
 
 
 def embedding_rows(module: Any, spec: ModelSpec) -> dict[str, int]:
@@ -25,7 +41,7 @@ def embedding_rows(module: Any, spec: ModelSpec) -> dict[str, int]:
     indexes in ``module`` (the adapter ``factory.instantiate`` returns); none where the
     module fails on zeros, which the build then reports from its own first run."""
     torch = require("torch", "reading the module's embeddings")
-    ids = [t.name for t in spec.inputs if t.dtype.startswith("int") and t.mask is None and t.values is None]
+    ids = _ids(spec)
     tables = [m for m in module.modules() if isinstance(m, torch.nn.Embedding)]
     if not ids or not tables:
         return {}

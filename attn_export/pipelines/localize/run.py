@@ -46,13 +46,13 @@ from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeRepo
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
-from attn_export.pipelines.verify.outside import outside_manifest
+from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec, Tolerance, load_spec, variant_chain
+from attn_export.spec import ModelSpec, Tolerance, variant_chain
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import DISTRIBUTIONS
@@ -348,7 +348,7 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     if model not in (None, name):
         raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
     entry = manifest.models[name]
-    return _Found(out_dir, entry, load_spec(options.spec_file), load_model_file(graph), None)
+    return _Found(out_dir, entry, outside_spec(options.spec_file, entry), load_model_file(graph), None)
 
 
 @dataclass

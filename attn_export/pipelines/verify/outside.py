@@ -5,6 +5,7 @@ them, and nothing is read from or written to the graph's folder besides the grap
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,10 +16,11 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_spec_signature
+from attn_export.exporter.index_inputs import spec_with_vocab
 from attn_export.exporter.source import module_sources
-from attn_export.spec import load_spec, variant_chain
+from attn_export.spec import ModelSpec, load_spec, variant_chain
 
-__all__ = ["changed_since", "outside_manifest"]
+__all__ = ["changed_since", "outside_manifest", "outside_spec"]
 
 
 def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tuple[Path, Manifest, list[str]]:
@@ -41,6 +43,7 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
                 f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
                 "never from a build folder; name the checkout's spec"
             )
+    spec = spec_with_vocab(spec)
     name = spec.name if variant == "fp32" else f"{spec.name}.{variant}"
     try:
         check_spec_signature(load_model_file(graph), graph.name, spec)
@@ -60,6 +63,12 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
         variant=variant,
     )
     return graph.parent, Manifest(__version__, {name: entry}), [name]
+
+
+def outside_spec(spec_path: Path, entry: ManifestEntry) -> ModelSpec:
+    """The spec a graph no build made is judged by: the file's, with the rows of the
+    embeddings its token ids index, which ``outside_manifest`` read from the module."""
+    return dataclasses.replace(load_spec(spec_path), vocab=entry.model_spec.vocab)
 
 
 def _is_build_folder(folder: Path) -> bool:

@@ -40,7 +40,7 @@ from attn_export.pipelines.verify.cells import (
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
-from attn_export.pipelines.verify.outside import changed_since
+from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases
 from attn_export.pipelines.verify.results import (
     CaseResult,
@@ -52,7 +52,7 @@ from attn_export.pipelines.verify.results import (
 )
 from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.timing import check_threads, physical_cores
-from attn_export.spec import ModelSpec, load_spec
+from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
 from attn_export.spec.scenarios import scenario_sizes
@@ -171,7 +171,7 @@ def _judging_spec(entry: ManifestEntry, options: VerifyOptions) -> ModelSpec:
     if options.golden:
         return entry.model_spec
     if options.spec_file is not None:
-        return load_spec(options.spec_file)
+        return outside_spec(options.spec_file, entry)
     return checkout_spec(options.models_dir, entry)
 
 

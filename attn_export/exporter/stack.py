@@ -10,10 +10,10 @@ import importlib.util
 import os
 import re
 import sys
-import sysconfig
 import traceback
+from collections.abc import Callable
 
-__all__ = ["import_path", "innermost_line", "root_cause"]
+__all__ = ["import_path", "innermost_line", "module_code", "root_cause"]
 
 #: ``File "...", line N, in f`` and the line's text, as torch writes a stack.
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
@@ -30,31 +30,46 @@ def _torch_dir() -> str | None:
     return _package_dir("torch")
 
 
-@functools.cache
-def _not_module_code() -> tuple[str, ...]:
-    """Folders whose frames are the exporters', Python's or this package's exporter's own."""
-    found = [_package_dir(p) for p in ("torch", "onnxscript", "onnx")]
-    found += [sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.abspath(__file__))]
-    return tuple(os.path.abspath(d) + os.sep for d in found if d)
+def module_code(module: str, search_path: str | None) -> tuple[str, ...]:
+    """The folders a spec's module code lies in: the spec's folder, and the top-level
+    package of ``module`` (``transformers`` for a Hugging Face layer)."""
+    top = _package_dir(module.partition(":")[0].split(".")[0]) if module else None
+    return tuple(os.path.abspath(d) + os.sep for d in (search_path, top) if d)
 
 
-def root_cause(error: BaseException, *roots: str) -> tuple[BaseException, str]:
-    """The error an exporter's wrappers hide (the innermost cause: "Failed to export ..."
-    says nothing of why), and `` at file:line `code` `` of the innermost frame of the
-    module's code the chain passed through ("" where none did)."""
+def root_cause(error: BaseException, code: tuple[str, ...], *roots: str) -> tuple[BaseException, str]:
+    """The error an exporter's wrappers hide ("Failed to export ..." says nothing of why),
+    and `` at file:line `code` `` of the innermost frame in the module's ``code`` folders
+    it passed through ("" where none did). Wrappers are followed by their explicit cause
+    first, then by the error they were raised while handling; without the module's line,
+    the innermost explicit cause: an error the module caught and handled is not the cause."""
+    caused = _chain(error, lambda e: e.__cause__)
+    for err in caused + _chain(error, lambda e: e.__cause__ or (None if e.__suppress_context__ else e.__context__)):
+        at = _module_line(err, code, roots)
+        if at:
+            return err, at
+    return caused[-1], ""
+
+
+def _chain(error: BaseException, inner: Callable[[BaseException], BaseException | None]) -> list[BaseException]:
     chain = [error]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
-        chain.append(cause)
-    for err in reversed(chain):
-        frames = [
-            f
-            for f in traceback.extract_tb(err.__traceback__)
-            if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(_not_module_code())
-        ]
-        if frames:
-            at = f" at {import_path(frames[-1].filename, *roots)}:{frames[-1].lineno}"
-            return chain[-1], at + (f" `{frames[-1].line.strip()}`" if frames[-1].line else "")
-    return chain[-1], ""
+    while (nxt := inner(chain[-1])) is not None and all(nxt is not e for e in chain):
+        chain.append(nxt)
+    return chain
+
+
+def _module_line(error: BaseException, code: tuple[str, ...], roots: tuple[str, ...]) -> str:
+    """`` at file:line `code` `` of the innermost frame of ``error``'s traceback in ``code``."""
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if os.path.abspath(f.filename).startswith(code) and not os.path.abspath(f.filename).startswith(own)
+    ]
+    if not frames:
+        return ""
+    at = f" at {import_path(frames[-1].filename, *roots)}:{frames[-1].lineno}"
+    return at + (f" `{frames[-1].line.strip()}`" if frames[-1].line else "")
 
 
 def innermost_line(stack: str) -> tuple[str, str] | None:

@@ -29,7 +29,7 @@ from attn_export.errors import ExportFailure, NondeterministicModule, RuntimeFai
 from attn_export.exporter.graph_checks import name_dims
 from attn_export.exporter.guards import accepted_guards, refuse_fixed_dims
 from attn_export.exporter.random_ops import refuse_random_ops
-from attn_export.exporter.stack import import_path, root_cause
+from attn_export.exporter.stack import import_path, module_code, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
 from attn_export.spec import Guard, ModelSpec
 from attn_export.spec.shapes import sizes_from_feeds
@@ -304,7 +304,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     except Exception as e:
         refuse_misfit(module, spec, example_feeds)
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
-        cause, at = root_cause(e, *roots)
+        cause, at = root_cause(e, module_code(spec.module, spec.search_path), *roots)
         if "DataDependent" in type(cause).__name__:
             hint = (
                 "; a branch on a tensor's values, not its shape, is not a graph: write it with torch.where "

@@ -186,10 +186,14 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
     result.max_rel_error = float(rel_err.max()) if rel_err.size else 0.0
-    if (~within & ~both).any():  # -inf expected where the actual is finite: no finite error says it
+    unmatched = ~within & ~both  # -inf expected where the actual is finite: no finite error says it
+    if unmatched.any():
         result.max_abs_error = result.max_rel_error = float("inf")
     if result.unexpected_nonfinite:
         result.worst_index = [int(i) for i in np.argwhere(bad_nonfinite)[0]]
+        result.min_passing_atol = float("inf")
+    elif unmatched.any():
+        result.worst_index = [int(i) for i in np.argwhere(unmatched)[0]]
         result.min_passing_atol = float("inf")
     else:
         result.worst_index = [int(i) for i in np.unravel_index(int(np.argmax(abs_err)), abs_err.shape)]

@@ -67,7 +67,10 @@ def refuse_fixed_dims(program: Any, spec: ModelSpec, located: Mapping[str, str])
     """``ExportFailure`` where the trace fixed a spec dim to the example's size (code that
     computes with the size as a Python number: ``math.log(seq)``): the graph then holds at
     that one size, which no guard point can cover; named with the lines that fixed it."""
-    for node, tensor in zip(_user_inputs(program), spec.inputs, strict=False):
+    user = _user_inputs(program)
+    if len(user) != len(spec.inputs):
+        return
+    for node, tensor in zip(user, spec.inputs, strict=True):
         shape = getattr(node.meta.get("val"), "shape", ())
         for axis, (dim, size) in enumerate(zip(tensor.shape, shape, strict=False)):
             if isinstance(dim, str) and isinstance(size, int):

@@ -23,7 +23,7 @@ __all__ = ["embedding_rows", "spec_with_vocab"]
 
 def _ids(spec: ModelSpec) -> list[str]:
     """The integer inputs drawn from a range the spec does not declare (not masks)."""
-    return [t.name for t in spec.inputs if t.dtype.startswith("int") and t.mask is None and t.values is None]
+    return [t.name for t in spec.inputs if t.is_ids and t.values is None]
 
 
 def spec_with_vocab(spec: ModelSpec) -> ModelSpec:
@@ -60,7 +60,7 @@ def embedding_rows(module: Any, spec: ModelSpec) -> dict[str, int]:
     try:
         with torch.no_grad():
             module(*(args[t.name] for t in spec.inputs))
-    except Exception:  # noqa: BLE001 - the build's first real run reports the module's failure
+    except (Exception, SystemExit):  # noqa: BLE001 - the build's first real run reports the module's failure
         return {}
     finally:
         for hook in hooks:

@@ -337,18 +337,13 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
         raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
         shapes = ", ".join(
-            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*spec.int_values(t)) if _ids(t) else "")
+            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*spec.int_values(t)) if t.is_ids else "")
             for t, a in zip(spec.inputs, args, strict=True)
         )
         raise SpecError(
             f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "
             f"{type(e).__name__}: {first_line(e)}; check [[inputs]] against the module's forward"
         ) from None
-
-
-def _ids(t: Any) -> bool:
-    """An integer input drawn from a range (not a mask)."""
-    return bool(t.dtype.startswith("int") and t.mask is None)
 
 
 def stamp_metadata(proto: onnx.ModelProto, metadata: Mapping[str, str]) -> onnx.ModelProto:

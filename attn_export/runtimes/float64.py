@@ -20,6 +20,7 @@ def in_float64(call: Any, *args: Any) -> Any:
     from torch.utils._pytree import tree_map
 
     narrow = (torch.float32, torch.float16, torch.bfloat16)
+    casts = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
 
     def wide(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dtype in narrow:
@@ -28,7 +29,14 @@ def in_float64(call: Any, *args: Any) -> Any:
 
     class Widened(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in casts:  # x.float(): to float64 instead
+                return args[0].double() if args[0].is_floating_point() else args[0].to(torch.float64)
             return func(*tree_map(wide, tuple(args)), **tree_map(wide, dict(kwargs or {})))
 
-    with Widened():
-        return call(*args)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # torch.tensor([1 / 3]), torch.zeros(n)
+    try:
+        with Widened():
+            return call(*args)
+    finally:
+        torch.set_default_dtype(default)

@@ -159,14 +159,15 @@ CONVENTIONS: dict[str, Convention] = {
 
 def default_layout(shape: Sequence[int | str], others: Sequence[Sequence[int | str]]) -> str | None:
     """The layout a mask's rank implies, given the shapes of the other inputs. A 2-D mask
-    ``[a, b]`` is key padding when ``a`` is the batch dim: a dim the inputs holding the key
-    dim ``b`` hold too (``[batch, kv_seq, embed]`` or seq-first ``[kv_seq, batch, embed]``),
-    or, where no input holds ``b`` (a sum dim), the first dim of the first input; else
+    ``[a, b]`` is key padding when ``a`` is the batch dim: beside the key dim ``b`` in the
+    two leading axes of the inputs that lead with ``b`` (``[batch, kv_seq, embed]`` or
+    seq-first ``[kv_seq, batch, embed]``; not a bias ``[batch, heads, seq, kv_seq]``), or,
+    where no input leads with ``b`` (a sum dim), the first dim of the first input; else
     ``[query, key]``."""
     rank = len(shape)
     if rank == 2:
         a, b = shape
-        holding = [s for s in others if b in s]
+        holding = [s[:2] for s in others if b in s[:2]]
         first = others[0][0] if others and others[0] else None
         batch = a != b and any(a in s for s in holding) if holding else a == first
         return "key-padding" if isinstance(a, str) and batch else "query-key"

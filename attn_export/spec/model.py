@@ -103,6 +103,11 @@ class TensorSpec:
     #: For an integer input (token ids): the least and greatest value drawn, as declared.
     values: tuple[int, int] | None = None
 
+    @property
+    def is_ids(self) -> bool:
+        """An integer input drawn from a range of values (token ids, positions), not a mask."""
+        return self.dtype.startswith("int") and self.mask is None
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
         if self.mask is not None:

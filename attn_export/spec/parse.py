@@ -512,7 +512,7 @@ def _guards(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> tu
 def _vocab(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, int]:
     """A built spec's embedding rows per integer input (``ModelSpec.vocab``)."""
     value = raw.get("vocab", {})
-    ints = {t.name for t in inputs if t.dtype.startswith("int") and t.mask is None and t.values is None}
+    ints = {t.name for t in inputs if t.is_ids and t.values is None}
     if not isinstance(value, dict) or not all(
         k in ints and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in value.items()
     ):

@@ -63,9 +63,9 @@ def test_matching_infinities_are_no_numbers_and_fail_unless_allowed_like_nan() -
 def test_a_finite_value_where_expected_is_infinite_has_an_infinite_error() -> None:
     """A masked score PyTorch leaves at -inf and a graph fills with a number: before, the
     report said "max abs 0" beside the elements it failed."""
-    c = compare_output("o", np.array([-np.inf, 1.0], np.float32), np.array([0.0, 1.0], np.float32), TOL)
-    assert not c.passed and c.mismatched == 1
-    assert c.max_abs_error == math.inf and c.min_passing_atol == math.inf
+    c = compare_output("o", np.array([1.0, 2.0, -np.inf], np.float32), np.array([1.0, 2.5, 7.0], np.float32), TOL)
+    assert not c.passed and c.mismatched == 2
+    assert c.max_abs_error == math.inf and c.min_passing_atol == math.inf and c.worst_index == [2]
 
 
 def test_a_case_that_compared_no_element_proves_nothing() -> None:

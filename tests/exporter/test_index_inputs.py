@@ -10,6 +10,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from click.testing import CliRunner
 
 from attn_export.cli import cli
@@ -116,3 +117,19 @@ def test_the_rows_travel_with_the_built_spec_and_only_there(tmp_path: Path) -> N
     ]:
         with pytest.raises(SpecError, match=said):
             load_spec(_spec(tmp_path, values))
+
+
+class _Exits(torch.nn.Module):
+    """Looks its ids up, then exits: the build's own first run reports it, not this probe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = torch.nn.Embedding(50, 16)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        self.words(input_ids)
+        raise SystemExit(0)
+
+
+def test_a_module_that_exits_leaves_the_probe_with_nothing_learnt(tmp_path: Path) -> None:
+    assert embedding_rows(_Exits(), load_spec(_spec(tmp_path))) == {}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attn_export.errors import NondeterministicModule
+from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import TensorSpec
 from tests.conftest import build_tiny_with
@@ -82,3 +83,12 @@ def test_the_floor_is_measured_where_the_code_names_float32() -> None:
         outputs = eager.run(feeds)
         floor = eager.precision_floor(feeds, outputs)["y"]
     assert 0 < floor < 1e-2
+
+
+def test_the_widened_run_rounds_nothing_to_a_narrower_float() -> None:
+    x = torch.randn(8, dtype=torch.float64)
+    assert float(in_float64(lambda x: ((x * 3).float() - x * 3).abs().max(), x)) == 0
+    assert float(in_float64(lambda x: (x.half() - x).abs().max(), x)) == 0
+    assert float(in_float64(lambda: (torch.tensor([1 / 3]) - 1 / 3).abs().max())) == 0
+    assert float(in_float64(lambda x: (torch.eye(8, dtype=torch.float32) @ x - x).abs().max(), x)) == 0
+    assert torch.get_default_dtype() == torch.float32  # restored

@@ -11,6 +11,7 @@ import pytest
 
 from attn_export.errors import SpecError
 from attn_export.spec import load_spec
+from attn_export.spec.masks import default_layout
 from attn_export.spec.shapes import mask_cases
 from tests.conftest import write_spec
 
@@ -85,3 +86,11 @@ def test_a_mask_whose_dims_cannot_tell_suggests_its_layout(tmp_path: Path) -> No
     declared = _spec(tmp_path, '["seq", "mask_len"]', "causal", "attn_mask", 'layout = "query-key"\n' + length)
     ((_, mask),) = load_spec(declared).masks
     assert mask.layout == "query-key"
+
+
+def test_an_input_holding_both_dims_past_its_leading_axes_is_no_batch() -> None:
+    """A bias ``[batch, heads, seq, kv_seq]`` holds a [seq, kv_seq] mask's dims too; the
+    inputs that lead with the key dim say ``seq`` is no batch."""
+    others = [("batch", "seq", 64), ("batch", "kv_seq", 64), ("batch", 4, "seq", "kv_seq")]
+    assert default_layout(("seq", "kv_seq"), others) == "query-key"
+    assert default_layout(("batch", "kv_seq"), others) == "key-padding"

@@ -129,9 +129,10 @@ class SpecBuild:
         return self.exports[opset].get()
 
     def _export(self, opset: int) -> onnx.ModelProto:
+        module = self.module.get()  # first: it completes the spec the example is drawn from
         example = make_feeds(self.spec, self.sizes, BUILD_SEED)
         try:
-            exported = export_onnx_program(self.module.get(), self.spec, example, opset=opset)
+            exported = export_onnx_program(module, self.spec, example, opset=opset)
         except SystemExit as e:  # forward() exited: a failed export, not a successful build
             raise ExportFailure(f"{self.spec.name}: export failed: forward raised SystemExit: {e}") from e
         self.programs[opset] = exported.program

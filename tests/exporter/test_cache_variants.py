@@ -19,6 +19,10 @@ from attn_export.exporter.cache_in_op import fold_cache
 from attn_export.exporter.variants import make_variant
 from tests.conftest import Built
 
+#: The tests on the cache variants' build (3 decoders x 4 variants, 35-50 s) run in the slow
+#: set, which CI runs; the rewrites on hand-made graphs below run in ``make test``.
+BUILT = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def built(cache_build: Built) -> tuple[Path, Path, dict[str, str | None]]:
@@ -34,6 +38,7 @@ def _cache_op(proto: onnx.ModelProto, op_type: str) -> onnx.NodeProto:
     return node
 
 
+@BUILT
 def test_the_attention_op_takes_the_cache_in(built) -> None:
     out, _, errors = built
     for model in ("mha_kv_cache", "gqa_rope_kv_cache"):
@@ -46,6 +51,7 @@ def test_the_attention_op_takes_the_cache_in(built) -> None:
         assert not [n for n in proto.graph.node if n.op_type == "Concat" and pasts & set(n.input)]
 
 
+@BUILT
 def test_onnx_runtime_cache_ops_take_the_cache_in(built) -> None:
     out, _, errors = built
     for key, op_type, past in (
@@ -59,6 +65,7 @@ def test_onnx_runtime_cache_ops_take_the_cache_in(built) -> None:
         assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
 
 
+@BUILT
 def test_onnx_runtime_cache_ops_read_the_projections_with_no_layout_ops(built) -> None:
     """A step runs every node of the graph: heads a module only splits out of a projection
     (not the rotated query and key of the GQA model) reach the op as the projection, with no
@@ -77,6 +84,7 @@ def test_onnx_runtime_cache_ops_read_the_projections_with_no_layout_ops(built) -
         assert {c.name for c in proto.graph.initializer} <= read, key
 
 
+@BUILT
 def test_cache_variants_pass_verify_over_decode_steps(built, monkeypatch: pytest.MonkeyPatch) -> None:
     out, models, _ = built
     monkeypatch.chdir(models.parent)
@@ -89,6 +97,7 @@ def test_cache_variants_pass_verify_over_decode_steps(built, monkeypatch: pytest
     assert "7 of 7 decode trajectories agree (up to 3 steps after the prompt)" in result.output
 
 
+@BUILT
 def test_group_query_attention_where_onnx_runtime_refuses_a_declared_size(built) -> None:
     _, _, errors = built
     error = errors["gqa_rope_kv_cache.ort-past"]

@@ -26,6 +26,7 @@ def _graph(built: Built, variant: str) -> onnx.ModelProto:
     return onnx.load(built.out / f"{DECODER}.{variant}.onnx")
 
 
+@pytest.mark.slow  # the cache variants' build (35-50 s); CI runs it
 def test_a_chained_graph_holds_every_link_s_transform(cache_build: Built) -> None:
     assert {k: v for k, v in cache_build.errors.items() if k.startswith(DECODER)} == dict.fromkeys(
         [f"{DECODER}.{v}" for v in ("attention-op", "ort-past", *CHAINS)]
@@ -41,6 +42,7 @@ def test_a_chained_graph_holds_every_link_s_transform(cache_build: Built) -> Non
     assert onnx.TensorProto.FLOAT16 in weights and onnx.TensorProto.FLOAT not in weights  # ... in float16
 
 
+@pytest.mark.slow  # the cache variants' build (35-50 s); CI runs it
 def test_the_manifest_records_each_link(cache_build: Built) -> None:
     models = load_manifest(cache_build.out).models
     entry = models[f"{DECODER}.ort-past+int8"]
@@ -54,6 +56,7 @@ def test_the_manifest_records_each_link(cache_build: Built) -> None:
     assert [link["variant"] for link in half] == ["attention-op", "fp16"] and half[0]["info"]["cache_in_op"] == 1
 
 
+@pytest.mark.slow  # the cache variants' build (35-50 s); CI runs it
 def test_chains_pass_verify_and_decode_at_the_composed_tolerance(cache_build: Built, tmp_path: Path) -> None:
     files = [str(cache_build.out / f"{DECODER}.{v}.onnx") for v in CHAINS]
     report = tmp_path / "report.json"

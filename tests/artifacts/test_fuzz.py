@@ -35,7 +35,7 @@ from attn_export.errors import AttnExportError
 from tests.conftest import TINY_ZOO
 
 #: Files fed by default, and by the slow run.
-SAMPLE, WHOLE = 100, int(os.environ.get("ATTN_EXPORT_FUZZ", "1000"))
+SAMPLE, WHOLE = 50, int(os.environ.get("ATTN_EXPORT_FUZZ", "1000"))
 
 
 def _mutate_bytes(data: bytes, rng: random.Random) -> bytes:

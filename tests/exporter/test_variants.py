@@ -94,6 +94,7 @@ def test_int8_quantizes_matmuls_and_its_error_is_reported_not_hidden(variant_bui
     assert strict.exit_code == 1  # judged by the fp32 tolerance it fails, as it should
 
 
+@pytest.mark.slow  # a build of its own (7 s); the variant sweep above verifies fp16 in make test
 def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     out = tmp_path / "out"
     summary = build_models([TINY_ZOO / "mha_causal.toml"], BuildOptions(out, variants=("fp16",)))

@@ -34,7 +34,7 @@ from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.cache import CacheSpec
-from attn_export.spec.inputs import make_tensor
+from attn_export.spec.inputs import draw_inputs
 from attn_export.spec.shapes import concrete_shape, example_sizes
 
 if TYPE_CHECKING:
@@ -163,11 +163,7 @@ def plan_trajectory(spec: ModelSpec, cache: CacheSpec, scenario: str, n_steps: i
     fed_back = {past for past, _ in cache.pairs} | {cache.mask, cache.positions}
     every_token = spec.with_sums(base | {cache.seq_dim: keep.shape[1], cache.past_dim: 0})
     rng = np.random.default_rng(seed)
-    tokens = {
-        t.name: make_tensor(t, every_token, rng, values=spec.int_values(t))
-        for t in spec.inputs
-        if t.name not in fed_back
-    }
+    tokens = draw_inputs(spec, every_token, rng, lambda name: name not in fed_back)
     windows = [(0, prompt)] + [(prompt + k - 1, prompt + k) for k in range(1, n_steps + 1)]
     steps = [_window(spec, cache, tokens, keep, a, b, cache.kept(a)) for a, b in windows]
     sizes = [spec.with_sums(base | {cache.seq_dim: b - a, cache.past_dim: cache.kept(a)}) for a, b in windows]

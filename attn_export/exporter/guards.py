@@ -70,12 +70,12 @@ def refuse_fixed_dims(program: Any, spec: ModelSpec, located: Mapping[str, str])
     user = _user_inputs(program)
     if len(user) != len(spec.inputs):
         return
+    lines = dict.fromkeys(at for condition, at in located.items() if at and _fixes_one_size(condition))
+    where = f" at {'; '.join(lines)}" if lines else ""
     for node, tensor in zip(user, spec.inputs, strict=True):
         shape = getattr(node.meta.get("val"), "shape", ())
         for axis, (dim, size) in enumerate(zip(tensor.shape, shape, strict=False)):
             if isinstance(dim, str) and isinstance(size, int):
-                lines = [at for condition, at in located.items() if at and _fixes_one_size(condition)]
-                where = f" at {'; '.join(dict.fromkeys(lines))}" if lines else ""
                 raise ExportFailure(
                     f"{spec.name}: the module's code fixes dim '{dim}' (input '{tensor.name}', axis {axis}) to the "
                     f"example's size {size}{where}, so the graph holds at that size only, whatever accept_guards "

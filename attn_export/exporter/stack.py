@@ -17,6 +17,8 @@ __all__ = ["import_path", "innermost_line", "module_code", "root_cause"]
 
 #: ``File "...", line N, in f`` and the line's text, as torch writes a stack.
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
+#: This package's exporter (its adapter calls every module): never the module's line.
+_EXPORTER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @functools.cache
@@ -60,11 +62,10 @@ def _chain(error: BaseException, inner: Callable[[BaseException], BaseException 
 
 def _module_line(error: BaseException, code: tuple[str, ...], roots: tuple[str, ...]) -> str:
     """`` at file:line `code` `` of the innermost frame of ``error``'s traceback in ``code``."""
-    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
     frames = [
         f
         for f in traceback.extract_tb(error.__traceback__)
-        if os.path.abspath(f.filename).startswith(code) and not os.path.abspath(f.filename).startswith(own)
+        if os.path.abspath(f.filename).startswith(code) and not os.path.abspath(f.filename).startswith(_EXPORTER_DIR)
     ]
     if not frames:
         return ""
@@ -80,8 +81,8 @@ def innermost_line(stack: str) -> tuple[str, str] | None:
     frames = _FRAME.findall(stack or "")
     if not frames:
         return None
-    torch_dir, exporter_dir = _torch_dir(), os.path.dirname(os.path.abspath(__file__))
-    layers = [f for f in frames if not os.path.abspath(f[0]).startswith(exporter_dir + os.sep)]
+    torch_dir = _torch_dir()
+    layers = [f for f in frames if not os.path.abspath(f[0]).startswith(_EXPORTER_DIR)]
     outside = [f for f in layers if not (torch_dir and os.path.abspath(f[0]).startswith(torch_dir + os.sep))]
     path, line, text = (outside or layers or frames)[-1]
     return f"{path}:{line}", text.strip()

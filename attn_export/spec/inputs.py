@@ -6,7 +6,7 @@ Feeds are numpy so that golden verification and ONNX Runtime need no torch. The 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from attn_export.spec.masks import PATTERN, fill_mask
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["make_feeds", "make_tensor"]
+__all__ = ["draw_inputs", "make_feeds", "make_tensor"]
 
 
 def make_tensor(
@@ -45,8 +45,22 @@ def make_feeds(
 ) -> dict[str, np.ndarray]:
     """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``; masks
     follow the named ``case``, float inputs follow ``distribution`` (``spec.distributions``)."""
-    rng = np.random.default_rng(seed)
+    return draw_inputs(spec, sizes, np.random.default_rng(seed), case=case, distribution=distribution)
+
+
+def draw_inputs(
+    spec: ModelSpec,
+    sizes: Mapping[str, int],
+    rng: np.random.Generator,
+    which: Callable[[str], bool] = lambda name: True,
+    *,
+    case: str = PATTERN,
+    distribution: str = DEFAULT,
+) -> dict[str, np.ndarray]:
+    """The inputs of ``spec`` that ``which`` takes, drawn from ``rng`` in declaration order,
+    each integer input over its values (``ModelSpec.int_values``)."""
     return {
         t.name: make_tensor(t, sizes, rng, case=case, distribution=distribution, values=spec.int_values(t))
         for t in spec.inputs
+        if which(t.name)
     }

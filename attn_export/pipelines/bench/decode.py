@@ -52,7 +52,7 @@ from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import CacheSpec, cache_of
-from attn_export.spec.inputs import make_tensor
+from attn_export.spec.inputs import draw_inputs
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.scenarios import SCENARIOS, scenario_sizes
 from attn_export.spec.shapes import ShapePoint, format_sizes
@@ -118,10 +118,8 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
     sizes = _step_sizes(spec, cache, batch, cache.kept(past), seq)
     past_names = {p for p, _ in cache.pairs}
     per_step = past_names | {cache.mask, cache.positions}
-    pasts = {t.name: make_tensor(t, sizes, rng, values=spec.int_values(t)) for t in spec.inputs if t.name in past_names}
-    fixed = {
-        t.name: make_tensor(t, sizes, rng, values=spec.int_values(t)) for t in spec.inputs if t.name not in per_step
-    }
+    pasts = draw_inputs(spec, sizes, rng, lambda name: name in past_names)
+    fixed = draw_inputs(spec, sizes, rng, lambda name: name not in per_step)
     steps = []
     for k in range(window):
         first = past + k * seq  # this step's first token

@@ -33,6 +33,13 @@ def test_pass_rule_is_atol_plus_rtol_times_expected() -> None:
     assert math.isclose(c.min_passing_atol, c.max_abs_error - 1e-4 * 100.0, rel_tol=1e-6)
 
 
+def test_relative_error_is_measured_only_where_expected_exceeds_atol() -> None:
+    expected = np.array([1e-30, 2.0], dtype=np.float32)
+    actual = np.array([1e-6, 2.0002], dtype=np.float32)
+    c = compare_output("o", expected, actual, TOL)
+    assert c.passed and math.isclose(c.max_rel_error, 1e-4, rel_tol=1e-3)
+
+
 def test_nan_where_expected_is_finite_always_fails_and_says_where() -> None:
     expected = np.zeros((2, 3), dtype=np.float32)
     actual = expected.copy()

@@ -222,3 +222,27 @@ def test_every_renderer_prints_the_same_numbers_for_a_shape_mismatch() -> None:
             "noisy_timings": 0,
         }
     )
+
+
+def test_a_tolerance_set_by_pytorchs_own_error_is_said_beside_the_rows() -> None:
+    from attn_export.compare import compare_outputs
+    from attn_export.pipelines.verify import CaseResult, ModelCheck
+    from attn_export.report.verify_text import format_model_rows
+    from attn_export.runtimes import Target
+    from attn_export.spec import Tolerance
+
+    expected = {"o": np.full(4, 1000.0, np.float32)}
+    actual = {"o": np.full(4, 1000.5, np.float32)}
+    tol = {"o": Tolerance(1e-3, 0.0)}
+
+    def rows(floor: float) -> str:
+        compared = compare_outputs(expected, actual, tol, {"o": floor})
+        case = CaseResult("m", Target("onnxruntime", "cpu"), "large", {"seq": 3}, 0, "torch[cpu]", compared)
+        assert case.passed == (floor > 0)
+        return format_model_rows("m", [case], ModelCheck("m", "m.onnx"))
+
+    assert "note" not in rows(0.0)
+    assert (
+        "note: m: PyTorch's own rounding error (against float64) set the tolerance of 1 outputs in 1 cases: "
+        "atol = spec + 10x that error, up to 0.601 at onnxruntime[cpu] large" in rows(0.06)
+    )

@@ -121,7 +121,8 @@ BAD_SPECS = [
         "input_misfit",  # the module's first Linear takes 16 features: no exporter can fix that
         lambda t: t.replace('shape = ["batch", "seq", 16]\n[[inputs]]', 'shape = ["batch", "seq", 24]\n[[inputs]]', 1),
         "tiny: the module fails in PyTorch on inputs shaped as the spec declares them (query [2, 3, 24] float32, "
-        "keys [2, 5, 16] float32, values [2, 5, 16] float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied",
+        "keys [2, 5, 16] float32, values [2, 5, 16] float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+        "(6x24 and 16x16) at attn_export/zoo/seed.py:",
     ),
     (
         "mask_misfit",  # said before the masks are probed, which once reported it as their own failure

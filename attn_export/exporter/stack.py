@@ -93,6 +93,9 @@ def import_path(filename: str, *roots: str) -> str:
     ``sys.path`` entries holding it: ``transformers/modeling_utils.py``), so that a record
     names no machine's folders; unchanged when none holds it."""
     path = os.path.abspath(filename)
-    roots = tuple(os.path.abspath(p or os.curdir) for p in (*roots, *sys.path))
+    package = os.path.dirname(path)
+    while os.path.isfile(os.path.join(package, "__init__.py")):  # an editable install is on no sys.path entry
+        package = os.path.dirname(package)
+    roots = tuple(os.path.abspath(p or os.curdir) for p in (*roots, *sys.path, package))
     holding = [r for r in roots if path.startswith(r.rstrip(os.sep) + os.sep)]
     return os.path.relpath(path, max(holding, key=len)) if holding else filename

@@ -327,7 +327,8 @@ def _args(torch: Any, spec: ModelSpec, feeds: Mapping[str, Any]) -> tuple[Any, .
 def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]) -> None:
     """A module that fails in PyTorch on the spec's example inputs was given inputs it does
     not take (a wrong size or dtype, an id past its embedding): a spec error, which no
-    exporter fixes and no later stage should report as its own failure."""
+    exporter fixes and no later stage should report as its own failure. The module's line
+    is named: where the module itself is wrong, that is where to look."""
     torch = require("torch", "exporting")
     args = _args(torch, spec, example_feeds)
     try:
@@ -340,9 +341,10 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
             f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*spec.int_values(t)) if t.is_ids else "")
             for t, a in zip(spec.inputs, args, strict=True)
         )
+        _, at = root_cause(e, module_code(spec.module, spec.search_path), spec.search_path or "")
         raise SpecError(
             f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "
-            f"{type(e).__name__}: {first_line(e)}; check [[inputs]] against the module's forward"
+            f"{type(e).__name__}: {first_line(e)}{at}; check [[inputs]] against the module's forward"
         ) from None
 
 

@@ -172,9 +172,10 @@ class ModelSpec:
     cache_window: int | None = None
     #: What the build's export accepted: set by build, never by a spec file.
     guards: tuple[Guard, ...] = ()
-    #: The rows of the embedding each integer input without declared ``values`` indexes,
-    #: read from the module by build (``exporter.index_inputs``), never by a spec file.
-    vocab: dict[str, int] = field(default_factory=dict)
+    #: The least and greatest value of each integer input without declared ``values`` that
+    #: lands on a row of every table it indexes, read from the module by build
+    #: (``exporter.index_inputs``), never by a spec file.
+    vocab: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def tolerance_for(self, output: str, variant: str = "fp32") -> Tolerance:
         """A variant's own tolerance (the spec's for that very name, else the table's
@@ -235,16 +236,16 @@ class ModelSpec:
             | ({"max_memory": self.max_memory} if self.max_memory else {})
             | ({"cache": cache} if cache else {})
             | ({"guards": [g.to_dict() for g in self.guards]} if self.guards else {})
-            | ({"vocab": dict(self.vocab)} if self.vocab else {})
+            | ({"vocab": {k: list(v) for k, v in self.vocab.items()}} if self.vocab else {})
         )
 
     def int_values(self, t: TensorSpec) -> tuple[int, int]:
         """The least and greatest value an integer input is drawn from: as declared, else
-        every row of the embedding it indexes (ids past a few are where a clamped or
-        truncated table shows), else 0..7."""
+        every value that reaches a row of the tables it indexes (ids past a few are where a
+        clamped or truncated table shows), else 0..7."""
         if t.values is not None:
             return t.values
-        return (0, self.vocab[t.name] - 1) if t.name in self.vocab else (0, 7)
+        return self.vocab.get(t.name, (0, 7))
 
     @property
     def free_dims(self) -> dict[str, DimRange]:

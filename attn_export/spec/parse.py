@@ -509,15 +509,24 @@ def _guards(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> tu
     return tuple(guards)
 
 
-def _vocab(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, int]:
-    """A built spec's embedding rows per integer input (``ModelSpec.vocab``)."""
+def _vocab(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -> dict[str, tuple[int, int]]:
+    """A built spec's values per integer input that reach its tables (``ModelSpec.vocab``):
+    ``[least, greatest]``, or a row count from builds that knew only embeddings."""
     value = raw.get("vocab", {})
     ints = {t.name for t in inputs if t.is_ids and t.values is None}
-    if not isinstance(value, dict) or not all(
-        k in ints and isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in value.items()
+    ranges = {k: [0, v - 1] if _is_int(v) else v for k, v in value.items()} if isinstance(value, dict) else None
+    if ranges is None or not all(
+        k in ints and isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] <= v[1]
+        for k, v in ranges.items()
     ):
-        raise where.error("'vocab' must map integer inputs to their embedding's row count (1 or more)", "vocab")
-    return dict(value)
+        raise where.error(
+            "'vocab' must map integer inputs to the [least, greatest] value reaching their tables", "vocab"
+        )
+    return {k: (v[0], v[1]) for k, v in ranges.items()}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _description(where: _Where, raw: dict[str, Any]) -> str:

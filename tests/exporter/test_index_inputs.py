@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.errors import SpecError
 from attn_export.exporter.factory import instantiate
-from attn_export.exporter.index_inputs import embedding_rows
+from attn_export.exporter.index_inputs import lookup_ranges
 from attn_export.spec import load_spec, spec_from_dict
 from attn_export.spec.inputs import make_feeds
 from tests.conftest import plant, write_spec
@@ -47,8 +47,8 @@ def _spec(folder: Path, values: str = "") -> Path:
 
 def test_each_id_input_is_drawn_over_the_rows_of_its_embedding(tmp_path: Path) -> None:
     spec = load_spec(_spec(tmp_path))
-    vocab = embedding_rows(instantiate(spec), spec)
-    assert vocab == {"input_ids": 50, "token_type_ids": 2}
+    vocab = lookup_ranges(instantiate(spec), spec)
+    assert vocab == {"input_ids": (0, 49), "token_type_ids": (0, 1)}
     feeds = [make_feeds(dataclasses.replace(spec, vocab=vocab), {"batch": 3, "seq": 16}, s) for s in range(3)]
     assert max(f["input_ids"].max() for f in feeds) > 40  # 0..7 before: a table cut at 8 rows passed
     assert {int(v) for f in feeds for v in f["token_type_ids"].flat} == {0, 1}  # 0..7 failed: 2 rows
@@ -56,7 +56,7 @@ def test_each_id_input_is_drawn_over_the_rows_of_its_embedding(tmp_path: Path) -
 
 def test_declared_values_are_drawn_and_never_replaced(tmp_path: Path) -> None:
     spec = load_spec(_spec(tmp_path, "values = { min = 3, max = 5 }"))
-    assert embedding_rows(instantiate(spec), spec) == {"token_type_ids": 2}
+    assert lookup_ranges(instantiate(spec), spec) == {"token_type_ids": (0, 1)}
     drawn = make_feeds(spec, {"batch": 3, "seq": 16}, 0)["input_ids"]
     assert set(drawn.flat) == {3, 4, 5}
     assert spec.to_dict()["inputs"][0]["values"] == {"min": 3, "max": 5}
@@ -81,8 +81,8 @@ def test_a_graph_that_clamps_its_ids_fails_verify(tmp_path: Path) -> None:
     built = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(out)])
     assert built.exit_code == 0, built.output
     assert json.loads((out / "manifest.json").read_text())["models"]["tokens"]["spec"]["vocab"] == {
-        "input_ids": 50,
-        "token_type_ids": 2,
+        "input_ids": [0, 49],
+        "token_type_ids": [0, 1],
     }
     verify = ["verify", str(out), "--models", str(models), "--no-latency"]
     assert CliRunner().invoke(cli, verify).exit_code == 0
@@ -96,8 +96,11 @@ def test_the_rows_travel_with_the_built_spec_and_only_there(tmp_path: Path) -> N
     """The manifest's copy keeps them, outside the content hash; a spec file declares
     ``values`` instead, on an integer input only."""
     spec = load_spec(_spec(tmp_path))
-    built = dataclasses.replace(spec, vocab={"input_ids": 50})
-    assert spec_from_dict(built.to_dict()).vocab == {"input_ids": 50}
+    built = dataclasses.replace(spec, vocab={"input_ids": (2, 49)})
+    assert spec_from_dict(built.to_dict()).vocab == {"input_ids": (2, 49)}
+    assert spec_from_dict(built.to_dict() | {"vocab": {"input_ids": 50}}).vocab == {
+        "input_ids": (0, 49)
+    }  # older builds
     assert built.content_hash() == spec.content_hash()
     path = _spec(tmp_path)
     path.write_text("vocab = { input_ids = 50 }\n" + path.read_text())
@@ -132,4 +135,29 @@ class _Exits(torch.nn.Module):
 
 
 def test_a_module_that_exits_leaves_the_probe_with_nothing_learnt(tmp_path: Path) -> None:
-    assert embedding_rows(_Exits(), load_spec(_spec(tmp_path))) == {}
+    assert lookup_ranges(_Exits(), load_spec(_spec(tmp_path))) == {}
+
+
+class _Shifted(torch.nn.Module):
+    """Ids shifted before their lookup (OPT reads its position table at positions + 2), a
+    cast id indexing a buffer and ``index_select`` on a smaller one, and a sum of ids that
+    is no shift."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = torch.nn.Embedding(40, 16)
+        self.register_buffer("cos", torch.randn(30, 16), persistent=False)
+        self.register_buffer("sin", torch.randn(20, 16), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        x = self.positions(input_ids + 2)
+        x = x + self.cos[token_type_ids.to(torch.int32) - 1 + 1]
+        x = x + torch.index_select(self.sin, 0, token_type_ids.flatten().clone()).view(x.shape)
+        return x + self.positions(token_type_ids + token_type_ids)
+
+
+def test_ids_land_on_rows_after_a_cast_or_a_shift_by_a_constant(tmp_path: Path) -> None:
+    spec = load_spec(_spec(tmp_path))
+    assert lookup_ranges(_Shifted(), spec) == {"input_ids": (0, 37), "token_type_ids": (0, 19)}
+    feeds = make_feeds(dataclasses.replace(spec, vocab=lookup_ranges(_Shifted(), spec)), {"batch": 3, "seq": 16}, 0)
+    _Shifted()(*(torch.from_numpy(feeds[k]) for k in ("input_ids", "token_type_ids")))  # every id lands on a row

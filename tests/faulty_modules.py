@@ -73,3 +73,13 @@ class LogScaleAttention(MultiHeadAttention):
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return super().forward(query, keys, values) * math.log(query.shape[1] + 1)
+
+
+class TwoFixedDimsAttention(LogScaleAttention):
+    """LogScaleAttention that also branches on the keys' length: two dims fixed, each at
+    its own line."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if keys.shape[1] == 5:
+            keys = keys * 1.0
+        return super().forward(query, keys, values)

@@ -64,23 +64,46 @@ def accepted_guards(
 
 
 def refuse_fixed_dims(program: Any, spec: ModelSpec, located: Mapping[str, str]) -> None:
-    """``ExportFailure`` where the trace fixed a spec dim to the example's size (code that
-    computes with the size as a Python number: ``math.log(seq)``): the graph then holds at
-    that one size, which no guard point can cover; named with the lines that fixed it."""
+    """``ExportFailure`` where the trace fixed spec dims to the example's sizes (code that
+    computes with a size as a Python number: ``math.log(seq)``): the graph then holds at
+    those sizes only, which no guard point can cover; each named with the lines that set
+    a size equal to its own (all such lines where none solves to it)."""
     user = _user_inputs(program)
     if len(user) != len(spec.inputs):
         return
-    lines = dict.fromkeys(at for condition, at in located.items() if at and _fixes_one_size(condition))
-    where = f" at {'; '.join(lines)}" if lines else ""
+    fixed: dict[str, str] = {}
     for node, tensor in zip(user, spec.inputs, strict=True):
         shape = getattr(node.meta.get("val"), "shape", ())
         for axis, (dim, size) in enumerate(zip(tensor.shape, shape, strict=False)):
-            if isinstance(dim, str) and isinstance(size, int):
-                raise ExportFailure(
-                    f"{spec.name}: the module's code fixes dim '{dim}' (input '{tensor.name}', axis {axis}) to the "
-                    f"example's size {size}{where}, so the graph holds at that size only, whatever accept_guards "
-                    "lets through; compute with the size as a tensor, or declare the axis static"
-                )
+            if isinstance(dim, str) and isinstance(size, int) and dim not in fixed:
+                fixed[dim] = f"dim '{dim}' (input '{tensor.name}', axis {axis}) to the example's size {size}"
+                fixed[dim] += _lines_fixing(size, located)
+    if fixed:
+        raise ExportFailure(
+            f"{spec.name}: the module's code fixes {'; '.join(fixed.values())}, so the graph holds at "
+            f"{'that size' if len(fixed) == 1 else 'those sizes'} only, whatever accept_guards lets through; "
+            "compute with the size as a tensor, or declare the axis static"
+        )
+
+
+def _lines_fixing(size: int, located: Mapping[str, str]) -> str:
+    """`` at line; line`` of the conditions setting one size equal to a number that solve to
+    ``size`` (``Eq(s27 + 1, 4)`` for 3), else of every such condition; "" where none has a line."""
+    lines = [(at, _solves_to(condition)) for condition, at in located.items() if at and _fixes_one_size(condition)]
+    chosen = list(dict.fromkeys(at for at, value in lines if value == size) or dict.fromkeys(at for at, _ in lines))
+    return f" at {'; '.join(chosen)}" if chosen else ""
+
+
+def _solves_to(condition: str) -> int | None:
+    """The one integer the size in ``Eq(expr, n)`` must be, or None."""
+    import sympy
+
+    try:
+        expr = sympy.sympify(condition)
+        solutions = sympy.solve(expr, *expr.free_symbols)
+    except (sympy.SympifyError, TypeError, ValueError, NotImplementedError):
+        return None
+    return int(solutions[0]) if len(solutions) == 1 and getattr(solutions[0], "is_integer", False) else None
 
 
 def _fixes_one_size(condition: str) -> bool:

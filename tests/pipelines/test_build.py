@@ -431,3 +431,11 @@ def test_a_dim_the_code_fixes_fails_an_export_that_accepts_guards_naming_the_lin
         "tiny: the module's code fixes dim 'seq' (input 'query', axis 1) to the example's size 3 at "
         f"tests/faulty_modules.py:{_line(line)} `{line}`, so the graph holds at that size only"
     ), r.error
+    path.write_text(path.read_text().replace("LogScaleAttention", "TwoFixedDimsAttention"))
+    r = _build([path], tmp_path / "out").results[0]
+    branch = "if keys.shape[1] == 5:"
+    assert r.error.startswith(
+        f"tiny: the module's code fixes dim 'seq' (input 'query', axis 1) to the example's size 3 at "
+        f"tests/faulty_modules.py:{_line(line)} `{line}`; dim 'kv_seq' (input 'keys', axis 1) to the example's "
+        f"size 5 at tests/faulty_modules.py:{_line(branch)} `{branch}`, so the graph holds at those sizes only"
+    ), r.error

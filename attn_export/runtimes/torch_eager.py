@@ -127,10 +127,11 @@ class TorchRuntime(Runtime):
         ]
         try:
             with torch.no_grad():
-                try:
-                    result = self._double(*args)
-                except Exception:  # noqa: BLE001 - code that names float32 itself: widen every op
+                try:  # every op widened: a float32 tensor the code makes (a mask from finfo(float32))
+                    # fails a float64 op, or worse, is read wrong (SDPA, 16+ keys: 3.4 off)
                     result = in_float64(self._double, *args)
+                except Exception:  # noqa: BLE001 - code the widening itself breaks
+                    result = self._double(*args)
         except Exception:
             return None
         values = result if isinstance(result, tuple | list) else (result,)

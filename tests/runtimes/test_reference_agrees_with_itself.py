@@ -92,3 +92,26 @@ def test_the_widened_run_rounds_nothing_to_a_narrower_float() -> None:
     assert float(in_float64(lambda: (torch.tensor([1 / 3]) - 1 / 3).abs().max())) == 0
     assert float(in_float64(lambda x: (torch.eye(8, dtype=torch.float32) @ x - x).abs().max(), x)) == 0
     assert torch.get_default_dtype() == torch.float32  # restored
+
+
+class Float32MaskAttention(torch.nn.Module):
+    """Self-attention under a causal mask made as float32 (``torch.finfo(torch.float32).min``),
+    whatever the query's dtype, as many hand-written decoders make it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 4, 8).transpose(1, 2)
+        allowed = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_float32_mask_in_the_float64_run_does_not_become_tolerance() -> None:
+    """Cast to double as a whole, this module runs: float64 SDPA with the float32 mask, which
+    PyTorch reads wrong from 16 keys on (3.4 off). Taken as float32's own error, that floor
+    let a graph 0.4 off pass at atol 10."""
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 24, 32)).astype(np.float32)}
+    with TorchRuntime(Float32MaskAttention().eval(), [X], [Y]) as eager:
+        outputs = eager.run(feeds)
+        floor = eager.precision_floor(feeds, outputs)["y"]
+    assert floor < 1e-5

@@ -397,6 +397,20 @@ def build_tiny_with(tmp_path: Path, module: type, exporter: str = "dynamo") -> A
 # -- planting faults ------------------------------------------------------------------------------
 
 
+def clamp_input(path: Path, name: str, top: int) -> Any:
+    """The graph at ``path`` with its integer input ``name`` clamped to ``top`` before any
+    node reads it, as a table cut short or a rotary capped at some length would read it."""
+    import onnx
+
+    proto = onnx.load(path)
+    graph = proto.graph
+    for n in graph.node:
+        n.input[:] = [f"{name}_clamped" if i == name else i for i in n.input]
+    graph.initializer.append(onnx.helper.make_tensor(f"{name}_top", onnx.TensorProto.INT64, [], [top]))
+    graph.node.insert(0, onnx.helper.make_node("Min", [name, f"{name}_top"], [f"{name}_clamped"]))
+    return proto
+
+
 def plant(
     out_dir: Path, name: str, proto_or_bytes: object, module: str | None = None, models: Path | None = None
 ) -> None:

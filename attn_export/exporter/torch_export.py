@@ -32,6 +32,7 @@ from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.exporter.stack import import_path, module_code, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
 from attn_export.spec import Guard, ModelSpec
+from attn_export.spec.inputs import int_values
 from attn_export.spec.shapes import sizes_from_feeds
 
 __all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "refuse_misfit", "stamp_metadata"]
@@ -338,7 +339,7 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
         raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
         shapes = ", ".join(
-            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*spec.int_values(t)) if t.is_ids else "")
+            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*int_values(spec, t)) if t.is_ids else "")
             for t, a in zip(spec.inputs, args, strict=True)
         )
         _, at = root_cause(e, module_code(spec.module, spec.search_path), spec.search_path or "")

@@ -10,12 +10,13 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT, sample
 from attn_export.spec.masks import PATTERN, fill_mask
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["draw_inputs", "make_feeds", "make_tensor"]
+__all__ = ["draw_inputs", "int_values", "make_feeds", "make_tensor"]
 
 
 def make_tensor(
@@ -29,7 +30,7 @@ def make_tensor(
 ) -> np.ndarray:
     """One input at the given sizes; masks get their pattern, in the module's convention,
     and the named ``case`` (``masks.CASES``) where one is asked for; integers are drawn
-    from ``values`` (``ModelSpec.int_values``)."""
+    from ``values`` (``int_values``)."""
     shape = concrete_shape(t, sizes)
     if t.mask is not None:
         return fill_mask(t.mask, t.dtype, shape, rng, case)
@@ -58,9 +59,25 @@ def draw_inputs(
     distribution: str = DEFAULT,
 ) -> dict[str, np.ndarray]:
     """The inputs of ``spec`` that ``which`` takes, drawn from ``rng`` in declaration order,
-    each integer input over its values (``ModelSpec.int_values``)."""
+    each integer input over its values (``int_values``)."""
     return {
-        t.name: make_tensor(t, sizes, rng, case=case, distribution=distribution, values=spec.int_values(t))
+        t.name: make_tensor(t, sizes, rng, case=case, distribution=distribution, values=int_values(spec, t))
         for t in spec.inputs
         if which(t.name)
     }
+
+
+def int_values(spec: ModelSpec, t: TensorSpec) -> tuple[int, int]:
+    """The least and greatest value an integer input is drawn from: as declared, else every
+    value that reaches a row of the tables it indexes (``ModelSpec.vocab``), else for a KV-cache
+    decoder's positions every position a present holds, else 0..7. Ids past a few are where a
+    clamped or truncated table shows, positions past a few where a rotary capped at some
+    length does: drawn from 0..7, neither fails."""
+    if t.values is not None:
+        return t.values
+    if t.name in spec.vocab:
+        return spec.vocab[t.name]
+    cache = cache_of(spec) if t.is_ids else None
+    if cache is not None and t.name == cache.positions:
+        return 0, spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max - 1
+    return 0, 7

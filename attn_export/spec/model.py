@@ -239,14 +239,6 @@ class ModelSpec:
             | ({"vocab": {k: list(v) for k, v in self.vocab.items()}} if self.vocab else {})
         )
 
-    def int_values(self, t: TensorSpec) -> tuple[int, int]:
-        """The least and greatest value an integer input is drawn from: as declared, else
-        every value that reaches a row of the tables it indexes (ids past a few are where a
-        clamped or truncated table shows), else 0..7."""
-        if t.values is not None:
-            return t.values
-        return self.vocab.get(t.name, (0, 7))
-
     @property
     def free_dims(self) -> dict[str, DimRange]:
         """The dims whose sizes are chosen; the others are sums of these."""

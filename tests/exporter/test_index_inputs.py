@@ -8,7 +8,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -19,7 +18,7 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.index_inputs import lookup_ranges
 from attn_export.spec import load_spec, spec_from_dict
 from attn_export.spec.inputs import make_feeds
-from tests.conftest import plant, write_spec
+from tests.conftest import clamp_input, plant, write_spec
 
 TOKENS = """
 module = "tests.user_modules:TokenAttention"
@@ -62,18 +61,6 @@ def test_declared_values_are_drawn_and_never_replaced(tmp_path: Path) -> None:
     assert spec.to_dict()["inputs"][0]["values"] == {"min": 3, "max": 5}
 
 
-def _clamp_ids(path: Path, top: int) -> onnx.ModelProto:
-    """The graph with its token ids clamped to ``top``, as a table cut short would read them."""
-    proto = onnx.load(path)
-    graph = proto.graph
-    for node in graph.node:
-        node.input[:] = ["ids_clamped" if i == "input_ids" else i for i in node.input]
-    top_value = onnx.helper.make_tensor("ids_top", onnx.TensorProto.INT64, [], [top])
-    graph.initializer.append(top_value)
-    graph.node.insert(0, onnx.helper.make_node("Min", ["input_ids", "ids_top"], ["ids_clamped"]))
-    return proto
-
-
 @pytest.mark.slow  # a build and two verifies (10 s)
 def test_a_graph_that_clamps_its_ids_fails_verify(tmp_path: Path) -> None:
     models, out = tmp_path / "models", tmp_path / "out"
@@ -86,7 +73,7 @@ def test_a_graph_that_clamps_its_ids_fails_verify(tmp_path: Path) -> None:
     }
     verify = ["verify", str(out), "--models", str(models), "--no-latency"]
     assert CliRunner().invoke(cli, verify).exit_code == 0
-    plant(out, "tokens", _clamp_ids(out / "tokens.onnx", 7))
+    plant(out, "tokens", clamp_input(out / "tokens.onnx", "input_ids", 7))
     result = CliRunner().invoke(cli, verify)
     assert result.exit_code == 1, result.output
     assert "FAIL tokens" in result.output and "output:" in result.output

@@ -23,6 +23,7 @@ from tests.conftest import (
     TINY_SPECS,
     TINY_ZOO,
     Built,
+    clamp_input,
     node,
     plant,
     set_initializer,
@@ -136,6 +137,16 @@ def test_planted_wrong_scale_is_caught(zoo_copy: Path) -> None:
     failures = _failures(result)
     assert any("attn_weights:" in f and re.search(r"outside atol=1\.0\d*e-05 rtol=0.0001", f) for f in failures)
     assert "reproduce: attn-export verify" in result.output
+
+
+def test_a_decoder_whose_positions_are_capped_fails_the_sweep(zoo_copy: Path) -> None:
+    """Drawn from 0..7, positions never passed 7 in the sweep and 12 in the default decode:
+    a graph capping its rotary at position 16 passed. A KV-cache decoder's positions are
+    drawn over every position a present holds."""
+    plant(zoo_copy, "gqa_rope_kv_cache", clamp_input(zoo_copy / "gqa_rope_kv_cache.onnx", "position_ids", 16))
+    result = invoke("verify", str(zoo_copy / "gqa_rope_kv_cache.onnx"), *TINY, *FAST, "--decode", "0")
+    assert result.exit_code == 1, result.output
+    assert any("output:" in f for f in _failures(result))
 
 
 def test_planted_zero_bias_is_caught(zoo_copy: Path) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from attn_export.spec.cache import cache_of
+from attn_export.spec.cache import POSITIONS, cache_of
 from attn_export.spec.distributions import DEFAULT, sample
 from attn_export.spec.masks import PATTERN, fill_mask
 from attn_export.spec.model import ModelSpec, TensorSpec
@@ -69,15 +69,17 @@ def draw_inputs(
 
 def int_values(spec: ModelSpec, t: TensorSpec) -> tuple[int, int]:
     """The least and greatest value an integer input is drawn from: as declared, else every
-    value that reaches a row of the tables it indexes (``ModelSpec.vocab``), else for a KV-cache
-    decoder's positions every position a present holds, else 0..7. Ids past a few are where a
-    clamped or truncated table shows, positions past a few where a rotary capped at some
-    length does: drawn from 0..7, neither fails."""
+    value that reaches a row of the tables it indexes (``ModelSpec.vocab``), else for
+    ``position_ids`` every position: of a present, in a KV-cache decoder, else of its last
+    axis; else 0..7. Ids past a few are where a clamped or truncated table shows, positions
+    past a few where a rotary capped at some length does: drawn from 0..7, neither fails."""
     if t.values is not None:
         return t.values
     if t.name in spec.vocab:
         return spec.vocab[t.name]
-    cache = cache_of(spec) if t.is_ids else None
+    if t.name != POSITIONS or not t.is_ids or not t.shape or not isinstance(t.shape[-1], str):
+        return 0, 7
+    cache = cache_of(spec)
     if cache is not None and t.name == cache.positions:
-        return 0, spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max - 1
-    return 0, 7
+        return 0, max(spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max - 1, 0)
+    return 0, max(spec.dims[t.shape[-1]].max - 1, 0)

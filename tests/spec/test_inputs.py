@@ -116,3 +116,32 @@ def test_masked_rows_map_to_output_elements_by_dim_name() -> None:
     assert sel[0].all() and sel.sum() == 5 * 8  # every query of the padded sequence
     pooled = masked_row_selector("key-padding", SHAPES["key-padding"], padded, (8,), (8,))
     assert pooled.all()  # an output without the batch dim counts as wholly affected
+
+
+def test_position_ids_are_drawn_over_every_position_a_case_can_hold() -> None:
+    """From 0..7, a rotary capped at some length passed; a decoder's positions reach past the
+    cache's length, a module's without a cache its sequence's."""
+    from attn_export.spec import spec_from_dict
+    from attn_export.spec.inputs import int_values
+
+    def spec(cache: bool) -> dict[str, object]:
+        past = [{"name": f"past_key_values.0.{kv}", "shape": ["batch", 2, "past", 4]} for kv in ("key", "value")]
+        present = [{"name": f"present.0.{kv}", "shape": ["batch", 2, "total", 4]} for kv in ("key", "value")]
+        return {
+            "name": "m",
+            "module": "m:M",
+            "inputs": [
+                {"name": "x", "shape": ["batch", "seq", 8]},
+                {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                {"name": "token_type_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                *(past if cache else []),
+            ],
+            "outputs": [{"name": "y", "shape": ["batch", "seq", 8]}, *(present if cache else [])],
+            "dims": {"batch": {"min": 1, "max": 2}, "seq": {"min": 1, "max": 12}}
+            | ({"past": {"min": 0, "max": 30}, "total": "past + seq"} if cache else {}),
+        }
+
+    for cache, top in ((True, 41), (False, 11)):
+        built = spec_from_dict(spec(cache))
+        positions, types = built.inputs[1], built.inputs[2]
+        assert int_values(built, positions) == (0, top) and int_values(built, types) == (0, 7)

@@ -113,10 +113,13 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
     seq = next(p for p in parts if p != past)
     names = {t.name: t for t in spec.inputs}
     mask, positions = names.get(MASK), names.get(POSITIONS)
-    if mask is not None and (
-        len(mask.shape) != 2 or mask.shape[1] != total or mask.mask is None or mask.mask.layout != "key-padding"
-    ):
+    if mask is not None and (len(mask.shape) != 2 or mask.shape[1] != total or mask.mask is None):
         raise bad(f"'{MASK}' must be [batch, {total}], a key-padding mask over past and new tokens")
+    if mask is not None and mask.mask is not None and mask.mask.layout != "key-padding":
+        raise bad(
+            f"'{MASK}' {list(mask.shape)} is read as layout '{mask.mask.layout}'; a cache's mask pads the keys "
+            'over past and new tokens: declare layout = "key-padding" on it'
+        )
     presents = {p for _, p in pairs}
     stray = [t.name for t in spec.outputs if t.name.startswith("present.") and t.name not in presents]
     if stray:

@@ -79,6 +79,7 @@ def test_spec_declares_an_empty_cache_and_a_sum_dim(tmp_path: Path) -> None:
         (("past_seq = { min = 0,", "past_seq = { min = -1,"), "min must be at least 0, got -1"),
         (('name = "present.0.value"', 'name = "present.1.value"'), "has no output 'present.0.value'"),
         (('total_seq = "past_seq + seq"', 'total_seq = "batch + seq"'), 'declare it in \\[dims\\] as "past_seq'),
+        (('shape = ["batch", "total_seq"]', 'shape = [1, "total_seq"]'), 'declare layout = "key-padding" on it'),
     ],
 )
 def test_a_cache_declared_half_way_is_refused(tmp_path: Path, edit: tuple[str, str], message: str) -> None:

@@ -62,6 +62,7 @@ def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
     (result,) = [r for r in summary.results if r.name == "undeclared.static-cache"]
     assert result.error is not None and "declare [cache] max_seq in the spec" in result.error
     assert result.stages["spec"] is False and result.stages["export"] is None  # refused before the export
+    assert summary.exit_code == 2  # the spec's fault, as the README's exit codes say
 
 
 def test_the_graph_takes_buffers_and_a_length(built) -> None:

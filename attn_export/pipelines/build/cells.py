@@ -25,7 +25,7 @@ from attn_export.artifacts.folder import stage
 from attn_export.artifacts.golden import GOLDEN_FORMAT
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
-from attn_export.errors import ArtifactError, AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure
+from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
@@ -99,7 +99,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     spec = ctx.spec
     with stage_timer(result, "spec"):  # said before any export
         if variant_chain(variant).in_place and spec.cache_max_seq is None:
-            raise ExportFailure(
+            raise SpecError(
                 f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
                 "declare [cache] max_seq in the spec"
             )

@@ -122,6 +122,11 @@ class OutputComparison:
                 f"{self.name}: {' and '.join(kinds)} on both sides, first at {self.worst_index} "
                 "(set [tolerance] allow_nan = true in the spec if that is expected)"
             )
+        if self.mismatched and self.expected_dtype.startswith(("int", "uint", "bool")):
+            return (
+                f"{self.name}: {self.mismatched}/{self.total} elements differ (integers compare exactly); "
+                f"max abs {self.max_abs_error:.3g} at {self.worst_index}"
+            )
         if self.mismatched:
             return (
                 f"{self.name}: {self.mismatched}/{self.total} elements "
@@ -166,12 +171,13 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     )
     if not (result.shape_ok and result.dtype_ok) or expected.size == 0:
         return result
-    if expected.dtype.kind not in "fc":
-        diff_mask = expected != actual
-        result.mismatched = int(diff_mask.sum())
+    if expected.dtype.kind not in "fc":  # integers and booleans compare exactly
+        diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+        result.mismatched = int((diff > 0).sum())
         if result.mismatched:
-            result.worst_index = [int(i) for i in np.argwhere(diff_mask)[0]]
-            result.max_abs_error = float("inf")
+            result.worst_index = [int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape)]
+            result.max_abs_error = float(diff.max())
+            result.min_passing_atol = float("inf")
         return result
 
     e = expected.astype(np.float64)

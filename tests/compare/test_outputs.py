@@ -40,6 +40,14 @@ def test_relative_error_is_measured_only_where_expected_exceeds_atol() -> None:
     assert c.passed and math.isclose(c.max_rel_error, 1e-4, rel_tol=1e-3)
 
 
+def test_integers_compare_exactly_and_say_by_how_much() -> None:
+    """An integer node one off (a position capped at 16 where PyTorch has 17) once read as an
+    infinite error."""
+    c = compare_output("pos", np.array([[15, 17]]), np.array([[15, 16]]), TOL)
+    assert not c.passed and c.max_abs_error == 1 and c.worst_index == [0, 1]
+    assert c.reason() == "pos: 1/2 elements differ (integers compare exactly); max abs 1 at [0, 1]"
+
+
 def test_nan_where_expected_is_finite_always_fails_and_says_where() -> None:
     expected = np.zeros((2, 3), dtype=np.float32)
     actual = expected.copy()

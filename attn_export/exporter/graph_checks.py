@@ -195,6 +195,17 @@ def _window_lengths(
     return out
 
 
+def _kept_window(have: str, total: str, dims: Mapping[str, DimRange], symbol_of: Mapping[str, str]) -> int | None:
+    """W where the axis is Min(W, past + new) at every size tried and below past + new at
+    some: a sliding-window cache the spec does not declare."""
+    lengths = _window_lengths(have, 0, total, dims, symbol_of)
+    if not lengths:
+        return None
+    window = max(got for got, _ in lengths)
+    capped = all(got == min(grown, window) for got, grown in lengths) and any(got < grown for got, grown in lengths)
+    return window if capped and window > 0 else None
+
+
 def check_signature(
     proto: onnx.ModelProto, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
 ) -> None:
@@ -274,9 +285,16 @@ def check_dynamic_axes(
                 )
             parts = dims[want].parts if want in dims else ()
             if parts and not _SYMBOL.fullmatch(have) and _terms(have) != sorted(symbol_of.get(p, p) for p in parts):
+                kept = _kept_window(have, want, dims, symbol_of) if kind == "output" and axis == 2 else None
                 raise GraphCheckError(
                     f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
                     f"declares {want} = {' + '.join(parts)}"
+                    + (
+                        f": the graph's cache keeps the newest {kept} positions, a sliding window; declare "
+                        f"[cache] window = {kept}"
+                        if kept
+                        else ""
+                    )
                 )
             if symbol_of.setdefault(want, have) != have:
                 raise GraphCheckError(

@@ -59,3 +59,22 @@ def test_a_sum_of_the_wrong_dims_is_never_renamed_into_a_right_one(decoder: tupl
     name_dims(proto, spec.inputs, spec.outputs, spec.dims)
     with pytest.raises(GraphCheckError, match="declares total_seq = past_seq \\+ seq"):
         check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)
+
+
+def test_a_cache_that_keeps_a_window_the_spec_does_not_declare_is_told_to_declare_it(
+    decoder: tuple[ModelSpec, Path],
+) -> None:
+    """Before, the message was the graph's expression alone (Max(0, past_seq + seq - ...))."""
+    spec, path = decoder
+    proto = onnx.load(path)
+    for value in proto.graph.output:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param == "total_seq":
+                d.dim_param = "Min(7, past_seq + seq)"
+    with pytest.raises(
+        GraphCheckError, match=re.escape("keeps the newest 7 positions, a sliding window; declare [cache] window = 7")
+    ):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)
+    proto = _renamed(onnx.load(path), "total_seq", "past_seq + past_seq")
+    with pytest.raises(GraphCheckError, match=r"declares total_seq = past_seq \+ seq$"):
+        check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)

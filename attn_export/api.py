@@ -8,6 +8,7 @@ AssertionError with the numbers of every failing case. Bad input is a UsageError
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from attn_export.errors import UsageError
 from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
+from attn_export.exporter.index_inputs import lookup_ranges
+from attn_export.exporter.torch_export import refuse_misfit
 from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 from attn_export.runtimes import resolve_targets
@@ -160,6 +163,14 @@ def _spec(module: Any, raw: dict[str, Any]) -> ModelSpec:
     return spec_from_dict(raw)
 
 
+def _adapted(module: Any, spec: ModelSpec, config: Any) -> tuple[Any, ModelSpec]:
+    """The module as the pipelines call it, and ``spec`` with the values its ids take to
+    land on the rows of the tables they index (as build learns them): drawn from 0..7, a
+    graph that clamps a table passed."""
+    adapted = adapt(module, spec, config)
+    return adapted, dataclasses.replace(spec, vocab=lookup_ranges(adapted, spec))
+
+
 def _output_shapes(module: Any, raw: dict[str, Any], config: Any) -> list[dict[str, Any]]:
     """Outputs read off the module's result at two sets of sizes: an axis that follows a
     dim is named for it, one that stays is static. A None in a returned tuple (attention
@@ -167,10 +178,17 @@ def _output_shapes(module: Any, raw: dict[str, Any], config: Any) -> list[dict[s
     probe = _spec(module, {**raw, "outputs": [{**raw["inputs"][0], "name": "_probe"}]})
     first = example_sizes(probe)
     second = {k: v + 1 if v < probe.dims[k].max else v - 1 for k, v in first.items()}
+    adapted, probe = _adapted(module, probe, config)
     runs = []
     for sizes in (first, second):
         feeds = make_feeds(probe, sizes, 0)
-        runs.append(_run(adapt(module, probe, config), [feeds[t.name] for t in probe.inputs]))
+        try:
+            runs.append(_run(adapted, [feeds[t.name] for t in probe.inputs]))
+        except UsageError:
+            raise
+        except Exception:
+            refuse_misfit(adapted, probe, feeds)  # the inputs as given do not fit: one line, with the line
+            raise
     (tensors, some_none), (others, _) = runs
     outputs = []
     for j, ((i, a), (_, b)) in enumerate(zip(tensors, others, strict=True)):
@@ -239,8 +257,8 @@ def export(
     }
     config = _config(module, config)
     raw["outputs"] = _tensors(outputs) if outputs else _output_shapes(module, raw, config)
-    spec = _spec(module, raw)
-    return export_module(adapt(module, spec, config), spec, Path(path))
+    adapted, spec = _adapted(module, _spec(module, raw), config)
+    return export_module(adapted, spec, Path(path))
 
 
 _ELEM_TYPES = {
@@ -305,9 +323,9 @@ def assert_onnx_matches(
         "fully_masked": fully_masked,
         **_call_table(call),
     }
-    spec = _spec(module, raw)
+    adapted, spec = _adapted(module, _spec(module, raw), _config(module, config))
     options = VerifyOptions(seed=seed, n_random=n_random, latency=False)
-    cases = verify_module(spec.name, adapt(module, spec, _config(module, config)), spec, file, options)
+    cases = verify_module(spec.name, adapted, spec, file, options)
     failed = [c for c in cases if not c.passed]
     if failed:
         lines = [f"{file.name} differs from {type(module).__name__} in {len(failed)} of {len(cases)} cases:"]

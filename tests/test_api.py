@@ -95,3 +95,29 @@ def test_a_rotary_layer_in_hand_takes_its_rotary_module_from_its_own_config(tmp_
         attn_export.assert_onnx_matches(
             layer, path, dims=dims, call=call, outputs={"output": {"pick": 0}}, config=other
         )
+
+
+def test_ids_in_hand_are_drawn_over_their_tables_rows(tmp_path: Path) -> None:
+    """As build learns them: drawn from 0..7, the 2-row token types failed the export and a
+    graph clamping its ids at 7 passed."""
+    from tests.conftest import clamp_input
+    from tests.user_modules import TokenAttention
+
+    torch.manual_seed(0)
+    module, path = TokenAttention(), tmp_path / "tokens.onnx"
+    ids = {"shape": ["batch", "seq"], "dtype": "int64"}
+    dims = {"batch": (1, 3), "seq": (1, 16)}
+    attn_export.export(module, inputs={"input_ids": ids, "token_type_ids": ids}, dims=dims, path=path)
+    attn_export.assert_onnx_matches(module, path, dims=dims)
+    onnx.save(clamp_input(path, "input_ids", 7), path)
+    with pytest.raises(AssertionError, match="tokens.onnx differs from TokenAttention"):
+        attn_export.assert_onnx_matches(module, path, dims=dims)
+
+
+def test_inputs_the_module_cannot_take_are_one_error_naming_its_line(tmp_path: Path) -> None:
+    """Before, torch's RuntimeError came out of the probe that reads the outputs' shapes."""
+    dims = {"batch": (1, 2), "seq": (1, 8)}
+    with pytest.raises(SpecError, match=r"\(x \[2, 3, 24\] float32\): RuntimeError: .* at tests/user_modules.py:\d+"):
+        attn_export.export(
+            LlamaStyleAttention(), inputs={"x": ["batch", "seq", 24]}, dims=dims, path=tmp_path / "x.onnx"
+        )

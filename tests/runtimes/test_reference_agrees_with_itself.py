@@ -115,3 +115,23 @@ def test_a_float32_mask_in_the_float64_run_does_not_become_tolerance() -> None:
         outputs = eager.run(feeds)
         floor = eager.precision_floor(feeds, outputs)["y"]
     assert floor < 1e-5
+
+
+class Bfloat16KeysAttention(torch.nn.Module):
+    """Self-attention whose keys are rounded to bfloat16 on purpose, as a bfloat16 cache is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 4, 8).transpose(1, 2)
+        k = q.to(torch.bfloat16).to(q.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, q)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_cast_the_module_makes_on_purpose_does_not_become_tolerance() -> None:
+    """Widened, the float64 run drops the bfloat16 rounding: taken alone, its floor was the
+    rounding itself, and a graph without the cast passed at atol 8.7."""
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 24, 32)).astype(np.float32)}
+    with TorchRuntime(Bfloat16KeysAttention().eval(), [X], [Y]) as eager:
+        outputs = eager.run(feeds)
+        floor = eager.precision_floor(feeds, outputs)["y"]
+    assert floor < 1e-5

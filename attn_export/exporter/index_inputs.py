@@ -6,14 +6,15 @@ The module is run once at the example sizes with every integer input zero (a val
 any table, before an offset), and each lookup (an embedding, a tensor indexed by ids,
 ``index_select``, ``gather``) reports the input whose values it reads: the input itself, a
 view of it, or the input cast or shifted by a constant (``ids + 2``, whose zeros arrive as
-2: the ids that land on a row are then ``0..rows-3``). Every table counts at the size it
-has there, also one made in forward; an input that indexes several gets the values that
-land on a row of each."""
+2: the ids that land on a row are then ``0..rows-3``). It is run again at other sizes, and
+a lookup counts only where both runs made it alike: a table made in forward from the
+sequence, or a shift by a length, differs. An input that indexes several tables gets the
+values that land on a row of each."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,19 +60,37 @@ def _lookups(func: Any, args: Sequence[Any]) -> list[tuple[Any, Any, int]]:
 def lookup_ranges(module: Any, spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """The least and greatest value of each undeclared integer input of ``spec`` that lands
     on a row of every table it indexes in ``module`` (the adapter ``factory.instantiate``
-    returns); none where the module fails on zeros, which the build then reports from its
-    own first run."""
-    torch = require("torch", "reading the module's lookups")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    returns), from the lookups that stay the same at two sizes: a table sliced to the
+    sequence, or a shift by a length, gives other rows at other sizes and is left out.
+    None where the module fails on zeros, which the build then reports from its own first run."""
     ids = _ids(spec)
     if not ids:
         return {}
-    feeds = make_feeds(spec, example_sizes(spec), 0)
+    first = example_sizes(spec)
+    free = spec.free_dims
+    second = spec.with_sums({k: first[k] + 1 if first[k] < r.max else first[k] - 1 for k, r in free.items()})
+    try:
+        at_first, at_second = (_lookups_at(module, spec, ids, sizes) for sizes in (first, second))
+    except (Exception, SystemExit):  # noqa: BLE001 - the build's first real run reports the module's failure
+        return {}
+    ranges: dict[str, tuple[int, int]] = {}
+    for name, offset, rows in (lookup for lookup in at_first if lookup in at_second):
+        low, high = ranges.get(name, (0, rows - 1 - offset))
+        ranges[name] = (max(low, -offset), min(high, rows - 1 - offset))
+    return {k: v for k, v in ranges.items() if v[0] <= v[1]}
+
+
+def _lookups_at(module: Any, spec: ModelSpec, ids: list[str], sizes: Mapping[str, int]) -> list[tuple[str, int, int]]:
+    """``(input, offset, rows)`` of each lookup the module makes at ``sizes`` with its ``ids``
+    zero: the value the zeros arrive at (``ids + 2``: 2), and the table's rows there."""
+    torch = require("torch", "reading the module's lookups")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    feeds = make_feeds(spec, sizes, 0)
     args = {k: torch.from_numpy(np.zeros_like(v) if k in ids else np.ascontiguousarray(v)) for k, v in feeds.items()}
     carried: dict[int, str] = {args[name].untyped_storage().data_ptr(): name for name in ids if args[name].numel()}
     kept: list[Any] = []  # the carried tensors stay alive, so no storage address is reused
-    ranges: dict[str, tuple[int, int]] = {}
+    lookups: list[tuple[str, int, int]] = []
 
     def source(value: Any) -> str | None:
         is_tensor = isinstance(value, torch.Tensor) and not value.is_floating_point() and value.numel()
@@ -80,25 +99,19 @@ def lookup_ranges(module: Any, spec: ModelSpec) -> dict[str, tuple[int, int]]:
     class Lookups(TorchDispatchMode):  # type: ignore[misc]
         def __torch_dispatch__(self, func: Any, types: Any, a: Sequence[Any] = (), kw: Any = None) -> Any:
             out = func(*a, **(kw or {}))
-            tensors = [v for v in a if isinstance(v, torch.Tensor)]
-            read = [name for name in map(source, tensors) if name]
-            others_constant = all(source(v) or v.numel() == 1 for v in tensors)  # ids + ids is no shift
-            carries = func.overloadpacket.__name__ in _CARRY and isinstance(out, torch.Tensor)
-            if carries and len(read) == 1 and others_constant:
-                carried[out.untyped_storage().data_ptr()] = read[0]
+            name = source(a[0]) if a else None
+            # the id first, the rest one number each (ids + 2, not 39 - ids, ids + ids or ids * 2)
+            others = [v for v in a[1:] if isinstance(v, torch.Tensor)]
+            shift = all(source(v) is None and v.numel() == 1 for v in others) and (kw or {}).get("alpha", 1) == 1
+            if name and shift and func.overloadpacket.__name__ in _CARRY and isinstance(out, torch.Tensor):
+                carried[out.untyped_storage().data_ptr()] = name
                 kept.append(out)
             for table, index, axis in _lookups(func, a):
-                name = source(index)
-                if name is None or int(index.min()) != int(index.max()):
-                    continue
-                offset, rows = int(index.min()), int(table.shape[axis])
-                low, high = ranges.get(name, (0, rows - 1 - offset))
-                ranges[name] = (max(low, -offset), min(high, rows - 1 - offset))
+                read = source(index)
+                if read is not None and int(index.min()) == int(index.max()):
+                    lookups.append((read, int(index.min()), int(table.shape[axis])))
             return out
 
-    try:
-        with torch.no_grad(), Lookups():
-            module(*(args[t.name] for t in spec.inputs))
-    except (Exception, SystemExit):  # noqa: BLE001 - the build's first real run reports the module's failure
-        return {}
-    return {k: v for k, v in ranges.items() if v[0] <= v[1]}
+    with torch.no_grad(), Lookups():
+        module(*(args[t.name] for t in spec.inputs))
+    return lookups

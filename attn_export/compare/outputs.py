@@ -63,8 +63,8 @@ class OutputComparison:
     floor: float = 0.0
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
-    #: ratio says nothing (an expected 1e-300 would print 1e+307).
-    max_rel_error: float = 0.0
+    #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
+    max_rel_error: float | None = 0.0
     mismatched: int = 0
     total: int = 0
     #: The smallest atol that would pass at this rtol (as Polygraphy prints it).
@@ -171,9 +171,11 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     )
     if not (result.shape_ok and result.dtype_ok) or expected.size == 0:
         return result
-    if expected.dtype.kind not in "fc":  # integers and booleans compare exactly
-        diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-        result.mismatched = int((diff > 0).sum())
+    if expected.dtype.kind not in "fc":  # integers and booleans compare exactly, past 2**53 too
+        differ = expected != actual
+        result.mismatched = int(differ.sum())
+        with np.errstate(over="ignore"):  # how far, in float64: at least 1 where they differ
+            diff = np.where(differ, np.maximum(np.abs(actual.astype(np.float64) - expected.astype(np.float64)), 1), 0)
         if result.mismatched:
             result.worst_index = [int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape)]
             result.max_abs_error = float(diff.max())
@@ -201,7 +203,7 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
-    result.max_rel_error = float(rel_err.max()) if rel_err.size else 0.0
+    result.max_rel_error = float(rel_err.max()) if significant.any() else None
     unmatched = ~within & ~both  # -inf expected where the actual is finite: no finite error says it
     if unmatched.any():
         result.max_abs_error = result.max_rel_error = float("inf")

@@ -37,7 +37,9 @@ def test_relative_error_is_measured_only_where_expected_exceeds_atol() -> None:
     expected = np.array([1e-30, 2.0], dtype=np.float32)
     actual = np.array([1e-6, 2.0002], dtype=np.float32)
     c = compare_output("o", expected, actual, TOL)
-    assert c.passed and math.isclose(c.max_rel_error, 1e-4, rel_tol=1e-3)
+    assert c.passed and c.max_rel_error is not None and math.isclose(c.max_rel_error, 1e-4, rel_tol=1e-3)
+    c = compare_output("o", np.full(3, 1e-6, np.float32), np.full(3, 0.5, np.float32), TOL)
+    assert not c.passed and c.max_rel_error is None  # no element to measure it on: "-", not 0
 
 
 def test_integers_compare_exactly_and_say_by_how_much() -> None:
@@ -46,6 +48,9 @@ def test_integers_compare_exactly_and_say_by_how_much() -> None:
     c = compare_output("pos", np.array([[15, 17]]), np.array([[15, 16]]), TOL)
     assert not c.passed and c.max_abs_error == 1 and c.worst_index == [0, 1]
     assert c.reason() == "pos: 1/2 elements differ (integers compare exactly); max abs 1 at [0, 1]"
+    big = np.array([2**60, -(2**63), 2**53], dtype=np.int64)
+    c = compare_output("pos", big, big + np.array([1, 1, 1]), TOL)  # one apart, where float64 sees no difference
+    assert c.mismatched == 3 and c.max_abs_error >= 1
 
 
 def test_nan_where_expected_is_finite_always_fails_and_says_where() -> None:

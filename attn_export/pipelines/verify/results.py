@@ -196,7 +196,8 @@ class CaseResult:
     @property
     def max_rel_error(self) -> float | None:
         numeric = [c for c in self.comparisons if c.numeric]
-        return max((c.max_rel_error for c in numeric), default=None) if numeric == self.comparisons else None
+        measured = [c.max_rel_error for c in numeric if c.max_rel_error is not None]
+        return max(measured, default=None) if numeric == self.comparisons else None
 
     @property
     def passed(self) -> bool:

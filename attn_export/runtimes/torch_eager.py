@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from attn_export._deps import require
-from attn_export.errors import NondeterministicModule, RuntimeFailure
+from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, check_feeds
 from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.target import PROVIDERS
@@ -73,7 +73,7 @@ class TorchRuntime(Runtime):
             with torch.no_grad():
                 result = self.module(*args)
         except (Exception, SystemExit) as e:
-            raise RuntimeFailure(f"{self.name}: forward failed: {type(e).__name__}: {e}") from e
+            raise RuntimeFailure(f"{self.name}: forward failed on {_drawn(self.inputs, args)}: {_why(e)}") from e
         values = result if isinstance(result, tuple | list) else (result,)
         names = [t.name for t in self.outputs]
         if len(values) != len(names):
@@ -155,6 +155,24 @@ class TorchRuntime(Runtime):
             sync()
 
         return call
+
+
+def _drawn(inputs: Sequence[TensorSpec], args: Sequence[Any]) -> str:
+    """Each input's shape and dtype, and the values an integer one holds: a module that
+    takes fewer ids than were drawn fails on them, and must see which."""
+    return ", ".join(
+        f"{t.name} {list(a.shape)} {t.dtype}"
+        + (f" in {int(a.min())}..{int(a.max())}" if t.is_ids and a.numel() else "")
+        for t, a in zip(inputs, args, strict=True)
+    )
+
+
+def _why(error: BaseException) -> str:
+    """The error's first line, and where an integer input may be the cause, what to declare."""
+    hint = ""
+    if isinstance(error, IndexError) or "out of range" in str(error) or "out of bounds" in str(error):
+        hint = "; where an integer input takes fewer values than drawn, declare values = { min, max } on it"
+    return f"{type(error).__name__}: {first_line(error)}{hint}"
 
 
 def _error(got: np.ndarray, exact: np.ndarray | None) -> float:

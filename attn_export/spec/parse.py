@@ -513,10 +513,14 @@ def _vocab(where: _Where, raw: dict[str, Any], inputs: tuple[TensorSpec, ...]) -
     """A built spec's values per integer input that reach its tables (``ModelSpec.vocab``):
     ``[least, greatest]``, or a row count from builds that knew only embeddings."""
     value = raw.get("vocab", {})
-    ints = {t.name for t in inputs if t.is_ids and t.values is None}
+    bits = {t.name: int(t.dtype.removeprefix("int")) for t in inputs if t.is_ids and t.values is None}
     ranges = {k: [0, v - 1] if _is_int(v) else v for k, v in value.items()} if isinstance(value, dict) else None
     if ranges is None or not all(
-        k in ints and isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)) and v[0] <= v[1]
+        k in bits
+        and isinstance(v, list)
+        and len(v) == 2
+        and all(map(_is_int, v))
+        and -(2 ** (bits[k] - 1)) <= v[0] <= v[1] < 2 ** (bits[k] - 1)
         for k, v in ranges.items()
     ):
         raise where.error(

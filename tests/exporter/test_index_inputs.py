@@ -93,9 +93,9 @@ def test_the_rows_travel_with_the_built_spec_and_only_there(tmp_path: Path) -> N
     path.write_text("vocab = { input_ids = 50 }\n" + path.read_text())
     with pytest.raises(SpecError, match="unknown key 'vocab'"):
         load_spec(path)
-    raw = built.to_dict() | {"vocab": {"output": 3}}
-    with pytest.raises(SpecError, match="'vocab' must map integer inputs"):
-        spec_from_dict(raw)
+    for vocab in ({"output": 3}, {"input_ids": [0, 2**70]}, {"input_ids": [5, 4]}):  # a manifest is data
+        with pytest.raises(SpecError, match="'vocab' must map integer inputs"):
+            spec_from_dict(built.to_dict() | {"vocab": vocab})
     path.write_text(
         TOKENS.replace("{values}", "").replace('name = "output"', 'name = "output"\nvalues = { min = 0, max = 1 }')
     )

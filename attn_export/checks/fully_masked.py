@@ -12,6 +12,7 @@ rewritten graph, checked and compared like any other.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -136,7 +137,7 @@ def judge(
     if not count:
         return compare_outputs(case.outputs, actual, tolerances, case.floors), []
     if spec.fully_masked == "ignore":
-        comparisons = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
+        comparisons = _compare_left_out(case.outputs, actual, padded, tolerances, case.floors)
         return comparisons, [f'fully_masked = "ignore": {_rows(count)} not compared ({PADDED})']
     comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors)
     blanked = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
@@ -146,6 +147,25 @@ def judge(
             'set fully_masked = "ignore" in the spec to leave them out'
         ]
     return comparisons, []
+
+
+def _compare_left_out(
+    expected: Mapping[str, np.ndarray],
+    actual: Mapping[str, np.ndarray],
+    selectors: Mapping[str, np.ndarray],
+    tolerances: Mapping[str, Tolerance],
+    floors: Mapping[str, float],
+) -> list[OutputComparison]:
+    """``compare_outputs`` with the selected elements left out: blanked on both sides and
+    not counted in their output's total, so that a case whose every element is left out
+    compared nothing, and does not pass."""
+    compared = compare_outputs(_blank(expected, selectors), _blank(actual, selectors), tolerances, floors)
+    return [
+        dataclasses.replace(c, total=c.total - int(selectors[c.name].sum()))
+        if c.name in selectors and selectors[c.name].shape == expected[c.name].shape
+        else c
+        for c in compared
+    ]
 
 
 def _blank(values: Mapping[str, np.ndarray], selectors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -287,7 +307,7 @@ class FullyMaskedRows:
         skipped, total = sum(int(s.sum()) for s in sel.values()), sum(s.size for s in sel.values())
         what = "rows attending to nothing" + (", padded query rows" if count else "")
         notes.append(f'fully_masked = "ignore": {skipped} of {total} output elements ({what}) not compared')
-        return compare_outputs(_blank(case.outputs, sel), _blank(actual, sel), self.tolerances, case.floors), notes
+        return _compare_left_out(case.outputs, actual, sel, self.tolerances, case.floors), notes
 
 
 def settle(

@@ -228,13 +228,15 @@ class MaskSpec:
 
 
 def fill_mask(mask: MaskSpec, dtype: str, shape: tuple[int, ...], rng: np.random.Generator, case: str) -> np.ndarray:
-    """A mask of ``shape`` in the module's convention: the pattern, then the named case."""
+    """A mask of ``shape`` in the module's convention: the pattern, then the named case
+    where it applies to this mask (``case_applies``)."""
     roles = LAYOUTS[mask.layout]
     size = {r: shape[i] for i, r in enumerate(roles)}
     keep = _keep3(mask.pattern, size.get("batch", 1), size.get("query", 1), size["key"], rng)
-    if case == "fully-masked-row":
+    applies = case_applies(case, mask.layout, shape)  # a [seq, seq] mask beside a key-padding one keeps its pattern
+    if case == "fully-masked-row" and applies:
         keep[0, -1, :] = False
-    elif case == "fully-padded-sequence":
+    elif case == "fully-padded-sequence" and applies:
         keep[0] = False
     if "query" not in roles:
         keep = keep[:, 0]

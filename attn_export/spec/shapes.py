@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attn_export.errors import InputError, UsageError
+from attn_export.spec.distributions import DEFAULT, DISTRIBUTIONS
 from attn_export.spec.masks import CASES, PATTERN, case_applies
 from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
@@ -22,6 +23,7 @@ __all__ = [
     "corner_points",
     "example_sizes",
     "format_sizes",
+    "golden_plan",
     "golden_points",
     "mask_cases",
     "parse_shapes",
@@ -178,6 +180,15 @@ def corner_points(spec: ModelSpec) -> list[ShapePoint]:
             )
         )
     return points
+
+
+def golden_plan(spec: ModelSpec) -> list[tuple[ShapePoint, str]]:
+    """Each shape build records, with its values' distribution: every golden point
+    (``golden_points``) with unit-normal values, the distinct one with each other
+    distribution too (those are verify's to judge)."""
+    points = golden_points(spec)
+    plan = [(p, DEFAULT) for p in points]
+    return plan + [(p, d) for d in DISTRIBUTIONS if d != DEFAULT for p in points if p.label == "distinct"]
 
 
 def golden_points(spec: ModelSpec) -> list[ShapePoint]:

@@ -118,3 +118,16 @@ def test_a_plain_export_that_cannot_be_read_labels_nothing(tmp_path: Path) -> No
     zero[0] = 0
     with FullyMaskedRows(spec, _passthrough(), {"y": Tolerance(1e-5, 1e-4)}, plain=bad) as rows:
         assert rows.behaviours(case, {"y": zero}, {"y": x}) == ["0", "unknown"]
+
+
+def test_elements_left_out_are_not_counted_as_compared() -> None:
+    """A case whose every element is left out compared nothing: it fails as proving nothing
+    (it passed, counted among the cases that agree)."""
+    from attn_export.checks.fully_masked import _compare_left_out
+
+    expected, actual = {"y": np.zeros((2, 3), np.float32)}, {"y": np.ones((2, 3), np.float32)}
+    tol = {"y": Tolerance(1e-5, 0.0)}
+    some = _compare_left_out(expected, actual, {"y": np.array([[True] * 3, [False] * 3])}, tol, {})
+    assert some[0].total == 3 and some[0].mismatched == 3
+    every = _compare_left_out(expected, actual, {"y": np.ones((2, 3), bool)}, tol, {})
+    assert every[0].total == 0 and every[0].passed

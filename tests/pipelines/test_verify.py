@@ -84,6 +84,22 @@ def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
     assert "FAIL sdpa: sdpa.golden.npz changed after the build" in result.output
 
 
+def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) -> None:
+    """Cut to its distinct case (its hash recorded again), a golden file once passed on that
+    case alone: a graph wrong only at the range's corners passed."""
+    from attn_export.artifacts.files import sha256_file
+    from attn_export.artifacts.golden import read_golden, write_golden
+
+    path = zoo_copy / "sdpa.golden.npz"
+    write_golden(path, [c for c in read_golden(path) if c.label == "distinct"])
+    doc = json.loads((zoo_copy / "manifest.json").read_text())
+    doc["models"]["sdpa"]["golden_sha256"] = sha256_file(path)
+    (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", *FAST)
+    assert result.exit_code == 2, result.output  # the folder is bad input: one line, as a damaged file is
+    assert re.search(r"sdpa.golden.npz: the golden file lacks 11 of the 12 cases build records \(min, ", result.output)
+
+
 def test_planted_baked_batch_is_caught(tiny_build: Built, tmp_path: Path) -> None:
     feeds = make_feeds(load_spec(tiny_spec(tmp_path / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
     module = "tests.faulty_modules:BakedBatchAttention"

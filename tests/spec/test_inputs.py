@@ -145,3 +145,29 @@ def test_position_ids_are_drawn_over_every_position_a_case_can_hold() -> None:
         built = spec_from_dict(spec(cache))
         positions, types = built.inputs[1], built.inputs[2]
         assert int_values(built, positions) == (0, top) and int_values(built, types) == (0, 7)
+
+
+def test_a_named_case_changes_only_the_masks_it_applies_to() -> None:
+    """nn.MultiheadAttention's [seq, seq] causal attn_mask beside its key_padding_mask: the
+    padded sequence once masked the causal mask whole too, every row then had no key, and
+    under fully_masked = "ignore" the case compared nothing and passed."""
+    from attn_export.spec import spec_from_dict
+    from attn_export.spec.inputs import make_feeds
+
+    ignore = {"dtype": "bool", "convention": "ignore"}
+    spec = spec_from_dict(
+        {
+            "name": "m",
+            "module": "m:M",
+            "inputs": [
+                {"name": "x", "shape": ["batch", "seq", 8]},
+                {"name": "attn_mask", "shape": ["seq", "seq"], "mask": "causal", **ignore},
+                {"name": "key_padding_mask", "shape": ["batch", "seq"], "mask": "padding", **ignore},
+            ],
+            "outputs": [{"name": "y", "shape": ["batch", "seq", 8]}],
+            "dims": {"batch": {"min": 1, "max": 3}, "seq": {"min": 1, "max": 8}},
+        }
+    )
+    feeds = make_feeds(spec, {"batch": 3, "seq": 5}, 0, case="fully-padded-sequence")
+    assert (feeds["attn_mask"] == ~np.tri(5, dtype=bool)).all()  # its causal pattern, True = ignore
+    assert feeds["key_padding_mask"][0].all() and not feeds["key_padding_mask"][1:].all()

@@ -33,11 +33,11 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import DISTRIBUTIONS, case_label, split_label
+from attn_export.spec.distributions import case_label, split_label
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
-from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_points
+from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 
@@ -164,11 +164,7 @@ class SpecBuild:
         """PyTorch's outputs at the golden shapes with unit-normal values (smoke-checked and
         recorded), at the distinct shape with each other distribution (recorded only: those
         are verify's to judge), and at the named mask cases (they settle fully masked rows)."""
-        points = golden_points(self.spec)
-        distinct = [p for p in points if p.label == "distinct"]
-        plan = [(p, DEFAULT_DISTRIBUTION) for p in points]
-        plan += [(p, d) for d in DISTRIBUTIONS if d != DEFAULT_DISTRIBUTION for p in distinct]
-        return self._cases(plan, BUILD_SEED + 1) + self._trajectories()
+        return self._cases(golden_plan(self.spec), BUILD_SEED + 1) + self._trajectories()
 
     def _trajectories(self) -> list[GoldenCase]:
         """For a model with a cache: PyTorch's decode trajectories, recorded step by step."""

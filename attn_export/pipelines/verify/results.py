@@ -209,7 +209,10 @@ class CaseResult:
         out = [self.error] if self.error else []
         out += [c.reason() for c in self.comparisons if not c.passed]
         if not out and sum(c.total for c in self.comparisons) == 0:
-            out.append("compared no element: every output is empty at these sizes, which proves nothing")
+            out.append(
+                "compared no element: every output is empty at these sizes, or every element is one the spec "
+                'leaves out (fully_masked = "ignore"), which proves nothing'
+            )
         return out + [g for g in (self.gate, self.placement_gate) if g]
 
     def to_dict(self) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Nothing runs a graph and nothing imports torch or ONNX Runtime: each graph is parsed and
 held to ``onnx.checker`` (full check), no random op, its opset and operator domains on an
 allow-list, and symbolic dims. A graph a ``manifest.json`` beside it names is also held to
-that manifest: its own and its golden file's sha256, and the spec's dynamic axes (each
+that manifest: its own and its golden file's sha256, the golden file read as ``verify
+--golden`` reads it (every case build records, each array as the spec says), and the
+spec's dynamic axes (each
 symbolic, named as the spec names it, none merged with another). A graph no manifest names
 has no spec to say which axes are dynamic; each of its axes must have a size or a name.
 
@@ -32,13 +34,14 @@ from attn_export.exporter.graph_checks import (
     check_opset,
     check_spec_axes,
 )
-from attn_export.pipelines.verify.models import integrity
+from attn_export.pipelines.verify.models import build_golden, integrity
+from attn_export.spec.memory import memory_budget
 
 __all__ = ["CHECKS", "CheckOptions", "CheckReport", "FileCheck", "check_paths"]
 
 #: Every check by name, in the order they run (``load`` and ``manifest`` are not checks but
 #: what stops them: a file that does not parse, a manifest that does not).
-CHECKS = ("hashes", "checker", "random-ops", "opset-domain", "axes")
+CHECKS = ("hashes", "golden", "checker", "random-ops", "opset-domain", "axes")
 GOLDEN_SUFFIX = ".golden.npz"
 
 
@@ -141,6 +144,7 @@ def _check_entry(out_dir: Path, entry: ManifestEntry, options: CheckOptions) -> 
         results["hashes"] = "; ".join(integrity(out_dir, entry, "golden", "intermediates")) or None
     except ArtifactError as e:  # a file the manifest names is missing or unreadable
         results["hashes"] = str(e)
+    _run(results, "golden", lambda: build_golden(out_dir, entry, memory_budget()))  # as verify --golden reads it
     proto = _load(results, out_dir / entry.file)
     if proto is not None:
         _graph_checks(results, proto, entry.name, out_dir / entry.file, options)

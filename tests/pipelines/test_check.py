@@ -94,6 +94,21 @@ def test_a_file_changed_after_the_build_fails_the_hashes_only(tiny_build: Built)
     assert "; tiny: tiny.golden.npz changed after the build: sha256 " in found.problems["hashes"]
 
 
+def test_a_golden_file_cut_short_fails_the_golden_check_as_verify_golden_would(tiny_build: Built) -> None:
+    """Its hash recorded again, the cut file passed every check, and verify --golden refused it."""
+    from attn_export.artifacts.files import sha256_file
+    from attn_export.artifacts.golden import read_golden, write_golden
+
+    path = tiny_build.out / "tiny.golden.npz"
+    write_golden(path, read_golden(path)[:1])
+    doc = json.loads((tiny_build.out / "manifest.json").read_text())
+    doc["models"]["tiny"]["golden_sha256"] = sha256_file(path)
+    (tiny_build.out / "manifest.json").write_text(json.dumps(doc))
+    (found,) = check_paths([tiny_build.out]).files
+    assert set(found.problems) == {"golden"}
+    assert "tiny.golden.npz: the golden file lacks " in found.problems["golden"]
+
+
 def test_the_opset_allow_list(tiny_build: Built) -> None:
     code, output = _check(tiny_build.out / "tiny.onnx", "--min-opset", "19")
     assert code == 1 and "      opset-domain: tiny: opset 18 is outside the allowed 19..2" in output

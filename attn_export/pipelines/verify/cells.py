@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from attn_export.artifacts.golden import GoldenCase, Sight, read_golden, read_sights
+from attn_export.artifacts.golden import GoldenCase, Sight, read_sights
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.decode import DecodeResult
 from attn_export.checks.fully_masked import FullyMaskedRows
 from attn_export.compare import latency_gate
-from attn_export.errors import ArtifactError, AttnExportError, UsageError
+from attn_export.errors import AttnExportError, UsageError
 from attn_export.executors import cell_key
 from attn_export.pipelines.verify.decode import decode_model
 from attn_export.pipelines.verify.expected import (
@@ -32,6 +32,7 @@ from attn_export.pipelines.verify.expected import (
     tolerances_for,
     torch_expected,
 )
+from attn_export.pipelines.verify.models import build_golden
 from attn_export.pipelines.verify.placement import model_placement
 from attn_export.pipelines.verify.results import CaseResult, PlacementResult, VerifyOptions
 from attn_export.runtimes import RUNTIMES, Runtime, Target
@@ -39,9 +40,7 @@ from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import case_label
 from attn_export.spec.memory import memory_budget
-from attn_export.spec.shapes import golden_plan
 
 __all__ = [
     "CaseCell",
@@ -74,16 +73,7 @@ def read_model_golden(out_dir: Path, entry: ManifestEntry, options: VerifyOption
     recorded inputs replace the sweep. The manifest's spec is data: its max_memory is not obeyed."""
     if not options.golden or options.inputs_file:
         return []
-    path = out_dir / entry.golden
-    cases = read_golden(path, entry.model_spec, memory_budget(options.max_memory), out_dir)
-    wanted = [case_label(p.label, d) for p, d in golden_plan(entry.model_spec)]
-    missing = [label for label in wanted if label not in {c.label for c in cases}]
-    if missing:  # a file cut to a case where no fault shows would pass
-        raise ArtifactError(
-            f"{path}: the golden file lacks {len(missing)} of the {len(wanted)} cases build records "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); rebuild it with attn-export build"
-        )
-    return cases
+    return build_golden(out_dir, entry, memory_budget(options.max_memory))
 
 
 class TargetRun:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
@@ -16,8 +17,11 @@ from attn_export.exporter.source import module_sources
 from attn_export.pipelines.verify.outside import outside_manifest
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
+from attn_export.spec.distributions import case_label
+from attn_export.spec.shapes import golden_plan
 
 __all__ = [
+    "build_golden",
     "checkout_spec",
     "decoder_names",
     "graph_problems",
@@ -94,6 +98,23 @@ def select_models(
             raise ArtifactError(f"{p}: not listed in {out_dir / 'manifest.json'}")
         names.append(by_file[p.name])
     return out_dir, manifest, names
+
+
+def build_golden(out_dir: Path, entry: ManifestEntry, budget: int) -> list[GoldenCase]:
+    """The golden file of a built graph, read as data (``read_golden``: headers, dtypes and
+    shapes at its cases' sizes), holding every case build records (``golden_plan``): a
+    file cut to a case where no fault shows would pass."""
+    path = out_dir / entry.golden
+    cases = read_golden(path, entry.model_spec, budget, out_dir)
+    wanted = [case_label(p.label, d) for p, d in golden_plan(entry.model_spec)]
+    recorded = {c.label for c in cases}
+    missing = [label for label in wanted if label not in recorded]
+    if missing:
+        raise ArtifactError(
+            f"{path}: the golden file lacks {len(missing)} of the {len(wanted)} cases build records "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); rebuild it with attn-export build"
+        )
+    return cases
 
 
 def integrity(out_dir: Path, entry: ManifestEntry, *also: str) -> list[str]:

@@ -103,7 +103,8 @@ def mask_cases(spec: ModelSpec) -> list[str]:
 def check_mask_case(spec: ModelSpec, case: str | None, label: str) -> None:
     """UsageError when ``case`` (``--mask-case``) names a case none of ``spec``'s masks has."""
     if case and case not in mask_cases(spec):
-        raise UsageError(f"{label}: --mask-case {case} does not apply (it has: {mask_cases(spec) or 'no mask'})")
+        cases = ", ".join(mask_cases(spec)) or "none"
+        raise UsageError(f"{label}: --mask-case {case} does not apply (it has: {cases})")
 
 
 def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:

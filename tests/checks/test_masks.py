@@ -169,7 +169,7 @@ def test_mask_case_reproduces_one_named_case(repaired: Path, zoo_dir: Path) -> N
     wrong = CliRunner().invoke(cli, ["verify", str(zoo_dir / "mha.onnx"), "--models", str(TINY_ZOO)] + [
         *shapes[:1], "batch=2,seq=5", "--mask-case", "fully-masked-row"])  # fmt: skip
     assert wrong.exit_code == 2
-    assert "mha: --mask-case fully-masked-row does not apply (it has: no mask)" in wrong.output
+    assert "mha: --mask-case fully-masked-row does not apply (it has: none)" in wrong.output
     _, mask = load_spec(repaired.parent / "models" / "sdpa_mha.toml").masks[0]
     assert mask.layout == "batch-heads-query-key"
 

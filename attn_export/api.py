@@ -26,6 +26,7 @@ from attn_export.exporter.index_inputs import lookup_ranges
 from attn_export.exporter.torch_export import refuse_misfit
 from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
+from attn_export.pipelines.verify.outside import learned_spec
 from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
@@ -323,7 +324,9 @@ def assert_onnx_matches(
         "fully_masked": fully_masked,
         **_call_table(call),
     }
-    adapted, spec = _adapted(module, _spec(module, raw), _config(module, config))
+    declared = _spec(module, raw)
+    adapted = adapt(module, declared, _config(module, config))
+    spec = learned_spec(adapted, declared)  # masks read as declared, as build checks them
     options = VerifyOptions(seed=seed, n_random=n_random, latency=False)
     cases = verify_module(spec.name, adapted, spec, file, options)
     failed = [c for c in cases if not c.passed]

@@ -13,7 +13,6 @@ values that land on a row of each."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
 
-__all__ = ["lookup_ranges", "spec_with_vocab"]
+__all__ = ["lookup_ranges"]
 
 #: Ops whose output holds the same values as their integer input, or shifted by a constant.
 _CARRY = frozenset({"_to_copy", "clone", "repeat", "_unsafe_view", "expand_copy", "add", "sub"})
@@ -33,16 +32,6 @@ _CARRY = frozenset({"_to_copy", "clone", "repeat", "_unsafe_view", "expand_copy"
 def _ids(spec: ModelSpec) -> list[str]:
     """The integer inputs drawn from a range the spec does not declare (not masks)."""
     return [t.name for t in spec.inputs if t.is_ids and t.values is None]
-
-
-def spec_with_vocab(spec: ModelSpec) -> ModelSpec:
-    """``spec`` with the values its ids may take, read from its module (built only where
-    an id input needs it): a graph no build made has no manifest that learnt them."""
-    if not _ids(spec):
-        return spec
-    from attn_export.exporter.factory import instantiate
-
-    return dataclasses.replace(spec, vocab=lookup_ranges(instantiate(spec), spec))
 
 
 def _lookups(func: Any, args: Sequence[Any]) -> list[tuple[Any, Any, int]]:

@@ -227,3 +227,20 @@ def test_a_graph_that_changes_while_it_is_verified_fails(
     assert result.exit_code == 1, result.output
     row = next(line for line in result.output.splitlines() if line.startswith("tiny ") and "checks" in line)
     assert "FAIL" in row and "tiny.onnx changed while it was verified" in row
+
+
+def test_a_spec_reading_the_mask_the_wrong_way_round_is_refused_as_build_refuses_it(
+    zoo_dir: Path, tmp_path: Path
+) -> None:
+    """nn.MultiheadAttention's key_padding_mask declared True = attend: build refuses it, and
+    verify --spec passed the graph, its named mask cases testing other rows."""
+    from tests.conftest import TINY_ZOO
+
+    wrong = tmp_path / "torch_mha.toml"
+    wrong.write_text(
+        (TINY_ZOO / "torch_mha.toml").read_text().replace('convention = "ignore"', 'convention = "attend"')
+    )
+    result = _verify(str(zoo_dir / "torch_mha.onnx"), "--spec", str(wrong))
+    assert result.exit_code == 2, result.output
+    assert "mask 'key_padding_mask' read as 'attend'" in result.output
+    assert "the module reads the mask another way" in result.output

@@ -8,7 +8,6 @@ AssertionError with the numbers of every failing case. Bad input is a UsageError
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from attn_export.errors import UsageError
 from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
-from attn_export.exporter.index_inputs import lookup_ranges
+from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.torch_export import refuse_misfit
 from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
@@ -169,7 +168,7 @@ def _adapted(module: Any, spec: ModelSpec, config: Any) -> tuple[Any, ModelSpec]
     land on the rows of the tables they index (as build learns them): drawn from 0..7, a
     graph that clamps a table passed."""
     adapted = adapt(module, spec, config)
-    return adapted, dataclasses.replace(spec, vocab=lookup_ranges(adapted, spec))
+    return adapted, with_lookup_ranges(adapted, spec)
 
 
 def _output_shapes(module: Any, raw: dict[str, Any], config: Any) -> list[dict[str, Any]]:

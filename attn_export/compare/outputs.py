@@ -174,9 +174,10 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     if expected.dtype.kind not in "fc":  # integers and booleans compare exactly, past 2**53 too
         differ = expected != actual
         result.mismatched = int(differ.sum())
-        with np.errstate(over="ignore"):  # how far, in float64: at least 1 where they differ
-            diff = np.where(differ, np.maximum(np.abs(actual.astype(np.float64) - expected.astype(np.float64)), 1), 0)
         if result.mismatched:
+            with np.errstate(over="ignore"):  # how far, in float64: at least 1 where they differ
+                far = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+                diff = np.where(differ, np.maximum(far, 1), 0)
             result.worst_index = [int(i) for i in np.unravel_index(int(np.argmax(diff)), diff.shape)]
             result.max_abs_error = float(diff.max())
             result.min_passing_atol = float("inf")

@@ -13,6 +13,7 @@ values that land on a row of each."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
 
-__all__ = ["lookup_ranges"]
+__all__ = ["lookup_ranges", "with_lookup_ranges"]
 
 #: Ops whose output holds the same values as their integer input, or shifted by a constant.
 _CARRY = frozenset({"_to_copy", "clone", "repeat", "_unsafe_view", "expand_copy", "add", "sub"})
@@ -44,6 +45,12 @@ def _lookups(func: Any, args: Sequence[Any]) -> list[tuple[Any, Any, int]]:
     if name == "index":
         return [(args[0], index, axis) for axis, index in enumerate(args[1]) if index is not None]
     return []
+
+
+def with_lookup_ranges(module: Any, spec: ModelSpec) -> ModelSpec:
+    """``spec`` with its ids' ranges read from ``module`` (``lookup_ranges``), as build,
+    the Python API and ``verify --spec`` learn them before drawing any."""
+    return dataclasses.replace(spec, vocab=lookup_ranges(module, spec))
 
 
 def lookup_ranges(module: Any, spec: ModelSpec) -> dict[str, tuple[int, int]]:

@@ -31,6 +31,7 @@ from attn_export.exporter.guards import accepted_guards, refuse_fixed_dims
 from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.exporter.stack import import_path, module_code, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
+from attn_export.runtimes.base import describe_inputs
 from attn_export.spec import Guard, ModelSpec
 from attn_export.spec.inputs import int_values
 from attn_export.spec.shapes import sizes_from_feeds
@@ -338,10 +339,7 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
     except SystemExit as e:  # the module's own doing, whatever its inputs
         raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
-        shapes = ", ".join(
-            f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*int_values(spec, t)) if t.is_ids else "")
-            for t, a in zip(spec.inputs, args, strict=True)
-        )
+        shapes = describe_inputs(spec.inputs, args, {t.name: int_values(spec, t) for t in spec.inputs if t.is_ids})
         _, at = root_cause(e, module_code(spec.module, spec.search_path), spec.search_path or "")
         raise SpecError(
             f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -20,7 +20,16 @@ if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
     from attn_export.runtimes.placement import Placement
 
-__all__ = ["Runtime", "RuntimeKind", "check_feeds"]
+__all__ = ["Runtime", "RuntimeKind", "check_feeds", "describe_inputs"]
+
+
+def describe_inputs(inputs: Sequence[TensorSpec], arrays: Sequence[Any], values: Mapping[str, tuple[int, int]]) -> str:
+    """``x [2, 3, 16] float32, ids [2, 3] int64 in 0..49``: each input's shape and dtype, and
+    the ``values`` of an integer one, as a message about inputs a module failed on says them."""
+    return ", ".join(
+        f"{t.name} {list(a.shape)} {t.dtype}" + (" in {}..{}".format(*values[t.name]) if t.name in values else "")
+        for t, a in zip(inputs, arrays, strict=True)
+    )
 
 
 def check_feeds(

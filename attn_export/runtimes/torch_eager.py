@@ -9,7 +9,7 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
-from attn_export.runtimes.base import Runtime, check_feeds
+from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, TensorSpec
@@ -160,11 +160,8 @@ class TorchRuntime(Runtime):
 def _drawn(inputs: Sequence[TensorSpec], args: Sequence[Any]) -> str:
     """Each input's shape and dtype, and the values an integer one holds: a module that
     takes fewer ids than were drawn fails on them, and must see which."""
-    return ", ".join(
-        f"{t.name} {list(a.shape)} {t.dtype}"
-        + (f" in {int(a.min())}..{int(a.max())}" if t.is_ids and a.numel() else "")
-        for t, a in zip(inputs, args, strict=True)
-    )
+    held = {t.name: (int(a.min()), int(a.max())) for t, a in zip(inputs, args, strict=True) if t.is_ids and a.numel()}
+    return describe_inputs(inputs, args, held)
 
 
 def _why(error: BaseException) -> str:

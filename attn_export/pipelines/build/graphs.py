@@ -21,7 +21,7 @@ from attn_export.checks.mask_probe import check_masks
 from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
-from attn_export.exporter.index_inputs import lookup_ranges
+from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
@@ -109,9 +109,7 @@ class SpecBuild:
         """The module, run once on the example inputs (a spec error where it cannot take
         them); the spec as built learns first which values of its ids reach the tables they index."""
         module = instantiate(self.spec)
-        vocab = lookup_ranges(module, self.spec)
-        if vocab:
-            self.spec = replace(self.spec, vocab=vocab)
+        self.spec = with_lookup_ranges(module, self.spec)
         refuse_misfit(module, self.spec, make_feeds(self.spec, self.sizes, BUILD_SEED))
         return module
 

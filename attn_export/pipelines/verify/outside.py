@@ -17,7 +17,7 @@ from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_spec_signature
-from attn_export.exporter.index_inputs import lookup_ranges
+from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.source import module_sources
 from attn_export.spec import ModelSpec, load_spec, variant_chain
 from attn_export.spec.shapes import example_sizes
@@ -78,7 +78,7 @@ def learned_spec(module: Any, spec: ModelSpec) -> ModelSpec:
     from attn_export.checks.mask_probe import check_masks
     from attn_export.runtimes.torch_eager import TorchRuntime
 
-    spec = dataclasses.replace(spec, vocab=lookup_ranges(module, spec))
+    spec = with_lookup_ranges(module, spec)
     if spec.masks:
         with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
             check_masks(spec, eager, example_sizes(spec))
@@ -86,8 +86,8 @@ def learned_spec(module: Any, spec: ModelSpec) -> ModelSpec:
 
 
 def outside_spec(spec_path: Path, entry: ManifestEntry) -> ModelSpec:
-    """The spec a graph no build made is judged by: the file's, with the rows of the
-    embeddings its token ids index, which ``outside_manifest`` read from the module."""
+    """The spec a graph no build made is judged by: the file's, with the values its ids
+    take (``ModelSpec.vocab``), which ``outside_manifest`` read from the module."""
     return dataclasses.replace(load_spec(spec_path), vocab=entry.model_spec.vocab)
 
 

@@ -69,7 +69,7 @@ def build(
 def verify(
     artifacts: str | Path | Sequence[str | Path] = "build",
     *,
-    models: str | Path = "models",
+    models: str | Path | None = None,
     golden: bool = False,
     shapes: Sequence[Mapping[str, int]] | None = None,
     seed: int = 0,
@@ -90,14 +90,17 @@ def verify(
     ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``; ``jobs`` and
     ``executor`` are ``--jobs`` and ``--executor`` (a script that starts processes guards its
     own work with ``if __name__ == "__main__":``). With ``spec`` (a spec file), ``artifacts``
-    is one .onnx file no build made, judged as a graph of ``variant``: ``--spec``, ``--variant``."""
+    is one .onnx file no build made, judged as a graph of ``variant``: ``--spec``, ``--variant``.
+    ``models`` defaults to ``"models"``; named with ``golden``, each graph's recorded spec must
+    be the one there."""
     paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
     spec_file = None if spec is None else Path(spec)
     out_dir, manifest, names = select_models(paths, spec_file, variant)
     options = VerifyOptions(
         targets=resolve_targets(runtimes, providers),
-        models_dir=Path(models),
+        models_dir=Path(models or "models"),
         golden=golden,
+        golden_checkout=golden and models is not None,
         shapes=shapes,
         seed=seed,
         n_random=n_random,

@@ -186,8 +186,14 @@ def _models_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyw
 
 #: verify's and localize's --models: where the PyTorch originals come from.
 checkout_models_option = _models_option(
-    "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest."
+    "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest. "
+    "Given with verify --golden: each graph's recorded spec must be the one here."
 )
+
+
+def _given(param: str) -> bool:
+    """Whether the user named ``param`` (not its default)."""
+    return click.get_current_context().get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
 
 
 def outside_graph_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -633,6 +639,7 @@ def verify(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
         golden=golden,
+        golden_checkout=golden and _given("models_dir"),
         shapes=parse_shapes(shapes) if shapes else None,
         distributions=distributions or None,
         inputs_file=inputs_file,
@@ -861,10 +868,9 @@ def localize(
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
     if layout and decode_step is None:
         raise click.UsageError("--layout needs --decode-step")
-    source = click.get_current_context().get_parameter_source
-    if decode_step is None and source("decode_steps") is not click.core.ParameterSource.DEFAULT:
+    if decode_step is None and _given("decode_steps"):
         raise click.UsageError("--decode-steps needs --decode-step")
-    if decode_step is not None and source("distribution") is not click.core.ParameterSource.DEFAULT:
+    if decode_step is not None and _given("distribution"):
         raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
     if shrink and decode_step is not None:
         raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
@@ -1073,9 +1079,8 @@ def bench(
         "max_memory": max_memory,
         "torch_compile": torch_compile,
     }
-    source = click.get_current_context().get_parameter_source
     flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
-    typed = [f for f, name in flags.items() if source(name) is not click.core.ParameterSource.DEFAULT]
+    typed = [f for f, name in flags.items() if _given(name)]
     if scenario and typed:
         raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
     if decode or scenario:

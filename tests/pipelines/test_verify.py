@@ -100,6 +100,22 @@ def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) ->
     assert re.search(r"sdpa.golden.npz: the golden file lacks 11 of the 12 cases build records \(min, ", result.output)
 
 
+def test_golden_verify_with_models_holds_the_folders_spec_to_the_checkouts(zoo_copy: Path) -> None:
+    """A folder's manifest widening its own tolerance passes golden mode, which trusts the
+    folder as a whole; named with --models, the checkout's spec is what the graph is held to."""
+    graph = str(zoo_copy / "sdpa.onnx")
+    assert invoke("verify", graph, "--golden", *TINY, *FAST).exit_code == 0
+    doc = json.loads((zoo_copy / "manifest.json").read_text())
+    doc["models"]["sdpa"]["spec"]["tolerance"]["atol"] = 1e6
+    (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+    assert invoke("verify", graph, "--golden", *FAST).exit_code == 0
+    result = invoke("verify", graph, "--golden", *TINY, *FAST)
+    assert result.exit_code == 1, result.output
+    assert f"FAIL sdpa: stale build: spec field tolerance differ since it was built from {TINY_ZOO}/sdpa.toml" in (
+        result.output
+    )
+
+
 def test_planted_baked_batch_is_caught(tiny_build: Built, tmp_path: Path) -> None:
     feeds = make_feeds(load_spec(tiny_spec(tmp_path / "m2")), {"batch": 2, "seq": 3, "kv_seq": 5}, 0)
     module = "tests.faulty_modules:BakedBatchAttention"

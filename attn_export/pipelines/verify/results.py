@@ -51,6 +51,9 @@ class VerifyOptions:
     #: The checkout's spec folder: PyTorch originals are rebuilt from these specs only.
     models_dir: Path = Path("models")
     golden: bool = False
+    #: Golden mode with ``models_dir`` named by the user: each graph's recorded spec must be
+    #: the checkout's (a folder's own manifest cannot widen its tolerance unseen).
+    golden_checkout: bool = False
     shapes: Sequence[Mapping[str, int]] | None = None
     #: Value distributions to run at every shape; None: unit normal everywhere, the others
     #: at the distinct and largest shapes.
@@ -129,7 +132,7 @@ class VerifyOptions:
         """The options as the JSON report records them."""
         return {
             "targets": [t.label for t in self.targets],
-            "models": None if self.golden else str(self.models_dir),
+            "models": None if self.golden and not self.golden_checkout else str(self.models_dir),
             "golden": self.golden,
             "threads": self.threads,
             "latency": self.latency,

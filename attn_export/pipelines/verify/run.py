@@ -199,8 +199,8 @@ def _plan_model(
     kinds = ("golden",) if options.golden else ()
     model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, *kinds)))
     check = model.check
-    if check.passed and not options.golden:
-        stale = stale_reasons(entry, spec)
+    if check.passed and (not options.golden or options.golden_checkout):
+        stale = stale_reasons(entry, checkout_spec(options.models_dir, entry) if options.golden else spec)
         if stale:
             check.problems.append(
                 f"{entry.name}: stale build: {'; '.join(stale)} since it was built from "

@@ -121,6 +121,8 @@ def format_summary(report: VerifyReport) -> str:
         f"verify {verdict}: {n['cases'] - n['failed_cases']} of {n['cases']} cases agree across "
         f"{n['models']} models in {report.seconds:.1f} s (seed {report.seed})"
     )
+    if n["failed_checks"]:
+        line += f"; {n['failed_checks']} of {n['models']} models failed a check (FAIL lines above)"
     if report.decode:
         line += (
             f"; {n['decode_trajectories'] - n['failed_trajectories']} of {n['decode_trajectories']} decode "

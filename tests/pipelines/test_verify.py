@@ -82,6 +82,8 @@ def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
     result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", *FAST)
     assert result.exit_code == 1, result.output
     assert "FAIL sdpa: sdpa.golden.npz changed after the build" in result.output
+    assert "0 of 0 cases agree across 1 models in" in result.output  # the summary says why none ran
+    assert "; 1 of 1 models failed a check (FAIL lines above)" in result.output
 
 
 def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) -> None:

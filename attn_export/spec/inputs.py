@@ -16,7 +16,7 @@ from attn_export.spec.masks import PATTERN, fill_mask
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["draw_inputs", "int_values", "make_feeds", "make_tensor"]
+__all__ = ["POSITION_NAMES", "draw_inputs", "int_values", "make_feeds", "make_tensor"]
 
 
 def make_tensor(
@@ -67,19 +67,25 @@ def draw_inputs(
     }
 
 
+#: Integer inputs read as positions where they index no table (a rotary's arithmetic):
+#: ``position_ids`` and the names other libraries give them (Hugging Face's ``cache_position``).
+POSITION_NAMES = frozenset({POSITIONS, "positions", "position", "pos_ids", "cache_position"})
+
+
 def int_values(spec: ModelSpec, t: TensorSpec) -> tuple[int, int]:
     """The least and greatest value an integer input is drawn from: as declared, else every
     value that reaches a row of the tables it indexes (``ModelSpec.vocab``), else for
-    ``position_ids`` every position: of a present, in a KV-cache decoder, else of its last
-    axis; else 0..7. Ids past a few are where a clamped or truncated table shows, positions
-    past a few where a rotary capped at some length does: drawn from 0..7, neither fails."""
+    positions (``POSITION_NAMES``) every position: of a present, in a KV-cache decoder,
+    else of its last axis; else 0..7. Ids past a few are where a clamped or truncated table
+    shows, positions past a few where a rotary capped at some length does: drawn from 0..7,
+    neither fails."""
     if t.values is not None:
         return t.values
     if t.name in spec.vocab:
         return spec.vocab[t.name]
-    if t.name != POSITIONS or not t.is_ids or not t.shape or not isinstance(t.shape[-1], str):
+    if t.name not in POSITION_NAMES or not t.is_ids or not t.shape or not isinstance(t.shape[-1], str):
         return 0, 7
     cache = cache_of(spec)
-    if cache is not None and t.name == cache.positions:
+    if cache is not None:
         return 0, max(spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max - 1, 0)
     return 0, max(spec.dims[t.shape[-1]].max - 1, 0)

@@ -118,9 +118,10 @@ def test_masked_rows_map_to_output_elements_by_dim_name() -> None:
     assert pooled.all()  # an output without the batch dim counts as wholly affected
 
 
-def test_position_ids_are_drawn_over_every_position_a_case_can_hold() -> None:
+@pytest.mark.parametrize("name", ["position_ids", "positions", "cache_position"])
+def test_position_ids_are_drawn_over_every_position_a_case_can_hold(name: str) -> None:
     """From 0..7, a rotary capped at some length passed; a decoder's positions reach past the
-    cache's length, a module's without a cache its sequence's."""
+    cache's length, a module's without a cache its sequence's, under any of their names."""
     from attn_export.spec import spec_from_dict
     from attn_export.spec.inputs import int_values
 
@@ -132,7 +133,7 @@ def test_position_ids_are_drawn_over_every_position_a_case_can_hold() -> None:
             "module": "m:M",
             "inputs": [
                 {"name": "x", "shape": ["batch", "seq", 8]},
-                {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+                {"name": name, "dtype": "int64", "shape": ["batch", "seq"]},
                 {"name": "token_type_ids", "dtype": "int64", "shape": ["batch", "seq"]},
                 *(past if cache else []),
             ],

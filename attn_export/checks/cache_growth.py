@@ -13,6 +13,11 @@ its trim: it grows by every token while the window mask keeps every logit right.
 updated in place (``[cache] max_seq``, the ``static-cache`` variant) must come back at its
 buffer's capacity: its runtime refuses any other present (``runtimes.static_cache``) before
 cutting it to the positions filled, which are checked here like any cache's.
+
+The positions a present carries over from its past must also be the past's, bit for bit,
+where PyTorch's module copies them so (``cache_carry``): a graph that rescales or rewrites
+its cache every step drifts without bound over a long generation while its outputs stay
+inside a loose tolerance (an int8 chain's) for the few steps verify takes.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["CacheGrowth", "cache_growth", "expected_present"]
+__all__ = ["CacheCarry", "CacheGrowth", "cache_carry", "cache_growth", "expected_present"]
 
 
 @dataclass
@@ -127,4 +132,70 @@ def cache_growth(
                     present, sizes[cache.past_dim], sizes[cache.seq_dim], cache.window, want, shapes[0], shapes[1]
                 )
             )
+    return found
+
+
+@dataclass
+class CacheCarry:
+    """One present of the graph's that changed the positions it carries over from its past
+    at one step, where PyTorch's module copies them bit for bit."""
+
+    output: str
+    past: int
+    seq: int
+    #: Positions carried over: the present's first ``carried`` are its past's newest.
+    carried: int
+    max_abs_error: float
+    worst_index: list[int]
+
+    def reason(self, step: int) -> str:
+        return (
+            f"cache carry-over: at step {step} (past {self.past}, seq {self.seq}) the graph's {self.output} changed "
+            f"the {self.carried} positions it carries over from its past (max abs {self.max_abs_error:.3g} at "
+            f"{self.worst_index}); PyTorch's module copies them bit for bit: a cache rewritten every step drifts "
+            "further with each token"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CacheCarry:
+        return cls(**d)
+
+
+def _carried(cache: CacheSpec, sizes: Mapping[str, int], past: np.ndarray, present: np.ndarray) -> np.ndarray | None:
+    """|present - past| over the positions the present carries over (its first, the past's
+    newest), or None where it carries none or its shape is not what the step makes."""
+    p, s = sizes[cache.past_dim], sizes[cache.seq_dim]
+    carried = cache.kept(p + s) - s
+    if carried <= 0 or past.ndim != 4 or present.shape[:2] != past.shape[:2] or present.shape[3:] != past.shape[3:]:
+        return None
+    if present.shape[2] != cache.kept(p + s) or past.shape[2] < carried:
+        return None
+    kept, old = present[:, :, :carried], past[:, :, past.shape[2] - carried :]
+    same = (kept == old) | (np.isnan(kept) & np.isnan(old))
+    diff = np.abs(kept.astype(np.float64) - old.astype(np.float64))
+    return np.where(same, 0.0, np.nan_to_num(diff, nan=np.inf))  # NaN on one side only: infinitely far
+
+
+def cache_carry(
+    cache: CacheSpec,
+    sizes: Mapping[str, int],
+    graph: tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray]],
+    module: tuple[Mapping[str, np.ndarray], Mapping[str, np.ndarray]],
+) -> list[CacheCarry]:
+    """Every present of the graph's (its pasts and outputs at a step of ``sizes``) that does
+    not carry its past's positions over unchanged where PyTorch's module (its own pasts and
+    outputs) does."""
+    found = []
+    for past, present in cache.pairs:
+        theirs = _carried(cache, sizes, module[0][past], module[1][present]) if present in module[1] else None
+        if theirs is None or theirs.any() or present not in graph[1]:
+            continue
+        mine = _carried(cache, sizes, graph[0][past], graph[1][present])
+        if mine is not None and mine.any():
+            worst = [int(i) for i in np.unravel_index(int(np.argmax(mine)), mine.shape)]
+            p, s = sizes[cache.past_dim], sizes[cache.seq_dim]
+            found.append(CacheCarry(present, p, s, mine.shape[2], float(mine.max()), worst))
     return found

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attn_export.checks.cache_growth import CacheGrowth, cache_growth
+from attn_export.checks.cache_growth import CacheCarry, CacheGrowth, cache_carry, cache_growth
 from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
@@ -345,6 +345,8 @@ class DecodeStep:
     #: Its first token's place in the whole sequence (more than ``past`` once a sliding
     #: window dropped tokens); None, as a report without it reads back: ``past``.
     start: int | None = None
+    #: The graph's presents that changed what they carry over from their past (``cache_carry``).
+    carry: list[CacheCarry] = field(default_factory=list)
 
     @property
     def first(self) -> int:
@@ -378,6 +380,7 @@ class DecodeStep:
             "recompute": [c.to_dict() for c in self.recompute],
             "growth": [g.to_dict() for g in self.growth],
             "start": self.start,
+            "carry": [c.to_dict() for c in self.carry],
         }
 
     @classmethod
@@ -391,6 +394,7 @@ class DecodeStep:
             d.get("error"),
             [CacheGrowth.from_dict(g) for g in d.get("growth", [])],
             d.get("start"),
+            [CacheCarry.from_dict(c) for c in d.get("carry", [])],
         )
 
 
@@ -429,12 +433,18 @@ class DecodeResult:
         return next((s for s in self.steps if s.growth), None)
 
     @property
+    def cache_carry(self) -> DecodeStep | None:
+        """The first step where the graph changed what a present carries over from its past."""
+        return next((s for s in self.steps if s.carry), None)
+
+    @property
     def passed(self) -> bool:
         return (
             self.error is None
             and self.first_divergence is None
             and self.module_bug is None
             and self.cache_growth is None
+            and self.cache_carry is None
             and all(c.passed for c in self.unpadded)
         )
 
@@ -443,6 +453,9 @@ class DecodeResult:
         grew = self.cache_growth
         if grew is not None:
             out.append(grew.growth[0].reason(grew.step))
+        carry = self.cache_carry
+        if carry is not None:
+            out.append(carry.carry[0].reason(carry.step))
         bug = self.module_bug
         if bug is not None:
             why = next(c.reason() for c in bug.recompute if not c.passed)
@@ -482,6 +495,7 @@ class DecodeResult:
             "first_divergence": first.step if first else None,
             "module_bug_from_step": bug.step if bug else None,
             "cache_growth_from_step": grew.step if grew else None,
+            "cache_carry_from_step": carry.step if (carry := self.cache_carry) else None,
             "reasons": self.reasons(),
             "notes": self.notes,
             "unpadded": [c.to_dict() for c in self.unpadded],
@@ -570,6 +584,9 @@ def compare_trajectories(
         graph = actual[k] if k < len(actual) else None
         step = DecodeStep(k + 1, past, seq, start=start)
         step.growth = cache_growth(spec, cache, sizes, graph, expected[k])
+        if graph is not None and k > 0:
+            pasts = [{past: side[k - 1][present] for past, present in cache.pairs} for side in (actual, expected)]
+            step.carry = cache_carry(cache, sizes, (pasts[0], graph), (pasts[1], expected[k]))
         floors = traj.floors[k] if k < len(traj.floors) else {}
         if graph is not None:
             step.comparisons = _compare(

@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -89,7 +90,7 @@ def test_a_sliding_window_cache_keeps_its_window_and_passes(windowed: Built) -> 
         for d in report.decode:
             assert [s.past for s in d.steps] == KEPT  # fed back as kept: the window, once full
             assert [s.first for s in d.steps] == [0, *range(3, 11)]
-            assert not any(s.growth for s in d.steps)
+            assert not any(s.growth or s.carry for s in d.steps)
             if not golden:  # the cache's newest positions agree with one pass over every token
                 assert {c.name for c in d.steps[-1].recompute} == {"output", "present.0.key", "present.0.value"}
 
@@ -205,6 +206,39 @@ def test_a_module_whose_cache_never_trims_is_reported_as_the_module(
             f"min(past {WINDOW} + 1 new, window {WINDOW}) = {WINDOW}"
         )
     )
+
+
+def _rescaled_past(proto: onnx.ModelProto, past: str, factor: float) -> onnx.ModelProto:
+    """``proto`` with its ``past`` input multiplied by ``factor`` before anything reads it."""
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    for n in graph.node:
+        n.input[:] = [f"{past}.rescaled" if i == past else i for i in n.input]
+    scale = numpy_helper.from_array(np.array(factor, dtype=np.float32), f"{past}.factor")
+    graph.initializer.append(scale)
+    graph.node.insert(0, helper.make_node("Mul", [past, scale.name], [f"{past}.rescaled"]))
+    return proto
+
+
+def test_a_graph_that_rescales_its_cache_every_step_fails_though_its_outputs_agree(zoo_copy: Path) -> None:
+    """A past key scaled by 1 + 2**-20 at every step keeps every output and present within
+    atol over a few steps (a loose variant's tolerance hid a 1 % drift per step), and
+    compounds without bound over a generation: PyTorch copies its past bit for bit."""
+    proto = onnx.load(zoo_copy / "mha_kv_cache.onnx")
+    plant(zoo_copy, "mha_kv_cache", _rescaled_past(proto, "past_key_values.0.key", 1 + 2**-20))
+    report = _decode(zoo_copy, TINY_ZOO, "mha_kv_cache", decode_steps=3)
+    assert not report.passed
+    for d in report.decode:
+        assert d.first_divergence is None, d.reasons()  # within atol: only the copy shows it
+        step = d.cache_carry
+        assert step is not None and step.step == 2 and [c.output for c in step.carry] == ["present.0.key"]
+        assert d.reasons()[0].startswith(
+            f"cache carry-over: at step 2 (past {step.past}, seq 1) the graph's present.0.key changed the "
+            f"{step.past} positions it carries over from its past (max abs "
+        )
+        back = DecodeResult.from_dict(json.loads(json.dumps(d.to_dict())))
+        assert back.cache_carry is not None and back.reasons() == d.reasons() and not back.passed
 
 
 def test_a_step_result_with_growth_round_trips_through_json() -> None:

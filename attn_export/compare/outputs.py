@@ -23,17 +23,29 @@ __all__ = [
     "compare_output",
     "compare_outputs",
     "output_passed",
+    "rms_of",
 ]
 
 #: A graph may differ from PyTorch by this many times PyTorch's own float32 error.
 FLOOR_FACTOR = 10.0
 
 
-def case_tolerance(tol: Tolerance, floor: float) -> Tolerance:
-    """The output's tolerance on one case, widened by ``FLOOR_FACTOR`` x PyTorch's own
-    float32 error there: large-magnitude inputs are judged by what float32 can do, and a
-    graph wrong only for large values still fails (its error is far above the floor)."""
-    return dataclasses.replace(tol, atol=tol.atol + FLOOR_FACTOR * floor)
+def case_tolerance(tol: Tolerance, floor: float, rms: float = 0.0) -> Tolerance:
+    """The output's tolerance on one case, its ``atol_rms`` taken of the expected value's
+    root mean square ``rms`` there and widened by ``FLOOR_FACTOR`` x PyTorch's own float32
+    error: large-magnitude inputs are judged by what float32 can do, and a graph wrong only
+    for large values still fails (its error is far above the floor)."""
+    scaled = tol.scaled(rms)
+    return dataclasses.replace(scaled, atol=scaled.atol + FLOOR_FACTOR * floor)
+
+
+def rms_of(expected: np.ndarray) -> float:
+    """The root mean square of a float value's finite elements (0 for other values): the
+    scale ``Tolerance.atol_rms`` is a share of."""
+    if expected.dtype.kind != "f" or expected.size == 0:
+        return 0.0
+    finite = expected[np.isfinite(expected)].astype(np.float64)
+    return float(np.sqrt(np.mean(finite**2))) if finite.size else 0.0
 
 
 def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
@@ -45,7 +57,8 @@ def output_passed(c: OutputComparison) -> bool:
     """Same shape and dtype, no NaN/Inf where PyTorch is finite, no NaN (or Inf) on both
     sides unless the spec allows it, every element within bounds."""
     nan_ok = (c.shared_nan == 0 and c.shared_inf == 0) or c.allow_nan
-    return c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
+    ok = c.shape_ok and c.dtype_ok and c.unexpected_nonfinite == 0 and nan_ok and c.mismatched == 0
+    return ok and c.rms_ok
 
 
 @dataclass
@@ -61,6 +74,14 @@ class OutputComparison:
     rtol: float
     #: PyTorch's own float32 error here; ``atol`` is the spec's plus ``FLOOR_FACTOR`` times it.
     floor: float = 0.0
+    #: The expected value's root mean square, and the share of it ``atol`` holds
+    #: (``Tolerance.atol_rms``; 0: an atol that does not scale with the values).
+    rms: float = 0.0
+    atol_rms: float = 0.0
+    #: The error's root mean square, and the most it may be (``Tolerance.rms_rtol``: the
+    #: spec's atol and the floor, plus that share of ``rms``); None where not checked.
+    rms_error: float = 0.0
+    rms_bound: float | None = None
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
     #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
@@ -102,6 +123,11 @@ class OutputComparison:
     def passed(self) -> bool:
         return output_passed(self)
 
+    @property
+    def rms_ok(self) -> bool:
+        """Whether the error's rms is within its bound (where one is checked)."""
+        return self.rms_bound is None or not self.numeric or self.rms_error <= self.rms_bound
+
     def reason(self) -> str:
         """One line saying why it failed, or '' when it passed."""
         if self.missing:
@@ -133,6 +159,14 @@ class OutputComparison:
                 f"({100 * self.mismatch_fraction:.2f}%) outside atol={self.atol:g} rtol={self.rtol:g}; "
                 f"max abs {self.max_abs_error:.3g} at {self.worst_index}, "
                 f"needs atol>={self.min_passing_atol:.3g}"
+            )
+        if not self.rms_ok:
+            assert self.rms_bound is not None
+            share = f" ({self.rms_error / self.rms:.1%} of the output's rms {self.rms:.3g})" if self.rms else ""
+            return (
+                f"{self.name}: the error's rms {self.rms_error:.3g}{share} is over its bound {self.rms_bound:.3g} "
+                "(rms_rtol): every element within atol, but the whole output off, as a wrong scale or zero "
+                "point leaves it; a right graph's rounding stays below"
             )
         return ""
 
@@ -204,6 +238,7 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
+    result.rms_error = float(np.sqrt(np.mean(abs_err**2))) if abs_err.size else 0.0
     result.max_rel_error = float(rel_err.max()) if significant.any() else None
     unmatched = ~within & ~both  # -inf expected where the actual is finite: no finite error says it
     if unmatched.any():
@@ -235,10 +270,10 @@ def compare_outputs(
     ``floors`` (PyTorch's own float32 error per output) widen each tolerance
     (``compare.outputs.case_tolerance``)."""
     floors = floors or {}
-    return [
-        dataclasses.replace(
-            compare_output(n, e, actual.get(n), case_tolerance(tolerances[n], floors.get(n, 0.0))),
-            floor=floors.get(n, 0.0),
-        )
-        for n, e in expected.items()
-    ]
+    out = []
+    for n, e in expected.items():
+        tol, floor, rms = tolerances[n], floors.get(n, 0.0), rms_of(e)
+        result = compare_output(n, e, actual.get(n), case_tolerance(tol, floor, rms))
+        bound = tol.atol + FLOOR_FACTOR * floor + tol.rms_rtol * rms if tol.rms_rtol else None
+        out.append(dataclasses.replace(result, floor=floor, rms=rms, atol_rms=tol.atol_rms, rms_bound=bound))
+    return out

@@ -269,8 +269,14 @@ class ModelSpec:
 
 
 def _tolerance_dict(t: Tolerance) -> dict[str, Any]:
-    """atol and rtol, and allow_nan only where set, so specs without it keep their hashes."""
-    return {"atol": t.atol, "rtol": t.rtol} | ({"allow_nan": True} if t.allow_nan else {})
+    """atol and rtol, and allow_nan, atol_rms and rms_rtol only where set, so specs without
+    them keep their hashes."""
+    return (
+        {"atol": t.atol, "rtol": t.rtol}
+        | ({"allow_nan": True} if t.allow_nan else {})
+        | ({"atol_rms": t.atol_rms} if t.atol_rms else {})
+        | ({"rms_rtol": t.rms_rtol} if t.rms_rtol else {})
+    )
 
 
 def _file_sha256(path: Path) -> str:

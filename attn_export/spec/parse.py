@@ -62,7 +62,7 @@ _OUTPUT_KEYS = _TENSOR_KEYS | {"pick"}
 _OBJECT = re.compile(r"[\w.]+:[\w.]+")
 _DIM_KEYS = {"min", "max"}
 _WEIGHT_KEYS = {"seed", "path"}
-_TOL_KEYS = {"atol", "rtol", "allow_nan", "outputs"}
+_TOL_KEYS = {"atol", "rtol", "atol_rms", "rms_rtol", "allow_nan", "outputs"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Variants a spec may give a tolerance for (and chains of them): ``auto`` is judged at the model's own.
 _TOLERANCE_VARIANTS = tuple(n for n, v in VARIANTS.items() if not v.chooser)
@@ -134,11 +134,13 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
     """An {atol, rtol} table; a missing value falls back to ``default``."""
     if not isinstance(raw, dict):
         raise where.error(f"{context} must be a table with atol and rtol", key, context)
-    _check_keys(where, raw, {"atol", "rtol", "allow_nan"}, context, context)
+    _check_keys(where, raw, {"atol", "rtol", "atol_rms", "rms_rtol", "allow_nan"}, context, context)
     return Tolerance(
         _number(where, raw.get("atol", default.atol), f"{context}.atol", "atol", context),
         _number(where, raw.get("rtol", default.rtol), f"{context}.rtol", "rtol", context),
         _bool(where, raw.get("allow_nan", default.allow_nan), f"{context}.allow_nan", "allow_nan", context),
+        _number(where, raw.get("atol_rms", default.atol_rms), f"{context}.atol_rms", "atol_rms", context),
+        _number(where, raw.get("rms_rtol", default.rms_rtol), f"{context}.rms_rtol", "rms_rtol", context),
     )
 
 
@@ -428,6 +430,8 @@ def _tolerances(
         _number(where, table.get("atol", 1e-5), "tolerance.atol", "atol", "tolerance"),
         _number(where, table.get("rtol", 1e-4), "tolerance.rtol", "rtol", "tolerance"),
         _bool(where, table.get("allow_nan", False), "tolerance.allow_nan", "allow_nan", "tolerance"),
+        _number(where, table.get("atol_rms", 0.0), "tolerance.atol_rms", "atol_rms", "tolerance"),
+        _number(where, table.get("rms_rtol", 0.0), "tolerance.rms_rtol", "rms_rtol", "tolerance"),
     )
     per_output: dict[str, Tolerance] = {}
     raw_per_output = table.get("outputs", {})

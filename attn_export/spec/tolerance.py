@@ -2,32 +2,61 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["Tolerance"]
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Pass rule |actual - expected| <= atol + rtol * |expected|; NaN on both sides fails
-    unless ``allow_nan`` (a module whose every output is NaN must not pass silently)."""
+    """Pass rule |actual - expected| <= atol + atol_rms * rms + rtol * |expected|, where rms
+    is the root mean square of the expected output on that case; NaN on both sides fails
+    unless ``allow_nan`` (a module whose every output is NaN must not pass silently).
+
+    ``atol_rms`` is for graphs whose error grows with the values (int8, float16): a fixed
+    atol is as large as small outputs themselves, hiding a wrong scale, and smaller than
+    the rounding of large ones, failing a right graph. ``rms_rtol`` (0: not checked) bounds
+    the whole output's error as well, its root mean square at most ``atol`` plus that share
+    of the output's rms: quantization noise has a long tail element by element (a right
+    int8 graph reaches 0.14 x rms at its worst element) but a small rms, while a wrong scale
+    or zero point moves every element and shows there."""
 
     atol: float
     rtol: float
     allow_nan: bool = False
+    atol_rms: float = 0.0
+    rms_rtol: float = 0.0
+
+    def scaled(self, rms: float) -> Tolerance:
+        """This tolerance on one value whose root mean square is ``rms``: ``atol_rms`` folded
+        into ``atol``."""
+        return replace(self, atol=self.atol + self.atol_rms * rms, atol_rms=0.0)
+
+    @property
+    def rms_share(self) -> float:
+        """The share of the output's rms its error's rms may reach beyond ``atol``: ``rms_rtol``,
+        or where that is not checked what the per-element bound allows."""
+        return self.rms_rtol or self.atol_rms + self.rtol
 
     def then(self, after: Tolerance) -> Tolerance:
         """The tolerance of a chain of two approximations: a graph ``y1`` within ``self`` of
         the truth ``y``, transformed into ``y2`` within ``after`` of ``y1``.
 
-        Errors add, they do not take turns: ``|y2 - y| <= |y2 - y1| + |y1 - y| <= (a2 + r2|y1|)
-        + (a1 + r1|y|)`` and ``|y1| <= a1 + (1 + r1)|y|``, so ``atol = a1 + a2 + r2 a1`` and
-        ``1 + rtol = (1 + r1)(1 + r2)``. The larger of the two would be unsound: both links
-        may reach their bound, in the same direction, on the same element. Composing is
-        associative, so a chain folds its links left to right; NaN passes only where every
-        link allows it."""
+        Errors add, they do not take turns. With ``R`` the rms of ``y``: ``|y1 - y| <= a1 +
+        b1 R + r1|y|``, so ``|y1| <= a1 + b1 R + (1 + r1)|y|`` and ``rms(y1) <= a1 + (1 + b1 +
+        r1) R``; adding ``|y2 - y1| <= a2 + b2 rms(y1) + r2|y1|`` gives ``atol = a1 + a2 + (b2
+        + r2) a1``, ``atol_rms = b1 + b2 (1 + b1 + r1) + r2 b1`` and ``1 + rtol = (1 + r1)(1 +
+        r2)``. The larger of the two would be unsound: both links may reach their bound, in
+        the same direction, on the same element. The rms of the errors adds the same way
+        (``rms_share``, ``c``): ``rms(y2 - y) <= a1 + a2 + c2 a1 + (c1 + c2 (1 + c1)) R``,
+        checked where a link checks it. Composing is associative, so a chain folds its links
+        left to right; NaN passes only where every link allows it."""
+        a1, b1, r1, c1 = self.atol, self.atol_rms, self.rtol, self.rms_share
+        a2, b2, r2, c2 = after.atol, after.atol_rms, after.rtol, after.rms_share
         return Tolerance(
-            self.atol + after.atol + after.rtol * self.atol,
-            self.rtol + after.rtol + self.rtol * after.rtol,
+            a1 + a2 + max(b2 + r2, c2) * a1,
+            r1 + r2 + r1 * r2,
             self.allow_nan and after.allow_nan,
+            b1 + b2 * (1 + b1 + r1) + r2 * b1,
+            c1 + c2 * (1 + c1) if self.rms_rtol or after.rms_rtol else 0.0,
         )

@@ -16,7 +16,7 @@ from attn_export.cli import cli
 from attn_export.errors import SpecError, UsageError
 from attn_export.pipelines.build import BuildOptions
 from attn_export.spec import VARIANTS, Tolerance, VariantInfo, load_spec, variant_chain
-from attn_export.spec.variants import TRAITS
+from attn_export.spec.variants import INT8_TOLERANCE, TRAITS
 from tests.conftest import TINY_ZOO, tiny_spec
 
 REFUSED = [
@@ -105,6 +105,18 @@ def test_two_approximations_compose_into_the_sum_of_their_errors() -> None:
     assert np.all(np.abs(twice - truth) <= both.atol + both.rtol * np.abs(truth) + 1e-9)
     widest = max((first, second), key=lambda t: t.atol)
     assert np.any(np.abs(twice - truth) > widest.atol + widest.rtol * np.abs(truth))
+    # with shares of the rms, each link's taken of the value it approximates
+    a, b = Tolerance(1e-3, 0.01, atol_rms=0.2), Tolerance(1e-4, 0.05, atol_rms=0.25)
+    ab = a.then(b)
+
+    def rms(v: np.ndarray) -> float:
+        return float(np.sqrt(np.mean(v**2)))
+
+    once = truth + a.scaled(rms(truth)).atol + a.rtol * np.abs(truth)
+    twice = once + b.scaled(rms(once)).atol + b.rtol * np.abs(once)
+    assert np.all(np.abs(twice - truth) <= ab.scaled(rms(truth)).atol + ab.rtol * np.abs(truth) + 1e-9)
+    left, right = ab.then(first), a.then(b.then(first))  # still folds either way
+    assert (left.atol, left.rtol, left.atol_rms) == pytest.approx((right.atol, right.rtol, right.atol_rms))
 
 
 def test_a_chain_is_judged_at_its_links_tolerances_composed_unless_the_spec_names_it(tmp_path: Path) -> None:
@@ -118,6 +130,12 @@ def test_a_chain_is_judged_at_its_links_tolerances_composed_unless_the_spec_name
     assert named.tolerance_for("output", "ort-past+int8") == own.then(Tolerance(0.5, 0.25))
     assert named.tolerance_for("output", "attention-op+fp16") == Tolerance(0.03, 0.02)
     assert named.tolerance_for("output", "ort-past") == own
+    # the rms shares are read from any table, and hashed only where set (older specs keep theirs)
+    text += "\n[variants.fp16]\natol = 0.001\nrtol = 0.01\natol_rms = 0.03\nrms_rtol = 0.004\n"
+    shares = load_spec(tiny_spec(tmp_path, "mha_kv_cache", body=text))
+    assert shares.tolerance_for("output", "fp16") == Tolerance(0.001, 0.01, atol_rms=0.03, rms_rtol=0.004)
+    assert shares.to_dict()["variants"]["fp16"] == {"atol": 0.001, "rtol": 0.01, "atol_rms": 0.03, "rms_rtol": 0.004}
+    assert "atol_rms" not in named.to_dict()["variants"]["int8"]
 
 
 @pytest.mark.parametrize(
@@ -125,6 +143,7 @@ def test_a_chain_is_judged_at_its_links_tolerances_composed_unless_the_spec_name
     [
         ('[variants."int8+fp16"]\natol = 0.1', 0, "chain int8+fp16: fp16 cannot follow int8: fp16 needs a graph that "),
         ('[variants."ort-fused+int8"]\natol = -1', 1, 'variants."ort-fused+int8".atol must be a finite non-negative'),
+        ("[variants.int8]\nrms_rtol = -0.1", 1, "variants.int8.rms_rtol must be a finite non-negative"),
     ],
 )
 def test_a_spec_s_chain_table_is_checked_and_its_errors_name_its_line(
@@ -157,7 +176,7 @@ def test_a_new_variant_joins_chains_with_no_other_code(monkeypatch: pytest.Monke
     )
     monkeypatch.setitem(VARIANTS, row.name, row)
     spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
-    assert spec.tolerance_for("output", "static-cache+int8") == Tolerance(1e-3, 1e-3).then(Tolerance(0.1, 0.1))
+    assert spec.tolerance_for("output", "static-cache+int8") == Tolerance(1e-3, 1e-3).then(INT8_TOLERANCE)
     BuildOptions(tmp_path, variants=("static-cache+int8",)).check()
     result = CliRunner().invoke(cli, ["build", "--out", str(tmp_path / "out"), "--variant", "int8+static-cache"])
     assert result.exit_code == 2 and "Error: chain int8+static-cache: static-cache cannot follow int8" in result.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from attn_export.compare.outputs import rms_of
 from attn_export.spec import Tolerance
 
 __all__ = ["ROUNDINGS", "left_out", "region_tolerance"]
@@ -17,14 +18,14 @@ ROUNDINGS = 64
 
 
 def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None) -> Tolerance:
-    """The spec's tolerance widened by ``ROUNDINGS`` roundings of the value's largest finite
-    magnitude, in the coarser of PyTorch's dtype and the graph's (``computed``: float16
-    inside an fp16 variant); NaN and infinity where PyTorch has them agree."""
-    finite = np.abs(expected[np.isfinite(expected)]) if expected.dtype.kind == "f" else np.zeros(0)
-    scale = float(finite.max()) if finite.size else 0.0
+    """The spec's tolerance (its ``atol_rms`` taken of the value's root mean square) widened
+    by ``ROUNDINGS`` roundings of the value's largest finite magnitude, in the coarser of
+    PyTorch's dtype and the graph's (``computed``: float16 inside an fp16 variant); NaN and
+    infinity where PyTorch has them agree."""
+    scale = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)) if expected.dtype.kind == "f" else 0.0
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
-    return Tolerance(tol.atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
+    return Tolerance(tol.scaled(rms_of(expected)).atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
 
 
 def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:

@@ -37,11 +37,17 @@ __all__ = [
 
 
 def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
+    """Each output's tolerance for ``variant``; ``--atol`` or ``--rtol`` replace the spec's
+    tolerance as a whole (the shares of the output's rms too: what was asked for is all of it)."""
+    if options.atol is None and options.rtol is None:
+        return spec.tolerances(variant)
     return {
         name: dataclasses.replace(
             tol,
             atol=tol.atol if options.atol is None else options.atol,
             rtol=tol.rtol if options.rtol is None else options.rtol,
+            atol_rms=0.0,
+            rms_rtol=0.0,
         )
         for name, tol in spec.tolerances(variant).items()
     }

@@ -77,6 +77,12 @@ def test_a_graph_that_clamps_its_ids_fails_verify(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, verify)
     assert result.exit_code == 1, result.output
     assert "FAIL tokens" in result.output and "output:" in result.output
+    # the manifest is data: narrowed to the rows the clamp keeps, it once passed the graph
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["models"]["tokens"]["spec"]["vocab"] = {"input_ids": [0, 7], "token_type_ids": [0, 1]}
+    (out / "manifest.json").write_text(json.dumps(doc))
+    narrowed = CliRunner().invoke(cli, verify)
+    assert narrowed.exit_code == 1 and "FAIL tokens" in narrowed.output, narrowed.output
 
 
 def test_the_rows_travel_with_the_built_spec_and_only_there(tmp_path: Path) -> None:

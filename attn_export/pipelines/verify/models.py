@@ -11,7 +11,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes, check_spec_signature
 from attn_export.exporter.source import module_sources
 from attn_export.pipelines.verify.outside import outside_manifest
@@ -175,9 +175,10 @@ _EXPORT_ONLY = ("description", "opset", "exporter")
 
 def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models") -> ModelSpec:
     """The checkout's spec for a built graph: the only source of code verify runs, with the
-    guards the graph's export accepted and the embedding rows build read (data: where verify
-    must also look). ``option`` is how
-    the caller's user names the folder (the pytest plugin has its own)."""
+    guards the graph's export accepted (data: where verify must also look) and the values
+    its ids take read again from the checkout's module, never from the manifest (a manifest
+    narrowing them hid a table cut short). ``option`` is how the caller's user names the
+    folder (the pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
     if not path.is_file():
@@ -185,8 +186,22 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
             f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
         )
-    built = entry.model_spec
-    return dataclasses.replace(load_spec(path), guards=built.guards, vocab=built.vocab)
+    return _learned_ranges(dataclasses.replace(load_spec(path), guards=entry.model_spec.guards))
+
+
+def _learned_ranges(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with the values its undeclared ids take read from its module, as build read
+    them; as it is where the module cannot be made (verify says so where it runs it)."""
+    if not any(t.is_ids and t.values is None for t in spec.inputs):
+        return spec
+    from attn_export.exporter.factory import instantiate
+    from attn_export.exporter.index_inputs import with_lookup_ranges
+
+    try:
+        module = instantiate(spec)
+    except AttnExportError:
+        return spec
+    return with_lookup_ranges(module, spec)
 
 
 def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
+from onnx.external_data_helper import load_external_data_for_model
 
 from attn_export.artifacts.files import read_regular
 from attn_export.errors import ArtifactError
@@ -85,9 +86,11 @@ def default_opset(proto: onnx.ModelProto) -> int | None:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
-def load_model_file(path: Path) -> onnx.ModelProto:
-    """Parse an ONNX file (a regular file, read no further than its size) without loading
-    external data; refuse anything that is not a model this installation can run."""
+def load_model_file(path: Path, with_data: bool = False) -> onnx.ModelProto:
+    """Parse an ONNX file (a regular file, read no further than its size); refuse anything
+    that is not a model this installation can run. External data stays outside unless
+    ``with_data`` (a graph that is serialized again, to run it or a part of it: ONNX Runtime
+    would look for its data in the current directory, not next to the file)."""
     data = read_regular(path, limit=MAX_MODEL_BYTES)
     if not data:
         raise ArtifactError(f"{path}: empty file, not an ONNX model")
@@ -105,5 +108,9 @@ def load_model_file(path: Path) -> onnx.ModelProto:
     limit = max_supported_opset()
     if opset is not None and opset > limit:
         raise ArtifactError(f"{path}: uses opset {opset}, newer than this installation supports (up to {limit})")
-    check_external_data(proto, path.parent)
+    if check_external_data(proto, path.parent) and with_data:
+        try:
+            load_external_data_for_model(proto, str(path.parent))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ArtifactError(f"{path}: its external data cannot be read ({type(e).__name__}: {e})") from e
     return proto

@@ -133,6 +133,23 @@ def test_a_correct_graph_is_blamed_for_nothing(zoo_dir: Path) -> None:
         assert report.regions and not any(r.breaks for r in report.regions)
 
 
+def test_a_graph_with_external_data_is_localized_from_its_own_folder(
+    zoo_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its data next to it, not in the current directory: handed over as bytes, ONNX Runtime
+    looked there, blamed a right graph with no data found and judged it by a file of the
+    same name outside the folder."""
+    path = zoo_copy / "mha_causal.onnx"
+    onnx.save_model(onnx.load(path), path, save_as_external_data=True, location="weights.bin", size_threshold=0)
+    plant(zoo_copy, "mha_causal", path.read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "weights.bin").write_bytes(bytes((zoo_copy / "weights.bin").stat().st_size))  # zeros
+    monkeypatch.chdir(elsewhere)
+    report = _localize(zoo_copy, "mha_causal", seed=1)
+    assert report.agrees and report.first is None, report.first and where(report.first)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(5))
 def test_no_false_blame_across_seeds_and_the_zoo(zoo_dir: Path, seed: int) -> None:

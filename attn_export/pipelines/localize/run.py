@@ -237,7 +237,7 @@ def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> onn
     plain = plain_export(out_dir, manifest, entry)
     if plain is None or variant_chain(entry.variant).export_opset:
         return None
-    return load_model_file(out_dir / plain.file)
+    return load_model_file(out_dir / plain.file, with_data=True)
 
 
 def _check_golden(options: LocalizeOptions) -> None:
@@ -334,7 +334,7 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
             stale = stale_reasons(entry, spec)
             if stale:
                 raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
-        proto = load_model_file(out_dir / entry.file)
+        proto = load_model_file(out_dir / entry.file, with_data=True)
         return _Found(out_dir, entry, spec, proto, _plain_graph(out_dir, manifest, entry))
 
 
@@ -348,7 +348,7 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     if model not in (None, name):
         raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
     entry = manifest.models[name]
-    return _Found(out_dir, entry, outside_spec(options.spec_file, entry), load_model_file(graph), None)
+    return _Found(out_dir, entry, outside_spec(options.spec_file, entry), load_model_file(graph, with_data=True), None)
 
 
 @dataclass

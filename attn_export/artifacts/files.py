@@ -234,14 +234,17 @@ def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None]
 
 def _open_lock(out_dir: Path, flags: int) -> int | None:
     """The lock file opened never through a symlink (a lock file planted as a link would
-    create or lock its target); None where it does not exist and is not created."""
+    create or lock its target) and never waiting (a FIFO planted there would block the open
+    for good); None where it does not exist and is not created."""
     try:
-        return os.open(out_dir / LOCK_NAME, flags | os.O_NOFOLLOW, 0o666)
+        return os.open(out_dir / LOCK_NAME, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except FileNotFoundError:
         return None
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UsageError(f"{out_dir / LOCK_NAME} is a symlink; remove it (a build folder holds no links)") from e
+        if e.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
+            raise UsageError(f"{out_dir / LOCK_NAME} is not a regular file; remove it") from e
         raise UsageError(f"cannot use {out_dir}: {e.strerror}") from e
 
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 
 from attn_export.artifacts.files import LOCK_NAME
 from attn_export.cli import cli
-from tests.conftest import Built
+from tests.conftest import TINY_ZOO, Built
 
 
 def _verify(built: Built, *args: str) -> Result:
@@ -118,3 +118,16 @@ def test_a_lock_file_planted_as_a_symlink_creates_nothing(tiny_torchscript_build
     assert result.exit_code == 2, result.output
     assert "is a symlink; remove it" in result.output
     assert not victim.exists()
+
+
+def test_a_lock_file_planted_as_a_fifo_is_refused_not_waited_on(zoo_copy: Path) -> None:
+    lock = zoo_copy / LOCK_NAME
+    lock.unlink(missing_ok=True)
+    os.mkfifo(lock)
+    for args in (
+        ["verify", str(zoo_copy), "--golden", "--no-latency"],
+        ["build", "--models", str(TINY_ZOO), "--out", str(zoo_copy)],
+    ):
+        result = CliRunner().invoke(cli, args)  # opening it blocked for good
+        assert result.exit_code == 2, result.output
+        assert result.output == f"Error: {lock} is not a regular file; remove it\n"

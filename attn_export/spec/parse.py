@@ -393,6 +393,8 @@ def _weights(where: _Where, raw: dict[str, Any], folder: Path | None) -> Weights
     table = _table(where, raw, "weights", "a table with 'seed' or 'path'")
     _check_keys(where, table, _WEIGHT_KEYS, "[weights]", "weights")
     seed = _int(where, table.get("seed", 0), "weights.seed", "seed", "weights")
+    if not 0 <= seed < 2**63:  # what torch.manual_seed takes as a seed
+        raise where.error(f"weights.seed must be 0 to 2**63 - 1, got {seed}", "seed", "weights")
     wpath = table.get("path")
     if wpath is None:
         return WeightsSpec(seed)

@@ -249,6 +249,11 @@ EDITS = [
         ("[dims]", '[weights]\npath = "nowhere.pt"\n[dims]'),
         r"weights file nowhere.pt does not exist",
     ),
+    (  # torch's seeding raised a traceback at build, verify, localize and bench
+        "seed_past_torch",
+        ("[dims]", "[weights]\nseed = 18446744073709551616\n[dims]"),
+        r"weights.seed must be 0 to 2\*\*63 - 1, got 18446744073709551616",
+    ),
 ]
 
 

@@ -595,7 +595,9 @@ def verify(
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
         attn-export verify edited/mha.onnx --spec models/mha.toml
     """
+    from attn_export.artifacts.files import LOCK_NAME
     from attn_export.artifacts.folder import tidy
+    from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
     from attn_export.pipelines.verify import (
         CaseResult,
@@ -607,7 +609,7 @@ def verify(
         shard_names,
         verify_artifacts,
     )
-    from attn_export.report import check_report_paths, write_reports
+    from attn_export.report import check_report_paths, check_reports_spare, write_reports
     from attn_export.report.verify_text import (
         HEADER,
         format_decode,
@@ -635,6 +637,8 @@ def verify(
     check_report_paths(report_paths)
     parallelism = Parallelism(executor, jobs)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
+    folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
+    check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,

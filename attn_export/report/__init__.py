@@ -8,7 +8,7 @@ bench's, each written by ``--<name> FILE``: a new format is one module defining 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ __all__ = [
     "ReportFormat",
     "check_bench_formats",
     "check_report_paths",
+    "check_reports_spare",
     "write_bench_reports",
     "write_reports",
 ]
@@ -73,6 +74,16 @@ def check_report_paths(paths: Mapping[str, Path | None]) -> None:
     for path in [*paths.values(), Path(summary_file) if summary_file else None]:
         if path is not None:
             output_target(path)
+
+
+def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: Iterable[str]) -> None:
+    """Refuse a report path that is one of the files ``names`` of the build folder being read
+    (its manifest, a graph, a golden file): written over it, the run passes and the folder
+    is broken for the next."""
+    kept = {(folder / name).resolve(): name for name in names}
+    for flag, path in paths.items():
+        if path is not None and (hit := kept.get(output_target(path).resolve())) is not None:
+            raise UsageError(f"--{flag} {path} is {hit} of the build folder {folder}; write the report elsewhere")
 
 
 def check_bench_formats(paths: Mapping[str, Path | None]) -> None:

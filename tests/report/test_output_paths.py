@@ -131,3 +131,19 @@ def test_a_lock_file_planted_as_a_fifo_is_refused_not_waited_on(zoo_copy: Path) 
         result = CliRunner().invoke(cli, args)  # opening it blocked for good
         assert result.exit_code == 2, result.output
         assert result.output == f"Error: {lock} is not a regular file; remove it\n"
+
+
+def test_a_report_never_replaces_a_file_of_the_folder_it_verifies(zoo_copy: Path, tmp_path: Path) -> None:
+    """Written over the manifest, a passing run left the folder unreadable for the next; a
+    report into a folder that does not exist is refused before the run, not after it."""
+    graph = str(zoo_copy / "sdpa.onnx")
+    for flag, name in (("--json", "manifest.json"), ("--junit", "mha.onnx"), ("--markdown", "sdpa.golden.npz")):
+        before = (zoo_copy / name).read_bytes()
+        result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", flag, str(zoo_copy / name)])
+        assert result.exit_code == 2, result.output
+        said = f"Error: {flag} {zoo_copy / name} is {name} of the build folder {zoo_copy}; write the report elsewhere\n"
+        assert result.output == said
+        assert (zoo_copy / name).read_bytes() == before
+    missing = tmp_path / "nowhere" / "r.json"
+    result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", "--json", str(missing)])
+    assert (result.exit_code, result.output) == (2, f"Error: cannot write {missing}: no folder {missing.parent}\n")

@@ -8,8 +8,13 @@ instead of taking the machine's memory.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import re
+import signal
 import tempfile
+import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
     from attn_export.runtimes.placement import Placement
 
-__all__ = ["KIND", "OnnxRuntime", "available_providers", "load_session", "require_provider"]
+__all__ = ["KIND", "OnnxRuntime", "available_providers", "crash_on_load", "load_session", "require_provider"]
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
 #: What ONNX Runtime says when an allocation would take its arena past ``max_mem``.
@@ -91,6 +96,34 @@ def _register_arena(budget: int) -> None:
 
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     ort.create_and_register_allocator(info, ort.OrtArenaCfg({"max_mem": budget}))
+
+
+def crash_on_load(model: bytes, provider: str = "cpu", wait_s: float = 300.0) -> str | None:
+    """How ONNX Runtime dies making a session of ``model`` (killed by a signal, or hung past
+    ``wait_s``), tried in a forked child: a crash inside it (a segfault in a graph
+    optimizer) then fails one graph, not the process and every graph after it. None where
+    the child lives, also where the load fails with an error (the real load reports it),
+    and where there is no fork."""
+    if not hasattr(os, "fork"):
+        return None
+    with warnings.catch_warnings():  # the child only loads a session and exits at once
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            faulthandler.disable()  # the crash is the parent's to report, once
+            load_session(model, provider)
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + wait_s
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"hung for {wait_s:.0f} s"
+        time.sleep(0.01)
+    status = done[1]
+    return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else None
 
 
 def load_session(

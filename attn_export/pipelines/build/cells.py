@@ -29,6 +29,7 @@ from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, 
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
+from attn_export.runtimes.ort import crash_on_load
 from attn_export.spec import ModelSpec, load_spec, variant_chain, variant_key
 from attn_export.spec.shapes import format_sizes
 
@@ -127,6 +128,14 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
             info = graph.info
     result.warnings += graph.warnings
     result.stages["checker"] = result.stages["axes"] = True  # checked when the graph was made
+    if variant != "fp32":  # a rewritten graph may crash ONNX Runtime itself: fail it, not the build
+        with stage_timer(result, "load"):
+            crash = crash_on_load(graph.model)
+        if crash:
+            raise GraphCheckError(
+                f"{variant_key(ctx.spec.name, variant)}: ONNX Runtime {crash} making a session of this graph (on "
+                "the CPU, its default optimizations): a crash inside ONNX Runtime, not an error it reports; not kept"
+            )
     with stage_timer(result, "golden"):  # PyTorch's outputs, which every check after it judges by
         ctx.example.get()
         ctx.golden.get()

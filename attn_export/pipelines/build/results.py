@@ -26,6 +26,7 @@ STAGES = (
     "variant",
     "checker",
     "axes",
+    "load",
     "golden",
     "smoke",
     "fully_masked",

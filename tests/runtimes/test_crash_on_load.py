@@ -1,0 +1,49 @@
+"""A graph that crashes ONNX Runtime itself (a segfault in one of its graph optimizers, not
+an error it reports) fails that graph at build, and the build goes on: before, the process
+died with nothing said and every graph after it was lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.runtimes import ort
+from tests.conftest import TINY_ZOO
+
+
+def _identity() -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+def test_a_crash_is_told_from_a_load_and_from_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ort.crash_on_load(_identity()) is None
+    assert ort.crash_on_load(b"not a model") is None  # an error: the real load reports it
+    monkeypatch.setattr(ort, "load_session", lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV))
+    assert ort.crash_on_load(_identity()) == "was killed by SIGSEGV"
+    monkeypatch.setattr(ort, "load_session", lambda *a, **k: signal.pause())
+    assert ort.crash_on_load(_identity(), wait_s=0.5) == "hung for 0 s"
+
+
+@pytest.mark.slow  # an export of its own; the mechanism is tested above
+def test_an_fp16_graph_that_crashes_onnx_runtime_fails_and_the_build_goes_on(tmp_path: Path) -> None:
+    """nn.MultiheadAttention's float16 graph crashes ONNX Runtime 1.32's CPU optimizers."""
+    paths = [TINY_ZOO / "torch_mha.toml", TINY_ZOO / "sdpa.toml"]
+    summary = build_models(paths, BuildOptions(tmp_path / "out", variants=("fp16",)))
+    status = {r.name: (r.status, r.error) for r in summary.results}
+    assert status["sdpa.fp16"] == ("built", None)
+    assert status["torch_mha.fp16"][0] == "failed"
+    assert status["torch_mha.fp16"][1] == (
+        "torch_mha.fp16: ONNX Runtime was killed by SIGSEGV making a session of this graph (on the CPU, its "
+        "default optimizations): a crash inside ONNX Runtime, not an error it reports; not kept"
+    )
+    assert not (tmp_path / "out" / "torch_mha.fp16.onnx").exists()
+    assert onnx.load(tmp_path / "out" / "sdpa.fp16.onnx").graph.node

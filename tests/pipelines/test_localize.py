@@ -417,6 +417,9 @@ FUSED_PLANTS = [
      "/ (self.head_dim**0.5)"),
     ("softmax axis among float16 casts", "fp16", "node_softmax",
      lambda p: _set_attribute(p, "node_softmax", "axis", 2), "softmax", {"softmax"}, "F.softmax(scores, dim=-1)"),
+    # a region reading float16 is fed PyTorch's values in float16 (float32 would not load, and was blamed)
+    ("float16 weight", "fp16", "node_MatMul_32",
+     lambda p: _scale_initializer(p, "val_31", 2.0), "linear_3", {"linear_3"}, "self.out_linear(output)"),
     # chains: each link's nodes are mapped back through the plain graph the first was made from
     ("quantized weight's scale, optimized", "int8+ort-optimized", "node_MatMul_2_quant",
      lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),

@@ -144,7 +144,7 @@ def _regions(
         sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
-        teacher = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
+        teacher = {i: _as_graph(next(src[i] for src in sources if i in src), graph_vals.get(i)) for i in region.inputs}
         ran = run_region(proto, region, teacher, on, budget)
         alone = ran if isinstance(ran, dict) else None
         forced.update(alone or {})
@@ -180,6 +180,14 @@ def _regions(
             if out[-1].breaks:
                 fed[value] = teacher
     return out, fed
+
+
+def _as_graph(value: np.ndarray, graph: np.ndarray | None) -> np.ndarray:
+    """PyTorch's ``value`` in the float dtype the graph computes it in (float16 inside an
+    fp16 variant): a region fed float32 where it reads float16 will not load, and was blamed."""
+    if graph is not None and value.dtype != graph.dtype and value.dtype.kind == graph.dtype.kind == "f":
+        return value.astype(graph.dtype)
+    return value
 
 
 def _lines(fx_nodes: Sequence[str], torch_vals: TorchValues) -> list[str]:

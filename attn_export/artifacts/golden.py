@@ -269,6 +269,11 @@ def read_cases(
         elif e.section != "sizes":
             section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
             section[e.name] = load_entry(path, zf, e.info)
+    for t in spec.inputs if spec is not None else ():  # inputs verify could have fed
+        for case in cases.values():
+            stray = t.stray_nonfinite(case.inputs[t.name]) if t.name in case.inputs else None
+            if stray:
+                raise ArtifactError(f"{path}: case '{case.label}': {stray}")
     return list(cases.values())
 
 

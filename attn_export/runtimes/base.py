@@ -56,12 +56,9 @@ def check_feeds(
         for axis, d in enumerate(t.shape):
             if isinstance(d, int) and arr.shape[axis] != d:
                 raise InputError(f"input '{t.name}' axis {axis} is {arr.shape[axis]}, expected {d}")
-        if arr.dtype.kind == "f":
-            convention = t.mask.convention if t.mask is not None else None
-            if not (np.isfinite(arr).all() if convention is None else convention.admits(arr)):
-                infinite = convention is not None and convention.infinite_fill
-                allowed = f" (an {convention.name} mask may hold -inf, nothing else)" if infinite and convention else ""
-                raise InputError(f"input '{t.name}' holds NaN or Inf{allowed}")
+        stray = t.stray_nonfinite(arr)
+        if stray:
+            raise InputError(stray)
     sizes = sizes_from_feeds(inputs, {k: v.shape for k, v in feeds.items()})
     for name, size in sizes.items():
         if dims and name in dims and not dims[name].min <= size <= dims[name].max:

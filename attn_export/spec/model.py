@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from attn_export.errors import SpecError
 from attn_export.spec.masks import PATTERNS, MaskSpec
 from attn_export.spec.tolerance import Tolerance
@@ -107,6 +109,18 @@ class TensorSpec:
     def is_ids(self) -> bool:
         """An integer input drawn from a range of values (token ids, positions), not a mask."""
         return self.dtype.startswith("int") and self.mask is None
+
+    def stray_nonfinite(self, values: Any) -> str | None:
+        """Why float ``values`` of this input are not ones verify feeds (NaN or Inf, besides
+        the -inf fill of its mask's convention); None where they are, or are not floats."""
+        if values.dtype.kind != "f":
+            return None
+        convention = self.mask.convention if self.mask is not None else None
+        if np.isfinite(values).all() if convention is None else convention.admits(values):
+            return None
+        infinite = convention is not None and convention.infinite_fill
+        allowed = f" (an {convention.name} mask may hold -inf, nothing else)" if infinite and convention else ""
+        return f"input '{self.name}' holds NaN or Inf{allowed}"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}

@@ -102,6 +102,26 @@ def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) ->
     assert re.search(r"sdpa.golden.npz: the golden file lacks 11 of the 12 cases build records \(min, ", result.output)
 
 
+def test_a_golden_input_holding_nan_is_named_with_its_file_and_case_by_verify_and_check(zoo_copy: Path) -> None:
+    """No build records NaN in an input: verify --golden said only "input 'q' holds NaN or
+    Inf", and check passed the folder."""
+    from attn_export.artifacts.files import sha256_file
+    from attn_export.artifacts.golden import read_golden, write_golden
+
+    path = zoo_copy / "sdpa.golden.npz"
+    cases = read_golden(path)
+    next(c for c in cases if c.label == "max").inputs["q"].flat[0] = np.nan
+    write_golden(path, cases)
+    doc = json.loads((zoo_copy / "manifest.json").read_text())
+    doc["models"]["sdpa"]["golden_sha256"] = sha256_file(path)
+    (zoo_copy / "manifest.json").write_text(json.dumps(doc))
+    said = f"{path}: case 'max': input 'q' holds NaN or Inf"
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), "--golden", *FAST)
+    assert (result.exit_code, result.output) == (2, f"Error: {said}\n")
+    checked = invoke("check", str(zoo_copy / "sdpa.onnx"))
+    assert checked.exit_code == 1 and f"golden: {said}" in checked.output, checked.output
+
+
 def test_golden_verify_with_models_holds_the_folders_spec_to_the_checkouts(zoo_copy: Path) -> None:
     """A folder's manifest widening its own tolerance passes golden mode, which trusts the
     folder as a whole; named with --models, the checkout's spec is what the graph is held to."""

@@ -157,6 +157,25 @@ def test_bad_spec_exits_2_with_one_line(
     assert "Traceback" not in result.output
 
 
+def test_a_spec_without_example_sizes_fails_alone_and_the_build_goes_on(tmp_path: Path) -> None:
+    """Two dims with room for one size of 2 or more: the build stopped there, every spec
+    after it unbuilt."""
+    models = tmp_path / "models"
+    bad = tiny_spec(models, "a_cramped")
+    bad.write_text(
+        bad.read_text()
+        .replace("batch = { min = 1, max = 4 }", "batch = { min = 1, max = 2 }")
+        .replace("kv_seq = { min = 1, max = 40 }", "kv_seq = { min = 1, max = 2 }")
+    )
+    tiny_spec(models, "b_fine", exporter="torchscript")
+    result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    assert "FAILED  a_cramped" in result.output and "[spec] a_cramped: no example size for dim 'kv_seq' in [1, 2]" in (
+        result.output
+    )
+    assert "built   b_fine" in result.output
+
+
 def test_import_error_in_user_module_exits_2(tmp_path: Path) -> None:
     models = tmp_path / "models"
     path = tiny_spec(models)

@@ -215,10 +215,10 @@ def build_cell(cell: BuildCell) -> list[BuiltGraph]:
             spec = load_spec(cell.path)
             overrides = {k: v for k, v in (("opset", options.opset), ("exporter", options.exporter)) if v}
             spec = dataclasses.replace(spec, **overrides) if overrides else spec  # type: ignore[arg-type]
+            ctx = SpecBuild(spec, dict(cell.versions), options)  # its example sizes, or why there are none
     except AttnExportError as e:
         first.error, first.exit_code, first.seconds = str(e), e.exit_code, time.perf_counter() - t0
         return [BuiltGraph(first)]
-    ctx = SpecBuild(spec, dict(cell.versions), options)
     built = []
     for variant in options.variants:
         name = variant_key(spec.name, variant)

@@ -297,11 +297,19 @@ class FullyMaskedRows:
         leaves them out."""
         if case.label not in CASES:
             return judge(self.spec, case, actual, self.tolerances)
-        expected_gives, actual_gives = self.behaviours(case, case.outputs, actual)
-        notes = [f"fully masked rows: {runners[0]} gives {expected_gives}, {runners[1]} gives {actual_gives}"]
+        sel = self.selectors(case)
+        if any(s.any() for s in sel.values()):
+            expected_gives, actual_gives = self.behaviours(case, case.outputs, actual)
+            notes = [f"fully masked rows: {runners[0]} gives {expected_gives}, {runners[1]} gives {actual_gives}"]
+            if expected_gives == actual_gives == UNSEEN:
+                notes = [
+                    f"fully masked rows: neither {runners[0]} nor {runners[1]} gives 0 or NaN there, and no rewrite "
+                    "of the graph's softmax tells what they give"
+                ]
+        else:  # both sides would be "unknown"
+            notes = ["fully masked rows: none in this case (every query sees a key)"]
         if self.spec.fully_masked != "ignore":
             return compare_outputs(case.outputs, actual, self.tolerances, case.floors), notes
-        sel = self.selectors(case)
         padded, count = padded_query_rows(self.spec, case)
         sel = {n: s | padded[n] if n in padded else s for n, s in sel.items()}
         skipped, total = sum(int(s.sum()) for s in sel.values()), sum(s.size for s in sel.values())

@@ -4,7 +4,7 @@ before anything reads it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import onnx
@@ -29,25 +29,58 @@ def max_supported_opset() -> int:
 
 def _tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     yield from graph.initializer
-    for node in graph.node:
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    yield from _node_tensors(graph.node)
+
+
+def _node_tensors(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.TensorProto]:
+    for node in nodes:
         for attr in node.attribute:
             if attr.HasField("t"):
                 yield attr.t
             yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
             if attr.HasField("g"):
                 yield from _tensors(attr.g)
             for sub in attr.graphs:
                 yield from _tensors(sub)
 
 
+def _model_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a model holds: its graph's (initializers, sparse ones, node attributes,
+    subgraphs) and its functions' nodes'."""
+    yield from _tensors(proto.graph)
+    for function in proto.functions:
+        yield from _node_tensors(function.node)
+
+
+def _external(proto: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """(location, tensor) of each tensor a model keeps outside its file."""
+    for t in _model_tensors(proto):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            yield next((e.value for e in t.external_data if e.key == "location"), ""), t
+
+
 def external_data_files(proto: onnx.ModelProto) -> list[str]:
     """The external data locations a model names, in order of first use."""
-    seen: dict[str, None] = {}
-    for t in _tensors(proto.graph):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in t.external_data if e.key == "location"), "")
-            seen.setdefault(location, None)
-    return list(seen)
+    return list(dict.fromkeys(location for location, _ in _external(proto)))
+
+
+def _span(location: str, t: onnx.TensorProto, size: int) -> None:
+    """A tensor's offset and length lie inside its external data file of ``size`` bytes."""
+    keys = {e.key: e.value for e in t.external_data}
+    try:
+        offset = int(keys.get("offset", 0))
+        length = int(keys["length"]) if "length" in keys else size - offset
+    except ValueError:
+        raise ArtifactError(f"external data of tensor '{t.name}': offset or length is not an integer") from None
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ArtifactError(
+            f"external data of tensor '{t.name}': bytes {offset}..{offset + length} lie outside {location!r} "
+            f"({size} bytes)"
+        )
 
 
 def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[str]:
@@ -63,6 +96,8 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[str]:
             raise ArtifactError(f"refused external data location {location!r}: it resolves outside {model_dir}")
         if not resolved.is_file():
             raise ArtifactError(f"external data file {location!r} is missing next to the model")
+    for location, t in _external(proto):
+        _span(location, t, (root / location).stat().st_size)
     return files
 
 

@@ -130,6 +130,28 @@ def test_external_data_outside_the_folder_is_refused(tmp_path: Path, location: s
         OnnxRuntime(path, [], []).activate()
 
 
+@pytest.mark.parametrize(
+    ("offset", "length", "said"),
+    [
+        ("99999999999", "16", "bytes 99999999999..100000000015 lie outside 'data.bin' (16 bytes)"),
+        ("0", "-1", "bytes 0..-1 lie outside 'data.bin' (16 bytes)"),
+        ("x", "16", "offset or length is not an integer"),
+    ],
+)
+def test_external_data_past_its_file_is_refused(tmp_path: Path, offset: str, length: str, said: str) -> None:
+    """Inspect said 'checker: ok' and check passed; verify failed every case at load (exit 1)."""
+    path = _external_model(tmp_path, "data.bin")
+    (tmp_path / "data.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    model = onnx.load(path, load_external_data=False)
+    keys = {"offset": offset, "length": length}
+    for entry in model.graph.initializer[0].external_data:
+        entry.value = keys.get(entry.key, entry.value)
+    path.write_bytes(model.SerializeToString())
+    result = invoke("inspect", str(path))
+    assert result.exit_code == 2
+    assert _error_line(result) == f"Error: external data of tensor 'w': {said}"
+
+
 # -- weights -----------------------------------------------------------------------------------
 
 

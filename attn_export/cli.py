@@ -87,6 +87,17 @@ def _notice(line: str) -> None:
     click.echo(f"note: {line}", err=True)
 
 
+def _unbuilt_notice(models_dir: Path, manifest: Any, out_dir: Path) -> None:
+    """Say which checkout specs the build folder has no graph of: a verify of the whole
+    folder passes over the models it holds, and a spec left unbuilt is not among them."""
+    built = {entry.model_spec.name for entry in manifest.models.values()}
+    unbuilt = sorted(p.stem for p in models_dir.glob("*.toml") if p.stem not in built) if models_dir.is_dir() else []
+    if unbuilt:
+        listed = ", ".join(unbuilt[:5]) + (", ..." if len(unbuilt) > 5 else "")
+        some = f"{len(unbuilt)} specs in {models_dir} have" if len(unbuilt) > 1 else f"a spec in {models_dir} has"
+        _notice(f"{some} no graph in {out_dir}, so not verified: {listed}")
+
+
 def _folder_option(flag: str, dest: str, default: str, help: str) -> Decorator:  # noqa: A002
     folder = click.Path(path_type=Path, file_okay=False)
     return click.option(flag, dest, type=folder, default=Path(default), show_default=True, help=help)
@@ -639,6 +650,8 @@ def verify(
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
     check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
+    if not golden and spec_path is None and all(p.is_dir() for p in paths):
+        _unbuilt_notice(models_dir, manifest, out_dir)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,

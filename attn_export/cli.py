@@ -1083,7 +1083,7 @@ def bench(
     from attn_export.spec import spec_paths
 
     files = _format_paths(BENCH_FORMATS, "bench_", reports)
-    check_bench_formats(files)
+    check_bench_formats(files, out_dir)
     parallelism = Parallelism(executor, jobs)
     # What bench and bench --decode take alike.
     shared: dict[str, Any] = {

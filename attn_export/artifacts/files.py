@@ -168,8 +168,6 @@ def output_target(path: Path) -> Path:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        if not path.parent.is_dir():  # found before the work, not when its report is written
-            raise UsageError(f"cannot write {path}: no folder {path.parent}") from None
         return path
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror}") from e

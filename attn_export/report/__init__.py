@@ -67,13 +67,19 @@ def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> Non
             raise UsageError(f"$GITHUB_STEP_SUMMARY: {e}") from e
 
 
-def check_report_paths(paths: Mapping[str, Path | None]) -> None:
+def check_report_paths(paths: Mapping[str, Path | None], made: Path | None = None) -> None:
     """Refuse, before any work, a report path that is not a regular file or a new path
-    (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise."""
+    (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise; and one
+    whose folder does not exist, unless it is in ``made``, the folder the command makes
+    (found after the work, its report was lost)."""
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
     for path in [*paths.values(), Path(summary_file) if summary_file else None]:
-        if path is not None:
-            output_target(path)
+        if path is None:
+            continue
+        output_target(path)
+        folder = path.parent.resolve()
+        if not folder.is_dir() and (made is None or not folder.is_relative_to(made.resolve())):
+            raise UsageError(f"cannot write {path}: no folder {path.parent}")
 
 
 def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: Iterable[str]) -> None:
@@ -86,14 +92,14 @@ def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: I
             raise UsageError(f"--{flag} {path} is {hit} of the build folder {folder}; write the report elsewhere")
 
 
-def check_bench_formats(paths: Mapping[str, Path | None]) -> None:
+def check_bench_formats(paths: Mapping[str, Path | None], made: Path | None = None) -> None:
     """Refuse, before anything is timed, a requested format whose package is missing or
-    whose path cannot take a report."""
+    whose path cannot take a report (in ``made``, the build folder bench makes, it can)."""
     for name, path in paths.items():
         needs = BENCH_FORMATS[name].requires
         if path is not None and needs:
             require(needs, f"--{name}")
-    check_report_paths(paths)
+    check_report_paths(paths, made)
 
 
 def write_bench_reports(report: BenchReport | DecodeBenchReport, paths: Mapping[str, Path | None]) -> None:

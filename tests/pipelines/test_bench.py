@@ -48,7 +48,7 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
             "--json",
             str(folder / "bench.json"),
             "--markdown",
-            str(folder / "bench.md"),
+            str(folder / "out" / "bench.md"),  # in the folder bench makes: its reports may go there
             "--plot",
             str(folder / "latency.png"),
             "--benchmark-json",
@@ -103,7 +103,7 @@ def test_bench_flops_count_projections_and_both_attention_matmuls(bench_run) -> 
 
 def test_bench_markdown_and_table(bench_run) -> None:
     folder, result = bench_run
-    lines = (folder / "bench.md").read_text().splitlines()
+    lines = (folder / "out" / "bench.md").read_text().splitlines()
     assert lines[0].startswith("| model | runner | batch | seq | p50 (ms)")
     assert len(lines) == 2 + 32
     assert "float32 GEMM peak (2048^3):" in result.output

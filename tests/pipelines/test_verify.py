@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +157,13 @@ def test_golden_verify_with_models_holds_the_folders_spec_to_the_checkouts(zoo_c
     assert f"FAIL sdpa: stale build: spec field tolerance differ since it was built from {TINY_ZOO}/sdpa.toml" in (
         result.output
     )
+    # where torch is not installed: the ids' ranges build read are not learned again there
+    assert load_manifest(zoo_copy).models["llama_sdpa_kv_cache"].model_spec.vocab
+    no_torch = "import sys; sys.modules['torch'] = None; from attn_export.cli import main; main(sys.argv[1:])"
+    graph = str(zoo_copy / "llama_sdpa_kv_cache.onnx")
+    run = [sys.executable, "-c", no_torch, "verify", graph, "--golden", *TINY, *FAST]
+    deploy = subprocess.run(run, capture_output=True, text=True)
+    assert deploy.returncode == 0 and "stale" not in deploy.stdout, deploy.stdout + deploy.stderr
 
 
 def test_planted_baked_batch_is_caught(tiny_build: Built, tmp_path: Path) -> None:

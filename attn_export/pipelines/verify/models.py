@@ -169,16 +169,18 @@ def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool
     return [], True
 
 
-#: Spec fields that do not change the PyTorch original or how it is judged (build overrides).
-_EXPORT_ONLY = ("description", "opset", "exporter")
+#: Spec fields that do not change the PyTorch original or how it is judged (build overrides),
+#: or that build learned from the module, which verify learns again (``checkout_spec``).
+_EXPORT_ONLY = ("description", "opset", "exporter", "vocab")
 
 
-def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models") -> ModelSpec:
+def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--models", learn: bool = True) -> ModelSpec:
     """The checkout's spec for a built graph: the only source of code verify runs, with the
     guards the graph's export accepted (data: where verify must also look) and the values
     its ids take read again from the checkout's module, never from the manifest (a manifest
-    narrowing them hid a table cut short). ``option`` is how the caller's user names the
-    folder (the pytest plugin has its own)."""
+    narrowing them hid a table cut short; not with ``learn`` off, where torch need not be
+    installed: golden mode). ``option`` is how the caller's user names the folder (the
+    pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
     if not path.is_file():
@@ -186,7 +188,8 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
             f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
         )
-    return _learned_ranges(dataclasses.replace(load_spec(path), guards=entry.model_spec.guards))
+    spec = dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
+    return _learned_ranges(spec) if learn else spec
 
 
 def _learned_ranges(spec: ModelSpec) -> ModelSpec:

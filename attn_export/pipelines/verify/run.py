@@ -200,7 +200,7 @@ def _plan_model(
     model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, *kinds)))
     check = model.check
     if check.passed and (not options.golden or options.golden_checkout):
-        stale = stale_reasons(entry, checkout_spec(options.models_dir, entry) if options.golden else spec)
+        stale = stale_reasons(entry, checkout_spec(options.models_dir, entry, learn=False) if options.golden else spec)
         if stale:
             check.problems.append(
                 f"{entry.name}: stale build: {'; '.join(stale)} since it was built from "

@@ -650,8 +650,7 @@ def verify(
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
     check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
-    if not golden and spec_path is None and all(p.is_dir() for p in paths):
-        _unbuilt_notice(models_dir, manifest, out_dir)
+    whole = not golden and spec_path is None and all(p.is_dir() for p in paths)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
         models_dir=models_dir,
@@ -713,6 +712,8 @@ def verify(
         for found in localize_failures(report, options):
             click.echo(format_localize(found))
     click.echo(format_summary(report))
+    if whole:
+        _unbuilt_notice(models_dir, manifest, out_dir)
     write_reports(report, report_paths)
     sys.exit(report.exit_code)
 

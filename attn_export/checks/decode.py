@@ -549,7 +549,12 @@ def _compare(
                 out[name] = np.where(np.broadcast_to(rows, out[name].shape), 0, out[name]).astype(out[name].dtype)
         return out
 
-    return compare_outputs(cleared(expected), cleared(actual), tolerances, floors)
+    left_out = {
+        n: np.broadcast_to(rows, expected[n].shape)
+        for n, rows in blank.items()
+        if n in expected and expected[n].ndim == rows.ndim
+    }
+    return compare_outputs(cleared(expected), cleared(actual), tolerances, floors, left_out)
 
 
 def compare_trajectories(

@@ -159,7 +159,7 @@ def _compare_left_out(
     """``compare_outputs`` with the selected elements left out: blanked on both sides and
     not counted in their output's total, so that a case whose every element is left out
     compared nothing, and does not pass."""
-    compared = compare_outputs(_blank(expected, selectors), _blank(actual, selectors), tolerances, floors)
+    compared = compare_outputs(_blank(expected, selectors), _blank(actual, selectors), tolerances, floors, selectors)
     return [
         dataclasses.replace(c, total=c.total - int(selectors[c.name].sum()))
         if c.name in selectors and selectors[c.name].shape == expected[c.name].shape

@@ -22,6 +22,7 @@ __all__ = [
     "case_tolerance",
     "compare_output",
     "compare_outputs",
+    "judge_value",
     "output_passed",
     "rms_of",
 ]
@@ -39,13 +40,40 @@ def case_tolerance(tol: Tolerance, floor: float, rms: float = 0.0) -> Tolerance:
     return dataclasses.replace(scaled, atol=scaled.atol + FLOOR_FACTOR * floor)
 
 
-def rms_of(expected: np.ndarray) -> float:
-    """The root mean square of a float value's finite elements (0 for other values): the
-    scale ``Tolerance.atol_rms`` is a share of."""
+def rms_of(expected: np.ndarray, kept: np.ndarray | None = None) -> float:
+    """The root mean square of a float value's finite elements, of those ``kept`` alone where
+    given (0 for other values): the scale ``Tolerance.atol_rms`` is a share of."""
     if expected.dtype.kind != "f" or expected.size == 0:
         return 0.0
-    finite = expected[np.isfinite(expected)].astype(np.float64)
-    return float(np.sqrt(np.mean(finite**2))) if finite.size else 0.0
+    chosen = np.isfinite(expected) if kept is None else np.isfinite(expected) & kept
+    values = expected[chosen].astype(np.float64)
+    return float(np.sqrt(np.mean(values**2))) if values.size else 0.0
+
+
+def judge_value(
+    name: str,
+    expected: np.ndarray,
+    actual: np.ndarray | None,
+    tol: Tolerance,
+    floor: float = 0.0,
+    left_out: np.ndarray | None = None,
+) -> OutputComparison:
+    """One value against its expected one at ``tol`` on this case: atol widened by the floor
+    and the rms share, and the error's rms bounded where ``rms_rtol`` is set; both rms taken
+    over the same elements, the finite ones on both sides not ``left_out`` (elements a spec
+    leaves out count neither way)."""
+    kept = None if left_out is None or left_out.shape != expected.shape else ~left_out
+    rms = rms_of(expected, kept)
+    result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms))
+    rms_error = 0.0
+    if result.numeric and actual is not None and expected.dtype.kind == "f" and expected.size:
+        e, a = expected.astype(np.float64), actual.astype(np.float64)
+        both = np.isfinite(e) & np.isfinite(a) & (True if kept is None else kept)
+        rms_error = float(np.sqrt(np.mean((a[both] - e[both]) ** 2))) if both.any() else 0.0
+    bound = tol.atol + FLOOR_FACTOR * floor + tol.rms_rtol * rms if tol.rms_rtol else None
+    return dataclasses.replace(
+        result, floor=floor, rms=rms, atol_rms=tol.atol_rms, rms_error=rms_error, rms_bound=bound
+    )
 
 
 def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
@@ -238,7 +266,6 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
-    result.rms_error = float(np.sqrt(np.mean(abs_err**2))) if abs_err.size else 0.0
     result.max_rel_error = float(rel_err.max()) if significant.any() else None
     unmatched = ~within & ~both  # -inf expected where the actual is finite: no finite error says it
     if unmatched.any():
@@ -265,15 +292,14 @@ def compare_outputs(
     actual: Mapping[str, np.ndarray],
     tolerances: Mapping[str, Tolerance],
     floors: Mapping[str, float] | None = None,
+    left_out: Mapping[str, np.ndarray] | None = None,
 ) -> list[OutputComparison]:
-    """Compare every expected output; an output the runtime did not produce fails.
-    ``floors`` (PyTorch's own float32 error per output) widen each tolerance
-    (``compare.outputs.case_tolerance``)."""
-    floors = floors or {}
-    out = []
-    for n, e in expected.items():
-        tol, floor, rms = tolerances[n], floors.get(n, 0.0), rms_of(e)
-        result = compare_output(n, e, actual.get(n), case_tolerance(tol, floor, rms))
-        bound = tol.atol + FLOOR_FACTOR * floor + tol.rms_rtol * rms if tol.rms_rtol else None
-        out.append(dataclasses.replace(result, floor=floor, rms=rms, atol_rms=tol.atol_rms, rms_bound=bound))
-    return out
+    """Compare every expected output (``judge_value``); an output the runtime did not
+    produce fails. ``floors`` (PyTorch's own float32 error per output) widen each tolerance
+    (``compare.outputs.case_tolerance``); ``left_out`` selects elements that count in
+    neither rms (the caller blanks them alike on both sides)."""
+    floors, left_out = floors or {}, left_out or {}
+    return [
+        judge_value(n, e, actual.get(n), tolerances[n], floors.get(n, 0.0), left_out.get(n))
+        for n, e in expected.items()
+    ]

@@ -49,7 +49,10 @@ def _error(c: OutputComparison | None) -> str:
         return f"shape {c.actual_shape} != PyTorch's {c.expected_shape}"
     if c.unexpected_nonfinite:
         return f"{c.unexpected_nonfinite} NaN/Inf where PyTorch is finite"
-    return f"max abs {c.max_abs_error:.3g} ({c.mismatched}/{c.total} outside atol={c.atol:.3g} rtol={c.rtol:g})"
+    said = f"max abs {c.max_abs_error:.3g} ({c.mismatched}/{c.total} outside atol={c.atol:.3g} rtol={c.rtol:g})"
+    if not c.rms_ok:
+        said += f"; the error's rms {c.rms_error:.3g} over its bound {c.rms_bound:.3g} (rms_rtol)"
+    return said
 
 
 def format_localize(report: LocalizeReport) -> str:

@@ -4,9 +4,10 @@ as PyTorch's (no region is blamed for what the outputs are not judged on)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from attn_export.compare.outputs import rms_of
 from attn_export.spec import Tolerance
 
 __all__ = ["ROUNDINGS", "left_out", "region_tolerance"]
@@ -18,14 +19,15 @@ ROUNDINGS = 64
 
 
 def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None) -> Tolerance:
-    """The spec's tolerance (its ``atol_rms`` taken of the value's root mean square) widened
-    by ``ROUNDINGS`` roundings of the value's largest finite magnitude, in the coarser of
+    """The spec's tolerance (its shares of the value's rms kept, for ``judge_value``: a region
+    that scales its value breaks no element's bound, only its error's rms) widened by
+    ``ROUNDINGS`` roundings of the value's largest finite magnitude, in the coarser of
     PyTorch's dtype and the graph's (``computed``: float16 inside an fp16 variant); NaN and
     infinity where PyTorch has them agree."""
     scale = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)) if expected.dtype.kind == "f" else 0.0
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
-    return Tolerance(tol.scaled(rms_of(expected)).atol + ROUNDINGS * eps * scale, tol.rtol, allow_nan=True)
+    return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale, allow_nan=True)
 
 
 def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from attn_export.checks.decode import Trajectory, one_pass_feeds, pass_length
-from attn_export.compare.outputs import compare_output
+from attn_export.compare.outputs import judge_value
 from attn_export.pipelines.localize.judge import left_out, region_tolerance
 from attn_export.pipelines.localize.results import RegionError
 from attn_export.pipelines.localize.values import TorchValues, torch_values
@@ -58,7 +58,7 @@ def parting_node(
         expected = _aligned(value.shape, whole[name], past, seq) if name in whole else None
         if expected is None or expected.dtype != value.dtype or expected.shape != value.shape:
             continue
-        compared = compare_output(name, expected, left_out(expected, value, padded), region_tolerance(tol, expected))
+        compared = judge_value(name, expected, left_out(expected, value, padded), region_tolerance(tol, expected))
         if not compared.passed:
             target, source, code = cached.sources.get(name, ("", "", ""))
             return RegionError(name, name, [], [], target, "", source, code, local=compared, propagated=None)

@@ -34,7 +34,7 @@ from attn_export.checks.decode import (
     step_inputs,
 )
 from attn_export.checks.fully_masked import judge, padded_tokens
-from attn_export.compare.outputs import compare_output
+from attn_export.compare.outputs import judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
@@ -168,10 +168,10 @@ def _regions(
                     code=(own and region.code) or code,
                     local=None
                     if alone is None
-                    else compare_output(fx_node, expected, left_out(expected, alone[value], rows), rtol),
+                    else judge_value(fx_node, expected, left_out(expected, alone[value], rows), rtol),
                     propagated=None
                     if whole is None
-                    else compare_output(fx_node, expected, left_out(expected, whole, rows), rtol),
+                    else judge_value(fx_node, expected, left_out(expected, whole, rows), rtol),
                     refused=ran if isinstance(ran, str) else None,
                     covers=list(region.covers) if len(region.covers) > 1 else [],
                     lines=_lines(region.covers, torch_vals) if len(region.covers) > 1 else [],
@@ -195,20 +195,24 @@ def _lines(fx_nodes: Sequence[str], torch_vals: TorchValues) -> list[str]:
     return list(dict.fromkeys(torch_vals.sources[f][1] for f in fx_nodes if torch_vals.sources.get(f, ("", ""))[1]))
 
 
-def _blame(errors: list[RegionError], torch_vals: Mapping[str, np.ndarray]) -> tuple[RegionError | None, str]:
+def _blame(errors: list[RegionError], torch_vals: TorchValues) -> tuple[RegionError | None, str]:
     """The region to blame for a case that fails, and why (``LocalizeReport.cause``): the
-    first whose own error breaks the tolerance; else, where PyTorch itself first gives NaN
-    or Inf (the graph does as the module does); else the first value outside the tolerance."""
+    first whose own error breaks the tolerance; else, where PyTorch's outputs hold NaN or
+    Inf, where it first gives one (the graph does as the module does; a masked score at
+    -inf is no cause where the outputs are finite); else the first value outside the
+    tolerance."""
     first = next((r for r in errors if r.breaks), None)
     if first is not None:
         return first, "graph"
     refused = next((r for r in errors if r.refused), None)
     if refused is not None:
         return refused, "refused"
-    nonfinite = next(
-        (r for r in errors if torch_vals[r.fx_node].dtype.kind == "f" and not np.isfinite(torch_vals[r.fx_node]).all()),
-        None,
-    )
+
+    def finite(fx_node: str) -> bool:
+        return torch_vals[fx_node].dtype.kind != "f" or bool(np.isfinite(torch_vals[fx_node]).all())
+
+    outputs = [fx for fx in torch_vals.outputs.values() if fx in torch_vals]
+    nonfinite = next((r for r in errors if not finite(r.fx_node)), None) if not all(map(finite, outputs)) else None
     if nonfinite is not None:
         return nonfinite, "module"
     return next((r for r in errors if r.propagated and not r.propagated.passed), None), "accumulated"

@@ -513,7 +513,11 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Decode steps after the prompt for models with a KV cache, both sides feeding back their own "
     "presents (default 8; 0 skips; off by default with --shapes, --distribution or --inputs).",
 )
-@click.option("--atol", type=_FiniteFloat(0), help="Override every output's absolute tolerance.")
+@click.option(
+    "--atol",
+    type=_FiniteFloat(0),
+    help="Override every output's absolute tolerance (a lossy variant's share of the output's rms too).",
+)
 @click.option("--rtol", type=_FiniteFloat(0), help="Override every output's relative tolerance.")
 @threads_option("Threads for both PyTorch and ONNX Runtime.")
 @click.option("--no-latency", is_flag=True, help="Skip timing.")

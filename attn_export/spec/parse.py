@@ -445,7 +445,11 @@ def _tolerances(
         per_output[name] = _tolerance_table(where, tol, tolerance, f"tolerance.outputs.{name}", name)
     per_variant: dict[str, Tolerance] = {}
     for variant, tol in _table(where, raw, "variants", "a table of per-variant tolerances").items():
-        per_variant[variant] = _tolerance_table(where, tol, tolerance, _variant_table(where, variant), variant)
+        context = _variant_table(where, variant)
+        # a key left out keeps the variant's own default (int8's rms shares), else the model's
+        own = VARIANTS[variant].tolerance if variant in VARIANTS else None
+        default = tolerance if own is None else dataclasses.replace(own, allow_nan=tolerance.allow_nan)
+        per_variant[variant] = _tolerance_table(where, tol, default, context, variant)
     return tolerance, per_output, per_variant
 
 

@@ -45,9 +45,10 @@ class Tolerance:
         Errors add, they do not take turns. With ``R`` the rms of ``y``: ``|y1 - y| <= a1 +
         b1 R + r1|y|``, so ``|y1| <= a1 + b1 R + (1 + r1)|y|`` and ``rms(y1) <= a1 + (1 + b1 +
         r1) R``; adding ``|y2 - y1| <= a2 + b2 rms(y1) + r2|y1|`` gives ``atol = a1 + a2 + (b2
-        + r2) a1``, ``atol_rms = b1 + b2 (1 + b1 + r1) + r2 b1`` and ``1 + rtol = (1 + r1)(1 +
-        r2)``. The larger of the two would be unsound: both links may reach their bound, in
-        the same direction, on the same element. The rms of the errors adds the same way
+        + r2) a1`` (taken as ``max(b2 + r2, c2) a1``, to hold for the rms bound below too),
+        ``atol_rms = b1 + b2 (1 + b1 + r1) + r2 b1`` and ``1 + rtol = (1 + r1)(1 + r2)``.
+        The larger of the two would be unsound: both links may reach their bound, in the
+        same direction, on the same element. The rms of the errors adds the same way
         (``rms_share``, ``c``): ``rms(y2 - y) <= a1 + a2 + c2 a1 + (c1 + c2 (1 + c1)) R``,
         checked where a link checks it. Composing is associative, so a chain folds its links
         left to right; NaN passes only where every link allows it."""

@@ -37,17 +37,15 @@ __all__ = [
 
 
 def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
-    """Each output's tolerance for ``variant``; ``--atol`` or ``--rtol`` replace the spec's
-    tolerance as a whole (the shares of the output's rms too: what was asked for is all of it)."""
-    if options.atol is None and options.rtol is None:
-        return spec.tolerances(variant)
+    """Each output's tolerance for ``variant``: ``--atol`` replaces the absolute allowance per
+    element (atol and a lossy variant's share of the output's rms), ``--rtol`` the relative
+    one; the bound on the error's rms (``rms_rtol``) stays the spec's."""
     return {
         name: dataclasses.replace(
             tol,
             atol=tol.atol if options.atol is None else options.atol,
+            atol_rms=tol.atol_rms if options.atol is None else 0.0,
             rtol=tol.rtol if options.rtol is None else options.rtol,
-            atol_rms=0.0,
-            rms_rtol=0.0,
         )
         for name, tol in spec.tolerances(variant).items()
     }

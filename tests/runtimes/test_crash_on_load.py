@@ -30,7 +30,7 @@ def test_a_crash_is_told_from_a_load_and_from_an_error(monkeypatch: pytest.Monke
     monkeypatch.setattr(ort, "load_session", lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV))
     assert ort.crash_on_load(_identity()) == "was killed by SIGSEGV"
     monkeypatch.setattr(ort, "load_session", lambda *a, **k: signal.pause())
-    assert ort.crash_on_load(_identity(), wait_s=0.5) == "hung for 0 s"
+    assert ort.crash_on_load(_identity(), wait_s=0.5) == "hung for 0.5 s"
 
 
 @pytest.mark.slow  # an export of its own; the mechanism is tested above

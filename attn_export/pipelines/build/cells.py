@@ -159,6 +159,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
         graph = dataclasses.replace(graph, model=model)
     with stage_timer(result, "smoke"):
         ctx.smoke(variant, graph.model)
+    result.stages["load"] = True  # the plain export is loaded by the smoke check itself
     return graph, info
 
 

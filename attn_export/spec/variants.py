@@ -93,9 +93,9 @@ class VariantInfo:
 AUTO = "auto"
 
 #: Lossy variants' default tolerances scale with the output: their error grows with the
-#: values (``Tolerance.atol_rms``, ``rms_rtol``). Measured on the test zoo's 13 models
-#: (``tests/models``), every case and decode step on normal and tiny values, a right graph's
-#: worst element is off by 0.144 x the output's rms (int8) and 0.0055 x (fp16), its error's
+#: values (``Tolerance.atol_rms``, ``rms_rtol``). Measured on the test zoo (``tests/models``,
+#: ``benchmarks/lossy_errors.py``), every case and decode step on normal and tiny values,
+#: a right graph's worst element is off by 0.144 x the output's rms (int8) and 0.0055 x (fp16), its error's
 #: rms 0.0245 x and 0.00077 x; the defaults hold 1.7-6.5 times that. A fixed int8 atol of
 #: 0.1 was as large as the outputs and passed a weight scale 10 % off, which the rms shows.
 INT8_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05)

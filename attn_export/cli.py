@@ -32,6 +32,7 @@ from attn_export.spec.model import FULLY_MASKED
 from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
+    from attn_export.artifacts.manifest import Manifest
     from attn_export.pipelines.bench.results import RunnerOptions
     from attn_export.report.bench_text import Widths
 
@@ -87,7 +88,7 @@ def _notice(line: str) -> None:
     click.echo(f"note: {line}", err=True)
 
 
-def _unbuilt_notice(models_dir: Path, manifest: Any, out_dir: Path) -> None:
+def _unbuilt_notice(models_dir: Path, manifest: Manifest, out_dir: Path) -> None:
     """Say which checkout specs the build folder has no graph of: a verify of the whole
     folder passes over the models it holds, and a spec left unbuilt is not among them."""
     built = {entry.model_spec.name for entry in manifest.models.values()}

@@ -64,16 +64,9 @@ def judge_value(
     leaves out count neither way)."""
     kept = None if left_out is None or left_out.shape != expected.shape else ~left_out
     rms = rms_of(expected, kept)
-    result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms))
-    rms_error = 0.0
-    if result.numeric and actual is not None and expected.dtype.kind == "f" and expected.size:
-        e, a = expected.astype(np.float64), actual.astype(np.float64)
-        both = np.isfinite(e) & np.isfinite(a) & (True if kept is None else kept)
-        rms_error = float(np.sqrt(np.mean((a[both] - e[both]) ** 2))) if both.any() else 0.0
+    result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms), kept)
     bound = tol.atol + FLOOR_FACTOR * floor + tol.rms_rtol * rms if tol.rms_rtol else None
-    return dataclasses.replace(
-        result, floor=floor, rms=rms, atol_rms=tol.atol_rms, rms_error=rms_error, rms_bound=bound
-    )
+    return dataclasses.replace(result, floor=floor, rms=rms, atol_rms=tol.atol_rms, rms_bound=bound)
 
 
 def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
@@ -214,8 +207,11 @@ class OutputComparison:
         return cls(**fields)  # type: ignore[arg-type]
 
 
-def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, tol: Tolerance) -> OutputComparison:
-    """Measure one output against its expected value at the given tolerance."""
+def compare_output(
+    name: str, expected: np.ndarray, actual: np.ndarray | None, tol: Tolerance, kept: np.ndarray | None = None
+) -> OutputComparison:
+    """Measure one output against its expected value at the given tolerance; the error's
+    rms over the elements finite on both sides (and ``kept``, where given)."""
     if actual is None:
         return OutputComparison(
             name, list(expected.shape), [], str(expected.dtype), "", tol.atol, tol.rtol, missing=True
@@ -266,6 +262,8 @@ def compare_output(name: str, expected: np.ndarray, actual: np.ndarray | None, t
     within = (both & (abs_err <= allowed)) | same_nonfinite
     result.mismatched = int((~within).sum())
     result.max_abs_error = float(abs_err.max()) if abs_err.size else 0.0
+    counted = both if kept is None else both & kept
+    result.rms_error = float(np.sqrt(np.mean(abs_err[counted] ** 2))) if counted.any() else 0.0
     result.max_rel_error = float(rel_err.max()) if significant.any() else None
     unmatched = ~within & ~both  # -inf expected where the actual is finite: no finite error says it
     if unmatched.any():

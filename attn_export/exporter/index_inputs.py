@@ -24,13 +24,13 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
 
-__all__ = ["lookup_ranges", "with_lookup_ranges"]
+__all__ = ["lookup_ranges", "undeclared_ids", "with_lookup_ranges"]
 
 #: Ops whose output holds the same values as their integer input, or shifted by a constant.
 _CARRY = frozenset({"_to_copy", "clone", "repeat", "_unsafe_view", "expand_copy", "add", "sub"})
 
 
-def _ids(spec: ModelSpec) -> list[str]:
+def undeclared_ids(spec: ModelSpec) -> list[str]:
     """The integer inputs drawn from a range the spec does not declare (not masks)."""
     return [t.name for t in spec.inputs if t.is_ids and t.values is None]
 
@@ -59,7 +59,7 @@ def lookup_ranges(module: Any, spec: ModelSpec) -> dict[str, tuple[int, int]]:
     returns), from the lookups that stay the same at two sizes: a table sliced to the
     sequence, or a shift by a length, gives other rows at other sizes and is left out.
     None where the module fails on zeros, which the build then reports from its own first run."""
-    ids = _ids(spec)
+    ids = undeclared_ids(spec)
     if not ids:
         return {}
     first = example_sizes(spec)

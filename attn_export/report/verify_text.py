@@ -122,11 +122,13 @@ def _extreme_only(report: VerifyReport) -> list[str]:
     """A note for each lossy variant that fails on extreme values alone: a right int8 or
     float16 graph may, so the red says what precision the variant loses, not that it is
     wrong, and how to judge it where such values never come."""
+    by_model: dict[str, list[CaseResult]] = {}
+    for c in report.cases:
+        by_model.setdefault(c.model, []).append(c)
     notes = []
-    for model in dict.fromkeys(c.model for c in report.cases):
+    for model, cases in by_model.items():
         variant = model.partition(".")[2]
         lossy = [link.name for link in variant_chain(variant).links if link.tolerance is not None] if variant else []
-        cases = [c for c in report.cases if c.model == model]
         failed = sorted({c.distribution for c in cases if not c.passed})
         if lossy and failed and set(failed) <= set(_EXTREME) and any(c.passed for c in cases):
             notes.append(

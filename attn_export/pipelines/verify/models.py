@@ -195,10 +195,11 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
 def _learned_ranges(spec: ModelSpec) -> ModelSpec:
     """``spec`` with the values its undeclared ids take read from its module, as build read
     them; as it is where the module cannot be made (verify says so where it runs it)."""
-    if not any(t.is_ids and t.values is None for t in spec.inputs):
+    from attn_export.exporter.index_inputs import undeclared_ids, with_lookup_ranges
+
+    if not undeclared_ids(spec):
         return spec
     from attn_export.exporter.factory import instantiate
-    from attn_export.exporter.index_inputs import with_lookup_ranges
 
     try:
         module = instantiate(spec)

@@ -21,10 +21,13 @@ from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, UsageError
 
-__all__ = ["BUNDLE_SCHEMA", "Bundle", "check_bundle_folder", "read_bundle", "write_bundle"]
+__all__ = ["BUNDLE_SCHEMA", "TOLERANCE_KEYS", "Bundle", "check_bundle_folder", "read_bundle", "write_bundle"]
 
 BUNDLE_SCHEMA = "attn-export/replay-bundle"
 _CASE = "replay"
+#: The tolerance ``bundle.json`` records, each a finite number >= 0: atol and rtol, and
+#: the shares of the value's rms (``spec.Tolerance``; 0 where a bundle leaves them out).
+TOLERANCE_KEYS = ("atol", "rtol", "atol_rms", "rms_rtol")
 
 
 @dataclass
@@ -105,8 +108,10 @@ def _check_info(path: Path, info: dict[str, Any]) -> None:
         raise ArtifactError(f"{path}: 'nodes' must be a list of node names")
     tol = info.get("tolerance")
     ok = isinstance(tol, dict) and all(
-        isinstance(tol.get(k), int | float) and not isinstance(tol.get(k), bool) and 0 <= tol[k] < float("inf")
-        for k in ("atol", "rtol")
+        isinstance(v := tol.get(k, 0.0 if k in TOLERANCE_KEYS[2:] else None), int | float)
+        and not isinstance(v, bool)
+        and 0 <= v < float("inf")
+        for k in TOLERANCE_KEYS
     )
     if not ok:
-        raise ArtifactError(f"{path}: 'tolerance' must hold a finite atol and rtol >= 0")
+        raise ArtifactError(f"{path}: 'tolerance' must hold a finite atol and rtol >= 0 (and atol_rms, rms_rtol)")

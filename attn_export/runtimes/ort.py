@@ -3,12 +3,15 @@
 ``load_session`` is the one place an InferenceSession is made: verify, build's smoke
 check, variants, inspect and bench all go through it. Each session gets a CPU arena of its
 own that cannot grow past the memory budget: a graph that asks for more fails in one line
-instead of taking the machine's memory.
+instead of taking the machine's memory. A graph read from a file (a build folder from
+elsewhere) is first loaded in a forked child: a graph that crashes ONNX Runtime itself fails
+in one line instead of killing the process.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import os
 import re
 import signal
@@ -98,7 +101,9 @@ def _register_arena(budget: int) -> None:
     ort.create_and_register_allocator(info, ort.OrtArenaCfg({"max_mem": budget}))
 
 
-def crash_on_load(model: bytes, provider: str = "cpu", wait_s: float = 300.0) -> str | None:
+def crash_on_load(
+    model: Path | bytes, provider: str = "cpu", wait_s: float = 300.0, level: str | None = None
+) -> str | None:
     """How ONNX Runtime dies making a session of ``model`` (killed by a signal, or hung past
     ``wait_s``), tried in a forked child: a crash inside it (a segfault in a graph
     optimizer) then fails one graph, not the process and every graph after it. None where
@@ -115,7 +120,7 @@ def crash_on_load(model: bytes, provider: str = "cpu", wait_s: float = 300.0) ->
     if pid == 0:
         try:
             faulthandler.disable()  # the crash is the parent's to report, once
-            load_session(model, provider)
+            load_session(model, provider, level=level, probe=False)
         finally:
             os._exit(0)
     deadline, done = time.monotonic() + wait_s, (0, 0)
@@ -132,6 +137,32 @@ def crash_on_load(model: bytes, provider: str = "cpu", wait_s: float = 300.0) ->
     return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else None
 
 
+#: How ONNX Runtime fared making a session of each file (or bytes), provider and level in
+#: a forked child (``crash_on_load``): each is tried once a process.
+_PROBED: dict[tuple[object, ...], str | None] = {}
+
+
+def _refuse_crash(model: Path | bytes, provider: str, level: str | None, label: str, what: str) -> None:
+    """RuntimeFailure if making a session of ``model`` kills ONNX Runtime (``crash_on_load``)."""
+    if isinstance(model, Path):
+        try:
+            st = model.stat()
+        except OSError:
+            return  # the real load says what is wrong with the path
+        key: tuple[object, ...] = (os.path.realpath(model), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    else:
+        key = (hashlib.sha256(model).hexdigest(),)
+    key += (provider, level)
+    if key not in _PROBED:
+        _PROBED[key] = crash_on_load(model, provider, level=level)
+    crash = _PROBED[key]
+    if crash:
+        raise RuntimeFailure(
+            f"{label}: cannot load {what}: ONNX Runtime {crash} making a session of it (a crash inside ONNX "
+            "Runtime, not an error it reports)"
+        )
+
+
 def load_session(
     model: Path | bytes,
     provider: str = "cpu",
@@ -143,6 +174,7 @@ def load_session(
     no_fallback: bool = False,
     profile_prefix: Path | None = None,
     spinning: bool = True,
+    probe: bool | None = None,
 ) -> Any:
     """An InferenceSession on ``provider`` alone; RuntimeFailure if it cannot load or
     silently runs elsewhere.
@@ -154,7 +186,8 @@ def load_session(
     ``no_fallback`` makes a node without a kernel on the provider fail the load;
     ``profile_prefix`` turns on ONNX Runtime's per-node profiling; ``spinning=False``
     stops idle intra-op threads from spinning after a run, so they do not steal the cores
-    from PyTorch timed in the same process.
+    from PyTorch timed in the same process; ``probe`` (default: for a file) first makes the
+    session in a forked child, so that a graph crashing ONNX Runtime fails in one line.
     """
     import onnxruntime as ort
 
@@ -178,6 +211,8 @@ def load_session(
     options.add_session_config_entry("session.use_env_allocators", "1")
     label = f"onnxruntime[{provider}]"
     what = model.name if isinstance(model, Path) else "the graph"
+    if isinstance(model, Path) if probe is None else probe:
+        _refuse_crash(model, provider, level, label, what)
     cap = budget or memory_budget()
     _register_arena(cap)  # this session's arena...
     try:

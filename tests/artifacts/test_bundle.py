@@ -92,3 +92,35 @@ def test_a_hostile_bundle_is_one_line_and_exit_2(tmp_path: Path, case: str, edit
     code, output = _replay(folder)
     assert code == 2 and message in output, output
     assert len(output.strip().splitlines()) == 1 and "Traceback" not in output
+
+
+def _lossy_bundle(folder: Path, noise: np.ndarray) -> Path:
+    """A region that adds ``noise`` to its input, judged by int8's tolerance (shares of the
+    value's rms), as localize judged it."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "noise"], ["y"], name="node_add")],
+        "region",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [64])],
+        [onnx.ValueInfoProto(name="y")],
+        [onnx.numpy_helper.from_array(noise.astype(np.float32), "noise")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
+    info = {
+        "model": "m", "fx_node": "add", "nodes": ["node_add"], "value": "y", "source": "m.py:3", "code": "y = x",
+        "tolerance": {"atol": 1e-4, "rtol": 0.05, "atol_rms": 0.25, "rms_rtol": 0.05},
+        "localize": "attn-export localize build m",
+    }  # fmt: skip
+    write_bundle(folder, model.SerializeToString(), {"x": x}, {"y": x}, info)
+    return folder
+
+
+def test_a_bundle_is_judged_by_the_shares_of_the_rms_localize_judged_it_by(tmp_path: Path) -> None:
+    """One element off by 0.2 x rms is int8 rounding (replay read atol and rtol alone and
+    failed it); every element off by 10 % of itself is a wrong scale."""
+    x = np.random.default_rng(0).standard_normal(64)
+    spike = np.zeros(64)
+    spike[np.argmin(np.abs(x))] = 0.2
+    assert _replay(_lossy_bundle(tmp_path / "rounding", spike))[0] == 0
+    code, output = _replay(_lossy_bundle(tmp_path / "scale", 0.1 * x))
+    assert code == 1 and "rms" in output.splitlines()[1], output

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import onnx
 import pytest
+from click.testing import CliRunner
 from onnx import TensorProto, helper
 
+from attn_export.cli import cli
+from attn_export.errors import RuntimeFailure
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes import ort
-from tests.conftest import TINY_ZOO
+from tests.conftest import TINY_ZOO, Built
 
 
 def _identity() -> bytes:
@@ -47,3 +50,42 @@ def test_an_fp16_graph_that_crashes_onnx_runtime_fails_and_the_build_goes_on(tmp
     )
     assert not (tmp_path / "out" / "torch_mha.fp16.onnx").exists()
     assert onnx.load(tmp_path / "out" / "sdpa.fp16.onnx").graph.node
+
+
+def test_a_file_that_crashes_onnx_runtime_fails_in_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A graph from a build folder is data from elsewhere: before a session is made of a file,
+    a forked child makes one, so that a crash fails that load, not the process."""
+    path = tmp_path / "g.onnx"
+    path.write_bytes(_identity())
+    load = ort.load_session
+    monkeypatch.setattr(ort, "_PROBED", {})
+    monkeypatch.setattr(ort, "load_session", lambda *a, **k: os.kill(os.getpid(), signal.SIGSEGV))  # the child's
+    with pytest.raises(RuntimeFailure) as e:
+        load(path)
+    assert str(e.value) == (
+        "onnxruntime[cpu]: cannot load g.onnx: ONNX Runtime was killed by SIGSEGV making a session of it (a crash "
+        "inside ONNX Runtime, not an error it reports)"
+    )
+    monkeypatch.setattr(ort, "crash_on_load", lambda *a, **k: pytest.fail("a second child for one file"))
+    with pytest.raises(RuntimeFailure):
+        load(path)  # told again
+    monkeypatch.undo()
+    tries: list[object] = []
+    monkeypatch.setattr(ort, "crash_on_load", lambda model, *a, **k: tries.append(model))
+    load(path)
+    load(path)
+    load(_identity())  # bytes are this process's own (a graph it made), not probed unless asked
+    load(_identity(), probe=True)
+    assert tries == [path, _identity()]  # each once a process
+
+
+def test_verify_of_a_graph_that_crashes_onnx_runtime_fails_it_in_one_line(
+    tiny_build: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ort, "_PROBED", {})
+    monkeypatch.setattr(ort, "crash_on_load", lambda *a, **k: "was killed by SIGSEGV")
+    args = ["verify", str(tiny_build.out), "--models", str(tiny_build.models), "--no-latency"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    assert "tiny.onnx: ONNX Runtime was killed by SIGSEGV making a session of it" in result.output
+    assert "Traceback" not in result.output

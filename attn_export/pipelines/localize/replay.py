@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.bundle import Bundle, read_bundle
-from attn_export.compare.outputs import OutputComparison, compare_output
+from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, read_bundle
+from attn_export.compare.outputs import OutputComparison, judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, first_line
+from attn_export.pipelines.localize.judge import left_out
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import Tolerance
 from attn_export.spec.memory import memory_budget
@@ -66,16 +67,16 @@ def _check_fit(folder: Path, session: Any, bundle: Bundle) -> None:
 
 def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = None) -> ReplayResult:
     """Run the bundle's ``region.onnx`` on its inputs with graph optimizations off, as
-    localize ran it, and compare at the bundle's tolerance."""
+    localize ran it, and judge it as localize did: at the bundle's tolerance, in PyTorch's dtype."""
     budget = memory_budget(max_memory)
     bundle = read_bundle(folder, budget)
-    session = load_session(bundle.model, provider, level="disabled", budget=budget)
+    session = load_session(bundle.model, provider, level="disabled", budget=budget, probe=True)
     _check_fit(folder, session, bundle)
     ((value, expected),) = bundle.expected.items()
     try:
         got = session.run([value], bundle.inputs)[0]
     except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
         raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
-    tol = bundle.info["tolerance"]
-    comparison = compare_output(value, expected, got, Tolerance(tol["atol"], tol["rtol"], allow_nan=True))
+    tol = Tolerance(**{k: bundle.info["tolerance"].get(k, 0.0) for k in TOLERANCE_KEYS}, allow_nan=True)
+    comparison = judge_value(value, expected, left_out(expected, got, None), tol)
     return ReplayResult(str(folder), bundle.info, provider, comparison)

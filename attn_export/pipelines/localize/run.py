@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from attn_export.artifacts.bundle import check_bundle_folder, write_bundle
+from attn_export.artifacts.bundle import TOLERANCE_KEYS, check_bundle_folder, write_bundle
 from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import read_intermediates
@@ -130,16 +130,17 @@ def _regions(
     on: Target,
     budget: int,
     rows: np.ndarray | None,
-) -> tuple[list[RegionError], dict[str, dict[str, np.ndarray]]]:
+) -> tuple[list[RegionError], dict[str, tuple[dict[str, np.ndarray], Tolerance]]]:
     """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
     (the graph's inputs and its shape arithmetic as the regions before computed them);
     each that holds an FX node's tensor is compared, beside the whole graph's value there.
-    Also the inputs each region whose own error breaks the tolerance was fed (for a bundle)."""
+    Also the inputs each region whose own error breaks the tolerance was fed, and the
+    tolerance it was judged by (for a bundle)."""
     forced: dict[str, np.ndarray] = {}
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
     out: list[RegionError] = []
-    fed: dict[str, dict[str, np.ndarray]] = {}
+    fed: dict[str, tuple[dict[str, np.ndarray], Tolerance]] = {}
     for region in regions:
         sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
         if not all(any(i in src for src in sources) for i in region.inputs):
@@ -178,7 +179,7 @@ def _regions(
                 )
             )
             if out[-1].breaks:
-                fed[value] = teacher
+                fed[value] = teacher, rtol
     return out, fed
 
 
@@ -299,7 +300,7 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
             "value": first.value,
             "source": first.source,
             "code": first.code,
-            "tolerance": {"atol": replay.tolerance.atol, "rtol": replay.tolerance.rtol},
+            "tolerance": {k: getattr(replay.tolerance, k) for k in TOLERANCE_KEYS},
             "localize": report.reproduce,
         }
         write_bundle(options.bundle, replay.model, replay.inputs, replay.expected, info)
@@ -475,12 +476,12 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         first = report.first
         if report.cause == "graph" and first is not None:
             region = next(r for r in regions if (first.value, first.fx_node) in r.compared)
-            expected = torch_vals[first.fx_node]
+            teacher, region_tol = fed[first.value]
             replay = _Replay(
-                region_model(proto, region, fed[first.value]).SerializeToString(),
-                fed[first.value],
-                {first.value: expected},
-                region_tolerance(tol, expected),
+                region_model(proto, region, teacher).SerializeToString(),
+                teacher,
+                {first.value: torch_vals[first.fx_node]},
+                region_tol,
             )
     report.seconds = time.perf_counter() - started
     return report, replay

@@ -190,16 +190,24 @@ def case_applies(case: str, layout: str, shape: Sequence[int | str]) -> bool:
 
 
 def _keep3(pattern: str, b: int, q: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """A [batch, query, key] keep-mask with at least one kept key in every row."""
+    """A [batch, query, key] keep-mask with at least one kept key in every row, and rows at
+    both extremes: padding of two or more sequences keeps the last whole (a graph dropping
+    its oldest keys showed only at lengths that random draws rarely reach) and one key of
+    the first, as the first query row of a random mask keeps one key (where every kept
+    score is far below a graph's mask fill, as at large values, masked keys take the
+    weight: a fill of -1e4 for -1e9 passed rows keeping three keys in four)."""
     if pattern == "causal":
         return np.broadcast_to(np.tril(np.ones((q, k), dtype=bool)), (b, q, k)).copy()
     if pattern in ("padding", "left-padding"):
         keep = np.zeros((b, q, k), dtype=bool)
         for i in range(b):
-            n = int(rng.integers(1, k + 1))
+            n = k if i == b - 1 > 0 else 1 if i == 0 < b - 1 else int(rng.integers(1, k + 1))
             keep[i, :, :n] = True
         return keep[..., ::-1].copy() if pattern == "left-padding" else keep
     keep = rng.random((b, q, k)) < 0.75
+    if q > 1:
+        keep[:, 0] = False
+        keep[np.arange(b), 0, rng.integers(0, k, size=b)] = True
     empty = np.argwhere(~keep.any(axis=-1))
     keep[empty[:, 0], empty[:, 1], rng.integers(0, k, size=len(empty))] = True
     return keep

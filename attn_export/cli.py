@@ -431,13 +431,15 @@ def check_cmd(
         attn-export check build
         attn-export check build/mha.onnx exported/model.onnx --max-opset 21
     """
-    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.artifacts.files import write_output
     from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
     from attn_export.pipelines.check import CheckOptions, check_paths
+    from attn_export.report import build_files, check_report_paths
     from attn_export.report.check_text import format_check
 
-    if json_path is not None:
-        output_target(json_path)
+    folders = {p if p.is_dir() else p.parent for p in paths}
+    reads = [*paths, *(f for folder in folders for f in build_files(folder))]
+    check_report_paths({"json": json_path}, reads=reads, summary=False)
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
     report = check_paths(paths, options)
     click.echo(format_check(report))
@@ -748,7 +750,7 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
     from attn_export.report.verify_text import format_failures, format_summary
 
     report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
-    check_report_paths(report_paths)
+    check_report_paths(report_paths, reads=files)
     report = merge_shards([(str(f), read_json_report(f)) for f in files])
     for text in (format_failures(report), format_summary(report)):
         if text:
@@ -874,8 +876,9 @@ def localize(
         attn-export localize build mha --runtime onnx-reference
         attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
     """
-    from attn_export.artifacts.files import output_target, write_output
+    from attn_export.artifacts.files import write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
+    from attn_export.report import build_files, check_report_paths
     from attn_export.report.localize_text import format_localize
     from attn_export.report.model_explorer import format_overlay
     from attn_export.spec.shapes import parse_shapes
@@ -883,9 +886,8 @@ def localize(
     _check_outside(spec_path, variant)
     if spec_path is None and folder.is_file():
         raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
-    for path in (json_path, overlay_path):
-        if path is not None:
-            output_target(path)
+    reads = build_files(folder.parent if spec_path is not None else folder)
+    check_report_paths({"json": json_path, "overlay": overlay_path}, reads=reads, summary=False)
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")

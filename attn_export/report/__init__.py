@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attn_export._deps import require
-from attn_export.artifacts.files import append_output, output_target, write_output
+from attn_export.artifacts.files import LOCK_NAME, append_output, output_target, write_output
+from attn_export.artifacts.manifest import MANIFEST_NAME
 from attn_export.errors import UsageError
 from attn_export.report import bench_text, benchmark_json, json_report, junit, markdown, plot
 from attn_export.report.base import BenchFormat, ReportFormat
@@ -27,6 +28,7 @@ __all__ = [
     "FORMATS",
     "BenchFormat",
     "ReportFormat",
+    "build_files",
     "check_bench_formats",
     "check_report_paths",
     "check_reports_spare",
@@ -67,19 +69,39 @@ def write_reports(report: VerifyReport, paths: Mapping[str, Path | None]) -> Non
             raise UsageError(f"$GITHUB_STEP_SUMMARY: {e}") from e
 
 
-def check_report_paths(paths: Mapping[str, Path | None], made: Path | None = None) -> None:
+#: The suffixes no report is written to, and whose they are: the files a build folder, a
+#: checkout or a bundle holds.
+_NOT_REPORTS = {".onnx": "an ONNX graph's", ".npz": "a golden file's", ".toml": "a spec's", ".py": "Python source's"}
+
+
+def check_report_paths(
+    paths: Mapping[str, Path | None], made: Path | None = None, reads: Iterable[Path] = (), summary: bool = True
+) -> None:
     """Refuse, before any work, a report path that is not a regular file or a new path
-    (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise; and one
-    whose folder does not exist, unless it is in ``made``, the folder the command makes
-    (found after the work, its report was lost)."""
-    summary_file = os.environ.get("GITHUB_STEP_SUMMARY")
-    for path in [*paths.values(), Path(summary_file) if summary_file else None]:
+    (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise where the
+    command appends to it (``summary``); one whose folder does not exist, unless it is in
+    ``made``, the folder the command makes (found after the work, its report was lost); a
+    file another report is written to, a file the command ``reads`` (a manifest, the
+    reports it merges), and a graph, golden file, spec or module: written over, the run
+    passes and what it read is gone."""
+    summary_file = os.environ.get("GITHUB_STEP_SUMMARY") if summary else None
+    given = [(f"--{flag}", path) for flag, path in paths.items()]
+    read = {p.resolve() for p in reads}
+    taken: dict[Path, str] = {}
+    for label, path in [*given, ("$GITHUB_STEP_SUMMARY", Path(summary_file) if summary_file else None)]:
         if path is None:
             continue
-        output_target(path)
+        target = output_target(path).resolve()
         folder = path.parent.resolve()
         if not folder.is_dir() and (made is None or not folder.is_relative_to(made.resolve())):
             raise UsageError(f"cannot write {path}: no folder {path.parent}")
+        if target in taken:
+            raise UsageError(f"{taken[target]} and {label} both name {path}: give each report a file of its own")
+        taken[target] = label
+        if target in read:
+            raise UsageError(f"{label} {path} is a file this command reads; write the report elsewhere")
+        if whose := _NOT_REPORTS.get(target.suffix.lower()):
+            raise UsageError(f"{label} {path}: {target.suffix} is {whose} suffix, not a report's; write it elsewhere")
 
 
 def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: Iterable[str]) -> None:
@@ -94,12 +116,19 @@ def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: I
 
 def check_bench_formats(paths: Mapping[str, Path | None], made: Path | None = None) -> None:
     """Refuse, before anything is timed, a requested format whose package is missing or
-    whose path cannot take a report (in ``made``, the build folder bench makes, it can)."""
+    whose path cannot take a report (in ``made``, the build folder bench makes, it can;
+    not over its manifest)."""
     for name, path in paths.items():
         needs = BENCH_FORMATS[name].requires
         if path is not None and needs:
             require(needs, f"--{name}")
-    check_report_paths(paths, made)
+    check_report_paths(paths, made, reads=build_files(made) if made else ())
+
+
+def build_files(folder: Path) -> list[Path]:
+    """The files of a build folder no report may be written over that the suffixes do not
+    already name: its manifest and its lock."""
+    return [folder / MANIFEST_NAME, folder / LOCK_NAME]
 
 
 def write_bench_reports(report: BenchReport | DecodeBenchReport, paths: Mapping[str, Path | None]) -> None:

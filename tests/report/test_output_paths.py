@@ -137,13 +137,46 @@ def test_a_report_never_replaces_a_file_of_the_folder_it_verifies(zoo_copy: Path
     """Written over the manifest, a passing run left the folder unreadable for the next; a
     report into a folder that does not exist is refused before the run, not after it."""
     graph = str(zoo_copy / "sdpa.onnx")
-    for flag, name in (("--json", "manifest.json"), ("--junit", "mha.onnx"), ("--markdown", "sdpa.golden.npz")):
+    for flag, name, why in (
+        ("--json", "manifest.json", f"is manifest.json of the build folder {zoo_copy}"),
+        ("--junit", "mha.onnx", ": .onnx is an ONNX graph's suffix, not a report's"),
+        ("--markdown", "sdpa.golden.npz", ": .npz is a golden file's suffix, not a report's"),
+    ):
         before = (zoo_copy / name).read_bytes()
         result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", flag, str(zoo_copy / name)])
         assert result.exit_code == 2, result.output
-        said = f"Error: {flag} {zoo_copy / name} is {name} of the build folder {zoo_copy}; write the report elsewhere\n"
-        assert result.output == said
+        assert result.output.startswith(f"Error: {flag} {zoo_copy / name}{'' if why[0] == ':' else ' '}{why}")
         assert (zoo_copy / name).read_bytes() == before
     missing = tmp_path / "nowhere" / "r.json"
     result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", "--json", str(missing)])
     assert (result.exit_code, result.output) == (2, f"Error: cannot write {missing}: no folder {missing.parent}\n")
+
+
+def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: Path, tmp_path: Path) -> None:
+    """localize, check, report merge and bench wrote their reports over a build folder's
+    manifest or graph, and verify over the checkout's spec: each run passed, and the next
+    found the folder or the spec gone."""
+    (tmp_path / "spec.toml").write_text("name = 'x'\n")
+    shards = [tmp_path / "a.json", tmp_path / "b.json"]
+    for shard in shards:
+        shard.write_text("{}")
+    manifest, out = zoo_copy / "manifest.json", tmp_path / "o"
+    cases = [
+        (["localize", str(zoo_copy), "mha", "--json", str(manifest)], f"--json {manifest} is a file this command"),
+        (["localize", str(zoo_copy), "mha", "--overlay", str(zoo_copy / "mha.onnx")], ".onnx is an ONNX graph's"),
+        (["check", str(zoo_copy), "--json", str(manifest)], f"--json {manifest} is a file this command reads"),
+        (["check", str(zoo_copy / "mha.onnx"), "--json", str(manifest)], "is a file this command reads"),
+        (["report", "merge", *map(str, shards), "--json", str(shards[0])], "is a file this command reads"),
+        (["verify", str(zoo_copy), "--golden", "--json", str(tmp_path / "spec.toml")], ".toml is a spec's suffix"),
+        (["bench", str(TINY_ZOO / "mha.toml"), "--out", str(out), "--json", str(out / "manifest.json")],
+         "is a file this command reads"),
+        (["verify", str(zoo_copy), "--golden", "--json", str(tmp_path / "r"), "--junit", str(tmp_path / "r")],
+         f"--json and --junit both name {tmp_path / 'r'}: give each report a file of its own"),
+    ]  # fmt: skip
+    before = {p: p.read_bytes() for p in [*zoo_copy.iterdir(), *tmp_path.glob("*.*")] if p.is_file()}
+    for args, said in cases:
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and said in result.output, (args, result.output)
+        assert len(result.output.splitlines()) == 1
+    assert {p: p.read_bytes() for p in before} == before
+    assert not out.exists() and not (tmp_path / "r").exists()

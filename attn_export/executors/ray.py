@@ -8,15 +8,36 @@ installation, as a shard's machine does.
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from attn_export._deps import require
+from attn_export.errors import UsageError, first_line
 
 __all__ = ["RayExecutor"]
 
 T = TypeVar("T")
+#: A cluster's address: host:port, or a Ray Client's ray://host:port.
+_ADDRESS = re.compile(r"(?:ray://)?(?P<host>[^:/]+|\[[^\]]+\]):(?P<port>\d+)/?")
+
+
+def _check_reachable(address: str, wait_s: float = 10.0) -> None:
+    """UsageError unless something answers at ``address`` (``$RAY_ADDRESS``): ray.init
+    waits minutes on an address where no cluster runs, printing its own retries."""
+    m = _ADDRESS.fullmatch(address)
+    if m is None:
+        return  # no address (a local cluster), or "auto": ray.init says what is wrong
+    try:
+        socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=wait_s).close()
+    except OSError as e:
+        raise UsageError(
+            f"--executor ray: no Ray cluster answers at $RAY_ADDRESS={address} ({e.strerror or e}); start one "
+            "with `ray start --head` and give the address it prints, or unset RAY_ADDRESS for a local cluster"
+        ) from None
 
 
 class RayExecutor(Executor):
@@ -30,7 +51,13 @@ class RayExecutor(Executor):
         self._started = not self._ray.is_initialized()
         if self._started:
             # ray.init reads $RAY_ADDRESS itself; without it, it starts a local cluster.
-            self._ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            address = os.environ.get("RAY_ADDRESS", "")
+            _check_reachable(address)
+            try:
+                self._ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            except Exception as e:  # noqa: BLE001 - Ray raises its own classes and ValueError alike
+                where = f" at $RAY_ADDRESS={address}" if address else ""
+                raise UsageError(f"--executor ray: cannot join the Ray cluster{where}: {first_line(e)}") from e
         self._jobs = jobs
         self._remote: dict[Callable[..., Any], Any] = {}
         self._in_flight: list[Future[Any]] = []

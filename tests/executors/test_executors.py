@@ -3,7 +3,9 @@ missing; a cell's key is the hash of its content."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -49,6 +51,29 @@ def test_ray_missing_names_the_extra(zoo_dir: Path, monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--executor", "ray", "--no-latency"])
     assert result.exit_code == 2
     assert result.output == "Error: --executor ray needs ray, which is not installed (pip install 'attn-export[ray]')\n"
+
+
+def test_a_ray_address_where_no_cluster_runs_is_one_line(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init waited minutes on it, printing its own retries; a Ray Client address without
+    the client installed was a traceback."""
+    pytest.importorskip("ray")
+    args = ["verify", str(zoo_dir), "--golden", "--executor", "ray", "--no-latency"]
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # nothing listens there
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(f"Error: --executor ray: no Ray cluster answers at $RAY_ADDRESS=127.0.0.1:{port} (")
+    if importlib.util.find_spec("grpc") is not None:
+        return  # Ray Client is installed: it would try to speak to the socket below
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{listening.getsockname()[1]}")
+        result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
+    assert "cannot join the Ray cluster at $RAY_ADDRESS=ray://" in result.output and "ray[client]" in result.output
 
 
 def test_the_python_api_takes_the_executor(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -196,6 +196,17 @@ def test_unknown_model_name_and_missing_folder_exit_2(tmp_path: Path) -> None:
     assert result.output == f"Error: {tmp_path / 'absent'}: no such model directory (pass --models DIR)\n"
 
 
+def test_a_build_folder_that_holds_the_specs_is_refused(tmp_path: Path) -> None:
+    """Built there, verify refused the folder for good (it never runs code from a build folder)."""
+    models = tmp_path / "models"
+    tiny_spec(models)
+    for out in (models, tmp_path):
+        result = invoke("build", "--models", str(models), "--out", str(out))
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"Error: --out {out} holds the spec {models / 'tiny.toml'}: verify runs code")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["models", "tiny.toml"]  # nothing written
+
+
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = invoke("--debug", "build", "--models", str(tmp_path / "absent"))
     assert result.exit_code != 0 and result.exception is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -89,14 +90,20 @@ def test_a_finite_value_where_expected_is_infinite_has_an_infinite_error() -> No
 
 
 def test_a_case_that_compared_no_element_proves_nothing() -> None:
-    empty = np.zeros((0, 4), np.float32)
+    """Every element left out proves nothing; outputs empty at a size the spec allows (min = 0)
+    prove their shapes, which is all there is (such a spec built, and verify failed it for good)."""
+    e = np.ones((2, 4), np.float32)
     case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {}, 0, "torch[cpu]")
-    case.comparisons = [compare_output("o", empty, empty.copy(), TOL)]
+    case.comparisons = [dataclasses.replace(compare_output("o", e, e.copy(), TOL), total=0)]  # as fully_masked leaves
     assert not case.passed
     assert case.reasons() == [
-        "compared no element: every output is empty at these sizes, or every element is one the spec leaves out "
-        '(fully_masked = "ignore"), which proves nothing'
+        'compared no element: every element is one the spec leaves out (fully_masked = "ignore"), which proves nothing'
     ]
+    empty = np.zeros((0, 4), np.float32)
+    case.comparisons = [compare_output("o", empty, empty.copy(), TOL)]
+    assert case.passed and case.reasons() == []
+    case.comparisons = [compare_output("o", empty, np.zeros((0, 5), np.float32), TOL)]
+    assert not case.passed
     assert not VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx")], []).passed  # no case at all
 
 

@@ -98,6 +98,13 @@ def build_models(
     if twice is not None:
         both = " and ".join(str(p) for p in spec_paths if p.stem == twice)
         raise UsageError(f"{both} both name model '{twice}': one build folder holds one model of a name")
+    out = options.out_dir.resolve()
+    inside = next((p for p in spec_paths if p.resolve().parent.is_relative_to(out)), None)
+    if inside is not None:
+        raise UsageError(
+            f"--out {options.out_dir} holds the spec {inside}: verify runs code only from the checkout, never from "
+            "a build folder, and would refuse it; give --out a folder of its own"
+        )
     started = time.perf_counter()
     results: list[BuildResult] = []
 

@@ -184,7 +184,12 @@ def run_action(env: Mapping[str, str]) -> int:
     failing command's: 1 a check failed, 2 bad usage or input). The outputs are written
     whatever happens; ``passed`` is ``true`` only with exit 0."""
     try:
+        from attn_export.runtimes.ort import require_provider
+
         inputs = ActionInputs.from_env(env)
+        for provider in inputs.providers:  # a provider missing here fails now, not after the build
+            if provider != "all":
+                require_provider(provider)
         try:
             inputs.reports_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -213,6 +218,8 @@ def run_action(env: Mapping[str, str]) -> int:
             code = code or 2
     if code == 0:
         code = _attn_export(verify_command(inputs))  # verify appends its Markdown report to the summary
+        if code == 2:
+            print("::error title=attn-export::verify refused its input (exit 2); the step's log says why", flush=True)
         verdict = "passed" if code == 0 else f"failed (exit {code})"
         _summary(env, f"attn-export verify {verdict}; fail-on: {gates}.\n")
     reports = {name: str(path.resolve()) if path.exists() else "" for name, path in paths.items()}

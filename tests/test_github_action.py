@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import yaml
 
+from attn_export import github_action
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import read_golden, write_golden
 from attn_export.github_action import DEFAULTS, ActionInputs, run_action, verify_command
+from attn_export.runtimes.ort import available_providers
 from tests.conftest import ROOT, Built, tiny_spec
 
 ACTION = yaml.safe_load((ROOT / "action.yml").read_text())
@@ -170,6 +172,11 @@ def test_a_failing_verify_fails_the_step_with_passed_false(tiny_build: Built, tm
     [
         ({"FAIL_ON": "numerics speed"}, "input fail-on: speed unknown (choose from numerics, latency, placement)"),
         ({"REPORTS_DIR": "pyproject.toml"}, "input reports-dir: cannot make pyproject.toml: File exists"),
+        pytest.param(
+            {"PROVIDERS": "cpu cuda"},
+            "provider 'cuda' is not available in this onnxruntime; available: ",
+            marks=pytest.mark.skipif("cuda" in available_providers(), reason="CUDA is here"),
+        ),  # it built first, and verify's exit 2 had no ::error:: line
     ],
 )
 def test_bad_input_is_one_error_line_exit_2_and_passed_false(
@@ -183,10 +190,11 @@ def test_bad_input_is_one_error_line_exit_2_and_passed_false(
     env = {f"ATTN_EXPORT_{k}": v for k, v in given.items()}
     env |= {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
     assert run_action(env) == 2
-    assert capsys.readouterr().out == f"::error title=attn-export::{message}\n"
+    said = capsys.readouterr().out
+    assert said.startswith(f"::error title=attn-export::{message}") and said.count("\n") == 1, said
     outputs = parse_github_output((tmp_path / "out").read_text())
     assert outputs == {"json": "", "junit": "", "markdown": "", "passed": "false"}
-    assert (tmp_path / "summary.md").read_text() == f"\n### attn-export: ❌ bad input\n\n{message}\n"
+    assert (tmp_path / "summary.md").read_text().startswith(f"\n### attn-export: ❌ bad input\n\n{message}")
 
 
 @pytest.mark.parametrize(
@@ -266,3 +274,17 @@ def test_the_docs_workflows_use_only_the_action_s_inputs_and_its_report_names() 
     shard = ActionInputs.from_env({"ATTN_EXPORT_SHARD": "3/4"})
     assert Path(verify_command(shard)[verify_command(shard).index("--json") + 1]).name == "shard-3-of-4.json"
     assert "attn-export report merge shard-*.json --junit " in page
+
+
+def test_a_verify_that_refuses_its_input_is_an_error_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Inputs only verify can judge (a stale build, a folder without graphs) end it with exit 2."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(github_action, "_attn_export", lambda args: 2 if args[0] == "verify" else 0)
+    env = {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    assert run_action(env) == 2
+    assert "::error title=attn-export::verify refused its input (exit 2); the step's log says why\n" in (
+        capsys.readouterr().out
+    )
+    assert parse_github_output((tmp_path / "out").read_text())["passed"] == "false"

@@ -2,22 +2,27 @@
 test per model x target x case of a build folder, each judged as ``attn-export verify``
 judges it, a failure showing its numbers and the command that reproduces it.
 
-Each model is verified once, when its first test runs. Without the option the plugin does
-nothing and imports nothing heavy. For a user's own tests, see
+Each folder's manifest is collected as a file named on the command line (its cases are
+counted and selected with -k as any test, each node id naming the folder); each model is
+verified once, when its first test runs. Without the option the plugin does nothing and
+imports nothing heavy. For a user's own tests, see
 ``attn_export.assert_onnx_matches``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
-    from attn_export.pipelines.verify import CaseResult, VerifyReport
+    from attn_export.artifacts.manifest import Manifest
+    from attn_export.pipelines.verify import CaseResult, VerifyOptions, VerifyReport
     from attn_export.runtimes import Target
+    from attn_export.spec import ModelSpec
 
 __all__ = ["BuildFolder", "CaseItem"]
 
@@ -52,10 +57,75 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    for folder in config.getoption("attn_export"):
-        manifest = Path(folder).resolve() / "manifest.json"
-        items.extend(BuildFolder.from_parent(session, path=manifest).collect())
+def _manifests(config: pytest.Config) -> list[Path]:
+    return [Path(folder).resolve() / "manifest.json" for folder in config.getoption("attn_export")]
+
+
+@dataclass
+class _Folder:
+    """What a build folder's tests need, read once its options are checked."""
+
+    manifest: Manifest
+    options: VerifyOptions
+    specs: dict[str, ModelSpec]
+
+
+_FOLDERS = pytest.StashKey[dict[Path, _Folder]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each build folder's manifest joins the paths pytest collects, as a file given on its
+    command line: its cases are counted, selected (-k) and named (the folder in each node
+    id) as any test is. Bad options, manifests and specs are a usage error, here."""
+    manifests = _manifests(config)
+    if not manifests:
+        return
+    from attn_export.errors import AttnExportError
+
+    try:
+        config.stash[_FOLDERS] = {m: _read_folder(config, m) for m in manifests}
+    except AttnExportError as e:
+        raise pytest.UsageError(f"--attn-export: {e}") from e
+    for manifest in manifests:
+        if str(manifest) not in config.args:
+            config.args.append(str(manifest))
+
+
+def _read_folder(config: pytest.Config, path: Path) -> _Folder:
+    from attn_export.artifacts.manifest import load_manifest
+    from attn_export.errors import UsageError
+    from attn_export.pipelines.verify import VerifyOptions, checkout_spec
+    from attn_export.runtimes import resolve_targets
+    from attn_export.spec.memory import parse_bytes
+
+    seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
+    if seed < 0:
+        raise UsageError(f"--attn-export-seed {seed}: a seed is 0 or more")
+    manifest = load_manifest(path.parent)
+    options = VerifyOptions(
+        targets=resolve_targets(["onnxruntime"], config.getoption("attn_export_provider") or ["cpu"]),
+        models_dir=Path(config.getoption("attn_export_models")),
+        seed=seed,
+        latency=False,
+        max_memory=None if budget is None else parse_bytes(budget, "--attn-export-max-memory"),
+    )
+    models = sorted(manifest.models)
+    specs = {m: checkout_spec(options.models_dir, manifest.models[m], "--attn-export-models") for m in models}
+    return _Folder(manifest, options, specs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A build folder, and each folder above it, is walked into though pytest skips any
+    folder named ``build`` by default (``norecursedirs``)."""
+    here = collection_path.resolve()
+    return False if any(m.parent.is_relative_to(here) for m in _manifests(config)) else None
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> BuildFolder | None:
+    if file_path.name == "manifest.json" and file_path.resolve() in _manifests(parent.config):
+        return BuildFolder.from_parent(parent, path=file_path)
+    return None
 
 
 class _CaseFailed(Exception):
@@ -66,37 +136,18 @@ class BuildFolder(pytest.File):
     """A build folder's manifest: one item per model x target x case of verify's sweep."""
 
     def collect(self) -> Iterator[CaseItem]:
-        from attn_export.artifacts.manifest import load_manifest
         from attn_export.checks.decode import layouts
-        from attn_export.errors import AttnExportError, UsageError
-        from attn_export.pipelines.verify import VerifyOptions, case_plan, checkout_spec
-        from attn_export.runtimes import RUNTIMES, resolve_targets
+        from attn_export.errors import AttnExportError
+        from attn_export.pipelines.verify import case_plan
+        from attn_export.runtimes import RUNTIMES
         from attn_export.spec.cache import cache_of
         from attn_export.spec.distributions import case_label
-        from attn_export.spec.memory import parse_bytes
 
-        config = self.config
-        try:
-            seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
-            if seed < 0:
-                raise UsageError(f"--attn-export-seed {seed}: a seed is 0 or more")
-            self.manifest = load_manifest(self.path.parent)
-            targets = resolve_targets(["onnxruntime"], config.getoption("attn_export_provider") or ["cpu"])
-            self.options = VerifyOptions(
-                targets=targets,
-                models_dir=Path(config.getoption("attn_export_models")),
-                seed=seed,
-                latency=False,
-                max_memory=None if budget is None else parse_bytes(budget, "--attn-export-max-memory"),
-            )
-            models = sorted(self.manifest.models)
-            specs = [
-                checkout_spec(self.options.models_dir, self.manifest.models[m], "--attn-export-models") for m in models
-            ]
-        except AttnExportError as e:
-            raise pytest.UsageError(f"--attn-export: {e}") from e
+        folder = self.config.stash[_FOLDERS][self.path.resolve()]
+        self.manifest, self.options = folder.manifest, folder.options
+        targets = self.options.targets
         self.reports: dict[str, VerifyReport | str] = {}
-        for model, spec in zip(models, specs, strict=True):
+        for model, spec in folder.specs.items():
             for target in targets:
                 try:
                     plan = case_plan(spec, self.options, RUNTIMES[target.runtime].shape_cap)

@@ -243,6 +243,7 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
 
     Example:
 
+    \b
         attn-export list --models models
         attn-export list path/to/model.toml
     """
@@ -337,6 +338,7 @@ def build(
 
     Example:
 
+    \b
         attn-export build --out build
         attn-export build mha mha_cross --force
         attn-export build path/to/model.toml
@@ -387,6 +389,7 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
 
     Example:
 
+    \b
         attn-export inspect build/mha.onnx --json
     """
     from attn_export.pipelines.inspect import inspect_file
@@ -428,6 +431,7 @@ def check_cmd(
 
     Example:
 
+    \b
         attn-export check build
         attn-export check build/mha.onnx exported/model.onnx --max-opset 21
     """
@@ -608,6 +612,7 @@ def verify(
 
     Example:
 
+    \b
         attn-export verify build --json report.json --junit junit.xml
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
@@ -742,6 +747,7 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
 
     Example:
 
+    \b
         attn-export report merge shard-*.json --junit junit.xml --markdown verify.md --json verify.json
     """
     from attn_export.pipelines.verify.merge import merge_shards
@@ -868,6 +874,7 @@ def localize(
 
     Example:
 
+    \b
         attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
         attn-export localize build llama_attention --json where.json
         attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
@@ -939,6 +946,7 @@ def replay(folder: Path, provider: str, max_memory: int | None) -> None:
 
     Example:
 
+    \b
         attn-export replay where/
         sh where/reproduce.sh --provider cuda
     """
@@ -1077,6 +1085,7 @@ def bench(
 
     Example:
 
+    \b
         attn-export bench mha --batch 1,8 --seq 64,128,...,2048 --plot latency.png
         attn-export bench path/to/model.toml --seq 128,512
         attn-export bench mha --seq 128,512,2048 --compile

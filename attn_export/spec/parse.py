@@ -441,7 +441,10 @@ def _tolerances(
         raise where.error("'tolerance.outputs' must be a table of per-output tolerances", "outputs", "tolerance")
     for name, tol in raw_per_output.items():
         if name not in {t.name for t in outputs}:
-            raise where.error(f"tolerance for unknown output '{name}'", name, f"tolerance.outputs.{name}")
+            known = ", ".join(t.name for t in outputs)
+            raise where.error(
+                f"tolerance for unknown output '{name}' (outputs: {known})", name, f"tolerance.outputs.{name}"
+            )
         per_output[name] = _tolerance_table(where, tol, tolerance, f"tolerance.outputs.{name}", name)
     per_variant: dict[str, Tolerance] = {}
     for variant, tol in _table(where, raw, "variants", "a table of per-variant tolerances").items():
@@ -460,7 +463,8 @@ def _typical(where: _Where, raw: dict[str, Any], dims: dict[str, DimRange]) -> d
             raise where.error(f"typical size for undeclared dim '{name}'", name, "typical")
         size = _int(where, size, f"typical.{name}", name, "typical")
         if not dims[name].min <= size <= dims[name].max:
-            raise where.error(f"typical.{name} = {size} is outside its range", name, "typical")
+            span = f"{dims[name].min}..{dims[name].max}"
+            raise where.error(f"typical.{name} = {size} is outside its range {span}", name, "typical")
         typical[name] = size
     return typical
 

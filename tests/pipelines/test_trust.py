@@ -131,6 +131,10 @@ def test_verify_without_the_models_spec_says_where_it_looked(user_build: tuple[P
     _, out = user_build
     result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)
     assert result.exit_code == 2
+    assert result.output == f"Error: --models {tmp_path / 'elsewhere'}: no such model directory (pass --models DIR)\n"
+    (tmp_path / "elsewhere").mkdir()
+    result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)
+    assert result.exit_code == 2
     assert result.output.splitlines()[-1].startswith(
         f"Error: no spec for model 'mine' in {tmp_path / 'elsewhere'}: verify rebuilds PyTorch originals only"
     )

@@ -374,6 +374,10 @@ def test_missing_manifest_exits_2(tmp_path: Path) -> None:
         result.output
         == f"Error: {tmp_path / 'manifest.json'}: no manifest; run 'attn-export build --out {tmp_path}' first\n"
     )
+    (tmp_path / "mine.onnx").write_bytes(b"")  # a graph no build made: its spec is the way
+    result = invoke("verify", str(tmp_path / "mine.onnx"))
+    assert result.exit_code == 2 and "no manifest beside it, so no build made it; verify a graph" in result.output
+    assert "with --spec SPEC.toml" in result.output
 
 
 def test_json_report_has_documented_fields(zoo_dir: Path, tmp_path: Path) -> None:

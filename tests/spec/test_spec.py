@@ -242,8 +242,9 @@ EDITS = [
     (
         "tolerance_output",
         ("[dims]", "[tolerance.outputs.nope]\natol = 1.0\n[dims]"),
-        r"tolerance for unknown output 'nope'",
+        r"tolerance for unknown output 'nope' \(outputs: output\)",
     ),
+    ("typical_outside", ("[dims]", "[typical]\nbatch = 99\n[dims]"), r"typical.batch = 99 is outside its range 1..4"),
     (
         "missing_weights",
         ("[dims]", '[weights]\npath = "nowhere.pt"\n[dims]'),

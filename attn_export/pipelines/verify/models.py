@@ -9,7 +9,7 @@ from pathlib import Path
 
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
-from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes, check_spec_signature
@@ -90,6 +90,11 @@ def select_models(
         if not p.exists():
             raise ArtifactError(f"{p}: no such file")
     out_dir = paths[0].parent
+    if not (out_dir / MANIFEST_NAME).exists() and len(paths) == 1:
+        raise ArtifactError(
+            f"{paths[0]}: no manifest beside it, so no build made it; verify a graph of your own against its spec "
+            f"with --spec SPEC.toml, or run 'attn-export build --out {out_dir}' first"
+        )
     manifest = load_manifest(out_dir)
     by_file = {e.file: name for name, e in manifest.models.items()}
     names = []
@@ -183,10 +188,17 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
     pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
+    if not models_dir.is_dir():
+        raise UsageError(f"{option} {models_dir}: no such model directory (pass {option} DIR)")
     if not path.is_file():
+        other = (  # golden mode reads the checkout's spec only where --models names it
+            "or leave --models out to judge by the spec the build recorded"
+            if not learn
+            else "or compares with golden vectors (--golden)"
+        )
         raise UsageError(
             f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
-            f"checkout's specs (pass {option} DIR), or compares with golden vectors (--golden)"
+            f"checkout's specs (pass {option} DIR), {other}"
         )
     spec = dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
     return _learned_ranges(spec) if learn else spec

@@ -175,7 +175,7 @@ def _verdict(mine: list[float], theirs: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     timing_arguments(
         parser,
         repeats="rounds of alternating blocks per seq",

@@ -108,7 +108,7 @@ def timed(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     timing_arguments(
         parser,
         repeats="rounds of alternating blocks per size",

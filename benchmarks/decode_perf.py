@@ -114,7 +114,7 @@ def _median(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timed steps per runner and past length")
     parser.add_argument(
         "--threads",

@@ -34,7 +34,7 @@ def _shares(c: OutputComparison) -> tuple[float, float] | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=Path, default=MODELS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -133,7 +133,7 @@ def profile_lines(out: Path, manifest: Any, spec: Any, variants: tuple[str, ...]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     timing_arguments(
         parser,
         repeats="whole bench runs; cells are their medians",

@@ -7,6 +7,7 @@ Used by build (to export) and verify (to rebuild the original with the same weig
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -70,6 +71,13 @@ def _construct(spec: ModelSpec, target: str, kwargs: dict[str, Any]) -> Any:
         raise SpecError(f"{spec.name}: constructing {target} raised {type(e).__name__}: {e}") from e
 
 
+def _unpickler_said(e: Exception) -> str:
+    """What torch's weights-only unpickler found, without the advice around it (to load
+    the file with weights_only=False, which would run the code a pickle carries)."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
+    return first_line(found[1]) if found else f"{type(e).__name__}: {first_line(e)}"
+
+
 def _load_state_dict(spec: ModelSpec, module: Any) -> None:
     torch = require("torch", "loading weights")
     assert spec.weights.path is not None
@@ -79,8 +87,9 @@ def _load_state_dict(spec: ModelSpec, module: Any) -> None:
             state = torch.load(spec.weights.path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise SpecError(
-            f"{spec.name}: refused weights file {spec.weights.path}: not a plain state_dict "
-            f"loadable with weights_only=True ({first_line(e)})"
+            f"{spec.name}: refused weights file {spec.weights.path}: not a plain state_dict, read with "
+            f"weights_only=True, which runs no code in it ({_unpickler_said(e)}); give a file that "
+            "torch.save(module.state_dict(), path) wrote"
         ) from e
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise SpecError(f"{spec.name}: weights file {spec.weights.path} is not a state_dict of tensors")

@@ -173,7 +173,12 @@ def test_pickle_carrying_code_is_refused_and_never_run(tmp_path: Path) -> None:
     result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2
     assert "refused weights file" in result.output and "weights_only=True" in result.output
+    assert "(Unsupported operand" in result.output  # what torch found, not its advice to load it anyway
+    assert "weights_only` set to `False`" not in result.output
     assert not marker.exists()
+    weights.write_bytes(b"not a checkpoint" * 8)
+    result = invoke("build", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and "(Unsupported operand" in result.output, result.output
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,10 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             click.echo("Interrupted; files already written are complete, nothing is half-written.", err=True)
             ctx.exit(130)
+        except click.NoSuchOption as e:
+            if e.option_name == "--debug":
+                e.message += " (--debug goes before the command: attn-export --debug COMMAND ...)"
+            raise
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

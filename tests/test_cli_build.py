@@ -210,6 +210,8 @@ def test_a_build_folder_that_holds_the_specs_is_refused(tmp_path: Path) -> None:
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     result = invoke("--debug", "build", "--models", str(tmp_path / "absent"))
     assert result.exit_code != 0 and result.exception is not None
+    late = invoke("build", "--models", str(tmp_path / "absent"), "--debug")
+    assert late.exit_code == 2 and "(--debug goes before the command: attn-export --debug COMMAND ...)" in late.output
 
 
 def test_spec_named_like_a_variant_is_refused(tmp_path: Path) -> None:

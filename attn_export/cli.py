@@ -56,9 +56,10 @@ class _Group(click.Group):
             click.echo("Interrupted; files already written are complete, nothing is half-written.", err=True)
             ctx.exit(130)
         except click.NoSuchOption as e:
-            if e.option_name == "--debug":
-                e.message += " (--debug goes before the command: attn-export --debug COMMAND ...)"
-            raise
+            if e.option_name != "--debug":
+                raise
+            hint = f"{e.message} (--debug goes before the command: attn-export --debug COMMAND ...)"
+            raise click.NoSuchOption(e.option_name, hint, e.possibilities, e.ctx) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

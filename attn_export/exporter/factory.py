@@ -75,7 +75,7 @@ def _unpickler_said(e: Exception) -> str:
     """What torch's weights-only unpickler found, without the advice around it (to load
     the file with weights_only=False, which would run the code a pickle carries)."""
     found = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-    return first_line(found[1]) if found else f"{type(e).__name__}: {first_line(e)}"
+    return found[1].strip().splitlines()[0] if found else f"{type(e).__name__}: {first_line(e)}"
 
 
 def _load_state_dict(spec: ModelSpec, module: Any) -> None:

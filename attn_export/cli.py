@@ -443,11 +443,13 @@ def check_cmd(
     from attn_export.artifacts.files import write_output
     from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
     from attn_export.pipelines.check import CheckOptions, check_paths
-    from attn_export.report import build_files, check_report_paths
+    from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.check_text import format_check
 
     folders = {p if p.is_dir() else p.parent for p in paths}
-    reads = [*paths, *(f for folder in folders for f in build_files(folder))]
+    graphs = [*paths, *(g for folder in folders if folder in paths for g in folder_graphs(folder))]
+    reads = [*paths, *graph_data(g for g in graphs if g.suffix == ".onnx" and g.is_file())]
+    reads += [f for folder in folders for f in build_files(folder)]
     check_report_paths({"json": json_path}, reads=reads, summary=False)
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
     report = check_paths(paths, options)
@@ -637,7 +639,7 @@ def verify(
         shard_names,
         verify_artifacts,
     )
-    from attn_export.report import check_report_paths, check_reports_spare, write_reports
+    from attn_export.report import build_files, check_report_paths, check_reports_spare, graph_data, write_reports
     from attn_export.report.verify_text import (
         HEADER,
         format_decode,
@@ -667,6 +669,8 @@ def verify(
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
     check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
+    graphs = [out_dir / manifest.models[n].file for n in names]
+    check_report_paths(report_paths, reads=[*build_files(out_dir), *graph_data(graphs)])  # the summary too
     whole = not golden and spec_path is None and all(p.is_dir() for p in paths)
     options = VerifyOptions(
         targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
@@ -890,7 +894,7 @@ def localize(
     """
     from attn_export.artifacts.files import write_output
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
-    from attn_export.report import build_files, check_report_paths
+    from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.localize_text import format_localize
     from attn_export.report.model_explorer import format_overlay
     from attn_export.spec.shapes import parse_shapes
@@ -898,8 +902,13 @@ def localize(
     _check_outside(spec_path, variant)
     if spec_path is None and folder.is_file():
         raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
-    reads = build_files(folder.parent if spec_path is not None else folder)
-    check_report_paths({"json": json_path, "overlay": overlay_path}, reads=reads, summary=False)
+    if spec_path is not None:
+        reads = [*build_files(folder.parent), *graph_data([folder])]
+    else:
+        reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
+    if bundle is not None:  # written in the same run
+        reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
+    check_report_paths({"json": json_path, "overlay": overlay_path}, bundle, reads=reads, summary=False)
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")

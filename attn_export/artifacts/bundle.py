@@ -98,6 +98,16 @@ def read_bundle(folder: Path, budget: int) -> Bundle:
     return Bundle(info, model, cases[0].inputs, cases[0].outputs)
 
 
+def _finite(value: object) -> bool:
+    """A number >= 0 that a float holds (an int past 1e308 overflowed in the comparison)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return 0 <= float(value) < float("inf")
+    except OverflowError:
+        return False
+
+
 def _check_info(path: Path, info: dict[str, Any]) -> None:
     """What replay reads from ``bundle.json``: names as strings, a finite tolerance >= 0."""
     for key in ("model", "fx_node", "value", "source", "code", "localize"):
@@ -108,10 +118,7 @@ def _check_info(path: Path, info: dict[str, Any]) -> None:
         raise ArtifactError(f"{path}: 'nodes' must be a list of node names")
     tol = info.get("tolerance")
     ok = isinstance(tol, dict) and all(
-        isinstance(v := tol.get(k, 0.0 if k in TOLERANCE_KEYS[2:] else None), int | float)
-        and not isinstance(v, bool)
-        and 0 <= v < float("inf")
-        for k in TOLERANCE_KEYS
+        _finite(tol.get(k, 0.0 if k in TOLERANCE_KEYS[2:] else None)) for k in TOLERANCE_KEYS
     )
     if not ok:
         raise ArtifactError(f"{path}: 'tolerance' must hold a finite atol and rtol >= 0 (and atol_rms, rms_rtol)")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from attn_export._deps import require
 from attn_export.artifacts.files import LOCK_NAME, append_output, output_target, write_output
 from attn_export.artifacts.manifest import MANIFEST_NAME
-from attn_export.errors import UsageError
+from attn_export.errors import AttnExportError, UsageError
 from attn_export.report import bench_text, benchmark_json, json_report, junit, markdown, plot
 from attn_export.report.base import BenchFormat, ReportFormat
 
@@ -29,6 +29,8 @@ __all__ = [
     "BenchFormat",
     "ReportFormat",
     "build_files",
+    "folder_graphs",
+    "graph_data",
     "check_bench_formats",
     "check_report_paths",
     "check_reports_spare",
@@ -91,7 +93,10 @@ def check_report_paths(
     for label, path in [*given, ("$GITHUB_STEP_SUMMARY", Path(summary_file) if summary_file else None)]:
         if path is None:
             continue
-        target = output_target(path).resolve()
+        try:
+            target = output_target(path).resolve()
+        except UsageError as e:
+            raise UsageError(f"$GITHUB_STEP_SUMMARY: {e}" if label[0] == "$" else str(e)) from None
         folder = path.parent.resolve()
         if not folder.is_dir() and (made is None or not folder.is_relative_to(made.resolve())):
             raise UsageError(f"cannot write {path}: no folder {path.parent}")
@@ -122,13 +127,41 @@ def check_bench_formats(paths: Mapping[str, Path | None], made: Path | None = No
         needs = BENCH_FORMATS[name].requires
         if path is not None and needs:
             require(needs, f"--{name}")
-    check_report_paths(paths, made, reads=build_files(made) if made else ())
+    check_report_paths(paths, made, reads=build_files(made) if made else (), summary=False)
 
 
 def build_files(folder: Path) -> list[Path]:
     """The files of a build folder no report may be written over that the suffixes do not
-    already name: its manifest and its lock."""
+    already name: its manifest and its lock (and its graphs' data: ``graph_data``)."""
     return [folder / MANIFEST_NAME, folder / LOCK_NAME]
+
+
+def folder_graphs(folder: Path, names: Iterable[str] | None = None) -> list[Path]:
+    """The graphs a build folder's manifest names (those of ``names``); none where it has
+    no manifest that reads (the command itself says so)."""
+    from attn_export.artifacts.manifest import load_manifest
+
+    if not (folder / MANIFEST_NAME).is_file():
+        return []
+    try:
+        models = load_manifest(folder).models
+    except AttnExportError:
+        return []
+    return [folder / e.file for n, e in models.items() if names is None or n in names]
+
+
+def graph_data(graphs: Iterable[Path]) -> list[Path]:
+    """The external data files ``graphs`` read (a report written over one loses its
+    weights), each graph read as data; one that does not parse is the command's to report."""
+    from attn_export.artifacts.onnx_file import external_data_files, load_model_file
+
+    found = []
+    for graph in graphs:
+        try:
+            found += [graph.parent / name for name in external_data_files(load_model_file(graph))]
+        except (AttnExportError, OSError):
+            continue  # the command itself says what is wrong with it
+    return found
 
 
 def write_bench_reports(report: BenchReport | DecodeBenchReport, paths: Mapping[str, Path | None]) -> None:

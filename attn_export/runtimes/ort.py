@@ -10,6 +10,7 @@ in one line instead of killing the process.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import os
@@ -102,7 +103,7 @@ def _register_arena(budget: int) -> None:
 
 
 def crash_on_load(
-    model: Path | bytes, provider: str = "cpu", wait_s: float = 300.0, level: str | None = None
+    model: Path | bytes, provider: str = "cpu", wait_s: float = 1800.0, level: str | None = None
 ) -> str | None:
     """How ONNX Runtime dies making a session of ``model`` (killed by a signal, or hung past
     ``wait_s``), tried in a forked child: a crash inside it (a segfault in a graph
@@ -129,10 +130,13 @@ def crash_on_load(
             if time.monotonic() > deadline:
                 return f"hung for {wait_s:g} s"
             time.sleep(0.01)
+    except ChildProcessError:  # SIGCHLD ignored: the child was reaped unseen, its end unknown
+        return None
     finally:
         if not done[0]:  # hung, or the wait was interrupted: no child is left behind
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
     status = done[1]
     return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status) else None
 
@@ -186,8 +190,9 @@ def load_session(
     ``no_fallback`` makes a node without a kernel on the provider fail the load;
     ``profile_prefix`` turns on ONNX Runtime's per-node profiling; ``spinning=False``
     stops idle intra-op threads from spinning after a run, so they do not steal the cores
-    from PyTorch timed in the same process; ``probe`` (default: for a file) first makes the
-    session in a forked child, so that a graph crashing ONNX Runtime fails in one line.
+    from PyTorch timed in the same process; ``probe`` (default: for a file, on the CPU)
+    first makes the session in a forked child, so that a graph crashing ONNX Runtime fails
+    in one line (not on CUDA: a child forked after CUDA started cannot use it).
     """
     import onnxruntime as ort
 
@@ -211,7 +216,7 @@ def load_session(
     options.add_session_config_entry("session.use_env_allocators", "1")
     label = f"onnxruntime[{provider}]"
     what = model.name if isinstance(model, Path) else "the graph"
-    if isinstance(model, Path) if probe is None else probe:
+    if isinstance(model, Path) and provider == "cpu" if probe is None else probe:
         _refuse_crash(model, provider, level, label, what)
     cap = budget or memory_budget()
     _register_arena(cap)  # this session's arena...

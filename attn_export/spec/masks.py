@@ -195,7 +195,8 @@ def _keep3(pattern: str, b: int, q: int, k: int, rng: np.random.Generator) -> np
     its oldest keys showed only at lengths that random draws rarely reach) and one key of
     the first, as the first query row of a random mask keeps one key (where every kept
     score is far below a graph's mask fill, as at large values, masked keys take the
-    weight: a fill of -1e4 for -1e9 passed rows keeping three keys in four)."""
+    weight: a fill of -1e4 for -1e9 passed rows keeping three keys in four), or, where
+    the mask has no query axis of its own, its first sequence's row."""
     if pattern == "causal":
         return np.broadcast_to(np.tril(np.ones((q, k), dtype=bool)), (b, q, k)).copy()
     if pattern in ("padding", "left-padding"):
@@ -205,9 +206,12 @@ def _keep3(pattern: str, b: int, q: int, k: int, rng: np.random.Generator) -> np
             keep[i, :, :n] = True
         return keep[..., ::-1].copy() if pattern == "left-padding" else keep
     keep = rng.random((b, q, k)) < 0.75
-    if q > 1:
+    if q > 1:  # the first query row of each sequence
         keep[:, 0] = False
         keep[np.arange(b), 0, rng.integers(0, k, size=b)] = True
+    elif b > 1:  # a mask without a query axis of its own: the first sequence's row
+        keep[0] = False
+        keep[0, :, rng.integers(0, k)] = True
     empty = np.argwhere(~keep.any(axis=-1))
     keep[empty[:, 0], empty[:, 1], rng.integers(0, k, size=len(empty))] = True
     return keep

@@ -77,6 +77,7 @@ HOSTILE = [
     ("an infinite atol", _edit_info("tolerance", {"atol": 1e400, "rtol": 0}), "must hold a finite atol and rtol"),
     ("a boolean atol", _edit_info("tolerance", {"atol": True, "rtol": 0}), "must hold a finite atol and rtol"),
     ("a negative rtol", _edit_info("tolerance", {"atol": 0, "rtol": -1}), "must hold a finite atol and rtol"),
+    ("an int past float", _edit_info("tolerance", {"atol": 0, "rtol": 0, "atol_rms": 10**400}), "must hold a finite"),
     ("two values", _case({"x": X}, {"softmax": X, "other": X}), "PyTorch's value of 'softmax' alone"),
     ("another value", _case({"x": X}, {"other": X}), "PyTorch's value of 'softmax' alone"),
     ("an input of another dtype", _case({"x": X.astype(np.float64)}, {"softmax": X}), "case.npz's 'x' is float64"),

@@ -25,7 +25,7 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.shapes import example_sizes
-from tests.conftest import TINY_ZOO, write_spec
+from tests.conftest import TINY_ZOO, plant, write_spec
 
 #: F.scaled_dot_product_attention with a bool mask: PyTorch gives 0 on a fully masked row
 #: (its safe softmax); the exporter fills with the float minimum, which gives the mean of V.
@@ -262,3 +262,37 @@ def test_the_onnx_attention_op_is_rewritten_per_head_like_a_softmax() -> None:
         np.testing.assert_allclose(rewritten[0, 1], plain[0, 1], rtol=1e-6)  # head 1 keeps its keys
         np.testing.assert_allclose(rewritten[0, 0, 0], plain[0, 0, 0], rtol=1e-6)
     assert rewrite_softmax(uniform, "zero")[0].SerializeToString() == zero.SerializeToString()
+
+
+def test_every_mask_pattern_has_a_row_keeping_one_key_and_padding_a_whole_sequence() -> None:
+    """Rows at both extremes: a graph attending only the newest keys of a long cache showed
+    only at lengths random draws rarely reach, and a mask fill of -1e4 for -1e9 leaks only
+    in rows whose every kept score is far below it (rows keeping three keys in four rarely
+    are), also in masks without a query axis of their own (key padding, [batch, 1, 1, kv])."""
+    from attn_export.spec.masks import _keep3
+
+    rng = np.random.default_rng(0)
+    for pattern in ("padding", "left-padding"):
+        keep = _keep3(pattern, 3, 4, 9, rng)
+        assert keep[-1].all() and (keep[0].sum(-1) == 1).all()
+        assert keep.any(-1).all()
+    keep = _keep3("random", 3, 4, 9, rng)
+    assert (keep[:, 0].sum(-1) == 1).all() and keep.any(-1).all()
+    keep = _keep3("random", 3, 1, 9, rng)  # no query axis: the first sequence's row
+    assert keep[0, 0].sum() == 1 and keep.any(-1).all()
+    assert _keep3("random", 1, 1, 9, rng).sum() > 1  # a lone row keeps a random set
+
+
+def test_a_mask_fill_of_minus_1e4_fails(zoo_copy: Path) -> None:
+    """It leaks into a row whose every kept score is below -1e4, as at large values: before,
+    the default sweep passed it at 5 seeds of 6."""
+    proto = onnx.load(zoo_copy / "sdpa_masked.onnx")
+    fills = [i for i in proto.graph.initializer if onnx.numpy_helper.to_array(i).size == 1
+             and float(onnx.numpy_helper.to_array(i)) == -1e9]  # fmt: skip
+    assert len(fills) == 1
+    fills[0].CopyFrom(onnx.numpy_helper.from_array(np.array(-1e4, np.float32), fills[0].name))
+    plant(zoo_copy, "sdpa_masked", proto)
+    result = CliRunner().invoke(
+        cli, ["verify", str(zoo_copy / "sdpa_masked.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
+    )
+    assert result.exit_code == 1 and "FAIL sdpa_masked onnxruntime[cpu]" in result.output, result.output

@@ -180,3 +180,39 @@ def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: 
         assert len(result.output.splitlines()) == 1
     assert {p: p.read_bytes() for p in before} == before
     assert not out.exists() and not (tmp_path / "r").exists()
+
+
+def test_no_report_is_written_over_a_bundle_external_data_or_through_the_step_summary(
+    zoo_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each passed and left what it read unreadable: localize's --json inside its own --bundle,
+    a report over a graph's external data, $GITHUB_STEP_SUMMARY naming the manifest."""
+    import onnx
+
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    onnx.save(onnx.load(zoo_copy / "mha.onnx"), ext / "m.onnx", save_as_external_data=True, location="m.data",
+              size_threshold=0)  # fmt: skip
+    data = (ext / "m.data").read_bytes()
+    spec = str(TINY_ZOO / "mha.toml")
+    bundle = tmp_path / "b"
+    cases = [
+        (["localize", str(zoo_copy), "mha", "--bundle", str(bundle), "--json", str(bundle / "bundle.json")],
+         "is a file this command reads"),
+        (["check", str(ext / "m.onnx"), "--json", str(ext / "m.data")], "is a file this command reads"),
+        (["verify", str(ext / "m.onnx"), "--spec", spec, "--json", str(ext / "m.data")], "is a file this command"),
+        (["localize", str(ext / "m.onnx"), "--spec", spec, "--json", str(ext / "m.data")], "is a file this command"),
+    ]  # fmt: skip
+    for args, said in cases:
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and said in result.output, (args, result.output)
+    assert (ext / "m.data").read_bytes() == data and not bundle.exists()
+    manifest = zoo_copy / "manifest.json"
+    before = manifest.read_bytes()
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(manifest))
+    result = _verify(Built(zoo_copy, TINY_ZOO, {}))
+    assert result.exit_code == 2 and f"$GITHUB_STEP_SUMMARY {manifest} is a file this command reads" in result.output
+    assert manifest.read_bytes() == before
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))
+    result = _verify(Built(zoo_copy, TINY_ZOO, {}))
+    assert result.output.startswith(f"Error: $GITHUB_STEP_SUMMARY: {tmp_path} is a directory")

@@ -575,7 +575,8 @@ def test_step_summary_that_is_a_directory(zoo_dir: Path, tmp_path: Path, monkeyp
     assert result.exit_code == 2
     assert "verify PASSED" not in result.output  # refused before any work
     assert _error_line(result) == (
-        f"Error: {tmp_path} is a directory; reports are written only to a regular file or a new path"
+        f"Error: $GITHUB_STEP_SUMMARY: {tmp_path} is a directory; reports are written only to a regular file or a "
+        "new path"
     )
 
 

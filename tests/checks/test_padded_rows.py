@@ -108,7 +108,7 @@ def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_p
     assert built.exit_code == 1, built.output
     assert "[smoke] padded: smoke check at" in built.output
     assert (
-        "every difference is in 1 padded query row (padding that sees no real token under the module's own "
+        "every difference is in 2 padded query rows (padding that sees no real token under the module's own "
         "causal mask or window); "
         'set fully_masked = "ignore" in the spec to leave them out' in built.output
     )

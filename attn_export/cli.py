@@ -446,10 +446,9 @@ def check_cmd(
     from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.check_text import format_check
 
-    folders = {p if p.is_dir() else p.parent for p in paths}
-    graphs = [*paths, *(g for folder in folders if folder in paths for g in folder_graphs(folder))]
+    graphs = [g for p in paths for g in (folder_graphs(p) if p.is_dir() else [p])]
     reads = [*paths, *graph_data(g for g in graphs if g.suffix == ".onnx" and g.is_file())]
-    reads += [f for folder in folders for f in build_files(folder)]
+    reads += [f for folder in {p if p.is_dir() else p.parent for p in paths} for f in build_files(folder)]
     check_report_paths({"json": json_path}, reads=reads, summary=False)
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
     report = check_paths(paths, options)
@@ -664,7 +663,7 @@ def verify(
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
     _check_outside(spec_path, variant)
     report_paths = _format_paths(FORMATS, "report_", reports)
-    check_report_paths(report_paths)
+    check_report_paths(report_paths)  # before the folder is read; again below, with what it reads
     parallelism = Parallelism(executor, jobs)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
     folder_files = [f for e in manifest.models.values() for f, _ in e.files()]

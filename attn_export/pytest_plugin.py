@@ -119,11 +119,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     """A build folder, and each folder above it, is walked into though pytest skips any
     folder named ``build`` by default (``norecursedirs``)."""
     here = collection_path.resolve()
-    return False if any(m.parent.is_relative_to(here) for m in _manifests(config)) else None
+    return False if any(m.parent.is_relative_to(here) for m in config.stash.get(_FOLDERS, {})) else None
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> BuildFolder | None:
-    if file_path.name == "manifest.json" and file_path.resolve() in _manifests(parent.config):
+    if file_path.name == "manifest.json" and file_path.resolve() in parent.config.stash.get(_FOLDERS, {}):
         return BuildFolder.from_parent(parent, path=file_path)
     return None
 

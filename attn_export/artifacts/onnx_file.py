@@ -10,12 +10,19 @@ from pathlib import Path
 import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
-from onnx.external_data_helper import load_external_data_for_model
+from onnx.external_data_helper import load_external_data_for_model, load_external_data_for_tensor
 
 from attn_export.artifacts.files import read_regular
 from attn_export.errors import ArtifactError
 
-__all__ = ["check_external_data", "default_opset", "external_data_files", "load_model_file", "max_supported_opset"]
+__all__ = [
+    "check_external_data",
+    "default_opset",
+    "external_data_files",
+    "load_model_file",
+    "max_supported_opset",
+    "with_small_data",
+]
 
 #: protobuf cannot parse a message this large; bigger models keep their weights as external data.
 MAX_MODEL_BYTES = 2 << 30
@@ -66,6 +73,25 @@ def _external(proto: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
 def external_data_files(proto: onnx.ModelProto) -> list[str]:
     """The external data locations a model names, in order of first use."""
     return list(dict.fromkeys(location for location, _ in _external(proto)))
+
+
+def with_small_data(proto: onnx.ModelProto, model_dir: Path, limit: int = 1 << 16) -> onnx.ModelProto:
+    """A copy of ``proto`` holding the external tensors of at most ``limit`` bytes: shape
+    inference reads the values of shape inputs (a Reshape's target, a Slice's ends), never
+    the weights, and cannot read external data itself. Locations are checked first."""
+    check_external_data(proto, model_dir)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for _, t in list(_external(copy)):
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
+        count = 1
+        for d in t.dims:
+            count *= d
+        if itemsize and count * itemsize <= limit:
+            load_external_data_for_tensor(t, str(model_dir))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+    return copy
 
 
 def _span(location: str, t: onnx.TensorProto, size: int) -> None:

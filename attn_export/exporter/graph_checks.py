@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from attn_export.artifacts.onnx_file import default_opset, external_data_files
+from attn_export.artifacts.onnx_file import default_opset, external_data_files, with_small_data
 from attn_export.errors import GraphCheckError, first_line
 from attn_export.runtimes.static_cache import graph_signature
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
@@ -97,10 +97,15 @@ def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> 
     ONNX Runtime runs in the ONNX domain without an ONNX schema (``RUNTIME_ONNX_OPS``) is
     checked against the schema ONNX Runtime declares for it.
     """
-    uses_external = path is not None and bool(external_data_files(proto))
     _register_runtime_ops(proto)
     try:
-        onnx.checker.check_model(str(path) if uses_external else proto, full_check=True)
+        if path is not None and external_data_files(proto):
+            # onnx's full check cannot read external data: the file is checked from its
+            # folder, then shapes are inferred strictly with the small tensors read in.
+            onnx.checker.check_model(str(path))
+            onnx.shape_inference.infer_shapes(with_small_data(proto, path.parent), check_type=True, strict_mode=True)
+        else:
+            onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
         raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first_line(e)}") from e
 

@@ -85,6 +85,23 @@ class _FiniteFloat(click.FloatRange):
         return number
 
 
+class _Path(click.Path):
+    """A path to read or write: click turns an empty value (an unset ``$VAR``) into ``.``,
+    the working directory, which a build then wrote into and a report option called a
+    directory the user never named."""
+
+    def __init__(self, file_okay: bool = True, dir_okay: bool = True) -> None:
+        super().__init__(path_type=Path, file_okay=file_okay, dir_okay=dir_okay)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            kind = "a folder" if not self.file_okay else "a file" if not self.dir_okay else "a file or folder"
+            self.fail(f"an empty path; name {kind}.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+FILE = _Path(dir_okay=False)
+
 #: --max-slowdown's values; the GitHub Action checks its input with it before building.
 MAX_SLOWDOWN = _FiniteFloat(0, min_open=True)
 
@@ -105,7 +122,7 @@ def _unbuilt_notice(models_dir: Path, manifest: Manifest, out_dir: Path) -> None
 
 
 def _folder_option(flag: str, dest: str, default: str, help: str) -> Decorator:  # noqa: A002
-    folder = click.Path(path_type=Path, file_okay=False)
+    folder = _Path(file_okay=False)
     return click.option(flag, dest, type=folder, default=Path(default), show_default=True, help=help)
 
 
@@ -154,7 +171,7 @@ def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
             command = click.option(
                 f"--{fmt.name}",
                 _format_dest(prefix, fmt.name),
-                type=click.Path(path_type=Path, dir_okay=False),
+                type=FILE,
                 help=fmt.help,
             )(command)
         return command
@@ -224,7 +241,7 @@ def outside_graph_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--spec",
         "spec_path",
-        type=click.Path(path_type=Path, dir_okay=False),
+        type=FILE,
         help="Take one .onnx file no build made (edited by hand, or exported by a script) and judge it against "
         "this spec's module, as a built graph is; replaces --models. Not with --golden.",
     )(f)
@@ -382,7 +399,7 @@ def build(
 
 
 @cli.command("inspect")
-@click.argument("file", type=click.Path(path_type=Path))
+@click.argument("file", type=_Path())
 @provider_option("Check that every op has a kernel on this ONNX Runtime provider.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
@@ -406,7 +423,7 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
 
 
 @cli.command("check")
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, required=True, type=_Path())
 @click.option(
     "--min-opset", type=click.IntRange(1), default=7, show_default=True, help="Lowest default-domain opset allowed."
 )
@@ -421,7 +438,7 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     multiple=True,
     help="Operator domain allowed besides ai.onnx, ai.onnx.ml and com.microsoft (repeatable).",
 )
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+@click.option("--json", "json_path", type=FILE, help="Write the report as JSON.")
 def check_cmd(
     paths: tuple[Path, ...], min_opset: int, max_opset: int | None, domains: tuple[str, ...], json_path: Path | None
 ) -> None:
@@ -468,7 +485,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 
 @cli.command()
-@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, type=_Path())
 @checkout_models_option
 @outside_graph_options
 @click.option(
@@ -501,7 +518,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--inputs",
     "inputs_file",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=FILE,
     help="Verify with recorded inputs from this .npz (keys '<input>' for one case, or "
     "'<case>/inputs/<input>'; golden mode also needs '<case>/outputs/<output>').",
 )
@@ -744,7 +761,7 @@ def report_group() -> None:
 
 
 @report_group.command("merge")
-@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("files", nargs=-1, required=True, type=FILE)
 @report_options
 def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
     """Put the JSON reports of a sharded verify (each shard's --shard i/n --json FILE)
@@ -774,7 +791,7 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("folder", type=_Path())
 @click.argument("model", required=False)
 @checkout_models_option
 @outside_graph_options
@@ -828,14 +845,14 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
 )
 @click.option(
     "--bundle",
-    type=click.Path(path_type=Path, file_okay=False),
+    type=_Path(file_okay=False),
     help="Write a replay bundle of the blamed region into this new folder (attn-export replay reruns it).",
 )
-@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), help="Write the report as JSON.")
+@click.option("--json", "json_path", type=FILE, help="Write the report as JSON.")
 @click.option(
     "--overlay",
     "overlay_path",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=FILE,
     help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
 )
 @click.option(
@@ -949,7 +966,7 @@ def localize(
 
 
 @cli.command()
-@click.argument("folder", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("folder", type=_Path(file_okay=False))
 @provider_option("ONNX Runtime provider to rerun the region on.")
 @max_memory_option
 def replay(folder: Path, provider: str, max_memory: int | None) -> None:

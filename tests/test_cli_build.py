@@ -324,3 +324,24 @@ def test_output_that_is_inf_on_both_sides_fails_like_nan(tmp_path: Path) -> None
     result = invoke("build", "--models", str(models), "--out", str(out))
     assert result.exit_code == 1, result.output
     assert "y: 48/48 elements Inf on both sides, first at [0, 0, 0] (set [tolerance] allow_nan = true" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["build", "--out", ""], "'--out': an empty path; name a folder."),
+        (["build", "--models", " "], "'--models': an empty path; name a folder."),
+        (["verify", "x", "--json", ""], "'--json': an empty path; name a file."),
+        (["inspect", ""], "'FILE': an empty path; name a file or folder."),
+    ],
+)
+def test_an_empty_path_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], said: str
+) -> None:
+    """An empty value (an unset ``$VAR`` in a CI script) read as ``.``: build wrote its graphs
+    into the working directory, and ``--json ''`` said ". is a directory"."""
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == f"Error: Invalid value for {said}"
+    assert list(tmp_path.iterdir()) == []

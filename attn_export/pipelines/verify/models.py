@@ -188,20 +188,23 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
     pytest plugin has its own)."""
     name = entry.model_spec.name
     path = models_dir / f"{name}.toml"
-    if not models_dir.is_dir():
-        raise UsageError(f"{option} {models_dir}: no such model directory (pass {option} DIR)")
-    if not path.is_file():
-        other = (  # golden mode reads the checkout's spec only where --models names it
-            "or leave --models out to judge by the spec the build recorded"
-            if not learn
-            else "or compares with golden vectors (--golden)"
-        )
-        raise UsageError(
-            f"no spec for model '{name}' in {models_dir}: verify rebuilds PyTorch originals only from the "
-            f"checkout's specs (pass {option} DIR), {other}"
-        )
-    spec = dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
-    return _learned_ranges(spec) if learn else spec
+    if models_dir.is_dir() and path.is_file():
+        spec = dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
+        return _learned_ranges(spec) if learn else spec
+    where = (
+        f"no spec for model '{name}' in {models_dir}"
+        if models_dir.is_dir()
+        else f"{option} {models_dir}: no such model directory"
+    )
+    other = (  # golden mode reads the checkout's spec only where --models names it
+        "or leave --models out to judge by the spec the build recorded"
+        if not learn
+        else "or compare with the build's golden vectors (--golden)"
+    )
+    raise UsageError(
+        f"{where}: verify rebuilds PyTorch originals only from the checkout's specs (pass {option} DIR, "
+        f"the folder the build read), {other}"
+    )
 
 
 def _learned_ranges(spec: ModelSpec) -> ModelSpec:

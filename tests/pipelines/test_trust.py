@@ -131,7 +131,8 @@ def test_verify_without_the_models_spec_says_where_it_looked(user_build: tuple[P
     _, out = user_build
     result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)
     assert result.exit_code == 2
-    assert result.output.startswith(f"Error: --models {tmp_path / 'elsewhere'}: no such model directory: verify rebuilds")
+    elsewhere = tmp_path / "elsewhere"
+    assert result.output.startswith(f"Error: --models {elsewhere}: no such model directory: verify rebuilds")
     assert "(pass --models DIR, the folder the build read), or compare with the build's golden vectors" in result.output
     (tmp_path / "elsewhere").mkdir()
     result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)

@@ -2,7 +2,8 @@
 
 ``region.onnx`` (the blamed region's nodes alone), ``case.npz`` (the inputs it was fed,
 PyTorch's values, and PyTorch's value of its result, in the golden files' layout),
-``bundle.json`` (what it is, where it came from, the tolerance) and ``reproduce.sh``
+``bundle.json`` (what it is, where it came from, the tolerance, the padded rows left
+out) and ``reproduce.sh``
 (``attn-export replay`` on the folder: no torch, no build folder, no checkout needed).
 A bundle is data: reading one runs nothing it names and reads no more than the budget.
 """
@@ -21,7 +22,15 @@ from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, UsageError
 
-__all__ = ["BUNDLE_SCHEMA", "TOLERANCE_KEYS", "Bundle", "check_bundle_folder", "read_bundle", "write_bundle"]
+__all__ = [
+    "BUNDLE_SCHEMA",
+    "TOLERANCE_KEYS",
+    "Bundle",
+    "check_bundle_folder",
+    "left_out_rows",
+    "read_bundle",
+    "write_bundle",
+]
 
 BUNDLE_SCHEMA = "attn-export/replay-bundle"
 _CASE = "replay"
@@ -122,3 +131,17 @@ def _check_info(path: Path, info: dict[str, Any]) -> None:
     )
     if not ok:
         raise ArtifactError(f"{path}: 'tolerance' must hold a finite atol and rtol >= 0 (and atol_rms, rms_rtol)")
+    rows = info.get("left_out_rows")
+    if rows is not None and not (
+        isinstance(rows, list)
+        and rows
+        and all(isinstance(r, list) and len(r) == len(rows[0]) and all(isinstance(x, bool) for x in r) for r in rows)
+    ):
+        raise ArtifactError(f"{path}: 'left_out_rows' must be null or a [batch, query] list of lists of true/false")
+
+
+def left_out_rows(info: dict[str, Any]) -> np.ndarray | None:
+    """The padded query rows ``[batch, query]`` a bundle's value is not judged on (the spec
+    leaves them out, ``fully_masked = "ignore"``), as ``bundle.json`` records them."""
+    rows = info.get("left_out_rows")
+    return None if rows is None else np.array(rows, dtype=bool)

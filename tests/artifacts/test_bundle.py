@@ -18,8 +18,10 @@ from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.cli import cli
 
 
-def _bundle(folder: Path, axis: int = -1) -> Path:
-    """A one-node region (Softmax over ``axis``) and PyTorch's softmax over the last axis."""
+def _bundle(folder: Path, axis: int = -1, zero_row: int | None = None, rows: list[list[bool]] | None = None) -> Path:
+    """A one-node region (Softmax over ``axis``) and PyTorch's softmax over the last axis:
+    0 on query row ``zero_row`` of the first sequence, as PyTorch's safe softmax gives on a
+    row with no key, where the spec leaves out ``rows`` (``[batch, query]``)."""
     graph = helper.make_graph(
         [helper.make_node("Softmax", ["x"], ["softmax"], axis=axis, name="node_softmax")],
         "region",
@@ -29,6 +31,8 @@ def _bundle(folder: Path, axis: int = -1) -> Path:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     expected = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+    if zero_row is not None:
+        expected[0, zero_row] = 0.0
     info = {
         "model": "m",
         "fx_node": "softmax",
@@ -37,6 +41,7 @@ def _bundle(folder: Path, axis: int = -1) -> Path:
         "source": "m.py:3",
         "code": "y = x.softmax(-1)",
         "tolerance": {"atol": 1e-5, "rtol": 1e-4},
+        "left_out_rows": rows,
         "localize": "attn-export localize build m",
     }
     write_bundle(folder, model.SerializeToString(), {"x": x}, {"softmax": expected.astype(np.float32)}, info)
@@ -52,6 +57,16 @@ def test_a_whole_bundle_agrees_or_differs(tmp_path: Path) -> None:
     assert _replay(_bundle(tmp_path / "right"))[0] == 0
     code, output = _replay(_bundle(tmp_path / "wrong", axis=1))
     assert code == 1 and output.splitlines()[1].startswith("DIFFERS: softmax: ")
+
+
+def test_the_padded_rows_localize_left_out_are_left_out_of_the_replay(tmp_path: Path) -> None:
+    """Replay judged every row: a region right on every row the spec judges failed on a
+    padded one (the graph's softmax where PyTorch gives 0), and still would once fixed."""
+    padded = [[False, False, True], [False, False, False]]
+    assert _replay(_bundle(tmp_path / "left-out", zero_row=2, rows=padded))[0] == 0
+    assert _replay(_bundle(tmp_path / "judged", zero_row=2))[0] == 1
+    code, output = _replay(_bundle(tmp_path / "another-row", zero_row=1, rows=padded))
+    assert code == 1 and output.splitlines()[1].startswith("DIFFERS: softmax: "), output
 
 
 def _edit_info(key: str, value: object) -> Callable[[Path], None]:
@@ -77,6 +92,8 @@ HOSTILE = [
     ("an infinite atol", _edit_info("tolerance", {"atol": 1e400, "rtol": 0}), "must hold a finite atol and rtol"),
     ("a boolean atol", _edit_info("tolerance", {"atol": True, "rtol": 0}), "must hold a finite atol and rtol"),
     ("a negative rtol", _edit_info("tolerance", {"atol": 0, "rtol": -1}), "must hold a finite atol and rtol"),
+    ("rows that are not a grid", _edit_info("left_out_rows", [[True], [True, False]]), "'left_out_rows' must be"),
+    ("rows that are not booleans", _edit_info("left_out_rows", [[1, 0]]), "'left_out_rows' must be"),
     ("an int past float", _edit_info("tolerance", {"atol": 0, "rtol": 0, "atol_rms": 10**400}), "must hold a finite"),
     ("two values", _case({"x": X}, {"softmax": X, "other": X}), "PyTorch's value of 'softmax' alone"),
     ("another value", _case({"x": X}, {"other": X}), "PyTorch's value of 'softmax' alone"),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, read_bundle
+from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, left_out_rows, read_bundle
 from attn_export.compare.outputs import OutputComparison, judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, first_line
 from attn_export.pipelines.localize.judge import left_out
@@ -67,7 +67,8 @@ def _check_fit(folder: Path, session: Any, bundle: Bundle) -> None:
 
 def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = None) -> ReplayResult:
     """Run the bundle's ``region.onnx`` on its inputs with graph optimizations off, as
-    localize ran it, and judge it as localize did: at the bundle's tolerance, in PyTorch's dtype."""
+    localize ran it, and judge it as localize did: at the bundle's tolerance, in PyTorch's dtype,
+    with PyTorch's values on the padded rows the spec leaves out."""
     budget = memory_budget(max_memory)
     bundle = read_bundle(folder, budget)
     session = load_session(bundle.model, provider, level="disabled", budget=budget, probe=True)
@@ -78,5 +79,5 @@ def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = 
     except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
         raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
     tol = Tolerance(**{k: bundle.info["tolerance"].get(k, 0.0) for k in TOLERANCE_KEYS}, allow_nan=True)
-    comparison = judge_value(value, expected, left_out(expected, got, None), tol)
+    comparison = judge_value(value, expected, left_out(expected, got, left_out_rows(bundle.info)), tol)
     return ReplayResult(str(folder), bundle.info, provider, comparison)

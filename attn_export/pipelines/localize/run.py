@@ -301,6 +301,7 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
             "source": first.source,
             "code": first.code,
             "tolerance": {k: getattr(replay.tolerance, k) for k in TOLERANCE_KEYS},
+            "left_out_rows": None if replay.rows is None else replay.rows.astype(bool).tolist(),
             "localize": report.reproduce,
         }
         write_bundle(options.bundle, replay.model, replay.inputs, replay.expected, info)
@@ -372,6 +373,8 @@ class _Replay:
     inputs: dict[str, np.ndarray]
     expected: dict[str, np.ndarray]
     tolerance: Tolerance
+    #: The padded query rows ``[batch, query]`` left out of the judgement, if any.
+    rows: np.ndarray | None
 
 
 @dataclass
@@ -482,6 +485,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
                 teacher,
                 {first.value: torch_vals[first.fx_node]},
                 region_tol,
+                rows,
             )
     report.seconds = time.perf_counter() - started
     return report, replay

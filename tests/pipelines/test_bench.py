@@ -261,3 +261,34 @@ def test_a_prefill_profile_counts_the_profiled_calls_alone(shared_tiny: Built) -
     assert sum(more.shares().values()) == pytest.approx(1.0)
     assert list(more.shares().values()) == sorted(more.shares().values(), reverse=True)
     assert 0.0 <= more.outside < 1.0
+
+
+def _refused_fusion(model: object) -> tuple[object, dict[str, int]]:
+    """onnxscript's fusions giving a graph ONNX Runtime refuses (as on nn.MultiheadAttention)."""
+    model.graph[0].op_type = "NoSuchOp"  # type: ignore[attr-defined]
+    return model, {}
+
+
+def test_a_default_variant_that_cannot_be_built_is_left_out_with_why(
+    bench_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default set's ort-fused failed to build for torch_mha (onnxscript's rewrite), and
+    the whole bench exited 1 with no row. Left to the default, it is left out of the model's
+    rows and said why; named with --variant, it still fails the run."""
+    from onnxscript.rewriter import ort_fusions
+
+    folder, _ = bench_run
+    out = tmp_path / "out"
+    shutil.copytree(folder / "out", out)
+    monkeypatch.setattr(ort_fusions, "optimize_for_ort", _refused_fusion)
+    args = ["bench", str(folder / "models" / "tiny.toml"), "--out", str(out), "--seq", "4", "--no-memory"]
+    args += ["--budget", "0.01", "--threads", "1"]
+    result = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "bench.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["runner"] for r in report["rows"]] == ["torch-eager", "torch-sdpa", "ort:fp32", "ort:int8"]
+    assert list(report["unavailable"]) == ["tiny ort:ort-fused"]
+    said = "tiny ort:ort-fused not timed: its graph could not be built: tiny.ort-fused: onnx.checker rejected the graph"
+    assert said in result.output
+    named = CliRunner().invoke(cli, [*args, "--variant", "fp32", "--variant", "ort-fused"])
+    assert named.exit_code == 1 and "tiny.ort-fused" in named.output

@@ -3,6 +3,7 @@ expressions, which lets attention fuse into ``com.microsoft.MultiHeadAttention``
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 
@@ -36,9 +37,15 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     ir = require("onnx_ir", "the ort-fused variant")
     ort_fusions = require("onnxscript.rewriter.ort_fusions", "the ort-fused variant")
     model = ir.serde.deserialize_model(_simplify_dims(proto))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fused, counts = ort_fusions.optimize_for_ort(model)
+    optimizer = logging.getLogger("onnxscript")  # says on stderr which folds it skips
+    level = optimizer.level
+    optimizer.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fused, counts = ort_fusions.optimize_for_ort(model)
+    finally:
+        optimizer.setLevel(level)
     out = ir.serde.serialize_model(fused)
     ops = op_counts(out)
     result = VariantGraph(out, {"fusions": {k: v for k, v in counts.items() if v}, "ops": dict(ops)})

@@ -46,6 +46,7 @@ from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cell
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import peak_memory, timing_machine
+from attn_export.pipelines.bench.unbuilt import Unbuilt, unbuilt, unbuilt_notes, without_unbuilt
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
@@ -157,9 +158,11 @@ def run_decode_bench(
     options: DecodeBenchOptions,
     on_row: Callable[[DecodeRow], None] | None = None,
     parallelism: Parallelism = SERIAL,
+    left_out: Unbuilt | None = None,
 ) -> DecodeBenchReport:
     """Time a decode step of every requested runner at every batch and past length (or the
-    steps of ``options.scenario``); graphs come from ``out_dir``. Each model x batch x past
+    steps of ``options.scenario``), but the graphs ``left_out`` (that could not be built;
+    said why); graphs come from ``out_dir``. Each model x batch x past
     is a cell (``cells.decode_cell``) on ``parallelism``'s executor, never beside another
     on one machine; rows come in model, batch, past order whichever ran them."""
     check_threads(options.threads)
@@ -171,7 +174,9 @@ def run_decode_bench(
         threads=threads,
         provider=options.provider,
         seed=options.seed,
+        unavailable=unbuilt_notes(left_out or {}, options),
     )
+    per_model = {spec.name: without_unbuilt(options, spec.name, left_out or {}) for spec in specs}
     bandwidth = copy_bandwidth()
     report.copy_gbps = bandwidth / 1e9
     plans = [(spec, _rows(spec, options)) for spec in specs]
@@ -180,7 +185,7 @@ def run_decode_bench(
             out_dir,
             manifest,
             spec,
-            options,
+            per_model[spec.name],
             batch,
             past,
             seq,
@@ -194,7 +199,7 @@ def run_decode_bench(
     for spec, (points, seq, _) in plans if options.memory else []:
         batch, past = max(b for b, _ in points), max(p for _, p in points)
         sizes = _step_sizes(spec, _cache(spec), batch, past, seq)
-        report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, options, sizes)
+        report.memory_mb[spec.name] = peak_memory(out_dir, manifest, spec, per_model[spec.name], sizes)
     return report
 
 
@@ -227,6 +232,7 @@ def bench_decode_models(
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )
-    if any(not r.ok for r in built.results):
+    left = unbuilt(built, options)
+    if left is None:
         return built, None
-    return built, run_decode_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism)
+    return built, run_decode_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism, left)

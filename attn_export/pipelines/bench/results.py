@@ -31,6 +31,10 @@ class RunnerOptions:
 
     batches: Sequence[int] = (1,)
     variants: Sequence[str] = ("fp32", "ort-fused", "int8")
+    #: Variants a model's rows may go without where one cannot be made for it (with why,
+    #: in ``unavailable``): the default set's rewrites, asked for by no one; any other
+    #: graph that fails to build fails the run.
+    optional: Sequence[str] = ()
     provider: str = "cpu"
     #: Threads for every runner; None means the physical cores.
     threads: int | None = None

@@ -657,13 +657,14 @@ def verify(
     )
     from attn_export.report import build_files, check_report_paths, check_reports_spare, graph_data, write_reports
     from attn_export.report.verify_text import (
-        HEADER,
+        VERIFY_WIDTHS,
         format_decode,
         format_distributions,
         format_failures,
         format_model_rows,
         format_placement,
         format_summary,
+        header,
     )
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.shapes import parse_shapes
@@ -724,12 +725,13 @@ def verify(
         click.echo("no model to verify")
         return
     printed: list[bool] = []
+    w = VERIFY_WIDTHS.fitting([(n, manifest.models[n].model_spec) for n in names], [t.label for t in options.targets])
 
     def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
         if not printed:  # the header only once a model has rows: an error stays one line
             printed.append(True)
-            click.echo(HEADER)
-        click.echo(format_model_rows(name, cases, check))
+            click.echo(header(w))
+        click.echo(format_model_rows(name, cases, check, w))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model, _notice, parallelism)
     if shard:

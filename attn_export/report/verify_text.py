@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from attn_export.compare.outputs import FLOOR_FACTOR
+from attn_export.errors import InputError
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
+from attn_export.spec import ModelSpec
 from attn_export.spec.masks import CASES
-from attn_export.spec.shapes import format_sizes
+from attn_export.spec.shapes import example_sizes, format_sizes, mask_cases
 from attn_export.spec.variants import variant_chain
 
 __all__ = [
-    "HEADER",
+    "VERIFY_WIDTHS",
+    "VerifyWidths",
     "format_case",
     "format_decode",
     "format_distributions",
@@ -17,34 +23,72 @@ __all__ = [
     "format_model_rows",
     "format_placement",
     "format_summary",
+    "header",
 ]
 
-HEADER = (
-    f"{'MODEL':<18} {'RUNTIME':<18} {'SHAPE':<30} {'VALUES':<8} {'RESULT':<6} {'MAX_ABS':>9} {'MAX_REL':>9} "
-    f"{'TORCH_P50':>10} {'ORT_P50':>9} {'RATIO':>6}"
-)
+
+@dataclass(frozen=True)
+class VerifyWidths:
+    """The widths of the MODEL, RUNTIME and SHAPE columns. Rows are printed as each model
+    is verified, so the widths are fixed before the first: wide enough for every row."""
+
+    model: int
+    runtime: int
+    shape: int
+
+    def fitting(self, specs: Iterable[tuple[str, ModelSpec]], runtimes: Iterable[str]) -> VerifyWidths:
+        """These widths, widened to every model name, runtime label and shape a run over
+        ``specs`` (name, spec) can print: a size is never past its dim's max, and the
+        named mask cases are at the example sizes (``spec.shapes.sweep``)."""
+        specs = list(specs)
+        return VerifyWidths(
+            max([self.model, *(len(name) for name, _ in specs)]),
+            max([self.runtime, *map(len, runtimes)]),
+            max([self.shape, *(_widest_shape(spec) for _, spec in specs)]),
+        )
+
+
+def _widest_shape(spec: ModelSpec) -> int:
+    widest = len(format_sizes({d: r.max for d, r in spec.dims.items()}))
+    cases = mask_cases(spec)
+    try:
+        example = len(format_sizes(example_sizes(spec)))
+    except InputError:  # verify says so where it runs the model
+        return widest
+    return max([widest, *(example + 1 + len(c) for c in cases)])
+
+
+VERIFY_WIDTHS = VerifyWidths(18, 18, 30)
+
+
+def header(w: VerifyWidths = VERIFY_WIDTHS) -> str:
+    return (
+        f"{'MODEL':<{w.model}} {'RUNTIME':<{w.runtime}} {'SHAPE':<{w.shape}} {'VALUES':<8} {'RESULT':<6} "
+        f"{'MAX_ABS':>9} {'MAX_REL':>9} {'TORCH_P50':>10} {'ORT_P50':>9} {'RATIO':>6}"
+    )
 
 
 def _num(value: float | None, fmt: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, fmt) + suffix
 
 
-def format_case(c: CaseResult) -> str:
+def format_case(c: CaseResult, w: VerifyWidths = VERIFY_WIDTHS) -> str:
     """One row, then the case's notes indented below it."""
     shape = format_sizes(c.sizes) + (f" {c.shape}" if c.shape in CASES else "")
     torch_ms = _num(c.torch_latency.p50_ms if c.torch_latency else None, ".3f", "ms")
     onnx_ms = _num(c.onnx_latency.p50_ms if c.onnx_latency else None, ".3f", "ms")
     return (
-        f"{c.model:<18} {c.runtime:<18} {shape:<30} {c.distribution:<8} {'PASS' if c.passed else 'FAIL':<6} "
+        f"{c.model:<{w.model}} {c.runtime:<{w.runtime}} {shape:<{w.shape}} {c.distribution:<8} "
+        f"{'PASS' if c.passed else 'FAIL':<6} "
         f"{_num(c.max_abs_error, '9.2e'):>9} {_num(c.max_rel_error, '9.2e'):>9} "
         f"{torch_ms:>10} {onnx_ms:>9} {_num(c.ratio, '.2f', 'x'):>6}" + ("  noisy" if c.noise else "")
     ) + "".join(f"\n    note: {n}" for n in c.notes)
 
 
-def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck) -> str:
+def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck, w: VerifyWidths = VERIFY_WIDTHS) -> str:
     """The rows for one model, printed as soon as it is verified."""
-    lines = [format_case(c) for c in cases]
-    lines += [f"{name:<18} {'checks':<18} {'-':<30} {'-':<8} FAIL   {p}" for p in check.problems]
+    lines = [format_case(c, w) for c in cases]
+    lines += [f"{name:<{w.model}} {'checks':<{w.runtime}} {'-':<{w.shape}} {'-':<8} FAIL   {p}" for p in check.problems]
     nan = sum(any((o.shared_nan or o.shared_inf) and o.passed for o in c.comparisons) for c in cases)
     if nan:  # passing, but not silently: the spec allowed it
         lines.append(
@@ -73,17 +117,27 @@ def format_failures(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _report_widths(report: VerifyReport) -> VerifyWidths:
+    """Widths fitting the names in ``report`` (its sections are printed once it is whole)."""
+    names = [d.model for d in report.decode] + [p.model for p in report.placement]
+    runtimes = [d.runtime for d in report.decode] + [p.runtime for p in report.placement]
+    model, runtime = max([VERIFY_WIDTHS.model, *map(len, names)]), max([VERIFY_WIDTHS.runtime, *map(len, runtimes)])
+    return VerifyWidths(model, runtime, VERIFY_WIDTHS.shape)
+
+
 def format_decode(report: VerifyReport) -> str:
     """One row per decode trajectory: its prompt lengths and the largest error at each step
     (step 1 is the prompt), so the step where an error starts to grow is in view."""
     if not report.decode:
         return ""
-    lines = [f"{'DECODE':<18} {'RUNTIME':<18} {'LAYOUT':<12} {'PROMPTS':<8} {'RESULT':<6} MAX_ABS BY STEP"]
+    w = _report_widths(report)
+    lines = [f"{'DECODE':<{w.model}} {'RUNTIME':<{w.runtime}} {'LAYOUT':<12} {'PROMPTS':<8} RESULT MAX_ABS BY STEP"]
     for d in report.decode:
         prompts = ",".join(map(str, d.prompt_lengths))
         errors = " ".join(_num(s.max_abs_error, ".1e") for s in d.steps)
         lines.append(
-            f"{d.model:<18} {d.runtime:<18} {d.scenario:<12} {prompts:<8} {'PASS' if d.passed else 'FAIL':<6} {errors}"
+            f"{d.model:<{w.model}} {d.runtime:<{w.runtime}} {d.scenario:<12} {prompts:<8} "
+            f"{'PASS' if d.passed else 'FAIL':<6} {errors}"
         )
     return "\n".join(lines)
 
@@ -99,8 +153,9 @@ def format_placement(report: VerifyReport) -> str:
         nodes = sum(p.placement.nodes for p in report.placement)
         counts = f"models: {models}, targets: {targets}, nodes: {nodes}"
         return f"placement: every node ran on the provider asked for ({counts})"
-    lines = [f"{'PLACEMENT':<18} {'RUNTIME':<18} {'RESULT':<6} WHERE"]
-    lines += [f"{p.model:<18} {p.runtime:<18} {p.verdict:<6} {p.placement.summary()}" for p in off]
+    w = _report_widths(report)
+    lines = [f"{'PLACEMENT':<{w.model}} {'RUNTIME':<{w.runtime}} {'RESULT':<6} WHERE"]
+    lines += [f"{p.model:<{w.model}} {p.runtime:<{w.runtime}} {p.verdict:<6} {p.placement.summary()}" for p in off]
     return "\n".join(lines)
 
 
@@ -108,9 +163,12 @@ def format_distributions(report: VerifyReport) -> str:
     """Per model and runtime, the largest error under each value distribution: where a
     quantized or half-precision graph breaks."""
     lines = []
-    for (model, runtime), errors in report.errors_by_distribution.items():
+    keys = report.errors_by_distribution
+    model = max([VERIFY_WIDTHS.model, *(len(m) for m, _ in keys)])
+    runtime = max([VERIFY_WIDTHS.runtime, *(len(r) for _, r in keys)])
+    for (name, target), errors in keys.items():
         cells = ", ".join(f"{d} {_num(e, '.2e')}" for d, e in errors.items())
-        lines.append(f"max abs by values  {model:<18} {runtime:<18} {cells}")
+        lines.append(f"max abs by values  {name:<{model}} {target:<{runtime}} {cells}")
     return "\n".join(lines + _extreme_only(report))
 
 

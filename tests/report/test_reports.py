@@ -246,3 +246,27 @@ def test_a_tolerance_set_by_pytorchs_own_error_is_said_beside_the_rows() -> None
         "note: m: PyTorch's own rounding error (against float64) set the tolerance of 1 outputs in 1 cases: "
         "atol = spec + 10x that error, up to 0.601 at onnxruntime[cpu] large" in rows(0.06)
     )
+
+
+def test_the_verify_table_stays_aligned_for_long_names_and_shapes() -> None:
+    """Columns were 18/18/30 wide: a decoder's four dims with a mask case, or a name such as
+    mistral_sdpa_kv_cache, pushed every later column of its rows out of line."""
+    from attn_export.compare import compare_outputs
+    from attn_export.pipelines.verify import CaseResult, ModelCheck
+    from attn_export.report.verify_text import VERIFY_WIDTHS, format_model_rows, header
+    from attn_export.runtimes import Target
+    from attn_export.spec import Tolerance, load_spec
+    from attn_export.spec.shapes import example_sizes
+
+    spec = load_spec(TINY_ZOO / "mistral_sdpa_kv_cache.toml")
+    name = "mistral_sdpa_kv_cache.ort-past+int8"
+    w = VERIFY_WIDTHS.fitting([(name, spec)], ["onnxruntime[cpu]"])
+    compared = compare_outputs({"o": np.zeros(2, np.float32)}, {"o": np.zeros(2, np.float32)}, {"o": Tolerance(0, 0)})
+    largest = {d: r.max for d, r in spec.dims.items()}
+    cases = [
+        CaseResult(name, Target("onnxruntime", "cpu"), shape, sizes, 0, "torch[cpu]", compared)
+        for shape, sizes in [("max", largest), ("fully-padded-sequence", example_sizes(spec))]
+    ]
+    rows = format_model_rows(name, cases, ModelCheck(name, "m.onnx"), w).splitlines()
+    assert "fully-padded-sequence" in rows[1]
+    assert {row.index("normal") for row in rows} == {header(w).index("VALUES")}

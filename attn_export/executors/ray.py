@@ -25,19 +25,59 @@ T = TypeVar("T")
 _ADDRESS = re.compile(r"(?:ray://)?(?P<host>[^:/]+|\[[^\]]+\]):(?P<port>\d+)/?")
 
 
+#: An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (a
+#: Ray cluster's GCS, a Ray Client server) answers with its own SETTINGS frame.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS = 4
+
+
+def _answer(sock: socket.socket, size: int) -> bytes:
+    """Up to ``size`` bytes the peer sends before it closes or the socket's timeout."""
+    data = b""
+    try:
+        while len(data) < size and (chunk := sock.recv(size - len(data))):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
 def _check_reachable(address: str, wait_s: float = 10.0) -> None:
-    """UsageError unless something answers at ``address`` (``$RAY_ADDRESS``): ray.init
-    waits minutes on an address where no cluster runs, printing its own retries."""
+    """UsageError unless a gRPC server answers at ``address`` (``$RAY_ADDRESS``): ray.init
+    waits minutes, printing its own retries, on an address where no cluster runs or where
+    something else listens (a web server on the port)."""
     m = _ADDRESS.fullmatch(address)
     if m is None:
         return  # no address (a local cluster), or "auto": ray.init says what is wrong
+    hint = "start one with `ray start --head` and give the address it prints, or unset RAY_ADDRESS for a local cluster"
     try:
-        socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=wait_s).close()
+        with socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=wait_s) as sock:
+            sock.sendall(_HTTP2_HELLO)
+            frame = _answer(sock, 9)
     except OSError as e:
         raise UsageError(
-            f"--executor ray: no Ray cluster answers at $RAY_ADDRESS={address} ({e.strerror or e}); start one "
-            "with `ray start --head` and give the address it prints, or unset RAY_ADDRESS for a local cluster"
+            f"--executor ray: no Ray cluster answers at $RAY_ADDRESS={address} ({e.strerror or e}); {hint}"
         ) from None
+    if len(frame) < 9 or frame[3] != _SETTINGS:
+        said = f"it answered {frame[:9]!r}" if frame else "it said nothing"
+        raise UsageError(
+            f"--executor ray: something listens at $RAY_ADDRESS={address}, but not a Ray cluster ({said}, where a "
+            f"cluster's gRPC server answers HTTP/2); {hint}"
+        )
+
+
+def _in_driver_folder(folder: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` run from the driver's working directory, so that the paths
+    the user typed (``verify build``) name on the node what they name on the driver; a
+    worker starts in Ray's session folder."""
+    try:
+        os.chdir(folder)
+    except OSError as e:
+        raise UsageError(
+            f"--executor ray: node {socket.gethostname()} has no folder {folder} (the working directory the run "
+            f"started in: {e.strerror}); every node must see the build folder and specs at the driver's paths"
+        ) from None
+    return fn(*args, **kwargs)
 
 
 class RayExecutor(Executor):
@@ -59,7 +99,7 @@ class RayExecutor(Executor):
                 where = f" at $RAY_ADDRESS={address}" if address else ""
                 raise UsageError(f"--executor ray: cannot join the Ray cluster{where}: {first_line(e)}") from e
         self._jobs = jobs
-        self._remote: dict[Callable[..., Any], Any] = {}
+        self._remote: Any = None
         self._in_flight: list[Future[Any]] = []
         self._refs: list[Any] = []
         self._nodes = self._whole_nodes() if exclusive else []
@@ -83,13 +123,13 @@ class RayExecutor(Executor):
             self._in_flight = [f for f in self._in_flight if not f.done()]
             while len(self._in_flight) >= self._jobs:
                 self._in_flight.pop(0).exception()  # wait for the oldest
-        if fn not in self._remote:
-            self._remote[fn] = self._ray.remote(num_cpus=1, max_retries=0)(fn)
-        remote = self._remote[fn]
+        if self._remote is None:
+            self._remote = self._ray.remote(num_cpus=1, max_retries=0)(_in_driver_folder)
+        remote = self._remote
         if self._nodes:
             remote = remote.options(**self._nodes[self._submitted % len(self._nodes)])
         self._submitted += 1
-        ref = remote.remote(*args, **kwargs)
+        ref = remote.remote(os.getcwd(), fn, *args, **kwargs)
         self._refs.append(ref)
         future: Future[T] = ref.future()
         self._in_flight.append(future)

@@ -3,10 +3,13 @@ missing; a cell's key is the hash of its content."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,15 +68,42 @@ def test_a_ray_address_where_no_cluster_runs_is_one_line(zoo_dir: Path, monkeypa
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
     assert result.output.startswith(f"Error: --executor ray: no Ray cluster answers at $RAY_ADDRESS=127.0.0.1:{port} (")
+    with _listener(b"HTTP/1.1 400 Bad Request\r\n\r\n") as port:  # a web server on the port: ray.init hung
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(
+        f"Error: --executor ray: something listens at $RAY_ADDRESS=127.0.0.1:{port}, but not a Ray cluster "
+        "(it answered b'HTTP/1.1 ', where a cluster's gRPC server answers HTTP/2); start one with `ray start --head`"
+    )
     if importlib.util.find_spec("grpc") is not None:
-        return  # Ray Client is installed: it would try to speak to the socket below
-    with socket.socket() as listening:
-        listening.bind(("127.0.0.1", 0))
-        listening.listen()
-        monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{listening.getsockname()[1]}")
+        return  # Ray Client is installed: it would try to speak to the server below
+    with _listener(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])) as port:  # answers as a gRPC server does
+        monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
         result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
     assert "cannot join the Ray cluster at $RAY_ADDRESS=ray://" in result.output and "ray[client]" in result.output
+
+
+@contextlib.contextmanager
+def _listener(answer: bytes) -> Iterator[int]:
+    """A port whose server sends ``answer`` to each connection, then waits for it to close."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = server.accept()
+                peer.sendall(answer)
+                threading.Thread(target=lambda p=peer: (p.recv(1 << 16), p.close()), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        server.close()
 
 
 def test_the_python_api_takes_the_executor(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,3 +115,15 @@ def test_the_python_api_takes_the_executor(zoo_dir: Path, monkeypatch: pytest.Mo
         attn_export.verify(zoo_dir, models=zoo_dir.parent, executor="ray")
     with pytest.raises(UsageError, match="--jobs 0"):
         attn_export.verify(zoo_dir, jobs=0)
+
+
+def test_a_ray_task_runs_from_the_drivers_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker starts in Ray's session folder: on a cluster, `verify build` said
+    "build/x.onnx: no such file". The task runs from the driver's folder, or says which it lacks."""
+    from attn_export.executors.ray import _in_driver_folder
+
+    monkeypatch.chdir(tmp_path.parent)  # restored after the test, as the task moves this process
+    (tmp_path / "build").mkdir()
+    assert _in_driver_folder(str(tmp_path), os.path.isdir, "build") is True
+    with pytest.raises(UsageError, match=r"has no folder /no/such/folder \(the working directory the run started in"):
+        _in_driver_folder("/no/such/folder", os.path.isdir, "build")

@@ -29,6 +29,7 @@ from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.timing import physical_cores
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, variant_chain, variant_key
 from attn_export.spec.cache import cache_of
@@ -116,9 +117,17 @@ class SpecBuild:
     def _probe_masks(self) -> dict[str, Sight]:
         """The module reads every mask as the spec says (``mask_probe``); and the positions a
         query sees (``causality``), which each golden case records."""
-        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+        with self._eager() as eager:
             check_masks(self.spec, eager, self.sizes, BUILD_SEED)
             return sights(self.spec, eager, self.sizes, [p.sizes for p in golden_points(self.spec)])
+
+    def _eager(self) -> TorchRuntime:
+        """PyTorch's module on this machine's physical cores, in whichever process builds it:
+        its float32 results depend on the thread count, and a Ray task's process has one
+        thread unless told, so a folder built there differed from a serial build's bytes."""
+        module = self.module.get()  # first: it completes the spec
+        spec = self.spec
+        return TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, threads=physical_cores())
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""
@@ -146,7 +155,7 @@ class SpecBuild:
         check_memory(spec, [p for p, _ in points], memory_budget(self.options.max_memory, spec))
         cases: list[GoldenCase] = []
         seen = self.masks.get()
-        with TorchRuntime(self.module.get(), spec.inputs, spec.outputs, spec.dims) as eager:
+        with self._eager() as eager:
             for i, (point, distribution) in enumerate(points):
                 feeds = make_feeds(spec, point.sizes, first_seed + i, case=point.case, distribution=distribution)
                 label = case_label(point.label, distribution)
@@ -169,7 +178,7 @@ class SpecBuild:
         cache = cache_of(self.spec)
         if cache is None:
             return []
-        with TorchRuntime(self.module.get(), self.spec.inputs, self.spec.outputs, self.spec.dims) as eager:
+        with self._eager() as eager:
             recorded = pytorch_trajectories(eager, self.spec, cache, DEFAULT_STEPS, BUILD_SEED)
         seen = self.masks.get()
         return [case for traj, outputs in recorded for case in record_trajectory(self.spec, traj, outputs, seen)]

@@ -1033,7 +1033,8 @@ def _sizes(value: str, minimum: int) -> list[int]:
     default="64,128,...,512",
     show_default=True,
     callback=_int_list,
-    help="Sequence lengths (every non-batch dim), e.g. 128,512 or 64,128,...,2048.",
+    help="Sequence lengths (every non-batch dim; a decoder's past at its least, as for a prompt), "
+    "e.g. 128,512 or 64,128,...,2048.",
 )
 @variant_option(
     "ONNX Runtime graph variants to time (repeatable). Default: fp32, ort-fused, int8; a default ort-fused or "

@@ -18,7 +18,7 @@ from attn_export.pipelines.bench.physics import profile_calls
 from attn_export.pipelines.bench.results import BenchReport
 from attn_export.spec import load_spec
 from attn_export.spec.inputs import make_feeds
-from tests.conftest import Built, plant, tiny_spec
+from tests.conftest import TINY_ZOO, Built, plant, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 
 
@@ -292,3 +292,23 @@ def test_a_default_variant_that_cannot_be_built_is_left_out_with_why(
     assert said in result.output
     named = CliRunner().invoke(cli, [*args, "--variant", "fp32", "--variant", "ort-fused"])
     assert named.exit_code == 1 and "tiny.ort-fused" in named.output
+
+
+def test_a_decoders_prefill_sizes_keep_its_sums_and_start_from_the_emptiest_cache() -> None:
+    """Every non-batch dim was set to the seq, total_seq too: its mask and its keys
+    disagreed and the bench died in a traceback."""
+    from attn_export.pipelines.bench.run import _sizes
+
+    spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
+    past = spec.dims["past_seq"].min
+    assert _sizes(spec, 2, 8) == {"batch": 2, "seq": 8, "past_seq": past, "total_seq": past + 8}
+
+
+@pytest.mark.slow  # a decoder's build and a bench (15 s); CI runs it
+def test_a_decoder_is_benched_as_a_prompt(tmp_path: Path) -> None:
+    args = ["bench", str(TINY_ZOO / "mha_kv_cache.toml"), "--out", str(tmp_path / "out"), "--seq", "4,8"]
+    result = CliRunner().invoke(cli, [*args, "--variant", "fp32", "--no-memory", "--budget", "0.01", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert [line.split()[:4] for line in result.output.splitlines()[1:5]] == [
+        ["mha_kv_cache", runner, "1", seq] for seq in ("4", "8") for runner in ("torch-eager", "ort:fp32")
+    ]

@@ -23,6 +23,7 @@ from attn_export.pipelines.bench.unbuilt import Unbuilt, unbuilt, unbuilt_notes,
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
+from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint
 
@@ -30,9 +31,19 @@ __all__ = ["bench_models", "run_bench"]
 
 
 def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
-    if "batch" not in spec.dims:
-        raise InputError(f"{spec.name}: bench needs a dim named 'batch' (dims: {', '.join(spec.dims)})")
-    return {name: batch if name == "batch" else seq for name in spec.dims}
+    """Every free dim but batch at ``seq``, a decoder's past at its least (a prompt, from
+    the emptiest cache the spec allows), and the sums (``total_seq``) as they follow: set
+    to ``seq`` too, a mask and its keys disagreed. A spec without a batch dim runs at batch 1."""
+    if "batch" not in spec.dims and batch != 1:
+        raise InputError(
+            f"{spec.name}: batch {batch} needs a dim named 'batch' (dims: {', '.join(spec.dims)}); "
+            "without one the model runs at batch 1 only"
+        )
+    sizes = {name: batch if name == "batch" else seq for name in spec.free_dims}
+    cache = cache_of(spec)
+    if cache is not None:
+        sizes[cache.past_dim] = spec.dims[cache.past_dim].min
+    return spec.with_sums(sizes)
 
 
 def run_bench(

@@ -748,7 +748,7 @@ def verify(
         from attn_export.pipelines.localize import localize_failures
         from attn_export.report.localize_text import format_localize
 
-        for found in localize_failures(report, options):
+        for found in localize_failures(report, options, _notice):
             click.echo(format_localize(found))
     click.echo(format_summary(report))
     if whole:

@@ -218,6 +218,14 @@ def test_verify_localize_prints_where_under_the_failures(zoo_copy: Path) -> None
     assert lines[-1].startswith("verify FAILED (mha)")
     golden = CliRunner().invoke(cli, [*args, "--golden", "--localize"])
     assert golden.exit_code == 2 and "--localize compares with PyTorch" in golden.output
+    for n in proto.graph.node:  # as another exporter or an optimizer writes it: no FX node per ONNX node
+        del n.metadata_props[:]
+    plant(zoo_copy, "mha", proto)
+    bare = CliRunner().invoke(cli, [*args, "--localize", "--json", str(zoo_copy.parent / "bare.json")])
+    assert bare.exit_code == 1, bare.output  # verify's verdict, not localize's refusal (exit 2)
+    assert "note: mha not localized: mha: localize needs a graph from the dynamo exporter" in bare.output
+    assert bare.output.splitlines()[-1].startswith("verify FAILED (mha)")
+    assert json.loads((zoo_copy.parent / "bare.json").read_text())["passed"] is False
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import dataclasses
 import shlex
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from attn_export.checks.decode import (
 )
 from attn_export.checks.fully_masked import judge, padded_tokens
 from attn_export.compare.outputs import judge_value
-from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
@@ -491,10 +491,14 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     return report, replay
 
 
-def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[LocalizeReport]:
+def localize_failures(
+    report: VerifyReport, options: VerifyOptions, notice: Callable[[str], None] | None = None
+) -> list[LocalizeReport]:
     """``verify --localize``: the first failing case of each model that verify compared with
     PyTorch on ONNX Runtime, and the first step where a decode trajectory left PyTorch's,
-    localized (one case per model bounds the cost: the others usually fail at the same node)."""
+    localized (one case per model bounds the cost: the others usually fail at the same node).
+    A model localize cannot take (a graph without the dynamo exporter's metadata) is said to
+    ``notice`` and left out, where one is given: verify's verdict and reports stand."""
     out_dir = Path(report.artifacts)
     base = LocalizeOptions(
         models_dir=options.models_dir,
@@ -530,4 +534,12 @@ def localize_failures(report: VerifyReport, options: VerifyOptions) -> list[Loca
                 provider=d.target.provider or "cpu",
                 runtime=d.target.runtime,
             )
-    return [localize_model(out_dir, model, opts) for model, opts in asked.items()]
+    found = []
+    for model, opts in asked.items():
+        try:
+            found.append(localize_model(out_dir, model, opts))
+        except AttnExportError as e:
+            if notice is None:
+                raise
+            notice(f"{model} not localized: {e}")
+    return found

@@ -275,9 +275,18 @@ _ELEM_TYPES = {
 
 
 def _graph_tensors(
-    values: Sequence[Any], shapes: Mapping[str, Sequence[int | str | None]], overrides: Mapping[str, Any]
+    values: Sequence[Any], shapes: Mapping[str, Sequence[int | str | None]], overrides: Mapping[str, Any], kind: str
 ) -> list[dict[str, Any]]:
-    """Graph inputs or outputs as a spec's [[inputs]]/[[outputs]] entries."""
+    """Graph inputs or outputs as a spec's [[inputs]]/[[outputs]] entries; an override for
+    a name the graph lacks is refused (a graph that lost its mask input was judged against
+    the module run without one, and passed)."""
+    names = [v.name for v in values]
+    unknown = [name for name in overrides if name not in names]
+    if unknown:
+        raise UsageError(
+            f"{kind}={{{unknown[0]!r}: ...}}: the graph has no {kind[:-1]} '{unknown[0]}' (its {kind}: "
+            f"{', '.join(names) or 'none'})"
+        )
     out = []
     for v in values:
         dtype = _ELEM_TYPES.get(v.type.tensor_type.elem_type)
@@ -319,8 +328,8 @@ def assert_onnx_matches(
     weights = {i.name for i in graph.initializer}
     raw = {
         "name": _name(module, None),
-        "inputs": _graph_tensors([i for i in graph.input if i.name not in weights], shapes, inputs or {}),
-        "outputs": _graph_tensors(graph.output, shapes, outputs or {}),
+        "inputs": _graph_tensors([i for i in graph.input if i.name not in weights], shapes, inputs or {}, "inputs"),
+        "outputs": _graph_tensors(graph.output, shapes, outputs or {}, "outputs"),
         "dims": _dims(dims),
         "tolerance": {"atol": atol, "rtol": rtol},
         "fully_masked": fully_masked,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attn_export
-from attn_export.errors import ExportFailure, SpecError
+from attn_export.errors import ExportFailure, SpecError, UsageError
 from attn_export.pipelines.build import BuildResult, BuildSummary
 from attn_export.pipelines.verify import VerifyReport
 from tests.conftest import tiny_spec
@@ -59,6 +59,17 @@ def test_assert_onnx_matches_passes_and_catches_another_module(exported) -> None
     assert re.match(
         r"  min \(batch=1,seq=1, seed 0\): output: 32/32 elements \(100.00%\) outside atol=1\.?\d*e-05", lines[1]
     )
+
+
+def test_an_override_for_a_tensor_the_graph_lacks_is_refused(exported) -> None:
+    """A graph that lost its mask input was judged against the module run without one, and
+    passed; a misspelt name was dropped the same way."""
+    module, path, _ = exported
+    mask = {"mask": "padding", "convention": "ignore", "arg": "key_padding_mask"}
+    with pytest.raises(UsageError, match=r"inputs=\{'key_padding_mask': \.\.\.\}: the graph has no input "):
+        attn_export.assert_onnx_matches(module, path, dims=DIMS, inputs={"key_padding_mask": mask})
+    with pytest.raises(UsageError, match=r"the graph has no output 'outptu' \(its outputs: output\)"):
+        attn_export.assert_onnx_matches(module, path, dims=DIMS, outputs={"outptu": {"pick": 0}})
 
 
 def test_export_raises_the_check_that_failed(tmp_path: Path) -> None:

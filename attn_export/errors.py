@@ -20,6 +20,7 @@ __all__ = [
     "SpecError",
     "UsageError",
     "first_line",
+    "one_line",
 ]
 
 
@@ -27,6 +28,15 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, or its type name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's whole message on one line, cut at ``limit`` characters: for a message
+    whose first line stops mid-sentence (onnx.checker's names the node on the next)."""
+    text = " ".join(str(exc).split())
+    if not text:
+        return type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class AttnExportError(Exception):

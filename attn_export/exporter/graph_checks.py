@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from attn_export.artifacts.onnx_file import default_opset, external_data_files, with_small_data
-from attn_export.errors import GraphCheckError, first_line
+from attn_export.errors import GraphCheckError, one_line
 from attn_export.runtimes.static_cache import graph_signature
 from attn_export.spec import DimRange, ModelSpec, TensorSpec
 from attn_export.spec.cache import present_windows
@@ -107,7 +107,7 @@ def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> 
         else:
             onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
-        raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {first_line(e)}") from e
+        raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {one_line(e)}") from e
 
 
 def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:

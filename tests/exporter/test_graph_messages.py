@@ -135,3 +135,18 @@ def test_a_graph_keeping_its_shape_constants_in_external_data_is_checked_with_th
         else:
             with pytest.raises(GraphCheckError, match=why):
                 check_model(on_disk, "m", path)
+
+
+def test_the_checkers_refusal_names_the_node_on_its_second_line() -> None:
+    """onnx.checker names the node on the line after the first: the message stopped at
+    "of node: " and never said which."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["h"], ["y"], name="late"), helper.make_node("Neg", ["x"], ["h"], name="early")],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    with pytest.raises(GraphCheckError) as caught:
+        check_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "m")
+    said = str(caught.value)
+    assert "\n" not in said and "topologically sorted" in said and "name: late OpType: Relu" in said, said

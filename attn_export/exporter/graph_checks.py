@@ -254,6 +254,7 @@ def check_dynamic_axes(
     check_signature(proto, name, inputs, outputs)
     shapes = graph_shapes(proto)
     symbol_of: dict[str, str] = {}
+    first_at: dict[str, str] = {}
     dims_of_symbol: dict[str, str] = {}
     for t in list(inputs) + list(outputs):
         kind = "input" if t in inputs else "output"
@@ -301,11 +302,14 @@ def check_dynamic_axes(
                         else ""
                     )
                 )
+            if parts and not _SYMBOL.fullmatch(have):
+                have = want  # the exporter's sum of the parts' symbols is the sum dim, whatever it is named
+            where = f"{kind} '{t.name}' (axis {axis})"
             if symbol_of.setdefault(want, have) != have:
                 raise GraphCheckError(
-                    f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on one tensor and "
-                    f"'{have}' on {kind} '{t.name}' (axis {axis})"
+                    f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on {first_at[want]} and '{have}' on {where}"
                 )
+            first_at.setdefault(want, where)
             other = dims_of_symbol.setdefault(have, want)
             if other != want:
                 raise GraphCheckError(

@@ -312,3 +312,20 @@ def test_a_decoder_is_benched_as_a_prompt(tmp_path: Path) -> None:
     assert [line.split()[:4] for line in result.output.splitlines()[1:5]] == [
         ["mha_kv_cache", runner, "1", seq] for seq in ("4", "8") for runner in ("torch-eager", "ort:fp32")
     ]
+
+
+@pytest.mark.slow  # an ort-fused build and a bench on two runtimes (20 s); CI runs it
+def test_a_default_variant_a_runtime_cannot_load_is_left_out_of_that_runtimes_rows(bench_run, tmp_path: Path) -> None:
+    """The reference evaluator has no com.microsoft ops: the default set's ort-fused failed
+    the whole run with --runtime onnx-reference, though no one had asked for it."""
+    folder, _ = bench_run
+    out = tmp_path / "out"
+    shutil.copytree(folder / "out", out)
+    args = ["bench", str(folder / "models" / "tiny.toml"), "--out", str(out), "--seq", "4", "--no-memory"]
+    args += ["--budget", "0.01", "--threads", "1", "--runtime", "onnx-reference", "--runtime", "onnxruntime"]
+    result = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "bench.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "bench.json").read_text())
+    runners = [r["runner"] for r in report["rows"]]
+    assert "ort:ort-fused" in runners and "onnx-reference:fp32" in runners and "onnx-reference:ort-fused" not in runners
+    assert report["unavailable"]["tiny onnx-reference:ort-fused"].startswith("onnx-reference: cannot load ")

@@ -46,7 +46,7 @@ from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cell
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import peak_memory, timing_machine
-from attn_export.pipelines.bench.unbuilt import Unbuilt, unbuilt, unbuilt_notes, without_unbuilt
+from attn_export.pipelines.bench.unbuilt import Left, left_out_notes, unbuilt, with_unloadable, without_left_out
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
@@ -158,11 +158,11 @@ def run_decode_bench(
     options: DecodeBenchOptions,
     on_row: Callable[[DecodeRow], None] | None = None,
     parallelism: Parallelism = SERIAL,
-    left_out: Unbuilt | None = None,
+    left: Left | None = None,
 ) -> DecodeBenchReport:
     """Time a decode step of every requested runner at every batch and past length (or the
-    steps of ``options.scenario``), but the graphs ``left_out`` (that could not be built;
-    said why); graphs come from ``out_dir``. Each model x batch x past
+    steps of ``options.scenario``), but the runners ``left`` out (said why,
+    ``bench.unbuilt``); graphs come from ``out_dir``. Each model x batch x past
     is a cell (``cells.decode_cell``) on ``parallelism``'s executor, never beside another
     on one machine; rows come in model, batch, past order whichever ran them."""
     check_threads(options.threads)
@@ -174,9 +174,9 @@ def run_decode_bench(
         threads=threads,
         provider=options.provider,
         seed=options.seed,
-        unavailable=unbuilt_notes(left_out or {}, options),
+        unavailable=left_out_notes(left or {}),
     )
-    per_model = {spec.name: without_unbuilt(options, spec.name, left_out or {}) for spec in specs}
+    per_model = {spec.name: without_left_out(options, spec.name, left or {}) for spec in specs}
     bandwidth = copy_bandwidth()
     report.copy_gbps = bandwidth / 1e9
     plans = [(spec, _rows(spec, options)) for spec in specs]
@@ -235,4 +235,6 @@ def bench_decode_models(
     left = unbuilt(built, options)
     if left is None:
         return built, None
-    return built, run_decode_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism, left)
+    manifest = load_manifest(out_dir)
+    left = with_unloadable(left, out_dir, manifest, specs, options)
+    return built, run_decode_bench(out_dir, manifest, specs, options, on_row, parallelism, left)

@@ -35,6 +35,9 @@ class RunnerOptions:
     #: in ``unavailable``): the default set's rewrites, asked for by no one; any other
     #: graph that fails to build fails the run.
     optional: Sequence[str] = ()
+    #: Runner labels left out of a model's rows: an optional variant's graph that could not
+    #: be built, or that a runtime asked for cannot load (``bench.unbuilt``).
+    skipped: Sequence[str] = ()
     provider: str = "cpu"
     #: Threads for every runner; None means the physical cores.
     threads: int | None = None

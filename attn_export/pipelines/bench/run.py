@@ -19,7 +19,7 @@ from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_ce
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
 from attn_export.pipelines.bench.runners import peak_memory, timing_machine
-from attn_export.pipelines.bench.unbuilt import Unbuilt, unbuilt, unbuilt_notes, without_unbuilt
+from attn_export.pipelines.bench.unbuilt import Left, left_out_notes, unbuilt, with_unloadable, without_left_out
 from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
@@ -53,13 +53,13 @@ def run_bench(
     options: BenchOptions,
     on_row: Callable[[BenchRow], None] | None = None,
     parallelism: Parallelism = SERIAL,
-    left_out: Unbuilt | None = None,
+    left: Left | None = None,
 ) -> BenchReport:
-    """Measure every requested runner at every shape, but the graphs ``left_out`` (that could
-    not be built; said why); graphs come from ``out_dir``. Each model x shape is a cell
+    """Measure every requested runner at every shape, but the runners ``left`` out (said
+    why, ``bench.unbuilt``); graphs come from ``out_dir``. Each model x shape is a cell
     (``cells.prefill_cell``) on ``parallelism``'s executor, never beside another on one
     machine; rows come in model, batch, seq order whichever ran them."""
-    left_out = left_out or {}
+    left = left or {}
     check_threads(options.threads)
     threads = options.threads or physical_cores()
     options = dataclasses.replace(options, threads=threads)
@@ -69,9 +69,9 @@ def run_bench(
         threads=threads,
         provider=options.provider,
         peak_gflops=matmul_peak_gflops(threads),
-        unavailable=unbuilt_notes(left_out, options),
+        unavailable=left_out_notes(left),
     )
-    per_model = {spec.name: without_unbuilt(options, spec.name, left_out) for spec in specs}
+    per_model = {spec.name: without_left_out(options, spec.name, left) for spec in specs}
     cells = [
         PrefillCell(out_dir, manifest, spec, per_model[spec.name], b, s, _sizes(spec, b, s), report.peak_gflops["peak"])
         for spec in specs
@@ -93,7 +93,7 @@ def bench_models(
     parallelism: Parallelism = SERIAL,
 ) -> tuple[BuildSummary, BenchReport | None]:
     """Build the variants still missing from ``out_dir``, then measure them; no report
-    when a graph failed to build, but an optional one (``unbuilt``)."""
+    when a graph failed to build, but an optional one (``bench.unbuilt``)."""
     check_threads(options.threads)
     parallelism.check_exclusive()
     for path in spec_paths:
@@ -103,8 +103,10 @@ def bench_models(
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )
+    specs = [load_spec(p) for p in spec_paths]
     left = unbuilt(built, options)
     if left is None:
         return built, None
-    specs = [load_spec(p) for p in spec_paths]
-    return built, run_bench(out_dir, load_manifest(out_dir), specs, options, on_row, parallelism, left)
+    manifest = load_manifest(out_dir)
+    left = with_unloadable(left, out_dir, manifest, specs, options)
+    return built, run_bench(out_dir, manifest, specs, options, on_row, parallelism, left)

@@ -11,7 +11,7 @@ from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, ManifestEntry
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.errors import UsageError
+from attn_export.errors import AttnExportError, UsageError
 from attn_export.exporter.graph_checks import check_model
 from attn_export.pipelines.bench.memory import peak_rss_mb
 from attn_export.pipelines.bench.results import RunnerOptions
@@ -93,14 +93,17 @@ def torch_runners(spec: ModelSpec, module: Any, options: RunnerOptions) -> tuple
 
 
 def graph_entries(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, tuple[str, ManifestEntry]]:
-    """Runner label -> (runtime name, graph) for every requested runtime and variant."""
+    """Runner label -> (runtime name, graph) for every requested runtime and variant, but
+    the runners ``options.skipped``."""
     out = {}
     for name in options.runtimes:
         kind = RUNTIMES[name]
         if kind.providers and options.provider not in kind.providers:
             raise UsageError(f"runtime {name} does not run on provider {options.provider}")
         for variant in options.variants:
-            out[kind.runner_label(variant)] = (name, manifest.models[variant_key(spec.name, variant)])
+            label = kind.runner_label(variant)
+            if label not in options.skipped:
+                out[label] = (name, manifest.models[variant_key(spec.name, variant)])
     return out
 
 
@@ -108,15 +111,33 @@ def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: R
     """One runtime per runner label, made by its registry row, with the bench's threads;
     a graph verify would refuse is never timed. Bench may time shapes outside the declared
     ranges (its rows say so), so the runtimes are not held to them."""
-    unranged = dataclasses.replace(spec, dims={})
     runners = {}
     for label, (name, entry) in graph_entries(manifest, spec, options).items():
         path = out_dir / entry.file
         check_model(load_model_file(path), entry.name, path)
-        kind = RUNTIMES[name]
-        (target,) = kind.targets([options.provider])
-        runners[label] = kind.make(path, unranged, target, options.threads, memory_budget(options.max_memory, spec))
+        runners[label] = _runtime(path, name, spec, options)
     return runners
+
+
+def _runtime(path: Path, name: str, spec: ModelSpec, options: RunnerOptions) -> Runtime:
+    kind = RUNTIMES[name]
+    (target,) = kind.targets([options.provider])
+    unranged = dataclasses.replace(spec, dims={})
+    return kind.make(path, unranged, target, options.threads, memory_budget(options.max_memory, spec))
+
+
+def unloadable(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, str]:
+    """Runner label -> why, for each optional variant's graph (``RunnerOptions.optional``) a
+    runtime asked for cannot load: the reference evaluator has no com.microsoft ops."""
+    out = {}
+    for label, (name, entry) in graph_entries(manifest, spec, options).items():
+        if entry.variant in options.optional:
+            try:
+                with _runtime(out_dir / entry.file, name, spec, options):
+                    pass
+            except AttnExportError as e:
+                out[label] = str(e)
+    return out
 
 
 def peak_memory(

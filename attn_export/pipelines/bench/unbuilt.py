@@ -1,46 +1,61 @@
-"""Which graphs a bench goes on without: an optional variant (``RunnerOptions.optional``)
-that cannot be made for a model, as when onnxscript's fusions give a graph ONNX Runtime
-refuses, is left out of that model's rows and said why; any other failed build fails the run."""
+"""Which runners a bench goes on without: an optional variant (``RunnerOptions.optional``)
+that cannot be made for a model (onnxscript's fusions giving a graph ONNX Runtime refuses),
+or whose graph a runtime asked for cannot load, is left out of that model's rows and said
+why; any other failed build fails the run."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TypeVar
 
+from attn_export.artifacts.manifest import Manifest
 from attn_export.pipelines.bench.results import RunnerOptions
+from attn_export.pipelines.bench.runners import unloadable
 from attn_export.pipelines.build import BuildSummary
 from attn_export.runtimes import RUNTIMES
+from attn_export.spec import ModelSpec
 
-__all__ = ["unbuilt", "unbuilt_notes", "without_unbuilt"]
+__all__ = ["Left", "left_out_notes", "unbuilt", "with_unloadable", "without_left_out"]
 
 Options = TypeVar("Options", bound=RunnerOptions)
-#: (model, variant) -> why its graph could not be built.
-Unbuilt = Mapping[tuple[str, str], str]
+#: Model -> runner label -> why the model's rows go without it.
+Left = dict[str, dict[str, str]]
 
 
-def unbuilt(built: BuildSummary, options: RunnerOptions) -> dict[tuple[str, str], str] | None:
-    """The optional graphs that failed to build, with why; None when another graph failed."""
+def unbuilt(built: BuildSummary, options: RunnerOptions) -> Left | None:
+    """The runners of the optional graphs that failed to build, with why; None when
+    another graph failed."""
     failed = [r for r in built.results if not r.ok]
     if any(r.variant not in options.optional for r in failed):
         return None
-    # a result is named by its manifest key, ``spec.variants.variant_key``: ``model.variant``
-    return {
-        (r.name.removesuffix(f".{r.variant}"), r.variant): r.error or f"its {r.failed_stage or 'build'} stage failed"
-        for r in failed
-    }
+    left: Left = {}
+    for r in failed:
+        model = r.name.removesuffix(f".{r.variant}")  # a result is named ``model.variant`` (``variant_key``)
+        stage = r.failed_stage or "build"
+        why = f"its graph could not be built: {r.error or f'its {stage} stage failed'}"
+        for name in options.runtimes:
+            left.setdefault(model, {})[RUNTIMES[name].runner_label(r.variant)] = why
+    return left
 
 
-def without_unbuilt(options: Options, model: str, left: Unbuilt) -> Options:
-    """``options`` for ``model``'s rows: the variants that were built for it."""
-    kept = [v for v in options.variants if (model, v) not in left]
-    return options if len(kept) == len(options.variants) else dataclasses.replace(options, variants=kept)
+def without_left_out(options: Options, model: str, left: Left) -> Options:
+    """``options`` for ``model``'s rows: without its runners ``left`` out."""
+    skipped = tuple(left.get(model, {}))
+    return dataclasses.replace(options, skipped=skipped) if skipped else options
 
 
-def unbuilt_notes(left: Unbuilt, options: RunnerOptions) -> dict[str, str]:
-    """Each runner a left-out graph would have had, per model, and why it has none."""
-    return {
-        f"{model} {RUNTIMES[name].runner_label(variant)}": f"its graph could not be built: {why}"
-        for (model, variant), why in left.items()
-        for name in options.runtimes
-    }
+def with_unloadable(
+    left: Left, out_dir: Path, manifest: Manifest, specs: Sequence[ModelSpec], options: RunnerOptions
+) -> Left:
+    """``left`` (``unbuilt``), and the optional graphs built that a runtime asked for cannot load."""
+    for spec in specs:
+        for label, why in unloadable(out_dir, manifest, spec, without_left_out(options, spec.name, left)).items():
+            left.setdefault(spec.name, {})[label] = why
+    return left
+
+
+def left_out_notes(left: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """The report's ``unavailable`` lines for the runners left out: ``model label`` -> why."""
+    return {f"{model} {label}": why for model, labels in left.items() for label, why in labels.items()}

@@ -181,8 +181,10 @@ def _any_compiled(report: BenchReport | DecodeBenchReport) -> bool:
 
 
 def _unavailable_lines(report: BenchReport | DecodeBenchReport) -> list[str]:
-    """Each runner asked for that could not run, and why."""
-    return [f"{runner} not timed: {why}" for runner, why in report.unavailable.items()]
+    """Each runner asked for that could not run, and why; each that times the plain graph."""
+    return [f"{runner} not timed: {why}" for runner, why in report.unavailable.items()] + [
+        f"{runner} times the plain graph: {why}" for runner, why in report.unchanged.items()
+    ]
 
 
 def _after_table(report: BenchReport | DecodeBenchReport) -> list[str]:

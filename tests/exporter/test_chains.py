@@ -98,6 +98,22 @@ def test_a_link_that_leaves_the_graph_as_it_was_cannot_follow(zoo_dir: Path) -> 
     assert str(refused.value) == f"int8 cannot follow ort-fused: {leaves}"
 
 
+def test_a_lone_variant_that_leaves_the_graph_as_it_was_says_so(zoo_dir: Path) -> None:
+    """int8 of the SDPA module (no weights) is the plain graph: bench timed it as an int8 row
+    with nothing said; it is recorded, and bench says its row times the plain graph."""
+    from attn_export.pipelines.bench.results import BenchReport
+    from attn_export.report.bench_text import format_bench_summary
+
+    made = make_variant("int8", onnx.load(zoo_dir / "sdpa.onnx"))
+    said = "int8 left the graph as it was (ops, attributes, types): it computes as the plain export"
+    assert made.info["unchanged"] == said and made.warnings == [said]
+    peak = {"peak": 1.0, "torch": 1.0, "onnxruntime": 1.0}
+    report = BenchReport("m", {}, 1, "cpu", peak, unchanged={"sdpa ort:int8": said})
+    assert f"sdpa ort:int8 times the plain graph: {said}" in format_bench_summary(report)
+    assert BenchReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    assert "unchanged" not in make_variant("int8", onnx.load(zoo_dir / "mha.onnx")).info
+
+
 @pytest.mark.slow
 def test_the_build_names_the_link_that_did_nothing(tmp_path: Path) -> None:
     args = ["build", "sdpa", "--models", str(TINY_ZOO), "--out", str(tmp_path), "--variant", "ort-fused+int8"]

@@ -80,6 +80,10 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     first, *rest = chain.links
     graph = _make(first, source, provider)
     if not rest:
+        if first.maker is not None and _signature(graph.proto) == _signature(source):
+            said = f"{first.name} left the graph as it was (ops, attributes, types): it computes as the plain export"
+            graph.info["unchanged"] = said
+            graph.warnings.append(said)
         return graph
     links = [{"variant": first.name, "info": graph.info}]
     warnings = [f"{first.name}: {w}" for w in graph.warnings]

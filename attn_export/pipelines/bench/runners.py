@@ -28,6 +28,7 @@ __all__ = [
     "SDPA",
     "graph_entries",
     "graph_runners",
+    "unchanged_runners",
     "peak_memory",
     "timing_machine",
     "torch_runners",
@@ -105,6 +106,16 @@ def graph_entries(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -
             if label not in options.skipped:
                 out[label] = (name, manifest.models[variant_key(spec.name, variant)])
     return out
+
+
+def unchanged_runners(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, str]:
+    """``model runner`` -> why, for each graph runner whose variant left the plain export as
+    it was (int8 of a module without a MatMul weight): its row times the plain graph."""
+    return {
+        f"{spec.name} {label}": entry.variant_info["unchanged"]
+        for label, (_, entry) in graph_entries(manifest, spec, options).items()
+        if isinstance(entry.variant_info.get("unchanged"), str)
+    }
 
 
 def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, Runtime]:

@@ -80,7 +80,9 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     first, *rest = chain.links
     graph = _make(first, source, provider)
     if not rest:
-        if first.maker is not None and _signature(graph.proto) == _signature(source):
+        # a re-export at another opset is not the plain export, even where the link keeps it
+        plain = first.maker is not None and first.export_opset is None
+        if plain and _signature(graph.proto) == _signature(source):
             said = f"{first.name} left the graph as it was (ops, attributes, types): it computes as the plain export"
             graph.info["unchanged"] = said
             graph.warnings.append(said)

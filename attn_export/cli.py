@@ -1001,10 +1001,11 @@ def _past_list(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def _sizes(value: str, minimum: int) -> list[int]:
-    parts = [p.strip() for p in value.split(",") if p.strip()]
+    """The sizes of a list, each once, in the order given ('16,16' would time each row twice)."""
+    parts = [p.strip() for p in value.split(",")]
     try:
         if not all(p == "..." or (p.isascii() and p.isdigit()) for p in parts):
-            raise ValueError
+            raise ValueError  # '16,,32' too
         if len(parts) == 4 and parts[2] == "...":
             start, step, stop = int(parts[0]), int(parts[1]), int(parts[3])
             if not 0 < start < step <= stop:
@@ -1019,7 +1020,7 @@ def _sizes(value: str, minimum: int) -> list[int]:
     if not values or min(values) < minimum:
         kind = "positive" if minimum == 1 else "non-negative"
         raise click.BadParameter(f"{value!r}: sizes must be {kind} integers")
-    return values
+    return list(dict.fromkeys(values))
 
 
 @cli.command()

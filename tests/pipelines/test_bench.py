@@ -131,6 +131,8 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch
     [
         ("64,x", "'64,x' is not a list of sizes like 1,8 or 64,128,...,2048"),
         ("0,4", "'0,4': sizes must be positive integers"),
+        ("16,,32", "'16,,32' is not a list of sizes like 1,8 or 64,128,...,2048"),
+        ("", "'' is not a list of sizes like 1,8 or 64,128,...,2048"),
     ],
 )
 def test_bench_bad_size_lists(value: str, message: str) -> None:
@@ -142,6 +144,7 @@ def test_doubling_run_expands() -> None:
     from attn_export.cli import _int_list
 
     assert _int_list(None, None, "64,128,...,2048") == [64, 128, 256, 512, 1024, 2048]  # type: ignore[arg-type]
+    assert _int_list(None, None, "16,8,16") == [16, 8]  # type: ignore[arg-type]  # each row once, in order
 
 
 def test_bench_refuses_a_graph_the_checker_rejects(bench_run, tmp_path: Path) -> None:

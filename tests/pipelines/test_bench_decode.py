@@ -213,6 +213,11 @@ def test_model_without_a_cache_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--decode", "--seq", "8"], "Error: --seq has no meaning with --decode"),
         (["--past", "0,128"], "Error: --past needs --decode"),
         (["--decode", "--past", "-1"], "'-1' is not a list of sizes"),
+        # the window's last step reads 16 + 7 positions: the first step alone was checked
+        (
+            ["--decode", "--past", "16", "--max-memory", "1KiB"],
+            "case the deepest step from batch 1, past 16 (batch=1,seq=1,past_seq=23,total_seq=24) needs at least",
+        ),
     ],
 )
 def test_bad_decode_options_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

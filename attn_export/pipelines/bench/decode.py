@@ -56,7 +56,7 @@ from attn_export.spec.cache import CacheSpec, cache_of
 from attn_export.spec.inputs import draw_inputs
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.scenarios import SCENARIOS, scenario_sizes
-from attn_export.spec.shapes import ShapePoint, format_sizes
+from attn_export.spec.shapes import ShapePoint
 
 __all__ = ["DEFAULT_PASTS", "bench_decode_models", "past_lengths", "plan_window", "run_decode_bench"]
 
@@ -97,6 +97,14 @@ def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int, seq: i
     batch dim runs at batch 1 only: ``plan_window`` says so)."""
     batched = {"batch": batch} if "batch" in spec.dims else {}
     return spec.with_sums({name: 1 for name in spec.dims} | batched | {cache.seq_dim: seq, cache.past_dim: past})
+
+
+def _deepest(spec: ModelSpec, cache: CacheSpec, past: int, seq: int, steps: int) -> int:
+    """The past a window's last step reads, as ``plan_window`` plans it: its cache grows by
+    ``seq`` a step until the spec's past range ends, or holds a sliding window's newest."""
+    if cache.window is not None:
+        return cache.kept(past)
+    return past + (max(1, min(steps, (spec.dims[cache.past_dim].max - past) // seq + 1)) - 1) * seq
 
 
 def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, seq: int = 1) -> DecodeWindow:
@@ -228,9 +236,13 @@ def bench_decode_models(
         spec_paths, specs = [p for p, _ in kept], [s for _, s in kept]
     for spec in specs:
         cache = _cache(spec)
-        points, seq, _ = _rows(spec, options)
-        sizes = [_step_sizes(spec, cache, b, p, seq) for b, p in points]
-        check_memory(spec, [ShapePoint(format_sizes(s), s) for s in sizes], memory_budget(options.max_memory, spec))
+        points, seq, steps = _rows(spec, options)
+        deepest = [(b, p, _deepest(spec, cache, p, seq, steps)) for b, p in points]
+        cases = [
+            ShapePoint(f"the deepest step from batch {b}, past {p}", _step_sizes(spec, cache, b, deep, seq))
+            for b, p, deep in deepest
+        ]
+        check_memory(spec, cases, memory_budget(options.max_memory, spec))
     built = build_models(
         spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
     )

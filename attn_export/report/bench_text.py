@@ -139,14 +139,16 @@ def _gbps(value: float | None) -> str:
 
 def format_decode_summary(report: DecodeBenchReport) -> str:
     windows = sorted({r.window for r in report.rows})
+    # a window shorter than asked ends where the spec's past range does
+    runs = " or ".join(map(str, windows)) + (" step" if windows == [1] else " steps") if windows else "- steps"
     scenarios = sorted({r.scenario for r in report.rows if r.scenario})
     step = (
         f"scenario {', '.join(scenarios)}: a step of SEQ tokens" if scenarios else "one decode step (seq 1) per token"
     )
     lines = [
         f"machine: {report.machine}; threads {report.threads}; provider {report.provider}; seed {report.seed}",
-        f"{step}; cache prefilled with {report.prefill}; each window runs "
-        f"{'/'.join(map(str, windows)) or '-'} steps from PAST, feeding the presents back",
+        f"{step}; cache prefilled with {report.prefill}; each window runs {runs} from PAST (fewer where the "
+        "past range ends), feeding the presents back",
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
         "MB/TOK: bytes a step moves per token (weights + cache read + cache written); GB/S: achieved; "
         f"VS_LIMIT: p50 over those bytes at this run's copy bandwidth ({_gbps(report.copy_gbps)}); "

@@ -124,9 +124,11 @@ def check_bench_formats(paths: Mapping[str, Path | None], made: Path | None = No
     whose path cannot take a report (in ``made``, the build folder bench makes, it can;
     not over its manifest)."""
     for name, path in paths.items():
-        needs = BENCH_FORMATS[name].requires
-        if path is not None and needs:
-            require(needs, f"--{name}")
+        fmt = BENCH_FORMATS[name]
+        if path is not None and fmt.suffixes and path.suffix.lower() not in fmt.suffixes:
+            raise UsageError(f"--{name} {path}: write a {', '.join(fmt.suffixes)} file (the suffix picks the format)")
+        if path is not None and fmt.requires:
+            require(fmt.requires, f"--{name}")
     check_report_paths(paths, made, reads=build_files(made) if made else (), summary=False)
 
 

@@ -33,3 +33,5 @@ class BenchFormat:
     help: str
     #: An optional package the format needs, checked before anything is timed.
     requires: str | None = None
+    #: The file suffixes it writes (any, where empty), checked before anything is timed.
+    suffixes: tuple[str, ...] = ()

@@ -80,14 +80,15 @@ def plot_decode_latency(report: DecodeBenchReport, path: Path) -> None:
 
 
 def _finish(fig: Any, report: BenchReport | DecodeBenchReport, path: Path) -> None:
-    """Title with the machine and versions, then write the PNG atomically."""
+    """Title with the machine and versions, then write the image atomically, in the format
+    its suffix names (``BENCH_FORMAT.suffixes``)."""
     import matplotlib.pyplot as plt
 
     versions = ", ".join(f"{k} {v}" for k, v in report.versions.items())
     fig.suptitle(f"{report.machine}, {report.threads} threads, {report.provider}\n{versions}", fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format=path.suffix.lower().lstrip(".") or "png", dpi=110)
     plt.close(fig)
     write_output(path, buf.getvalue())
 
@@ -103,6 +104,7 @@ def plot_report(report: BenchReport | DecodeBenchReport, path: Path) -> None:
 BENCH_FORMAT = BenchFormat(
     "plot",
     plot_report,
-    "Draw latency against sequence length to this PNG (needs matplotlib).",
+    "Draw latency against sequence length (past length with --decode) to this .png, .svg or .pdf (needs matplotlib).",
     requires="matplotlib",
+    suffixes=(".png", ".svg", ".pdf"),
 )

@@ -117,6 +117,26 @@ def test_bench_plot_is_a_png(bench_run) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_the_plots_suffix_picks_its_format(bench_run, tmp_path: Path) -> None:
+    """--plot p.svg wrote a PNG under an .svg name; a suffix no format has is refused first."""
+    pytest.importorskip("matplotlib")
+    from attn_export.report.plot import plot_report
+
+    folder, _ = bench_run
+    report = BenchReport.from_dict(json.loads((folder / "bench.json").read_text()))
+    plot_report(report, tmp_path / "latency.svg")
+    assert b"<svg" in (tmp_path / "latency.svg").read_bytes()[:1000]
+    tiny_spec(tmp_path / "models")
+    args = ["bench", "--models", str(tmp_path / "models"), "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(cli, [*args, "--plot", str(tmp_path / "x.txt")])
+    assert result.exit_code == 2 and not (tmp_path / "x.txt").exists()
+    assert (
+        result.output
+        == f"Error: --plot {tmp_path / 'x.txt'}: write a .png, .svg, .pdf file (the suffix picks the format)\n"
+    )
+    assert not (tmp_path / "out").exists()  # refused before anything is built
+
+
 def test_plot_without_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     tiny_spec(tmp_path / "models")

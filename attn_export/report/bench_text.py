@@ -64,12 +64,16 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+_OUTSIDE = "outside the verified range"
+
+
+def _flags(r: BenchRow) -> list[str]:
+    """What a prefill row's figures come with: outside the verified range, noisy."""
+    return ([] if r.in_verified_range else [_OUTSIDE]) + ([r.noise] if r.noise else [])
+
+
 def format_bench_row(r: BenchRow, w: Widths = BENCH_WIDTHS) -> str:
-    flag = (
-        _compiled(r)
-        + ("" if r.in_verified_range else "  (outside the verified range)")
-        + (f"  {r.noise}" if r.noise else "")
-    )
+    flag = _compiled(r) + "".join(f"  ({f})" if f == _OUTSIDE else f"  {f}" for f in _flags(r))
     return (
         f"{r.model:<{w.model}} {r.runner:<{w.runner}} {r.batch:>5} {r.seq:>6} {r.latency.p50_ms:>9.3f} "
         f"{r.latency.p90_ms:>9.3f} {r.tokens_per_s:>10.0f} {_ratio(r.ratio_to_eager):>8} {r.gflops:>8.1f} "
@@ -91,14 +95,16 @@ def markdown_bench_table(report: BenchReport) -> str:
     compiled = _any_compiled(report)
     lines = [
         "| model | runner | batch | seq | p50 (ms) | p90 (ms) | tokens/s | vs eager | GFLOP/s | % of peak |"
-        + (" compile (s) |" if compiled else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if compiled else ""),
+        + (" compile (s) |" if compiled else "")
+        + " note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if compiled else "") + "---|",
     ]
     for r in report.rows:
         lines.append(
             f"| {r.model} | {r.runner} | {r.batch} | {r.seq} | {r.latency.p50_ms:.3f} | {r.latency.p90_ms:.3f} | "
             f"{r.tokens_per_s:.0f} | {_ratio(r.ratio_to_eager)} | {r.gflops:.1f} | {100 * r.peak_share:.1f} |"
             + (f" {_seconds(r.compile_s)} |" if compiled else "")
+            + f" {'; '.join(_flags(r)) or '-'} |"
         )
     return "\n".join(lines + _after_table(report)) + "\n"
 

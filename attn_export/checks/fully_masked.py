@@ -29,7 +29,7 @@ from attn_export.exporter.graph_checks import check_model, check_spec_axes
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.cache import output_shape
+from attn_export.spec.cache import cache_of, output_shape
 from attn_export.spec.masks import CASES, masked_row_selector
 
 __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
@@ -266,8 +266,12 @@ class FullyMaskedRows:
         return out
 
     def behaviours(self, case: GoldenCase, *runs: Mapping[str, np.ndarray]) -> list[str]:
-        """What each of ``runs`` gives in the fully masked rows of ``case``."""
-        sel = self.selectors(case)
+        """What each of ``runs`` gives in the fully masked rows of ``case``: in the attention's
+        outputs, not in a cache's presents (the keys and values of padded tokens, which no
+        softmax made: with them, 0 was never seen, and a module that gives 0 was said not to)."""
+        cache = cache_of(self.spec)
+        presents = {present for _, present in cache.pairs} if cache is not None else set()
+        sel = {name: s for name, s in self.selectors(case).items() if name not in presents}
 
         def rows(values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             return {n: values[n][s] for n, s in sel.items() if n in values and values[n].shape == s.shape}

@@ -43,6 +43,15 @@ def _renamed(proto: onnx.ModelProto, old: str, new: str) -> onnx.ModelProto:
     return copy
 
 
+def _presents_named(proto: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """``proto`` with the outputs' total_seq axes (the presents') named ``name``, in place."""
+    for value in proto.graph.output:
+        for d in value.type.tensor_type.shape.dim:
+            if d.dim_param == "total_seq":
+                d.dim_param = name
+    return proto
+
+
 @pytest.mark.parametrize(("old", "new"), [("seq", "s0"), ("batch", "s1")])
 def test_a_graph_dim_named_otherwise_fails_naming_both(decoder: tuple[ModelSpec, Path], old: str, new: str) -> None:
     spec, path = decoder
@@ -58,11 +67,7 @@ def test_the_exporters_sum_of_the_parts_names_the_sum_dim(decoder: tuple[ModelSp
     """torch.onnx.export names a present's axis ``past_seq + seq`` while the mask's is
     ``total_seq``: every case agreed, and verify --spec failed the graph on that name alone."""
     spec, path = decoder
-    proto = onnx.load(path)
-    for value in proto.graph.output:
-        for d in value.type.tensor_type.shape.dim:
-            if d.dim_param == "total_seq":
-                d.dim_param = "past_seq + seq"
+    proto = _presents_named(onnx.load(path), "past_seq + seq")
     check_dynamic_axes(proto, spec.name, spec.inputs, spec.outputs, spec.dims)
     check_dynamic_axes(_renamed(proto, "total_seq", "seq + past_seq"), spec.name, spec.inputs, spec.outputs, spec.dims)
     mask = next(t.name for t in spec.inputs if "total_seq" in t.shape)
@@ -83,11 +88,7 @@ def test_a_cache_that_keeps_a_window_the_spec_does_not_declare_is_told_to_declar
 ) -> None:
     """Before, the message was the graph's expression alone (Max(0, past_seq + seq - ...))."""
     spec, path = decoder
-    proto = onnx.load(path)
-    for value in proto.graph.output:
-        for d in value.type.tensor_type.shape.dim:
-            if d.dim_param == "total_seq":
-                d.dim_param = "Min(7, past_seq + seq)"
+    proto = _presents_named(onnx.load(path), "Min(7, past_seq + seq)")
     with pytest.raises(
         GraphCheckError, match=re.escape("keeps the newest 7 positions, a sliding window; declare [cache] window = 7")
     ):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.manifest import Manifest, load_manifest
+from attn_export.artifacts.manifest import Manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError, UsageError
 from attn_export.executors import SERIAL, Parallelism
@@ -46,8 +46,8 @@ from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cell
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import peak_memory, timing_machine, unchanged_runners
-from attn_export.pipelines.bench.unbuilt import Left, left_out_notes, unbuilt, with_unloadable, without_left_out
-from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
+from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
+from attn_export.pipelines.build import BuildSummary
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.timing import check_threads, physical_cores
@@ -243,12 +243,8 @@ def bench_decode_models(
             for b, p, deep in deepest
         ]
         check_memory(spec, cases, memory_budget(options.max_memory, spec))
-    built = build_models(
-        spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
-    )
-    left = unbuilt(built, options)
-    if left is None:
+    built, ready = build_for_bench(spec_paths, out_dir, specs, options)
+    if ready is None:
         return built, None
-    manifest = load_manifest(out_dir)
-    left = with_unloadable(left, out_dir, manifest, specs, options)
+    manifest, left = ready
     return built, run_decode_bench(out_dir, manifest, specs, options, on_row, parallelism, left)

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from attn_export.artifacts.manifest import Manifest, load_manifest
+from attn_export.artifacts.manifest import Manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError
 from attn_export.executors import SERIAL, Parallelism
@@ -19,8 +19,8 @@ from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_ce
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
 from attn_export.pipelines.bench.runners import peak_memory, timing_machine, unchanged_runners
-from attn_export.pipelines.bench.unbuilt import Left, left_out_notes, unbuilt, with_unloadable, without_left_out
-from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
+from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
+from attn_export.pipelines.build import BuildSummary
 from attn_export.runtimes.timing import check_threads, physical_cores
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
@@ -102,13 +102,9 @@ def bench_models(
         spec = load_spec(path)
         points = [ShapePoint(f"batch {b}, seq {s}", _sizes(spec, b, s)) for b in options.batches for s in options.seqs]
         check_memory(spec, points, memory_budget(options.max_memory, spec))
-    built = build_models(
-        spec_paths, BuildOptions(out_dir, variants=tuple(dict.fromkeys(options.variants)), provider=options.provider)
-    )
     specs = [load_spec(p) for p in spec_paths]
-    left = unbuilt(built, options)
-    if left is None:
+    built, ready = build_for_bench(spec_paths, out_dir, specs, options)
+    if ready is None:
         return built, None
-    manifest = load_manifest(out_dir)
-    left = with_unloadable(left, out_dir, manifest, specs, options)
+    manifest, left = ready
     return built, run_bench(out_dir, manifest, specs, options, on_row, parallelism, left)

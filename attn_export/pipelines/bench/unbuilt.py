@@ -10,14 +10,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from attn_export.artifacts.manifest import Manifest
+from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.pipelines.bench.runners import unloadable
-from attn_export.pipelines.build import BuildSummary
+from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes import RUNTIMES
 from attn_export.spec import ModelSpec
 
-__all__ = ["Left", "left_out_notes", "unbuilt", "with_unloadable", "without_left_out"]
+__all__ = ["Left", "build_for_bench", "left_out_notes", "unbuilt", "with_unloadable", "without_left_out"]
 
 Options = TypeVar("Options", bound=RunnerOptions)
 #: Model -> runner label -> why the model's rows go without it.
@@ -59,3 +59,17 @@ def with_unloadable(
 def left_out_notes(left: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
     """The report's ``unavailable`` lines for the runners left out: ``model label`` -> why."""
     return {f"{model} {label}": why for model, labels in left.items() for label, why in labels.items()}
+
+
+def build_for_bench(
+    spec_paths: Sequence[Path], out_dir: Path, specs: Sequence[ModelSpec], options: RunnerOptions
+) -> tuple[BuildSummary, tuple[Manifest, Left] | None]:
+    """Build the variants still missing from ``out_dir``; then the folder's manifest and the
+    runners left out, or None when a graph the run cannot go without failed to build."""
+    variants = tuple(dict.fromkeys(options.variants))
+    built = build_models(spec_paths, BuildOptions(out_dir, variants=variants, provider=options.provider))
+    left = unbuilt(built, options)
+    if left is None:
+        return built, None
+    manifest = load_manifest(out_dir)
+    return built, (manifest, with_unloadable(left, out_dir, manifest, specs, options))

@@ -52,6 +52,8 @@ def _check_reachable(address: str, wait_s: float = 10.0) -> None:
     hint = "start one with `ray start --head` and give the address it prints, or unset RAY_ADDRESS for a local cluster"
     try:
         with socket.create_connection((m["host"].strip("[]"), int(m["port"])), timeout=wait_s) as sock:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # a TLS cluster answers a ClientHello, not cleartext HTTP/2: reached is all we learn
             sock.sendall(_HTTP2_HELLO)
             frame = _answer(sock, 9)
     except OSError as e:

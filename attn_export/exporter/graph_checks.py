@@ -92,18 +92,21 @@ def _register_runtime_ops(proto: onnx.ModelProto) -> None:
 def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> None:
     """onnx.checker with full_check (which includes strict shape inference).
 
-    A model with external data is checked from ``path``, whose folder holds that data;
-    callers validate the data's locations first (``onnx_file.check_external_data``). An op
+    A model with external data is checked from ``path``, whose folder holds that data, and
+    its shapes inferred with its tensors of up to 64 KiB read in (``with_small_data``: a
+    Reshape's target; a larger shape input stays unread and fails inference); its data's
+    locations are checked first (``onnx_file.check_external_data``), an ArtifactError. An op
     ONNX Runtime runs in the ONNX domain without an ONNX schema (``RUNTIME_ONNX_OPS``) is
     checked against the schema ONNX Runtime declares for it.
     """
     _register_runtime_ops(proto)
+    # onnx's full check cannot read external data: such a file is checked from its folder,
+    # then its shapes are inferred strictly with its small tensors read in (shape inputs)
+    small = with_small_data(proto, path.parent) if path is not None and external_data_files(proto) else None
     try:
-        if path is not None and external_data_files(proto):
-            # onnx's full check cannot read external data: the file is checked from its
-            # folder, then shapes are inferred strictly with the small tensors read in.
+        if path is not None and small is not None:
             onnx.checker.check_model(str(path))
-            onnx.shape_inference.infer_shapes(with_small_data(proto, path.parent), check_type=True, strict_mode=True)
+            onnx.shape_inference.infer_shapes(small, check_type=True, strict_mode=True)
         else:
             onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
@@ -254,7 +257,7 @@ def check_dynamic_axes(
     check_signature(proto, name, inputs, outputs)
     shapes = graph_shapes(proto)
     symbol_of: dict[str, str] = {}
-    first_at: dict[str, str] = {}
+    named_first: dict[str, tuple[str, str]] = {}  # a dim's graph name where first seen, and where
     dims_of_symbol: dict[str, str] = {}
     for t in list(inputs) + list(outputs):
         kind = "input" if t in inputs else "output"
@@ -302,21 +305,21 @@ def check_dynamic_axes(
                         else ""
                     )
                 )
-            if parts and not _SYMBOL.fullmatch(have):
-                have = want  # the exporter's sum of the parts' symbols is the sum dim, whatever it is named
+            # the exporter's sum of the parts' symbols is the sum dim, whatever it is named
+            symbol = want if parts and not _SYMBOL.fullmatch(have) else have
             where = f"{kind} '{t.name}' (axis {axis})"
-            if symbol_of.setdefault(want, have) != have:
+            first_name, first_where = named_first.setdefault(want, (have, where))
+            if symbol_of.setdefault(want, symbol) != symbol:
                 raise GraphCheckError(
-                    f"{name}: dynamic axis '{want}' is '{symbol_of[want]}' on {first_at[want]} and '{have}' on {where}"
+                    f"{name}: dynamic axis '{want}' is '{first_name}' on {first_where} and '{have}' on {where}"
                 )
-            first_at.setdefault(want, where)
-            other = dims_of_symbol.setdefault(have, want)
+            other = dims_of_symbol.setdefault(symbol, want)
             if other != want:
                 raise GraphCheckError(
                     f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
                     f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
                 )
-            if have != want:
+            if symbol != want:
                 raise GraphCheckError(
                     f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
                     f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"

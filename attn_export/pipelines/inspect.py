@@ -47,7 +47,7 @@ class InspectResult:
     parameter_bytes: int
     initializers: int
     external_data: list[str]
-    #: None when onnx.checker accepts the model, else its first line.
+    #: None when onnx.checker accepts the model, else its message, on one line.
     checker_problem: str | None
     provider: str
     kernels_ok: bool

@@ -153,8 +153,8 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
     )
     lines = [
         f"machine: {report.machine}; threads {report.threads}; provider {report.provider}; seed {report.seed}",
-        f"{step}; cache prefilled with {report.prefill}; each window runs {runs} from PAST (fewer where the "
-        "past range ends), feeding the presents back",
+        f"{step}; cache prefilled with {report.prefill}; each window runs {runs} from PAST, feeding the "
+        "presents back" + ("" if scenarios else " (a window ends early where the spec's past range does)"),
         "verdict: faster/slower than eager only beyond the noise (p90 of one below p50 of the other)",
         "MB/TOK: bytes a step moves per token (weights + cache read + cache written); GB/S: achieved; "
         f"VS_LIMIT: p50 over those bytes at this run's copy bandwidth ({_gbps(report.copy_gbps)}); "

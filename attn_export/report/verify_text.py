@@ -6,11 +6,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from attn_export.compare.outputs import FLOOR_FACTOR
-from attn_export.errors import InputError
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.spec import ModelSpec
 from attn_export.spec.masks import CASES
-from attn_export.spec.shapes import example_sizes, format_sizes, mask_cases
+from attn_export.spec.shapes import format_sizes, mask_cases
 from attn_export.spec.variants import variant_chain
 
 __all__ = [
@@ -38,8 +37,7 @@ class VerifyWidths:
 
     def fitting(self, specs: Iterable[tuple[str, ModelSpec]], runtimes: Iterable[str]) -> VerifyWidths:
         """These widths, widened to every model name, runtime label and shape a run over
-        ``specs`` (name, spec) can print: a size is never past its dim's max, and the
-        named mask cases are at the example sizes (``spec.shapes.sweep``)."""
+        ``specs`` (name, spec) can print (``_widest_shape``)."""
         specs = list(specs)
         return VerifyWidths(
             max([self.model, *(len(name) for name, _ in specs)]),
@@ -49,13 +47,10 @@ class VerifyWidths:
 
 
 def _widest_shape(spec: ModelSpec) -> int:
+    """The longest SHAPE cell: sizes at most their dims' max, with a mask case's name
+    (``--shapes`` and ``--mask-case`` may put one at any sizes)."""
     widest = len(format_sizes({d: r.max for d, r in spec.dims.items()}))
-    cases = mask_cases(spec)
-    try:
-        example = len(format_sizes(example_sizes(spec)))
-    except InputError:  # verify says so where it runs the model
-        return widest
-    return max([widest, *(example + 1 + len(c) for c in cases)])
+    return widest + max((1 + len(c) for c in mask_cases(spec)), default=0)
 
 
 VERIFY_WIDTHS = VerifyWidths(18, 18, 30)

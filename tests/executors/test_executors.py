@@ -127,3 +127,31 @@ def test_a_ray_task_runs_from_the_drivers_working_directory(tmp_path: Path, monk
     assert _in_driver_folder(str(tmp_path), os.path.isdir, "build") is True
     with pytest.raises(UsageError, match=r"has no folder /no/such/folder \(the working directory the run started in"):
         _in_driver_folder("/no/such/folder", os.path.isdir, "build")
+
+
+def test_a_ray_task_is_sent_with_the_drivers_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local cluster's workers start where the driver did, so only the wiring shows it."""
+    from concurrent.futures import Future
+
+    from attn_export.executors.ray import RayExecutor, _in_driver_folder
+
+    sent: list[tuple] = []
+
+    class _Ref:
+        def future(self) -> Future:
+            return Future()
+
+    class _Remote:
+        def remote(self, *args: object) -> _Ref:
+            sent.append(args)
+            return _Ref()
+
+    class _Ray:
+        def remote(self, **options: object):
+            return lambda fn: _Remote() if fn is _in_driver_folder else None
+
+    executor = object.__new__(RayExecutor)
+    executor.__dict__.update(_ray=_Ray(), _jobs=None, _remote=None, _in_flight=[], _refs=[], _nodes=[], _submitted=0)
+    monkeypatch.chdir(tmp_path)
+    executor.submit(os.path.isdir, "build")
+    assert sent == [(str(tmp_path), os.path.isdir, "build")]

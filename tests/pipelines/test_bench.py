@@ -4,6 +4,7 @@ No timing assertions: figures belong to the benchmark, not the tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -14,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
+from attn_export.errors import InputError
 from attn_export.pipelines.bench.physics import profile_calls
 from attn_export.pipelines.bench.results import BenchReport
 from attn_export.spec import load_spec
@@ -328,6 +330,11 @@ def test_a_decoders_prefill_sizes_keep_its_sums_and_start_from_the_emptiest_cach
     spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
     past = spec.dims["past_seq"].min
     assert _sizes(spec, 2, 8) == {"batch": 2, "seq": 8, "past_seq": past, "total_seq": past + 8}
+    # a batch dim named otherwise was timed at the seq and labelled batch 1
+    plain = load_spec(TINY_ZOO / "sdpa.toml")
+    renamed = dataclasses.replace(plain, dims={"b" if k == "batch" else k: r for k, r in plain.dims.items()})
+    with pytest.raises(InputError, match=r"^sdpa: bench needs a dim named 'batch' \(dims: b, seq, kv_seq\)$"):
+        _sizes(renamed, 1, 8)
 
 
 @pytest.mark.slow  # a decoder's build and a bench (15 s); CI runs it

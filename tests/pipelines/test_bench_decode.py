@@ -311,3 +311,19 @@ def test_the_compiled_decoder_decodes_the_same_tokens_as_eager() -> None:
         assert want["present.0.key"].shape == (2, 4, 6, 8)
         compiled.decoder(plan_window(spec, batch=2, past=9, window=3, seed=2))
         assert compiled.compile_s == 0.0
+
+
+def test_the_deepest_step_of_a_window_is_the_one_its_memory_is_checked_at() -> None:
+    """The first step alone was checked; a sliding window holds the newest of the tokens."""
+    import dataclasses
+
+    from attn_export.pipelines.bench.decode import _deepest
+    from attn_export.spec.cache import cache_of
+
+    spec = load_spec(SPEC)
+    cache = cache_of(spec)
+    assert cache is not None
+    assert _deepest(spec, cache, 16, 1, 8) == 23 and _deepest(spec, cache, 0, 4, 8) == 28
+    top = spec.dims["past_seq"].max
+    assert _deepest(spec, cache, top - 2, 1, 8) == top  # a window ends with the range
+    assert _deepest(spec, dataclasses.replace(cache, window=5), 0, 1, 8) == 5

@@ -102,8 +102,8 @@ def _step_sizes(spec: ModelSpec, cache: CacheSpec, batch: int, past: int, seq: i
 def _deepest(spec: ModelSpec, cache: CacheSpec, past: int, seq: int, steps: int) -> int:
     """The past a window's last step reads, as ``plan_window`` plans it: its cache grows by
     ``seq`` a step until the spec's past range ends, or holds a sliding window's newest."""
-    if cache.window is not None:
-        return cache.kept(past)
+    if cache.window is not None:  # its steps are not shortened: the window holds the newest
+        return cache.kept(past + (steps - 1) * seq)
     return past + (max(1, min(steps, (spec.dims[cache.past_dim].max - past) // seq + 1)) - 1) * seq
 
 

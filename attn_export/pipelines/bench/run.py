@@ -31,16 +31,17 @@ __all__ = ["bench_models", "run_bench"]
 
 
 def _sizes(spec: ModelSpec, batch: int, seq: int) -> dict[str, int]:
-    """Every free dim but batch at ``seq``, a decoder's past at its least (a prompt, from
-    the emptiest cache the spec allows), and the sums (``total_seq``) as they follow: set
-    to ``seq`` too, a mask and its keys disagreed. A spec without a batch dim runs at batch 1."""
-    if "batch" not in spec.dims and batch != 1:
-        raise InputError(
-            f"{spec.name}: batch {batch} needs a dim named 'batch' (dims: {', '.join(spec.dims)}); "
-            "without one the model runs at batch 1 only"
-        )
-    sizes = {name: batch if name == "batch" else seq for name in spec.free_dims}
+    """The batch dim at ``batch``, every other free dim at ``seq``, a decoder's past at its
+    least (a prompt, from the emptiest cache the spec allows), and the sums (``total_seq``)
+    as they follow: set to ``seq`` too, a mask and its keys disagreed. The batch dim is
+    ``batch``, or a decoder's cache's own (``CacheSpec.batch_dim``); a decoder without one
+    runs at batch 1, any other spec must name one."""
     cache = cache_of(spec)
+    batch_dim = "batch" if "batch" in spec.dims else cache.batch_dim if cache is not None else None
+    if batch_dim is None and (cache is None or batch != 1):
+        said = f"batch {batch} needs" if cache is not None else "bench needs"
+        raise InputError(f"{spec.name}: {said} a dim named 'batch' (dims: {', '.join(spec.dims)})")
+    sizes = {name: batch if name == batch_dim else seq for name in spec.free_dims}
     if cache is not None:
         sizes[cache.past_dim] = spec.dims[cache.past_dim].min
     return spec.with_sums(sizes)

@@ -11,7 +11,7 @@ from typing import Any
 
 from attn_export.artifacts.manifest import Manifest, ManifestEntry
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.errors import AttnExportError, UsageError
+from attn_export.errors import RuntimeFailure, UsageError
 from attn_export.exporter.graph_checks import check_model
 from attn_export.pipelines.bench.memory import peak_rss_mb
 from attn_export.pipelines.bench.results import RunnerOptions
@@ -146,7 +146,7 @@ def unloadable(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: Runn
             try:
                 with _runtime(out_dir / entry.file, name, spec, options):
                     pass
-            except AttnExportError as e:
+            except RuntimeFailure as e:  # cannot load; a missing provider is the run's to refuse
                 out[label] = str(e)
     return out
 

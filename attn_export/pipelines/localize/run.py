@@ -35,7 +35,7 @@ from attn_export.checks.decode import (
 )
 from attn_export.checks.fully_masked import judge, padded_tokens
 from attn_export.compare.outputs import judge_value
-from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
+from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
@@ -422,12 +422,16 @@ def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
     return _Side(rec.case.sizes, rec.case.inputs, TorchValues.from_recorded(rec), rec.case)
 
 
+class NotLocalizable(UsageError):
+    """A graph whose nodes do not name the FX node and source line they came from."""
+
+
 def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, _Replay | None]:
     out_dir, entry, spec, proto, plain = found.out_dir, found.entry, found.spec, found.proto, found.plain
     model = entry.name
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not (has_fx_metadata(proto) or (plain is not None and has_fx_metadata(plain))):
-        raise UsageError(
+        raise NotLocalizable(
             f"{model}: localize needs a graph from the dynamo exporter, whose nodes name the FX node and "
             "source line they came from (this one has no such metadata)"
         )
@@ -497,8 +501,8 @@ def localize_failures(
     """``verify --localize``: the first failing case of each model that verify compared with
     PyTorch on ONNX Runtime, and the first step where a decode trajectory left PyTorch's,
     localized (one case per model bounds the cost: the others usually fail at the same node).
-    A model localize cannot take (a graph without the dynamo exporter's metadata) is said to
-    ``notice`` and left out, where one is given: verify's verdict and reports stand."""
+    A graph localize cannot take (``NotLocalizable``: no dynamo exporter's metadata) is said
+    to ``notice`` and left out, where one is given: verify's verdict and reports stand."""
     out_dir = Path(report.artifacts)
     base = LocalizeOptions(
         models_dir=options.models_dir,
@@ -538,7 +542,7 @@ def localize_failures(
     for model, opts in asked.items():
         try:
             found.append(localize_model(out_dir, model, opts))
-        except AttnExportError as e:
+        except NotLocalizable as e:
             if notice is None:
                 raise
             notice(f"{model} not localized: {e}")

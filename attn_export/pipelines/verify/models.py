@@ -197,13 +197,15 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
         else f"{option} {models_dir}: no such model directory"
     )
     other = (  # golden mode reads the checkout's spec only where --models names it
-        "or leave --models out to judge by the spec the build recorded"
+        ", or leave --models out to judge by the spec the build recorded"
         if not learn
-        else "or compare with the build's golden vectors (--golden)"
+        else ", or compare with the build's golden vectors (--golden)"
+        if option == "--models"
+        else ""  # the pytest plugin has no golden mode
     )
     raise UsageError(
         f"{where}: verify rebuilds PyTorch originals only from the checkout's specs (pass {option} DIR, "
-        f"the folder the build read), {other}"
+        f"the folder the build read){other}"
     )
 
 

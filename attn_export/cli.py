@@ -20,7 +20,7 @@ import click
 
 from attn_export import __version__
 from attn_export.artifacts.files import LOCK_WAIT_S
-from attn_export.errors import AttnExportError
+from attn_export.errors import AttnExportError, first_line
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
@@ -41,8 +41,13 @@ __all__ = ["cli", "main"]
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+#: The exit code of an error attn-export did not raise on purpose (a bug).
+INTERNAL_ERROR = 3
+
+
 class _Group(click.Group):
-    """Maps AttnExportError to a one-line message and its exit code."""
+    """Maps AttnExportError to a one-line message and its exit code, and any other
+    exception (a bug) to one line and ``INTERNAL_ERROR``."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -60,6 +65,17 @@ class _Group(click.Group):
                 raise
             hint = f"{e.message} (--debug goes before the command: attn-export --debug COMMAND ...)"
             raise click.NoSuchOption(e.option_name, hint, e.possibilities, e.ctx) from None
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug, here or in a library: one line, exit 3
+            if ctx.params.get("debug"):
+                raise
+            click.echo(
+                f"Error: internal error ({type(e).__name__}: {first_line(e)}); attn-export --debug shows the "
+                "traceback: please report it",
+                err=True,
+            )
+            ctx.exit(INTERNAL_ERROR)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -345,3 +345,21 @@ def test_an_empty_path_is_refused_before_anything_is_written(
     assert result.exit_code == 2
     assert result.output.splitlines()[-1] == f"Error: Invalid value for {said}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unexpected_error_is_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A bug (as count_flops once raised on a decoder) printed a traceback; --debug shows it."""
+    import attn_export.spec
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("The size of tensor a (16) must match\nthe size of tensor b (8)")
+
+    monkeypatch.setattr(attn_export.spec, "spec_paths", broken)
+    result = invoke("list", "--models", str(ZOO))
+    assert result.exit_code == 3
+    assert result.output == (
+        "Error: internal error (RuntimeError: The size of tensor a (16) must match); attn-export --debug shows the "
+        "traceback: please report it\n"
+    )
+    debug = invoke("--debug", "list", "--models", str(ZOO))
+    assert isinstance(debug.exception, RuntimeError)

@@ -220,6 +220,8 @@ def run_action(env: Mapping[str, str]) -> int:
         code = _attn_export(verify_command(inputs))  # verify appends its Markdown report to the summary
         if code == 2:
             print("::error title=attn-export::verify refused its input (exit 2); the step's log says why", flush=True)
+        elif code == 3:
+            print("::error title=attn-export::verify hit an internal error (exit 3); its log names it", flush=True)
         verdict = "passed" if code == 0 else f"failed (exit {code})"
         _summary(env, f"attn-export verify {verdict}; fail-on: {gates}.\n")
     reports = {name: str(path.resolve()) if path.exists() else "" for name, path in paths.items()}

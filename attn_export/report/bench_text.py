@@ -189,9 +189,10 @@ def _any_compiled(report: BenchReport | DecodeBenchReport) -> bool:
 
 
 def _unavailable_lines(report: BenchReport | DecodeBenchReport) -> list[str]:
-    """Each runner asked for that could not run, and why; each that times the plain graph."""
+    """Each runner asked for that could not run, and why; what a row times where its label
+    does not say."""
     return [f"{runner} not timed: {why}" for runner, why in report.unavailable.items()] + [
-        f"{runner} times the plain graph: {why}" for runner, why in report.unchanged.items()
+        f"{runner} {note}" for runner, note in report.graph_notes.items()
     ]
 
 

@@ -362,3 +362,26 @@ def test_a_default_variant_a_runtime_cannot_load_is_left_out_of_that_runtimes_ro
     runners = [r["runner"] for r in report["rows"]]
     assert "ort:ort-fused" in runners and "onnx-reference:fp32" in runners and "onnx-reference:ort-fused" not in runners
     assert report["unavailable"]["tiny onnx-reference:ort-fused"].startswith("onnx-reference: cannot load ")
+
+
+def test_a_row_whose_label_does_not_say_what_it_times_is_told(bench_run) -> None:
+    """An int8 that left the graph as it was times the plain graph; an auto row times the
+    variant auto chose: neither was said."""
+    from attn_export.artifacts.manifest import load_manifest
+    from attn_export.pipelines.bench.results import BenchOptions
+    from attn_export.pipelines.bench.runners import graph_notes
+
+    folder, _ = bench_run
+    manifest = load_manifest(folder / "out")
+    spec = load_spec(folder / "models" / "tiny.toml")
+    options = BenchOptions(variants=("fp32", "int8"))
+    assert graph_notes(manifest, spec, options) == {}
+    info = manifest.models["tiny.int8"].variant_info
+    info["unchanged"] = "int8 left the graph as it was"
+    said = "times the plain graph: int8 left the graph as it was"
+    assert graph_notes(manifest, spec, options) == {"tiny ort:int8": said}
+    del info["unchanged"]
+    info |= {"chosen": "ort-fused", "why": "fastest within the model's tolerance"}
+    assert graph_notes(manifest, spec, options) == {
+        "tiny ort:int8": "times ort-fused, auto's choice: fastest within the model's tolerance"
+    }

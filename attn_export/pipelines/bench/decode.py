@@ -45,7 +45,7 @@ from attn_export.executors import SERIAL, Parallelism
 from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cells
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
-from attn_export.pipelines.bench.runners import peak_memory, timing_machine, unchanged_runners
+from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
 from attn_export.pipelines.build import BuildSummary
 from attn_export.runtimes.base import check_feeds
@@ -186,7 +186,7 @@ def run_decode_bench(
     )
     per_model = {spec.name: without_left_out(options, spec.name, left or {}) for spec in specs}
     for spec in specs:
-        report.unchanged.update(unchanged_runners(manifest, spec, per_model[spec.name]))
+        report.graph_notes.update(graph_notes(manifest, spec, per_model[spec.name]))
     bandwidth = copy_bandwidth()
     report.copy_gbps = bandwidth / 1e9
     plans = [(spec, _rows(spec, options)) for spec in specs]

@@ -98,8 +98,8 @@ class BenchReport:
     memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)
     #: Runners asked for that could not run here, and why (one line each).
     unavailable: dict[str, str] = field(default_factory=dict)
-    #: ``model runner`` -> why its graph computes as the plain export (``unchanged_runners``).
-    unchanged: dict[str, str] = field(default_factory=dict)
+    #: ``model runner`` -> what its row times, where its label does not say (``graph_notes``).
+    graph_notes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -116,7 +116,7 @@ class BenchReport:
             rows,
             d["memory_mb"],
             d.get("unavailable", {}),
-            d.get("unchanged", {}),
+            d.get("graph_notes", {}),
         )
 
 
@@ -192,8 +192,8 @@ class DecodeBenchReport:
     unavailable: dict[str, str] = field(default_factory=dict)
     #: This run's single-threaded copy bandwidth (GB/s, read + written): each row's limit.
     copy_gbps: float | None = None
-    #: ``model runner`` -> why its graph computes as the plain export (``unchanged_runners``).
-    unchanged: dict[str, str] = field(default_factory=dict)
+    #: ``model runner`` -> what its row times, where its label does not say (``graph_notes``).
+    graph_notes: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -212,5 +212,5 @@ class DecodeBenchReport:
             d["memory_mb"],
             d.get("unavailable", {}),
             d.get("copy_gbps"),
-            d.get("unchanged", {}),
+            d.get("graph_notes", {}),
         )

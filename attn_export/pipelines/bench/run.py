@@ -18,7 +18,7 @@ from attn_export.executors import SERIAL, Parallelism
 from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_cells
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
-from attn_export.pipelines.bench.runners import peak_memory, timing_machine, unchanged_runners
+from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
 from attn_export.pipelines.build import BuildSummary
 from attn_export.runtimes.timing import check_threads, physical_cores
@@ -74,7 +74,7 @@ def run_bench(
     )
     per_model = {spec.name: without_left_out(options, spec.name, left) for spec in specs}
     for spec in specs:
-        report.unchanged.update(unchanged_runners(manifest, spec, per_model[spec.name]))
+        report.graph_notes.update(graph_notes(manifest, spec, per_model[spec.name]))
     cells = [
         PrefillCell(out_dir, manifest, spec, per_model[spec.name], b, s, _sizes(spec, b, s), report.peak_gflops["peak"])
         for spec in specs

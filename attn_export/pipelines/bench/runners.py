@@ -28,7 +28,7 @@ __all__ = [
     "SDPA",
     "graph_entries",
     "graph_runners",
-    "unchanged_runners",
+    "graph_notes",
     "peak_memory",
     "timing_machine",
     "torch_runners",
@@ -108,14 +108,18 @@ def graph_entries(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -
     return out
 
 
-def unchanged_runners(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, str]:
-    """``model runner`` -> why, for each graph runner whose variant left the plain export as
-    it was (int8 of a module without a MatMul weight): its row times the plain graph."""
-    return {
-        f"{spec.name} {label}": entry.variant_info["unchanged"]
-        for label, (_, entry) in graph_entries(manifest, spec, options).items()
-        if isinstance(entry.variant_info.get("unchanged"), str)
-    }
+def graph_notes(manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, str]:
+    """``model runner`` -> what the row times where its label does not say: the plain graph,
+    where its variant left it as it was (int8 of a module without a MatMul weight); the
+    variant ``auto`` chose, and why."""
+    out = {}
+    for label, (_, entry) in graph_entries(manifest, spec, options).items():
+        info = entry.variant_info
+        if isinstance(info.get("unchanged"), str):
+            out[f"{spec.name} {label}"] = f"times the plain graph: {info['unchanged']}"
+        elif isinstance(info.get("chosen"), str):
+            out[f"{spec.name} {label}"] = f"times {info['chosen']}, auto's choice: {info.get('why', '')}"
+    return out
 
 
 def graph_runners(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, Runtime]:

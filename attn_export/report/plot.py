@@ -41,7 +41,9 @@ def _plot(
             floors = sorted((getattr(r, x), floor(r)) for r in mine if r.runner == runner and floor and floor(r))
             if floors:
                 label = f"{runner} bandwidth limit"
-                ax.plot([p[0] for p in floors], [p[1] for p in floors], "--", color=line.get_color(), label=label)
+                # marked: a single past length is one point, which a dashed line alone does not draw
+                xs, ys = [p[0] for p in floors], [p[1] for p in floors]
+                ax.plot(xs, ys, "--", marker="x", color=line.get_color(), label=label)
         style(ax, model, batch)
         ax.legend()
     _finish(fig, report, path)
@@ -70,7 +72,9 @@ def plot_decode_latency(report: DecodeBenchReport, path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.set_xlabel("past length (cached tokens)")
         ax.set_ylabel("p50 ms per step")
-        ax.set_title(f"{model}, batch {batch}, one decode step")
+        seqs = sorted({r.seq for r in report.rows if (r.model, r.batch) == (model, batch)})
+        step = "one decode step" if seqs == [1] else f"a step of {'/'.join(map(str, seqs))} tokens"
+        ax.set_title(f"{model}, batch {batch}, {step}")
         ax.grid(True, alpha=0.3)
 
     def limit_ms(row: Any) -> float | None:

@@ -327,3 +327,28 @@ def test_the_deepest_step_of_a_window_is_the_one_its_memory_is_checked_at() -> N
     top = spec.dims["past_seq"].max
     assert _deepest(spec, cache, top - 2, 1, 8) == top  # a window ends with the range
     assert _deepest(spec, dataclasses.replace(cache, window=5), 0, 1, 8) == 5
+
+
+def test_the_plot_titles_a_step_by_its_tokens_and_marks_a_lone_limit(
+    decode_run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A scenario's step of several tokens was titled "one decode step", and a limit at a
+    single past length was a dashed line of one point, which draws nothing."""
+    pytest.importorskip("matplotlib")
+    import dataclasses
+
+    from attn_export.report import plot
+
+    folder, _ = decode_run
+    report = DecodeBenchReport.from_dict(json.loads((folder / "decode.json").read_text()))
+    drawn: list = []
+    monkeypatch.setattr(plot, "_finish", lambda fig, report, path: drawn.append(fig))
+    plot.plot_decode_latency(report, tmp_path / "x.png")
+    (ax,) = drawn[-1].axes
+    assert ax.get_title().endswith(", one decode step")
+    lone = [dataclasses.replace(r, seq=4) for r in report.rows if r.past == report.rows[0].past]
+    plot.plot_decode_latency(dataclasses.replace(report, rows=lone), tmp_path / "x.png")
+    (ax,) = drawn[-1].axes
+    assert ax.get_title().endswith(", a step of 4 tokens")
+    limits = [line for line in ax.get_lines() if line.get_label().endswith("bandwidth limit")]
+    assert limits and all(line.get_marker() == "x" for line in limits)

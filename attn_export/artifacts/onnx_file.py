@@ -4,6 +4,7 @@ before anything reads it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -84,10 +85,7 @@ def with_small_data(proto: onnx.ModelProto, model_dir: Path, limit: int = 1 << 1
     copy.CopyFrom(proto)
     for _, t in list(_external(copy)):
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
-        count = 1
-        for d in t.dims:
-            count *= d
-        if itemsize and count * itemsize <= limit:
+        if itemsize and math.prod(t.dims) * itemsize <= limit:
             load_external_data_for_tensor(t, str(model_dir))
             t.data_location = onnx.TensorProto.DEFAULT
             del t.external_data[:]

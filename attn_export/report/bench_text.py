@@ -145,7 +145,6 @@ def _gbps(value: float | None) -> str:
 
 def format_decode_summary(report: DecodeBenchReport) -> str:
     windows = sorted({r.window for r in report.rows})
-    # a window shorter than asked ends where the spec's past range does
     runs = " or ".join(map(str, windows)) + (" step" if windows == [1] else " steps") if windows else "- steps"
     scenarios = sorted({r.scenario for r in report.rows if r.scenario})
     step = (

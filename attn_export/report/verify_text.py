@@ -113,10 +113,12 @@ def format_failures(report: VerifyReport) -> str:
 
 
 def _report_widths(report: VerifyReport) -> VerifyWidths:
-    """Widths fitting the names in ``report`` (its sections are printed once it is whole)."""
-    names = [d.model for d in report.decode] + [p.model for p in report.placement]
-    runtimes = [d.runtime for d in report.decode] + [p.runtime for p in report.placement]
-    model, runtime = max([VERIFY_WIDTHS.model, *map(len, names)]), max([VERIFY_WIDTHS.runtime, *map(len, runtimes)])
+    """Widths fitting the models and runtimes of ``report``'s sections after the table
+    (decode, placement, errors by values), which are printed once it is whole."""
+    pairs = [(d.model, d.runtime) for d in report.decode] + [(p.model, p.runtime) for p in report.placement]
+    pairs += list(report.errors_by_distribution)
+    model = max([VERIFY_WIDTHS.model, *(len(m) for m, _ in pairs)])
+    runtime = max([VERIFY_WIDTHS.runtime, *(len(r) for _, r in pairs)])
     return VerifyWidths(model, runtime, VERIFY_WIDTHS.shape)
 
 
@@ -158,12 +160,10 @@ def format_distributions(report: VerifyReport) -> str:
     """Per model and runtime, the largest error under each value distribution: where a
     quantized or half-precision graph breaks."""
     lines = []
-    keys = report.errors_by_distribution
-    model = max([VERIFY_WIDTHS.model, *(len(m) for m, _ in keys)])
-    runtime = max([VERIFY_WIDTHS.runtime, *(len(r) for _, r in keys)])
-    for (name, target), errors in keys.items():
+    w = _report_widths(report)
+    for (model, runtime), errors in report.errors_by_distribution.items():
         cells = ", ".join(f"{d} {_num(e, '.2e')}" for d, e in errors.items())
-        lines.append(f"max abs by values  {name:<{model}} {target:<{runtime}} {cells}")
+        lines.append(f"max abs by values  {model:<{w.model}} {runtime:<{w.runtime}} {cells}")
     return "\n".join(lines + _extreme_only(report))
 
 

@@ -195,14 +195,18 @@ def golden_plan(spec: ModelSpec) -> list[tuple[ShapePoint, str]]:
 def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     """The shapes build smoke-checks and records as golden vectors: distinct sizes, the
     points where an accepted guard fails, every corner of the declared range, and a long
-    point; so ``verify --golden`` covers the range's ends as the PyTorch sweep does."""
+    point; so ``verify --golden`` covers the range's ends as the PyTorch sweep does. The long
+    point keeps the dim first by name at its least (a manifest holds its spec's dims sorted:
+    taken in the spec's order, it was a corner at build and a shape of its own at verify,
+    which then refused every such build as lacking it)."""
     dims = spec.free_dims
-    long = {k: min(r.max, max(r.min, 64)) for k, r in dims.items()}
+    first = min(dims, default=None)
+    long = {k: dims[k].min if k == first else min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
         ShapePoint("distinct", example_sizes(spec)),
         *_guard_points(spec),  # before the corners: a smoke check that fails there names the guard
         *corner_points(spec),
-        ShapePoint("long", spec.with_sums({k: (long[k] if i else dims[k].min) for i, k in enumerate(dims)})),
+        ShapePoint("long", spec.with_sums(long)),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}
     for p in points:

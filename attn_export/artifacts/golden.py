@@ -2,9 +2,11 @@
 
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
-float32 error on the case) and ``<case>/sight/<mask>`` (two int64, -1 for "all": what a query
-sees under each self-attention key-padding mask, ``GoldenCase.sights``); written with fixed
-timestamps and sorted entries (deterministic).
+float32 error on the case), ``<case>/int8/<name>`` (two float64: the rms and the largest
+element of what the int8 rounding does to the module there, ``spec.Rounding``) and
+``<case>/sight/<mask>`` (two int64, -1 for "all": what a query sees under each
+self-attention key-padding mask, ``GoldenCase.sights``); written with fixed timestamps and
+sorted entries (deterministic).
 
 A golden file may come from anywhere, so it is read from its zip directory and .npy
 headers first: every entry's declared size, dtype and shape (against the spec, at the
@@ -25,7 +27,7 @@ import numpy as np
 
 from attn_export.artifacts.files import atomic_write, open_regular
 from attn_export.errors import ArtifactError, InputError, first_line
-from attn_export.spec import ModelSpec
+from attn_export.spec import ModelSpec, Rounding
 from attn_export.spec.cache import output_shape
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, validate_sizes
@@ -45,10 +47,10 @@ __all__ = [
 ]
 
 #: What a case's entries hold (``<case>/<section>/<name>``).
-SECTIONS = ("sizes", "inputs", "outputs", "floors", "sight")
+SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
-GOLDEN_FORMAT = 2
+GOLDEN_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class GoldenCase:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     #: Per output, PyTorch's own float32 error against float64 on these inputs.
     floors: dict[str, float] = field(default_factory=dict)
+    #: Per output, how far the module strays under the int8 variant's rounding on these inputs.
+    int8: dict[str, Rounding] = field(default_factory=dict)
     #: The positions a query of the module sees, per self-attention key-padding mask.
     sights: dict[str, Sight] = field(default_factory=dict)
 
@@ -101,6 +105,8 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
             arrays[f"{case.label}/outputs/{k}"] = a
         for k, f in case.floors.items():
             arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
+        for k, r in case.int8.items():
+            arrays[f"{case.label}/int8/{k}"] = np.asarray([r.rms, r.max], dtype=np.float64)
         for k, seen in case.sights.items():
             arrays[f"{case.label}/sight/{k}"] = seen.to_array()
     buf = io.BytesIO()
@@ -253,7 +259,7 @@ def read_cases(
     if spec is not None:
         for case in cases.values():
             _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
-    for e in entries:  # a floor's and a sight's shape and dtype are checked before they are loaded
+    for e in entries:  # a floor's, a rounding's and a sight's shape and dtype are checked before they are loaded
         if e.section == "floors":
             value = load_entry(path, zf, e.info) if e.shape == () and e.dtype == np.float64 else None
             if value is None or not np.isfinite(value) or value < 0:
@@ -261,6 +267,13 @@ def read_cases(
                     f"{path}: floor entry '{e.label}/floors/{e.name}' is not a finite non-negative float64 scalar"
                 )
             cases[e.label].floors[e.name] = float(value)
+        elif e.section == "int8":
+            value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype == np.float64 else None
+            if value is None or not np.isfinite(value).all() or value.min() < 0:
+                raise ArtifactError(
+                    f"{path}: entry '{e.label}/int8/{e.name}' is not a rounding: two finite non-negative float64"
+                )
+            cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]))
         elif e.section == "sight":
             value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype.kind in "iu" else None
             if value is None or value.min() < -1:

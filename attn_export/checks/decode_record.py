@@ -27,7 +27,9 @@ def record_trajectory(
     its outputs (``verify --golden`` replays them, feeding the graph its own pasts), with
     what a query of the module sees (``GoldenCase.sights``)."""
     return [
-        GoldenCase(recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]), dict(sights))
+        GoldenCase(
+            recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]), sights=dict(sights)
+        )
         for k, (inputs, out) in enumerate(zip(step_inputs(spec, traj, outputs), outputs, strict=True))
     ]
 

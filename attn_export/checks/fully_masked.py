@@ -135,12 +135,14 @@ def judge(
     compared under "match", where a failure found only in them says so."""
     padded, count = padded_query_rows(spec, case)
     if not count:
-        return compare_outputs(case.outputs, actual, tolerances, case.floors), []
+        return compare_outputs(case.outputs, actual, tolerances, case.floors, int8=case.int8), []
     if spec.fully_masked == "ignore":
-        comparisons = _compare_left_out(case.outputs, actual, padded, tolerances, case.floors)
+        comparisons = _compare_left_out(case, actual, padded, tolerances)
         return comparisons, [f'fully_masked = "ignore": {_rows(count)} not compared ({PADDED})']
-    comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors)
-    blanked = compare_outputs(_blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors)
+    comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors, int8=case.int8)
+    blanked = compare_outputs(
+        _blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors, int8=case.int8
+    )
     if not all(c.passed for c in comparisons) and all(c.passed for c in blanked):
         return comparisons, [
             f"every difference is in {_rows(count)} ({PADDED}); "
@@ -150,16 +152,18 @@ def judge(
 
 
 def _compare_left_out(
-    expected: Mapping[str, np.ndarray],
+    case: GoldenCase,
     actual: Mapping[str, np.ndarray],
     selectors: Mapping[str, np.ndarray],
     tolerances: Mapping[str, Tolerance],
-    floors: Mapping[str, float],
 ) -> list[OutputComparison]:
-    """``compare_outputs`` with the selected elements left out: blanked on both sides and
-    not counted in their output's total, so that a case whose every element is left out
-    compared nothing, and does not pass."""
-    compared = compare_outputs(_blank(expected, selectors), _blank(actual, selectors), tolerances, floors, selectors)
+    """``compare_outputs`` on a case with the selected elements left out: blanked on both
+    sides and not counted in their output's total, so that a case whose every element is
+    left out compared nothing, and does not pass."""
+    expected = case.outputs
+    compared = compare_outputs(
+        _blank(expected, selectors), _blank(actual, selectors), tolerances, case.floors, selectors, case.int8
+    )
     return [
         dataclasses.replace(c, total=c.total - int(selectors[c.name].sum()))
         if c.name in selectors and selectors[c.name].shape == expected[c.name].shape
@@ -313,13 +317,13 @@ class FullyMaskedRows:
         else:  # both sides would be "unknown"
             notes = ["fully masked rows: none in this case (every query sees a key)"]
         if self.spec.fully_masked != "ignore":
-            return compare_outputs(case.outputs, actual, self.tolerances, case.floors), notes
+            return compare_outputs(case.outputs, actual, self.tolerances, case.floors, int8=case.int8), notes
         padded, count = padded_query_rows(self.spec, case)
         sel = {n: s | padded[n] if n in padded else s for n, s in sel.items()}
         skipped, total = sum(int(s.sum()) for s in sel.values()), sum(s.size for s in sel.values())
         what = "rows attending to nothing" + (", padded query rows" if count else "")
         notes.append(f'fully_masked = "ignore": {skipped} of {total} output elements ({what}) not compared')
-        return _compare_left_out(case.outputs, actual, sel, self.tolerances, case.floors), notes
+        return _compare_left_out(case, actual, sel, self.tolerances), notes
 
 
 def settle(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from attn_export.compare.outputs import FLOOR_FACTOR
+from attn_export.compare.outputs import FLOOR_FACTOR, ROUNDING_FACTOR
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.spec import ModelSpec
 from attn_export.spec.masks import CASES
@@ -164,7 +164,7 @@ def format_distributions(report: VerifyReport) -> str:
     for (model, runtime), errors in report.errors_by_distribution.items():
         cells = ", ".join(f"{d} {_num(e, '.2e')}" for d, e in errors.items())
         lines.append(f"max abs by values  {model:<{w.model}} {runtime:<{w.runtime}} {cells}")
-    return "\n".join(lines + _extreme_only(report))
+    return "\n".join(lines + _extreme_only(report) + _by_rounding(report))
 
 
 #: The distributions of values far from a model's usual ones (``spec.distributions``).
@@ -189,6 +189,26 @@ def _extreme_only(report: VerifyReport) -> list[str]:
                 "may: its rounding grows with the largest values; where such values never come, judge it with "
                 f"--distribution normal --distribution tiny, or give [variants.{variant}] atol_rms and rms_rtol"
             )
+    return notes
+
+
+def _by_rounding(report: VerifyReport) -> list[str]:
+    """A note for each graph that passed somewhere only by what its variant's rounding does
+    to the module (``Tolerance.int8_rounding``): right, and losing that much precision there."""
+    found: dict[str, dict[str, float]] = {}
+    for c in report.cases:
+        for o in c.comparisons if c.passed else ():
+            beyond_shares = o.max_abs_error > o.atol - ROUNDING_FACTOR * o.rounding_max
+            if o.rounding_max and o.rms and beyond_shares:
+                worst = found.setdefault(c.model, {})
+                worst[c.distribution] = max(worst.get(c.distribution, 0.0), o.max_abs_error / o.rms)
+    notes = []
+    for model, worst in found.items():
+        where = ", ".join(f"{d} values ({share:.2g} x its output rms)" for d, share in sorted(worst.items()))
+        notes.append(
+            f"note: {model} passes on {where} only by what int8 rounding does to the module there (simulated in "
+            "PyTorch), which a right int8 graph does: where such values or lengths come, that much precision is lost"
+        )
     return notes
 
 

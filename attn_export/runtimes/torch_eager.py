@@ -11,8 +11,9 @@ from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
+from attn_export.runtimes.int8_rounding import in_int8
 from attn_export.runtimes.target import PROVIDERS
-from attn_export.spec import DimRange, TensorSpec
+from attn_export.spec import DimRange, Rounding, TensorSpec
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -121,6 +122,24 @@ class TorchRuntime(Runtime):
                 torch.set_num_threads(saved)
         return {name: min(max(_error(run[name], e.get(name)) for run in runs) for e in exact) for name in outputs}
 
+    def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
+        """How far the module run with the int8 variant's rounding (``in_int8``) is from its
+        ``outputs`` on ``feeds``, per float output: how far a right int8 graph strays here.
+        Empty where the module cannot run so (its int8 graphs are then judged by the shares
+        of the rms alone)."""
+        torch = require("torch", "running the PyTorch original")
+        try:
+            with torch.no_grad():
+                result = in_int8(self.module, *self._tensors(feeds))
+        except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
+            return {}
+        values = result if isinstance(result, tuple | list) else (result,)
+        return {
+            t.name: _rounding(outputs[t.name], v.detach().cpu().numpy())
+            for t, v in zip(self.outputs, values, strict=False)
+            if t.name in outputs
+        }
+
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:
         """The module's outputs in float64, every op ``widened`` or cast as a whole; None
         where it cannot run so."""
@@ -180,6 +199,16 @@ def _error(got: np.ndarray, exact: np.ndarray | None) -> float:
         diff = np.abs(got.astype(np.float64) - exact.astype(np.float64))
     finite = diff[np.isfinite(diff)]
     return float(finite.max()) if finite.size else 0.0
+
+
+def _rounding(exact: np.ndarray, rounded: np.ndarray) -> Rounding:
+    """The rms and the largest of |rounded - exact| where both are finite; none for other values."""
+    if exact.shape != rounded.shape or exact.dtype.kind != "f":
+        return Rounding()
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(rounded.astype(np.float64) - exact.astype(np.float64))
+    finite = diff[np.isfinite(diff)]
+    return Rounding(float(np.sqrt(np.mean(finite**2))), float(finite.max())) if finite.size else Rounding()
 
 
 #: Two runs of a deterministic module agree to float32 rounding of their order of summation.

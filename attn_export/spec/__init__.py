@@ -13,7 +13,7 @@ from attn_export.spec.model import (
     WeightsSpec,
 )
 from attn_export.spec.parse import load_spec, spec_from_dict, spec_paths
-from attn_export.spec.tolerance import Tolerance
+from attn_export.spec.tolerance import Rounding, Tolerance
 from attn_export.spec.variants import VARIANTS, Chain, VariantInfo, variant_chain, variant_key
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Guard",
     "ModelSpec",
     "TensorSpec",
+    "Rounding",
     "Tolerance",
     "VariantInfo",
     "WeightsSpec",

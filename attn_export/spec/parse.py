@@ -141,6 +141,7 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
         _bool(where, raw.get("allow_nan", default.allow_nan), f"{context}.allow_nan", "allow_nan", context),
         _number(where, raw.get("atol_rms", default.atol_rms), f"{context}.atol_rms", "atol_rms", context),
         _number(where, raw.get("rms_rtol", default.rms_rtol), f"{context}.rms_rtol", "rms_rtol", context),
+        default.int8_rounding,
     )
 
 
@@ -452,6 +453,8 @@ def _tolerances(
         # a key left out keeps the variant's own default (int8's rms shares), else the model's
         own = VARIANTS[variant].tolerance if variant in VARIANTS else None
         default = tolerance if own is None else dataclasses.replace(own, allow_nan=tolerance.allow_nan)
+        if any(link.tolerance and link.tolerance.int8_rounding for link in variant_chain(variant).links):
+            default = dataclasses.replace(default, int8_rounding=True)  # a chain rounds as its int8 link
         per_variant[variant] = _tolerance_table(where, tol, default, context, variant)
     return tolerance, per_output, per_variant
 

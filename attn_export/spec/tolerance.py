@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["Tolerance"]
+__all__ = ["Rounding", "Tolerance"]
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,18 @@ class Tolerance:
     the whole output's error as well, its root mean square at most ``atol`` plus that share
     of the output's rms: quantization noise has a long tail element by element (a right
     int8 graph reaches 0.14 x rms at its worst element) but a small rms, while a wrong scale
-    or zero point moves every element and shows there."""
+    or zero point moves every element and shows there.
+
+    ``int8_rounding`` widens both bounds by what the int8 rounding does to the module on the
+    case (``Rounding``, measured in PyTorch): how far a right int8 graph strays grows with
+    the context and the values, past what any fixed share of the rms holds."""
 
     atol: float
     rtol: float
     allow_nan: bool = False
     atol_rms: float = 0.0
     rms_rtol: float = 0.0
+    int8_rounding: bool = False
 
     def scaled(self, rms: float) -> Tolerance:
         """This tolerance on one value whose root mean square is ``rms``: ``atol_rms`` folded
@@ -51,7 +56,8 @@ class Tolerance:
         same direction, on the same element. The rms of the errors adds the same way
         (``rms_share``, ``c``): ``rms(y2 - y) <= a1 + a2 + c2 a1 + (c1 + c2 (1 + c1)) R``,
         checked where a link checks it. Composing is associative, so a chain folds its links
-        left to right; NaN passes only where every link allows it."""
+        left to right; NaN passes only where every link allows it, and a link's
+        ``int8_rounding`` holds for the chain."""
         a1, b1, r1, c1 = self.atol, self.atol_rms, self.rtol, self.rms_share
         a2, b2, r2, c2 = after.atol, after.atol_rms, after.rtol, after.rms_share
         return Tolerance(
@@ -60,4 +66,16 @@ class Tolerance:
             self.allow_nan and after.allow_nan,
             b1 + b2 * (1 + b1 + r1) + r2 * b1,
             c1 + c2 * (1 + c1) if self.rms_rtol or after.rms_rtol else 0.0,
+            self.int8_rounding or after.int8_rounding,
         )
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How far the module run with a lossy variant's rounding (``runtimes.int8_rounding``)
+    is from the module itself on one output and case: the error's root mean square and its
+    largest element, over the elements finite on both sides. A graph rounding as the variant
+    does strays about as far; the pass rule allows ``ROUNDING_FACTOR`` times that."""
+
+    rms: float = 0.0
+    max: float = 0.0

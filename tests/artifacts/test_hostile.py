@@ -353,6 +353,14 @@ def _rewrite_golden(folder: Path, name: str, change) -> None:
             lambda a: a.__setitem__("min/sight/k", np.asarray([3, 0])),
             "case 'min' records a sight under ['k'], no mask of the spec",
         ),
+        (  # a negative rounding would narrow an int8 graph's bounds, a NaN one disable them
+            lambda a: a.__setitem__("min/int8/output", np.asarray([-1.0, 0.0])),
+            "entry 'min/int8/output' is not a rounding: two finite non-negative float64",
+        ),
+        (
+            lambda a: a.__setitem__("min/int8/output", np.asarray(0.5)),
+            "entry 'min/int8/output' is not a rounding: two finite non-negative float64",
+        ),
     ],
 )
 def test_golden_file_with_wrong_keys_or_dtypes(zoo_copy: Path, change, message: str) -> None:

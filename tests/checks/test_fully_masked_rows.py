@@ -125,9 +125,10 @@ def test_elements_left_out_are_not_counted_as_compared() -> None:
     (it passed, counted among the cases that agree)."""
     from attn_export.checks.fully_masked import _compare_left_out
 
-    expected, actual = {"y": np.zeros((2, 3), np.float32)}, {"y": np.ones((2, 3), np.float32)}
+    case = GoldenCase("c", {}, outputs={"y": np.zeros((2, 3), np.float32)})
+    actual = {"y": np.ones((2, 3), np.float32)}
     tol = {"y": Tolerance(1e-5, 0.0)}
-    some = _compare_left_out(expected, actual, {"y": np.array([[True] * 3, [False] * 3])}, tol, {})
+    some = _compare_left_out(case, actual, {"y": np.array([[True] * 3, [False] * 3])}, tol)
     assert some[0].total == 3 and some[0].mismatched == 3
-    every = _compare_left_out(expected, actual, {"y": np.ones((2, 3), bool)}, tol, {})
+    every = _compare_left_out(case, actual, {"y": np.ones((2, 3), bool)}, tol)
     assert every[0].total == 0 and every[0].passed

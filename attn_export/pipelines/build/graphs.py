@@ -161,7 +161,8 @@ class SpecBuild:
                 label = case_label(point.label, distribution)
                 outputs = eager.run(feeds)
                 floors = eager.precision_floor(feeds, outputs)
-                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors, dict(seen)))
+                int8 = eager.int8_rounding(feeds, outputs)
+                cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors, int8, dict(seen)))
         return cases
 
     def _example(self) -> GoldenCase:

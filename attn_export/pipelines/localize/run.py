@@ -409,7 +409,8 @@ def _pytorch_side(
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)
         seen = sights(spec, eager, example_sizes(spec), [sizes])
-        case = GoldenCase("localize", dict(sizes), feeds, outputs, eager.precision_floor(feeds, outputs), seen)
+        floors, int8 = eager.precision_floor(feeds, outputs), eager.int8_rounding(feeds, outputs)
+        case = GoldenCase("localize", dict(sizes), feeds, outputs, floors, int8, seen)
     side = _Side(dict(sizes), feeds, values, case)
     if options.decode_step is not None:
         side.module_bug = parting_node(program, spec, traj, options.decode_step, values, budget, spec.tolerance)

@@ -37,14 +37,16 @@ __all__ = [
 
 
 def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dict[str, Tolerance]:
-    """Each output's tolerance for ``variant``: ``--atol`` replaces the absolute allowance per
-    element (atol and a lossy variant's share of the output's rms), ``--rtol`` the relative
-    one; the bound on the error's rms (``rms_rtol``) stays the spec's."""
+    """Each output's tolerance for ``variant``: ``--atol`` replaces the absolute allowance
+    (atol, and a lossy variant's share of the output's rms and what its simulated rounding
+    makes), ``--rtol`` the relative one; the share of the rms the error's rms may reach
+    beyond atol (``rms_rtol``) stays the spec's."""
     return {
         name: dataclasses.replace(
             tol,
             atol=tol.atol if options.atol is None else options.atol,
             atol_rms=tol.atol_rms if options.atol is None else 0.0,
+            int8_rounding=tol.int8_rounding and options.atol is None,
             rtol=tol.rtol if options.rtol is None else options.rtol,
         )
         for name, tol in spec.tolerances(variant).items()
@@ -122,7 +124,8 @@ def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[Sha
         if not outputs:
             return GoldenCase(point.label, dict(point.sizes), feeds, {}, sights=dict(seen))
         got = torch_rt.run(feeds)
-        return GoldenCase(point.label, dict(point.sizes), feeds, got, torch_rt.precision_floor(feeds, got), dict(seen))
+        floors, int8 = torch_rt.precision_floor(feeds, got), torch_rt.int8_rounding(feeds, got)
+        return GoldenCase(point.label, dict(point.sizes), feeds, got, floors, int8, dict(seen))
 
     cases = [PlannedCase(p.label, dict(p.sizes), seed + i, d) for i, (p, d) in enumerate(plan)]
     return Expected(torch_rt.name, cases, make)
@@ -162,7 +165,8 @@ def recorded_expected(
         case = dataclasses.replace(cases[i], sights=dict(seen))
         if outputs and torch_rt is not None:
             got = torch_rt.run(case.inputs)
-            case = dataclasses.replace(case, outputs=got, floors=torch_rt.precision_floor(case.inputs, got))
+            floors, int8 = torch_rt.precision_floor(case.inputs, got), torch_rt.int8_rounding(case.inputs, got)
+            case = dataclasses.replace(case, outputs=got, floors=floors, int8=int8)
         return case
 
     return Expected(torch_rt.name, expected.plan, make)

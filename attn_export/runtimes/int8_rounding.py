@@ -1,0 +1,61 @@
+"""Run a module with the rounding the ``int8`` variant makes, so that PyTorch itself says
+how far a right int8 graph may be from the float32 module on each case.
+
+``onnxruntime.quantization.quantize_dynamic`` (``exporter/variants/int8.py``) rounds every
+MatMul whose second operand is a constant: the weight to 7-bit symmetric integers with one
+scale per tensor, the other operand to 8-bit asymmetric integers with a scale and zero point
+taken from that tensor's range on each call. How much that moves the output depends on the
+model and the values, not on the graph: past 4096 cached keys, the seed attention's error
+grows to 6 % of its output's rms (0.5 x at its worst element), four times what a short
+context gives. Under this mode every ``F.linear`` and every matmul whose second operand is
+one of the module's own tensors (a weight, a view of one) is rounded so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attn_export._deps import require
+
+__all__ = ["in_int8"]
+
+#: ``reduce_range``: 7-bit symmetric weights, as ORT quantizes them for CPUs without VNNI.
+WEIGHT_LEVELS = 64
+#: DynamicQuantizeLinear: uint8 activations over [min(0, x), max(0, x)].
+ACTIVATION_LEVELS = 255
+
+
+def in_int8(module: Any, *args: Any) -> Any:
+    """``module(*args)`` with every matmul on one of its own tensors rounded as the int8
+    variant rounds it; the rest of the module in its own precision."""
+    torch = require("torch", "running the PyTorch original")
+    from torch.overrides import TorchFunctionMode
+
+    F = torch.nn.functional
+    owned = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+    matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm)
+
+    def weight(w: Any) -> Any:
+        scale = w.abs().amax().clamp_min(torch.finfo(w.dtype).tiny) / WEIGHT_LEVELS
+        return torch.round(w / scale).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS) * scale
+
+    def activation(x: Any) -> Any:
+        low, high = x.amin().clamp(max=0), x.amax().clamp(min=0)
+        scale = ((high - low) / ACTIVATION_LEVELS).clamp_min(torch.finfo(x.dtype).tiny)
+        zero = torch.round(-low / scale).clamp(0, ACTIVATION_LEVELS)
+        return (torch.round(x / scale).add(zero).clamp(0, ACTIVATION_LEVELS) - zero) * scale
+
+    def is_owned(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point() and t.untyped_storage().data_ptr() in owned
+
+    class Rounded(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if func is F.linear and len(args) >= 2 and is_owned(args[1]):
+                return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
+            if func in matmuls and len(args) == 2 and is_owned(args[1]) and not is_owned(args[0]):
+                return func(activation(args[0]), weight(args[1]), **kwargs)
+            return func(*args, **kwargs)
+
+    with Rounded():
+        return module(*args)

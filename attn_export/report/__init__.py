@@ -8,6 +8,7 @@ bench's, each written by ``--<name> FILE``: a new format is one module defining 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,6 +101,8 @@ def check_report_paths(
         folder = path.parent.resolve()
         if not folder.is_dir() and (made is None or not folder.is_relative_to(made.resolve())):
             raise UsageError(f"cannot write {path}: no folder {path.parent}")
+        if folder.is_dir():
+            _probe(path, folder)
         if target in taken:
             raise UsageError(f"{taken[target]} and {label} both name {path}: give each report a file of its own")
         taken[target] = label
@@ -107,6 +110,16 @@ def check_report_paths(
             raise UsageError(f"{label} {path} is a file this command reads; write the report elsewhere")
         if whose := _NOT_REPORTS.get(target.suffix.lower()):
             raise UsageError(f"{label} {path}: {target.suffix} is {whose} suffix, not a report's; write it elsewhere")
+
+
+def _probe(path: Path, folder: Path) -> None:
+    """A report is written through a temporary file in its folder (``atomic_write``): a
+    folder that takes none (read-only, ``/proc``) is refused before the work, not after it."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: Iterable[str]) -> None:

@@ -150,6 +150,9 @@ def test_a_report_never_replaces_a_file_of_the_folder_it_verifies(zoo_copy: Path
     missing = tmp_path / "nowhere" / "r.json"
     result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", "--json", str(missing)])
     assert (result.exit_code, result.output) == (2, f"Error: cannot write {missing}: no folder {missing.parent}\n")
+    # a folder that takes no file (it failed after the whole run, the report lost)
+    result = CliRunner().invoke(cli, ["verify", graph, "--golden", "--no-latency", "--json", "/proc/r.json"])
+    assert (result.exit_code, result.output) == (2, "Error: cannot write /proc/r.json: No such file or directory\n")
 
 
 def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: Path, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.target import Target
-from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec import ModelSpec, Rounding, Tolerance
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.inputs import draw_inputs
 from attn_export.spec.shapes import concrete_shape, example_sizes
@@ -87,6 +87,8 @@ class Trajectory:
     #: Per step, PyTorch's own float32 error per output: widens each tolerance as the
     #: sweep's floor does, so rounding is never reported as a divergence or a module bug.
     floors: list[dict[str, float]] = field(default_factory=list)
+    #: Per step, what the int8 rounding does to the module's outputs (``Tolerance.int8_rounding``).
+    int8: list[dict[str, Rounding]] = field(default_factory=list)
 
     @property
     def prompt_lengths(self) -> list[int]:
@@ -212,6 +214,7 @@ def pytorch_trajectories(
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}{before}")
         inputs = step_inputs(spec, traj, outputs)
         traj.floors = [eager.precision_floor(i, o) for i, o in zip(inputs, outputs, strict=True)]
+        traj.int8 = [eager.int8_rounding(i, o) for i, o in zip(inputs, outputs, strict=True)]
         out.append((traj, outputs))
     return out
 
@@ -538,9 +541,10 @@ def _compare(
     tolerances: Mapping[str, Tolerance],
     blank: Mapping[str, np.ndarray],
     floors: Mapping[str, float],
+    int8: Mapping[str, Rounding] | None = None,
 ) -> list[OutputComparison]:
-    """compare_outputs (tolerances widened by ``floors``), with the rows in ``blank`` set
-    to 0 on both sides (not compared)."""
+    """compare_outputs (tolerances widened by ``floors`` and, for int8, ``int8``), with the
+    rows in ``blank`` set to 0 on both sides (not compared)."""
 
     def cleared(values: Feeds) -> Feeds:
         out = dict(values)
@@ -554,7 +558,7 @@ def _compare(
         for n, rows in blank.items()
         if n in expected and expected[n].ndim == rows.ndim
     }
-    return compare_outputs(cleared(expected), cleared(actual), tolerances, floors, left_out)
+    return compare_outputs(cleared(expected), cleared(actual), tolerances, floors, left_out, int8)
 
 
 def compare_trajectories(
@@ -594,9 +598,9 @@ def compare_trajectories(
             step.carry = cache_carry(cache, sizes, (pasts[0], graph), (pasts[1], expected[k]))
         floors = traj.floors[k] if k < len(traj.floors) else {}
         if graph is not None:
-            step.comparisons = _compare(
-                expected[k], graph, tolerances, padded if spec.fully_masked == "ignore" else {}, floors
-            )
+            int8 = traj.int8[k] if k < len(traj.int8) else {}
+            blank = padded if spec.fully_masked == "ignore" else {}
+            step.comparisons = _compare(expected[k], graph, tolerances, blank, floors, int8)
         else:
             step.error = actual_error or "the graph produced no output"
         if recomputed is not None and stop <= length:

@@ -28,7 +28,13 @@ def record_trajectory(
     what a query of the module sees (``GoldenCase.sights``)."""
     return [
         GoldenCase(
-            recorded_label(traj.scenario, k + 1), traj.sizes[k], inputs, out, dict(traj.floors[k]), sights=dict(sights)
+            recorded_label(traj.scenario, k + 1),
+            traj.sizes[k],
+            inputs,
+            out,
+            dict(traj.floors[k]),
+            dict(traj.int8[k]) if k < len(traj.int8) else {},
+            dict(sights),
         )
         for k, (inputs, out) in enumerate(zip(step_inputs(spec, traj, outputs), outputs, strict=True))
     ]
@@ -92,6 +98,7 @@ def read_trajectories(
                     sizes,
                     notes=notes,
                     floors=[c.floors for c in steps],
+                    int8=[c.int8 for c in steps],
                 ),
                 [c.outputs for c in steps],
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from attn_export.compare.outputs import FLOOR_FACTOR, ROUNDING_FACTOR
+from attn_export.compare.outputs import FLOOR_FACTOR
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.spec import ModelSpec
 from attn_export.spec.masks import CASES
@@ -193,21 +193,24 @@ def _extreme_only(report: VerifyReport) -> list[str]:
 
 
 def _by_rounding(report: VerifyReport) -> list[str]:
-    """A note for each graph that passed somewhere only by what its variant's rounding does
-    to the module (``Tolerance.int8_rounding``): right, and losing that much precision there."""
+    """A note for each int8 graph that passed, somewhere beyond the shares of the rms alone
+    but within what int8 rounding does to the module there (``OutputComparison.by_rounding``):
+    the precision it loses where such values or lengths come."""
     found: dict[str, dict[str, float]] = {}
+    failed = set(report.failed_models)
     for c in report.cases:
-        for o in c.comparisons if c.passed else ():
-            beyond_shares = o.max_abs_error > o.atol - ROUNDING_FACTOR * o.rounding_max
-            if o.rounding_max and o.rms and beyond_shares:
+        for o in c.comparisons:
+            if o.by_rounding and o.rms and c.model not in failed:
                 worst = found.setdefault(c.model, {})
                 worst[c.distribution] = max(worst.get(c.distribution, 0.0), o.max_abs_error / o.rms)
     notes = []
     for model, worst in found.items():
-        where = ", ".join(f"{d} values ({share:.2g} x its output rms)" for d, share in sorted(worst.items()))
+        shares = [f"{d} ({share:.2g} x)" for d, share in sorted(worst.items())]
+        shares[0] = shares[0].replace(" x)", " x the output's rms at its worst element)")
         notes.append(
-            f"note: {model} passes on {where} only by what int8 rounding does to the module there (simulated in "
-            "PyTorch), which a right int8 graph does: where such values or lengths come, that much precision is lost"
+            f"note: {model} passes on the {', '.join(shares)} values only within twice what int8 rounding does "
+            "to the module there (simulated in PyTorch): int8 loses that much precision where such values or "
+            "lengths come"
         )
     return notes
 

@@ -8,7 +8,12 @@ taken from that tensor's range on each call. How much that moves the output depe
 model and the values, not on the graph: past 4096 cached keys, the seed attention's error
 grows to 6 % of its output's rms (0.5 x at its worst element), four times what a short
 context gives. Under this mode every ``F.linear`` and every matmul whose second operand is
-one of the module's own tensors (a weight, a view of one) is rounded so.
+one of the module's own tensors whole (a weight, or its transpose) and whose first is not is
+rounded so. A slice or chunk of one is left alone: the export keeps the ``Split`` before its
+MatMul, which then has no constant to quantize (``nn.MultiheadAttention``'s packed
+projection, a table of relative positions cut to the length). What the simulation misses
+(a module computing its weight, ``addmm``, code under a function of its own such as
+``F.multi_head_attention_forward``) leaves an int8 graph to the shares of the rms alone.
 """
 
 from __future__ import annotations
@@ -46,15 +51,19 @@ def in_int8(module: Any, *args: Any) -> Any:
         return (torch.round(x / scale).add(zero).clamp(0, ACTIVATION_LEVELS) - zero) * scale
 
     def is_owned(t: Any) -> bool:
+        """One of the module's tensors, or a view of one."""
         return isinstance(t, torch.Tensor) and t.is_floating_point() and t.untyped_storage().data_ptr() in owned
+
+    def is_weight(t: Any) -> bool:
+        """One of the module's tensors whole (a transpose too), not a slice of one."""
+        whole = t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+        return is_owned(t) and whole
 
     class Rounded(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
-            if func is F.linear and len(args) >= 2 and is_owned(args[1]):
+            if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
-            if func in matmuls and len(args) == 2 and is_owned(args[1]) and not is_owned(args[0]):
-                return func(activation(args[0]), weight(args[1]), **kwargs)
             return func(*args, **kwargs)
 
     with Rounded():

@@ -125,14 +125,14 @@ class TorchRuntime(Runtime):
     def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
         """How far the module run with the int8 variant's rounding (``in_int8``) is from its
         ``outputs`` on ``feeds``, per float output: how far a right int8 graph strays here.
-        Empty where the module cannot run so (its int8 graphs are then judged by the shares
-        of the rms alone)."""
+        None (zero) where the module cannot run so: its int8 graphs are then judged by the
+        shares of the rms alone."""
         torch = require("torch", "running the PyTorch original")
         try:
             with torch.no_grad():
                 result = in_int8(self.module, *self._tensors(feeds))
         except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
-            return {}
+            return {t.name: Rounding() for t in self.outputs if t.name in outputs}
         values = result if isinstance(result, tuple | list) else (result,)
         return {
             t.name: _rounding(outputs[t.name], v.detach().cpu().numpy())

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -185,7 +187,6 @@ def test_the_int8_rounding_simulated_in_pytorch_gives_the_int8_graph_s_outputs(v
     """The pass rule widens an int8 graph's bounds by what ``in_int8`` does to the module: that
     is sound only while it rounds as ``quantize_dynamic``'s graph does, to float32 noise,
     not to int8's (which is 1000 times larger), on every distribution."""
-    import numpy as np
     import onnxruntime as ort
     import torch
 
@@ -238,16 +239,46 @@ def test_the_int8_rounding_widens_no_case_where_int8_loses_little(variant_build:
     assert "FAIL mha_cross.int8" in result.output and "note: mha_cross.int8 passes" not in result.output
 
 
+def _rewrite_golden(folder: Path, name: str, change: Callable[[str, np.ndarray], np.ndarray | None]) -> None:
+    """Each entry of ``folder``'s golden file of ``name`` as ``change`` gives it (None: dropped),
+    the manifest's hash kept true."""
+    from attn_export.artifacts.files import sha256_file
+
+    golden = folder / f"{name}.golden.npz"
+    with np.load(golden) as npz:
+        arrays = {k: changed for k in npz.files if (changed := change(k, npz[k])) is not None}
+    np.savez(golden, **arrays)
+    doc = json.loads((folder / "manifest.json").read_text())
+    for entry in doc["models"].values():
+        if entry["golden"] == golden.name:
+            entry["golden_sha256"] = sha256_file(golden)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_a_golden_file_without_int8_rounding_is_refused_for_an_int8_graph(variant_build: Path, tmp_path: Path) -> None:
+    """A golden file an older version wrote records no int8 rounding: judged without it, a
+    right int8 graph fails on outliers. It is refused, saying to rebuild; the plain graph
+    still verifies from it."""
+    out = tmp_path / "out"
+    shutil.copytree(variant_build, out)
+    _rewrite_golden(out, "mha_cross", lambda key, value: None if "/int8/" in key else value)
+    golden = out / "mha_cross.golden.npz"
+    result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.int8.onnx"), "--golden", "--no-latency"])
+    assert (result.exit_code, result.output) == (
+        2,
+        f"Error: {golden}: the golden file records no int8 rounding, which mha_cross.int8 is judged by (an older "
+        "attn-export wrote it); rebuild it with attn-export build\n",
+    )
+    result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.onnx"), "--golden", "--no-latency"])
+    assert result.exit_code == 0, result.output
+
+
 def test_a_recorded_rounding_cannot_widen_an_int8_graph_s_bounds_past_its_outputs(
     variant_build: Path, tmp_path: Path
 ) -> None:
     """A build folder is data: a golden file recording int8 rounding of 1e6 passed an output
     projection three times too large in golden mode. A rounding counts at most as large as
     the value it rounds."""
-    import numpy as np
-
-    from attn_export.artifacts.files import sha256_file
-
     out = tmp_path / "out"
     shutil.copytree(variant_build, out)
     proto = onnx.load(out / "mha_cross.int8.onnx")
@@ -256,14 +287,6 @@ def test_a_recorded_rounding_cannot_widen_an_int8_graph_s_bounds_past_its_output
     value = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == scale)
     set_initializer(proto, scale, float(value) * 3)
     plant(out, "mha_cross.int8", proto)
-    golden = out / "mha_cross.golden.npz"
-    with np.load(golden) as npz:
-        arrays = {k: np.full(2, 1e6) if "/int8/" in k else npz[k] for k in npz.files}
-    np.savez(golden, **arrays)
-    doc = json.loads((out / "manifest.json").read_text())
-    for entry in doc["models"].values():
-        if entry["golden"] == golden.name:
-            entry["golden_sha256"] = sha256_file(golden)
-    (out / "manifest.json").write_text(json.dumps(doc))
+    _rewrite_golden(out, "mha_cross", lambda key, value: np.full(2, 1e6) if "/int8/" in key else value)
     result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.int8.onnx"), "--golden", "--no-latency"])
     assert result.exit_code == 1, result.output

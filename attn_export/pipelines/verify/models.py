@@ -108,7 +108,9 @@ def select_models(
 def build_golden(out_dir: Path, entry: ManifestEntry, budget: int) -> list[GoldenCase]:
     """The golden file of a built graph, read as data (``read_golden``: headers, dtypes and
     shapes at its cases' sizes), holding every case build records (``golden_plan``): a
-    file cut to a case where no fault shows would pass."""
+    file cut to a case where no fault shows would pass; and, for an int8 graph, what int8
+    rounding does to the module (``GoldenCase.int8``), which a file written before build
+    recorded it lacks: its right graph would fail where int8 loses much."""
     path = out_dir / entry.golden
     cases = read_golden(path, entry.model_spec, budget, out_dir)
     wanted = [case_label(p.label, d) for p, d in golden_plan(entry.model_spec)]
@@ -118,6 +120,12 @@ def build_golden(out_dir: Path, entry: ManifestEntry, budget: int) -> list[Golde
         raise ArtifactError(
             f"{path}: the golden file lacks {len(missing)} of the {len(wanted)} cases build records "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); rebuild it with attn-export build"
+        )
+    rounded = any(t.int8_rounding for t in entry.model_spec.tolerances(entry.variant).values())
+    if rounded and not any(c.int8 for c in cases):
+        raise ArtifactError(
+            f"{path}: the golden file records no int8 rounding, which {entry.name} is judged by (an older "
+            "attn-export wrote it); rebuild it with attn-export build"
         )
     return cases
 

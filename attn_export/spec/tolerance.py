@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 __all__ = ["Rounding", "Tolerance"]
 
@@ -31,11 +31,6 @@ class Tolerance:
     atol_rms: float = 0.0
     rms_rtol: float = 0.0
     int8_rounding: bool = False
-
-    def scaled(self, rms: float) -> Tolerance:
-        """This tolerance on one value whose root mean square is ``rms``: ``atol_rms`` folded
-        into ``atol``."""
-        return replace(self, atol=self.atol + self.atol_rms * rms, atol_rms=0.0)
 
     @property
     def rms_share(self) -> float:

@@ -112,9 +112,9 @@ def test_two_approximations_compose_into_the_sum_of_their_errors() -> None:
     def rms(v: np.ndarray) -> float:
         return float(np.sqrt(np.mean(v**2)))
 
-    once = truth + a.scaled(rms(truth)).atol + a.rtol * np.abs(truth)
-    twice = once + b.scaled(rms(once)).atol + b.rtol * np.abs(once)
-    assert np.all(np.abs(twice - truth) <= ab.scaled(rms(truth)).atol + ab.rtol * np.abs(truth) + 1e-9)
+    once = truth + (a.atol + a.atol_rms * rms(truth)) + a.rtol * np.abs(truth)
+    twice = once + (b.atol + b.atol_rms * rms(once)) + b.rtol * np.abs(once)
+    assert np.all(np.abs(twice - truth) <= (ab.atol + ab.atol_rms * rms(truth)) + ab.rtol * np.abs(truth) + 1e-9)
     left, right = ab.then(first), a.then(b.then(first))  # still folds either way
     assert (left.atol, left.rtol, left.atol_rms) == pytest.approx((right.atol, right.rtol, right.atol_rms))
 

@@ -205,12 +205,12 @@ def _by_rounding(report: VerifyReport) -> list[str]:
                 worst[c.distribution] = max(worst.get(c.distribution, 0.0), o.max_abs_error / o.rms)
     notes = []
     for model, worst in found.items():
-        shares = [f"{d} ({share:.2g} x)" for d, share in sorted(worst.items())]
-        shares[0] = shares[0].replace(" x)", " x the output's rms at its worst element)")
+        distributions = ", ".join(sorted(worst))
+        shares = ", ".join(f"{share:.2g}" for _, share in sorted(worst.items()))
         notes.append(
-            f"note: {model} passes on the {', '.join(shares)} values only within twice what int8 rounding does "
-            "to the module there (simulated in PyTorch): int8 loses that much precision where such values or "
-            "lengths come"
+            f"note: {model} passes on {distributions} values only because int8's own rounding of the module "
+            f"(simulated in PyTorch) strays that far there: its worst element {shares} x the output's rms; int8 "
+            "loses that much precision where such values or lengths come"
         )
     return notes
 

@@ -39,6 +39,17 @@ def in_int8(module: Any, *args: Any) -> Any:
     F = torch.nn.functional
     owned = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
     matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm)
+    slicing = (
+        torch.Tensor.__getitem__,
+        torch.Tensor.narrow,
+        torch.narrow,
+        torch.Tensor.split,
+        torch.split,
+        torch.Tensor.chunk,
+        torch.chunk,
+        torch.Tensor.unbind,
+        torch.unbind,
+    )
 
     def weight(w: Any) -> Any:
         scale = w.abs().amax().clamp_min(torch.finfo(w.dtype).tiny) / WEIGHT_LEVELS
@@ -54,17 +65,23 @@ def in_int8(module: Any, *args: Any) -> Any:
         """One of the module's tensors, or a view of one."""
         return isinstance(t, torch.Tensor) and t.is_floating_point() and t.untyped_storage().data_ptr() in owned
 
+    cut: list[Any] = []  # what a slicing op made of the module's tensors (kept alive: ids stay theirs)
+
     def is_weight(t: Any) -> bool:
-        """One of the module's tensors whole (a transpose too), not a slice of one."""
+        """One of the module's tensors whole (a transpose too), not what a slice made of one,
+        even a slice as long as the table (the graph keeps the Slice before its MatMul)."""
         whole = t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-        return is_owned(t) and whole
+        return is_owned(t) and whole and all(t is not c for c in cut)
 
     class Rounded(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if func in slicing and args and is_owned(args[0]):
+                cut.extend(result if isinstance(result, tuple | list) else [result])
+            return result
 
     with Rounded():
         return module(*args)

@@ -196,12 +196,14 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     """The shapes build smoke-checks and records as golden vectors: distinct sizes, the
     points where an accepted guard fails, every corner of the declared range, and a long
     point; so ``verify --golden`` covers the range's ends as the PyTorch sweep does. The long
-    point keeps the dim of the smallest range at its least (the batch, as a rule), the others
-    at 64 where they reach it. Which one is not taken from the order the spec declares them
-    in: a manifest holds its spec's dims sorted, and the point was a corner at build and a
-    shape of its own at verify, which then refused every such build as lacking it."""
+    point keeps the batch at its least, the others at 64 where they reach it: the dim named
+    ``batch``, else the first input's leading dim, else the dim of the smallest range. Never
+    the first the spec declares: a manifest holds its spec's dims sorted, and the point was a
+    corner at build and a shape of its own at verify, which then refused every such build."""
     dims = spec.free_dims
-    first = min(dims, key=lambda k: (dims[k].max, k), default=None)
+    leading = next((t.shape[0] for t in spec.inputs if t.shape and isinstance(t.shape[0], str)), None)
+    smallest = min(dims, key=lambda k: (dims[k].max, k), default=None)
+    first = "batch" if "batch" in dims else leading if leading in dims else smallest
     long = {k: dims[k].min if k == first else min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
         ShapePoint("distinct", example_sizes(spec)),

@@ -213,8 +213,8 @@ def pytorch_trajectories(
             before = f"; before that, {grew[0][1].reason(grew[0][0])}" if grew else ""
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}{before}")
         inputs = step_inputs(spec, traj, outputs)
-        traj.floors = [eager.precision_floor(i, o) for i, o in zip(inputs, outputs, strict=True)]
-        traj.int8 = [eager.int8_rounding(i, o) for i, o in zip(inputs, outputs, strict=True)]
+        allowed = [eager.allowances(i, o) for i, o in zip(inputs, outputs, strict=True)]
+        traj.floors, traj.int8 = [f for f, _ in allowed], [r for _, r in allowed]
         out.append((traj, outputs))
     return out
 

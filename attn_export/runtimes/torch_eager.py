@@ -75,7 +75,7 @@ class TorchRuntime(Runtime):
                 result = self.module(*args)
         except (Exception, SystemExit) as e:
             raise RuntimeFailure(f"{self.name}: forward failed on {_drawn(self.inputs, args)}: {_why(e)}") from e
-        values = result if isinstance(result, tuple | list) else (result,)
+        values = _values(result)
         names = [t.name for t in self.outputs]
         if len(values) != len(names):
             raise RuntimeFailure(
@@ -122,6 +122,14 @@ class TorchRuntime(Runtime):
                 torch.set_num_threads(saved)
         return {name: min(max(_error(run[name], e.get(name)) for run in runs) for e in exact) for name in outputs}
 
+    def allowances(
+        self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]
+    ) -> tuple[dict[str, float], dict[str, Rounding]]:
+        """What a graph's tolerance is widened by on ``feeds`` (``compare.judge_value``):
+        PyTorch's own float32 error (``precision_floor``), and what int8 rounding does to the
+        module (``int8_rounding``)."""
+        return self.precision_floor(feeds, outputs), self.int8_rounding(feeds, outputs)
+
     def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
         """How far the module run with the int8 variant's rounding (``in_int8``) is from its
         ``outputs`` on ``feeds``, per float output: how far a right int8 graph strays here.
@@ -133,10 +141,9 @@ class TorchRuntime(Runtime):
                 result = in_int8(self.module, *self._tensors(feeds))
         except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
             return {t.name: Rounding() for t in self.outputs if t.name in outputs}
-        values = result if isinstance(result, tuple | list) else (result,)
         return {
             t.name: _rounding(outputs[t.name], v.detach().cpu().numpy())
-            for t, v in zip(self.outputs, values, strict=False)
+            for t, v in zip(self.outputs, _values(result), strict=False)
             if t.name in outputs
         }
 
@@ -157,8 +164,7 @@ class TorchRuntime(Runtime):
                 result = in_float64(self._double, *args) if widened else self._double(*args)
         except Exception:  # noqa: BLE001 - code that names float32 itself fails the cast as a whole
             return None
-        values = result if isinstance(result, tuple | list) else (result,)
-        return {t.name: v.detach().cpu().numpy() for t, v in zip(self.outputs, values, strict=False)}
+        return {t.name: v.detach().cpu().numpy() for t, v in zip(self.outputs, _values(result), strict=False)}
 
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """Inputs already on the device; on CUDA the call synchronizes before returning."""
@@ -193,12 +199,12 @@ def _why(error: BaseException) -> str:
 
 def _error(got: np.ndarray, exact: np.ndarray | None) -> float:
     """The largest finite |got - exact|; 0 where there is nothing to compare."""
-    if exact is None or exact.shape != got.shape or got.dtype.kind != "f":
-        return 0.0
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(got.astype(np.float64) - exact.astype(np.float64))
-    finite = diff[np.isfinite(diff)]
-    return float(finite.max()) if finite.size else 0.0
+    return 0.0 if exact is None else _rounding(exact, got).max
+
+
+def _values(result: Any) -> tuple[Any, ...] | list[Any]:
+    """A forward's outputs as a sequence: one tensor is one output."""
+    return result if isinstance(result, tuple | list) else (result,)
 
 
 def _rounding(exact: np.ndarray, rounded: np.ndarray) -> Rounding:

@@ -160,8 +160,7 @@ class SpecBuild:
                 feeds = make_feeds(spec, point.sizes, first_seed + i, case=point.case, distribution=distribution)
                 label = case_label(point.label, distribution)
                 outputs = eager.run(feeds)
-                floors = eager.precision_floor(feeds, outputs)
-                int8 = eager.int8_rounding(feeds, outputs)
+                floors, int8 = eager.allowances(feeds, outputs)
                 cases.append(GoldenCase(label, dict(point.sizes), feeds, outputs, floors, int8, dict(seen)))
         return cases
 

@@ -409,7 +409,7 @@ def _pytorch_side(
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs = eager.run(feeds)
         seen = sights(spec, eager, example_sizes(spec), [sizes])
-        floors, int8 = eager.precision_floor(feeds, outputs), eager.int8_rounding(feeds, outputs)
+        floors, int8 = eager.allowances(feeds, outputs)
         case = GoldenCase("localize", dict(sizes), feeds, outputs, floors, int8, seen)
     side = _Side(dict(sizes), feeds, values, case)
     if options.decode_step is not None:

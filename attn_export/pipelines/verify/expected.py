@@ -124,7 +124,7 @@ def torch_expected(torch_rt: TorchRuntime, spec: ModelSpec, plan: list[tuple[Sha
         if not outputs:
             return GoldenCase(point.label, dict(point.sizes), feeds, {}, sights=dict(seen))
         got = torch_rt.run(feeds)
-        floors, int8 = torch_rt.precision_floor(feeds, got), torch_rt.int8_rounding(feeds, got)
+        floors, int8 = torch_rt.allowances(feeds, got)
         return GoldenCase(point.label, dict(point.sizes), feeds, got, floors, int8, dict(seen))
 
     cases = [PlannedCase(p.label, dict(p.sizes), seed + i, d) for i, (p, d) in enumerate(plan)]
@@ -165,7 +165,7 @@ def recorded_expected(
         case = dataclasses.replace(cases[i], sights=dict(seen))
         if outputs and torch_rt is not None:
             got = torch_rt.run(case.inputs)
-            floors, int8 = torch_rt.precision_floor(case.inputs, got), torch_rt.int8_rounding(case.inputs, got)
+            floors, int8 = torch_rt.allowances(case.inputs, got)
             case = dataclasses.replace(case, outputs=got, floors=floors, int8=int8)
         return case
 

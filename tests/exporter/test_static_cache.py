@@ -72,6 +72,8 @@ def test_the_graph_takes_buffers_and_a_length(built) -> None:
     (node,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert list(node.input[3:5]) == ["past_key_values.0.key", "past_key_values.0.value"]
     assert list(node.output[1:]) == ["present.0.key", "present.0.value"]
+    # the three projections as one MatMul, which the op reads packed
+    assert list(node.input[1:3]) == ["", ""] and [n.op_type for n in proto.graph.node].count("MatMul") == 2
     # the export's read of the past's length is the filled length, one node a step
     filled = [n for n in proto.graph.node if "/filled/" in n.name]
     assert [(n.op_type, list(n.input)) for n in filled] == [("Reshape", ["past_length", filled[0].input[1]])]
@@ -94,7 +96,8 @@ def test_verify_decodes_it_against_the_growing_cache(built, monkeypatch: pytest.
 def test_the_int8_chain_keeps_the_buffers_and_quantizes_the_projections(built) -> None:
     proto = onnx.load(built.out / "mha_one_stream.static-cache+int8.onnx")
     ops = [n.op_type for n in proto.graph.node]
-    assert ops.count("GroupQueryAttention") == 1 and ops.count("MatMulInteger") == 4 and "MatMul" not in ops
+    # the packed query, key and value projection and the output projection
+    assert ops.count("GroupQueryAttention") == 1 and ops.count("MatMulInteger") == 2 and "MatMul" not in ops
     shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in proto.graph.input}
     assert shapes["past_key_values.0.key"] == [1, 4, "max_seq", 8] and shapes["past_length"] == []
 

@@ -25,6 +25,7 @@ from attn_export.exporter.cache_in_op import (
     unfolded_cache,
     value_info,
 )
+from attn_export.exporter.packed_projections import pack
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 #: What ONNX Runtime's GroupQueryAttention cannot run, said where the variant is built.
@@ -151,20 +152,26 @@ def _replace(
         raise ExportFailure("variant ort-past cannot express an Attention op with softcap or score outputs")
     heads, kv_heads = _heads(proto, op.query), _heads(proto, op.past_key)
     nodes = _Nodes(prefix)
-    query, key, value = (
-        _merged_heads(proto, name, producers) or nodes.to_bsh(name, label)
-        for name, label in ((op.query, "q"), (op.new_key, "k"), (op.new_value, "v"))
-    )
+    merged = [_merged_heads(proto, name, producers) for name in (op.query, op.new_key, op.new_value)]
+    kind = "MultiHeadAttention" if heads == kv_heads and length is None else "GroupQueryAttention"
+    whole = [name for name in merged if name is not None]
+    packed = pack(proto, whole, prefix) if kind == "GroupQueryAttention" and len(whole) == 3 else None
+    projection: list[onnx.NodeProto] = []  # one MatMul standing for three: a fused region, untraced
+    if packed is not None:  # the op reads the three projections packed
+        (query, projection), key, value = packed, "", ""
+    else:
+        query, key, value = (
+            name or nodes.to_bsh(source, label)
+            for name, source, label in zip(merged, (op.query, op.new_key, op.new_value), "qkv", strict=True)
+        )
     bias, has_key = _bias(nodes, proto, op) if op.mask else ("", "")
     scale = {"scale": attrs["scale"]} if "scale" in attrs else {}
     y = f"{nodes.prefix}/y_bsh"
-    if heads == kv_heads and length is None:
-        kind = "MultiHeadAttention"
+    if kind == "MultiHeadAttention":
         inputs = [query, key, value, "", "", bias, op.past_key, op.past_value]
         extra: dict[str, Any] = {}
     else:
-        kind = "GroupQueryAttention"
-        seqlens, total = _lengths(nodes, op, query, key, length)
+        seqlens, total = _lengths(nodes, op, query, key or query, length)
         inputs = [query, key, value, op.past_key, op.past_value, seqlens, total, "", "", "", bias]
         extra = {"kv_num_heads": kv_heads}
     nodes.nodes.append(
@@ -187,7 +194,7 @@ def _replace(
     for new in nodes.nodes:  # traced, like the node they replace, to its FX node and source line
         new.metadata_props.extend(node.metadata_props)
     proto.graph.initializer.extend(nodes.constants)
-    return nodes.nodes, kind
+    return [*projection, *nodes.nodes], kind
 
 
 def _read(node: onnx.NodeProto) -> Iterator[str]:

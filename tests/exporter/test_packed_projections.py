@@ -1,0 +1,90 @@
+"""Three projections of one input as one MatMul: the same numbers in float32, and in int8
+each weight rounded with its own scale, as ``quantize_dynamic`` rounds the three apart."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from attn_export.exporter.packed_projections import PACKED_COLUMNS, pack, packed_weights
+from attn_export.exporter.variants import make_variant
+
+HIDDEN, COLUMNS = 16, (16, 8, 8)
+
+
+def _projections(key_range: float, bias: tuple[bool, bool, bool] = (True, True, True)) -> onnx.ModelProto:
+    """``x`` projected three times (the key's weight ``key_range`` times as wide as the
+    others), the three side by side as the output."""
+    rng = np.random.default_rng(0)
+    nodes, weights = [], []
+    for name, columns, scale, biased in zip("qkv", COLUMNS, (1.0, key_range, 1.0), bias, strict=True):
+        w = (rng.standard_normal((HIDDEN, columns)) * scale).astype(np.float32)
+        weights.append(numpy_helper.from_array(w, f"w_{name}"))
+        nodes.append(helper.make_node("MatMul", ["x", f"w_{name}"], [f"{name}_mm" if biased else name]))
+        if biased:
+            weights.append(numpy_helper.from_array(rng.standard_normal(columns).astype(np.float32), f"b_{name}"))
+            nodes.append(helper.make_node("Add", [f"b_{name}", f"{name}_mm"], [name]))  # either order
+    nodes.append(helper.make_node("Concat", ["q", "k", "v"], ["y"], axis=-1))
+    graph = helper.make_graph(
+        nodes,
+        "projections",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", HIDDEN])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "seq", sum(COLUMNS)])],
+        weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _packed(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with the Concat reading one packed projection instead of the three."""
+    packed = onnx.ModelProto()
+    packed.CopyFrom(proto)
+    found = pack(packed, ["q", "k", "v"], "p")
+    assert found is not None
+    name, nodes = found
+    packed.graph.ClearField("node")
+    packed.graph.node.extend([*nodes, helper.make_node("Identity", [name], ["y"])])
+    return packed
+
+
+def _run(proto: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {"x": x})[0])
+
+
+@pytest.mark.parametrize("bias", [(True, True, True), (True, False, True), (False, False, False)])
+def test_the_packed_projection_computes_the_three(bias: tuple[bool, bool, bool]) -> None:
+    proto = _projections(1.0, bias)
+    packed = _packed(proto)
+    assert [n.op_type for n in packed.graph.node] == ["MatMul", *(["Add"] if any(bias) else []), "Identity"]
+    assert packed_weights(packed) == {"p/qkv_weight": COLUMNS}
+    x = np.random.default_rng(1).standard_normal((1, 5, HIDDEN)).astype(np.float32)
+    np.testing.assert_allclose(_run(packed, x), _run(proto, x), rtol=1e-6, atol=1e-6)
+
+
+def test_projections_of_two_inputs_or_read_twice_are_not_packed() -> None:
+    proto = _projections(1.0)
+    proto.graph.node[2].input[0] = "other"  # the key's MatMul reads another input
+    assert pack(proto, ["q", "k", "v"], "p") is None
+    proto = _projections(1.0)
+    proto.graph.output.append(helper.make_tensor_value_info("k", TensorProto.FLOAT, None))  # k read twice
+    assert pack(proto, ["q", "k", "v"], "p") is None
+
+
+def test_int8_rounds_each_packed_weight_with_its_own_scale() -> None:
+    """With the key's weight 8x as wide, one scale over the packed weight rounds the query's
+    and value's 8x as coarsely as quantizing the three apart; each part's own scale gives
+    the three apart's numbers."""
+    proto = _projections(8.0)
+    x = np.random.default_rng(1).standard_normal((1, 5, HIDDEN)).astype(np.float32)
+    apart = _run(make_variant("int8", proto).proto, x)
+    packed = make_variant("int8", _packed(proto)).proto
+    np.testing.assert_allclose(_run(packed, x), apart, rtol=1e-5, atol=1e-5)
+    scales = {t.name: numpy_helper.to_array(t) for t in packed.graph.initializer if t.name.endswith("_scale")}
+    parts = np.split(scales["p/qkv_weight_scale"], np.cumsum(COLUMNS)[:-1])
+    assert [len(set(p.tolist())) for p in parts] == [1, 1, 1] and parts[1][0] > 4 * parts[0][0]
+    metadata = [p.key for n in packed.graph.node for p in n.metadata_props]
+    assert PACKED_COLUMNS not in metadata  # the MatMul it marked is quantized

@@ -4,7 +4,8 @@ A decode step multiplies one token by three weights: three small MatMuls, each w
 bias Add and its own hand-off to the thread pool. ONNX Runtime's ``GroupQueryAttention``
 also reads the three as one packed ``[batch, seq, (heads + 2 * kv_heads) * head_dim]``
 tensor, so one MatMul over the weights side by side does the same work in two nodes, not
-six: the same numbers, a step at past 512 about a tenth faster (``docs/performance.md``).
+six: the same numbers, a step at past 512 about a tenth faster at 2 threads and within
+the noise at 1 (``docs/performance.md``).
 The packed MatMul records each weight's columns (``PACKED_COLUMNS``) for the int8 link,
 which rounds each part with a scale of its own, as it rounds weights apart.
 """

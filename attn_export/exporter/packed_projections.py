@@ -6,24 +6,31 @@ also reads the three as one packed ``[batch, seq, (heads + 2 * kv_heads) * head_
 tensor, so one MatMul over the weights side by side does the same work in two nodes, not
 six: the same numbers, a step at past 512 about a tenth faster at 2 threads and within
 the noise at 1 (``docs/performance.md``).
-The packed MatMul records each weight's columns (``PACKED_COLUMNS``) for the int8 link,
-which rounds each part with a scale of its own, as it rounds weights apart.
+The packed MatMul records the projections it holds (``PACKED``): their columns for the int8
+link, which rounds each part with a scale of its own, as it rounds weights apart, and the
+nodes they were for localization, which takes them apart again (``unpacked``).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["PACKED_COLUMNS", "pack", "packed_weights"]
+from attn_export.errors import ArtifactError
 
-#: Metadata of a packed MatMul: the column count of each weight it holds, comma-separated.
-PACKED_COLUMNS = "attn_export.packed_columns"
+__all__ = ["PACKED", "pack", "packed_weights", "unpacked"]
+
+#: Metadata of a packed MatMul: JSON, one entry per projection it holds, in column order:
+#: its column count and the MatMul (and bias Add, or null) it was, by name, output and
+#: metadata, for ``unpacked``.
+PACKED = "attn_export.packed_projections"
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class _Projection:
     input: str
     weight: onnx.TensorProto
     bias: onnx.TensorProto | None
+    matmul: onnx.NodeProto
+    add: onnx.NodeProto | None
 
 
 def _projection(
@@ -44,7 +53,7 @@ def _projection(
     if readers[value] != 1:
         return None
     node = producers.get(value)
-    bias = None
+    add, bias = None, None
     if node is not None and (node.domain, node.op_type) == ("", "Add"):
         found = [
             (producers[a], constants[b])
@@ -53,7 +62,7 @@ def _projection(
         ]
         if not found:
             return None
-        node, bias = found[0]
+        add, (node, bias) = node, found[0]
     if node is None or (node.domain, node.op_type) != ("", "MatMul") or node.input[1] not in constants:
         return None
     weight = constants[node.input[1]]
@@ -61,7 +70,13 @@ def _projection(
         return None
     if bias is not None and bias.data_type != weight.data_type:
         return None
-    return _Projection(node.input[0], weight, bias)
+    return _Projection(node.input[0], weight, bias, node, add)
+
+
+def _described(node: onnx.NodeProto | None) -> dict[str, Any] | None:
+    if node is None:
+        return None
+    return {"name": node.name, "output": node.output[0], "metadata": {p.key: p.value for p in node.metadata_props}}
 
 
 def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[str, list[onnx.NodeProto]] | None:
@@ -85,7 +100,11 @@ def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[st
     graph.initializer.append(packed)
     out = f"{prefix}/qkv"
     matmul = helper.make_node("MatMul", [projections[0].input, packed.name], [f"{out}_matmul"], name=f"{out}_matmul")
-    matmul.metadata_props.add(key=PACKED_COLUMNS, value=",".join(map(str, columns)))
+    parts = [
+        {"columns": n, "matmul": _described(p.matmul), "add": _described(p.add)}
+        for p, n in zip(projections, columns, strict=True)
+    ]
+    matmul.metadata_props.add(key=PACKED, value=json.dumps(parts))
     nodes = [matmul]
     if any(p.bias is not None for p in projections):
         biases = [
@@ -99,11 +118,84 @@ def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[st
     return out, nodes
 
 
+def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
+    """The projections a packed MatMul records ([] for any other node)."""
+    text = next((p.value for p in node.metadata_props if p.key == PACKED), None)
+    if node.op_type != "MatMul" or not text:
+        return []
+    try:
+        parts = json.loads(text)
+        return [p for p in parts if int(p["columns"]) > 0 and isinstance(p["matmul"], dict)]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"node '{node.name}': its {PACKED} metadata is malformed: {e}") from e
+
+
 def packed_weights(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Each packed MatMul's weight and the column counts of the weights it holds."""
-    found = {}
-    for node in proto.graph.node:
-        columns = next((p.value for p in node.metadata_props if p.key == PACKED_COLUMNS), None)
-        if node.op_type == "MatMul" and columns:
-            found[node.input[1]] = tuple(int(c) for c in columns.split(","))
-    return found
+    return {n.input[1]: tuple(int(p["columns"]) for p in parts) for n in proto.graph.node if (parts := _parts(n))}
+
+
+def _node(op: str, inputs: list[str], described: Mapping[str, Any]) -> onnx.NodeProto:
+    node = helper.make_node(op, inputs, [str(described["output"])], name=str(described["name"]))
+    for key, value in dict(described["metadata"]).items():
+        node.metadata_props.add(key=str(key), value=str(value))
+    return node
+
+
+def _apart(
+    node: onnx.NodeProto, add: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The nodes and weights standing for one packed MatMul and its bias ``add``."""
+    parts = _parts(node)
+    weight = numpy_helper.to_array(constants[node.input[1]])
+    bias_name = next((i for i in add.input if i in constants), "") if add is not None else ""
+    bias = numpy_helper.to_array(constants[bias_name]) if bias_name else None
+    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    nodes, weights, values = [], [], []
+    for k, part in enumerate(parts):
+        cut = slice(int(starts[k]), int(starts[k + 1]))
+        weights.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, cut]), f"{node.input[1]}/part{k}"))
+        nodes.append(_node("MatMul", [node.input[0], weights[-1].name], part["matmul"]))
+        value = str(part["matmul"]["output"])
+        if bias is not None and part["add"] is not None:
+            weights.append(numpy_helper.from_array(np.ascontiguousarray(bias[cut]), f"{bias_name}/part{k}"))
+            nodes.append(_node("Add", [value, weights[-1].name], part["add"]))
+            value = str(part["add"]["output"])
+        values.append(value)
+    packed = add.output[0] if add is not None and bias is not None else node.output[0]
+    nodes.append(helper.make_node("Concat", values, [packed], name=f"{packed}/unpacked", axis=-1))
+    return nodes, weights
+
+
+def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with each packed projection back as the projections it was made from, each
+    with its own MatMul (and bias Add), name and export metadata, their results side by side
+    (a ``Concat``) where the packed one was read: the same numbers, for localization, which
+    judges each projection against PyTorch's value of it. ``proto`` itself is not changed."""
+    if not any(_parts(n) for n in proto.graph.node):
+        return proto
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    graph = out.graph
+    constants = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
+    nodes: list[onnx.NodeProto] = []
+    dropped: list[onnx.NodeProto] = []  # the packed bias Adds, whose value the Concat now makes
+    for node in graph.node:
+        if any(node is d for d in dropped):
+            continue
+        if not _parts(node):
+            nodes.append(node)
+            continue
+        add = next((r for r in readers.get(node.output[0], []) if r.op_type == "Add"), None)
+        made, weights = _apart(node, add, constants)
+        nodes += made
+        graph.initializer.extend(weights)
+        if add is not None and any(i in constants for i in add.input):
+            dropped.append(add)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return out

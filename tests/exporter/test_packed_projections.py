@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from attn_export.exporter.packed_projections import PACKED_COLUMNS, pack, packed_weights
+from attn_export.exporter.packed_projections import PACKED, pack, packed_weights, unpacked
 from attn_export.exporter.variants import make_variant
 
 HIDDEN, COLUMNS = 16, (16, 8, 8)
@@ -87,4 +87,25 @@ def test_int8_rounds_each_packed_weight_with_its_own_scale() -> None:
     parts = np.split(scales["p/qkv_weight_scale"], np.cumsum(COLUMNS)[:-1])
     assert [len(set(p.tolist())) for p in parts] == [1, 1, 1] and parts[1][0] > 4 * parts[0][0]
     metadata = [p.key for n in packed.graph.node for p in n.metadata_props]
-    assert PACKED_COLUMNS not in metadata  # the MatMul it marked is quantized
+    assert PACKED not in metadata  # the MatMul it marked is quantized
+
+
+@pytest.mark.parametrize("bias", [(True, True, True), (True, False, True), (False, False, False)])
+def test_unpacked_gives_each_projection_back_with_its_name_and_metadata(bias: tuple[bool, bool, bool]) -> None:
+    """Localization takes a packed projection apart again: each MatMul (and bias Add) as
+    the export made it, traced to its FX node, the packed value their Concat."""
+    proto = _projections(1.0, bias)
+    for node in proto.graph.node:
+        node.name = f"node_{node.output[0]}"
+        node.metadata_props.add(key="pkg.torch.onnx.fx_node", value=f"%{node.output[0]} : fake")
+    packed = _packed(proto)
+    apart = unpacked(packed)
+    made = {n.output[0]: n for n in apart.graph.node}
+    for name, biased in zip("qkv", bias, strict=True):
+        node = made[name]
+        assert node.name == f"node_{name}" and node.op_type == ("Add" if biased else "MatMul")
+        assert {p.key: p.value for p in node.metadata_props} == {"pkg.torch.onnx.fx_node": f"%{name} : fake"}
+    assert made["p/qkv"].op_type == "Concat" and list(made["p/qkv"].input) == ["q", "k", "v"]
+    x = np.random.default_rng(1).standard_normal((1, 5, HIDDEN)).astype(np.float32)
+    np.testing.assert_array_equal(_run(apart, x), _run(packed, x))
+    assert unpacked(proto) is proto  # nothing packed: the graph itself

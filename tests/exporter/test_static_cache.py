@@ -230,3 +230,25 @@ def test_a_present_copied_after_the_attention_is_not_written_in_place(built) -> 
     node.output[1] = "planted/key"
     proto.graph.node.append(helper.make_node("Identity", ["planted/key"], ["present.0.key"]))
     assert not static.in_place(proto)
+
+
+def test_a_fault_in_one_packed_projection_is_localized_to_that_projection(built, tmp_path, monkeypatch) -> None:
+    """Planted: the key's columns of the packed projection 5 % off. The graph holds one
+    MatMul for the three; localization takes it apart again and names the key's projection
+    and its source line, not the attention the packed MatMul feeds."""
+    from onnx import numpy_helper
+
+    copy = copy_build(built, tmp_path)
+    proto = onnx.load(copy.out / "mha_one_stream.static-cache.onnx")
+    (weight,) = [t for t in proto.graph.initializer if t.name.endswith("/qkv_weight")]
+    packed = numpy_helper.to_array(weight).copy()
+    query = packed.shape[1] // 3  # as many key/value heads as query heads
+    packed[:, query : 2 * query] *= 1.05
+    weight.CopyFrom(numpy_helper.from_array(packed, weight.name))
+    plant(copy.out, "mha_one_stream.static-cache", proto)
+    monkeypatch.chdir(copy.models.parent)
+    graph = str(copy.out / "mha_one_stream.static-cache.onnx")
+    result = CliRunner().invoke(cli, ["verify", graph, "--no-latency", "--distribution", "normal", "--localize"])
+    assert result.exit_code == 1, result.output
+    assert "DIVERGES first at ONNX node_linear_1 " in result.output, result.output
+    assert "in k_linear at " in result.output, result.output

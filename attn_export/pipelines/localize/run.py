@@ -37,6 +37,7 @@ from attn_export.checks.fully_masked import judge, padded_tokens
 from attn_export.compare.outputs import judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
+from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.pipelines.localize.judge import left_out, region_tolerance
@@ -428,7 +429,8 @@ class NotLocalizable(UsageError):
 
 
 def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, _Replay | None]:
-    out_dir, entry, spec, proto, plain = found.out_dir, found.entry, found.spec, found.proto, found.plain
+    out_dir, entry, spec, plain = found.out_dir, found.entry, found.spec, found.plain
+    proto = unpacked(found.proto)  # each packed projection judged as its own, as PyTorch has it
     model = entry.name
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not (has_fx_metadata(proto) or (plain is not None and has_fx_metadata(plain))):

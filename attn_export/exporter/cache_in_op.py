@@ -100,12 +100,41 @@ def _cache_concat(
     return node if uses.get(name, 0) == 1 else None
 
 
+def _unrepeated(
+    proto: onnx.ModelProto, name: str, producers: dict[str, onnx.NodeProto], uses: dict[str, int]
+) -> tuple[str, list[onnx.NodeProto]]:
+    """Where ``name`` only repeats a cache's key/value heads for grouped-query attention
+    (Hugging Face's ``repeat_kv``: an Unsqueeze at axis 2, an Expand of that axis, a Reshape
+    merging it into the heads), the tensor it repeats and those three nodes; else ``name``
+    and none. The Attention op groups the query heads over fewer key/value heads itself, as
+    ``repeat_kv`` does (head ``h`` reads key/value head ``h // repeats``)."""
+    reshape = producers.get(name)
+    expand = producers.get(reshape.input[0]) if reshape is not None and reshape.op_type == "Reshape" else None
+    lift = producers.get(expand.input[0]) if expand is not None and expand.op_type == "Expand" else None
+    if lift is None or lift.op_type != "Unsqueeze" or reshape is None or expand is None:
+        return name, []
+    if any(uses.get(n.output[0], 0) != 1 for n in (lift, expand, reshape)):
+        return name, []
+    source = lift.input[0]
+    values = (source, lift.output[0], expand.output[0], name)
+    cache, lifted, repeated, merged = (declared_dims(proto, n) for n in values)
+    if len(cache) != 4 or len(repeated) != 5 or None in (*cache, *repeated, *merged):
+        return name, []
+    heads, times = repeated[1], repeated[2]
+    if not isinstance(heads, int) or not isinstance(times, int):
+        return name, []
+    fits = lifted == [*cache[:2], 1, *cache[2:]] and repeated[:2] == cache[:2] and repeated[3:] == cache[2:]
+    return (source, [lift, expand, reshape]) if fits and merged == [cache[0], heads * times, *cache[2:]] else (name, [])
+
+
 def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
     """Fold each cache Concat pair into the Attention op it feeds, in place; the nodes folded.
 
     Left alone: an op with ``is_causal=1`` (its causal mask is aligned top-left over the
     concatenated keys; with past inputs the op aligns it differently), one that already has
-    past inputs or returns its scores, and keys or values that other nodes also read."""
+    past inputs or returns its scores, and keys or values that other nodes also read. A
+    repeat of the cache's key/value heads between the Concat and the op (``_unrepeated``)
+    is folded away with it: the op reads the cache with its own heads."""
     graph = proto.graph
     producers = {out: node for node in graph.node for out in node.output}
     uses: dict[str, int] = {}
@@ -118,15 +147,17 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
             continue
         if attribute(node, "is_causal", 0) or len(node.output) > 1:
             continue
-        key, value = (_cache_concat(proto, name, node.input[0], producers, uses) for name in node.input[1:3])
-        if key is None or value is None or key is value:
+        (key_source, key_repeat), (value_source, value_repeat) = (
+            _unrepeated(proto, name, producers, uses) for name in node.input[1:3]
+        )
+        key, value = (_cache_concat(proto, n, node.input[0], producers, uses) for n in (key_source, value_source))
+        if key is None or value is None or key is value or bool(key_repeat) != bool(value_repeat):
             continue
         mask = node.input[3] if len(node.input) > 3 else ""
-        present = (node.input[1], node.input[2])
         node.input[:] = [node.input[0], key.input[1], value.input[1], mask, key.input[0], value.input[0]]
-        node.output.extend(present)
-        graph.node.remove(key)
-        graph.node.remove(value)
+        node.output.extend((key_source, value_source))
+        for folded_node in (key, value, *key_repeat, *value_repeat):
+            graph.node.remove(folded_node)
         folded.append(CacheAttention(node, *node.input))
     return folded
 
@@ -161,5 +192,6 @@ def unfolded_cache(proto: onnx.ModelProto) -> str | None:
         return f"the key of {_named(node)} is not a Concat(past, new) along the sequence axis read by it alone"
     return (
         f"the key of Attention node '{node.name}' comes from {_named(key)}, not from the cache's Concat "
-        f"'{caches[0].name}': what lies between them (a repeat of the key/value heads, say) stays outside the op"
+        f"'{caches[0].name}': what lies between them stays outside the op (a repeat of the key/value heads "
+        "folds only as an Unsqueeze, an Expand and a Reshape)"
     )

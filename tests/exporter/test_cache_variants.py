@@ -155,8 +155,8 @@ def test_only_a_cache_concat_in_past_new_order_without_is_causal_is_folded() -> 
 
 
 def test_a_cache_kept_out_of_the_op_says_what_the_op_reads_instead() -> None:
-    """A grouped-query decoder repeats its cached heads before SDPA: the op reads that
-    repeat, not the Concat. ort-past refuses naming it; attention-op builds and warns."""
+    """Something the fold does not see through between the cache's Concat and the op (here
+    an Identity): ort-past refuses naming it; attention-op builds and warns."""
     causal = _attention_graph(is_causal=1)
     causal.graph.node[-1].name = "sdpa"
     with pytest.raises(ExportFailure, match="here Attention node 'sdpa' has is_causal=1"):
@@ -175,9 +175,68 @@ def test_a_cache_kept_out_of_the_op_says_what_the_op_reads_instead() -> None:
     assert variant.info["cache_in_op"] == 0
     assert variant.warnings == [
         f"the cache stays outside the Attention op, concatenated every step as in the plain export: {said}: what "
-        "lies between them (a repeat of the key/value heads, say) stays outside the op"
+        "lies between them stays outside the op (a repeat of the key/value heads folds only as an Unsqueeze, an "
+        "Expand and a Reshape)"
     ]
     assert make_variant("attention-op", _attention_graph()).warnings == []  # folded: nothing to say
+
+
+def _repeated_heads_graph() -> onnx.ModelProto:
+    """Grouped-query attention as Hugging Face's sdpa layers export it: 4 query heads over a
+    cache of 2 key/value heads, each repeated (``repeat_kv``: Unsqueeze at axis 2, Expand,
+    Reshape) between the cache's Concat and the op."""
+    proto = _attention_graph()
+    graph = proto.graph
+    graph.input[0].CopyFrom(helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 4, "s", 4]))
+    attention = graph.node[-1]
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([2], np.int64), "axis2"),
+            numpy_helper.from_array(np.array([1, 1, 2, 1, 1], np.int64), "times"),
+            numpy_helper.from_array(np.array([1, 4, -1, 4], np.int64), "merged"),
+        ]
+    )
+    for kv in ("k", "v"):
+        present, lifted, expanded, repeated = f"present_{kv}", f"{kv}_lifted", f"{kv}_expanded", f"{kv}_repeated"
+        repeat = [
+            helper.make_node("Unsqueeze", [present, "axis2"], [lifted]),
+            helper.make_node("Expand", [lifted, "times"], [expanded]),
+            helper.make_node("Reshape", [expanded, "merged"], [repeated]),
+        ]
+        for node in repeat:
+            graph.node.insert(len(graph.node) - 1, node)
+        attention.input[1 if kv == "k" else 2] = repeated
+        graph.value_info.extend(
+            helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+            for name, shape in (
+                (present, [1, 2, "t", 4]),
+                (lifted, [1, 2, 1, "t", 4]),
+                (expanded, [1, 2, 2, "t", 4]),
+                (repeated, [1, 4, "t", 4]),
+            )
+        )
+    return proto
+
+
+def test_a_repeat_of_the_cached_heads_is_folded_with_the_cache() -> None:
+    """The Attention op groups 4 query heads over 2 key/value heads as repeat_kv does: the
+    cache goes into the op with its own heads, the repeat (a copy of the whole cache each
+    step) is gone, and the op gives what the repeat gave."""
+    proto = _repeated_heads_graph()
+    rng = np.random.default_rng(0)
+    feeds = {"q": rng.standard_normal((1, 4, 3, 4)).astype(np.float32)}
+    feeds |= {n: rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for n in ("k_in", "v")}
+    feeds |= {n: rng.standard_normal((1, 2, 5, 4)).astype(np.float32) for n in ("past_k", "past_v")}
+    expected = _run(proto, feeds)
+    folded = make_variant("attention-op", proto)
+    assert folded.warnings == [] and folded.info["cache_in_op"] == 1
+    assert [n.op_type for n in folded.proto.graph.node] == ["Neg", "Attention"]
+    for got, want in zip(_run(folded.proto, feeds), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    unequal = _repeated_heads_graph()  # the key repeated, the value not: neither is folded
+    attention = unequal.graph.node[-1]
+    attention.input[2] = "present_v"
+    assert fold_cache(unequal) == []
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.spec import load_spec
 from attn_export.spec.cache import cache_of
-from tests.conftest import TINY_ZOO, copy_build, plant, shared_build, write_spec
+from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
 
 CAPACITY = "\n[cache]\nmax_seq = 48\n"
 
@@ -252,3 +252,32 @@ def test_a_fault_in_one_packed_projection_is_localized_to_that_projection(built,
     assert result.exit_code == 1, result.output
     assert "DIVERGES first at ONNX node_linear_1 " in result.output, result.output
     assert "in k_linear at " in result.output, result.output
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_a_hugging_face_llama_decodes_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's sdpa layer repeats its 2 cached key/value heads for its 4 query heads before
+    SDPA (``repeat_kv``); the cache folds into the op all the same, so its in-place cache
+    (and ort-past, at batch 1 where GroupQueryAttention takes a prompt on a cache) builds
+    and decodes like PyTorch's growing cache."""
+    from attn_export.pipelines.build import BuildOptions, build_models
+
+    spec = write_spec(
+        tmp_path / "models", "llama_one_stream", _one_stream((TINY_ZOO / "llama_sdpa_kv_cache.toml").read_text())
+    )
+    variants = ("ort-past", "static-cache")
+    summary = build_models([spec], BuildOptions(tmp_path / "out", variants=variants))
+    assert {r.name: r.error for r in summary.results if r.name != "llama_one_stream"} == {
+        f"llama_one_stream.{v}": None for v in variants
+    }
+    proto = onnx.load(tmp_path / "out" / "llama_one_stream.static-cache.onnx")
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("GroupQueryAttention") == 1
+    assert not [n for n in proto.graph.node if "present.0.key" in n.input]  # its repeat (a copy each step) is gone
+    monkeypatch.chdir(tmp_path)
+    for variant in variants:
+        graph = str(tmp_path / "out" / f"llama_one_stream.{variant}.onnx")
+        result = CliRunner().invoke(cli, ["verify", graph, "--no-latency", "--decode", "3"])
+        assert result.exit_code == 0, result.output
+        assert "2 of 2 decode trajectories agree" in result.output or "1 of 1 decode" in result.output, result.output

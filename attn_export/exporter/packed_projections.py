@@ -118,16 +118,38 @@ def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[st
     return out, nodes
 
 
+def _described_ok(node: object) -> bool:
+    return (
+        isinstance(node, dict)
+        and isinstance(node.get("name"), str)
+        and isinstance(node.get("output"), str)
+        and bool(node["output"])
+        and isinstance(node.get("metadata"), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in node["metadata"].items())
+    )
+
+
 def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
-    """The projections a packed MatMul records ([] for any other node)."""
+    """The projections a packed MatMul records ([] for any other node). A graph is data: a
+    record that does not say that is an ArtifactError naming the node."""
     text = next((p.value for p in node.metadata_props if p.key == PACKED), None)
     if node.op_type != "MatMul" or not text:
         return []
     try:
         parts = json.loads(text)
-        return [p for p in parts if int(p["columns"]) > 0 and isinstance(p["matmul"], dict)]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ArtifactError(f"node '{node.name}': its {PACKED} metadata is malformed: {e}") from e
+    except ValueError as e:
+        raise ArtifactError(f"node '{node.name}': its {PACKED} metadata is not JSON: {e}") from e
+    fine = isinstance(parts, list) and len(parts) > 0
+    for part in parts if fine else []:
+        columns = part.get("columns") if isinstance(part, dict) else None
+        fine = fine and isinstance(columns, int) and not isinstance(columns, bool) and columns > 0
+        fine = fine and _described_ok(part.get("matmul")) and (part.get("add") is None or _described_ok(part["add"]))
+    if not fine:
+        raise ArtifactError(
+            f"node '{node.name}': its {PACKED} metadata is malformed (a list of projections, each with "
+            "positive 'columns', its 'matmul' and its 'add' or null)"
+        )
+    return list(parts)
 
 
 def packed_weights(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
@@ -144,12 +166,23 @@ def _node(op: str, inputs: list[str], described: Mapping[str, Any]) -> onnx.Node
 
 def _apart(
     node: onnx.NodeProto, add: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto]
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """The nodes and weights standing for one packed MatMul and its bias ``add``."""
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]:
+    """The nodes and weights standing for one packed MatMul and its bias ``add``, and
+    whether they stand for ``add`` too. Every number of the packed graph is kept: a part
+    recorded without a bias still adds its share of the packed bias (zeros, unless the
+    graph was changed), in an Add of its own."""
     parts = _parts(node)
+    if node.input[1] not in constants:
+        raise ArtifactError(f"node '{node.name}': a packed projection whose weight is not a constant")
     weight = numpy_helper.to_array(constants[node.input[1]])
+    width = sum(int(p["columns"]) for p in parts)
+    if weight.ndim != 2 or weight.shape[1] != width:
+        shape = list(weight.shape)
+        raise ArtifactError(f"node '{node.name}': its {PACKED} metadata holds {width} columns, its weight is {shape}")
     bias_name = next((i for i in add.input if i in constants), "") if add is not None else ""
     bias = numpy_helper.to_array(constants[bias_name]) if bias_name else None
+    if bias is not None and bias.shape != (width,):
+        bias = None  # not a bias of the packed projection: the Add stays, reading the parts side by side
     starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
     nodes, weights, values = [], [], []
     for k, part in enumerate(parts):
@@ -157,14 +190,15 @@ def _apart(
         weights.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, cut]), f"{node.input[1]}/part{k}"))
         nodes.append(_node("MatMul", [node.input[0], weights[-1].name], part["matmul"]))
         value = str(part["matmul"]["output"])
-        if bias is not None and part["add"] is not None:
+        if bias is not None:
             weights.append(numpy_helper.from_array(np.ascontiguousarray(bias[cut]), f"{bias_name}/part{k}"))
-            nodes.append(_node("Add", [value, weights[-1].name], part["add"]))
-            value = str(part["add"]["output"])
+            unnamed = {"name": f"{value}/bias", "output": f"{value}/bias", "metadata": {}}
+            nodes.append(_node("Add", [value, weights[-1].name], part["add"] or unnamed))
+            value = nodes[-1].output[0]
         values.append(value)
     packed = add.output[0] if add is not None and bias is not None else node.output[0]
     nodes.append(helper.make_node("Concat", values, [packed], name=f"{packed}/unpacked", axis=-1))
-    return nodes, weights
+    return nodes, weights, bias is not None
 
 
 def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
@@ -191,10 +225,10 @@ def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         add = next((r for r in readers.get(node.output[0], []) if r.op_type == "Add"), None)
-        made, weights = _apart(node, add, constants)
+        made, weights, with_bias = _apart(node, add, constants)
         nodes += made
         graph.initializer.extend(weights)
-        if add is not None and any(i in constants for i in add.input):
+        if with_bias and add is not None:
             dropped.append(add)
     graph.ClearField("node")
     graph.node.extend(nodes)

@@ -105,7 +105,36 @@ def test_unpacked_gives_each_projection_back_with_its_name_and_metadata(bias: tu
         node = made[name]
         assert node.name == f"node_{name}" and node.op_type == ("Add" if biased else "MatMul")
         assert {p.key: p.value for p in node.metadata_props} == {"pkg.torch.onnx.fx_node": f"%{name} : fake"}
-    assert made["p/qkv"].op_type == "Concat" and list(made["p/qkv"].input) == ["q", "k", "v"]
+    # a part without a bias of its own still adds its share of the packed bias, untraced
+    joined = [n if b or not any(bias) else f"{n}/bias" for n, b in zip("qkv", bias, strict=True)]
+    assert made["p/qkv"].op_type == "Concat" and list(made["p/qkv"].input) == joined
     x = np.random.default_rng(1).standard_normal((1, 5, HIDDEN)).astype(np.float32)
     np.testing.assert_array_equal(_run(apart, x), _run(packed, x))
+    if any(bias):  # an edit of the packed bias where a part had none is kept, not dropped
+        (packed_bias,) = [t for t in packed.graph.initializer if t.name == "p/qkv_bias"]
+        edited = numpy_helper.to_array(packed_bias) + 0.5
+        packed_bias.CopyFrom(numpy_helper.from_array(edited, packed_bias.name))
+        np.testing.assert_array_equal(_run(unpacked(packed), x), _run(packed, x))
     assert unpacked(proto) is proto  # nothing packed: the graph itself
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ("not json", "metadata is not JSON"),
+        ("[]", "metadata is malformed"),
+        ('[{"columns": -1, "matmul": null, "add": null}]', "metadata is malformed"),
+        ('[{"columns": 8, "matmul": {"name": "m", "output": "o", "metadata": {}}, "add": null}]', "holds 8 columns"),
+    ],
+)
+def test_a_packed_record_that_does_not_fit_its_graph_is_refused_in_one_line(record: str, says: str) -> None:
+    """A graph is data: localization reads the record a packed MatMul carries, and one that
+    is not a list of projections, or not of its weight's width, is an ArtifactError."""
+    from attn_export.errors import ArtifactError
+
+    packed = _packed(_projections(1.0))
+    (matmul,) = [n for n in packed.graph.node if n.op_type == "MatMul"]
+    (entry,) = [p for p in matmul.metadata_props if p.key == PACKED]
+    entry.value = record
+    with pytest.raises(ArtifactError, match=says):
+        unpacked(packed)

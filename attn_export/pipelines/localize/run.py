@@ -430,8 +430,11 @@ class NotLocalizable(UsageError):
 
 def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, _Replay | None]:
     out_dir, entry, spec, plain = found.out_dir, found.entry, found.spec, found.plain
-    proto = unpacked(found.proto)  # each packed projection judged as its own, as PyTorch has it
     model = entry.name
+    try:
+        proto = unpacked(found.proto)  # each packed projection judged as its own, as PyTorch has it
+    except ArtifactError as e:
+        raise NotLocalizable(f"{model}: {e}") from e
     started = time.perf_counter()
     if spec.exporter != "dynamo" or not (has_fx_metadata(proto) or (plain is not None and has_fx_metadata(plain))):
         raise NotLocalizable(

@@ -113,7 +113,8 @@ def _unrepeated(
     lift = producers.get(expand.input[0]) if expand is not None and expand.op_type == "Expand" else None
     if lift is None or lift.op_type != "Unsqueeze" or reshape is None or expand is None:
         return name, []
-    if any(uses.get(n.output[0], 0) != 1 for n in (lift, expand, reshape)):
+    outputs = {o.name for o in proto.graph.output}
+    if any(uses.get(n.output[0], 0) != 1 or n.output[0] in outputs for n in (lift, expand, reshape)):
         return name, []
     source = lift.input[0]
     values = (source, lift.output[0], expand.output[0], name)
@@ -151,8 +152,11 @@ def fold_cache(proto: onnx.ModelProto) -> list[CacheAttention]:
             _unrepeated(proto, name, producers, uses) for name in node.input[1:3]
         )
         key, value = (_cache_concat(proto, n, node.input[0], producers, uses) for n in (key_source, value_source))
-        if key is None or value is None or key is value or bool(key_repeat) != bool(value_repeat):
+        if key is None or value is None or key is value:
             continue
+        repeats = [declared_dims(proto, r[-1].output[0])[1] if r else None for r in (key_repeat, value_repeat)]
+        if len(set(repeats)) != 1 or declared_dims(proto, key_source)[1:2] != declared_dims(proto, value_source)[1:2]:
+            continue  # keys and values repeated alike (or neither), from caches of as many heads
         mask = node.input[3] if len(node.input) > 3 else ""
         node.input[:] = [node.input[0], key.input[1], value.input[1], mask, key.input[0], value.input[0]]
         node.output.extend((key_source, value_source))

@@ -137,7 +137,7 @@ def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
         return []
     try:
         parts = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ArtifactError(f"node '{node.name}': its {PACKED} metadata is not JSON: {e}") from e
     fine = isinstance(parts, list) and len(parts) > 0
     for part in parts if fine else []:
@@ -201,6 +201,23 @@ def _apart(
     return nodes, weights, bias is not None
 
 
+def _check_names(graph: onnx.GraphProto) -> None:
+    """The names the packed records give back must be new to the graph and to each other:
+    an ArtifactError naming the first that is not."""
+    values = {i.name for i in (*graph.input, *graph.initializer, *graph.output)}
+    values |= {o for n in graph.node for o in n.output}
+    names = {n.name for n in graph.node if n.name}
+    for node in graph.node:
+        for made in (m for part in _parts(node) for m in (part["matmul"], part["add"]) if m is not None):
+            if made["output"] in values or (made["name"] and made["name"] in names):
+                raise ArtifactError(
+                    f"node '{node.name}': its {PACKED} metadata gives back '{made['output']}' "
+                    f"(node '{made['name']}'), a name the graph already has"
+                )
+            values.add(made["output"])
+            names.add(made["name"])
+
+
 def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
     """``proto`` with each packed projection back as the projections it was made from, each
     with its own MatMul (and bias Add), name and export metadata, their results side by side
@@ -216,6 +233,7 @@ def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
     for n in graph.node:
         for name in n.input:
             readers.setdefault(name, []).append(n)
+    _check_names(graph)
     nodes: list[onnx.NodeProto] = []
     dropped: list[onnx.NodeProto] = []  # the packed bias Adds, whose value the Concat now makes
     for node in graph.node:

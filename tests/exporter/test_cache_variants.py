@@ -181,26 +181,29 @@ def test_a_cache_kept_out_of_the_op_says_what_the_op_reads_instead() -> None:
     assert make_variant("attention-op", _attention_graph()).warnings == []  # folded: nothing to say
 
 
-def _repeated_heads_graph() -> onnx.ModelProto:
+def _repeated_heads_graph(value_heads: int = 2) -> onnx.ModelProto:
     """Grouped-query attention as Hugging Face's sdpa layers export it: 4 query heads over a
-    cache of 2 key/value heads, each repeated (``repeat_kv``: Unsqueeze at axis 2, Expand,
-    Reshape) between the cache's Concat and the op."""
+    cache of 2 key/value heads (``value_heads`` for the values), each repeated to 4
+    (``repeat_kv``: Unsqueeze at axis 2, Expand, Reshape) between the cache's Concat and the op."""
     proto = _attention_graph()
     graph = proto.graph
     graph.input[0].CopyFrom(helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 4, "s", 4]))
+    graph.input[2].CopyFrom(helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, value_heads, "s", 4]))
+    graph.input[4].CopyFrom(helper.make_tensor_value_info("past_v", TensorProto.FLOAT, [1, value_heads, "p", 4]))
     attention = graph.node[-1]
     graph.initializer.extend(
         [
             numpy_helper.from_array(np.array([2], np.int64), "axis2"),
-            numpy_helper.from_array(np.array([1, 1, 2, 1, 1], np.int64), "times"),
             numpy_helper.from_array(np.array([1, 4, -1, 4], np.int64), "merged"),
         ]
     )
-    for kv in ("k", "v"):
+    for kv, heads in (("k", 2), ("v", value_heads)):
         present, lifted, expanded, repeated = f"present_{kv}", f"{kv}_lifted", f"{kv}_expanded", f"{kv}_repeated"
+        times = numpy_helper.from_array(np.array([1, 1, 4 // heads, 1, 1], np.int64), f"{kv}_times")
+        graph.initializer.append(times)
         repeat = [
             helper.make_node("Unsqueeze", [present, "axis2"], [lifted]),
-            helper.make_node("Expand", [lifted, "times"], [expanded]),
+            helper.make_node("Expand", [lifted, times.name], [expanded]),
             helper.make_node("Reshape", [expanded, "merged"], [repeated]),
         ]
         for node in repeat:
@@ -209,9 +212,9 @@ def _repeated_heads_graph() -> onnx.ModelProto:
         graph.value_info.extend(
             helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
             for name, shape in (
-                (present, [1, 2, "t", 4]),
-                (lifted, [1, 2, 1, "t", 4]),
-                (expanded, [1, 2, 2, "t", 4]),
+                (present, [1, heads, "t", 4]),
+                (lifted, [1, heads, 1, "t", 4]),
+                (expanded, [1, heads, 4 // heads, "t", 4]),
                 (repeated, [1, 4, "t", 4]),
             )
         )
@@ -237,6 +240,11 @@ def test_a_repeat_of_the_cached_heads_is_folded_with_the_cache() -> None:
     attention = unequal.graph.node[-1]
     attention.input[2] = "present_v"
     assert fold_cache(unequal) == []
+    assert fold_cache(_repeated_heads_graph(value_heads=1)) == []  # 2 key heads x 2, 1 value head x 4
+    read = _repeated_heads_graph()  # the repeated keys also an output of the graph: they stay
+    read.graph.output.append(helper.make_tensor_value_info("k_repeated", TensorProto.FLOAT, None))
+    assert fold_cache(read) == []
+    assert make_variant("attention-op", read).info["cache_in_op"] == 0  # builds (the repeat was dropped, once)
 
 
 @pytest.mark.parametrize(

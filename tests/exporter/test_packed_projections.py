@@ -3,6 +3,8 @@ each weight rounded with its own scale, as ``quantize_dynamic`` rounds the three
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -118,6 +120,17 @@ def test_unpacked_gives_each_projection_back_with_its_name_and_metadata(bias: tu
     assert unpacked(proto) is proto  # nothing packed: the graph itself
 
 
+def _parts_named(output: str, name: str) -> str:
+    """A packed record of the right width whose first projection gives back ``output``
+    made by node ``name``."""
+    first = {"columns": COLUMNS[0], "matmul": {"name": name, "output": output, "metadata": {}}, "add": None}
+    rest = [
+        {"columns": n, "matmul": {"name": f"m{k}", "output": f"o{k}", "metadata": {}}, "add": None}
+        for k, n in enumerate(COLUMNS[1:])
+    ]
+    return json.dumps([first, *rest])
+
+
 @pytest.mark.parametrize(
     ("record", "says"),
     [
@@ -125,6 +138,13 @@ def test_unpacked_gives_each_projection_back_with_its_name_and_metadata(bias: tu
         ("[]", "metadata is malformed"),
         ('[{"columns": -1, "matmul": null, "add": null}]', "metadata is malformed"),
         ('[{"columns": 8, "matmul": {"name": "m", "output": "o", "metadata": {}}, "add": null}]', "holds 8 columns"),
+        ('[{"columns": 8, "matmul": {"name": "m", "output": "o", "metadata": {}}, "add": "x"}]', "is malformed"),
+        ('[{"columns": 8, "matmul": {"name": "m", "output": "o"}, "add": null}]', "is malformed"),
+        ('[{"columns": 8, "matmul": {"name": "m", "output": "o", "metadata": [1]}, "add": null}]', "is malformed"),
+        ('[{"columns": Infinity, "matmul": {"name": "m", "output": "o", "metadata": {}}, "add": null}]', "malformed"),
+        ("[" * 100_000, "is not JSON"),
+        (_parts_named("x", "m"), "gives back 'x'"),  # an input's name
+        (_parts_named("o", "p/qkv_matmul"), "node 'p/qkv_matmul'"),  # the packed node's own name
     ],
 )
 def test_a_packed_record_that_does_not_fit_its_graph_is_refused_in_one_line(record: str, says: str) -> None:

@@ -5,10 +5,10 @@ bias Add and its own hand-off to the thread pool. ONNX Runtime's ``GroupQueryAtt
 also reads the three as one packed ``[batch, seq, (heads + 2 * kv_heads) * head_dim]``
 tensor, so one MatMul over the weights side by side does the same work in two nodes, not
 six: the same numbers, a step at past 512 about a tenth faster at 2 threads and within
-the noise at 1 (``docs/performance.md``).
-The packed MatMul records the projections it holds (``PACKED``): their columns for the int8
-link, which rounds each part with a scale of its own, as it rounds weights apart, and the
-nodes they were for localization, which takes them apart again (``unpacked``).
+the noise at 1 (``docs/performance.md``). The packed MatMul records the projections it
+holds (``PACKED``): their columns for the int8 link, which rounds each part with a scale
+of its own, as it rounds weights apart, and the nodes they were for localization, which
+takes them apart again (``unpacked``).
 """
 
 from __future__ import annotations
@@ -242,7 +242,8 @@ def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
         if not _parts(node):
             nodes.append(node)
             continue
-        add = next((r for r in readers.get(node.output[0], []) if r.op_type == "Add"), None)
+        read = readers.get(node.output[0], [])  # its bias Add, where that alone reads it
+        add = read[0] if len(read) == 1 and read[0].op_type == "Add" else None
         made, weights, with_bias = _apart(node, add, constants)
         nodes += made
         graph.initializer.extend(weights)

@@ -235,7 +235,8 @@ def test_a_present_copied_after_the_attention_is_not_written_in_place(built) -> 
 def test_a_fault_in_one_packed_projection_is_localized_to_that_projection(built, tmp_path, monkeypatch) -> None:
     """Planted: the key's columns of the packed projection 5 % off. The graph holds one
     MatMul for the three; localization takes it apart again and names the key's projection
-    and its source line, not the attention the packed MatMul feeds."""
+    and its source line, not the attention the packed MatMul feeds, and runs the whole
+    graph with its cache in buffers, as verify does."""
     from onnx import numpy_helper
 
     copy = copy_build(built, tmp_path)
@@ -252,6 +253,9 @@ def test_a_fault_in_one_packed_projection_is_localized_to_that_projection(built,
     assert result.exit_code == 1, result.output
     assert "DIVERGES first at ONNX node_linear_1 " in result.output, result.output
     assert "in k_linear at " in result.output, result.output
+    # the whole graph runs as verify runs it, its pasts in buffers, its presents cut to the filled positions
+    assert "fails to run" not in result.output and "output present.0.value: agrees" in result.output, result.output
+    assert "in the whole graph: max abs" in result.output, result.output
 
 
 @pytest.mark.slow

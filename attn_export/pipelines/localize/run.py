@@ -51,6 +51,7 @@ from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
+from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance, variant_chain
@@ -121,6 +122,24 @@ def _decode_step(
     return traj.sizes[step - 1], step_inputs(spec, traj, outputs)[step - 1], layout, traj
 
 
+def _in_buffers(
+    proto: onnx.ModelProto, spec: ModelSpec, feeds: Mapping[str, np.ndarray]
+) -> tuple[Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    """For a graph updating its cache in place (``static-cache``), the feeds as it takes them
+    (each past in a buffer of the spec's capacity, NaN past the filled length, and the
+    filled length) and a cut of its presents to the filled positions, which PyTorch's
+    growing cache holds; for any other graph, the feeds and no cut."""
+    static = StaticCache.from_metadata({p.key: p.value for p in proto.metadata_props})
+    if static is None:
+        return dict, dict(feeds)
+    capacity = capacity_for(spec.cache_max_seq, spec.dims, spec.outputs, static)
+
+    def cut(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return static.filled((spec.inputs, spec.outputs, spec.dims), feeds, values)
+
+    return cut, static.feeds(feeds, capacity)
+
+
 def _regions(
     proto: onnx.ModelProto,
     regions: list[Region],
@@ -131,6 +150,7 @@ def _regions(
     on: Target,
     budget: int,
     rows: np.ndarray | None,
+    filled: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
 ) -> tuple[list[RegionError], dict[str, tuple[dict[str, np.ndarray], Tolerance]]]:
     """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
     (the graph's inputs and its shape arithmetic as the regions before computed them);
@@ -148,7 +168,7 @@ def _regions(
             continue  # fed by a region that could not run alone
         teacher = {i: _as_graph(next(src[i] for src in sources if i in src), graph_vals.get(i)) for i in region.inputs}
         ran = run_region(proto, region, teacher, on, budget)
-        alone = ran if isinstance(ran, dict) else None
+        alone = filled(ran) if isinstance(ran, dict) else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
             expected = torch_vals[fx_node]
@@ -451,8 +471,9 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
     outputs = case.outputs
     notes = []
+    filled, feeds = _in_buffers(proto, spec, feeds)
     try:
-        graph_vals = graph_values(proto, feeds, options.target, budget)
+        graph_vals = filled(graph_values(proto, feeds, options.target, budget))
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
@@ -463,7 +484,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
-    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows)
+    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows, filled)
     report = LocalizeReport(
         model=model,
         file=str(out_dir / entry.file),

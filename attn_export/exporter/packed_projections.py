@@ -165,13 +165,15 @@ def _node(op: str, inputs: list[str], described: Mapping[str, Any]) -> onnx.Node
 
 
 def _apart(
-    node: onnx.NodeProto, add: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto]
+    node: onnx.NodeProto,
+    parts: list[dict[str, Any]],
+    add: onnx.NodeProto | None,
+    constants: Mapping[str, onnx.TensorProto],
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]:
     """The nodes and weights standing for one packed MatMul and its bias ``add``, and
     whether they stand for ``add`` too. Every number of the packed graph is kept: a part
     recorded without a bias still adds its share of the packed bias (zeros, unless the
     graph was changed), in an Add of its own."""
-    parts = _parts(node)
     if node.input[1] not in constants:
         raise ArtifactError(f"node '{node.name}': a packed projection whose weight is not a constant")
     weight = numpy_helper.to_array(constants[node.input[1]])
@@ -201,14 +203,14 @@ def _apart(
     return nodes, weights, bias is not None
 
 
-def _check_names(graph: onnx.GraphProto) -> None:
+def _check_names(graph: onnx.GraphProto, records: Mapping[int, list[dict[str, Any]]]) -> None:
     """The names the packed records give back must be new to the graph and to each other:
     an ArtifactError naming the first that is not."""
     values = {i.name for i in (*graph.input, *graph.initializer, *graph.output)}
     values |= {o for n in graph.node for o in n.output}
     names = {n.name for n in graph.node if n.name}
-    for node in graph.node:
-        for made in (m for part in _parts(node) for m in (part["matmul"], part["add"]) if m is not None):
+    for i, node in enumerate(graph.node):
+        for made in (m for part in records.get(i, []) for m in (part["matmul"], part["add"]) if m is not None):
             if made["output"] in values or (made["name"] and made["name"] in names):
                 raise ArtifactError(
                     f"node '{node.name}': its {PACKED} metadata gives back '{made['output']}' "
@@ -223,7 +225,8 @@ def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
     with its own MatMul (and bias Add), name and export metadata, their results side by side
     (a ``Concat``) where the packed one was read: the same numbers, for localization, which
     judges each projection against PyTorch's value of it. ``proto`` itself is not changed."""
-    if not any(_parts(n) for n in proto.graph.node):
+    records = {i: parts for i, n in enumerate(proto.graph.node) if (parts := _parts(n))}
+    if not records:
         return proto
     out = onnx.ModelProto()
     out.CopyFrom(proto)
@@ -233,18 +236,18 @@ def unpacked(proto: onnx.ModelProto) -> onnx.ModelProto:
     for n in graph.node:
         for name in n.input:
             readers.setdefault(name, []).append(n)
-    _check_names(graph)
+    _check_names(graph, records)
     nodes: list[onnx.NodeProto] = []
     dropped: list[onnx.NodeProto] = []  # the packed bias Adds, whose value the Concat now makes
-    for node in graph.node:
+    for i, node in enumerate(graph.node):
         if any(node is d for d in dropped):
             continue
-        if not _parts(node):
+        if i not in records:
             nodes.append(node)
             continue
         read = readers.get(node.output[0], [])  # its bias Add, where that alone reads it
         add = read[0] if len(read) == 1 and read[0].op_type == "Add" else None
-        made, weights, with_bias = _apart(node, add, constants)
+        made, weights, with_bias = _apart(node, records[i], add, constants)
         nodes += made
         graph.initializer.extend(weights)
         if with_bias and add is not None:

@@ -244,7 +244,7 @@ def test_a_repeat_of_the_cached_heads_is_folded_with_the_cache() -> None:
     read = _repeated_heads_graph()  # the repeated keys also an output of the graph: they stay
     read.graph.output.append(helper.make_tensor_value_info("k_repeated", TensorProto.FLOAT, None))
     assert fold_cache(read) == []
-    assert make_variant("attention-op", read).info["cache_in_op"] == 0  # builds (the repeat was dropped, once)
+    assert make_variant("attention-op", read).info["cache_in_op"] == 0  # and the variant builds, the repeat kept
 
 
 @pytest.mark.parametrize(

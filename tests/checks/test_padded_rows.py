@@ -102,6 +102,21 @@ def test_padded_rows_under_match_are_repaired_to_give_pytorchs_result(tmp_path: 
     assert "not compared" not in verified.output
 
 
+def test_padded_rows_of_a_single_sequence_are_repaired_too(tmp_path: Path) -> None:
+    """At batch 1 no mask case applies (a fully padded sequence would pad the only one):
+    the golden cases' own padded rows show what each side gives, and build repairs the
+    graph from them. Before, its smoke check failed on those rows: a false red on Hugging
+    Face's decoders declared at batch 1."""
+    one = SPEC.replace('shape = ["batch", "seq"', 'shape = [1, "seq"').replace("batch = { min = 1, max = 3 }\n", "")
+    built, verified = _build_and_verify(tmp_path, "", body=one)
+    assert built.exit_code == 0, built.output
+    info = json.loads((tmp_path / "out" / "manifest.json").read_text())["models"]["padded"]["variant_info"]
+    assert info["fully_masked"]["repair"]["gives"] == "0"
+    assert {"torch": "0", "onnxruntime": "mean of V"} in info["fully_masked"]["cases"].values()
+    assert verified.exit_code == 0, verified.output
+    assert "not compared" not in verified.output
+
+
 @pytest.mark.slow  # a build (4 s); the repair beside it is make test's
 def test_padded_rows_that_differ_fail_a_match_spec_saying_they_are_padding(tmp_path: Path) -> None:
     built, _ = _build_and_verify(tmp_path, "", module="WrongOnKeylessRows")

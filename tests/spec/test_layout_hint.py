@@ -94,3 +94,10 @@ def test_an_input_holding_both_dims_past_its_leading_axes_is_no_batch() -> None:
     others = [("batch", "seq", 64), ("batch", "kv_seq", 64), ("batch", 4, "seq", "kv_seq")]
     assert default_layout(("seq", "kv_seq"), others) == "query-key"
     assert default_layout(("batch", "kv_seq"), others) == "key-padding"
+
+
+def test_a_mask_of_one_sequence_beside_inputs_of_one_is_key_padding() -> None:
+    """``[1, seq]`` beside ``[1, seq, 16]``: the padding of the batch's one sequence, whose
+    padded query rows are then found (``checks.fully_masked.padded_query_rows``)."""
+    assert default_layout((1, "seq"), [(1, "seq", 16)]) == "key-padding"
+    assert default_layout((1, "seq"), [("batch", "seq", 16)]) == "query-key"  # broadcast over a batch

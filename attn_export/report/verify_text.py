@@ -181,13 +181,13 @@ def _extreme_only(report: VerifyReport) -> list[str]:
     notes = []
     for model, cases in by_model.items():
         variant = model.partition(".")[2]
-        lossy = [link.name for link in variant_chain(variant).links if link.tolerance is not None] if variant else []
+        chain = variant_chain(variant) if variant else None
         failed = sorted({c.distribution for c in cases if not c.passed})
-        if lossy and failed and set(failed) <= set(_EXTREME) and any(c.passed for c in cases):
+        if chain and chain.lossy and failed and set(failed) <= set(_EXTREME) and any(c.passed for c in cases):
             notes.append(
-                f"note: {model} fails on {', '.join(failed)} values alone, which a right {'+'.join(lossy)} graph "
-                "may: its rounding grows with the largest values; where such values never come, judge it with "
-                f"--distribution normal --distribution tiny, or give [variants.{variant}] atol_rms and rms_rtol"
+                f"note: {model} fails on {', '.join(failed)} values alone, which a right {'+'.join(chain.lossy)} "
+                "graph may: its rounding grows with the largest values; where such values never come, judge it with "
+                f"--distribution normal --distribution tiny, or give [{chain.table}] atol_rms and rms_rtol"
             )
     return notes
 

@@ -31,7 +31,7 @@ from attn_export.spec.model import (
     WeightsSpec,
 )
 from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import CHAIN, VARIANTS, variant_chain
+from attn_export.spec.variants import CHAIN, VARIANTS, Chain, variant_chain
 
 __all__ = ["load_spec", "spec_from_dict", "spec_paths"]
 
@@ -413,7 +413,7 @@ def _weights(where: _Where, raw: dict[str, Any], folder: Path | None) -> Weights
 def _variant_table(where: _Where, variant: str) -> str:
     """The ``[variants.<name>]`` table of a variant other than ``auto``, or of a chain, as
     TOML writes its header (``variants."ort-past+int8"``: ``+`` needs quotes)."""
-    table = f"variants.{variant}" if re.fullmatch(r"[A-Za-z0-9_-]+", variant) else f'variants."{variant}"'
+    table = Chain(variant, ()).table
     if CHAIN not in variant and variant not in _TOLERANCE_VARIANTS:
         known = ", ".join(_TOLERANCE_VARIANTS)
         raise where.error(f"unknown variant '{variant}' (known: {known})", variant, table)

@@ -28,6 +28,7 @@ outside a fused op) and is refused, naming it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -178,6 +179,17 @@ class Chain:
 
     name: str
     links: tuple[VariantInfo, ...]
+
+    @property
+    def table(self) -> str:
+        """The spec's table of its tolerance, as TOML writes its header (``variants.fp16``,
+        ``variants."ort-past+int8"``: ``+`` needs quotes)."""
+        return f"variants.{self.name}" if re.fullmatch(r"[A-Za-z0-9_-]+", self.name) else f'variants."{self.name}"'
+
+    @property
+    def lossy(self) -> tuple[str, ...]:
+        """The links that compute below float32 and bring a tolerance of their own (int8, fp16)."""
+        return tuple(link.name for link in self.links if link.tolerance is not None)
 
     @property
     def composed(self) -> bool:

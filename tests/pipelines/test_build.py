@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,12 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes
 from attn_export.exporter.torch_export import export_onnx
 from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.build.graphs import SpecBuild
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import load_spec
+from attn_export.spec import load_spec, variant_chain
 from attn_export.spec.inputs import make_feeds
+from attn_export.spec.model import Guard
 from attn_export.spec.shapes import golden_points, sweep
 from tests.conftest import APART_SPECS, ROOT, TINY_SPECS, Built, tiny_spec, write_spec
 
@@ -439,3 +442,25 @@ def test_a_dim_the_code_fixes_fails_an_export_that_accepts_guards_naming_the_lin
         f"tests/faulty_modules.py:{_line(line)} `{line}`; dim 'kv_seq' (input 'keys', axis 1) to the example's "
         f"size 5 at tests/faulty_modules.py:{_line(branch)} `{branch}`, so the graph holds at those sizes only"
     ), r.error
+
+
+def test_a_variant_failing_where_its_export_agrees_is_blamed_not_an_accepted_guard(tmp_path: Path) -> None:
+    """A guard failing at a case says nothing of a variant whose own export agrees there:
+    the smoke check names the variant (and for a lossy one, its tolerance's table) instead.
+    The fp16 graph is judged here at a tolerance no float16 graph meets."""
+    path = tiny_spec(tmp_path / "models")
+    path.write_text(path.read_text() + "\n[variants.fp16]\natol = 1e-7\nrtol = 0.0\natol_rms = 1e-7\nrms_rtol = 1e-7\n")
+    spec = load_spec(path)
+    build = SpecBuild(spec, {}, BuildOptions(tmp_path / "out"))
+    guarded = SpecBuild(replace(spec, guards=(Guard("seq != 3", points=(dict(build.sizes),)),)), {}, build.options)
+    with pytest.raises(GraphCheckError) as caught:
+        guarded.smoke("fp16", guarded.graph("fp16").model)
+    message = str(caught.value)
+    assert "smoke check at example" in message, message
+    assert (
+        "the export it was made from agrees here at the spec's own tolerance, so the variant differs, by a fault "
+        "or by fp16's rounding (where that is all it is, give [variants.fp16] atol_rms and rms_rtol in the spec) "
+        "(fp16: float16 inside, float32 inputs and outputs); output: " in message
+    )
+    assert "accepted the guard" not in message
+    assert variant_chain("ort-past+int8").table == 'variants."ort-past+int8"'

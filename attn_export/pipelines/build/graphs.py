@@ -233,20 +233,49 @@ class SpecBuild:
         check_spec_axes(proto, key, spec)
         return Graph(proto.SerializeToString(deterministic=True), graph.info, graph.warnings)
 
-    def _made_by(self, variant: str, feeds: dict[str, np.ndarray]) -> str:
-        """Where ONNX Runtime cannot run a variant's graph but runs the export it was made
-        from on the same feeds, what says that the variant's rewrite made the fault."""
+    def _source_run(self, variant: str, feeds: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], str] | None:
+        """The outputs on ``feeds`` of the export a variant's graph was made from, and what
+        its links made of it; None for a graph no link rewrote, or where that export fails
+        to run too."""
         chain = variant_chain(variant)
         if all(link.maker is None for link in chain.links):
-            return ""
+            return None
         source = self.export(max(self.spec.opset, chain.export_opset or 0)).SerializeToString()
         try:
             with OnnxRuntime(source, self.spec.inputs, self.spec.outputs, self.spec.dims, provider="cpu") as plain:
-                plain.run(feeds)
+                got = plain.run(feeds)
         except RuntimeFailure:
+            return None
+        return got, "; ".join(f"{link.name}: {link.summary}" for link in chain.links if link.maker is not None)
+
+    def _made_by(self, variant: str, feeds: dict[str, np.ndarray]) -> str:
+        """Where ONNX Runtime cannot run a variant's graph but runs the export it was made
+        from on the same feeds, what says that the variant's rewrite made the fault."""
+        ran = self._source_run(variant, feeds)
+        if ran is None:
             return ""
-        made = "; ".join(f"{link.name}: {link.summary}" for link in chain.links if link.maker is not None)
-        return f"; the export it was made from runs there, so the rewrite made the graph ONNX Runtime refuses ({made})"
+        refused = "so the rewrite made the graph ONNX Runtime refuses"
+        return f"; the export it was made from runs there, {refused} ({ran[1]})"
+
+    def _rewrite_differs(self, variant: str, case: GoldenCase) -> str | None:
+        """Where a variant's graph fails a case that the export it was made from passes at
+        the spec's own tolerance, what says that the variant made the difference (not an
+        accepted guard failing at the case's sizes, which the export would show too)."""
+        ran = self._source_run(variant, case.inputs)
+        if ran is None:
+            return None
+        comparisons, _ = judge(self.spec, case, ran[0], self.spec.tolerances("fp32"))
+        if not all(c.passed for c in comparisons):
+            return None
+        chain = variant_chain(variant)
+        rounding = (
+            f", by a fault or by {'+'.join(chain.lossy)}'s rounding (where that is all it is, give "
+            f"[{chain.table}] atol_rms and rms_rtol in the spec)"
+            if chain.lossy
+            else ""
+        )
+        agrees = "the export it was made from agrees here at the spec's own tolerance"
+        return f"{agrees}, so the variant differs{rounding} ({ran[1]})"
 
     def smoke(self, variant: str, model: bytes) -> None:
         """ONNX Runtime (CPU) against PyTorch at the example and golden shapes, at the
@@ -274,6 +303,8 @@ class SpecBuild:
                     guards = [g.describe() for g in spec.guards if g.fails_at(case.sizes)]
                     cause = branch.describe() if branch else None
                     if cause is None and guards:  # the path is the same, a value from a size is not
-                        cause = f"the spec accepted the guard {'; '.join(guards)}, which fails here"
+                        cause = self._rewrite_differs(variant, case) or (
+                            f"the spec accepted the guard {'; '.join(guards)}, which fails here"
+                        )
                     why = [*([cause] if cause else []), failed[0], *notes]  # the cause first
                     raise GraphCheckError(f"{where} failed: {'; '.join(why)}")

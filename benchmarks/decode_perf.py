@@ -14,7 +14,8 @@ with its cache and against its memory-bandwidth limit (the bytes one step moves:
 cache read and presents written, ``attn_export.pipelines.bench.physics``, over this
 machine's copy bandwidth measured in the same run), and the targets: at past 512 the best
 float32 variant within 1.2x of its limit and at most 0.3x eager, at past 2048 at most 0.4x
-eager, the best int8 chain within 2x of its limit, and eager stable to 15% across the runs.
+eager, the best int8 chain within 2x of its limit, and eager stable to 15% across the runs
+(``host_speed.py`` shows whether the host itself is).
 
 The whole bench runs ``--repeats`` times (default 3): figures are medians, and eager's spread
 across the runs is printed. The in-place variants are timed in turns with the batch-1
@@ -282,6 +283,11 @@ def main() -> None:
             "\n(at its bandwidth limit: the time the variant's bytes take at the measured copy bandwidth, over "
             "eager's; a target below it can be met only where the bytes stay in the CPU's caches)"
         )
+        if worst > 0.15:
+            print(
+                "(eager moved more than +-15%: `python benchmarks/host_speed.py` times the same work block after "
+                "block, and shows how much this host moves by itself)"
+            )
         missed = [(who, past) for _, runs, bound, who, past in targets if _median(runs) > bound]
         shown = missed if not args.profile else [(who, past) for _, _, _, who, past in targets]
         copy = _median([r.copy_gbps or 0 for r in reports])

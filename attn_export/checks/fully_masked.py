@@ -34,7 +34,7 @@ from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import split_label
 from attn_export.spec.masks import CASES, masked_row_selector
 
-__all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_tokens", "settle"]
+__all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_rows_agree", "padded_tokens", "settle"]
 
 #: What fully masked rows give where nothing in the graph can be rewritten to tell and they
 #: are neither 0 nor NaN, or where the case has no such row.
@@ -123,6 +123,23 @@ def padded_query_rows(spec: ModelSpec, case: GoldenCase) -> tuple[dict[str, np.n
             out[o.name] = out[o.name] | picked if o.name in out else picked
             count = max(count, int(rows.sum()))
     return out, count
+
+
+def padded_rows_agree(
+    spec: ModelSpec, case: GoldenCase, actual: Mapping[str, np.ndarray], tolerances: Mapping[str, Tolerance]
+) -> bool:
+    """Whether ``actual`` agrees with PyTorch's outputs on the padded query rows that see no
+    key (``padded_query_rows``; True where there are none): compared there alone."""
+    padded, count = padded_query_rows(spec, case)
+    if not count:
+        return True
+    others = {name: ~rows for name, rows in padded.items()}
+    expected = {name: case.outputs[name] for name in padded if name in case.outputs}
+    got = {name: actual[name] for name in expected if name in actual}
+    if got.keys() != expected.keys():
+        return False
+    compared = compare_outputs(_blank(expected, others), _blank(got, others), tolerances, case.floors, int8=case.int8)
+    return all(c.passed for c in compared)
 
 
 def _rows(count: int) -> str:

@@ -23,6 +23,7 @@ from attn_export.cli import cli
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
+from attn_export.pipelines.localize.judge import representable
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import TINY_SPECS, TINY_ZOO, Built, needs_transformers, plant, write_spec
 
@@ -484,6 +485,45 @@ def test_a_fault_in_onnx_runtimes_cache_attention_is_localized_to_the_sdpa_and_c
     assert first is not None and first.fx_node == "scaled_dot_product_attention", report.notes
     assert "ort_past_0/MultiHeadAttention" in first.nodes and {"cat", "cat_1"} <= set(first.covers)
     assert first.source.startswith(str(ZOO_CODE / "kv_cache.py") + ":") and len(first.lines) == 3
+
+
+@pytest.mark.slow  # a build of the opset-23 export (5 s)
+def test_a_fault_after_a_fused_attention_is_not_blamed_on_its_rows_that_see_no_key(zoo_copy: Path) -> None:
+    """The cache decoder zeroes its left-padded rows after attention; the ONNX Attention op
+    gives the mean of V there, PyTorch's sdpa 0. Its outputs agree on those rows, so they are
+    left out of every region, and a fault in the output projection is found there, not in
+    the attention that a right graph already differs in."""
+    spec = TINY_ZOO / "mha_kv_cache.toml"
+    summary = build_models([spec], BuildOptions(zoo_copy, variants=("attention-op",)))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    name = "mha_kv_cache.attention-op"
+    right = _localize(zoo_copy, name)
+    assert right.agrees and not [r.fx_node for r in right.regions if r.breaks]
+    proto = onnx.load(zoo_copy / f"{name}.onnx")
+    out_weight = [n for n in proto.graph.node if n.op_type == "MatMul"][-1].input[1]
+    _scale_initializer(proto, out_weight, 1.5)
+    plant(zoo_copy, name, proto)
+    first = _localize(zoo_copy, name).first
+    assert first is not None and first.fx_node == "linear_3" and "self.out_linear(out)" in first.code, where(first)
+
+
+@pytest.mark.slow  # a build of a chain on the opset-23 export (6 s)
+def test_no_region_of_a_right_float16_cache_graph_breaks(zoo_copy: Path) -> None:
+    """PyTorch fills masked scores with float32's lowest; the fp16 graph holds -65504, all
+    float16 can: judged against -3.4e38 the mask's Where was said to break in a right graph,
+    and would have been blamed before a fault after it."""
+    summary = build_models([TINY_ZOO / "mha_kv_cache.toml"], BuildOptions(zoo_copy, variants=("ort-past+fp16",)))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    report = _localize(zoo_copy, "mha_kv_cache.ort-past+fp16")
+    assert report.agrees and not [r.fx_node for r in report.regions if r.breaks]
+
+
+def test_a_value_is_judged_as_the_graph_can_hold_it() -> None:
+    lowest = np.array([np.finfo(np.float32).min, -1.0, np.inf, np.nan], dtype=np.float32)
+    held = representable(lowest, np.dtype(np.float16))
+    assert held.dtype == np.float32 and held[0] == -65504.0 and held[1] == -1.0
+    assert np.isposinf(held[2]) and np.isnan(held[3])  # what float16 holds too is left alone
+    assert representable(lowest, np.dtype(np.float32)) is lowest
 
 
 def test_a_planted_fault_is_localized_on_the_onnx_reference_evaluator_as_on_onnx_runtime(zoo_copy: Path) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from attn_export.spec import Tolerance
 
-__all__ = ["ROUNDINGS", "left_out", "region_tolerance"]
+__all__ = ["ROUNDINGS", "left_out", "region_tolerance", "representable"]
 
 #: A region run alone may differ from PyTorch by this many float32 roundings of the
 #: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
@@ -28,6 +28,20 @@ def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | 
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
     return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale, allow_nan=True)
+
+
+def representable(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
+    """PyTorch's ``value`` as a graph computing in ``dtype`` holds it: its finite elements
+    clipped to that float dtype's range where it is narrower. The fp16 variant clamps its
+    constants to +-65504 (a cast would make them infinite), so where PyTorch fills masked
+    scores with float32's lowest, a right graph holds -65504: judged against -3.4e38, the
+    mask was blamed."""
+    if dtype is None or value.dtype.kind != "f" or np.dtype(dtype).kind != "f":
+        return value
+    top = float(np.finfo(dtype).max)
+    if top >= float(np.finfo(value.dtype).max):
+        return value
+    return np.where(np.isfinite(value), np.clip(value, -top, top), value).astype(value.dtype)
 
 
 def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:

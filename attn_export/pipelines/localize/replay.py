@@ -11,7 +11,7 @@ from typing import Any
 from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, left_out_rows, read_bundle
 from attn_export.compare.outputs import OutputComparison, judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, first_line
-from attn_export.pipelines.localize.judge import left_out
+from attn_export.pipelines.localize.judge import left_out, representable
 from attn_export.runtimes.ort import load_session
 from attn_export.spec import Tolerance
 from attn_export.spec.memory import memory_budget
@@ -79,5 +79,6 @@ def replay_bundle(folder: Path, provider: str = "cpu", max_memory: int | None = 
     except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
         raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
     tol = Tolerance(**{k: bundle.info["tolerance"].get(k, 0.0) for k in TOLERANCE_KEYS}, allow_nan=True)
+    expected = representable(expected, got.dtype)  # as localize judged it
     comparison = judge_value(value, expected, left_out(expected, got, left_out_rows(bundle.info)), tol)
     return ReplayResult(str(folder), bundle.info, provider, comparison)

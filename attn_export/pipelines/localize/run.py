@@ -33,14 +33,14 @@ from attn_export.checks.decode import (
     run_trajectory,
     step_inputs,
 )
-from attn_export.checks.fully_masked import judge, padded_tokens
+from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.pipelines.localize.judge import left_out, region_tolerance
+from attn_export.pipelines.localize.judge import left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
 from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
@@ -171,9 +171,9 @@ def _regions(
         alone = filled(ran) if isinstance(ran, dict) else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
-            expected = torch_vals[fx_node]
             whole = graph_vals.get(value)
             computed = next((v.dtype for v in ((alone or {}).get(value), whole) if v is not None), None)
+            expected = representable(torch_vals[fx_node], computed)
             rtol = region_tolerance(tol, expected, computed)
             target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
             own = fx_node == region.fx_node  # the region's metadata is its own FX node's
@@ -208,7 +208,7 @@ def _as_graph(value: np.ndarray, graph: np.ndarray | None) -> np.ndarray:
     """PyTorch's ``value`` in the float dtype the graph computes it in (float16 inside an
     fp16 variant): a region fed float32 where it reads float16 will not load, and was blamed."""
     if graph is not None and value.dtype != graph.dtype and value.dtype.kind == graph.dtype.kind == "f":
-        return value.astype(graph.dtype)
+        return representable(value, graph.dtype).astype(graph.dtype)
     return value
 
 
@@ -477,13 +477,18 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
-    judged, judge_notes = judge(
-        spec, case, {k: graph_vals[k] for k in outputs if k in graph_vals}, spec.tolerances(entry.variant)
-    )
+    outputs_there = {k: graph_vals[k] for k in outputs if k in graph_vals}
+    tolerances = spec.tolerances(entry.variant)
+    judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
-    rows = padded_tokens(spec, case) if spec.fully_masked == "ignore" else None
+    # Rows that see no key are left out of every region where the spec leaves them out of
+    # the outputs, or where the graph's outputs agree there: a fused attention gives the mean
+    # of V (or NaN) in them where PyTorch's sdpa gives 0, and a module that zeroes them after
+    # it has a right graph whose attention differs there, which was blamed for a fault after it.
+    agree = spec.fully_masked == "ignore" or padded_rows_agree(spec, case, outputs_there, tolerances)
+    rows = padded_tokens(spec, case) if agree else None
     errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows, filled)
     report = LocalizeReport(
         model=model,

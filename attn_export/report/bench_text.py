@@ -158,7 +158,7 @@ def format_decode_summary(report: DecodeBenchReport) -> str:
         "MB/TOK: bytes a step moves per token (weights + cache read + cache written); GB/S: achieved; "
         f"VS_LIMIT: p50 over those bytes at this run's copy bandwidth ({_gbps(report.copy_gbps)}); "
         "OUT%: share of an ONNX Runtime step outside kernels (profiled apart); "
-        "SHARED: a cache updated in place, past and present bound to one buffer that the attention writes directly",
+        "SHARED: a cache updated in place, past and present one buffer at every step (address and writes checked)",
     ]
     return "\n".join(lines + _runner_lines(report) + _memory_lines(report.memory_mb))
 

@@ -187,9 +187,11 @@ class OrtDecoder:
             self._binding.bind_output(name, self._device)
         self._sync = self._binding.synchronize_outputs if self._device != "cpu" else (lambda: None)
         self._buffers: dict[str, Any] = {}
+        self._initial: dict[str, np.ndarray] = {}
         if static is not None:
             buffers = static.feeds(plan.pasts, capacity)
             for past, present in static.pairs:
+                self._initial[present] = buffers[past].copy()  # the buffer bound is its own memory, written each step
                 self._buffers[present] = value(buffers[past])
                 self._binding.bind_ortvalue_input(past, self._buffers[present])
                 self._binding.bind_ortvalue_output(present, self._buffers[present])
@@ -224,6 +226,35 @@ class OrtDecoder:
             self._pasts = {past: by_name[present] for past, present in self.plan.cache.pairs}
         self._k += 1
         self._sync()
+
+    def shares_buffers(self) -> bool | None:
+        """Proof that each present is written into its past's buffer, past and present one
+        memory, at every step of the window: the graph writes it there (``shared``,
+        ``StaticCache.in_place``), the present comes back at the buffer's address, and the
+        step's new positions, poisoned with NaN before it, hold finite values after it
+        while the positions before them are as they were. None for a growing cache. Runs
+        the window once, untimed, from buffers reset to the prefilled cache."""
+        if self.static is None:
+            return None
+        if not self.shared:
+            return False
+        for present, buffer in self._buffers.items():
+            buffer.update_inplace(self._initial[present])
+        self.restart()
+        width = self.plan.seq
+        for k in range(len(self._binds)):
+            filled = self.plan.past + k * width
+            before = {present: buf.numpy()[:, :, : filled + width].copy() for present, buf in self._buffers.items()}
+            self.step()
+            got = dict(zip(self._outputs, self._binding.get_outputs(), strict=True))
+            for present, buffer in self._buffers.items():
+                now, was = buffer.numpy()[:, :, : filled + width], before[present]
+                same_memory = got[present].data_ptr() == buffer.data_ptr()
+                written = np.isnan(was[:, :, filled:]).all() and np.isfinite(now[:, :, filled:]).all()
+                if not (same_memory and written and np.array_equal(now[:, :, :filled], was[:, :, :filled])):
+                    return False
+        self.restart()
+        return True
 
     def outputs(self) -> Feeds:
         """The last step's outputs as numpy copies (for checks, never timed); a buffer's

@@ -18,7 +18,7 @@ from attn_export.exporter.factory import instantiate
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.spec import load_spec
+from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
 
@@ -189,12 +189,8 @@ def test_a_buffer_that_grows_past_its_capacity_fails_naming_the_step(built, tmp_
 def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
     spec = load_spec(built.models / "mha_one_stream.toml")
     cache = cache_of(spec)
-    rng = np.random.default_rng(0)
-    past, steps = 5, 3
-    pasts = {p: rng.standard_normal((1, 4, past, 8)).astype(np.float32) for p, _ in cache.pairs}
-    x = rng.standard_normal((1, 1, 32)).astype(np.float32)
-    feeds = [{"hidden_states": x, "attention_mask": np.ones((1, past + k + 1), np.int64)} for k in range(steps)]
-    plan = DecodeWindow(cache, past, pasts, feeds)
+    plan = _window(spec)
+    pasts, feeds, steps = plan.pasts, plan.steps, len(plan.steps)
     with OnnxRuntime(
         built.out / "mha_one_stream.static-cache.onnx",
         spec.inputs,
@@ -212,10 +208,38 @@ def test_bound_decoding_writes_into_the_one_buffer(built) -> None:
             want = runtime.run({**feeds[k], **grown})
             grown = {p: want[q] for p, q in cache.pairs}
         got = decoder.outputs()
-    assert decoder.shared is True  # every step's present came back at its buffer's address
+        # every step's present came back at its buffer's address, its new positions written there
+        assert decoder.shares_buffers() is True
     for name, value in want.items():
         assert got[name].shape == value.shape
         np.testing.assert_allclose(got[name], value, atol=1e-6)
+
+
+def _window(spec: ModelSpec, past: int = 5, steps: int = 3) -> DecodeWindow:
+    cache = cache_of(spec)
+    rng = np.random.default_rng(0)
+    pasts = {p: rng.standard_normal((1, 4, past, 8)).astype(np.float32) for p, _ in cache.pairs}
+    x = rng.standard_normal((1, 1, 32)).astype(np.float32)
+    feeds = [{"hidden_states": x, "attention_mask": np.ones((1, past + k + 1), np.int64)} for k in range(steps)]
+    return DecodeWindow(cache, past, pasts, feeds)
+
+
+def test_a_buffer_the_step_never_writes_is_not_shared(built) -> None:
+    """The proof runs the window: a present that is its past passed through (the new token's
+    key never written, its positions still NaN) fails it, even where the graph's structure
+    were taken to say otherwise."""
+    spec = load_spec(built.models / "mha_one_stream.toml")
+    proto = onnx.load(built.out / "mha_one_stream.static-cache.onnx")
+    (node,) = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    node.output[1] = "planted/key"
+    proto.graph.node.append(helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"]))
+    with OnnxRuntime(
+        proto.SerializeToString(), spec.inputs, spec.outputs, spec.dims, capacity=spec.cache_max_seq
+    ) as runtime:
+        decoder = runtime.decoder(_window(spec))
+        assert isinstance(decoder, OrtDecoder) and decoder.shares_buffers() is False  # read from the graph
+        decoder.shared = True  # as if it were written there: the steps say it is not
+        assert decoder.shares_buffers() is False
 
 
 def test_a_present_copied_after_the_attention_is_not_written_in_place(built) -> None:

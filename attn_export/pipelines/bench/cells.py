@@ -150,6 +150,8 @@ def decode_cell(cell: DecodeCell) -> tuple[list[DecodeRow], dict[str, str]]:
     with contextlib.ExitStack() as active:
         decoders = {label: active.enter_context(runner).decoder(plan) for label, runner in runners.items()}
         stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
+        # proved after the timing, on one untimed window: a decoder with no buffer says None
+        shared = {label: getattr(d, "shares_buffers", lambda: None)() for label, d in decoders.items()}
     graphs = {
         label: (name, cell.out_dir / entry.file)
         for label, (name, entry) in graph_entries(cell.manifest, spec, options).items()
@@ -164,7 +166,6 @@ def decode_cell(cell: DecodeCell) -> tuple[list[DecodeRow], dict[str, str]]:
     base = stats[EAGER]
     tokens = cell.batch * cell.seq
     rows = []
-    shared = {label: getattr(d, "shared", None) for label, d in decoders.items()}
     for label, s in stats.items():
         moved = step_bytes(plan, cell.seq, weights[label], in_place=bool(shared[label])).total
         rows.append(

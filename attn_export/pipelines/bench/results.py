@@ -161,8 +161,8 @@ class DecodeRow:
     limit_ratio: float | None = None
     #: ONNX Runtime rows: the share of a step's wall time outside node kernels, from a profile.
     outside_kernels: float | None = None
-    #: A runner updating its cache in place: whether each present, bound to its past's buffer,
-    #: is written there by the attention itself (``StaticCache.in_place``); None for the others.
+    #: A runner updating its cache in place: whether past and present were one memory at every
+    #: step of an untimed window (``OrtDecoder.shares_buffers``); None for the others.
     shared_buffer: bool | None = None
     #: Seconds the window's first pass spent compiling, outside ``latency`` (0.0 where
     #: graphs compiled earlier served it); None for a runner that compiles nothing.

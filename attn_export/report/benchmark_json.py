@@ -42,6 +42,23 @@ def _entry(name: str, row: BenchRow | DecodeRow, extra: list[str], where: str) -
     }
 
 
+def _physics(row: DecodeRow) -> list[str]:
+    """A decode row's bytes per token, the bandwidth it achieves and its ratio to its limit,
+    the share of its step outside kernels and whether its buffer was shared, where known."""
+    lines = []
+    if row.bytes_per_token is not None:
+        lines.append(f"MB/token: {row.bytes_per_token / 1e6:.3f}")
+    if row.gbps is not None:
+        lines.append(f"GB/s: {row.gbps:.1f}")
+    if row.limit_ratio is not None:
+        lines.append(f"vs bandwidth limit: {row.limit_ratio:.2f}x")
+    if row.outside_kernels is not None:
+        lines.append(f"outside kernels: {100 * row.outside_kernels:.0f}%")
+    if row.shared_buffer is not None:
+        lines.append(f"shared buffer: {'yes' if row.shared_buffer else 'no'}")
+    return lines
+
+
 def benchmark_entries(report: BenchReport | DecodeBenchReport) -> list[dict[str, Any]]:
     """One entry per row, in the report's order; names are unique within a report."""
     where = f"threads: {report.threads}\nmachine: {report.machine}"
@@ -52,6 +69,7 @@ def benchmark_entries(report: BenchReport | DecodeBenchReport) -> list[dict[str,
             kind, tokens = row.scenario or "decode", f" seq={row.seq}" if row.seq != 1 else ""
             name = f"{row.model} {row.runner} [{report.provider}] {kind} batch={row.batch} past={row.past}{tokens}"
             extra = [f"window: {row.window} steps", *([f"verdict: {row.verdict}"] if row.verdict else [])]
+            extra += _physics(row)
         else:
             name = f"{row.model} {row.runner} [{report.provider}] batch={row.batch} seq={row.seq}"
             extra = [f"GFLOP/s: {row.gflops:.1f}"]

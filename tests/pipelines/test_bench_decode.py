@@ -124,6 +124,8 @@ def test_benchmark_json_has_one_entry_per_decode_row(decode_run) -> None:
     assert [e["name"] for e in entries] == names and len(names) == 6
     assert [e["value"] for e in entries] == [r.latency.p50_ms for r in report.rows]
     assert all("window: 8 steps" in e["extra"] for e in entries)
+    for e, r in zip(entries, report.rows, strict=True):  # the row's physics in the chart's tooltip
+        assert f"MB/token: {r.bytes_per_token / 1e6:.3f}\nGB/s: {r.gbps:.1f}\nvs bandwidth limit: " in e["extra"]
 
 
 def test_table_markdown_and_plot(decode_run) -> None:
@@ -344,11 +346,19 @@ def test_the_plot_titles_a_step_by_its_tokens_and_marks_a_lone_limit(
     drawn: list = []
     monkeypatch.setattr(plot, "_finish", lambda fig, report, path: drawn.append(fig))
     plot.plot_decode_latency(report, tmp_path / "x.png")
-    (ax,) = drawn[-1].axes
+    ax, moved, speed = drawn[-1].axes
     assert ax.get_title().endswith(", one decode step")
+    # beside the latency, each row's bytes per token and achieved bandwidth, the copy's across it
+    assert (moved.get_ylabel(), speed.get_ylabel()) == ("MB moved per token", "achieved GB/s")
+    lines = {line.get_label(): line for line in speed.get_lines()}
+    onnx = sorted((r.past, r.gbps) for r in report.rows if r.runner == "ort:fp32")
+    assert list(lines["ort:fp32"].get_ydata()) == [g for _, g in onnx]
+    assert list(lines[f"copy bandwidth {report.copy_gbps:.1f} GB/s"].get_ydata()) == [report.copy_gbps] * 2
+    eager = sorted((r.past, r.bytes_per_token / 1e6) for r in report.rows if r.runner == "torch-eager")
+    assert list({x.get_label(): x for x in moved.get_lines()}["torch-eager"].get_ydata()) == [b for _, b in eager]
     lone = [dataclasses.replace(r, seq=4) for r in report.rows if r.past == report.rows[0].past]
     plot.plot_decode_latency(dataclasses.replace(report, rows=lone), tmp_path / "x.png")
-    (ax,) = drawn[-1].axes
+    ax = drawn[-1].axes[0]
     assert ax.get_title().endswith(", a step of 4 tokens")
     limits = [line for line in ax.get_lines() if line.get_label().endswith("bandwidth limit")]
     assert limits and all(line.get_marker() == "x" for line in limits)

@@ -7,7 +7,9 @@ PyTorch eager and ONNX Runtime, prefill and decode, with the spread across repea
 Builds (in a temporary folder) the seed MultiHeadAttention at hidden 512, 8 heads
 (``benchmarks/models/mha_512.toml``, variants fp32, ort-fused, int8) and its decoding step
 with a key/value cache (``benchmarks/models/mha_kv_cache_512.toml``, variants fp32,
-attention-op, ort-past, int8), then times, at batch 1:
+attention-op, ort-past, int8; and the same declared at batch 1 with a capacity,
+``mha_kv_cache_512_one_stream.toml``, its cache updated in place: static-cache,
+static-cache+int8), then times, at batch 1:
 
 * prefill at seq 128, 512 and 2048: PyTorch eager, PyTorch SDPA, ``torch.compile(module,
   dynamic=True)`` and ONNX Runtime per variant, each call on inputs already in place;
@@ -43,8 +45,11 @@ from attn_export.pipelines.bench.runners import COMPILED
 HERE = Path(__file__).resolve().parent
 PREFILL_SPEC = HERE / "models" / "mha_512.toml"
 DECODE_SPEC = HERE / "models" / "mha_kv_cache_512.toml"
+#: The decoder at batch 1 with a capacity: its cache updated in place.
+ONE_STREAM = HERE / "models" / "mha_kv_cache_512_one_stream.toml"
 PREFILL_VARIANTS = ("fp32", "ort-fused", "int8")
 DECODE_VARIANTS = ("fp32", "attention-op", "ort-past", "int8")
+IN_PLACE = ("static-cache", "static-cache+int8")
 SIZES = (128, 512, 2048)
 
 
@@ -67,41 +72,55 @@ def table(kind: str, p50s: Mapping[int, Mapping[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
-def prefill_calls(spec: Any, runners: Mapping[str, Any], seq: int) -> dict[str, Callable[[], object]]:
+def prefill_calls(spec_of: Mapping[str, Any], runners: Mapping[str, Any], seq: int) -> dict[str, Callable[[], object]]:
     """Each runner's call on the same feeds at batch 1, ``seq``."""
     from attn_export.spec.inputs import make_feeds
 
-    feeds = make_feeds(spec, {"batch": 1, "seq": seq}, 0)
-    return {label: runner.prepare(feeds) for label, runner in runners.items()}
+    return {
+        label: runner.prepare(make_feeds(spec_of[label], {"batch": 1, "seq": seq}, 0))
+        for label, runner in runners.items()
+    }
 
 
-def decode_calls(spec: Any, runners: Mapping[str, Any], past: int) -> dict[str, Callable[[], object]]:
-    """Each runner's decode step over the same window of 8 steps from ``past``."""
+def decode_calls(spec_of: Mapping[str, Any], runners: Mapping[str, Any], past: int) -> dict[str, Callable[[], object]]:
+    """Each runner's decode step over a window of 8 steps from ``past``, planned from its
+    own spec with one seed."""
     from attn_export.pipelines.bench.decode import plan_window
 
-    plan = plan_window(spec, 1, past, 8, 0)
-    return {label: runner.decoder(plan).step for label, runner in runners.items()}
+    return {label: runner.decoder(plan_window(spec_of[label], 1, past, 8, 0)).step for label, runner in runners.items()}
 
 
 def timed(
-    out: Path, spec_path: Path, options: Any, repeats: int, calls: Callable[..., dict[str, Callable[[], object]]]
+    out: Path,
+    specs: list[tuple[Path, Any]],
+    repeats: int,
+    calls: Callable[..., dict[str, Callable[[], object]]],
 ) -> tuple[dict[int, dict[str, list[float]]], dict[int, float]]:
     """Per size, each runner's p50s over the repeats, and the seconds torch.compile spent
-    compiling before timing; ``calls(spec, runners, size)`` gives each runner's call."""
+    compiling before timing. The first of ``specs`` (a spec file and its options) gives
+    PyTorch's runners and its graphs', each other its graphs' (the same module declared
+    otherwise); ``calls(spec_of, runners, size)`` gives each runner's call, ``spec_of`` its
+    runner's spec."""
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.exporter.factory import instantiate
     from attn_export.pipelines.bench.runners import graph_runners, torch_runners
     from attn_export.spec import load_spec
 
-    spec = load_spec(spec_path)
-    runners, _ = torch_runners(spec, instantiate(spec), options)
-    runners.update(graph_runners(out, load_manifest(out), spec, options))
+    manifest = load_manifest(out)
+    first = load_spec(specs[0][0])
+    runners, _ = torch_runners(first, instantiate(first), specs[0][1])
+    spec_of = dict.fromkeys(runners, first)
+    for path, options in specs:
+        spec = load_spec(path)
+        graphs = graph_runners(out, manifest, spec, options)
+        runners.update(graphs)
+        spec_of.update(dict.fromkeys(graphs, spec))
     p50s, compile_s = {}, {}
     with contextlib.ExitStack() as active:
         for runner in runners.values():
             active.enter_context(runner)
         for size in SIZES:
-            at = calls(spec, runners, size)
+            at = calls(spec_of, runners, size)
             compile_s[size] = runners[COMPILED].compile_s or 0.0
             p50s[size] = repeated(at, repeats, options.budget_s)
     return p50s, compile_s
@@ -137,15 +156,18 @@ def main() -> None:
         load_start = load_average()
         out = Path(tmp) / "build"
         t0 = time.perf_counter()
-        for spec, variants in ((PREFILL_SPEC, PREFILL_VARIANTS), (DECODE_SPEC, DECODE_VARIANTS)):
+        builds = ((PREFILL_SPEC, PREFILL_VARIANTS), (DECODE_SPEC, DECODE_VARIANTS), (ONE_STREAM, IN_PLACE))
+        for spec, variants in builds:
             built = build_models([spec], BuildOptions(out, variants=variants))
             assert all(r.ok for r in built.results), [r.error for r in built.results]
         build_s = time.perf_counter() - t0
         shared = {"budget_s": args.budget, "torch_compile": True}
         prefill_options = BenchOptions(variants=PREFILL_VARIANTS, threads=threads, **shared)
-        prefill_p50s, prefill_compile = timed(out, PREFILL_SPEC, prefill_options, args.repeats, prefill_calls)
+        prefill_p50s, prefill_compile = timed(out, [(PREFILL_SPEC, prefill_options)], args.repeats, prefill_calls)
         decode_options = DecodeBenchOptions(variants=DECODE_VARIANTS, threads=args.decode_threads, **shared)
-        decode_p50s, decode_compile = timed(out, DECODE_SPEC, decode_options, args.repeats, decode_calls)
+        in_place = DecodeBenchOptions(variants=IN_PLACE, threads=args.decode_threads, **shared)
+        decode = [(DECODE_SPEC, decode_options), (ONE_STREAM, in_place)]
+        decode_p50s, decode_compile = timed(out, decode, args.repeats, decode_calls)
 
     load_end = load_average()
     print(heading(command, timing_machine(), versions()))

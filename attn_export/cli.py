@@ -842,8 +842,8 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
 @click.option(
     "--fully-masked",
     type=click.Choice(FULLY_MASKED),
-    help="Override the spec's fully_masked for this case: match compares the padded query rows that ignore "
-    "leaves out, to see where the two sides part there.",
+    help="Override the spec's fully_masked for this case: match judges the padded query rows that ignore "
+    "leaves out (in every region where the outputs differ on them), to see where the two sides part there.",
 )
 @click.option(
     "--runtime",

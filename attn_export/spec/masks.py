@@ -157,22 +157,26 @@ CONVENTIONS: dict[str, Convention] = {
 }
 
 
-def default_layout(shape: Sequence[int | str], others: Sequence[Sequence[int | str]]) -> str | None:
+def default_layout(
+    shape: Sequence[int | str], others: Sequence[Sequence[int | str]], pattern: str | None = None
+) -> str | None:
     """The layout a mask's rank implies, given the shapes of the other inputs. A 2-D mask
     ``[a, b]`` is key padding when ``a`` is the batch dim: beside the key dim ``b`` in the
     two leading axes of the inputs that lead with ``b`` (``[batch, kv_seq, embed]`` or
     seq-first ``[kv_seq, batch, embed]``; not a bias ``[batch, heads, seq, kv_seq]``), or,
     where no input leads with ``b`` (a sum dim), the first dim of the first input; else
     ``[query, key]``. A batch of one sequence (``[1, kv_seq]`` beside ``[1, kv_seq, embed]``)
-    is key padding too: read as one query row broadcast, it would mask the same keys, but
-    its padded query rows would go unseen."""
+    is key padding too, but for a ``causal`` pattern, which needs its query axis: read as
+    one query row broadcast, it would mask the same keys, but its padded query rows would
+    go unseen."""
     rank = len(shape)
     if rank == 2:
         a, b = shape
         holding = [s[:2] for s in others if b in s[:2]]
         first = others[0][0] if others and others[0] else None
         batch = a != b and any(a in s for s in holding) if holding else a == first
-        return "key-padding" if (isinstance(a, str) or a == 1) and batch else "query-key"
+        one = a == 1 and pattern != "causal"
+        return "key-padding" if (isinstance(a, str) or one) and batch else "query-key"
     return {3: "batch-query-key", 4: "batch-heads-query-key"}.get(rank)
 
 

@@ -272,7 +272,7 @@ def _resolve_layouts(where: _Where, inputs: list[tuple[TensorSpec, _MaskKeys | N
     for i, (t, keys) in enumerate(inputs):
         if keys is not None:
             pattern, convention, given = keys
-            layout = given or default_layout(t.shape, others)
+            layout = given or default_layout(t.shape, others, pattern)
             assert layout is not None  # the rank was checked
             if pattern == "causal" and "query" not in LAYOUTS[layout]:
                 hint = (

@@ -17,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from attn_export.artifacts.golden import GoldenCase, Sight
+from attn_export.checks.fully_masked import padded_rows_agree
 from attn_export.cli import cli
 from attn_export.errors import ArtifactError
+from attn_export.spec import load_spec
 from tests.conftest import write_spec
 
 
@@ -115,6 +118,47 @@ def test_padded_rows_of_a_single_sequence_are_repaired_too(tmp_path: Path) -> No
     assert {"torch": "0", "onnxruntime": "mean of V"} in info["fully_masked"]["cases"].values()
     assert verified.exit_code == 0, verified.output
     assert "not compared" not in verified.output
+
+
+POOLED = """
+module = "tests.checks.test_padded_rows:LeftPaddedCausalAttention"
+[[inputs]]
+name = "x"
+shape = [1, "seq", 16]
+[[inputs]]
+name = "keep"
+dtype = "bool"
+shape = [1, "seq"]
+mask = "left-padding"
+[[outputs]]
+name = "y"
+shape = [1, "seq", 16]
+[[outputs]]
+name = "pooled"
+shape = [1, 16]
+[dims]
+seq = { min = 1, max = 12 }
+"""
+
+
+def test_outputs_agree_on_padded_rows_only_where_every_output_does(tmp_path: Path) -> None:
+    """localize leaves the rows that see no key out of its regions where the outputs agree
+    on them: an output with those rows is compared there, one without them (a sum over the
+    rows, which holds what they gave) whole. Judging only the first, a fault in the padded
+    rows of the attention that reaches only the sum was blamed on the sum."""
+    spec = load_spec(write_spec(tmp_path, "pooled", POOLED))
+    keep = np.array([[False, False, True, True]])
+    rng = np.random.default_rng(0)
+    y, pooled = rng.standard_normal((1, 4, 16)).astype(np.float32), rng.standard_normal((1, 16)).astype(np.float32)
+    case = GoldenCase("distinct", {"seq": 4}, {"x": y, "keep": keep}, {"y": y, "pooled": pooled})
+    case.sights["keep"] = Sight(None, 0)  # causal: the two padded rows see no key
+    tolerances = spec.tolerances("fp32")
+    assert padded_rows_agree(spec, case, {"y": y, "pooled": pooled}, tolerances)
+    other_padded = y.copy()
+    other_padded[0, :2] += 1
+    assert not padded_rows_agree(spec, case, {"y": other_padded, "pooled": pooled}, tolerances)
+    assert padded_rows_agree(spec, case, {"y": y + keep[..., None].astype(np.float32), "pooled": pooled}, tolerances)
+    assert not padded_rows_agree(spec, case, {"y": y, "pooled": pooled + 1}, tolerances)
 
 
 @pytest.mark.slow  # a build (4 s); the repair beside it is make test's

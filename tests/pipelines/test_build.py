@@ -21,7 +21,7 @@ from attn_export.artifacts import files as artifacts
 from attn_export.artifacts.files import build_lock, sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import load_manifest
-from attn_export.checks.fully_masked import judge
+from attn_export.checks.fully_masked import judge, padded_query_rows
 from attn_export.errors import GraphCheckError, LockError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes
@@ -464,3 +464,18 @@ def test_a_variant_failing_where_its_export_agrees_is_blamed_not_an_accepted_gua
     )
     assert "accepted the guard" not in message
     assert variant_chain("ort-past+int8").table == 'variants."ort-past+int8"'
+
+
+def test_a_variant_is_blamed_where_its_export_differs_only_on_rows_build_repairs(tmp_path: Path) -> None:
+    """The export a variant was made from is not repaired: on a left-padded prompt it differs
+    from PyTorch in the rows that see no key, as the variant's graph did before build's
+    repair. It is judged on the other rows, where it agrees, so the variant is still named."""
+    from tests.checks.test_padded_rows import SPEC as PADDED
+
+    one = PADDED.replace('shape = ["batch", "seq"', 'shape = [1, "seq"').replace("batch = { min = 1, max = 3 }\n", "")
+    spec = load_spec(write_spec(tmp_path / "models", "padded", one.replace("{rule}", "")))
+    build = SpecBuild(spec, {}, BuildOptions(tmp_path / "out"))
+    case = next(c for c in build.golden.get() if c.label == "max")
+    assert padded_query_rows(spec, case)[1]  # its first tokens padding, which sees no key
+    said = build._rewrite_differs("fp16", case)
+    assert said is not None and said.startswith("the export it was made from agrees here"), said

@@ -101,3 +101,4 @@ def test_a_mask_of_one_sequence_beside_inputs_of_one_is_key_padding() -> None:
     padded query rows are then found (``checks.fully_masked.padded_query_rows``)."""
     assert default_layout((1, "seq"), [(1, "seq", 16)]) == "key-padding"
     assert default_layout((1, "seq"), [("batch", "seq", 16)]) == "query-key"  # broadcast over a batch
+    assert default_layout((1, "seq"), [(1, "seq", 16)], "causal") == "query-key"  # its one query row, as before

@@ -264,7 +264,9 @@ class SpecBuild:
         ran = self._source_run(variant, case.inputs)
         if ran is None:
             return None
-        comparisons, _ = judge(self.spec, case, ran[0], self.spec.tolerances("fp32"))
+        # the rows that see no key left out: the repair build made of the variant's graph is not in its export
+        seen = replace(self.spec, fully_masked="ignore")
+        comparisons, _ = judge(seen, case, ran[0], self.spec.tolerances("fp32"))
         if not all(c.passed for c in comparisons):
             return None
         chain = variant_chain(variant)

@@ -191,7 +191,7 @@ class OrtDecoder:
         if static is not None:
             buffers = static.feeds(plan.pasts, capacity)
             for past, present in static.pairs:
-                self._initial[present] = buffers[past].copy()  # the buffer bound is its own memory, written each step
+                self._initial[present] = buffers[past].copy()  # value() binds this very array, which steps overwrite
                 self._buffers[present] = value(buffers[past])
                 self._binding.bind_ortvalue_input(past, self._buffers[present])
                 self._binding.bind_ortvalue_output(present, self._buffers[present])

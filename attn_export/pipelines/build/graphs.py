@@ -259,8 +259,9 @@ class SpecBuild:
 
     def _rewrite_differs(self, variant: str, case: GoldenCase) -> str | None:
         """Where a variant's graph fails a case that the export it was made from passes at
-        the spec's own tolerance, what says that the variant made the difference (not an
-        accepted guard failing at the case's sizes, which the export would show too)."""
+        the spec's own tolerance on the rows that see a key, what says that the variant made
+        the difference (not an accepted guard failing at the case's sizes, which the export
+        would show too)."""
         ran = self._source_run(variant, case.inputs)
         if ran is None:
             return None

@@ -110,8 +110,7 @@ def test_padded_rows_of_a_single_sequence_are_repaired_too(tmp_path: Path) -> No
     the golden cases' own padded rows show what each side gives, and build repairs the
     graph from them. Before, its smoke check failed on those rows: a false red on Hugging
     Face's decoders declared at batch 1."""
-    one = SPEC.replace('shape = ["batch", "seq"', 'shape = [1, "seq"').replace("batch = { min = 1, max = 3 }\n", "")
-    built, verified = _build_and_verify(tmp_path, "", body=one)
+    built, verified = _build_and_verify(tmp_path, "", body=ONE_SEQUENCE)
     assert built.exit_code == 0, built.output
     info = json.loads((tmp_path / "out" / "manifest.json").read_text())["models"]["padded"]["variant_info"]
     assert info["fully_masked"]["repair"]["gives"] == "0"
@@ -120,25 +119,10 @@ def test_padded_rows_of_a_single_sequence_are_repaired_too(tmp_path: Path) -> No
     assert "not compared" not in verified.output
 
 
-POOLED = """
-module = "tests.checks.test_padded_rows:LeftPaddedCausalAttention"
-[[inputs]]
-name = "x"
-shape = [1, "seq", 16]
-[[inputs]]
-name = "keep"
-dtype = "bool"
-shape = [1, "seq"]
-mask = "left-padding"
-[[outputs]]
-name = "y"
-shape = [1, "seq", 16]
-[[outputs]]
-name = "pooled"
-shape = [1, 16]
-[dims]
-seq = { min = 1, max = 12 }
-"""
+#: The spec of one sequence: its mask ``[1, seq]`` (key padding beside inputs of batch 1).
+ONE_SEQUENCE = SPEC.replace('shape = ["batch", "seq"', 'shape = [1, "seq"').replace("batch = { min = 1, max = 3 }", "")
+#: Beside its attention's output, a sum over its rows.
+POOLED = ONE_SEQUENCE.replace("{rule}", "") + '[[outputs]]\nname = "pooled"\nshape = [1, 16]\n'
 
 
 def test_outputs_agree_on_padded_rows_only_where_every_output_does(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import click
 
 from attn_export import __version__
 from attn_export.artifacts.files import LOCK_WAIT_S
+from attn_export.artifacts.targets import TARGETS as BUILD_TARGETS
 from attn_export.errors import AttnExportError, first_line
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
@@ -348,6 +349,13 @@ def executor_options(command: Callable[..., Any]) -> Callable[..., Any]:
     help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
     "'localize --golden' runs where torch is not installed.",
 )
+@click.option(
+    "--target",
+    type=click.Choice(list(BUILD_TARGETS)),
+    default="onnx",
+    show_default=True,
+    help="What the folder is for: " + "; ".join(f"{k}: {v}" for k, v in BUILD_TARGETS.items()) + ".",
+)
 @executor_options
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
 def build(
@@ -363,6 +371,7 @@ def build(
     wait_s: float,
     max_memory: int | None,
     record_intermediates: bool,
+    target: str,
     executor: str,
     jobs: int | None,
     as_json: bool,
@@ -383,6 +392,7 @@ def build(
         attn-export build mha --variant fp32 --variant int8 --variant auto
         attn-export build mha --record-intermediates
         attn-export build --jobs auto
+        attn-export build llama_causal_lm --target genai
     """
     from attn_export.executors import Parallelism
     from attn_export.pipelines.build import BuildOptions, build_models
@@ -400,6 +410,7 @@ def build(
         lock_wait_s=wait_s,
         max_memory=max_memory,
         record_intermediates=record_intermediates,
+        target=target,
     )
     on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
     parallelism = Parallelism(executor, jobs)

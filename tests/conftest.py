@@ -68,9 +68,10 @@ def zoo_cases(built: Path, specs: Sequence[Path], options: VerifyOptions | None 
 
 
 #: Tiny zoo models the shared zoo (``tiny_zoo``) leaves out: Hugging Face decoders that each
-#: differ from ``llama_sdpa_kv_cache`` in one setting (eager attention; a sliding window), with
-#: the slowest exports of the zoo. The slow tests that name one build it alone (``zoo_model``).
-APART = ("llama_model_kv_cache", "mistral_sdpa_kv_cache")
+#: differ from ``llama_sdpa_kv_cache`` in one setting (eager attention; a sliding window; two
+#: layers and the language-model head), with the slowest exports of the zoo. The tests that
+#: name one build it alone (``zoo_model``, ``causal_lm``).
+APART = ("llama_model_kv_cache", "mistral_sdpa_kv_cache", "llama_causal_lm")
 #: The shared zoo's spec files this environment can build, and the cases a default verify runs;
 #: ``APART_SPECS``, the rest of the tiny zoo's.
 TINY_SPECS = [p for p in buildable(TINY_ZOO) if p.stem not in APART]
@@ -260,6 +261,15 @@ def zoo_model(tiny_zoo: Built, tmp_path_factory: pytest.TempPathFactory) -> Call
         return built.out
 
     return out
+
+
+@pytest.fixture(scope="session")
+def causal_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """The tiny zoo's two-layer causal LM, built once per session with ``--target genai``."""
+    built = shared_build(tmp_path_factory, "causal-lm", [TINY_ZOO / "llama_causal_lm.toml"], target="genai")
+    assert built.errors == {"llama_causal_lm": None}, built.errors
+    with unchanged(built.out):
+        yield built
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from attn_export._deps import OPTIONAL, missing, require
 from attn_export.errors import SpecError, first_line
 from attn_export.spec import ModelSpec
 
-__all__ = ["adapt", "instantiate", "resolve_object"]
+__all__ = ["adapt", "build_config", "instantiate", "resolve_object"]
 
 
 def _forget_other_copy(module_name: str, search_path: str | None) -> None:
@@ -122,6 +122,15 @@ def _vary_constant_parameters(module: Any, torch: Any) -> None:
                 param.add_(0.1 * torch.randn_like(param))
 
 
+def build_config(spec: ModelSpec) -> Any:
+    """The config object the spec's ``config`` table describes (its class called with the
+    rest as keywords), or None where it has none."""
+    if spec.config is None:
+        return None
+    options = {k: v for k, v in spec.config.items() if k != "class"}
+    return _construct(spec, spec.config["class"], options)
+
+
 def instantiate(spec: ModelSpec) -> Any:
     """The spec's module with its weights, in eval mode (dropout off).
 
@@ -133,10 +142,7 @@ def instantiate(spec: ModelSpec) -> Any:
     torch = require("torch", "building the PyTorch module")
     from attn_export.exporter.adapter import wrap
 
-    config = None
-    if spec.config is not None:
-        options = {k: v for k, v in spec.config.items() if k != "class"}
-        config = _construct(spec, spec.config["class"], options)
+    config = build_config(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.weights.seed)
         module = _construct(spec, spec.module, {**spec.kwargs, **({"config": config} if config is not None else {})})

@@ -9,6 +9,7 @@ traced through such code is right only for part of the range it was declared for
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import linecache
 import logging
@@ -165,16 +166,28 @@ def _where(lines: list[str]) -> str:
     return f" (at {'; '.join(unique[:3])})" if unique else ""
 
 
-def _dim_shapes(torch: Any, spec: ModelSpec) -> tuple[dict[int, Any], ...]:
+def _dim_shapes(torch: Any, spec: ModelSpec, module: Any) -> tuple[Any, ...]:
     """``dynamic_shapes`` for torch.export: one ``Dim`` per spec dim, with its range."""
     dims = {name: torch.export.Dim(name, min=r.min, max=r.max) for name, r in spec.dims.items()}
-    return tuple({i: dims[d] for i, d in _axes(t.shape).items()} for t in spec.inputs)
+    return _by_parameter(module, tuple({i: dims[d] for i, d in _axes(t.shape).items()} for t in spec.inputs))
+
+
+def _by_parameter(module: Any, shapes: tuple[dict[int, Any], ...]) -> tuple[Any, ...]:
+    """``shapes`` grouped as torch.export matches them to forward's parameters: the inputs a
+    ``*args`` parameter takes are one tuple (a decoder's ``*past``, whose layer count no
+    signature fixes)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError, AttributeError):
+        return shapes
+    star = next((i for i, p in enumerate(params) if p.kind is p.VAR_POSITIONAL), None)
+    return shapes if star is None or star > len(shapes) else (*shapes[:star], shapes[star:])
 
 
 def _dynamo(torch: Any, module: Any, args: tuple[Any, ...], spec: ModelSpec, guards: _GuardSources) -> Any:
     """torch.export with the spec's ranges; a narrowed or fixed range fails here."""
     try:
-        return torch.export.export(module, args, dynamic_shapes=_dim_shapes(torch, spec), strict=False)
+        return torch.export.export(module, args, dynamic_shapes=_dim_shapes(torch, spec, module), strict=False)
     except Exception as e:
         text = str(e)
         if "Constraints violated" not in text and "specialized" not in text:
@@ -273,7 +286,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
                         input_names=input_names,
                         output_names=output_names,
                         # names the graph's symbolic dims after the spec's
-                        dynamic_shapes=_dim_shapes(torch, spec),
+                        dynamic_shapes=_dim_shapes(torch, spec, module),
                         verbose=False,
                         report=False,
                     )

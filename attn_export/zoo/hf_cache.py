@@ -1,10 +1,14 @@
 """Hugging Face decoders with their cache as flat tensors, the form ONNX Runtime users feed.
 
-A ``DynamicCache`` is a Python object, not a tensor: this wrapper builds one from the
-``past_key_values.{i}.key/value`` inputs and returns its layers as ``present.{i}.*``, so the
-exported graph has the inputs and outputs Optimum and onnxruntime-genai expect. It takes any
-decoder whose base model uses transformers' cache classes (GPT-2, Llama, Mistral, Qwen2,
-Gemma, ...): the config names the model, as ``AutoModel`` maps it.
+A ``DynamicCache`` is a Python object, not a tensor: these wrappers build one from the
+``past_key_values.{i}.key/value`` inputs and return its layers as ``present.{i}.*``, so the
+exported graph has the inputs and outputs Optimum and onnxruntime-genai expect. They take
+any decoder whose model uses transformers' cache classes (GPT-2, Llama, Mistral, Qwen2,
+Phi-3, GPT-NeoX, Gemma2, Bloom, ...), with any number of layers: the config names the
+model, as ``AutoModel`` / ``AutoModelForCausalLM`` map it.
+
+``DecoderWithCache`` returns the base model's last hidden state; ``CausalLMWithCache`` the
+language-model head's ``logits``, the whole model a generator runs.
 
 By default every layer keeps its whole cache, as a plain ``DynamicCache()`` does: a
 sliding-window model (Mistral) still masks by its window, and each present grows by every
@@ -19,35 +23,71 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["DecoderWithCache"]
+__all__ = ["CausalLMWithCache", "DecoderWithCache"]
+
+#: The cache layers whose whole state is one key and one value tensor (flat, as ONNX feeds them).
+_FLAT_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
-class DecoderWithCache(nn.Module):
-    """The one-layer base model of ``config`` (``AutoModel.from_config``: LlamaModel for a
-    LlamaConfig, MistralModel for a MistralConfig, ...), its cache flat: forward takes
-    ``input_ids``, ``attention_mask`` (1 = attend, left padding allowed), ``position_ids``
-    and the layer's past key and value; it returns the last hidden state and the layer's
-    present key and value. (torch.export matches dynamic shapes to named parameters, so
-    the layer count is fixed by the signature.) ``cache_from_config``: the cache the config
-    makes (a sliding-window layer trims), else one that keeps every position."""
+def _layers(config: Any) -> int:
+    count = getattr(config, "num_hidden_layers", getattr(config, "n_layer", None))
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{type(config).__name__} declares no layer count (num_hidden_layers): got {count!r}")
+    return count
 
-    def __init__(self, config: Any, cache_from_config: bool = False) -> None:
+
+def _refuse_unflat_cache(model: nn.Module, config: Any) -> None:
+    """A model whose cache is more than a key and a value per layer (a state-space or linear
+    attention layer, an indexed cache) cannot be fed as flat past/present tensors."""
+    from transformers import DynamicCache
+
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{type(model).__name__} keeps a recurrent state, not a key/value cache; export its decoder "
+            "with a wrapper of your own that passes that state as tensors"
+        )
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
+    odd = sorted(kinds - set(_FLAT_LAYERS))
+    if odd:
+        raise ValueError(
+            f"{type(model).__name__}'s cache has {', '.join(odd)} layers, which hold more than one key and one "
+            f"value tensor; these wrappers flatten {' and '.join(_FLAT_LAYERS)} only"
+        )
+
+
+class _FlatCache(nn.Module):
+    """A transformers model of ``config`` fed its cache as flat tensors, any number of layers."""
+
+    def __init__(self, config: Any, auto: str, output: str, cache_from_config: bool) -> None:
         super().__init__()
-        from transformers import AutoModel
+        import transformers
 
-        layers = getattr(config, "num_hidden_layers", getattr(config, "n_layer", None))
-        if layers != 1:
-            raise ValueError(f"{type(self).__name__} takes one layer, got {layers} in {type(config).__name__}")
-        self.model = AutoModel.from_config(config)
+        self.layers = _layers(config)
+        factory = getattr(transformers, auto)
+        try:
+            self.model = factory.from_config(config)
+        except ValueError as e:
+            raise ValueError(
+                f"{auto} has no model for {type(config).__name__}: {str(e).splitlines()[0]}; "
+                "give the config of a decoder transformers can build"
+            ) from None
+        _refuse_unflat_cache(self.model, config)
+        self.output = output
         self.cache_from_config = cache_from_config
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past_key: Tensor, past_value: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor
+    ) -> tuple[Tensor, ...]:
         from transformers import DynamicCache
 
+        if len(past) != 2 * self.layers:
+            raise ValueError(
+                f"{self.layers} layers take {2 * self.layers} past tensors (past_key_values.{{i}}.key/value), "
+                f"got {len(past)}"
+            )
         cache = DynamicCache(config=self.model.config) if self.cache_from_config else DynamicCache()
-        cache.update(past_key, past_value, 0)
+        for i in range(self.layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -55,5 +95,27 @@ class DecoderWithCache(nn.Module):
             past_key_values=cache,
             use_cache=True,
         )
-        layer = out.past_key_values.layers[0]
-        return out.last_hidden_state, layer.keys, layer.values
+        presents = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        return (getattr(out, self.output), *presents)
+
+
+class DecoderWithCache(_FlatCache):
+    """The base model of ``config`` (``AutoModel.from_config``: LlamaModel for a LlamaConfig,
+    MistralModel for a MistralConfig, ...), its cache flat: forward takes ``input_ids``,
+    ``attention_mask`` (1 = attend, left padding allowed), ``position_ids`` and each layer's
+    past key and value in layer order; it returns the last hidden state and each layer's
+    present key and value. ``cache_from_config``: the cache the config makes (a
+    sliding-window layer trims), else one that keeps every position."""
+
+    def __init__(self, config: Any, cache_from_config: bool = False) -> None:
+        super().__init__(config, "AutoModel", "last_hidden_state", cache_from_config)
+
+
+class CausalLMWithCache(_FlatCache):
+    """The causal language model of ``config`` (``AutoModelForCausalLM.from_config``:
+    LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel, ...) as ``DecoderWithCache`` feeds
+    it, returning ``logits`` ``[batch, seq, vocab]`` and each layer's present key and value:
+    the whole model a generator (onnxruntime-genai's, ``verify --generate``) runs."""
+
+    def __init__(self, config: Any, cache_from_config: bool = False) -> None:
+        super().__init__(config, "AutoModelForCausalLM", "logits", cache_from_config)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from attn_export.artifacts.files import LOCK_WAIT_S
+from attn_export.artifacts.targets import TARGETS
 from attn_export.errors import UsageError
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import EXPORTERS, variant_chain
@@ -56,6 +57,9 @@ class BuildOptions:
     #: Also write PyTorch's value of every FX node on the smallest golden case, so that
     #: ``localize --golden`` runs where torch is not installed.
     record_intermediates: bool = False
+    #: What the build folder is made for (``TARGETS``): ``onnx``, the graphs alone; ``genai``,
+    #: each graph also as a folder onnxruntime-genai loads as it is (``genai/<graph>/``).
+    target: str = "onnx"
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
@@ -72,6 +76,10 @@ class BuildOptions:
             raise UsageError(f"--wait {self.lock_wait_s}: give a finite number >= 0")
         if self.max_memory is not None and self.max_memory < 1:
             raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+        if self.target not in TARGETS:
+            raise UsageError(f"unknown target {self.target} (known: {', '.join(TARGETS)})")
+        if self.target == "genai" and any(variant_chain(v).chooser for v in self.variants):
+            raise UsageError("--target genai packages the graphs asked for by name: name the variant, not auto")
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise UsageError(f"cannot use output directory {self.out_dir}: not a directory")
 

@@ -19,6 +19,7 @@ from typing import Any
 from attn_export import __version__
 from attn_export.artifacts.files import build_lock, sha256_bytes, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
+from attn_export.artifacts.genai_folder import refuse_unfit, write_genai_folder
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
@@ -28,7 +29,10 @@ from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
 from attn_export.spec import ModelSpec, load_spec, variant_chain
 
-__all__ = ["build_models", "export_module"]
+__all__ = ["GENAI_DIR", "build_models", "export_module"]
+
+#: The folder of a build folder that ``--target genai`` writes its model folders into.
+GENAI_DIR = "genai"
 
 
 def _open_manifest(out_dir: Path, force: bool) -> Manifest:
@@ -113,6 +117,10 @@ def build_models(
         if on_result:
             on_result(result)
 
+    if options.target == "genai":  # before anything is built: nothing is written for a spec genai cannot run
+        for p in spec_paths:
+            for variant in options.variants:
+                refuse_unfit(load_spec(p), variant)
     if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
         for p in spec_paths:
             for graph in build_cell(BuildCell(p, options, {}, {})):
@@ -135,7 +143,26 @@ def build_models(
             finally:
                 _remove_leftovers(options.out_dir, manifest)
     written = (options.out_dir / MANIFEST_NAME).is_file()
+    if options.target == "genai" and written:
+        _package_for_genai(spec_paths, options, results)
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
+
+
+def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, results: Sequence[BuildResult]) -> None:
+    """Each graph built (or unchanged) as ``genai/<graph>/`` beside it, from the manifest's file."""
+    from attn_export.exporter.factory import build_config
+
+    manifest = load_manifest(options.out_dir)
+    for path in spec_paths:
+        spec = load_spec(path)
+        config = None
+        for result in results:
+            ours = result.name in (spec.name, f"{spec.name}.{result.variant}")
+            if not (ours and result.ok and result.name in manifest.models):
+                continue
+            config = config if config is not None else build_config(spec)
+            graph = options.out_dir / manifest.models[result.name].file
+            write_genai_folder(graph, spec, config, options.out_dir / GENAI_DIR / result.name, result.variant)
 
 
 def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:

@@ -1,0 +1,205 @@
+"""A model folder onnxruntime-genai loads as it is: the graph and its ``genai_config.json``.
+
+onnxruntime-genai's generator feeds a decoder only the inputs its config names
+(``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.%d.key/value``) and
+reads ``logits`` and ``present.%d.key/value``; it computes the mask and the positions itself,
+from the prompt's pad tokens. A graph fits when it takes nothing else (no ``past_length``) and
+gives ``logits``; everything the config says is read from the spec (shapes, ranges) and its
+transformers config (heads, hidden size, special tokens), never from the graph's file.
+
+The folder is written whole or not at all: into a temporary folder beside it, renamed over it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attn_export.errors import SpecError, UsageError
+from attn_export.spec import ModelSpec
+from attn_export.spec.cache import MASK, POSITIONS, cache_of
+
+__all__ = ["CONFIG_NAME", "GRAPH_NAME", "genai_config", "refuse_unfit", "write_genai_folder"]
+
+CONFIG_NAME = "genai_config.json"
+GRAPH_NAME = "model.onnx"
+LOGITS = "logits"
+#: The model types onnxruntime-genai runs as a plain decoder with these inputs; any other
+#: family's graph (the inputs are the same) is declared as its generic ``decoder``.
+_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "olmo")
+#: A transformers config's names for the sizes the config needs, in the order tried.
+_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_HIDDEN = ("hidden_size", "n_embd", "d_model")
+
+
+def refuse_unfit(spec: ModelSpec, variant: str) -> None:
+    """SpecError naming what to change where onnxruntime-genai could not run ``spec``'s
+    ``variant`` graph unchanged."""
+    where = f"{spec.name}.{variant}" if variant != "fp32" else spec.name
+
+    def bad(why: str) -> SpecError:
+        return SpecError(f"{where}: --target genai: {why}")
+
+    cache = cache_of(spec)
+    if cache is None:
+        raise bad("onnxruntime-genai runs a decoder with a KV cache: declare past_key_values.{i}.key/value inputs")
+    if cache.max_seq is not None or "static-cache" in variant.split("+"):
+        raise bad(
+            "a cache updated in place needs its filled length fed as past_length, which onnxruntime-genai never "
+            "feeds; package the fp32, fp16 or int8 graph"
+        )
+    fed = {"input_ids", MASK, POSITIONS, *(past for past, _ in cache.pairs)}
+    extra = [t.name for t in spec.inputs if t.name not in fed]
+    if extra:
+        raise bad(f"onnxruntime-genai feeds only {', '.join(sorted(fed))}; the spec also takes {', '.join(extra)}")
+    if "input_ids" not in {t.name for t in spec.inputs}:
+        raise bad("onnxruntime-genai feeds token ids: declare an input_ids input")
+    if MASK not in {t.name for t in spec.inputs}:
+        raise bad(f"onnxruntime-genai marks padding with the mask: declare an {MASK} input [batch, total_seq]")
+    outputs = {t.name: t for t in spec.outputs}
+    if LOGITS not in outputs:
+        raise bad(
+            f"onnxruntime-genai reads the next token from {LOGITS}: give the spec a {LOGITS} output "
+            "(attn_export.zoo.hf_cache:CausalLMWithCache returns it)"
+        )
+    if not isinstance(outputs[LOGITS].shape[-1], int):
+        raise bad(f"{LOGITS}' last axis is the vocabulary: declare its size as a number")
+    if spec.config is None:
+        raise bad("the config names the heads and special tokens: build the module from a transformers config")
+
+
+def _first(config: Any, names: tuple[str, ...], what: str, spec: ModelSpec) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise SpecError(f"{spec.name}: --target genai: the config declares no {what} ({' or '.join(names)})")
+
+
+def _token(config: Any, name: str) -> int | list[int] | None:
+    value = getattr(config, name, None)
+    if isinstance(value, int) or (isinstance(value, list) and all(isinstance(v, int) for v in value)):
+        return value
+    return None
+
+
+def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[str, Any]:
+    """The ``genai_config.json`` of ``spec``'s graph, from its shapes and dim ranges and from
+    ``config`` (the transformers config object the module was built from). The context
+    length is the longest present the spec's ranges declare (what verify proved); greedy
+    search by default; the pad token is the config's, else its end-of-sequence token."""
+    refuse_unfit(spec, variant)
+    cache = cache_of(spec)
+    assert cache is not None
+    inputs = {t.name: t for t in spec.inputs}
+    key = inputs[cache.pairs[0][0]].shape
+    kv_heads, head_size = key[1], key[3]
+    if not (isinstance(kv_heads, int) and isinstance(head_size, int)):
+        raise SpecError(f"{spec.name}: --target genai: declare the cache's heads and head size as numbers")
+    eos = _token(config, "eos_token_id")
+    if eos is None:
+        raise SpecError(f"{spec.name}: --target genai: the config declares no eos_token_id; set one in config")
+    pad = _token(config, "pad_token_id")
+    pad = pad if isinstance(pad, int) else (eos if isinstance(eos, int) else eos[0])
+    bos = _token(config, "bos_token_id")
+    context = spec.dims[cache.total_dim].max
+    family = str(getattr(config, "model_type", "")).replace("_", "")
+    names: dict[str, str] = {"input_ids": "input_ids", "attention_mask": MASK}
+    if POSITIONS in inputs:
+        names["position_ids"] = POSITIONS
+    decoder = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": GRAPH_NAME,
+        "head_size": head_size,
+        "hidden_size": _first(config, _HIDDEN, "hidden size", spec),
+        "inputs": {
+            **names,
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {LOGITS: LOGITS, "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "num_attention_heads": _first(config, _HEADS, "attention heads", spec),
+        "num_hidden_layers": len(cache.pairs) // 2,
+        "num_key_value_heads": kv_heads,
+    }
+    return {
+        "model": {
+            "bos_token_id": bos if bos is not None else pad,
+            "context_length": context,
+            "decoder": decoder,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": family if family in _DECODER_TYPES else "decoder",
+            "vocab_size": _vocab(spec),
+        },
+        "search": {
+            "do_sample": False,
+            "early_stopping": True,
+            "max_length": context,
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            # every present is a new tensor of past + new positions: genai must not share one buffer
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def _vocab(spec: ModelSpec) -> int:
+    """The vocabulary: ``logits``' last axis."""
+    size = next(t.shape[-1] for t in spec.outputs if t.name == LOGITS)
+    assert isinstance(size, int)
+    return size
+
+
+def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, variant: str = "fp32") -> Path:
+    """``dest`` holding ``graph`` as ``model.onnx`` (with its external data file, if any) and
+    its ``genai_config.json``; an older folder there is replaced whole, and a failure leaves
+    it as it was."""
+    document = genai_config(spec, config, variant)
+    data = _external_data(graph)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and not dest.is_dir():
+        raise UsageError(f"cannot write the genai folder {dest}: a file of that name is there")
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    old = dest.parent / f".{dest.name}.old"
+    try:
+        shutil.copyfile(graph, staging / GRAPH_NAME)
+        for name, path in data.items():
+            shutil.copyfile(path, staging / name)
+        (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+        if dest.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+        os.replace(staging, dest)
+    except OSError as e:
+        raise UsageError(f"cannot write the genai folder {dest}: {e.strerror or e}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def _external_data(graph: Path) -> Mapping[str, Path]:
+    """The files beside ``graph`` its initializers name as external data (a graph over 2 GB)."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    names = {
+        entry.value for tensor in proto.graph.initializer for entry in tensor.external_data if entry.key == "location"
+    }
+    for name in names:
+        if Path(name).name != name:
+            raise UsageError(f"{graph}: external data {name!r} is not a file beside the graph; refusing to copy it")
+    return {name: graph.parent / name for name in sorted(names)}

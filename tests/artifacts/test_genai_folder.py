@@ -1,0 +1,111 @@
+"""``build --target genai``: a folder onnxruntime-genai loads as it is, whose generator gives
+PyTorch's tokens; a spec it could not run is one line before anything is written."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from attn_export.artifacts.genai_folder import genai_config, refuse_unfit
+from attn_export.cli import cli
+from attn_export.errors import SpecError
+from attn_export.exporter.factory import build_config, instantiate
+from attn_export.spec import load_spec
+from tests.conftest import TINY_ZOO, Built, needs_transformers
+
+pytestmark = needs_transformers
+HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+needs_genai = pytest.mark.skipif(not HAS_GENAI, reason="needs onnxruntime-genai (pip install -e '.[genai]')")
+LM = TINY_ZOO / "llama_causal_lm.toml"
+
+
+def test_the_config_is_read_from_the_spec_and_its_transformers_config() -> None:
+    spec = load_spec(LM)
+    document = genai_config(spec, build_config(spec))
+    model, decoder = document["model"], document["model"]["decoder"]
+    assert (decoder["num_hidden_layers"], decoder["num_attention_heads"], decoder["num_key_value_heads"]) == (2, 4, 2)
+    assert (decoder["head_size"], decoder["hidden_size"], model["vocab_size"]) == (8, 32, 32)
+    assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (1, 2, 0)
+    assert model["context_length"] == document["search"]["max_length"] == 40  # past_seq 24 + seq 16
+    assert set(decoder["inputs"]) == {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "past_key_names",
+        "past_value_names",
+    }
+    assert document["search"]["past_present_share_buffer"] is False
+
+
+@pytest.mark.parametrize(
+    ("spec", "variant", "says"),
+    [
+        ("llama_causal_lm", "static-cache", "needs its filled length fed as past_length"),
+        ("llama_sdpa_kv_cache", "fp32", "give the spec a logits output"),
+        ("mha", "fp32", "onnxruntime-genai runs a decoder with a KV cache"),
+        ("mha_kv_cache", "fp32", "the spec also takes hidden_states"),
+    ],
+)
+def test_a_graph_genai_could_not_run_is_refused_naming_what_to_change(spec: str, variant: str, says: str) -> None:
+    with pytest.raises(SpecError, match=says):
+        refuse_unfit(load_spec(TINY_ZOO / f"{spec}.toml"), variant)
+
+
+def test_build_refuses_before_writing_anything(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        cli, ["build", str(TINY_ZOO / "llama_sdpa_kv_cache.toml"), "--out", str(out), "--target", "genai"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and "give the spec a logits output" in result.output
+    assert not out.exists()
+
+
+def test_the_folder_holds_the_graph_and_its_config(causal_lm: Built) -> None:
+    folder = causal_lm.out / "genai" / "llama_causal_lm"
+    assert sorted(p.name for p in folder.iterdir()) == ["genai_config.json", "model.onnx"]
+    assert (folder / "model.onnx").read_bytes() == (causal_lm.out / "llama_causal_lm.onnx").read_bytes()
+    assert json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+
+
+def _torch_tokens(prompt: list[int], steps: int) -> list[int]:
+    import torch
+
+    model = instantiate(load_spec(LM)).model
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=steps,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@needs_genai
+def test_genai_generates_pytorchs_tokens_at_batch_one_and_padded_batches(causal_lm: Built) -> None:
+    """onnxruntime-genai runs the folder unchanged; at batch 2 it pads the shorter prompt on
+    the right (pad token 0) and masks it, so each row gives the tokens PyTorch gives that
+    prompt alone."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(causal_lm.out / "genai" / "llama_causal_lm"))
+    prompts = [[5, 9, 13, 17], [7, 8, 9, 10, 11, 12]]
+    steps = 12
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=6 + steps, batch_size=2)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompts[0] + [0, 0], prompts[1]], dtype=np.int32))
+    tokens: list[list[int]] = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(generator.get_next_tokens().tolist())
+    by_row = np.array(tokens).T.tolist()
+    assert by_row == [_torch_tokens(p, steps) for p in prompts]

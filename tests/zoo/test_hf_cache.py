@@ -1,0 +1,150 @@
+"""Whole Hugging Face decoders with their cache flat: any number of layers, the language-model
+head, the families users bring, and one line for a model whose cache is no key/value pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from attn_export.cli import cli
+from attn_export.pipelines.build import BuildOptions, build_models
+from tests.conftest import Built, needs_transformers, write_spec
+
+pytestmark = needs_transformers
+
+#: Families beside the zoo's Llama: their config (two layers, tiny) and cache heads x head size.
+FAMILIES = {
+    "qwen2": (
+        'class = "transformers:Qwen2Config", hidden_size = 32, num_attention_heads = 4, num_key_value_heads = 2, '
+        "intermediate_size = 64, max_position_embeddings = 64",
+        2,
+        8,
+    ),
+    "phi3": (
+        'class = "transformers:Phi3Config", hidden_size = 32, num_attention_heads = 4, num_key_value_heads = 2, '
+        "intermediate_size = 64, max_position_embeddings = 64, pad_token_id = 0",
+        2,
+        8,
+    ),
+    "gpt_neox": (
+        'class = "transformers:GPTNeoXConfig", hidden_size = 32, num_attention_heads = 2, '
+        "intermediate_size = 64, max_position_embeddings = 64",
+        2,
+        16,
+    ),
+    "gemma2": (
+        'class = "transformers:Gemma2Config", hidden_size = 32, num_attention_heads = 4, num_key_value_heads = 2, '
+        "head_dim = 8, intermediate_size = 64, max_position_embeddings = 64, sliding_window = 8",
+        2,
+        8,
+    ),
+    "bloom": ('class = "transformers:BloomConfig", hidden_size = 32, n_head = 2', 2, 16),
+    "gpt2": ('class = "transformers:GPT2Config", n_embd = 32, n_head = 2, n_positions = 64', 2, 16),
+    "mistral": (
+        'class = "transformers:MistralConfig", hidden_size = 32, num_attention_heads = 4, '
+        "num_key_value_heads = 2, intermediate_size = 64, max_position_embeddings = 64, sliding_window = 8",
+        2,
+        8,
+    ),
+}
+
+
+def causal_lm_spec(folder: Path, name: str, config: str, heads: int, head_dim: int, layers: int = 2) -> Path:
+    """A ``CausalLMWithCache`` spec of ``layers`` layers (vocab 32), its cache declared per layer."""
+    count = "n_layer" if "GPT2" in config or "Bloom" in config else "num_hidden_layers"
+    past = "".join(
+        f'[[inputs]]\nname = "past_key_values.{i}.{k}"\nshape = ["batch", {heads}, "past_seq", {head_dim}]\n'
+        for i in range(layers)
+        for k in ("key", "value")
+    )
+    present = "".join(
+        f'[[outputs]]\nname = "present.{i}.{k}"\nshape = ["batch", {heads}, "total_seq", {head_dim}]\n'
+        for i in range(layers)
+        for k in ("key", "value")
+    )
+    head = (
+        'module = "attn_export.zoo.hf_cache:CausalLMWithCache"\n'
+        f"config = {{ {config}, {count} = {layers}, vocab_size = 32 }}\naccept_guards = true\n"
+    )
+    body = head + (
+        '[[inputs]]\nname = "input_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n'
+        '[[inputs]]\nname = "attention_mask"\ndtype = "int64"\nshape = ["batch", "total_seq"]\n'
+        'mask = "left-padding"\nconvention = "binary"\n'
+        '[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n'
+        f'{past}[[outputs]]\nname = "logits"\nshape = ["batch", "seq", 32]\n{present}'
+        "[dims]\nbatch = { min = 1, max = 3 }\nseq = { min = 1, max = 8 }\npast_seq = { min = 0, max = 16 }\n"
+        'total_seq = "past_seq + seq"\n'
+    )
+    return write_spec(folder, name, body)
+
+
+def test_a_two_layer_causal_lm_gives_logits_and_every_layers_cache(causal_lm: Built) -> None:
+    graph = onnx.load(str(causal_lm.out / "llama_causal_lm.onnx"), load_external_data=False)
+    assert [o.name for o in graph.graph.output] == [
+        "logits",
+        "present.0.key",
+        "present.0.value",
+        "present.1.key",
+        "present.1.value",
+    ]
+    assert [i.name for i in graph.graph.input][3:] == [
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+    ]
+
+
+def test_a_two_layer_causal_lm_decodes_like_pytorch(causal_lm: Built) -> None:
+    result = CliRunner().invoke(cli, ["verify", str(causal_lm.out), "--models", str(causal_lm.models), "--decode", "3"])
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 decode trajectories agree" in result.output
+
+
+def test_three_layers_need_no_new_signature(tmp_path: Path) -> None:
+    config, heads, head_dim = FAMILIES["qwen2"]
+    spec = causal_lm_spec(tmp_path / "models", "qwen2_three", config, heads, head_dim, layers=3)
+    summary = build_models([spec], BuildOptions(tmp_path / "out"))
+    assert [r.error for r in summary.results] == [None]
+    graph = onnx.load(str(tmp_path / "out" / "qwen2_three.onnx"), load_external_data=False)
+    assert sum(o.name.startswith("present.") for o in graph.graph.output) == 6
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (
+            'class = "transformers:MambaConfig", hidden_size = 32, vocab_size = 32',
+            "keeps a recurrent state, not a key/value cache",
+        ),
+        (
+            'class = "transformers:T5Config", d_model = 32, vocab_size = 32',
+            "AutoModelForCausalLM has no model for T5Config",
+        ),
+    ],
+)
+def test_a_model_the_wrappers_cannot_flatten_is_one_line(tmp_path: Path, config: str, says: str) -> None:
+    spec = causal_lm_spec(tmp_path / "models", "odd", config.replace(", vocab_size = 32", ""), 2, 16)
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_every_family_builds_and_verifies(tmp_path: Path) -> None:
+    """Qwen2, Phi-3, GPT-NeoX, Gemma2 (alternating window), Bloom (ALiBi), GPT-2 and Mistral:
+    each two-layer causal LM builds, agrees with PyTorch on the whole sweep, and decodes
+    like PyTorch at batch 1."""
+    models = tmp_path / "models"
+    for name, (config, heads, head_dim) in FAMILIES.items():
+        causal_lm_spec(models, name, config, heads, head_dim)
+    build = CliRunner().invoke(cli, ["build", "--models", str(models), "--out", str(tmp_path / "out")])
+    assert build.exit_code == 0, build.output
+    verify = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(models), "--decode", "3"])
+    assert "104 of 104 cases agree across 7 models" in verify.output, verify.output
+    batch_one = [line for line in verify.output.splitlines() if " batch-1 " in line]
+    assert len(batch_one) == 7 and all(" PASS " in line for line in batch_one), verify.output

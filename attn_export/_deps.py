@@ -13,6 +13,7 @@ _HINTS = {
     "matplotlib": "pip install 'attn-export[plot]'",
     "transformers": "pip install 'attn-export[hf]'",
     "ray": "pip install 'attn-export[ray]'",
+    "onnxruntime_genai": "pip install 'attn-export[genai]'",
 }
 
 

@@ -571,6 +571,15 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "presents (default 8; 0 skips; off by default with --shapes, --distribution or --inputs).",
 )
 @click.option(
+    "--generate",
+    "generate_steps",
+    type=click.IntRange(0, 4096),
+    default=0,
+    help="Greedy tokens each causal LM (a logits output and a KV cache) generates from seeded prompts, at "
+    "batch 1 and a padded batch: PyTorch's generate() against the graph run token by token (and in "
+    "onnxruntime-genai's generator where it is installed); tokens must match, logits within tolerance.",
+)
+@click.option(
     "--atol",
     type=_FiniteFloat(0),
     help="Override every output's absolute tolerance (a lossy variant's share of the output's rms too).",
@@ -635,6 +644,7 @@ def verify(
     seed: int,
     mask_case: str | None,
     decode_steps: int | None,
+    generate_steps: int,
     atol: float | None,
     rtol: float | None,
     threads: int | None,
@@ -667,6 +677,7 @@ def verify(
         attn-export verify build --golden --no-latency
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
         attn-export verify edited/mha.onnx --spec models/mha.toml
+        attn-export verify build/llama_causal_lm.onnx --generate 16
     """
     from attn_export.artifacts.files import LOCK_NAME
     from attn_export.artifacts.folder import tidy
@@ -688,6 +699,7 @@ def verify(
         format_decode,
         format_distributions,
         format_failures,
+        format_generate,
         format_model_rows,
         format_placement,
         format_summary,
@@ -736,6 +748,7 @@ def verify(
         lock_wait_s=wait_s,
         mask_case=mask_case,
         decode_steps=decode_steps,
+        generate_steps=generate_steps,
         require_placement=require_placement,
         scenario=scenario,
         spec_file=spec_path,
@@ -767,7 +780,7 @@ def verify(
             click.echo(f"shard {shard[0]}/{shard[1]} holds no model")
             write_reports(report, report_paths)
             return
-    sections = (format_decode, format_distributions, format_placement, format_failures)
+    sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
     for text in (section(report) for section in sections):
         if text:
             click.echo(text)

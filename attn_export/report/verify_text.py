@@ -17,6 +17,7 @@ __all__ = [
     "VerifyWidths",
     "format_case",
     "format_decode",
+    "format_generate",
     "format_distributions",
     "format_failures",
     "format_model_rows",
@@ -139,6 +140,26 @@ def format_decode(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def format_generate(report: VerifyReport) -> str:
+    """One row per generation: who ran the graph, the prompts' lengths, the tokens agreeing and
+    the largest logit difference; a divergence's line names its step, row, tokens and logit."""
+    if not report.generate:
+        return ""
+    w = _report_widths(report)
+    runner = max([w.runtime, *(len(g.runner) for g in report.generate)])
+    lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<8} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
+    for g in report.generate:
+        prompts = ",".join(str(len(p)) for p in g.prompts)
+        agreed = g.steps if g.step is None else g.step - 1
+        worst = _num(max(g.max_abs_by_step, default=None), ".1e")
+        lines.append(
+            f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<8} {prompts:<8} "
+            f"{'PASS' if g.passed else 'FAIL':<6} {f'{agreed}/{g.steps}':<7} {worst}"
+        )
+    lines += [f"FAIL {g.model} {g.runner} generate {g.layout}: {g.divergence}" for g in report.generate if g.divergence]
+    return "\n".join(lines)
+
+
 def format_placement(report: VerifyReport) -> str:
     """Where each graph ran: one line when every node ran on the provider asked for, else a
     row per model and target with nodes elsewhere, by op type and count."""
@@ -229,6 +250,11 @@ def format_summary(report: VerifyReport) -> str:
         line += (
             f"; {n['decode_trajectories'] - n['failed_trajectories']} of {n['decode_trajectories']} decode "
             f"trajectories agree (up to {max(len(d.steps) for d in report.decode) - 1} steps after the prompt)"
+        )
+    if report.generate:
+        line += (
+            f"; {n['generations'] - n['failed_generations']} of {n['generations']} generations give PyTorch's "
+            f"tokens ({report.generate[0].steps} tokens each)"
         )
     if n["noisy_timings"]:
         first = next(c.noise for c in report.cases if c.noise)

@@ -20,6 +20,7 @@ from attn_export.checks.decode import (
     DEFAULT_STEPS,
     DecodeResult,
 )
+from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
 from attn_export.errors import UsageError
@@ -78,6 +79,8 @@ class VerifyOptions:
     #: Decode steps after the prompt for models with a cache; None: ``decode.DEFAULT_STEPS``
     #: unless the run is narrowed to given shapes, values or inputs; 0: no decoding.
     decode_steps: int | None = None
+    #: Greedy tokens to generate for each causal LM (``checks.generate``); 0: none.
+    generate_steps: int = 0
     #: Fail a target's cases when nodes ran off its provider; None: on for every provider but cpu.
     require_placement: bool | None = None
     #: A decoder scenario preset (``spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
@@ -99,6 +102,10 @@ class VerifyOptions:
             raise UsageError(f"--random {self.n_random}: give 0 to 100")
         if self.decode_steps is not None and not 0 <= self.decode_steps <= 4096:
             raise UsageError(f"--decode {self.decode_steps}: give 0 to 4096")
+        if not 0 <= self.generate_steps <= 4096:
+            raise UsageError(f"--generate {self.generate_steps}: give 0 to 4096")
+        if self.generate_steps and self.golden:
+            raise UsageError("--generate compares with PyTorch's generate(); golden files record no generation yet")
         if self.max_slowdown is not None and not (math.isfinite(self.max_slowdown) and self.max_slowdown > 0):
             raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
         if self.max_memory is not None and self.max_memory < 1:
@@ -147,6 +154,7 @@ class VerifyOptions:
             "inputs": str(self.inputs_file) if self.inputs_file else None,
             "mask_case": self.mask_case,
             "decode_steps": self.steps,
+            "generate_steps": self.generate_steps,
             "require_placement": self.require_placement,
             "scenario": self.scenario,
             **({"spec": str(self.spec_file), "variant": self.variant} if self.spec_file else {}),
@@ -384,6 +392,8 @@ class VerifyReport:
     cases: list[CaseResult] = field(default_factory=list)
     #: Decoding trajectories of the models with a cache.
     decode: list[DecodeResult] = field(default_factory=list)
+    #: Greedy generations of the causal LMs (``--generate``), by runner and prompt layout.
+    generate: list[GenerateResult] = field(default_factory=list)
     #: Where each model's graph ran on each target with execution providers.
     placement: list[PlacementResult] = field(default_factory=list)
     seconds: float = 0.0
@@ -401,13 +411,14 @@ class VerifyReport:
             and all(c.passed for c in self.checks)
             and all(c.passed for c in self.cases)
             and all(d.passed for d in self.decode)
+            and all(g.passed for g in self.generate)
             and all(p.passed for p in self.placement)
         )
 
     @property
     def compared(self) -> bool:
         """Whether any case or decode step ran: a verify that compared nothing proves nothing."""
-        return bool(self.cases or self.decode)
+        return bool(self.cases or self.decode or self.generate)
 
     @property
     def exit_code(self) -> int:
@@ -420,6 +431,7 @@ class VerifyReport:
     @property
     def failed_models(self) -> list[str]:
         failed = {c.model for c in self.failed_cases} | {d.model for d in self.decode if not d.passed}
+        failed |= {g.model for g in self.generate if not g.passed}
         failed |= {p.model for p in self.placement if not p.passed}
         return sorted(failed | {c.model for c in self.checks if not c.passed})
 
@@ -446,6 +458,11 @@ class VerifyReport:
             **(
                 {"decode_trajectories": len(self.decode), "failed_trajectories": sum(not d.passed for d in self.decode)}
                 if self.decode
+                else {}
+            ),
+            **(
+                {"generations": len(self.generate), "failed_generations": sum(not g.passed for g in self.generate)}
+                if self.generate
                 else {}
             ),
             **(
@@ -497,6 +514,7 @@ class VerifyReport:
             "checks": [dataclasses.asdict(c) | {"passed": c.passed} for c in self.checks],
             "cases": [c.to_dict() | {"reproduce": self.reproduce(c)} for c in self.cases],
             "decode": [d.to_dict() for d in self.decode],
+            "generate": [g.to_dict() for g in self.generate],
             "placement": [p.to_dict() for p in self.placement],
         }
 
@@ -512,6 +530,7 @@ class VerifyReport:
             checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
             cases=[CaseResult.from_dict(c) for c in d["cases"]],
             decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
+            generate=[GenerateResult.from_dict(g) for g in d.get("generate", [])],
             placement=[PlacementResult.from_dict(p) for p in d.get("placement", [])],
             seconds=d["seconds"],
         )

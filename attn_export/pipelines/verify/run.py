@@ -20,6 +20,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.recorded import read_recorded
 from attn_export.checks.decode import DecodeResult
+from attn_export.checks.generate import generate_prompts, is_causal_lm
 from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
 from attn_export.executors import SERIAL, Parallelism, open_executor
 from attn_export.pipelines.verify.cells import (
@@ -39,6 +40,7 @@ from attn_export.pipelines.verify.cells import (
     time_case,
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
+from attn_export.pipelines.verify.generate import generate_model
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases
@@ -145,6 +147,12 @@ def _verify_locked(
     )
     entries = [manifest.models[name] for name in names]
     specs = [_judging_spec(e, options) for e in entries]
+    if options.generate_steps:  # before any work: a prompt and its tokens must fit each model's ranges
+        lms = [spec for spec in specs if is_causal_lm(spec)]
+        if not lms:
+            raise UsageError("--generate runs causal LMs (a logits output and a KV cache): no model of this run is one")
+        for spec in lms:
+            generate_prompts(spec, options.generate_steps, options.seed)
     if options.scenario:  # every model fits it, before any work
         for spec in specs:
             scenario_sizes(spec, options.scenario)
@@ -161,6 +169,11 @@ def _verify_locked(
             _run_models(executor, parallelism.parallel, models, options, report, on_model)
     finally:
         release()  # the graph this process kept for the next cell (one job runs cells here)
+    if options.generate_steps:
+        refused = {c.model for c in report.checks if not c.passed}  # a graph its checks refused is not run
+        for entry, spec in zip(entries, specs, strict=True):
+            if is_causal_lm(spec) and entry.name not in refused:
+                report.generate += generate_model(out_dir, entry, spec, options)
     report.seconds = time.perf_counter() - started
     return report
 

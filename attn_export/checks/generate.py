@@ -1,0 +1,231 @@
+"""Stage: greedy generation of a whole causal LM, judged by its tokens (``verify --generate N``).
+
+PyTorch's own ``generate()`` (greedy, N new tokens) is the reference. The graph is run token by
+token by our loop: the prompt with an empty cache, then one token a step, each step's presents
+fed back as the next step's pasts, ``position_ids`` counted over the mask as transformers counts
+them. Where onnxruntime-genai is installed and the graph fits it, its generator runs the graph
+too (``runtimes.genai``), padding on the right as it does in deployment. Prompts are seeded: one
+at batch 1 and a batch of two of different lengths (left-padded for PyTorch and our loop).
+
+Tokens must match exactly, and each step's logits (of each row's last token) within the
+variant's tolerance for ``logits``; the first step that differs is named, with its row, the
+two tokens and the first logit out of tolerance. After it the sequences part, so nothing
+later is judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from attn_export.errors import SpecError, UsageError
+from attn_export.runtimes.base import Runtime
+from attn_export.runtimes.genai import Generation
+from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec.cache import MASK, POSITIONS, cache_of
+
+__all__ = [
+    "GenerateResult",
+    "eos_tokens",
+    "Generation",
+    "generate_prompts",
+    "graph_generate",
+    "is_causal_lm",
+    "judge",
+    "stacked",
+    "torch_generate",
+]
+
+LOGITS = "logits"
+
+
+@dataclass
+class GenerateResult:
+    """One generation compared: which runner, which prompts, and where it first differed."""
+
+    model: str
+    runner: str
+    layout: str
+    prompts: list[list[int]]
+    steps: int
+    expected: list[list[int]] = field(default_factory=list)
+    got: list[list[int]] = field(default_factory=list)
+    #: The largest logit difference at each step judged (up to the first that differs).
+    max_abs_by_step: list[float] = field(default_factory=list)
+    #: One line naming the first step, row, tokens and logit that differ; "" where all agree.
+    divergence: str = ""
+    #: The step (from 1) that first differs; None where every step agrees.
+    step: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.divergence
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": self.passed}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerateResult:
+        return cls(**{k: v for k, v in d.items() if k != "passed"})
+
+
+def eos_tokens(config: Any) -> frozenset[int]:
+    """The tokens that end a sequence, by ``config``'s ``eos_token_id`` (one or a list)."""
+    value = getattr(config, "eos_token_id", None)
+    values = value if isinstance(value, list) else [value]
+    return frozenset(v for v in values if isinstance(v, int))
+
+
+def is_causal_lm(spec: ModelSpec) -> bool:
+    """Whether ``spec`` is a whole causal LM: a KV cache and ``logits`` sized by the vocabulary."""
+    logits = next((t for t in spec.outputs if t.name == LOGITS), None)
+    return logits is not None and isinstance(logits.shape[-1], int) and cache_of(spec) is not None
+
+
+def _vocab(spec: ModelSpec) -> int:
+    size = next((t.shape[-1] for t in spec.outputs if t.name == LOGITS), None)
+    if not isinstance(size, int) or cache_of(spec) is None:
+        raise SpecError(
+            f"{spec.name}: --generate runs a causal LM with a KV cache and a {LOGITS} output whose last "
+            "axis is the vocabulary (attn_export.zoo.hf_cache:CausalLMWithCache)"
+        )
+    return size
+
+
+def generate_prompts(spec: ModelSpec, steps: int, seed: int) -> dict[str, list[list[int]]]:
+    """Seeded prompts by layout: one at batch 1, and two of different lengths. Each fits the
+    spec's ranges with ``steps`` new tokens after it; ids avoid the lowest three (the usual
+    pad, bos and eos) where the vocabulary allows."""
+    vocab = _vocab(spec)
+    cache = cache_of(spec)
+    assert cache is not None
+    longest_prompt = spec.dims[cache.seq_dim].max
+    room = spec.dims[cache.past_dim].max + 1 - steps  # the last step's past is prompt + steps - 1
+    length = min(longest_prompt, room, 6)
+    if length < 2:
+        raise UsageError(
+            f"{spec.name}: --generate {steps}: a prompt of 2 tokens and {steps} new ones need past_seq up to "
+            f"{steps + 1}, and the spec declares {spec.dims[cache.past_dim].max}; generate fewer tokens or widen "
+            f"[dims] {cache.past_dim}"
+        )
+    rng = np.random.default_rng(seed)
+    low = 3 if vocab > 3 else 0
+
+    def draw(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(low, vocab, size=n)]
+
+    return {"batch-1": [draw(length)], "padded": [draw(length), draw(max(1, length // 2))]}
+
+
+def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    longest = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), longest), pad, dtype=np.int64)
+    mask = np.zeros((len(prompts), longest), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt) :] = prompt
+        mask[row, longest - len(prompt) :] = 1
+    return ids, mask
+
+
+def torch_generate(module: Any, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> Generation:
+    """PyTorch's ``generate()`` of the causal LM inside ``module`` (``module.model``), greedy,
+    stopping each row at its config's end-of-sequence token as a generator does."""
+    import torch
+
+    model = getattr(module, "model", None)
+    if model is None or not callable(getattr(model, "generate", None)):
+        raise SpecError(
+            f"{spec.name}: --generate compares with PyTorch's generate(), which {type(module).__name__} lacks: "
+            "build the model with attn_export.zoo.hf_cache:CausalLMWithCache"
+        )
+    ids, mask = _left_padded(prompts, pad)
+    with torch.no_grad():
+        out = model.generate(
+            torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=steps,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[:, ids.shape[1] :].tolist()
+    return Generation(tokens, [step.double().numpy() for step in out.logits])
+
+
+def graph_generate(
+    runtime: Runtime, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int
+) -> Generation:
+    """The graph in ``runtime`` (activated) run token by token, greedy, left-padded as
+    PyTorch is fed: the prompt on an empty cache, then one token a step."""
+    cache = cache_of(spec)
+    assert cache is not None
+    ids, mask = _left_padded(prompts, pad)
+    inputs = {t.name: t for t in spec.inputs}
+    pasts: dict[str, np.ndarray] = {}
+    for past, _ in cache.pairs:
+        sizes = {cache.past_dim: 0, **({cache.batch_dim: len(prompts)} if cache.batch_dim else {})}
+        shape = [d if isinstance(d, int) else sizes[d] for d in inputs[past].shape]
+        pasts[past] = np.zeros(shape, dtype=inputs[past].dtype)
+    step_ids = ids
+    tokens: list[list[int]] = []
+    logits: list[np.ndarray] = []
+    for _ in range(steps):
+        positions = np.where(mask == 0, 1, np.cumsum(mask, axis=1) - 1)[:, -step_ids.shape[1] :]
+        feeds = {"input_ids": step_ids, MASK: mask, **pasts}
+        if POSITIONS in inputs:
+            feeds[POSITIONS] = positions
+        out = runtime.run(feeds)
+        last = np.asarray(out[LOGITS])[:, -1].astype(np.float64)
+        logits.append(last)
+        chosen = last.argmax(axis=-1)
+        tokens.append([int(t) for t in chosen])
+        pasts = {past: out[present] for past, present in cache.pairs}
+        step_ids = chosen[:, None].astype(np.int64)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
+    return Generation([list(row) for row in zip(*tokens, strict=True)], logits)
+
+
+def stacked(generations: Sequence[Generation]) -> Generation:
+    """Generations of one row each as the rows of one batch (PyTorch's of each prompt alone)."""
+    tokens = [row for g in generations for row in g.tokens]
+    steps = min(len(g.logits) for g in generations)
+    return Generation(tokens, [np.concatenate([g.logits[i] for g in generations]) for i in range(steps)])
+
+
+def judge(
+    expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()
+) -> tuple[list[float], str, int | None]:
+    """Step by step, the largest logit difference, and the first step whose tokens differ or
+    whose logits break ``tolerance``: one line naming its row, the two tokens and the logit.
+    A row that has ended (PyTorch chose an ``eos`` token) is judged no further: a generator
+    stops it there."""
+    by_step: list[float] = []
+    ended: set[int] = set()
+    for step, (want, have) in enumerate(zip(expected.logits, got.logits, strict=False)):
+        rows = [r for r in range(len(expected.tokens)) if r not in ended and step < len(got.tokens[r])]
+        if not rows:
+            break
+        diff = np.abs(want - have)
+        by_step.append(float(diff[rows].max()))
+        outside = diff > tolerance.atol + tolerance.rtol * np.abs(want)
+        for row in rows:
+            w, h = expected.tokens[row][step], got.tokens[row][step]
+            if w != h or outside[row].any():
+                index = int(np.argmax(outside[row])) if outside[row].any() else w
+                return (
+                    by_step,
+                    f"step {step + 1}, row {row}: "
+                    + (f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};")
+                    + f" logit {index}: PyTorch "
+                    f"{want[row, index]:.6g}, the graph {have[row, index]:.6g} (|diff| {diff[row, index]:.3g}, "
+                    f"atol={tolerance.atol:g} rtol={tolerance.rtol:g})",
+                    step + 1,
+                )
+            if w in eos:
+                ended.add(row)
+    return by_step, "", None

@@ -1,0 +1,90 @@
+"""``verify --generate N``: greedy tokens of a whole causal LM against PyTorch's generate(), in
+our own loop and in onnxruntime-genai's generator; a divergence names its step, row and logit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+from click.testing import CliRunner
+from onnx import helper, numpy_helper
+
+from attn_export.cli import cli
+from attn_export.pipelines.verify import VerifyReport
+from tests.conftest import TINY_ZOO, Built, needs_transformers
+
+pytestmark = needs_transformers
+HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+SPEC = TINY_ZOO / "llama_causal_lm.toml"
+
+
+def _verify(*args: str) -> object:
+    return CliRunner().invoke(cli, ["verify", *args, "--no-latency", "--decode", "0"])
+
+
+def test_the_graph_generates_pytorchs_tokens(causal_lm: Built, tmp_path: Path) -> None:
+    result = _verify(
+        str(causal_lm.out), "--models", str(causal_lm.models), "--generate", "6", "--json", str(tmp_path / "r.json")
+    )
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("llama_causal_lm ") and " 6/6 " in line]
+    runners = {"onnxruntime[cpu]", *(["onnxruntime-genai"] if HAS_GENAI else [])}
+    assert {line.split()[1] for line in rows} == runners and len(rows) == 2 * len(runners), result.output
+    assert f"{2 * len(runners)} of {2 * len(runners)} generations give PyTorch's tokens" in result.output
+    report = VerifyReport.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert report.to_dict()["generate"] == json.loads((tmp_path / "r.json").read_text())["generate"]
+    padded = next(g for g in report.generate if g.layout == "padded")
+    assert len({len(p) for p in padded.prompts}) == 2
+
+    def ended(row: list[int]) -> list[int]:  # a row is judged up to its eos (2), where a generator stops it
+        return row[: row.index(2) + 1] if 2 in row else row
+
+    assert [ended(r) for r in padded.got] == [ended(r) for r in padded.expected]
+
+
+def _scale_the_second_layers_key(graph: Path, dest: Path) -> Path:
+    """The graph with layer 1's key scaled by 1.05 where it leaves the cache's concatenation."""
+    model = onnx.load(str(graph))
+    nodes = model.graph.node
+    at = next(i for i, n in enumerate(nodes) if "present.1.key" in n.output)
+    outputs = nodes[at].output
+    outputs[list(outputs).index("present.1.key")] = "present.1.key.unscaled"
+    model.graph.initializer.append(numpy_helper.from_array(np.array(1.05, np.float32), "fault.scale"))
+    nodes.insert(at + 1, helper.make_node("Mul", ["present.1.key.unscaled", "fault.scale"], ["present.1.key"]))
+    onnx.save(model, str(dest))
+    return dest
+
+
+def test_a_graph_that_strays_is_named_at_its_first_step(causal_lm: Built, tmp_path: Path) -> None:
+    edited = _scale_the_second_layers_key(causal_lm.out / "llama_causal_lm.onnx", tmp_path / "edited.onnx")
+    result = _verify(str(edited), "--spec", str(SPEC), "--generate", "4")
+    assert result.exit_code == 1, result.output
+    fails = [line for line in result.output.splitlines() if " generate " in line and line.startswith("FAIL")]
+    assert len(fails) == 2 * (2 if HAS_GENAI else 1), result.output
+    assert all("step 1, row 0: " in line and " logit " in line and "atol=1e-05" in line for line in fails)
+
+
+def test_a_run_without_a_causal_lm_is_one_line(zoo_dir: Path) -> None:
+    result = _verify(str(zoo_dir / "mha.onnx"), "--models", str(TINY_ZOO), "--generate", "4")
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        "Error: --generate runs causal LMs (a logits output and a KV cache): no model of this run is one"
+    )
+
+
+def test_more_tokens_than_the_declared_range_holds_is_one_line(causal_lm: Built) -> None:
+    result = _verify(str(causal_lm.out), "--models", str(causal_lm.models), "--generate", "30")
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1
+    assert "--generate 30" in result.output and "widen [dims] past_seq" in result.output
+
+
+def test_generate_takes_no_golden_files(causal_lm: Built, tmp_path: Path) -> None:
+    folder = tmp_path / "copy"
+    shutil.copytree(causal_lm.out, folder)
+    result = _verify(str(folder), "--golden", "--generate", "4")
+    assert result.exit_code == 2 and "golden files record no generation yet" in result.output

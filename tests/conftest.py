@@ -265,9 +265,10 @@ def zoo_model(tiny_zoo: Built, tmp_path_factory: pytest.TempPathFactory) -> Call
 
 @pytest.fixture(scope="session")
 def causal_lm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
-    """The tiny zoo's two-layer causal LM, built once per session with ``--target genai``."""
-    built = shared_build(tmp_path_factory, "causal-lm", [TINY_ZOO / "llama_causal_lm.toml"], target="genai")
-    assert built.errors == {"llama_causal_lm": None}, built.errors
+    """The tiny zoo's two-layer causal LM, fp32 and int4, built once per session with ``--target genai``."""
+    spec = [TINY_ZOO / "llama_causal_lm.toml"]
+    built = shared_build(tmp_path_factory, "causal-lm", spec, target="genai", variants=("fp32", "int4"))
+    assert built.errors == {"llama_causal_lm": None, "llama_causal_lm.int4": None}, built.errors
     with unchanged(built.out):
         yield built
 

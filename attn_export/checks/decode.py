@@ -36,6 +36,7 @@ from attn_export.spec import ModelSpec, Rounding, Tolerance
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.inputs import draw_inputs
 from attn_export.spec.shapes import concrete_shape, example_sizes
+from attn_export.spec.tolerance import rounding_key
 
 if TYPE_CHECKING:
     from attn_export.runtimes.torch_eager import TorchRuntime
@@ -215,8 +216,26 @@ def pytorch_trajectories(
         inputs = step_inputs(spec, traj, outputs)
         allowed = [eager.allowances(i, o) for i, o in zip(inputs, outputs, strict=True)]
         traj.floors, traj.int8 = [f for f, _ in allowed], [r for _, r in allowed]
+        _rounded_trajectories(eager, spec, traj, outputs)
         out.append((traj, outputs))
     return out
+
+
+def _rounded_trajectories(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> None:
+    """Each step's rounding as the module rounded like a quantized graph strays over the
+    whole trajectory, feeding back its own rounded presents as the graph does (each step
+    alone on PyTorch's pasts misses what the earlier steps' rounding left in the cache);
+    the larger of the two is kept, by ``rounding_key``."""
+    for bits in eager.rounding_bits:
+        with eager.rounding(bits) as quantized:
+            steps, error = run_trajectory(quantized, spec, traj)
+        if error:
+            continue  # a module the rounding breaks keeps its per-step roundings
+        for k, (exact, approx) in enumerate(zip(outputs, steps, strict=False)):
+            for name, value in exact.items():
+                key, drift = rounding_key(bits, name), Rounding.between(value, approx[name])
+                now = traj.int8[k].get(key, Rounding())
+                traj.int8[k][key] = Rounding(max(now.rms, drift.rms), max(now.max, drift.max))
 
 
 def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:

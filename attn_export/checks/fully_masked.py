@@ -12,6 +12,7 @@ rewritten graph, checked and compared like any other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ from attn_export.errors import AttnExportError, GraphCheckError, RuntimeFailure
 from attn_export.exporter.graph_checks import check_model, check_spec_axes
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec import ModelSpec, Rounding, Tolerance
 from attn_export.spec.cache import cache_of, output_shape
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.distributions import split_label
@@ -202,8 +203,13 @@ def _blank(values: Mapping[str, np.ndarray], selectors: Mapping[str, np.ndarray]
     return out
 
 
-def _agree(expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], tol: Mapping[str, Tolerance]) -> bool:
-    return all(c.passed for c in compare_outputs(expected, actual, tol))
+def _agree(
+    expected: Mapping[str, np.ndarray],
+    actual: Mapping[str, np.ndarray],
+    tol: Mapping[str, Tolerance],
+    rounding: Mapping[str, Rounding] | None = None,
+) -> bool:
+    return all(c.passed for c in compare_outputs(expected, actual, tol, int8=rounding))
 
 
 def _matches(case: GoldenCase, actual: Mapping[str, np.ndarray], tol: Mapping[str, Tolerance]) -> bool:
@@ -322,7 +328,8 @@ class FullyMaskedRows:
             if not all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f"):
                 found.append("NaN")
                 continue
-            found.append(next((name for name, ref in refs.items() if _agree(ref, values, tol)), other))
+            # a quantized graph's rewrite strays from PyTorch as far as its rounding does there
+            found.append(next((name for name, ref in refs.items() if _agree(ref, values, tol, case.int8)), other))
         return found
 
     def compare(
@@ -382,6 +389,12 @@ def settle(
         }
         info: dict[str, Any] = {"mode": spec.fully_masked, "cases": gives}
         if all(_matches(c, got, tolerances) for c, got in runs):
+            # a lossy variant's room can hold rows that give another thing than PyTorch on
+            # these cases and not on others (int4's on a small prompt): repaired where a rewrite does
+            differ = any(g["torch"] != g["onnxruntime"] for g in gives.values())
+            if differ and spec.fully_masked == "match":
+                with contextlib.suppress(GraphCheckError):
+                    return _repair(spec, key, rows, cases, gives, tolerances, info)
             return model, info
         if spec.fully_masked == "ignore":
             for c, got in runs:

@@ -8,7 +8,8 @@ too (``runtimes.genai``), padding on the right as it does in deployment. Prompts
 at batch 1 and a batch of two of different lengths (left-padded for PyTorch and our loop).
 
 Tokens must match exactly, and each step's logits (of each row's last token) within the
-variant's tolerance for ``logits``; the first step that differs is named, with its row, the
+variant's tolerance for ``logits``; a quantized graph (int8, int4) is held to PyTorch's
+generation with its weights rounded as the variant rounds them; the first step that differs is named, with its row, the
 two tokens and the first logit out of tolerance. After it the sequences part, so nothing
 later is judged.
 """
@@ -130,10 +131,18 @@ def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray
     return ids, mask
 
 
-def torch_generate(module: Any, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> Generation:
+def torch_generate(
+    module: Any, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int, bits: int | None = None
+) -> Generation:
     """PyTorch's ``generate()`` of the causal LM inside ``module`` (``module.model``), greedy,
-    stopping each row at its config's end-of-sequence token as a generator does."""
+    stopping each row at its config's end-of-sequence token as a generator does; with
+    ``bits``, its weights rounded as the int8 or int4 variant rounds them (``rounded``), the
+    generation a right quantized graph gives."""
+    import contextlib
+
     import torch
+
+    from attn_export.runtimes.int8_rounding import rounded
 
     model = getattr(module, "model", None)
     if model is None or not callable(getattr(model, "generate", None)):
@@ -142,7 +151,7 @@ def torch_generate(module: Any, spec: ModelSpec, prompts: Sequence[Sequence[int]
             "build the model with attn_export.zoo.hf_cache:CausalLMWithCache"
         )
     ids, mask = _left_padded(prompts, pad)
-    with torch.no_grad():
+    with torch.no_grad(), rounded(module, bits) if bits else contextlib.nullcontext():
         out = model.generate(
             torch.from_numpy(ids),
             attention_mask=torch.from_numpy(mask),
@@ -201,7 +210,8 @@ def judge(
     expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()
 ) -> tuple[list[float], str, int | None]:
     """Step by step, the largest logit difference, and the first step whose tokens differ or
-    whose logits break ``tolerance``: one line naming its row, the two tokens and the logit.
+    whose logits break ``tolerance`` (its atol widened by ``atol_rms`` x the step's logits'
+    rms): one line naming its row, the two tokens and the logit.
     A row that has ended (PyTorch chose an ``eos`` token) is judged no further: a generator
     stops it there."""
     by_step: list[float] = []
@@ -212,7 +222,9 @@ def judge(
             break
         diff = np.abs(want - have)
         by_step.append(float(diff[rows].max()))
-        outside = diff > tolerance.atol + tolerance.rtol * np.abs(want)
+        # a lossy variant's share of the logits' rms holds what its simulated rounding misses
+        room = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.mean(want[rows] ** 2)))
+        outside = diff > room + tolerance.rtol * np.abs(want)
         for row in rows:
             w, h = expected.tokens[row][step], got.tokens[row][step]
             if w != h or outside[row].any():
@@ -223,7 +235,7 @@ def judge(
                     + (f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};")
                     + f" logit {index}: PyTorch "
                     f"{want[row, index]:.6g}, the graph {have[row, index]:.6g} (|diff| {diff[row, index]:.3g}, "
-                    f"atol={tolerance.atol:g} rtol={tolerance.rtol:g})",
+                    f"atol={room:.3g} rtol={tolerance.rtol:g})",
                     step + 1,
                 )
             if w in eos:

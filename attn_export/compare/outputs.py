@@ -345,11 +345,20 @@ def compare_outputs(
 ) -> list[OutputComparison]:
     """Compare every expected output (``judge_value``); an output the runtime did not
     produce fails. ``floors`` (PyTorch's own float32 error per output) and, for a tolerance
-    that asks, ``int8`` (what the int8 rounding does to the module) widen each tolerance
+    that asks, ``int8`` (what weight quantization's rounding does to the module, by
+    ``Tolerance.rounding_key``: int8's and int4's) widen each tolerance
     (``compare.outputs.case_tolerance``); ``left_out`` selects elements that count in
     neither rms (the caller blanks them alike on both sides)."""
     floors, left_out, int8 = floors or {}, left_out or {}, int8 or {}
     return [
-        judge_value(n, e, actual.get(n), tolerances[n], floors.get(n, 0.0), left_out.get(n), int8.get(n))
+        judge_value(
+            n,
+            e,
+            actual.get(n),
+            tolerances[n],
+            floors.get(n, 0.0),
+            left_out.get(n),
+            int8.get(tolerances[n].rounding_key(n)),
+        )
         for n, e in expected.items()
     ]

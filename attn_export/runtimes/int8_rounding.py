@@ -14,25 +14,42 @@ MatMul, which then has no constant to quantize (``nn.MultiheadAttention``'s pack
 projection, a table of relative positions cut to the length). What the simulation misses
 (a module computing its weight, ``addmm``, code under a function of its own such as
 ``F.multi_head_attention_forward``) leaves an int8 graph to the shares of the rms alone.
+
+``bits=4`` rounds as the ``int4`` variant (``MatMulNBitsQuantizer``, symmetric, blocks of
+``INT4_BLOCK`` along the reduced axis) does: each block of a weight to integers -8..7 times
+the block's largest-magnitude element over -8, the other operand left in float (MatMulNBits
+at its default accuracy level computes in float32). The same MatMuls are rounded.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from attn_export._deps import require
 
-__all__ = ["in_int8"]
+__all__ = ["in_int8", "rounded"]
 
 #: ``reduce_range``: 7-bit symmetric weights, as ORT quantizes them for CPUs without VNNI.
 WEIGHT_LEVELS = 64
 #: DynamicQuantizeLinear: uint8 activations over [min(0, x), max(0, x)].
 ACTIVATION_LEVELS = 255
+#: MatMulNBits: the weights' block along the reduced axis, as onnxruntime-genai's CPU int4.
+INT4_BLOCK = 32
 
 
-def in_int8(module: Any, *args: Any) -> Any:
+def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
     """``module(*args)`` with every matmul on one of its own tensors rounded as the int8
-    variant rounds it; the rest of the module in its own precision."""
+    variant (``bits=8``) or the int4 variant (``bits=4``) rounds it; the rest of the module
+    in its own precision."""
+    with rounded(module, bits):
+        return module(*args)
+
+
+@contextlib.contextmanager
+def rounded(module: Any, bits: int = 8) -> Iterator[None]:
+    """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
 
@@ -54,6 +71,19 @@ def in_int8(module: Any, *args: Any) -> Any:
     def weight(w: Any) -> Any:
         scale = w.abs().amax().clamp_min(torch.finfo(w.dtype).tiny) / WEIGHT_LEVELS
         return torch.round(w / scale).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS) * scale
+
+    def blocks(w: Any, axis: int) -> Any:
+        """``w`` rounded as MatMulNBits stores it: blocks of ``INT4_BLOCK`` along ``axis`` (the
+        reduced one), each scaled by its largest-magnitude element over -8, to -8..7."""
+        moved = w.movedim(axis, -1)
+        length = moved.shape[-1]
+        padded = torch.nn.functional.pad(moved, (0, -length % INT4_BLOCK))
+        grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
+        peak = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))
+        scale = peak / -8
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        rounded = torch.round(grouped / safe).clamp(-8, 7) * scale
+        return rounded.reshape(padded.shape)[..., :length].movedim(-1, axis)
 
     def activation(x: Any) -> Any:
         low, high = x.amin().clamp(max=0), x.amax().clamp(min=0)
@@ -77,6 +107,8 @@ def in_int8(module: Any, *args: Any) -> Any:
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
+                if bits == 4:  # F.linear reduces over the weight's last axis, a matmul over its second to last
+                    return func(args[0], blocks(args[1], -1 if func is F.linear else -2), *args[2:], **kwargs)
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
             result = func(*args, **kwargs)
             if func in slicing and args and is_owned(args[0]):
@@ -84,4 +116,4 @@ def in_int8(module: Any, *args: Any) -> Any:
             return result
 
     with Rounded():
-        return module(*args)
+        yield

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,9 +12,10 @@ from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
-from attn_export.runtimes.int8_rounding import in_int8
+from attn_export.runtimes.int8_rounding import in_int8, rounded
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, Rounding, TensorSpec
+from attn_export.spec.tolerance import rounding_key
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -42,12 +44,18 @@ class TorchRuntime(Runtime):
         *,
         device: str = "cpu",
         threads: int | None = None,
+        weight_bits: int | None = None,
+        rounding_bits: tuple[int, ...] = (8,),
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.module = module
         self.device = device
         self.threads = threads
-        self.name = f"torch[{device}]"
+        #: Run with the weight rounding of the int8 (8) or int4 (4) variant (``in_int8``); None: as it is.
+        self.weight_bits = weight_bits
+        #: The quantizations whose rounding ``int8_rounding`` simulates (``spec.tolerance.rounding_bits``).
+        self.rounding_bits = rounding_bits
+        self.name = f"torch[{device}]" + (f"[int{weight_bits} rounding]" if weight_bits else "")
         self._saved_threads: int | None = None
         self._double: Any = None
 
@@ -70,8 +78,9 @@ class TorchRuntime(Runtime):
 
     def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
         torch = require("torch", "running the PyTorch original")
+        quantized = rounded(self.module, self.weight_bits) if self.weight_bits else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), quantized:
                 result = self.module(*args)
         except (Exception, SystemExit) as e:
             raise RuntimeFailure(f"{self.name}: forward failed on {_drawn(self.inputs, args)}: {_why(e)}") from e
@@ -130,22 +139,39 @@ class TorchRuntime(Runtime):
         module (``int8_rounding``)."""
         return self.precision_floor(feeds, outputs), self.int8_rounding(feeds, outputs)
 
+    def rounding(self, bits: int) -> TorchRuntime:
+        """This module run with the ``bits``-bit variant's weight rounding, as a runtime of its own."""
+        return TorchRuntime(
+            self.module,
+            self.inputs,
+            self.outputs,
+            self.dims,
+            device=self.device,
+            threads=self.threads,
+            weight_bits=bits,
+        )
+
     def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
-        """How far the module run with the int8 variant's rounding (``in_int8``) is from its
-        ``outputs`` on ``feeds``, per float output: how far a right int8 graph strays here.
-        None (zero) where the module cannot run so: its int8 graphs are then judged by the
-        shares of the rms alone."""
+        """How far the module run with each quantizing variant's rounding (``in_int8``: int8,
+        int4) is from its ``outputs`` on ``feeds``, per float output and by
+        ``rounding_key``: how far a right graph of that variant strays here. None (zero)
+        where the module cannot run so: such graphs are then judged by the shares of the rms
+        alone."""
         torch = require("torch", "running the PyTorch original")
-        try:
-            with torch.no_grad():
-                result = in_int8(self.module, *self._tensors(feeds))
-        except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
-            return {t.name: Rounding() for t in self.outputs if t.name in outputs}
-        return {
-            t.name: _rounding(outputs[t.name], v.detach().cpu().numpy())
-            for t, v in zip(self.outputs, _values(result), strict=False)
-            if t.name in outputs
-        }
+        found: dict[str, Rounding] = {}
+        for bits in self.rounding_bits:
+            try:
+                with torch.no_grad():
+                    result = in_int8(self.module, *self._tensors(feeds), bits=bits)
+            except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
+                found |= {rounding_key(bits, t.name): Rounding() for t in self.outputs if t.name in outputs}
+                continue
+            found |= {
+                rounding_key(bits, t.name): Rounding.between(outputs[t.name], v.detach().cpu().numpy())
+                for t, v in zip(self.outputs, _values(result), strict=False)
+                if t.name in outputs
+            }
+        return found
 
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:
         """The module's outputs in float64, every op ``widened`` or cast as a whole; None
@@ -199,22 +225,12 @@ def _why(error: BaseException) -> str:
 
 def _error(got: np.ndarray, exact: np.ndarray | None) -> float:
     """The largest finite |got - exact|; 0 where there is nothing to compare."""
-    return 0.0 if exact is None else _rounding(exact, got).max
+    return 0.0 if exact is None else Rounding.between(exact, got).max
 
 
 def _values(result: Any) -> tuple[Any, ...] | list[Any]:
     """A forward's outputs as a sequence: one tensor is one output."""
     return result if isinstance(result, tuple | list) else (result,)
-
-
-def _rounding(exact: np.ndarray, rounded: np.ndarray) -> Rounding:
-    """The rms and the largest of |rounded - exact| where both are finite; none for other values."""
-    if exact.shape != rounded.shape or exact.dtype.kind != "f":
-        return Rounding()
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(rounded.astype(np.float64) - exact.astype(np.float64))
-    finite = diff[np.isfinite(diff)]
-    return Rounding(float(np.sqrt(np.mean(finite**2))), float(finite.max())) if finite.size else Rounding()
 
 
 #: Two runs of a deterministic module agree to float32 rounding of their order of summation.

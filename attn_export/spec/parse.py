@@ -142,6 +142,7 @@ def _tolerance_table(where: _Where, raw: Any, default: Tolerance, context: str, 
         _number(where, raw.get("atol_rms", default.atol_rms), f"{context}.atol_rms", "atol_rms", context),
         _number(where, raw.get("rms_rtol", default.rms_rtol), f"{context}.rms_rtol", "rms_rtol", context),
         default.int8_rounding,
+        default.weight_bits,
     )
 
 
@@ -453,8 +454,11 @@ def _tolerances(
         # a key left out keeps the variant's own default (int8's rms shares), else the model's
         own = VARIANTS[variant].tolerance if variant in VARIANTS else None
         default = tolerance if own is None else dataclasses.replace(own, allow_nan=tolerance.allow_nan)
-        if any(link.tolerance and link.tolerance.int8_rounding for link in variant_chain(variant).links):
-            default = dataclasses.replace(default, int8_rounding=True)  # a chain rounds as its int8 link
+        rounded = [
+            link.tolerance for link in variant_chain(variant).links if link.tolerance and link.tolerance.int8_rounding
+        ]
+        if rounded:  # a chain rounds as its quantizing link
+            default = dataclasses.replace(default, int8_rounding=True, weight_bits=rounded[-1].weight_bits)
         per_variant[variant] = _tolerance_table(where, tol, default, context, variant)
     return tolerance, per_output, per_variant
 

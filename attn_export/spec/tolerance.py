@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["Rounding", "Tolerance"]
+import numpy as np
+
+__all__ = ["WEIGHT_BITS", "Rounding", "Tolerance", "rounding_bits", "rounding_key"]
+
+#: The weight quantizations whose rounding is simulated (``runtimes.int8_rounding``), by bits.
+WEIGHT_BITS = (8, 4)
+
+
+def rounding_bits(tolerances: Iterable[Tolerance]) -> tuple[int, ...]:
+    """The weight quantizations whose rounding ``tolerances`` are judged by: the simulations
+    a run needs (each is a forward pass per case)."""
+    return tuple(sorted({t.weight_bits for t in tolerances if t.int8_rounding}, reverse=True))
+
+
+def rounding_key(bits: int, output: str) -> str:
+    """The key of ``output``'s simulated rounding at ``bits``-bit weights in a case's table."""
+    return output if bits == 8 else f"int{bits}:{output}"
 
 
 @dataclass(frozen=True)
@@ -23,7 +40,9 @@ class Tolerance:
 
     ``int8_rounding`` widens both bounds by what the int8 rounding does to the module on the
     case (``Rounding``, measured in PyTorch): how far a right int8 graph strays grows with
-    the context and the values, past what any fixed share of the rms holds."""
+    the context and the values, past what any fixed share of the rms holds. ``weight_bits``
+    names which quantization's rounding: 8 (``int8``, quantize_dynamic) or 4 (``int4``,
+    MatMulNBits blocks); a case records each under its own key (``rounding_key``)."""
 
     atol: float
     rtol: float
@@ -31,6 +50,13 @@ class Tolerance:
     atol_rms: float = 0.0
     rms_rtol: float = 0.0
     int8_rounding: bool = False
+    weight_bits: int = 8
+
+    def rounding_key(self, output: str) -> str:
+        """Where a case's table of simulated roundings holds ``output``'s under this
+        tolerance's quantization: the output's name for int8 (as golden files have always
+        recorded it), ``int4:<output>`` for int4."""
+        return rounding_key(self.weight_bits, output)
 
     @property
     def rms_share(self) -> float:
@@ -62,6 +88,7 @@ class Tolerance:
             b1 + b2 * (1 + b1 + r1) + r2 * b1,
             c1 + c2 * (1 + c1) if self.rms_rtol or after.rms_rtol else 0.0,
             self.int8_rounding or after.int8_rounding,
+            after.weight_bits if after.int8_rounding else self.weight_bits,
         )
 
 
@@ -74,3 +101,14 @@ class Rounding:
 
     rms: float = 0.0
     max: float = 0.0
+
+    @classmethod
+    def between(cls, exact: np.ndarray, rounded: np.ndarray) -> Rounding:
+        """The rms and the largest of |rounded - exact| where both are finite; none for
+        other values."""
+        if exact.shape != rounded.shape or exact.dtype.kind != "f":
+            return cls()
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(rounded.astype(np.float64) - exact.astype(np.float64))
+        finite = diff[np.isfinite(diff)]
+        return cls(float(np.sqrt(np.mean(finite**2))), float(finite.max())) if finite.size else cls()

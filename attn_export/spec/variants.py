@@ -39,6 +39,7 @@ __all__ = [
     "AUTO",
     "CHAIN",
     "FP16_TOLERANCE",
+    "INT4_TOLERANCE",
     "INT8_TOLERANCE",
     "TRAITS",
     "VARIANTS",
@@ -100,6 +101,9 @@ AUTO = "auto"
 #: rms 0.0245 x and 0.00077 x; the defaults hold 1.7-6.5 times that. A fixed int8 atol of
 #: 0.1 was as large as the outputs and passed a weight scale 10 % off, which the rms shows.
 INT8_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_rounding=True)
+#: int4 rounds in blocks, more coarsely than int8: its rounding simulated on each case
+#: (``weight_bits=4``) sets the room, the shares of the rms as int8's where it does not run.
+INT4_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_rounding=True, weight_bits=4)
 FP16_TOLERANCE = Tolerance(1e-4, 0.01, atol_rms=0.02, rms_rtol=0.005)
 
 VARIANTS: dict[str, VariantInfo] = {
@@ -132,6 +136,15 @@ VARIANTS: dict[str, VariantInfo] = {
             "dynamic int8 quantization of MatMuls",
             "int8",
             tolerance=INT8_TOLERANCE,
+            needs=PORTABLE | {"float32"},
+            takes=frozenset({"float32"}),
+        ),
+        VariantInfo(
+            "int4",
+            "int4 weight-only quantization of MatMuls (MatMulNBits, blocks of 32), as onnxruntime-genai's CPU int4",
+            "int4",
+            tolerance=INT4_TOLERANCE,
+            auto_candidate=False,  # its rounding is never within a model's own tolerance: timing it is waste
             needs=PORTABLE | {"float32"},
             takes=frozenset({"float32"}),
         ),

@@ -66,11 +66,13 @@ def test_build_refuses_before_writing_anything(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def test_the_folder_holds_the_graph_and_its_config(causal_lm: Built) -> None:
-    folder = causal_lm.out / "genai" / "llama_causal_lm"
-    assert sorted(p.name for p in folder.iterdir()) == ["genai_config.json", "model.onnx"]
-    assert (folder / "model.onnx").read_bytes() == (causal_lm.out / "llama_causal_lm.onnx").read_bytes()
-    assert json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+def test_each_graph_gets_a_folder_with_its_config(causal_lm: Built) -> None:
+    assert sorted(p.name for p in (causal_lm.out / "genai").iterdir()) == ["llama_causal_lm", "llama_causal_lm.int4"]
+    for name in ("llama_causal_lm", "llama_causal_lm.int4"):
+        folder = causal_lm.out / "genai" / name
+        assert sorted(p.name for p in folder.iterdir()) == ["genai_config.json", "model.onnx"]
+        assert (folder / "model.onnx").read_bytes() == (causal_lm.out / f"{name}.onnx").read_bytes()
+        assert json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
 
 
 def _torch_tokens(prompt: list[int], steps: int) -> list[int]:

@@ -23,7 +23,7 @@ from tests.conftest import TINY_ZOO, ZOO, plant, set_initializer, write_spec
 #: verify rebuilds the PyTorch originals of the tiny zoo from its specs
 TINY = ["--models", str(TINY_ZOO)]
 
-ALL = ("fp32", "attention-op", "ort-fused", "int8", "fp16", "ort-optimized", "auto")
+ALL = ("fp32", "attention-op", "ort-fused", "int8", "int4", "fp16", "ort-optimized", "auto")
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,25 @@ def test_an_int8_graph_whose_weight_scale_is_10_percent_off_fails(variant_build:
     assert "is over its bound" in result.output and "(rms_rtol): every element within atol" in result.output
 
 
+def test_int4_is_blocks_of_32_and_a_block_scale_25_percent_off_fails(variant_build: Path, tmp_path: Path) -> None:
+    """int4 is MatMulNBits (4 bits, blocks of 32) and verifies green above by its simulated
+    rounding; one projection's block scales 25 % off is red, on the whole output's error."""
+    proto = onnx.load(variant_build / "mha_cross.int4.onnx")
+    packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    assert packed and all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in packed)
+    out = tmp_path / "out"
+    shutil.copytree(variant_build, out)
+    scales = packed[-1].input[2]  # the output projection's: B, scales, ...
+    value = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == scales)
+    set_initializer(proto, scales, value * 1.25)
+    plant(out, "mha_cross.int4", proto)
+    result = CliRunner().invoke(
+        cli, ["verify", str(out / "mha_cross.int4.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
+    )
+    assert result.exit_code == 1, result.output
+    assert re.search(r"FAIL mha_cross\.int4 .* output: ", result.output), result.output
+
+
 @pytest.mark.slow  # a build of its own (7 s); the variant sweep above verifies fp16 in make test
 def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -180,8 +199,8 @@ def test_variant_tolerance_from_the_spec(tmp_path: Path) -> None:
 
 
 def test_unknown_variant_is_a_usage_error() -> None:
-    result = CliRunner().invoke(cli, ["build", "--variant", "int4"])
-    assert (result.exit_code, result.output) == (2, f"Error: unknown variant int4 (known: {', '.join(VARIANTS)})\n")
+    result = CliRunner().invoke(cli, ["build", "--variant", "int2"])
+    assert (result.exit_code, result.output) == (2, f"Error: unknown variant int2 (known: {', '.join(VARIANTS)})\n")
 
 
 def test_the_int8_rounding_simulated_in_pytorch_gives_the_int8_graph_s_outputs(variant_build: Path) -> None:

@@ -43,3 +43,35 @@ def _changed(how: str) -> bool:
 def test_only_a_whole_weight_as_the_second_operand_is_rounded() -> None:
     assert _changed("whole") and _changed("transposed")
     assert not _changed("chunk") and not _changed("cut whole") and not _changed("first")
+
+
+def test_int4_rounding_is_the_int4_variants_to_float32_noise() -> None:
+    """A weight of 70 inputs (blocks of 32, the last one short), rounded in PyTorch as the
+    int4 variant's MatMulNBits rounds it: the same outputs as ONNX Runtime's graph."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from attn_export.exporter.variants.int4 import make
+
+    torch.manual_seed(0)
+    linear = nn.Linear(70, 12, bias=False).eval()
+    x = torch.randn(3, 70)
+    weight = linear.weight.detach().numpy().T.copy()
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 70])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 12])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    proto = make(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "cpu").proto
+    assert [n.op_type for n in proto.graph.node] == ["MatMulNBits"]
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    graph_out = session.run(None, {"x": x.numpy()})[0]
+    with torch.no_grad():
+        simulated = in_int8(linear, x, bits=4).numpy()
+        exact = linear(x).numpy()
+    assert np.abs(simulated - graph_out).max() < 1e-5 < np.abs(exact - graph_out).max()
+    assert onnx.checker.check_model(proto) is None

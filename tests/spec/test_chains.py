@@ -46,7 +46,11 @@ REFUSED = [
     ("auto+int8", "chain auto+int8: auto chooses among variants instead of making a graph; it cannot be a link"),
     ("fp32+int8", "chain fp32+int8: fp32 is the plain export every chain starts from; leave it out"),
     ("int8+ort-fused+int8", "chain int8+ort-fused+int8: int8 is repeated; a link applies once"),
-    ("int8+int4", f"unknown variant int4 in chain int8+int4 (known: {', '.join(VARIANTS)})"),
+    ("int8+int2", f"unknown variant int2 in chain int8+int2 (known: {', '.join(VARIANTS)})"),
+    (
+        "int8+int4",
+        "chain int8+int4: int4 cannot follow int8: int4 needs a graph that computes in float32, and int8's does not",
+    ),
     ("int8+", f"unknown variant '' in chain int8+ (known: {', '.join(VARIANTS)})"),
 ]
 
@@ -74,11 +78,11 @@ def test_every_two_links_either_chain_or_are_refused_by_the_table() -> None:
         except UsageError:
             pass
     assert allowed == {
-        "attention-op+int8", "attention-op+fp16", "attention-op+ort-optimized",
-        "ort-past+int8", "ort-past+fp16", "ort-past+ort-optimized",
-        "ort-fused+int8", "ort-fused+fp16", "ort-fused+ort-optimized",
-        "static-cache+int8", "static-cache+fp16", "static-cache+ort-optimized",
-        "int8+ort-fused", "int8+ort-optimized", "fp16+ort-optimized",
+        "attention-op+int8", "attention-op+int4", "attention-op+fp16", "attention-op+ort-optimized",
+        "ort-past+int8", "ort-past+int4", "ort-past+fp16", "ort-past+ort-optimized",
+        "ort-fused+int8", "ort-fused+int4", "ort-fused+fp16", "ort-fused+ort-optimized",
+        "static-cache+int8", "static-cache+int4", "static-cache+fp16", "static-cache+ort-optimized",
+        "int8+ort-fused", "int8+ort-optimized", "int4+ort-fused", "int4+ort-optimized", "fp16+ort-optimized",
     }  # fmt: skip
     assert all(trait in TRAITS for v in VARIANTS.values() for trait in v.needs | v.takes)
 

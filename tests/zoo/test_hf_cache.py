@@ -98,10 +98,10 @@ def test_a_two_layer_causal_lm_gives_logits_and_every_layers_cache(causal_lm: Bu
     ]
 
 
-def test_a_two_layer_causal_lm_decodes_like_pytorch(causal_lm: Built) -> None:
+def test_a_two_layer_causal_lm_and_its_int4_graph_decode_like_pytorch(causal_lm: Built) -> None:
     result = CliRunner().invoke(cli, ["verify", str(causal_lm.out), "--models", str(causal_lm.models), "--decode", "3"])
     assert result.exit_code == 0, result.output
-    assert "2 of 2 decode trajectories agree" in result.output
+    assert "4 of 4 decode trajectories agree" in result.output  # fp32 and int4, batch 1 and left-padded
 
 
 def test_three_layers_need_no_new_signature(tmp_path: Path) -> None:

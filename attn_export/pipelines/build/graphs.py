@@ -39,6 +39,7 @@ from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
+from attn_export.spec.tolerance import rounding_bits
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 
@@ -127,7 +128,10 @@ class SpecBuild:
         thread unless told, so a folder built there differed from a serial build's bytes."""
         module = self.module.get()  # first: it completes the spec
         spec = self.spec
-        return TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, threads=physical_cores())
+        # golden files record int8's rounding, and int4's where the build makes an int4 graph
+        asked = [t for v in self.options.variants if not variant_chain(v).chooser for t in spec.tolerances(v).values()]
+        bits = tuple(sorted({8, *rounding_bits(asked)}, reverse=True))
+        return TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, threads=physical_cores(), rounding_bits=bits)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""

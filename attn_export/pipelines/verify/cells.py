@@ -41,6 +41,7 @@ from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.tolerance import rounding_bits
 
 __all__ = [
     "CaseCell",
@@ -129,7 +130,10 @@ class TargetRun:
         else:
             device = torch_device_for(self.target.provider) if kind.timed else "cpu"
             threads = options.threads if kind.timed else None
-            eager = TorchRuntime(self.module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads)
+            bits = rounding_bits(tolerances.values())  # the simulations this variant is judged by, no more
+            eager = TorchRuntime(
+                self.module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads, rounding_bits=bits
+            )
             stack.enter_context(eager)
             if options.inputs_file:
                 self.expected = recorded_expected(spec, options.inputs_file, budget, eager)

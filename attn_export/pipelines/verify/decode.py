@@ -27,6 +27,7 @@ from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.tolerance import rounding_bits
 
 __all__ = ["decode_model"]
 
@@ -52,7 +53,8 @@ def decode_model(
     else:
         from attn_export.exporter.factory import instantiate
 
-        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims) as eager:
+        bits = rounding_bits(tolerances.values())
+        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
             plans = [
                 (
                     traj,

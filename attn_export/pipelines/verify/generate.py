@@ -22,6 +22,7 @@ from attn_export.checks.generate import (
     torch_generate,
 )
 from attn_export.errors import SpecError
+from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.genai import Generation
@@ -78,13 +79,12 @@ def generate_model(
     module = instantiate(spec)
     config = build_config(spec)
     pad, eos = _pad(config), eos_tokens(config)
-    table = spec.tolerance_for("logits", entry.variant)
-    tolerance = Tolerance(
-        options.atol if options.atol is not None else table.atol,
-        options.rtol if options.rtol is not None else table.rtol,
-    )
+    tolerance = tolerances_for(spec, entry.variant, options)["logits"]
     graph = out_dir / entry.file
-    expected = {layout: torch_generate(module, spec, rows, steps, pad) for layout, rows in prompts.items()}
+    # a quantized graph generates as the module with its weights rounded so
+    judged = spec.tolerance_for("logits", entry.variant)
+    bits = judged.weight_bits if judged.int8_rounding else None
+    expected = {layout: torch_generate(module, spec, rows, steps, pad, bits) for layout, rows in prompts.items()}
     results = []
     for target in options.targets:
         if target.runtime != "onnxruntime":
@@ -104,7 +104,7 @@ def generate_model(
             folder = write_genai_folder(graph, spec, config, Path(tmp) / "model", entry.variant)
             for layout, rows in prompts.items():
                 # genai pads on the right and masks: each row gives what its prompt alone gives
-                want = stacked([torch_generate(module, spec, [row], steps, pad) for row in rows])
+                want = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
                 got = genai_generate(folder, rows, steps, pad)
                 results.append(_result(entry.name, GENAI, layout, rows, steps, want, got, tolerance, eos))
     return results

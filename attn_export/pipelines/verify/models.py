@@ -121,11 +121,12 @@ def build_golden(out_dir: Path, entry: ManifestEntry, budget: int) -> list[Golde
             f"{path}: the golden file lacks {len(missing)} of the {len(wanted)} cases build records "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); rebuild it with attn-export build"
         )
-    rounded = any(t.int8_rounding for t in entry.model_spec.tolerances(entry.variant).values())
-    if rounded and not any(c.int8 for c in cases):
+    tolerances = entry.model_spec.tolerances(entry.variant)
+    rounded = [(name, t) for name, t in tolerances.items() if t.int8_rounding]
+    if rounded and not any(t.rounding_key(name) in c.int8 for c in cases for name, t in rounded):
         raise ArtifactError(
-            f"{path}: the golden file records no int8 rounding, which {entry.name} is judged by (an older "
-            "attn-export wrote it); rebuild it with attn-export build"
+            f"{path}: the golden file records no int{rounded[0][1].weight_bits} rounding, which {entry.name} is "
+            "judged by (an older attn-export wrote it); rebuild it with attn-export build"
         )
     return cases
 

@@ -1,0 +1,39 @@
+"""int4: ONNX Runtime's ``MatMulNBitsQuantizer`` on MatMuls (4-bit weights in blocks of 32
+along the reduced axis, symmetric; float activations), the weight-only quantization
+onnxruntime-genai deploys on CPU."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+
+from attn_export.errors import ExportFailure
+from attn_export.exporter.variants import VariantGraph, op_counts
+from attn_export.runtimes.int8_rounding import INT4_BLOCK
+
+
+def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
+    """Symmetric blocks, as the simulated rounding (``in_int8(bits=4)``) rounds them, at the
+    default accuracy level: the products in float32, so a right graph differs from the
+    module by its weights' rounding alone."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.ERROR)  # it logs every MatMul it quantizes or skips
+    try:
+        config = DefaultWeightOnlyQuantConfig(block_size=INT4_BLOCK, is_symmetric=True)
+        quantizer = MatMulNBitsQuantizer(proto, algo_config=config)
+        quantizer.process()
+        out = quantizer.model.model
+    finally:
+        quantizer_log.setLevel(level)
+    counts = op_counts(out)
+    if not counts.get("com.microsoft.MatMulNBits"):
+        raise ExportFailure("variant int4: no MatMul has a constant weight to quantize (MatMulNBits needs one)")
+    info = {
+        "quantized": f"MatMul weights int4, symmetric blocks of {INT4_BLOCK}, float activations",
+        "ops": dict(counts),
+    }
+    return VariantGraph(out, info)

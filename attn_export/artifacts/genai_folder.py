@@ -25,7 +25,16 @@ from attn_export.errors import SpecError, UsageError
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import MASK, POSITIONS, cache_of
 
-__all__ = ["CONFIG_NAME", "GRAPH_NAME", "genai_config", "refuse_unfit", "write_genai_folder"]
+__all__ = [
+    "CONFIG_NAME",
+    "GRAPH_NAME",
+    "LOGITS",
+    "genai_config",
+    "logits_vocab",
+    "pad_token",
+    "refuse_unfit",
+    "write_genai_folder",
+]
 
 CONFIG_NAME = "genai_config.json"
 GRAPH_NAME = "model.onnx"
@@ -53,6 +62,12 @@ def refuse_unfit(spec: ModelSpec, variant: str) -> None:
         raise bad(
             "a cache updated in place needs its filled length fed as past_length, which onnxruntime-genai never "
             "feeds; package the fp32, fp16 or int8 graph"
+        )
+    layers = len(cache.pairs) // 2
+    expected_pasts = {f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")}
+    if {past for past, _ in cache.pairs} != expected_pasts:
+        raise bad(
+            f"onnxruntime-genai names layers 0 to N-1: declare past_key_values.0 to .{layers - 1}, each key and value"
         )
     fed = {"input_ids", MASK, POSITIONS, *(past for past, _ in cache.pairs)}
     extra = [t.name for t in spec.inputs if t.name not in fed]
@@ -84,9 +99,19 @@ def _first(config: Any, names: tuple[str, ...], what: str, spec: ModelSpec) -> i
 
 def _token(config: Any, name: str) -> int | list[int] | None:
     value = getattr(config, name, None)
-    if isinstance(value, int) or (isinstance(value, list) and all(isinstance(v, int) for v in value)):
+    if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value)):
         return value
     return None
+
+
+def pad_token(config: Any) -> int:
+    """The token a padded prompt is filled with: the config's pad token, else its (first)
+    end-of-sequence token, else 0 (the mask hides it either way)."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = _token(config, name)
+        if value is not None:
+            return value if isinstance(value, int) else value[0]
+    return 0
 
 
 def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[str, Any]:
@@ -105,8 +130,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
     eos = _token(config, "eos_token_id")
     if eos is None:
         raise SpecError(f"{spec.name}: --target genai: the config declares no eos_token_id; set one in config")
-    pad = _token(config, "pad_token_id")
-    pad = pad if isinstance(pad, int) else (eos if isinstance(eos, int) else eos[0])
+    pad = pad_token(config)
     bos = _token(config, "bos_token_id")
     context = spec.dims[cache.total_dim].max
     family = str(getattr(config, "model_type", "")).replace("_", "")
@@ -125,7 +149,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
         },
         "outputs": {LOGITS: LOGITS, "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
         "num_attention_heads": _first(config, _HEADS, "attention heads", spec),
-        "num_hidden_layers": len(cache.pairs) // 2,
+        "num_hidden_layers": len(cache.pairs) // 2,  # a key and a value per layer (refuse_unfit)
         "num_key_value_heads": kv_heads,
     }
     return {
@@ -136,7 +160,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
             "eos_token_id": eos,
             "pad_token_id": pad,
             "type": family if family in _DECODER_TYPES else "decoder",
-            "vocab_size": _vocab(spec),
+            "vocab_size": logits_vocab(spec),
         },
         "search": {
             "do_sample": False,
@@ -155,7 +179,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
     }
 
 
-def _vocab(spec: ModelSpec) -> int:
+def logits_vocab(spec: ModelSpec) -> int:
     """The vocabulary: ``logits``' last axis."""
     size = next(t.shape[-1] for t in spec.outputs if t.name == LOGITS)
     assert isinstance(size, int)
@@ -172,22 +196,28 @@ def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, va
     if dest.exists() and not dest.is_dir():
         raise UsageError(f"cannot write the genai folder {dest}: a file of that name is there")
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
-    old = dest.parent / f".{dest.name}.old"
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent)) / dest.name
+    moved = False
     try:
         shutil.copyfile(graph, staging / GRAPH_NAME)
         for name, path in data.items():
             shutil.copyfile(path, staging / name)
         (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
         if dest.exists():
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
+            moved = True
         os.replace(staging, dest)
+        moved = False  # the new folder is in place: the old one is not to be put back
     except OSError as e:
+        if moved:  # put the folder that was there back where it was
+            with contextlib.suppress(OSError):
+                os.replace(old, dest)
+                moved = False
         raise UsageError(f"cannot write the genai folder {dest}: {e.strerror or e}") from e
     finally:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not moved:  # else the only copy of the folder that was there: left beside it
+            shutil.rmtree(old.parent, ignore_errors=True)
     return dest
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from attn_export.artifacts.genai_folder import LOGITS
 from attn_export.errors import SpecError, UsageError
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.genai import Generation
@@ -31,7 +32,6 @@ from attn_export.spec.cache import MASK, POSITIONS, cache_of
 __all__ = [
     "GenerateResult",
     "eos_tokens",
-    "Generation",
     "generate_prompts",
     "graph_generate",
     "is_causal_lm",
@@ -39,8 +39,6 @@ __all__ = [
     "stacked",
     "torch_generate",
 ]
-
-LOGITS = "logits"
 
 
 @dataclass
@@ -86,39 +84,51 @@ def is_causal_lm(spec: ModelSpec) -> bool:
     return logits is not None and isinstance(logits.shape[-1], int) and cache_of(spec) is not None
 
 
-def _vocab(spec: ModelSpec) -> int:
-    size = next((t.shape[-1] for t in spec.outputs if t.name == LOGITS), None)
-    if not isinstance(size, int) or cache_of(spec) is None:
+def generate_prompts(
+    spec: ModelSpec, steps: int, seed: int, special: frozenset[int] = frozenset()
+) -> dict[str, list[list[int]]]:
+    """Seeded prompts by layout: one at batch 1, and (where the batch may be 2) two of
+    different lengths. Each fits the spec's ranges with ``steps`` new tokens after it; ids
+    leave out the ``special`` tokens (pad, bos, eos: a generator masks a pad in a prompt)
+    and the lowest three where the vocabulary allows. UsageError naming what to change where
+    a causal LM cannot be run so."""
+    cache = cache_of(spec)
+    if not is_causal_lm(spec) or cache is None:
         raise SpecError(
             f"{spec.name}: --generate runs a causal LM with a KV cache and a {LOGITS} output whose last "
             "axis is the vocabulary (attn_export.zoo.hf_cache:CausalLMWithCache)"
         )
-    return size
-
-
-def generate_prompts(spec: ModelSpec, steps: int, seed: int) -> dict[str, list[list[int]]]:
-    """Seeded prompts by layout: one at batch 1, and two of different lengths. Each fits the
-    spec's ranges with ``steps`` new tokens after it; ids avoid the lowest three (the usual
-    pad, bos and eos) where the vocabulary allows."""
-    vocab = _vocab(spec)
-    cache = cache_of(spec)
-    assert cache is not None
-    longest_prompt = spec.dims[cache.seq_dim].max
-    room = spec.dims[cache.past_dim].max + 1 - steps  # the last step's past is prompt + steps - 1
-    length = min(longest_prompt, room, 6)
+    inputs = {t.name: t for t in spec.inputs}
+    if "input_ids" not in inputs or cache.mask is None:
+        raise SpecError(f"{spec.name}: --generate feeds token ids and a mask: declare input_ids and {MASK} inputs")
+    vocab = next(t.shape[-1] for t in spec.outputs if t.name == LOGITS)
+    assert isinstance(vocab, int)
+    seq, past = spec.dims[cache.seq_dim], spec.dims[cache.past_dim]
+    # the prompt's step has an empty cache; step k after it feeds a past of prompt + k - 1
+    length = min(seq.max, past.max + 2 - steps, 6)
+    if seq.min > 1 or past.min > 0:
+        raise UsageError(
+            f"{spec.name}: --generate decodes one token a step from an empty cache: [dims] {cache.seq_dim} must "
+            f"reach 1 and {cache.past_dim} 0"
+        )
     if length < 2:
         raise UsageError(
-            f"{spec.name}: --generate {steps}: a prompt of 2 tokens and {steps} new ones need past_seq up to "
-            f"{steps + 1}, and the spec declares {spec.dims[cache.past_dim].max}; generate fewer tokens or widen "
-            f"[dims] {cache.past_dim}"
+            f"{spec.name}: --generate {steps}: a prompt of 2 tokens and {steps} new ones need {cache.past_dim} up to "
+            f"{steps}, and the spec declares {past.max}; generate fewer tokens or widen [dims] {cache.past_dim}"
         )
     rng = np.random.default_rng(seed)
-    low = 3 if vocab > 3 else 0
+    allowed = np.array([t for t in range(3 if vocab > 3 else 0, vocab) if t not in special])
+    if not allowed.size:
+        raise UsageError(f"{spec.name}: --generate: every id of the vocabulary of {vocab} is a special token")
 
     def draw(n: int) -> list[int]:
-        return [int(t) for t in rng.integers(low, vocab, size=n)]
+        return [int(t) for t in rng.choice(allowed, size=n)]
 
-    return {"batch-1": [draw(length)], "padded": [draw(length), draw(max(1, length // 2))]}
+    batch = spec.dims.get(cache.batch_dim) if cache.batch_dim else None
+    layouts = {"batch-1": [draw(length)]}
+    if batch is not None and batch.max >= 2:
+        layouts["padded"] = [draw(length), draw(max(1, length // 2))]
+    return layouts
 
 
 def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +198,7 @@ def graph_generate(
         feeds = {"input_ids": step_ids, MASK: mask, **pasts}
         if POSITIONS in inputs:
             feeds[POSITIONS] = positions
+        feeds = {name: np.asarray(value, dtype=inputs[name].dtype) for name, value in feeds.items()}
         out = runtime.run(feeds)
         last = np.asarray(out[LOGITS])[:, -1].astype(np.float64)
         logits.append(last)
@@ -200,10 +211,16 @@ def graph_generate(
 
 
 def stacked(generations: Sequence[Generation]) -> Generation:
-    """Generations of one row each as the rows of one batch (PyTorch's of each prompt alone)."""
+    """Generations of one row each as the rows of one batch (PyTorch's of each prompt alone);
+    a row that ended sooner is NaN past its end (judged no further: it ended)."""
     tokens = [row for g in generations for row in g.tokens]
-    steps = min(len(g.logits) for g in generations)
-    return Generation(tokens, [np.concatenate([g.logits[i] for g in generations]) for i in range(steps)])
+    steps = max(len(g.logits) for g in generations)
+    vocab = generations[0].logits[0].shape[-1]
+    blank = np.full((1, vocab), np.nan)
+    return Generation(
+        tokens,
+        [np.concatenate([g.logits[i] if i < len(g.logits) else blank for g in generations]) for i in range(steps)],
+    )
 
 
 def judge(
@@ -211,20 +228,26 @@ def judge(
 ) -> tuple[list[float], str, int | None]:
     """Step by step, the largest logit difference, and the first step whose tokens differ or
     whose logits break ``tolerance`` (its atol widened by ``atol_rms`` x the step's logits'
-    rms): one line naming its row, the two tokens and the logit.
-    A row that has ended (PyTorch chose an ``eos`` token) is judged no further: a generator
-    stops it there."""
+    rms; NaN never agrees): one line naming its row, the two tokens and the logit. A row
+    that has ended (PyTorch chose an ``eos`` token) is judged no further, as a generator
+    stops it there; a row the graph's runner stopped before that is a divergence."""
     by_step: list[float] = []
     ended: set[int] = set()
-    for step, (want, have) in enumerate(zip(expected.logits, got.logits, strict=False)):
-        rows = [r for r in range(len(expected.tokens)) if r not in ended and step < len(got.tokens[r])]
+    for step, want in enumerate(expected.logits):
+        rows = [r for r in range(len(expected.tokens)) if r not in ended and step < len(expected.tokens[r])]
         if not rows:
             break
-        diff = np.abs(want - have)
-        by_step.append(float(diff[rows].max()))
+        stopped = [r for r in rows if step >= len(got.tokens[r]) or step >= len(got.logits)]
+        if stopped:
+            row = stopped[0]
+            return by_step, f"step {step + 1}, row {row}: the graph's runner stopped after {step} tokens", step + 1
+        have = got.logits[step]
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(want - have)
+        by_step.append(float(np.nanmax(diff[rows])) if np.isfinite(diff[rows]).any() else float("nan"))
         # a lossy variant's share of the logits' rms holds what its simulated rounding misses
-        room = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.mean(want[rows] ** 2)))
-        outside = diff > room + tolerance.rtol * np.abs(want)
+        room = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.nanmean(want[rows] ** 2)))
+        outside = ~(diff <= room + tolerance.rtol * np.abs(want))
         for row in rows:
             w, h = expected.tokens[row][step], got.tokens[row][step]
             if w != h or outside[row].any():
@@ -233,9 +256,8 @@ def judge(
                     by_step,
                     f"step {step + 1}, row {row}: "
                     + (f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};")
-                    + f" logit {index}: PyTorch "
-                    f"{want[row, index]:.6g}, the graph {have[row, index]:.6g} (|diff| {diff[row, index]:.3g}, "
-                    f"atol={room:.3g} rtol={tolerance.rtol:g})",
+                    + f" logit {index}: PyTorch {want[row, index]:.6g}, the graph {have[row, index]:.6g} "
+                    f"(|diff| {diff[row, index]:.3g}, atol={room:.3g} rtol={tolerance.rtol:g})",
                     step + 1,
                 )
             if w in eos:

@@ -228,9 +228,10 @@ def _by_rounding(report: VerifyReport) -> list[str]:
     for model, worst in found.items():
         distributions = ", ".join(sorted(worst))
         shares = ", ".join(f"{share:.2g}" for _, share in sorted(worst.items()))
+        kind = "int4" if "." in model and "int4" in model.rsplit(".", 1)[1].split("+") else "int8"
         notes.append(
-            f"note: {model} passes on {distributions} values only because int8's own rounding of the module "
-            f"(simulated in PyTorch) strays that far there: its worst element {shares} x the output's rms; int8 "
+            f"note: {model} passes on {distributions} values only because {kind}'s own rounding of the module "
+            f"(simulated in PyTorch) strays that far there: its worst element {shares} x the output's rms; {kind} "
             "loses that much precision where such values or lengths come"
         )
     return notes

@@ -107,7 +107,11 @@ def rounded(module: Any, bits: int = 8) -> Iterator[None]:
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
-                if bits == 4:  # F.linear reduces over the weight's last axis, a matmul over its second to last
+                if (
+                    bits == 4
+                ):  # MatMulNBits takes 2-D weights; F.linear reduces over their last axis, a matmul the first
+                    if args[1].dim() != 2:
+                        return func(*args, **kwargs)
                     return func(args[0], blocks(args[1], -1 if func is F.linear else -2), *args[2:], **kwargs)
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
             result = func(*args, **kwargs)

@@ -7,10 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["WEIGHT_BITS", "Rounding", "Tolerance", "rounding_bits", "rounding_key"]
-
-#: The weight quantizations whose rounding is simulated (``runtimes.int8_rounding``), by bits.
-WEIGHT_BITS = (8, 4)
+__all__ = ["Rounding", "Tolerance", "rounding_bits", "rounding_key"]
 
 
 def rounding_bits(tolerances: Iterable[Tolerance]) -> tuple[int, ...]:

@@ -111,3 +111,29 @@ def test_genai_generates_pytorchs_tokens_at_batch_one_and_padded_batches(causal_
         tokens.append(generator.get_next_tokens().tolist())
     by_row = np.array(tokens).T.tolist()
     assert by_row == [_torch_tokens(p, steps) for p in prompts]
+
+
+def test_a_failed_write_leaves_the_folder_that_was_there(
+    causal_lm: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from attn_export.artifacts import genai_folder
+    from attn_export.errors import UsageError
+
+    spec = load_spec(LM)
+    dest = tmp_path / "genai" / "model"
+    genai_folder.write_genai_folder(causal_lm.out / "llama_causal_lm.onnx", spec, build_config(spec), dest)
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    real = os.replace
+
+    def full_disk(src: object, dst: object) -> None:
+        if str(src).endswith(".tmp"):  # the new folder's move into place
+            raise OSError(28, "No space left on device")
+        real(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(genai_folder.os, "replace", full_disk)
+    with pytest.raises(UsageError, match="cannot write the genai folder .*: No space left on device"):
+        genai_folder.write_genai_folder(causal_lm.out / "llama_causal_lm.int4.onnx", spec, build_config(spec), dest)
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["model"]  # nothing left beside it

@@ -19,11 +19,12 @@ from typing import Any
 from attn_export import __version__
 from attn_export.artifacts.files import build_lock, sha256_bytes, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
-from attn_export.artifacts.genai_folder import refuse_unfit, write_genai_folder
+from attn_export.artifacts.genai_folder import genai_config, refuse_unfit, write_genai_folder
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_in_order
+from attn_export.exporter.factory import build_config
 from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
@@ -119,8 +120,10 @@ def build_models(
 
     if options.target == "genai":  # before anything is built: nothing is written for a spec genai cannot run
         for p in spec_paths:
+            spec = load_spec(p)
             for variant in options.variants:
-                refuse_unfit(load_spec(p), variant)
+                refuse_unfit(spec, variant)
+            genai_config(spec, build_config(spec))  # what its config needs (heads, eos, ...) is there
     if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
         for p in spec_paths:
             for graph in build_cell(BuildCell(p, options, {}, {})):
@@ -140,18 +143,18 @@ def build_models(
                             report(_commit(options.out_dir, manifest, graph))
                         if options.fail_fast and results and not results[-1].ok:
                             break  # closing cancels the cells not started
+                if options.target == "genai":  # under the lock: no other build swaps a graph mid-copy
+                    _package_for_genai(spec_paths, options, results)
             finally:
                 _remove_leftovers(options.out_dir, manifest)
     written = (options.out_dir / MANIFEST_NAME).is_file()
-    if options.target == "genai" and written:
-        _package_for_genai(spec_paths, options, results)
     return BuildSummary(str(options.out_dir), results, time.perf_counter() - started, written)
 
 
 def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, results: Sequence[BuildResult]) -> None:
     """Each graph built (or unchanged) as ``genai/<graph>/`` beside it, from the manifest's file."""
-    from attn_export.exporter.factory import build_config
-
+    if not (options.out_dir / MANIFEST_NAME).is_file():
+        return  # nothing was built
     manifest = load_manifest(options.out_dir)
     for path in spec_paths:
         spec = load_spec(path)

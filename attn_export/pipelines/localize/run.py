@@ -62,6 +62,7 @@ from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
+from attn_export.spec.tolerance import rounding_bits
 
 __all__ = ["LocalizeOptions", "localize_failures", "localize_model"]
 
@@ -412,7 +413,7 @@ class _Side:
 
 
 def _pytorch_side(
-    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int
+    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int, bits: tuple[int, ...]
 ) -> tuple[_Side, LocalizeOptions]:
     """Run the module's FX program and the module itself on the case ``options`` name."""
     module = instantiate(spec)
@@ -427,7 +428,8 @@ def _pytorch_side(
         options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, default_opset(proto) or 0)
     values = torch_values(program, spec, feeds, budget)
-    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
+    # the simulated rounding of the variant's quantization (int8, int4), which its tolerances judge by
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
         outputs = eager.run(feeds)
         seen = sights(spec, eager, example_sizes(spec), [sizes])
         floors, int8 = eager.allowances(feeds, outputs)
@@ -467,7 +469,8 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     if options.golden:
         side = _recorded_side(out_dir / entry.intermediates, spec, budget)
     else:
-        side, options = _pytorch_side(spec, proto, options, budget)
+        bits = rounding_bits(spec.tolerances(entry.variant).values())
+        side, options = _pytorch_side(spec, proto, options, budget, bits)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
     outputs = case.outputs
     notes = []

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.genai_folder import refuse_unfit, write_genai_folder
+from attn_export.artifacts.genai_folder import genai_config, pad_token, write_genai_folder
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.generate import (
     GenerateResult,
@@ -21,7 +22,7 @@ from attn_export.checks.generate import (
     stacked,
     torch_generate,
 )
-from attn_export.errors import SpecError
+from attn_export.errors import AttnExportError, SpecError
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
@@ -32,17 +33,6 @@ from attn_export.spec.memory import memory_budget
 __all__ = ["generate_model"]
 
 GENAI = "onnxruntime-genai"
-
-
-def _pad(config: Any) -> int:
-    """The token a padded prompt is filled with: the config's pad token, else its end of
-    sequence, else 0 (the mask hides it either way)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(config, name, None)
-        value = value[0] if isinstance(value, list) and value else value
-        if isinstance(value, int):
-            return value
-    return 0
 
 
 def _result(
@@ -60,12 +50,21 @@ def _result(
     return GenerateResult(name, runner, layout, prompts, steps, want.tokens, got.tokens, by_step, divergence, step)
 
 
-def _fits_genai(spec: ModelSpec, variant: str) -> bool:
+def _fits_genai(spec: ModelSpec, variant: str, config: Any) -> bool:
+    """Whether genai's generator can run the graph: installed, and the graph fits it."""
     try:
-        refuse_unfit(spec, variant)
+        genai_config(spec, config, variant)
     except SpecError:
         return False
     return importlib.util.find_spec("onnxruntime_genai") is not None
+
+
+def _run(make: Callable[..., Generation], *args: Any) -> Generation | str:
+    """A runner's generation, or why it could not run (a FAIL row, not the end of the report)."""
+    try:
+        return make(*args)
+    except AttnExportError as e:
+        return f"the graph's runner failed: {e}"
 
 
 def generate_model(
@@ -74,30 +73,38 @@ def generate_model(
     """Every generation of ``entry``'s graph this run asks for, judged against PyTorch."""
     from attn_export.exporter.factory import build_config, instantiate
 
-    steps = options.generate_steps
-    prompts = generate_prompts(spec, steps, options.seed)
-    module = instantiate(spec)
     config = build_config(spec)
-    pad, eos = _pad(config), eos_tokens(config)
-    tolerance = tolerances_for(spec, entry.variant, options)["logits"]
-    graph = out_dir / entry.file
-    # a quantized graph generates as the module with its weights rounded so
+    pad, eos = pad_token(config), eos_tokens(config)
+    special = frozenset(
+        {pad, *eos, *([config.bos_token_id] if isinstance(getattr(config, "bos_token_id", None), int) else [])}
+    )
+    steps = options.generate_steps
+    prompts = generate_prompts(spec, steps, options.seed, special)
+    module = instantiate(spec)
     judged = spec.tolerance_for("logits", entry.variant)
+    # a quantized graph generates as the module with its weights rounded so; int4's rounding is
+    # simulated to float32 noise, so its logits are held to the model's own tolerance
     bits = judged.weight_bits if judged.int8_rounding else None
+    tolerance = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
+    graph = out_dir / entry.file
     expected = {layout: torch_generate(module, spec, rows, steps, pad, bits) for layout, rows in prompts.items()}
     results = []
+
+    def judged_row(runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str) -> None:
+        if isinstance(got, str):
+            results.append(GenerateResult(entry.name, runner, layout, rows, steps, want.tokens, [], [], got, 1))
+        else:
+            results.append(_result(entry.name, runner, layout, rows, steps, want, got, tolerance, eos))
+
     for target in options.targets:
         if target.runtime != "onnxruntime":
             continue
         budget = memory_budget(options.max_memory, spec)
-        runtime = RUNTIMES[target.runtime].make(graph, spec, target, options.threads, budget)
-        with runtime:
+        with RUNTIMES[target.runtime].make(graph, spec, target, options.threads, budget) as runtime:
             for layout, rows in prompts.items():
-                got = graph_generate(runtime, spec, rows, steps, pad)
-                results.append(
-                    _result(entry.name, target.label, layout, rows, steps, expected[layout], got, tolerance, eos)
-                )
-    if _fits_genai(spec, entry.variant):
+                got = _run(graph_generate, runtime, spec, rows, steps, pad)
+                judged_row(target.label, layout, rows, expected[layout], got)
+    if _fits_genai(spec, entry.variant, config):
         from attn_export.runtimes.genai import genai_generate
 
         with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
@@ -105,6 +112,5 @@ def generate_model(
             for layout, rows in prompts.items():
                 # genai pads on the right and masks: each row gives what its prompt alone gives
                 want = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
-                got = genai_generate(folder, rows, steps, pad)
-                results.append(_result(entry.name, GENAI, layout, rows, steps, want, got, tolerance, eos))
+                judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad))
     return results

@@ -1,0 +1,79 @@
+"""The generation judge: tokens exact, logits within tolerance, rows judged to their end of
+sequence and no further, and a runner that stops early or gives NaN does not pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attn_export.checks.generate import generate_prompts, judge, stacked
+from attn_export.errors import UsageError
+from attn_export.runtimes.genai import Generation
+from attn_export.spec import Tolerance, load_spec
+from tests.conftest import TINY_ZOO
+
+TOL = Tolerance(1e-5, 1e-4)
+EOS = frozenset({2})
+
+
+def _logits(tokens: list[list[int]], vocab: int = 8) -> list[np.ndarray]:
+    """Each step's logits peaking at each row's token."""
+    steps = max(len(row) for row in tokens)
+    out = []
+    for step in range(steps):
+        logits = np.zeros((len(tokens), vocab))
+        for row, seq in enumerate(tokens):
+            if step < len(seq):
+                logits[row, seq[step]] = 1.0
+        out.append(logits)
+    return out
+
+
+def _gen(tokens: list[list[int]]) -> Generation:
+    return Generation(tokens, _logits(tokens))
+
+
+def test_the_same_generation_agrees_and_a_row_is_judged_to_its_end() -> None:
+    want = _gen([[5, 2, 0, 0], [3, 4, 5, 6]])
+    got = _gen([[5, 2, 7, 7], [3, 4, 5, 6]])  # after its eos a row may hold anything
+    assert judge(want, got, TOL, EOS)[1:] == ("", None)
+
+
+def test_a_row_that_differs_after_another_row_ended_is_still_judged() -> None:
+    """PyTorch's generation of each prompt alone, stacked: the row that ended first must not
+    cut the other's judging short."""
+    want = stacked([_gen([[5, 2]]), _gen([[3, 4, 5, 6]])])
+    got = _gen([[5, 2, 0, 0], [3, 4, 7, 6]])
+    why, step = judge(want, got, TOL, EOS)[1:]
+    assert step == 3 and why.startswith("step 3, row 1: PyTorch picks token 5, the graph 7;")
+
+
+def test_a_runner_that_stops_early_does_not_pass() -> None:
+    want, got = _gen([[3, 4, 5]]), _gen([[3]])
+    assert judge(want, got, TOL, EOS)[1:] == ("step 2, row 0: the graph's runner stopped after 1 tokens", 2)
+
+
+def test_nan_logits_do_not_pass() -> None:
+    want, got = _gen([[3, 4]]), _gen([[3, 4]])
+    got.logits[1][0, 0] = np.nan
+    why, step = judge(want, got, TOL, EOS)[1:]
+    assert step == 2 and "both pick token 4, but logit 0: PyTorch 0, the graph nan" in why
+
+
+def test_prompts_hold_no_special_token_and_a_batch_of_one_has_no_padded_layout(tmp_path: Path) -> None:
+    spec = load_spec(TINY_ZOO / "llama_causal_lm.toml")
+    prompts = generate_prompts(spec, 8, seed=0, special=frozenset({3, 4, 5}))
+    assert set(prompts) == {"batch-1", "padded"}
+    assert not {t for rows in prompts.values() for row in rows for t in row} & {0, 1, 2, 3, 4, 5}
+    text = (TINY_ZOO / "llama_causal_lm.toml").read_text().replace("batch = { min = 1, max = 4 }\n", "")
+    (tmp_path / "one.toml").write_text(text.replace('"batch"', "1"))  # one sequence, declared static
+    assert set(generate_prompts(load_spec(tmp_path / "one.toml"), 8, seed=0)) == {"batch-1"}
+
+
+def test_more_tokens_than_past_seq_holds_is_refused() -> None:
+    spec = load_spec(TINY_ZOO / "llama_causal_lm.toml")  # past_seq up to 24
+    assert generate_prompts(spec, 24, seed=0)["batch-1"]  # a prompt of 2, then past 2 + 24 - 2 = 24
+    with pytest.raises(UsageError, match="--generate 25: a prompt of 2 tokens and 25 new ones need past_seq up to 25"):
+        generate_prompts(spec, 25, seed=0)

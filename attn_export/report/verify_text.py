@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from attn_export.compare.outputs import FLOOR_FACTOR
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
+from attn_export.runtimes.genai import GENAI
 from attn_export.spec import ModelSpec
 from attn_export.spec.masks import CASES
 from attn_export.spec.shapes import format_sizes, mask_cases
@@ -157,6 +158,12 @@ def format_generate(report: VerifyReport) -> str:
             f"{'PASS' if g.passed else 'FAIL':<6} {f'{agreed}/{g.steps}':<7} {worst}"
         )
     lines += [f"FAIL {g.model} {g.runner} generate {g.layout}: {g.divergence}" for g in report.generate if g.divergence]
+    without = sorted({g.model for g in report.generate} - {g.model for g in report.generate if g.runner == GENAI})
+    if without:
+        lines.append(
+            f"note: onnxruntime-genai's generator did not run {', '.join(without)}: it is not installed (pip install "
+            "'attn-export[genai]'), or the graph does not fit it (build --target genai says why)"
+        )
     return "\n".join(lines)
 
 

@@ -16,7 +16,10 @@ import numpy as np
 from attn_export._deps import require
 from attn_export.errors import RuntimeFailure, first_line
 
-__all__ = ["Generation", "genai_generate"]
+__all__ = ["GENAI", "Generation", "genai_generate"]
+
+#: How reports name this runner.
+GENAI = "onnxruntime-genai"
 
 
 @dataclass(frozen=True)

@@ -271,3 +271,18 @@ def test_the_verify_table_stays_aligned_for_long_names_and_shapes() -> None:
     rows = format_model_rows(name, cases, ModelCheck(name, "m.onnx"), w).splitlines()
     assert "fully-padded-sequence" in rows[1] and "fully-padded-sequence" in rows[2]
     assert {row.index("normal") for row in rows} == {header(w).index("VALUES")}
+
+
+def test_the_report_says_when_genais_generator_did_not_run() -> None:
+    from attn_export.checks.generate import GenerateResult
+    from attn_export.pipelines.verify import VerifyReport
+    from attn_export.report.verify_text import format_generate
+
+    def row(model: str, runner: str) -> GenerateResult:
+        return GenerateResult(model, runner, "batch-1", [[5, 6]], 4, [[1, 2, 3, 4]], [[1, 2, 3, 4]], [0.0] * 4)
+
+    report = VerifyReport("build", 0, {})
+    report.generate = [row("lm", "onnxruntime[cpu]"), row("lm", "onnxruntime-genai"), row("other", "onnxruntime[cpu]")]
+    text = format_generate(report)
+    assert "note: onnxruntime-genai's generator did not run other: it is not installed" in text
+    assert "did not run lm" not in text

@@ -26,13 +26,11 @@ from attn_export.errors import AttnExportError, SpecError
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
-from attn_export.runtimes.genai import Generation
+from attn_export.runtimes.genai import GENAI, Generation
 from attn_export.spec import ModelSpec, Tolerance
 from attn_export.spec.memory import memory_budget
 
 __all__ = ["generate_model"]
-
-GENAI = "onnxruntime-genai"
 
 
 def _result(

@@ -29,10 +29,12 @@ __all__ = [
     "CONFIG_NAME",
     "GRAPH_NAME",
     "LOGITS",
+    "eos_tokens",
     "genai_config",
     "logits_vocab",
     "pad_token",
     "refuse_unfit",
+    "special_tokens",
     "write_genai_folder",
 ]
 
@@ -102,6 +104,18 @@ def _token(config: Any, name: str) -> int | list[int] | None:
     if isinstance(value, int) or (isinstance(value, list) and value and all(isinstance(v, int) for v in value)):
         return value
     return None
+
+
+def eos_tokens(config: Any) -> frozenset[int]:
+    """The tokens that end a sequence: ``config``'s ``eos_token_id`` (one or a list)."""
+    value = _token(config, "eos_token_id")
+    return frozenset([value] if isinstance(value, int) else value or [])
+
+
+def special_tokens(config: Any) -> frozenset[int]:
+    """Pad, begin and end of sequence: tokens a prompt must not hold (a generator masks a pad)."""
+    bos = _token(config, "bos_token_id")
+    return frozenset({pad_token(config), *eos_tokens(config), *([bos] if isinstance(bos, int) else [])})
 
 
 def pad_token(config: Any) -> int:

@@ -31,7 +31,6 @@ from attn_export.spec.cache import MASK, POSITIONS, cache_of
 
 __all__ = [
     "GenerateResult",
-    "eos_tokens",
     "generate_prompts",
     "graph_generate",
     "is_causal_lm",
@@ -69,13 +68,6 @@ class GenerateResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GenerateResult:
         return cls(**{k: v for k, v in d.items() if k != "passed"})
-
-
-def eos_tokens(config: Any) -> frozenset[int]:
-    """The tokens that end a sequence, by ``config``'s ``eos_token_id`` (one or a list)."""
-    value = getattr(config, "eos_token_id", None)
-    values = value if isinstance(value, list) else [value]
-    return frozenset(v for v in values if isinstance(v, int))
 
 
 def is_causal_lm(spec: ModelSpec) -> bool:

@@ -11,11 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.genai_folder import genai_config, pad_token, write_genai_folder
+from attn_export.artifacts.genai_folder import (
+    eos_tokens,
+    genai_config,
+    pad_token,
+    special_tokens,
+    write_genai_folder,
+)
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.generate import (
     GenerateResult,
-    eos_tokens,
     generate_prompts,
     graph_generate,
     judge,
@@ -27,25 +32,10 @@ from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.genai import GENAI, Generation
-from attn_export.spec import ModelSpec, Tolerance
+from attn_export.spec import ModelSpec
 from attn_export.spec.memory import memory_budget
 
 __all__ = ["generate_model"]
-
-
-def _result(
-    name: str,
-    runner: str,
-    layout: str,
-    prompts: list[list[int]],
-    steps: int,
-    want: Generation,
-    got: Generation,
-    tolerance: Tolerance,
-    eos: frozenset[int],
-) -> GenerateResult:
-    by_step, divergence, step = judge(want, got, tolerance, eos)
-    return GenerateResult(name, runner, layout, prompts, steps, want.tokens, got.tokens, by_step, divergence, step)
 
 
 def _fits_genai(spec: ModelSpec, variant: str, config: Any) -> bool:
@@ -73,11 +63,8 @@ def generate_model(
 
     config = build_config(spec)
     pad, eos = pad_token(config), eos_tokens(config)
-    special = frozenset(
-        {pad, *eos, *([config.bos_token_id] if isinstance(getattr(config, "bos_token_id", None), int) else [])}
-    )
     steps = options.generate_steps
-    prompts = generate_prompts(spec, steps, options.seed, special)
+    prompts = generate_prompts(spec, steps, options.seed, special_tokens(config))
     module = instantiate(spec)
     judged = spec.tolerance_for("logits", entry.variant)
     # a quantized graph generates as the module with its weights rounded so; int4's rounding is
@@ -89,10 +76,17 @@ def generate_model(
     results = []
 
     def judged_row(runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str) -> None:
+        """The row of one runner's generation; one that could not run diverges at its first step."""
+        by_step: list[float] = []
+        step: int | None = 1
+        tokens: list[list[int]] = []
         if isinstance(got, str):
-            results.append(GenerateResult(entry.name, runner, layout, rows, steps, want.tokens, [], [], got, 1))
+            divergence = got
         else:
-            results.append(_result(entry.name, runner, layout, rows, steps, want, got, tolerance, eos))
+            (by_step, divergence, step), tokens = judge(want, got, tolerance, eos), got.tokens
+        results.append(
+            GenerateResult(entry.name, runner, layout, rows, steps, want.tokens, tokens, by_step, divergence, step)
+        )
 
     for target in options.targets:
         if target.runtime != "onnxruntime":

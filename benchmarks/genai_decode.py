@@ -8,11 +8,12 @@ local checkpoint, builds in a temporary folder:
 
 * genai's graphs: its model builder (``onnxruntime_genai.models.builder``) at fp32 and int4, CPU;
 * ours: ``attn-export build --target genai`` of ``CausalLMWithCache`` with the checkpoint's
-  weights, fp32 and int4 (``--variant int4``),
+  weights, fp32 and int4 (``--variant int4``), each with a growing cache and written in place
+  (``static-cache``, ``static-cache+int4``: genai binds past and present to one buffer),
 
 then, at 1 thread (intra- and inter-op, written into each folder's ``genai_config.json``), batch
 1, times greedy decoding in genai's generator after a prompt of 128, 512 and 2048 tokens: the
-milliseconds per new token over ``--tokens`` tokens. The four graphs take turns, block after
+milliseconds per new token over ``--tokens`` tokens. The six graphs take turns, block after
 block, in each repeat; a cell is the median over repeats of each repeat's ms/token, a ratio the
 median of the repeats' ratios with the lowest and highest in brackets. It also says whether each
 pair generated the same tokens. Nothing here asserts: figures are printed, from one run.
@@ -33,6 +34,9 @@ import numpy as np
 
 PASTS = (128, 512, 2048)
 HIDDEN, HEADS, VOCAB = 512, 8, 256
+PRECISIONS = ("fp32", "int4")
+#: Our graphs by column: each precision with a growing cache, then written in place.
+VARIANTS = {"fp32": "fp32", "int4": "int4", "fp32 in place": "static-cache", "int4 in place": "static-cache+int4"}
 
 
 def _checkpoint(folder: Path, layers: int) -> None:
@@ -66,7 +70,8 @@ def _genai_builder(checkpoint: Path, out: Path, precision: str) -> Path:
 
 
 def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
-    """``attn-export build --target genai`` of the checkpoint's weights, fp32 and int4."""
+    """``attn-export build --target genai`` of the checkpoint's weights, fp32 and int4, each
+    with a growing cache and in place."""
     import torch
     from safetensors.torch import load_file
 
@@ -99,15 +104,15 @@ def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
         '[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = [1, "seq"]\n'
         f'{pasts}[[outputs]]\nname = "logits"\nshape = [1, "seq", {VOCAB}]\n{presents}'
         "[dims]\nseq = { min = 1, max = 2048 }\npast_seq = { min = 0, max = 2112 }\n"
-        'total_seq = "past_seq + seq"\n'
+        'total_seq = "past_seq + seq"\n[cache]\nmax_seq = 4160\n'
     )
     out = work / "build"
     subprocess.run(
         [sys.executable, "-m", "attn_export", "build", "--models", str(models), "--out", str(out), "--target", "genai",
-         "--variant", "fp32", "--variant", "int4"],
+         *(a for v in VARIANTS.values() for a in ("--variant", v))],
         check=True, capture_output=True,
     )  # fmt: skip
-    return {"fp32": out / "genai" / "llama", "int4": out / "genai" / "llama.int4"}
+    return {name: out / "genai" / ("llama" if v == "fp32" else f"llama.{v}") for name, v in VARIANTS.items()}
 
 
 def _one_thread(folder: Path) -> None:
@@ -147,15 +152,15 @@ def main() -> None:
     import onnxruntime_genai as og
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, 1 thread, batch 1, ms per new token in genai's generator")
-    print("| layers | past | genai fp32 | ours fp32 | ratio | genai int4 | ours int4 | ratio | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    columns = [c for p in PRECISIONS for c in (f"genai {p}", f"ours {p}", "ratio", f"ours {p} in place", "ratio")]
+    print(f"| layers | past | {' | '.join(columns)} | same tokens as genai's |")
+    print("|---" * (len(columns) + 3) + "|")
     for layers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             _checkpoint(work / "hf", layers)
             folders = {
-                "genai fp32": _genai_builder(work / "hf", work / "genai-fp32", "fp32"),
-                "genai int4": _genai_builder(work / "hf", work / "genai-int4", "int4"),
+                **{f"genai {p}": _genai_builder(work / "hf", work / f"genai-{p}", p) for p in PRECISIONS},
                 **{f"ours {k}": v for k, v in _ours(work / "hf", work, layers).items()},
             }
             for folder in folders.values():
@@ -170,18 +175,14 @@ def main() -> None:
                     for name, model in loaded.items():
                         ms, tokens[name] = _decode(model, prompt, args.tokens)
                         times[name].append(ms)
-                ratios = {
-                    p: [o / g for o, g in zip(times[f"ours {p}"], times[f"genai {p}"], strict=True)]
-                    for p in ("fp32", "int4")
-                }
-                same = [p for p in ("fp32", "int4") if tokens[f"ours {p}"] == tokens[f"genai {p}"]]
-                cells = {name: f"{statistics.median(t):.3f}" for name, t in times.items()}
-                print(
-                    f"| {layers} | {past} | {cells['genai fp32']} | {cells['ours fp32']} | {_spread(ratios['fp32'])} "
-                    f"| {cells['genai int4']} | {cells['ours int4']} | {_spread(ratios['int4'])} "
-                    f"| {', '.join(same) or 'neither'} |",
-                    flush=True,
-                )
+                cells = []
+                for p in PRECISIONS:
+                    cells.append(f"{statistics.median(times[f'genai {p}']):.3f}")
+                    for ours in (f"ours {p}", f"ours {p} in place"):
+                        ratios = [o / g for o, g in zip(times[ours], times[f"genai {p}"], strict=True)]
+                        cells += [f"{statistics.median(times[ours]):.3f}", _spread(ratios)]
+                same = [k for k in VARIANTS if tokens[f"ours {k}"] == tokens[f"genai {k[:4]}"]]
+                print(f"| {layers} | {past} | {' | '.join(cells)} | {', '.join(same) or 'none'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,6 @@ def refuse_unfit(spec: ModelSpec, variant: str) -> None:
     cache = cache_of(spec)
     if cache is None:
         raise bad("onnxruntime-genai runs a decoder with a KV cache: declare past_key_values.{i}.key/value inputs")
-    if cache.max_seq is not None or "static-cache" in variant.split("+"):
-        raise bad(
-            "a cache updated in place needs its filled length fed as past_length, which onnxruntime-genai never "
-            "feeds; package the fp32, fp16 or int8 graph"
-        )
     layers = len(cache.pairs) // 2
     expected_pasts = {f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")}
     if {past for past, _ in cache.pairs} != expected_pasts:
@@ -183,14 +178,18 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
             "min_length": 0,
             "num_beams": 1,
             "num_return_sequences": 1,
-            # every present is a new tensor of past + new positions: genai must not share one buffer
-            "past_present_share_buffer": False,
+            # a growing cache's present is a new tensor; static-cache writes into its past's buffer
+            "past_present_share_buffer": _in_place(variant),
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
             "top_p": 1.0,
         },
     }
+
+
+def _in_place(variant: str) -> bool:
+    return "static-cache" in variant.split("+")
 
 
 def logits_vocab(spec: ModelSpec) -> int:
@@ -213,7 +212,10 @@ def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, va
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent)) / dest.name
     moved = False
     try:
-        shutil.copyfile(graph, staging / GRAPH_NAME)
+        if _in_place(variant):
+            _write_length_from_mask(graph, staging / GRAPH_NAME)
+        else:
+            shutil.copyfile(graph, staging / GRAPH_NAME)
         for name, path in data.items():
             shutil.copyfile(path, staging / name)
         (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
@@ -233,6 +235,21 @@ def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, va
         if not moved:  # else the only copy of the folder that was there: left beside it
             shutil.rmtree(old.parent, ignore_errors=True)
     return dest
+
+
+def _write_length_from_mask(graph: Path, dest: Path) -> None:
+    """``graph`` (static-cache) at ``dest``, deriving its filled length from the mask; its
+    external data, if any, stays in the files copied beside it."""
+    import onnx
+
+    from attn_export.exporter.variants.static_cache import length_from_mask
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    try:
+        length_from_mask(proto, MASK, "input_ids")
+    except ValueError as e:
+        raise UsageError(f"{graph}: not a static-cache graph genai can feed: {e}") from None
+    onnx.save(proto, str(dest))
 
 
 def _external_data(graph: Path) -> Mapping[str, Path]:

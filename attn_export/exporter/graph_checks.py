@@ -248,82 +248,89 @@ def check_dynamic_axes(
     outputs: Sequence[TensorSpec],
     dims: Mapping[str, DimRange] | None = None,
     windows: Mapping[str, int] | None = None,
+    own_names: bool = True,
 ) -> None:
     """Raise GraphCheckError naming the first axis that is static, unnamed or merged, or
     a sum dim (``dims``) whose graph expression is not the sum of its parts. ``windows``
     (``spec.cache.present_windows``): outputs whose axis 2 keeps at most that many positions,
-    a sliding-window cache's presents."""
+    a sliding-window cache's presents. With ``own_names`` each dim must also carry the spec's
+    name (what a build names it); without, a graph someone else exported may name each dim
+    its own way, one name per dim."""
     dims, windows = dims or {}, windows or {}
     check_signature(proto, name, inputs, outputs)
     shapes = graph_shapes(proto)
     symbol_of: dict[str, str] = {}
     named_first: dict[str, tuple[str, str]] = {}  # a dim's graph name where first seen, and where
     dims_of_symbol: dict[str, str] = {}
-    for t in list(inputs) + list(outputs):
-        kind = "input" if t in inputs else "output"
-        got = shapes[t.name]
-        for axis, (want, have) in enumerate(zip(t.shape, got, strict=True)):
-            if kind == "output" and axis == 2 and t.name in windows and isinstance(want, str):
-                # a sliding-window present: Min(window, total) however the exporter writes it
-                window = windows[t.name]
-                lengths = _window_lengths(have, window, want, dims, symbol_of)
-                if lengths is None or any(got != min(grown, window) for got, grown in lengths):
-                    grows = lengths is not None and all(got == grown for got, grown in lengths)
-                    raise GraphCheckError(
-                        f"{name}: output '{t.name}' axis 2 is {have!r} in the graph, but the spec's [cache] window "
-                        f"keeps {window} positions, Min({window}, {want})"
-                        + (": the graph's cache grows without bound" if grows else "")
-                    )
-                continue
-            if isinstance(want, int):
-                if isinstance(have, str):
-                    raise GraphCheckError(
-                        f"{name}: {kind} '{t.name}' axis {axis} should be {want} but the graph computes it "
-                        f"('{have}') from a constant the trace recorded: a size taken from the example "
-                        "(e.g. a batch baked into a Reshape) became part of the graph"
-                    )
-                if have != want:
-                    raise GraphCheckError(
-                        f"{name}: {kind} '{t.name}' axis {axis} is {have!r} in the graph, spec says {want}"
-                    )
-                continue
-            if not isinstance(have, str):
+    axes = [
+        (t, "input" if t in inputs else "output", axis, want, have)
+        for t in list(inputs) + list(outputs)
+        for axis, (want, have) in enumerate(zip(t.shape, shapes[t.name], strict=True))
+    ]
+    sums = {k for k, r in dims.items() if r.parts}
+    # a sum's terms are read as the graph names its parts: the parts' axes first
+    for t, kind, axis, want, have in sorted(axes, key=lambda a: a[3] in sums):
+        if kind == "output" and axis == 2 and t.name in windows and isinstance(want, str):
+            # a sliding-window present: Min(window, total) however the exporter writes it
+            window = windows[t.name]
+            lengths = _window_lengths(have, window, want, dims, symbol_of)
+            if lengths is None or any(got != min(grown, window) for got, grown in lengths):
+                grows = lengths is not None and all(got == grown for got, grown in lengths)
                 raise GraphCheckError(
-                    f"{name}: dynamic axis '{want}' of {kind} '{t.name}' (axis {axis}) is "
-                    f"{'static ' + str(have) if have else 'unnamed'} in the exported graph"
+                    f"{name}: output '{t.name}' axis 2 is {have!r} in the graph, but the spec's [cache] window "
+                    f"keeps {window} positions, Min({window}, {want})"
+                    + (": the graph's cache grows without bound" if grows else "")
                 )
-            parts = dims[want].parts if want in dims else ()
-            if parts and not _SYMBOL.fullmatch(have) and _terms(have) != sorted(symbol_of.get(p, p) for p in parts):
-                kept = _kept_window(have, want, dims, symbol_of) if kind == "output" and axis == 2 else None
+            continue
+        if isinstance(want, int):
+            if isinstance(have, str):
                 raise GraphCheckError(
-                    f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
-                    f"declares {want} = {' + '.join(parts)}"
-                    + (
-                        f": the graph's cache keeps the newest {kept} positions, a sliding window; declare "
-                        f"[cache] window = {kept}"
-                        if kept
-                        else ""
-                    )
+                    f"{name}: {kind} '{t.name}' axis {axis} should be {want} but the graph computes it "
+                    f"('{have}') from a constant the trace recorded: a size taken from the example "
+                    "(e.g. a batch baked into a Reshape) became part of the graph"
                 )
-            # the exporter's sum of the parts' symbols is the sum dim, whatever it is named
-            symbol = want if parts and not _SYMBOL.fullmatch(have) else have
-            where = f"{kind} '{t.name}' (axis {axis})"
-            first_name, first_where = named_first.setdefault(want, (have, where))
-            if symbol_of.setdefault(want, symbol) != symbol:
+            if have != want:
                 raise GraphCheckError(
-                    f"{name}: dynamic axis '{want}' is '{first_name}' on {first_where} and '{have}' on {where}"
+                    f"{name}: {kind} '{t.name}' axis {axis} is {have!r} in the graph, spec says {want}"
                 )
-            other = dims_of_symbol.setdefault(symbol, want)
-            if other != want:
-                raise GraphCheckError(
-                    f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
-                    f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
+            continue
+        if not isinstance(have, str):
+            raise GraphCheckError(
+                f"{name}: dynamic axis '{want}' of {kind} '{t.name}' (axis {axis}) is "
+                f"{'static ' + str(have) if have else 'unnamed'} in the exported graph"
+            )
+        parts = dims[want].parts if want in dims else ()
+        if parts and not _SYMBOL.fullmatch(have) and _terms(have) != sorted(symbol_of.get(p, p) for p in parts):
+            kept = _kept_window(have, want, dims, symbol_of) if kind == "output" and axis == 2 else None
+            raise GraphCheckError(
+                f"{name}: {kind} '{t.name}' axis {axis} is '{have}' in the graph, but the spec "
+                f"declares {want} = {' + '.join(parts)}"
+                + (
+                    f": the graph's cache keeps the newest {kept} positions, a sliding window; declare "
+                    f"[cache] window = {kept}"
+                    if kept
+                    else ""
                 )
-            if symbol != want:
-                raise GraphCheckError(
-                    f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
-                    f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"
-                )
+            )
+        # the exporter's sum of the parts' symbols is the sum dim, whatever it is named
+        symbol = want if parts and not _SYMBOL.fullmatch(have) else have
+        where = f"{kind} '{t.name}' (axis {axis})"
+        first_name, first_where = named_first.setdefault(want, (have, where))
+        if symbol_of.setdefault(want, symbol) != symbol:
+            raise GraphCheckError(
+                f"{name}: dynamic axis '{want}' is '{first_name}' on {first_where} and '{have}' on {where}"
+            )
+        other = dims_of_symbol.setdefault(symbol, want)
+        if other != want:
+            raise GraphCheckError(
+                f"{name}: dynamic axes '{other}' and '{want}' were merged into one symbol "
+                f"'{have}' ({kind} '{t.name}', axis {axis}); the exporter saw equal sizes for them"
+            )
+        if own_names and symbol != want:
+            raise GraphCheckError(
+                f"{name}: {kind} '{t.name}' axis {axis} is named '{have}' in the graph, but the spec names "
+                f"that dim '{want}'; one name must serve both (a deploy config reads the graph's)"
+            )
 
 
 def check_spec_signature(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> None:
@@ -331,12 +338,12 @@ def check_spec_signature(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> 
     check_signature(proto, name, *graph_signature(proto, spec.inputs, spec.outputs))
 
 
-def check_spec_axes(proto: onnx.ModelProto, name: str, spec: ModelSpec) -> None:
+def check_spec_axes(proto: onnx.ModelProto, name: str, spec: ModelSpec, own_names: bool = True) -> None:
     """``check_dynamic_axes`` against everything ``spec`` declares for this graph: the
     signature of a cache updated in place (``runtimes.static_cache.graph_signature``), a
     sliding-window cache's presents."""
     inputs, outputs = graph_signature(proto, spec.inputs, spec.outputs)
-    check_dynamic_axes(proto, name, inputs, outputs, spec.dims, present_windows(spec))
+    check_dynamic_axes(proto, name, inputs, outputs, spec.dims, present_windows(spec), own_names)
 
 
 def _constant_true(proto: onnx.ModelProto, name: str) -> bool:

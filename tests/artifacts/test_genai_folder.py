@@ -16,7 +16,7 @@ from attn_export.cli import cli
 from attn_export.errors import SpecError
 from attn_export.exporter.factory import build_config, instantiate
 from attn_export.spec import load_spec
-from tests.conftest import TINY_ZOO, Built, needs_transformers
+from tests.conftest import TINY_ZOO, Built, needs_transformers, shared_build
 
 pytestmark = needs_transformers
 HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
@@ -40,12 +40,12 @@ def test_the_config_is_read_from_the_spec_and_its_transformers_config() -> None:
         "past_value_names",
     }
     assert document["search"]["past_present_share_buffer"] is False
+    assert genai_config(spec, build_config(spec), "static-cache+int4")["search"]["past_present_share_buffer"] is True
 
 
 @pytest.mark.parametrize(
     ("spec", "variant", "says"),
     [
-        ("llama_causal_lm", "static-cache", "needs its filled length fed as past_length"),
         ("llama_sdpa_kv_cache", "fp32", "give the spec a logits output"),
         ("mha", "fp32", "onnxruntime-genai runs a decoder with a KV cache"),
         ("mha_kv_cache", "fp32", "the spec also takes hidden_states"),
@@ -91,26 +91,56 @@ def _torch_tokens(prompt: list[int], steps: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def _generate(folder: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """onnxruntime-genai's greedy tokens per row, the shorter prompts padded on the right with 0."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    longest = max(map(len, prompts))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=longest + steps, batch_size=len(prompts))
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([p + [0] * (longest - len(p)) for p in prompts], dtype=np.int32))
+    tokens: list[list[int]] = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(generator.get_next_tokens().tolist())
+    return np.array(tokens).T.tolist()
+
+
 @needs_genai
 def test_genai_generates_pytorchs_tokens_at_batch_one_and_padded_batches(causal_lm: Built) -> None:
     """onnxruntime-genai runs the folder unchanged; at batch 2 it pads the shorter prompt on
     the right (pad token 0) and masks it, so each row gives the tokens PyTorch gives that
     prompt alone."""
-    import onnxruntime_genai as og
-
-    model = og.Model(str(causal_lm.out / "genai" / "llama_causal_lm"))
     prompts = [[5, 9, 13, 17], [7, 8, 9, 10, 11, 12]]
-    steps = 12
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=6 + steps, batch_size=2)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompts[0] + [0, 0], prompts[1]], dtype=np.int32))
-    tokens: list[list[int]] = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(generator.get_next_tokens().tolist())
-    by_row = np.array(tokens).T.tolist()
-    assert by_row == [_torch_tokens(p, steps) for p in prompts]
+    want = [_torch_tokens(p, 12) for p in prompts]
+    assert _generate(causal_lm.out / "genai" / "llama_causal_lm", prompts, 12) == want
+
+
+@needs_genai
+def test_a_static_cache_graph_reads_its_length_from_the_mask_and_shares_genais_buffer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """genai feeds no past_length: the folder's graph derives it from the mask, and genai binds
+    each past and its present to one buffer of max_length positions, as its own graphs do.
+    GroupQueryAttention takes several new tokens on a filled cache only at batch 1, so the
+    spec declares batch 1."""
+    import onnx
+
+    def batch_one(folder: Path) -> list[Path]:
+        text = LM.read_text().replace('["batch", ', "[1, ").replace("batch = { min = 1, max = 4 }", "")
+        folder.mkdir(parents=True)
+        (folder / LM.name).write_text(text + "\n[cache]\nmax_seq = 40\n")
+        return [folder / LM.name]
+
+    built = shared_build(tmp_path_factory, "causal-lm-static", batch_one, target="genai", variants=("static-cache",))
+    assert built.errors == {"llama_causal_lm.static-cache": None}, built.errors
+    folder = built.out / "genai" / "llama_causal_lm.static-cache"
+    graph = onnx.load(str(folder / "model.onnx"))
+    assert "past_length" not in [i.name for i in graph.graph.input]
+    assert json.loads((folder / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is True
+    assert _generate(folder, [[5, 9, 13, 17]], 12) == [_torch_tokens([5, 9, 13, 17], 12)]
 
 
 def test_a_failed_write_leaves_the_folder_that_was_there(

@@ -108,3 +108,26 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     interface = StaticCache(pairs)
     info = {"cache_ops": kinds, "ops": dict(op_counts(proto)), "interface": interface.to_dict()}
     return VariantGraph(proto, info, [GQA_LIMITS], {METADATA_KEY: json.dumps(interface.to_dict())})
+
+
+def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
+    """``proto`` reading ``past_length`` from its own inputs, for a runner that feeds none
+    (onnxruntime-genai): the mask covers the past and the new tokens, so the filled length
+    is the mask's length less the ids'. ValueError where ``proto`` takes no such input."""
+    graph = proto.graph
+    fed = next((i for i in graph.input if i.name == LENGTH), None)
+    if fed is None or not {mask, ids} <= {i.name for i in graph.input}:
+        raise ValueError(f"the graph takes no '{LENGTH}' beside '{mask}' and '{ids}' to derive it from")
+    graph.input.remove(fed)
+    nodes = _Nodes(f"{LENGTH}/from_mask")
+    total = nodes.add("Shape", [mask], "total", start=1, end=2)
+    new = nodes.add("Shape", [ids], "new", start=1, end=2)
+    filled = nodes.add("Sub", [total, new], "filled")
+    nodes.add("Squeeze", [filled, nodes.const("axis", np.array([0], np.int64))], "scalar")
+    nodes.nodes[-1].output[0] = LENGTH
+    for i, node in enumerate(nodes.nodes):
+        graph.node.insert(i, node)
+    graph.initializer.extend(nodes.constants)
+    kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]  # no length to feed: not that interface
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)

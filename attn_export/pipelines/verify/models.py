@@ -161,12 +161,13 @@ def plain_export(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> Man
         return None
 
 
-def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool]:
+def graph_problems(out_dir: Path, entry: ManifestEntry, outside: bool = False) -> tuple[list[str], bool]:
     """Problems found in the graph itself, and whether it is sound enough to run.
 
     A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
     checker rejects, or whose inputs and outputs are not the spec's, is not run; one with
-    wrong dynamic axes is, to show the consequences.
+    wrong dynamic axes is, to show the consequences. A graph no build made (``outside``)
+    names its dims as its exporter did (Optimum's ``batch_size``, genai's ``batch_size``).
     """
     spec = entry.model_spec
     proto = load_model_file(out_dir / entry.file)
@@ -177,7 +178,7 @@ def graph_problems(out_dir: Path, entry: ManifestEntry) -> tuple[list[str], bool
     except GraphCheckError as e:
         return [str(e)], False
     try:
-        check_spec_axes(proto, entry.name, spec)
+        check_spec_axes(proto, entry.name, spec, own_names=not outside)
     except GraphCheckError as e:
         return [str(e)], True
     return [], True

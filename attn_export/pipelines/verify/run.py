@@ -221,7 +221,7 @@ def _plan_model(
             )
     runnable = check.passed
     if runnable:
-        problems, runnable = graph_problems(out_dir, entry)
+        problems, runnable = graph_problems(out_dir, entry, outside=options.spec_file is not None)
         check.problems += problems
     if not runnable:
         return model

@@ -17,13 +17,16 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attn_export.errors import SpecError, UsageError
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import MASK, POSITIONS, cache_of
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "CONFIG_NAME",
@@ -199,10 +202,18 @@ def logits_vocab(spec: ModelSpec) -> int:
     return size
 
 
-def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, variant: str = "fp32") -> Path:
+def write_genai_folder(
+    graph: Path,
+    spec: ModelSpec,
+    config: Any,
+    dest: Path,
+    variant: str = "fp32",
+    edit: Callable[[onnx.ModelProto], None] | None = None,
+) -> Path:
     """``dest`` holding ``graph`` as ``model.onnx`` (with its external data file, if any) and
     its ``genai_config.json``; an older folder there is replaced whole, and a failure leaves
-    it as it was."""
+    it as it was. ``edit`` (``exporter.variants.static_cache.fed_by_genai``) changes the
+    graph into one genai can feed; a ValueError from it is the graph's misfit."""
     document = genai_config(spec, config, variant)
     data = _external_data(graph)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -212,10 +223,10 @@ def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, va
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".old", dir=dest.parent)) / dest.name
     moved = False
     try:
-        if _in_place(variant):
-            _write_length_from_mask(graph, staging / GRAPH_NAME)
-        else:
+        if edit is None:
             shutil.copyfile(graph, staging / GRAPH_NAME)
+        else:
+            _write_edited(graph, staging / GRAPH_NAME, edit)
         for name, path in data.items():
             shutil.copyfile(path, staging / name)
         (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
@@ -237,18 +248,16 @@ def write_genai_folder(graph: Path, spec: ModelSpec, config: Any, dest: Path, va
     return dest
 
 
-def _write_length_from_mask(graph: Path, dest: Path) -> None:
-    """``graph`` (static-cache) at ``dest``, deriving its filled length from the mask; its
-    external data, if any, stays in the files copied beside it."""
+def _write_edited(graph: Path, dest: Path, edit: Callable[[onnx.ModelProto], None]) -> None:
+    """``graph`` at ``dest`` with ``edit`` made; its external data, if any, stays in the
+    files copied beside it."""
     import onnx
-
-    from attn_export.exporter.variants.static_cache import length_from_mask
 
     proto = onnx.load(str(graph), load_external_data=False)
     try:
-        length_from_mask(proto, MASK, "input_ids")
+        edit(proto)
     except ValueError as e:
-        raise UsageError(f"{graph}: not a static-cache graph genai can feed: {e}") from None
+        raise UsageError(f"{graph}: not a graph onnxruntime-genai can feed: {e}") from None
     onnx.save(proto, str(dest))
 
 

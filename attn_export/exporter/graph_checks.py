@@ -29,6 +29,7 @@ __all__ = [
     "check_deterministic",
     "check_domains",
     "check_dynamic_axes",
+    "check_float32_softmax",
     "check_model",
     "check_named_dims",
     "check_opset",
@@ -344,6 +345,23 @@ def check_spec_axes(proto: onnx.ModelProto, name: str, spec: ModelSpec, own_name
     sliding-window cache's presents."""
     inputs, outputs = graph_signature(proto, spec.inputs, spec.outputs)
     check_dynamic_axes(proto, name, inputs, outputs, spec.dims, present_windows(spec), own_names)
+
+
+def check_float32_softmax(proto: onnx.ModelProto, name: str) -> None:
+    """Refuse an fp16 graph whose Softmax computes in float16: the variant keeps it in
+    float32, where a float16 exponential overflows on CUDA. ONNX Runtime's CPU runs a float16
+    Softmax in float32 anyway, so no number on a CPU shows it: the graph itself is read."""
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)
+    }
+    for node in proto.graph.node:
+        if node.op_type == "Softmax" and types.get(node.input[0]) == onnx.TensorProto.FLOAT16:
+            raise GraphCheckError(
+                f"{name}: Softmax node '{node.name}' computes in float16; the fp16 variant keeps Softmax in float32 "
+                "(a Cast to float before it): in float16 its exponentials overflow on CUDA"
+            )
 
 
 def _constant_true(proto: onnx.ModelProto, name: str) -> bool:

@@ -29,7 +29,12 @@ from typing import Any
 
 from attn_export._deps import require
 
-__all__ = ["in_int8", "rounded"]
+__all__ = ["FLOAT16", "float16_twin", "in_float16", "in_int8", "rounded"]
+
+#: The ``bits`` that stand for the ``fp16`` variant's rounding: float16 inside, not integers.
+FLOAT16 = 16
+#: float16's largest finite value: the fp16 converter clamps larger constants to it.
+HALF_MAX = 65504.0
 
 #: ``reduce_range``: 7-bit symmetric weights, as ORT quantizes them for CPUs without VNNI.
 WEIGHT_LEVELS = 64
@@ -121,3 +126,96 @@ def rounded(module: Any, bits: int = 8) -> Iterator[None]:
 
     with Rounded():
         yield
+
+
+def float16_twin(module: Any) -> Any:
+    """A copy of ``module`` with float16 parameters, for ``in_float16`` (made once per module
+    by its caller). Buffers keep their dtype: what the module computes from them alone
+    (rotary frequencies times positions) stays float32, as the fp16 variant keeps the angles."""
+    import copy
+
+    twin = copy.deepcopy(module).eval()
+    for parameter in twin.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.half()
+    return twin
+
+
+def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
+    """``twin`` (``float16_twin``) on ``args`` as the ``fp16`` variant computes: float inputs
+    cast to float16, every op in float16 but Softmax (kept in float32, as the variant keeps
+    it; SDPA is taken apart as the export takes it, where PyTorch's own kernel would keep
+    more precision than the graph), float outputs cast back to float32. An op that reads a
+    float16 tensor gives float16, as the converted graph's does: the module's own upcasts
+    (a norm's variance in float32, float16 times a float32 buffer) are the graph's Casts to
+    float16; only what is computed from float32 values alone stays float32 (the angles).
+
+    ``scale_scores`` scales SDPA's scores once, after their MatMul, where the export scales the
+    query and the key by the root each: the same arithmetic rounded elsewhere, as valid a
+    float16 graph. Where an output hangs on near ties (large scores, an attention row whose
+    winner a last bit decides), which elements flip differs from one rounding to the other;
+    the larger error of the two says how far a right graph's own flips may go."""
+    torch = require("torch", "running the PyTorch original")
+    from torch.overrides import TorchFunctionMode
+
+    F = torch.nn.functional
+    softmaxes = (F.softmax, torch.softmax, torch.Tensor.softmax)
+    fills = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_)
+
+    def attention(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+                  scale: Any = None, enable_gqa: bool = False) -> Any:  # fmt: skip
+        """SDPA as the exported graph computes it: the query and key each scaled by the root of
+        the scale, the MatMuls in float16, Softmax in float32."""
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+        factor = scale if scale is not None else q.shape[-1] ** -0.5
+        if scale_scores:
+            scores = (q @ k.transpose(-2, -1)) * factor
+        else:  # on each side, as the export scales
+            scores = (q * factor**0.5) @ (k.transpose(-2, -1) * factor**0.5)
+        if is_causal:
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = (
+                scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+            )
+        return scores.float().softmax(-1).half() @ v
+
+    class Float32Softmax(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if func in softmaxes and args and args[0].dtype == torch.float16:
+                kwargs.pop("dtype", None)
+                return func(args[0].float(), *args[1:], **kwargs).half()
+            if func is F.scaled_dot_product_attention and args and args[0].dtype == torch.float16:
+                return attention(*args, **kwargs)
+            if func in fills and len(args) == 3 and isinstance(args[2], float) and args[0].dtype == torch.float16:
+                # a fill beyond float16's range (-1e9) is the converter's constant clamped to +-65504
+                return func(args[0], args[1], max(-HALF_MAX, min(HALF_MAX, args[2])), **kwargs)
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.dtype == torch.float32 and _reads_half(args, kwargs):
+                return result.half()
+            return result
+
+    def _reads_half(args: Any, kwargs: dict[str, Any]) -> bool:
+        values = [*args, *kwargs.values()]
+        while values:
+            value = values.pop()
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float16:
+                return True
+            if isinstance(value, tuple | list):
+                values += value
+        return False
+
+    def cast(value: Any, dtype: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype) if value.is_floating_point() else value
+        if isinstance(value, tuple | list):
+            return type(value)(cast(v, dtype) for v in value)
+        return value
+
+    with Float32Softmax():
+        result = twin(*(cast(a, torch.float16) for a in args))
+    return cast(result, torch.float32)

@@ -12,7 +12,7 @@ from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
 from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
-from attn_export.runtimes.int8_rounding import in_int8, rounded
+from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8, rounded
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, Rounding, TensorSpec
 from attn_export.spec.tolerance import rounding_key
@@ -58,6 +58,7 @@ class TorchRuntime(Runtime):
         self.name = f"torch[{device}]" + (f"[int{weight_bits} rounding]" if weight_bits else "")
         self._saved_threads: int | None = None
         self._double: Any = None
+        self._float16: Any = None
 
     def _activate(self) -> None:
         torch = require("torch", "running the PyTorch original")
@@ -78,10 +79,11 @@ class TorchRuntime(Runtime):
 
     def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
         torch = require("torch", "running the PyTorch original")
-        quantized = rounded(self.module, self.weight_bits) if self.weight_bits else contextlib.nullcontext()
+        bits = self.weight_bits
+        quantized = rounded(self.module, bits) if bits and bits != FLOAT16 else contextlib.nullcontext()
         try:
             with torch.no_grad(), quantized:
-                result = self.module(*args)
+                result = in_float16(self._half(), *args) if bits == FLOAT16 else self.module(*args)
         except (Exception, SystemExit) as e:
             raise RuntimeFailure(f"{self.name}: forward failed on {_drawn(self.inputs, args)}: {_why(e)}") from e
         values = _values(result)
@@ -139,6 +141,12 @@ class TorchRuntime(Runtime):
         module (``int8_rounding``)."""
         return self.precision_floor(feeds, outputs), self.int8_rounding(feeds, outputs)
 
+    def _half(self) -> Any:
+        """The module's float16 twin (``float16_twin``), made on first use."""
+        if self._float16 is None:
+            self._float16 = float16_twin(self.module)
+        return self._float16
+
     def rounding(self, bits: int) -> TorchRuntime:
         """This module run with the ``bits``-bit variant's weight rounding, as a runtime of its own."""
         return TorchRuntime(
@@ -162,15 +170,22 @@ class TorchRuntime(Runtime):
         for bits in self.rounding_bits:
             try:
                 with torch.no_grad():
-                    result = in_int8(self.module, *self._tensors(feeds), bits=bits)
+                    tensors = self._tensors(feeds)
+                    results = (
+                        [in_float16(self._half(), *tensors, scale_scores=s) for s in (False, True)]
+                        if bits == FLOAT16
+                        else [in_int8(self.module, *tensors, bits=bits)]
+                    )
             except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
                 found |= {rounding_key(bits, t.name): Rounding() for t in self.outputs if t.name in outputs}
                 continue
-            found |= {
-                rounding_key(bits, t.name): Rounding.between(outputs[t.name], v.detach().cpu().numpy())
-                for t, v in zip(self.outputs, _values(result), strict=False)
-                if t.name in outputs
-            }
+            for result in results:
+                for t, v in zip(self.outputs, _values(result), strict=False):
+                    if t.name in outputs:
+                        key = rounding_key(bits, t.name)
+                        run = Rounding.between(outputs[t.name], v.detach().cpu().numpy())
+                        seen = found.get(key, Rounding())
+                        found[key] = Rounding(max(seen.rms, run.rms), max(seen.max, run.max))
         return found
 
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Rounding", "Tolerance", "rounding_bits", "rounding_key"]
+__all__ = ["Rounding", "Tolerance", "rounding_bits", "rounding_key", "rounding_name"]
 
 
 def rounding_bits(tolerances: Iterable[Tolerance]) -> tuple[int, ...]:
@@ -16,9 +16,14 @@ def rounding_bits(tolerances: Iterable[Tolerance]) -> tuple[int, ...]:
     return tuple(sorted({t.weight_bits for t in tolerances if t.int8_rounding}, reverse=True))
 
 
+def rounding_name(bits: int) -> str:
+    """The variant whose rounding ``bits`` stands for: int8, int4, or fp16 (16)."""
+    return "fp16" if bits == 16 else f"int{bits}"
+
+
 def rounding_key(bits: int, output: str) -> str:
-    """The key of ``output``'s simulated rounding at ``bits``-bit weights in a case's table."""
-    return output if bits == 8 else f"int{bits}:{output}"
+    """The key of ``output``'s simulated rounding at ``bits`` in a case's table."""
+    return output if bits == 8 else f"{rounding_name(bits)}:{output}"
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,9 @@ class Tolerance:
     ``int8_rounding`` widens both bounds by what the int8 rounding does to the module on the
     case (``Rounding``, measured in PyTorch): how far a right int8 graph strays grows with
     the context and the values, past what any fixed share of the rms holds. ``weight_bits``
-    names which quantization's rounding: 8 (``int8``, quantize_dynamic) or 4 (``int4``,
-    MatMulNBits blocks); a case records each under its own key (``rounding_key``)."""
+    names which rounding: 8 (``int8``, quantize_dynamic), 4 (``int4``, MatMulNBits blocks)
+    or 16 (``fp16``, float16 inside); a case records each under its own key
+    (``rounding_key``)."""
 
     atol: float
     rtol: float

@@ -104,7 +104,9 @@ INT8_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_roundi
 #: int4 rounds in blocks, more coarsely than int8: its rounding simulated on each case
 #: (``weight_bits=4``) sets the room, the shares of the rms as int8's where it does not run.
 INT4_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_rounding=True, weight_bits=4)
-FP16_TOLERANCE = Tolerance(1e-4, 0.01, atol_rms=0.02, rms_rtol=0.005)
+#: fp16's rounding grows with the values (a right graph's worst element reached 22 on large
+#: ones): the module run in float16 (``in_float16``) sets the room, where it is more than the shares.
+FP16_TOLERANCE = Tolerance(1e-4, 0.01, atol_rms=0.02, rms_rtol=0.005, int8_rounding=True, weight_bits=16)
 
 VARIANTS: dict[str, VariantInfo] = {
     v.name: v

@@ -165,6 +165,53 @@ def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
+def _fp16_fault(proto: onnx.ModelProto, fault: str) -> onnx.ModelProto:
+    """The right fp16 graph with one fault: Softmax over another axis, its float32 Cast dropped
+    (Softmax in float16), or the output projection's weight 1 % off (the query's 1 % moves the
+    output about 0.25 %, inside fp16's shares of the rms)."""
+    nodes = proto.graph.node
+    softmax = next(n for n in nodes if n.op_type == "Softmax")
+    if fault == "softmax axis":
+        next(a for a in softmax.attribute if a.name == "axis").i = -2
+    elif fault == "cast dropped":  # the Cast into float32 before Softmax: it then computes in float16
+        cast = next(n for n in nodes if softmax.input[0] in n.output and n.op_type == "Cast")
+        after = next(n for n in nodes if softmax.output[0] in n.input and n.op_type == "Cast")
+        softmax.input[0] = cast.input[0]
+        next(a for a in after.attribute if a.name == "to").i = onnx.TensorProto.FLOAT16
+        nodes.remove(cast)
+        del proto.graph.value_info[:]  # Softmax's output is float16 now: let the checker infer it
+    else:
+        *_, weight = (t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.FLOAT16 and t.dims[1:])
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * np.float16(1.01), weight.name))
+    return proto
+
+
+def test_a_right_fp16_graph_is_green_on_every_distribution(variant_build: Path) -> None:
+    """fp16 is judged by the module run in float16 as the graph computes (``in_float16``):
+    large and outlier values, where fp16's rounding grows past any share of the rms, pass."""
+    result = CliRunner().invoke(cli, ["verify", str(variant_build / "mha_cross.fp16.onnx"), *TINY, "--no-latency"])
+    assert result.exit_code == 0, result.output
+    assert {row[3] for row in _rows(result.output)} == {"normal", "large", "outliers", "tiny"}
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ("softmax axis", "FAIL mha_cross.fp16 onnxruntime[cpu]"),
+        # ONNX Runtime's CPU runs a float16 Softmax in float32: only the graph shows it
+        ("cast dropped", "Softmax node 'node_softmax' computes in float16"),
+        ("weight 1 % off", "FAIL mha_cross.fp16 onnxruntime[cpu]"),
+    ],
+)
+def test_a_wrong_fp16_graph_is_red(variant_build: Path, tmp_path: Path, fault: str, says: str) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(variant_build, out)
+    plant(out, "mha_cross.fp16", _fp16_fault(onnx.load(out / "mha_cross.fp16.onnx"), fault))
+    result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.fp16.onnx"), *TINY, "--no-latency"])
+    assert result.exit_code == 1, result.output
+    assert says in result.output
+
+
 def test_ort_optimized_records_its_provider(variant_build: Path) -> None:
     assert load_manifest(variant_build).models["mha_cross.ort-optimized"].variant_info["provider"] == "cpu"
 

@@ -12,7 +12,9 @@ only its new tokens, where a growing cache writes the whole present again. The i
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -22,6 +24,7 @@ from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
 from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
+from attn_export.spec.cache import MASK
 
 
 def _axis(bound: int) -> int:
@@ -131,3 +134,11 @@ def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
     kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]  # no length to feed: not that interface
     del proto.metadata_props[:]
     proto.metadata_props.extend(kept)
+
+
+def fed_by_genai(variant: str) -> Callable[[onnx.ModelProto], None] | None:
+    """The edit that makes ``variant``'s graph one onnxruntime-genai feeds: a static-cache
+    graph takes its filled length from the mask (``length_from_mask``); others need none."""
+    if "static-cache" not in variant.split("+"):
+        return None
+    return functools.partial(length_from_mask, mask=MASK, ids="input_ids")

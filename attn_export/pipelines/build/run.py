@@ -25,6 +25,7 @@ from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.exporter.factory import build_config
+from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
@@ -165,7 +166,8 @@ def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, result
                 continue
             config = config if config is not None else build_config(spec)
             graph = options.out_dir / manifest.models[result.name].file
-            write_genai_folder(graph, spec, config, options.out_dir / GENAI_DIR / result.name, result.variant)
+            dest = options.out_dir / GENAI_DIR / result.name
+            write_genai_folder(graph, spec, config, dest, result.variant, fed_by_genai(result.variant))
 
 
 def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:

@@ -28,6 +28,7 @@ from attn_export.checks.generate import (
     torch_generate,
 )
 from attn_export.errors import AttnExportError, SpecError
+from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
@@ -69,7 +70,7 @@ def generate_model(
     judged = spec.tolerance_for("logits", entry.variant)
     # a quantized graph generates as the module with its weights rounded so; int4's rounding is
     # simulated to float32 noise, so its logits are held to the model's own tolerance
-    bits = judged.weight_bits if judged.int8_rounding else None
+    bits = judged.weight_bits if judged.int8_rounding and judged.weight_bits in (8, 4) else None
     tolerance = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
     graph = out_dir / entry.file
     expected = {layout: torch_generate(module, spec, rows, steps, pad, bits) for layout, rows in prompts.items()}
@@ -100,7 +101,8 @@ def generate_model(
         from attn_export.runtimes.genai import genai_generate
 
         with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
-            folder = write_genai_folder(graph, spec, config, Path(tmp) / "model", entry.variant)
+            edit = fed_by_genai(entry.variant)
+            folder = write_genai_folder(graph, spec, config, Path(tmp) / "model", entry.variant, edit)
             for layout, rows in prompts.items():
                 # genai pads on the right and masks: each row gives what its prompt alone gives
                 want = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])

@@ -12,13 +12,20 @@ from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
-from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes, check_spec_signature
+from attn_export.exporter.graph_checks import (
+    check_deterministic,
+    check_float32_softmax,
+    check_model,
+    check_spec_axes,
+    check_spec_signature,
+)
 from attn_export.exporter.source import module_sources
 from attn_export.pipelines.verify.outside import outside_manifest
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.distributions import case_label
 from attn_export.spec.shapes import golden_plan
+from attn_export.spec.tolerance import rounding_name
 
 __all__ = [
     "build_golden",
@@ -125,8 +132,8 @@ def build_golden(out_dir: Path, entry: ManifestEntry, budget: int) -> list[Golde
     rounded = [(name, t) for name, t in tolerances.items() if t.int8_rounding]
     if rounded and not any(t.rounding_key(name) in c.int8 for c in cases for name, t in rounded):
         raise ArtifactError(
-            f"{path}: the golden file records no int{rounded[0][1].weight_bits} rounding, which {entry.name} is "
-            "judged by (an older attn-export wrote it); rebuild it with attn-export build"
+            f"{path}: the golden file records no {rounding_name(rounded[0][1].weight_bits)} rounding, which "
+            f"{entry.name} is judged by (an older attn-export wrote it); rebuild it with attn-export build"
         )
     return cases
 
@@ -179,6 +186,8 @@ def graph_problems(out_dir: Path, entry: ManifestEntry, outside: bool = False) -
         return [str(e)], False
     try:
         check_spec_axes(proto, entry.name, spec, own_names=not outside)
+        if "fp16" in entry.variant.split("+"):
+            check_float32_softmax(proto, entry.name)
     except GraphCheckError as e:
         return [str(e)], True
     return [], True

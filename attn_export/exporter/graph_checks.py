@@ -362,6 +362,12 @@ def check_float32_softmax(proto: onnx.ModelProto, name: str) -> None:
                 f"{name}: Softmax node '{node.name}' computes in float16; the fp16 variant keeps Softmax in float32 "
                 "(a Cast to float before it): in float16 its exponentials overflow on CUDA"
             )
+        precision = next((a.i for a in node.attribute if a.name == "softmax_precision"), None)
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and precision != onnx.TensorProto.FLOAT:
+            raise GraphCheckError(
+                f"{name}: Attention node '{node.name}' computes its softmax in float16 (softmax_precision "
+                f"{precision}); the fp16 variant sets softmax_precision to float32 (1)"
+            )
 
 
 def _constant_true(proto: onnx.ModelProto, name: str) -> bool:

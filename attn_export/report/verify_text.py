@@ -200,9 +200,9 @@ _EXTREME = ("large", "outliers")
 
 
 def _extreme_only(report: VerifyReport) -> list[str]:
-    """A note for each lossy variant that fails on extreme values alone: a right int8 or
-    float16 graph may, so the red says what precision the variant loses, not that it is
-    wrong, and how to judge it where such values never come."""
+    """A note for each lossy variant that fails on extreme values alone: beyond its
+    simulated rounding there, or judged by the shares alone where the simulation cannot run
+    (which a right graph may fail), and how to judge it where such values never come."""
     by_model: dict[str, list[CaseResult]] = {}
     for c in report.cases:
         by_model.setdefault(c.model, []).append(c)
@@ -213,17 +213,19 @@ def _extreme_only(report: VerifyReport) -> list[str]:
         failed = sorted({c.distribution for c in cases if not c.passed})
         if chain and chain.lossy and failed and set(failed) <= set(_EXTREME) and any(c.passed for c in cases):
             notes.append(
-                f"note: {model} fails on {', '.join(failed)} values alone, which a right {'+'.join(chain.lossy)} "
-                "graph may: its rounding grows with the largest values; where such values never come, judge it with "
-                f"--distribution normal --distribution tiny, or give [{chain.table}] atol_rms and rms_rtol"
+                f"note: {model} fails on {', '.join(failed)} values alone, beyond what {'+'.join(chain.lossy)}'s "
+                "rounding of the module (simulated in PyTorch, where it runs) does there; where the simulation cannot "
+                "run the shares of the rms alone judge, and a right graph may fail them: where such values never "
+                f"come, judge it with --distribution normal --distribution tiny, or give [{chain.table}] atol_rms and "
+                "rms_rtol"
             )
     return notes
 
 
 def _by_rounding(report: VerifyReport) -> list[str]:
-    """A note for each int8 graph that passed, somewhere beyond the shares of the rms alone
-    but within what int8 rounding does to the module there (``OutputComparison.by_rounding``):
-    the precision it loses where such values or lengths come."""
+    """A note for each quantized or float16 graph that passed, somewhere beyond the shares of
+    the rms alone but within what its rounding does to the module there
+    (``OutputComparison.by_rounding``): the precision it loses where such values or lengths come."""
     found: dict[str, dict[str, float]] = {}
     failed = set(report.failed_models)
     for c in report.cases:
@@ -235,7 +237,9 @@ def _by_rounding(report: VerifyReport) -> list[str]:
     for model, worst in found.items():
         distributions = ", ".join(sorted(worst))
         shares = ", ".join(f"{share:.2g}" for _, share in sorted(worst.items()))
-        kind = "int4" if "." in model and "int4" in model.rsplit(".", 1)[1].split("+") else "int8"
+        variant = model.partition(".")[2]
+        lossy = variant_chain(variant).lossy if variant else ()
+        kind = lossy[-1] if lossy else "int8"
         notes.append(
             f"note: {model} passes on {distributions} values only because {kind}'s own rounding of the module "
             f"(simulated in PyTorch) strays that far there: its worst element {shares} x the output's rms; {kind} "

@@ -160,7 +160,7 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
 
     F = torch.nn.functional
     softmaxes = (F.softmax, torch.softmax, torch.Tensor.softmax)
-    fills = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_)
+    fills = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_, torch.full_like)
 
     def attention(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
                   scale: Any = None, enable_gqa: bool = False) -> Any:  # fmt: skip
@@ -183,6 +183,10 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
             )
         return scores.float().softmax(-1).half() @ v
 
+    def clamped(value: Any) -> Any:
+        """A fill beyond float16's range (-1e9) as the converter's constant: clamped to +-65504."""
+        return max(-HALF_MAX, min(HALF_MAX, float(value))) if isinstance(value, int | float) else value
+
     class Float32Softmax(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
@@ -191,23 +195,38 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
                 return func(args[0].float(), *args[1:], **kwargs).half()
             if func is F.scaled_dot_product_attention and args and args[0].dtype == torch.float16:
                 return attention(*args, **kwargs)
-            if func in fills and len(args) == 3 and isinstance(args[2], float) and args[0].dtype == torch.float16:
-                # a fill beyond float16's range (-1e9) is the converter's constant clamped to +-65504
-                return func(args[0], args[1], max(-HALF_MAX, min(HALF_MAX, args[2])), **kwargs)
+            halves = _halves(args, kwargs)
+            if func in fills and halves:
+                args = (*args[:2], *(clamped(a) for a in args[2:]))
+                kwargs = {k: clamped(v) if k == "value" else v for k, v in kwargs.items()}
+            elif func is torch.where and halves:
+                args = tuple(clamped(a) for a in args)
             result = func(*args, **kwargs)
-            if isinstance(result, torch.Tensor) and result.dtype == torch.float32 and _reads_half(args, kwargs):
-                return result.half()
+            if not isinstance(result, torch.Tensor) or not halves:
+                return result
+            if result.dtype == torch.float32:
+                result = result.half()
+            if result.dtype == torch.float16 and func not in fills and func is not torch.where:
+                _refuse_overflow(func, result, halves)
             return result
 
-    def _reads_half(args: Any, kwargs: dict[str, Any]) -> bool:
-        values = [*args, *kwargs.values()]
+    def _halves(args: Any, kwargs: dict[str, Any]) -> list[Any]:
+        """The float16 tensors among an op's arguments."""
+        found, values = [], [*args, *kwargs.values()]
         while values:
             value = values.pop()
             if isinstance(value, torch.Tensor) and value.dtype == torch.float16:
-                return True
-            if isinstance(value, tuple | list):
+                found.append(value)
+            elif isinstance(value, tuple | list):
                 values += value
-        return False
+        return found
+
+    def _refuse_overflow(func: Any, result: Any, halves: list[Any]) -> None:
+        """FloatingPointError where an op of finite float16 values gives +inf or NaN: float16
+        overflowed where the graph may not (ONNX Runtime's CPU runs some float16 ops in
+        float32), and what the simulation gives after it is no rounding of the module."""
+        if bool((torch.isnan(result) | torch.isposinf(result)).any()) and all(bool(h.isfinite().all()) for h in halves):
+            raise FloatingPointError(f"float16 overflows in {getattr(func, '__name__', func)}")
 
     def cast(value: Any, dtype: Any) -> Any:
         if isinstance(value, torch.Tensor):

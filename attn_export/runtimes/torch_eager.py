@@ -15,7 +15,7 @@ from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8, rounded
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import DimRange, Rounding, TensorSpec
-from attn_export.spec.tolerance import rounding_key
+from attn_export.spec.tolerance import rounding_key, rounding_name
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -55,7 +55,7 @@ class TorchRuntime(Runtime):
         self.weight_bits = weight_bits
         #: The quantizations whose rounding ``int8_rounding`` simulates (``spec.tolerance.rounding_bits``).
         self.rounding_bits = rounding_bits
-        self.name = f"torch[{device}]" + (f"[int{weight_bits} rounding]" if weight_bits else "")
+        self.name = f"torch[{device}]" + (f"[{rounding_name(weight_bits)} rounding]" if weight_bits else "")
         self._saved_threads: int | None = None
         self._double: Any = None
         self._float16: Any = None

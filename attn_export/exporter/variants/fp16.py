@@ -1,4 +1,5 @@
-"""fp16: float16 inside, float32 inputs and outputs, Softmax kept in float32 (for CUDA), and
+"""fp16: float16 inside, float32 inputs and outputs, Softmax kept in float32 (for CUDA: the
+opset-23 ``Attention`` op's with ``softmax_precision``), and
 rotary angles too: the nodes computing a Cos or Sin (positions times frequencies) stay in
 float32, as Hugging Face's rotary embeddings compute them before casting cos and sin to the
 model's dtype; in float16 a position of a few hundred is already off by whole radians' worth
@@ -30,6 +31,11 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
             node_block_list=_angle_nodes(proto),
             disable_shape_infer=True,
         )
+    for node in half.graph.node:  # the opset-23 op's softmax too: its default is the inputs' float16
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+            kept = [a for a in node.attribute if a.name != "softmax_precision"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("softmax_precision", onnx.TensorProto.FLOAT)])
     model = ir.serde.deserialize_model(half)
     model.graph.sort()  # the converter appends its casts out of topological order
     out = ir.serde.serialize_model(model)
@@ -54,8 +60,14 @@ def _angles_untyped(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _angle_nodes(proto: onnx.ModelProto) -> list[str]:
-    """Every Cos and Sin node and every node they read from (positions and frequencies only)."""
+    """Every Cos and Sin node and every node they read from (positions and frequencies), but
+    a node whose output something else reads too: that value stays typed and float16 for it,
+    and the converter casts it to float32 where the angles read it."""
     makers = {out: node for node in proto.graph.node for out in node.output}
+    readers: dict[str, list[str]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.name)
     todo = [n for n in proto.graph.node if n.op_type in ("Cos", "Sin")]
     kept: dict[str, onnx.NodeProto] = {}
     while todo:
@@ -63,4 +75,16 @@ def _angle_nodes(proto: onnx.ModelProto) -> list[str]:
         if node.name not in kept:
             kept[node.name] = node
             todo += [makers[i] for i in node.input if i in makers]
+    shared = True
+    while shared:  # drop a node read from outside the set, then what only it read
+        shared = False
+        for name, node in list(kept.items()):
+            outside = {r for out in node.output for r in readers.get(out, [])} - set(kept)
+            if node.op_type not in ("Cos", "Sin") and (outside or set(node.output) & _graph_outputs(proto)):
+                del kept[name]
+                shared = True
     return sorted(kept)
+
+
+def _graph_outputs(proto: onnx.ModelProto) -> set[str]:
+    return {o.name for o in proto.graph.output}

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_NAME",
+    "GENAI_DIR",
     "GRAPH_NAME",
     "LOGITS",
     "eos_tokens",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 CONFIG_NAME = "genai_config.json"
+#: Where ``build --target genai`` writes each graph's folder, in the build folder.
+GENAI_DIR = "genai"
 GRAPH_NAME = "model.onnx"
 LOGITS = "logits"
 #: The model types onnxruntime-genai runs as a plain decoder with these inputs; any other

@@ -39,6 +39,7 @@ __all__ = [
     "Sight",
     "checked_header",
     "encode_golden",
+    "encode_npz",
     "load_entry",
     "npy_header",
     "read_golden",
@@ -50,7 +51,7 @@ __all__ = [
 SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
-GOLDEN_FORMAT = 3
+GOLDEN_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,21 @@ class GoldenCase:
         return self.sights.get(mask, Sight(None, None))
 
 
+def encode_npz(arrays: dict[str, np.ndarray]) -> bytes:
+    """``arrays`` as a deterministic .npz (fixed timestamps, sorted entries), never pickled."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for key in sorted(arrays):
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            npy = io.BytesIO()
+            np.lib.format.write_array(npy, np.asarray(arrays[key]), allow_pickle=False)
+            zf.writestr(info, npy.getvalue())
+    return buf.getvalue()
+
+
 def encode_golden(cases: list[GoldenCase]) -> bytes:
-    """``cases`` as a deterministic .npz (fixed timestamps, sorted entries)."""
+    """``cases`` as a deterministic .npz (``encode_npz``)."""
     arrays: dict[str, np.ndarray] = {}
     for case in cases:
         for k, v in case.sizes.items():
@@ -109,15 +123,7 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
             arrays[f"{case.label}/int8/{k}"] = np.asarray([r.rms, r.max], dtype=np.float64)
         for k, seen in case.sights.items():
             arrays[f"{case.label}/sight/{k}"] = seen.to_array()
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-        for key in sorted(arrays):
-            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
-            npy = io.BytesIO()
-            np.lib.format.write_array(npy, np.asarray(arrays[key]), allow_pickle=False)
-            zf.writestr(info, npy.getvalue())
-    return buf.getvalue()
+    return encode_npz(arrays)
 
 
 def write_golden(path: Path, cases: list[GoldenCase]) -> None:

@@ -50,17 +50,21 @@ class ManifestEntry:
     #: --record-intermediates``), so that ``localize --golden`` needs no torch; "" when none.
     intermediates: str = ""
     intermediates_sha256: str = ""
+    #: PyTorch's greedy generations of a causal LM (``artifacts.generations``), for
+    #: ``verify --golden --generate``; "" for any other model.
+    generations: str = ""
+    generations_sha256: str = ""
 
     def artifacts(self) -> list[tuple[str, str]]:
         """The (file, sha256) attribute pairs of the files this entry names: the graph, the
-        golden file and, when recorded, the intermediates. Every file the folder's commit
-        protocol moves, hashes or keeps is one of these."""
+        golden file and, when recorded, the intermediates and the generations. Every file the
+        folder's commit protocol moves, hashes or keeps is one of these."""
         pairs = [("file", "sha256"), ("golden", "golden_sha256")]
-        return pairs + ([("intermediates", "intermediates_sha256")] if self.intermediates else [])
+        return pairs + [(key, f"{key}_sha256") for key in _OPTIONAL if getattr(self, key)]
 
     def files(self, *keys: str) -> list[tuple[str, str]]:
         """The (file name, sha256) of each file this entry names (``artifacts``), or of
-        those named by ``keys`` ("file", "golden", "intermediates")."""
+        those named by ``keys`` ("file", "golden", "intermediates", "generations")."""
         return [(getattr(self, n), getattr(self, s)) for n, s in self.artifacts() if not keys or n in keys]
 
     @cached_property
@@ -107,6 +111,8 @@ class Manifest:
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+#: The files an entry names only where they were recorded.
+_OPTIONAL = ("intermediates", "generations")
 
 
 def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
@@ -121,15 +127,16 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         entry = ManifestEntry(**raw)
     except TypeError as e:
         raise bad(f"does not fit the schema ({e})") from e
-    for key in ("name", "file", "golden", "build_key", "variant", "intermediates"):
+    for key in ("name", "file", "golden", "build_key", "variant", *_OPTIONAL):
         if not isinstance(getattr(entry, key), str):
             raise bad(f"has a non-string '{key}'")
-    for key in ("sha256", "golden_sha256", "spec_hash", *(("intermediates_sha256",) if entry.intermediates else ())):
+    for key in ("sha256", "golden_sha256", "spec_hash", *(f"{k}_sha256" for k in _OPTIONAL if getattr(entry, k))):
         value = getattr(entry, key)
         if not isinstance(value, str) or not _HEX64.fullmatch(value):
             raise bad(f"has an invalid '{key}' (expected 64 hex digits)")
-    if entry.intermediates_sha256 and not entry.intermediates:
-        raise bad("has an 'intermediates_sha256' but no 'intermediates'")
+    for key in _OPTIONAL:
+        if getattr(entry, f"{key}_sha256") and not getattr(entry, key):
+            raise bad(f"has an '{key}_sha256' but no '{key}'")
     if entry.name != name:
         raise bad(f"is named '{entry.name}'")
     for key, _ in entry.artifacts():
@@ -156,6 +163,7 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         raise bad(f"holds the spec of '{spec.name}' (variant {entry.variant})")
     stables = {"file": f"{name}.onnx", "golden": f"{spec.name}.golden.npz"}
     stables["intermediates"] = f"{name}.intermediates.npz"
+    stables["generations"] = f"{spec.name}.generate.npz"
     for key, _ in entry.artifacts():
         value, stable = getattr(entry, key), stables[key]
         staged = STAGED.fullmatch(value)

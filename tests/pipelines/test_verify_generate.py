@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
@@ -84,8 +85,36 @@ def test_more_tokens_than_the_declared_range_holds_is_one_line(causal_lm: Built)
     assert "--generate 30" in result.output and "widen [dims] past_seq" in result.output
 
 
-def test_generate_takes_no_golden_files(causal_lm: Built, tmp_path: Path) -> None:
+def test_golden_mode_judges_by_the_generations_the_build_recorded(
+    causal_lm: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment box without torch: the build recorded PyTorch's generations, and genai runs
+    the build's own genai folder."""
+    from attn_export.pipelines.verify import generate
+
+    def no_torch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("golden mode ran PyTorch")
+
+    monkeypatch.setattr(generate, "torch_generate", no_torch)
+    monkeypatch.setattr(generate, "_from_torch", no_torch)
     folder = tmp_path / "copy"
     shutil.copytree(causal_lm.out, folder)
+    result = _verify(str(folder), "--golden", "--generate", "8")
+    assert result.exit_code == 0, result.output
+    runners = 2 if HAS_GENAI else 1
+    assert f"{4 * runners} of {4 * runners} generations give PyTorch's tokens (8 tokens each)" in result.output
+    too_many = _verify(str(folder), "--golden", "--generate", "9")
+    assert too_many.exit_code == 2 and too_many.output.count("\n") == 1, too_many.output
+    assert "llama_causal_lm's build recorded 8 new tokens; ask for 8 or fewer" in too_many.output
+
+
+def test_golden_mode_refuses_recorded_generations_changed_after_the_build(causal_lm: Built, tmp_path: Path) -> None:
+    folder = tmp_path / "copy"
+    shutil.copytree(causal_lm.out, folder)
+    recorded = folder / "llama_causal_lm.generate.npz"
+    data = bytearray(recorded.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    recorded.write_bytes(bytes(data))
     result = _verify(str(folder), "--golden", "--generate", "4")
-    assert result.exit_code == 2 and "golden files record no generation yet" in result.output
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "llama_causal_lm.generate.npz changed after the build" in result.output

@@ -185,6 +185,9 @@ def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None,
             recorded, why_not = ctx.intermediates(variant, graph.model)
             result.warnings += [why_not] if why_not else []
         inter, inter_sha = stage(out_dir, f"{name}.intermediates.npz", recorded) if recorded else ("", "")
+        generated, why_not = ctx.generations.get()
+        result.warnings += [why_not] if why_not else []
+        gen, gen_sha = stage(out_dir, f"{spec.name}.generate.npz", generated) if generated else ("", "")
         entry = ManifestEntry(
             name=name,
             file=file,
@@ -200,6 +203,8 @@ def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None,
             variant_info=info,
             intermediates=inter,
             intermediates_sha256=inter_sha,
+            generations=gen,
+            generations_sha256=gen_sha,
         )
     result.status, result.sha256, result.info = "built", sha, info
     return BuiltGraph(result, entry)

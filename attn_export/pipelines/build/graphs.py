@@ -11,15 +11,18 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import onnx
 
+from attn_export.artifacts.genai_folder import eos_tokens, pad_token, special_tokens
+from attn_export.artifacts.generations import Recorded, RecordedGenerations, encode_generations
 from attn_export.artifacts.golden import GoldenCase, Sight, encode_golden
 from attn_export.artifacts.intermediates import encode_intermediates
 from attn_export.checks.causality import sights
 from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
 from attn_export.checks.decode_record import record_trajectory
 from attn_export.checks.fully_masked import judge
+from attn_export.checks.generate import generate_prompts, is_causal_lm, stacked, torch_generate
 from attn_export.checks.mask_probe import check_masks
-from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, UsageError
-from attn_export.exporter.factory import instantiate
+from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, SpecError, UsageError
+from attn_export.exporter.factory import build_config, instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
 from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.shape_paths import path_difference
@@ -39,7 +42,7 @@ from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES
 from attn_export.spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
-from attn_export.spec.tolerance import rounding_bits
+from attn_export.spec.tolerance import rounding_bits, rounding_name
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 
@@ -48,6 +51,8 @@ BUILD_SEED = 0
 #: Recorded intermediates are at most this large (or the memory budget, if smaller): they
 #: are for one small case, to be copied to a deploy box beside the graph.
 INTERMEDIATES_LIMIT = 256 << 20
+#: New tokens a causal LM's recorded generations hold: ``verify --golden --generate N`` takes N up to it.
+RECORDED_STEPS = 8
 
 V = TypeVar("V")
 
@@ -101,6 +106,8 @@ class SpecBuild:
         self.golden = Once(self._golden_cases)
         #: The golden file's bytes, shared by every variant.
         self.golden_file = Once(lambda: encode_golden(self.golden.get()))
+        #: A causal LM's recorded generations (the file's bytes), or why none are recorded.
+        self.generations = Once(self._generations)
         self.graphs: dict[str, Once[Graph]] = {}
 
     def check_budget(self) -> None:
@@ -128,10 +135,45 @@ class SpecBuild:
         thread unless told, so a folder built there differed from a serial build's bytes."""
         module = self.module.get()  # first: it completes the spec
         spec = self.spec
-        # golden files record int8's rounding, and int4's where the build makes an int4 graph
-        asked = [t for v in self.options.variants if not variant_chain(v).chooser for t in spec.tolerances(v).values()]
-        bits = tuple(sorted({8, *rounding_bits(asked)}, reverse=True))
+        # golden files record int8's rounding, and the others' where the build makes such a graph
+        bits = tuple(sorted({8, *self._asked_bits()}, reverse=True))
         return TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, threads=physical_cores(), rounding_bits=bits)
+
+    def _asked_bits(self) -> tuple[int, ...]:
+        """The roundings of the variants this build makes (``Tolerance.weight_bits``)."""
+        spec = self.spec
+        return rounding_bits(
+            t for v in self.options.variants if not variant_chain(v).chooser for t in spec.tolerances(v).values()
+        )
+
+    def _generations(self) -> tuple[bytes | None, str | None]:
+        """A causal LM's generations of seeded prompts (``artifacts.generations``), greedy, for
+        as many steps as ``RECORDED_STEPS`` and the spec's ranges allow, by the module and by
+        it with each quantizing variant's rounding this build makes; or None and why none."""
+        spec = self.spec
+        if not is_causal_lm(spec):
+            return None, None
+        module = self.module.get()
+        cache = cache_of(spec)
+        assert cache is not None
+        steps = min(RECORDED_STEPS, spec.dims[cache.past_dim].max)
+        try:
+            config = build_config(spec)
+            if config is None:
+                raise SpecError("the module is not built from a transformers config")
+            prompts = generate_prompts(spec, steps, BUILD_SEED, special_tokens(config))
+            pad = pad_token(config)
+            recorded = RecordedGenerations(pad, eos_tokens(config), steps, prompts)
+            for bits in (None, *(b for b in self._asked_bits() if b in (8, 4))):
+                rounding = "none" if bits is None else rounding_name(bits)
+                for layout, rows in prompts.items():
+                    batch = torch_generate(module, spec, rows, steps, pad, bits)
+                    alone = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
+                    for how, made in (("batch", batch), ("alone", alone)):
+                        recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits)
+        except (SpecError, UsageError) as e:
+            return None, f"no generations recorded for verify --golden --generate: {e}"
+        return encode_generations(recorded), None
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""

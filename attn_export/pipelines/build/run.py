@@ -19,7 +19,7 @@ from typing import Any
 from attn_export import __version__
 from attn_export.artifacts.files import build_lock, sha256_bytes, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
-from attn_export.artifacts.genai_folder import genai_config, refuse_unfit, write_genai_folder
+from attn_export.artifacts.genai_folder import GENAI_DIR, genai_config, refuse_unfit, write_genai_folder
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, UsageError
@@ -31,10 +31,7 @@ from attn_export.pipelines.build.graphs import Once, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
 from attn_export.spec import ModelSpec, load_spec, variant_chain
 
-__all__ = ["GENAI_DIR", "build_models", "export_module"]
-
-#: The folder of a build folder that ``--target genai`` writes its model folders into.
-GENAI_DIR = "genai"
+__all__ = ["build_models", "export_module"]
 
 
 def _open_manifest(out_dir: Path, force: bool) -> Manifest:

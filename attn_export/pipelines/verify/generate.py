@@ -1,23 +1,28 @@
 """``verify --generate N``: each causal LM's graph generates N greedy tokens from seeded
 prompts on each ONNX Runtime target (our loop) and, where onnxruntime-genai is installed and
 the graph fits it, in genai's generator; PyTorch's ``generate()`` is the reference
-(``checks.generate``)."""
+(``checks.generate``), run here or, in golden mode, recorded at build
+(``artifacts.generations``: no torch, and genai runs the build's own genai folder)."""
 
 from __future__ import annotations
 
 import importlib.util
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.genai_folder import (
+    GENAI_DIR,
     eos_tokens,
     genai_config,
+    logits_vocab,
     pad_token,
     special_tokens,
     write_genai_folder,
 )
+from attn_export.artifacts.generations import read_generations
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.generate import (
     GenerateResult,
@@ -27,25 +32,18 @@ from attn_export.checks.generate import (
     stacked,
     torch_generate,
 )
-from attn_export.errors import AttnExportError, SpecError
+from attn_export.errors import ArtifactError, AttnExportError, SpecError, UsageError
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.pipelines.verify.expected import tolerances_for
+from attn_export.pipelines.verify.models import integrity
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.genai import GENAI, Generation
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import memory_budget
+from attn_export.spec.tolerance import rounding_name
 
-__all__ = ["generate_model"]
-
-
-def _fits_genai(spec: ModelSpec, variant: str, config: Any) -> bool:
-    """Whether genai's generator can run the graph: installed, and the graph fits it."""
-    try:
-        genai_config(spec, config, variant)
-    except SpecError:
-        return False
-    return importlib.util.find_spec("onnxruntime_genai") is not None
+__all__ = ["generate_model", "recorded_reference"]
 
 
 def _run(make: Callable[..., Generation], *args: Any) -> Generation | str:
@@ -56,24 +54,91 @@ def _run(make: Callable[..., Generation], *args: Any) -> Generation | str:
         return f"the graph's runner failed: {e}"
 
 
-def generate_model(
-    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
-) -> list[GenerateResult]:
-    """Every generation of ``entry``'s graph this run asks for, judged against PyTorch."""
+@dataclass(frozen=True)
+class _Reference:
+    """What a run's generations are judged against: the prompts by layout, the pad and end
+    tokens, PyTorch's generation of each layout run as one batch (``batch``) or each prompt
+    alone (``alone``), and where genai's folder is (None: made from the spec's config)."""
+
+    prompts: dict[str, list[list[int]]]
+    pad: int
+    eos: frozenset[int]
+    generation: Callable[[str, str], Generation]
+    folder: Path | None = None
+
+
+def _rounding_bits(spec: ModelSpec, variant: str) -> int | None:
+    """The weight rounding a ``variant`` graph generates by (8, 4), or None: a quantized graph
+    generates as the module with its weights rounded so."""
+    judged = spec.tolerance_for("logits", variant)
+    return judged.weight_bits if judged.int8_rounding and judged.weight_bits in (8, 4) else None
+
+
+def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _Reference:
+    """PyTorch's ``generate()`` of seeded prompts, on this machine."""
     from attn_export.exporter.factory import build_config, instantiate
 
     config = build_config(spec)
-    pad, eos = pad_token(config), eos_tokens(config)
+    pad = pad_token(config)
     steps = options.generate_steps
     prompts = generate_prompts(spec, steps, options.seed, special_tokens(config))
     module = instantiate(spec)
-    judged = spec.tolerance_for("logits", entry.variant)
-    # a quantized graph generates as the module with its weights rounded so; int4's rounding is
-    # simulated to float32 noise, so its logits are held to the model's own tolerance
-    bits = judged.weight_bits if judged.int8_rounding and judged.weight_bits in (8, 4) else None
+
+    def generation(layout: str, how: str) -> Generation:
+        rows = prompts[layout]
+        if how == "batch":
+            return torch_generate(module, spec, rows, steps, pad, bits)
+        return stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
+
+    return _Reference(prompts, pad, eos_tokens(config), generation)
+
+
+def recorded_reference(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> _Reference:
+    """Golden mode: the generations build recorded (no torch) for ``entry``'s rounding, and
+    the build's genai folder; ArtifactError or UsageError where they cannot serve."""
+    bits = _rounding_bits(spec, entry.variant)
+    if not entry.generations:
+        raise ArtifactError(
+            f"{entry.name}: the build recorded no generations (built by an older attn-export, or its module "
+            "generates without a transformers config); rebuild it, or verify --generate without --golden"
+        )
+    changed = integrity(out_dir, entry, "generations")
+    if changed:
+        raise ArtifactError(changed[-1])
+    budget = memory_budget(options.max_memory)
+    recorded = read_generations(out_dir / entry.generations, spec, logits_vocab(spec), budget, out_dir)
+    steps = options.generate_steps
+    if steps > recorded.steps:
+        raise UsageError(
+            f"--golden --generate {steps}: {entry.name}'s build recorded {recorded.steps} new tokens; "
+            f"ask for {recorded.steps} or fewer, or verify --generate without --golden"
+        )
+    rounding = "none" if bits is None else rounding_name(bits)
+    if not any(key[0] == rounding for key in recorded.runs):
+        raise ArtifactError(f"{entry.name}: the build recorded no generation with the {rounding} rounding")
+
+    def generation(layout: str, how: str) -> Generation:
+        run = recorded.run(rounding, layout, how, steps)
+        return Generation(run.tokens, run.logits)
+
+    folder = out_dir / GENAI_DIR / entry.name
+    return _Reference(recorded.prompts, recorded.pad, recorded.eos, generation, folder if folder.is_dir() else None)
+
+
+def generate_model(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions
+) -> list[GenerateResult]:
+    """Every generation of ``entry``'s graph this run asks for, judged against PyTorch's
+    (run here, or recorded at build in golden mode)."""
+    bits = _rounding_bits(spec, entry.variant)
+    # int4's rounding is simulated to float32 noise, so its logits are held to the model's own tolerance
     tolerance = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
+    if options.golden:
+        reference = recorded_reference(out_dir, entry, spec, options)
+    else:
+        reference = _from_torch(spec, options, bits)
+    steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     graph = out_dir / entry.file
-    expected = {layout: torch_generate(module, spec, rows, steps, pad, bits) for layout, rows in prompts.items()}
     results = []
 
     def judged_row(runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str) -> None:
@@ -94,17 +159,30 @@ def generate_model(
             continue
         budget = memory_budget(options.max_memory, spec)
         with RUNTIMES[target.runtime].make(graph, spec, target, options.threads, budget) as runtime:
-            for layout, rows in prompts.items():
+            for layout, rows in reference.prompts.items():
                 got = _run(graph_generate, runtime, spec, rows, steps, pad)
-                judged_row(target.label, layout, rows, expected[layout], got)
-    if _fits_genai(spec, entry.variant, config):
-        from attn_export.runtimes.genai import genai_generate
+                judged_row(target.label, layout, rows, reference.generation(layout, "batch"), got)
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        return results
+    from attn_export.runtimes.genai import genai_generate
 
-        with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
-            edit = fed_by_genai(entry.variant)
-            folder = write_genai_folder(graph, spec, config, Path(tmp) / "model", entry.variant, edit)
-            for layout, rows in prompts.items():
-                # genai pads on the right and masks: each row gives what its prompt alone gives
-                want = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
-                judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad))
+    with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
+        folder = reference.folder or _genai_folder(graph, spec, entry.variant, Path(tmp))
+        for layout, rows in reference.prompts.items() if folder is not None else ():
+            # genai pads on the right and masks: each row gives what its prompt alone gives
+            want = reference.generation(layout, "alone")
+            judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad))
     return results
+
+
+def _genai_folder(graph: Path, spec: ModelSpec, variant: str, tmp: Path) -> Path | None:
+    """The folder ``build --target genai`` would write for the graph, in ``tmp``; None where
+    genai could not run it."""
+    from attn_export.exporter.factory import build_config
+
+    config = build_config(spec)
+    try:
+        genai_config(spec, config, variant)
+    except SpecError:
+        return None
+    return write_genai_folder(graph, spec, config, tmp / "model", variant, fed_by_genai(variant))

@@ -104,8 +104,6 @@ class VerifyOptions:
             raise UsageError(f"--decode {self.decode_steps}: give 0 to 4096")
         if not 0 <= self.generate_steps <= 4096:
             raise UsageError(f"--generate {self.generate_steps}: give 0 to 4096")
-        if self.generate_steps and self.golden:
-            raise UsageError("--generate compares with PyTorch's generate(); golden files record no generation yet")
         if self.max_slowdown is not None and not (math.isfinite(self.max_slowdown) and self.max_slowdown > 0):
             raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
         if self.max_memory is not None and self.max_memory < 1:

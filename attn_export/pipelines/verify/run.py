@@ -40,7 +40,7 @@ from attn_export.pipelines.verify.cells import (
     time_case,
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
-from attn_export.pipelines.verify.generate import generate_model
+from attn_export.pipelines.verify.generate import generate_model, recorded_reference
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases
@@ -151,8 +151,11 @@ def _verify_locked(
         lms = [spec for spec in specs if is_causal_lm(spec)]
         if not lms:
             raise UsageError("--generate runs causal LMs (a logits output and a KV cache): no model of this run is one")
-        for spec in lms:
-            generate_prompts(spec, options.generate_steps, options.seed)
+        for entry, spec in zip(entries, specs, strict=True):
+            if is_causal_lm(spec):
+                generate_prompts(spec, options.generate_steps, options.seed)
+                if options.golden:  # the recorded generations are there, hold enough steps, and read
+                    recorded_reference(out_dir, entry, spec, options)
     if options.scenario:  # every model fits it, before any work
         for spec in specs:
             scenario_sizes(spec, options.scenario)
@@ -209,7 +212,11 @@ def _plan_model(
     """The checks that come before any run (files intact, build current, graph sound), then
     the model's cells; a problem found planning them is a failed check, never an exception
     (except bad usage)."""
-    kinds = ("golden",) if options.golden else ()
+    kinds = (
+        ("golden", *(("generations",) if options.generate_steps and entry.generations else ()))
+        if options.golden
+        else ()
+    )
     model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, *kinds)))
     check = model.check
     if check.passed and (not options.golden or options.golden_checkout):

@@ -16,14 +16,12 @@ checked against the spec and the memory budget before any array is loaded.
 
 from __future__ import annotations
 
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.files import open_regular
-from attn_export.artifacts.golden import checked_header, encode_npz, load_entry
+from attn_export.artifacts.golden import checked_header, encode_npz, load_entry, open_npz
 from attn_export.errors import ArtifactError
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
@@ -97,67 +95,62 @@ def read_generations(path: Path, spec: ModelSpec, vocab: int, budget: int, root:
     ``root``, every header checked before an array is loaded; ArtifactError naming what is
     wrong otherwise."""
     seq = max(r.max for r in spec.dims.values())
-    with open_regular(path, root) as (f, _):
-        try:
-            zf = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
-            raise ArtifactError(f"{path}: not a recorded generations file (not a zip archive)") from exc
-        with zf:
-            infos = {info.filename.removesuffix(".npy"): info for info in zf.infolist()}
-            unknown = sorted(k for k in infos if not _known(k))
-            if unknown or len(infos) != len(zf.infolist()):
-                raise ArtifactError(f"{path}: unexpected entry {unknown[:1] or 'twice'} in a recorded generations file")
-            declared = sum(i.file_size for i in infos.values())
-            if declared > budget:
-                raise ArtifactError(
-                    f"{path}: arrays declare {format_bytes(declared)}, over the memory budget of {format_bytes(budget)}"
-                )
-            headers = {k: checked_header(path, zf, info) for k, info in infos.items()}
-
-            def load(key: str, kind: str, ndim: int) -> np.ndarray:
-                if key not in headers:
-                    raise ArtifactError(f"{path}: no entry '{key}'")
-                shape, dtype = headers[key]
-                if dtype.kind not in kind or len(shape) != ndim:
-                    raise ArtifactError(f"{path}: entry '{key}' is {dtype} of {len(shape)} axes, not what it records")
-                return load_entry(path, zf, infos[key])
-
-            def ids(values: np.ndarray, key: str, low: int = 0) -> list[int]:
-                if values.size and (values.min() < low or values.max() >= vocab):
-                    raise ArtifactError(f"{path}: entry '{key}' holds an id outside the vocabulary of {vocab}")
-                return [int(v) for v in values]
-
-            steps = int(load("meta/steps", "iu", 0))
-            if not 0 < steps <= seq:
-                raise ArtifactError(f"{path}: meta/steps {steps} is not a number of steps the spec's ranges hold")
-            recorded = RecordedGenerations(
-                int(ids(load("meta/pad", "iu", 0).reshape(1), "meta/pad")[0]),
-                frozenset(ids(load("meta/eos", "iu", 1), "meta/eos")),
-                steps,
-                {},
+    with open_npz(path, root, "a recorded generations file") as zf:
+        infos = {info.filename.removesuffix(".npy"): info for info in zf.infolist()}
+        unknown = sorted(k for k in infos if not _known(k))
+        if unknown or len(infos) != len(zf.infolist()):
+            raise ArtifactError(f"{path}: unexpected entry {unknown[:1] or 'twice'} in a recorded generations file")
+        declared = sum(i.file_size for i in infos.values())
+        if declared > budget:
+            raise ArtifactError(
+                f"{path}: arrays declare {format_bytes(declared)}, over the memory budget of {format_bytes(budget)}"
             )
-            numbered: dict[str, dict[int, list[int]]] = {}
-            for key in sorted(k for k in infos if k.startswith("prompt/")):
-                layout, row = key.split("/")[1:]
-                prompt = load(key, "iu", 1)
-                if not 0 < prompt.size <= seq:
-                    raise ArtifactError(f"{path}: entry '{key}' is a prompt of {prompt.size} tokens")
-                numbered.setdefault(layout, {})[int(row)] = ids(prompt, key)
-            for layout, by_row in numbered.items():
-                if sorted(by_row) != list(range(len(by_row))):
-                    raise ArtifactError(f"{path}: the prompts of {layout} are not numbered 0 to {len(by_row) - 1}")
-                recorded.prompts[layout] = [by_row[i] for i in range(len(by_row))]
-            for key in sorted(k for k in infos if k.startswith("tokens/")):
-                _, rounding, layout, how = key.split("/")
-                rows = len(recorded.prompts.get(layout, []))
-                tokens, logits = load(key, "iu", 2), load(f"logits/{rounding}/{layout}/{how}", "f", 3)
-                if tokens.shape[0] != rows or tokens.shape[1] > steps or logits.shape != (tokens.shape[1], rows, vocab):
-                    raise ArtifactError(
-                        f"{path}: {key} {list(tokens.shape)} and its logits {list(logits.shape)} do not fit "
-                        f"{rows} prompts, {steps} steps and {vocab} ids"
-                    )
-                kept = [ids(row[row >= 0], key) for row in tokens]
-                recorded.runs[(rounding, layout, how)] = Recorded(kept, list(logits))
+        headers = {k: checked_header(path, zf, info) for k, info in infos.items()}
+
+        def load(key: str, kind: str, ndim: int) -> np.ndarray:
+            if key not in headers:
+                raise ArtifactError(f"{path}: no entry '{key}'")
+            shape, dtype = headers[key]
+            if dtype.kind not in kind or len(shape) != ndim:
+                raise ArtifactError(f"{path}: entry '{key}' is {dtype} of {len(shape)} axes, not what it records")
+            return load_entry(path, zf, infos[key])
+
+        def ids(values: np.ndarray, key: str, low: int = 0) -> list[int]:
+            if values.size and (values.min() < low or values.max() >= vocab):
+                raise ArtifactError(f"{path}: entry '{key}' holds an id outside the vocabulary of {vocab}")
+            return [int(v) for v in values]
+
+        steps = int(load("meta/steps", "iu", 0))
+        if not 0 < steps <= seq:
+            raise ArtifactError(f"{path}: meta/steps {steps} is not a number of steps the spec's ranges hold")
+        recorded = RecordedGenerations(
+            int(ids(load("meta/pad", "iu", 0).reshape(1), "meta/pad")[0]),
+            frozenset(ids(load("meta/eos", "iu", 1), "meta/eos")),
+            steps,
+            {},
+        )
+        numbered: dict[str, dict[int, list[int]]] = {}
+        for key in sorted(k for k in infos if k.startswith("prompt/")):
+            layout, row = key.split("/")[1:]
+            prompt = load(key, "iu", 1)
+            if not 0 < prompt.size <= seq:
+                raise ArtifactError(f"{path}: entry '{key}' is a prompt of {prompt.size} tokens")
+            numbered.setdefault(layout, {})[int(row)] = ids(prompt, key)
+        for layout, by_row in numbered.items():
+            if sorted(by_row) != list(range(len(by_row))):
+                raise ArtifactError(f"{path}: the prompts of {layout} are not numbered 0 to {len(by_row) - 1}")
+            recorded.prompts[layout] = [by_row[i] for i in range(len(by_row))]
+        for key in sorted(k for k in infos if k.startswith("tokens/")):
+            _, rounding, layout, how = key.split("/")
+            rows = len(recorded.prompts.get(layout, []))
+            tokens, logits = load(key, "iu", 2), load(f"logits/{rounding}/{layout}/{how}", "f", 3)
+            if tokens.shape[0] != rows or tokens.shape[1] > steps or logits.shape != (tokens.shape[1], rows, vocab):
+                raise ArtifactError(
+                    f"{path}: {key} {list(tokens.shape)} and its logits {list(logits.shape)} do not fit "
+                    f"{rows} prompts, {steps} steps and {vocab} ids"
+                )
+            kept = [ids(row[row >= 0], key) for row in tokens]
+            recorded.runs[(rounding, layout, how)] = Recorded(kept, list(logits))
     if not recorded.runs:
         raise ArtifactError(f"{path}: records no generation")
     return recorded

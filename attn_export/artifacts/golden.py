@@ -16,9 +16,11 @@ loaded. A 1 MB zip bomb declaring gigabytes costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -41,6 +43,7 @@ __all__ = [
     "encode_golden",
     "encode_npz",
     "load_entry",
+    "open_npz",
     "npy_header",
     "read_golden",
     "read_sights",
@@ -144,6 +147,19 @@ class _Entry:
     @property
     def where(self) -> str:
         return f"case '{self.label}' {self.section[:-1]} '{self.name}'"
+
+
+@contextlib.contextmanager
+def open_npz(path: Path, root: Path | None, what: str) -> Iterator[zipfile.ZipFile]:
+    """``path``, a regular file (inside ``root`` where given), open as the zip archive every
+    .npz is; ArtifactError saying it is not ``what`` otherwise."""
+    with open_regular(path, root) as (f, _):
+        try:
+            zf = zipfile.ZipFile(f)
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise ArtifactError(f"{path}: not {what} (not a zip archive)") from exc
+        with zf:
+            yield zf
 
 
 def npy_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[tuple[int, ...], np.dtype, int]:

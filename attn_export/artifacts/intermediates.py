@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from attn_export.artifacts.files import open_regular, schema_document
-from attn_export.artifacts.golden import GoldenCase, checked_header, encode_golden, load_entry, read_cases
+from attn_export.artifacts.files import schema_document
+from attn_export.artifacts.golden import GoldenCase, checked_header, encode_golden, load_entry, open_npz, read_cases
 from attn_export.errors import ArtifactError, first_line
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
@@ -112,38 +112,33 @@ def read_intermediates(path: Path, spec: ModelSpec, budget: int, root: Path | No
     malformed one is an ArtifactError, never a crash."""
     if not path.exists() and not path.is_symlink():
         raise ArtifactError(f"{path}: intermediates file is missing")
-    with open_regular(path, root) as (f, _):
-        try:
-            zf = zipfile.ZipFile(f)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
-            raise ArtifactError(f"{path}: not an intermediates file (not a zip archive)") from exc
-        with zf:
-            infos = zf.infolist()
-            doc = _meta(path, zf, next((i for i in infos if i.filename == _META), None))
-            values = [i for i in infos if i.filename.startswith("values/")]
-            golden = [i for i in infos if i.filename != _META and not i.filename.startswith("values/")]
-            shapes = {}
-            for info in values:
-                name = info.filename.removeprefix("values/").removesuffix(".npy")
-                if not _NODE.fullmatch(name) or info.filename != f"values/{name}.npy":
-                    raise ArtifactError(f"{path}: unexpected entry '{info.filename}' in intermediates file")
-                shapes[name] = checked_header(path, zf, info)
-            declared = sum(i.file_size for i in values)
-            if len(shapes) != len(values) or declared > budget:
-                if len(shapes) != len(values):
-                    raise ArtifactError(f"{path}: intermediates file holds a value twice")
-                raise ArtifactError(
-                    f"{path}: intermediate values declare {format_bytes(declared)}, over the memory budget of "
-                    f"{format_bytes(budget)}"
-                )
-            cases = read_cases(path, zf, golden, spec, budget - declared)
-            if len(cases) != 1 or cases[0].label != doc.get("case"):
-                raise ArtifactError(f"{path}: holds cases {[c.label for c in cases]}, not the one {_META} names")
-            outputs = {k: v[0] for k, v in _strings(path, doc, "outputs", 1).items()}
-            sources = {k: (v[0], v[1], v[2]) for k, v in _strings(path, doc, "sources", 3).items()}
-            if sorted(outputs) != sorted(t.name for t in spec.outputs):
-                raise ArtifactError(f"{path}: {_META} maps outputs {sorted(outputs)}, not the spec's")
-            rec = Intermediates(cases[0], {}, outputs, sources)
-            for info in values:
-                rec.values[info.filename.removeprefix("values/").removesuffix(".npy")] = load_entry(path, zf, info)
+    with open_npz(path, root, "an intermediates file") as zf:
+        infos = zf.infolist()
+        doc = _meta(path, zf, next((i for i in infos if i.filename == _META), None))
+        values = [i for i in infos if i.filename.startswith("values/")]
+        golden = [i for i in infos if i.filename != _META and not i.filename.startswith("values/")]
+        shapes = {}
+        for info in values:
+            name = info.filename.removeprefix("values/").removesuffix(".npy")
+            if not _NODE.fullmatch(name) or info.filename != f"values/{name}.npy":
+                raise ArtifactError(f"{path}: unexpected entry '{info.filename}' in intermediates file")
+            shapes[name] = checked_header(path, zf, info)
+        declared = sum(i.file_size for i in values)
+        if len(shapes) != len(values) or declared > budget:
+            if len(shapes) != len(values):
+                raise ArtifactError(f"{path}: intermediates file holds a value twice")
+            raise ArtifactError(
+                f"{path}: intermediate values declare {format_bytes(declared)}, over the memory budget of "
+                f"{format_bytes(budget)}"
+            )
+        cases = read_cases(path, zf, golden, spec, budget - declared)
+        if len(cases) != 1 or cases[0].label != doc.get("case"):
+            raise ArtifactError(f"{path}: holds cases {[c.label for c in cases]}, not the one {_META} names")
+        outputs = {k: v[0] for k, v in _strings(path, doc, "outputs", 1).items()}
+        sources = {k: (v[0], v[1], v[2]) for k, v in _strings(path, doc, "sources", 3).items()}
+        if sorted(outputs) != sorted(t.name for t in spec.outputs):
+            raise ArtifactError(f"{path}: {_META} maps outputs {sorted(outputs)}, not the spec's")
+        rec = Intermediates(cases[0], {}, outputs, sources)
+        for info in values:
+            rec.values[info.filename.removeprefix("values/").removesuffix(".npy")] = load_entry(path, zf, info)
     return rec

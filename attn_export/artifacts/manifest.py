@@ -15,11 +15,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import STAGED, atomic_write, read_regular, schema_document
+from attn_export.artifacts.files import LOCK_NAME, STAGED, atomic_write, read_regular, schema_document
 from attn_export.errors import ArtifactError, SpecError, UsageError
 from attn_export.spec import ModelSpec, spec_from_dict, variant_chain, variant_key
 
-__all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "load_manifest", "save_manifest"]
+__all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "is_build_folder", "load_manifest", "save_manifest"]
 
 MANIFEST_NAME = "manifest.json"
 #: A manifest is a few KiB per graph; anything near this is not one.
@@ -170,6 +170,18 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         if value != stable and not (staged and staged["stable"] == stable):
             raise bad(f"names {key} '{value}', which is neither {stable} nor a staged copy of it")
     return entry
+
+
+def is_build_folder(folder: Path) -> bool:
+    """A folder a build locked, or whose manifest.json is attn-export's (not any file of that
+    name a project may hold)."""
+    if (folder / LOCK_NAME).exists():
+        return True
+    try:
+        with open(folder / MANIFEST_NAME, encoding="utf-8") as f:
+            return bool(re.search(rf'"schema"\s*:\s*"{re.escape(SCHEMA)}"', f.read(MAX_MANIFEST_BYTES)))
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def load_manifest(out_dir: Path) -> Manifest:

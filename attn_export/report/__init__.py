@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from attn_export._deps import require
 from attn_export.artifacts.files import LOCK_NAME, append_output, output_target, write_output
-from attn_export.artifacts.manifest import MANIFEST_NAME
+from attn_export.artifacts.manifest import MANIFEST_NAME, is_build_folder
 from attn_export.errors import AttnExportError, UsageError
 from attn_export.report import bench_text, benchmark_json, json_report, junit, markdown, plot
 from attn_export.report.base import BenchFormat, ReportFormat
@@ -85,8 +85,8 @@ def check_report_paths(
     command appends to it (``summary``); one whose folder does not exist, unless it is in
     ``made``, the folder the command makes (found after the work, its report was lost); a
     file another report is written to, a file the command ``reads`` (a manifest, the
-    reports it merges), and a graph, golden file, spec or module: written over, the run
-    passes and what it read is gone."""
+    reports it merges), any build folder's manifest or lock, and a graph, golden file, spec
+    or module: written over, the run passes and what it read is gone."""
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY") if summary else None
     given = [(f"--{flag}", path) for flag, path in paths.items()]
     read = {p.resolve() for p in reads}
@@ -108,6 +108,10 @@ def check_report_paths(
         taken[target] = label
         if target in read:
             raise UsageError(f"{label} {path} is a file this command reads; write the report elsewhere")
+        if target in build_files(target.parent) and is_build_folder(target.parent):
+            raise UsageError(
+                f"{label} {path} is {target.name} of the build folder {target.parent}; write the report elsewhere"
+            )
         if whose := _NOT_REPORTS.get(target.suffix.lower()):
             raise UsageError(f"{label} {path}: {target.suffix} is {whose} suffix, not a report's; write it elsewhere")
 

@@ -170,6 +170,9 @@ def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: 
         (["check", str(zoo_copy), "--json", str(manifest)], f"--json {manifest} is a file this command reads"),
         (["check", str(zoo_copy / "mha.onnx"), "--json", str(manifest)], "is a file this command reads"),
         (["report", "merge", *map(str, shards), "--json", str(shards[0])], "is a file this command reads"),
+        # merge reads no build folder: the manifest was replaced by the merged report
+        (["report", "merge", *map(str, shards), "--json", str(manifest)],
+         f"is manifest.json of the build folder {zoo_copy}"),
         (["verify", str(zoo_copy), "--golden", "--json", str(tmp_path / "spec.toml")], ".toml is a spec's suffix"),
         (["bench", str(TINY_ZOO / "mha.toml"), "--out", str(out), "--json", str(out / "manifest.json")],
          "is a file this command reads"),
@@ -214,7 +217,10 @@ def test_no_report_is_written_over_a_bundle_external_data_or_through_the_step_su
     before = manifest.read_bytes()
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(manifest))
     result = _verify(Built(zoo_copy, TINY_ZOO, {}))
-    assert result.exit_code == 2 and f"$GITHUB_STEP_SUMMARY {manifest} is a file this command reads" in result.output
+    assert (
+        result.exit_code == 2
+        and f"$GITHUB_STEP_SUMMARY {manifest} is manifest.json of the build folder {zoo_copy}" in result.output
+    )
     assert manifest.read_bytes() == before
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(tmp_path))
     result = _verify(Built(zoo_copy, TINY_ZOO, {}))

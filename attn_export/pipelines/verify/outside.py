@@ -6,13 +6,12 @@ them, and nothing is read from or written to the graph's folder besides the grap
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
 from attn_export import __version__
-from attn_export.artifacts.files import LOCK_NAME, sha256_file
-from attn_export.artifacts.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, SCHEMA, Manifest, ManifestEntry
+from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.manifest import Manifest, ManifestEntry, is_build_folder
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
@@ -40,7 +39,7 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     spec = load_spec(spec_path)  # data only: a spec names its module, which is imported later
     home = spec_path.resolve().parent
     for folder in (home, *home.parents):
-        if _is_build_folder(folder):
+        if is_build_folder(folder):
             raise UsageError(
                 f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
                 "never from a build folder; name the checkout's spec"
@@ -89,18 +88,6 @@ def outside_spec(spec_path: Path, entry: ManifestEntry) -> ModelSpec:
     """The spec a graph no build made is judged by: the file's, with the values its ids
     take (``ModelSpec.vocab``), which ``outside_manifest`` read from the module."""
     return dataclasses.replace(load_spec(spec_path), vocab=entry.model_spec.vocab)
-
-
-def _is_build_folder(folder: Path) -> bool:
-    """A folder a build locked, or whose manifest.json is attn-export's (not any file of that
-    name a project may hold)."""
-    if (folder / LOCK_NAME).exists():
-        return True
-    try:
-        with open(folder / MANIFEST_NAME, encoding="utf-8") as f:
-            return bool(re.search(rf'"schema"\s*:\s*"{re.escape(SCHEMA)}"', f.read(MAX_MANIFEST_BYTES)))
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def changed_since(out_dir: Path, entry: ManifestEntry) -> str | None:

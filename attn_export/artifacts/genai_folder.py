@@ -113,19 +113,21 @@ def eos_tokens(config: Any) -> frozenset[int]:
     return frozenset([value] if isinstance(value, int) else value or [])
 
 
-def special_tokens(config: Any) -> frozenset[int]:
+def special_tokens(config: Any, vocab: int) -> frozenset[int]:
     """Pad, begin and end of sequence: tokens a prompt must not hold (a generator masks a pad)."""
     bos = _token(config, "bos_token_id")
-    return frozenset({pad_token(config), *eos_tokens(config), *([bos] if isinstance(bos, int) else [])})
+    return frozenset({pad_token(config, vocab), *eos_tokens(config), *([bos] if isinstance(bos, int) else [])})
 
 
-def pad_token(config: Any) -> int:
+def pad_token(config: Any, vocab: int) -> int:
     """The token a padded prompt is filled with: the config's pad token, else its (first)
-    end-of-sequence token, else 0 (the mask hides it either way)."""
+    end-of-sequence token, else 0 (the mask hides it either way); one inside the ``vocab``
+    the embedding takes (GPT-2's config names 50256 for a model of any vocabulary)."""
     for name in ("pad_token_id", "eos_token_id"):
         value = _token(config, name)
-        if value is not None:
-            return value if isinstance(value, int) else value[0]
+        token = value if isinstance(value, int) else value[0] if value else None
+        if token is not None and 0 <= token < vocab:
+            return token
     return 0
 
 
@@ -145,7 +147,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
     eos = _token(config, "eos_token_id")
     if eos is None:
         raise SpecError(f"{spec.name}: --target genai: the config declares no eos_token_id; set one in config")
-    pad = pad_token(config)
+    pad = pad_token(config, logits_vocab(spec))
     bos = _token(config, "bos_token_id")
     context = spec.dims[cache.total_dim].max
     family = str(getattr(config, "model_type", "")).replace("_", "")

@@ -167,3 +167,15 @@ def test_a_failed_write_leaves_the_folder_that_was_there(
         genai_folder.write_genai_folder(causal_lm.out / "llama_causal_lm.int4.onnx", spec, build_config(spec), dest)
     assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
     assert sorted(p.name for p in dest.parent.iterdir()) == ["model"]  # nothing left beside it
+
+
+def test_the_pad_token_is_one_the_embedding_takes() -> None:
+    """GPT-2's config names 50256 as its end of sequence whatever the vocabulary: padding with
+    it indexed past a tiny model's embedding (an internal error in build and verify)."""
+    from transformers import GPT2Config
+
+    from attn_export.artifacts.genai_folder import pad_token
+
+    assert pad_token(GPT2Config(vocab_size=32), 32) == 0
+    assert pad_token(GPT2Config(), 50257) == 50256
+    assert pad_token(GPT2Config(vocab_size=32, pad_token_id=5), 32) == 5

@@ -11,7 +11,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import onnx
 
-from attn_export.artifacts.genai_folder import eos_tokens, pad_token, special_tokens
+from attn_export.artifacts.genai_folder import eos_tokens, logits_vocab, pad_token, special_tokens
 from attn_export.artifacts.generations import Recorded, RecordedGenerations, encode_generations
 from attn_export.artifacts.golden import GoldenCase, Sight, encode_golden
 from attn_export.artifacts.intermediates import encode_intermediates
@@ -21,7 +21,15 @@ from attn_export.checks.decode_record import record_trajectory
 from attn_export.checks.fully_masked import judge
 from attn_export.checks.generate import generate_prompts, is_causal_lm, stacked, torch_generate
 from attn_export.checks.mask_probe import check_masks
-from attn_export.errors import AttnExportError, ExportFailure, GraphCheckError, RuntimeFailure, SpecError, UsageError
+from attn_export.errors import (
+    AttnExportError,
+    ExportFailure,
+    GraphCheckError,
+    RuntimeFailure,
+    SpecError,
+    UsageError,
+    first_line,
+)
 from attn_export.exporter.factory import build_config, instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
 from attn_export.exporter.index_inputs import with_lookup_ranges
@@ -161,8 +169,9 @@ class SpecBuild:
             config = build_config(spec)
             if config is None:
                 raise SpecError("the module is not built from a transformers config")
-            prompts = generate_prompts(spec, steps, BUILD_SEED, special_tokens(config))
-            pad = pad_token(config)
+            vocab = logits_vocab(spec)
+            prompts = generate_prompts(spec, steps, BUILD_SEED, special_tokens(config, vocab))
+            pad = pad_token(config, vocab)
             recorded = RecordedGenerations(pad, eos_tokens(config), steps, prompts)
             for bits in (None, *(b for b in self._asked_bits() if b in (8, 4))):
                 rounding = "none" if bits is None else rounding_name(bits)
@@ -173,6 +182,11 @@ class SpecBuild:
                         recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits)
         except (SpecError, UsageError) as e:
             return None, f"no generations recorded for verify --golden --generate: {e}"
+        except Exception as e:  # noqa: BLE001 - the graph is built; only its recorded generations are missing
+            return None, (
+                "no generations recorded for verify --golden --generate: PyTorch's generate() of the module failed "
+                f"({type(e).__name__}: {first_line(e)})"
+            )
         return encode_generations(recorded), None
 
     def export(self, opset: int) -> onnx.ModelProto:

@@ -79,9 +79,10 @@ def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _R
     from attn_export.exporter.factory import build_config, instantiate
 
     config = build_config(spec)
-    pad = pad_token(config)
+    vocab = logits_vocab(spec)
+    pad = pad_token(config, vocab)
     steps = options.generate_steps
-    prompts = generate_prompts(spec, steps, options.seed, special_tokens(config))
+    prompts = generate_prompts(spec, steps, options.seed, special_tokens(config, vocab))
     module = instantiate(spec)
 
     def generation(layout: str, how: str) -> Generation:

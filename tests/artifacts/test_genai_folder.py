@@ -119,6 +119,7 @@ def test_genai_generates_pytorchs_tokens_at_batch_one_and_padded_batches(causal_
 
 
 @needs_genai
+@pytest.mark.slow  # a build of its own; make test stays under four minutes
 def test_a_static_cache_graph_reads_its_length_from_the_mask_and_shares_genais_buffer(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -91,6 +91,11 @@ EXECUTORS: dict[str, ExecutorKind] = {
 }
 
 
+#: The most cells at once: more processes than any machine or cluster here runs (a count
+#: past a C int stopped the executor with an internal error).
+MAX_JOBS = 4096
+
+
 @dataclass(frozen=True)
 class Parallelism:
     """Which executor runs a pipeline's cells, and how many at once (``--executor``,
@@ -102,8 +107,8 @@ class Parallelism:
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise UsageError(f"--executor {self.executor}: choose one of {', '.join(EXECUTORS)}")
-        if self.jobs is not None and self.jobs < 1:
-            raise UsageError(f"--jobs {self.jobs}: give 1 or more, or auto")
+        if self.jobs is not None and not 1 <= self.jobs <= MAX_JOBS:
+            raise UsageError(f"--jobs {self.jobs}: give 1 to {MAX_JOBS}, or auto")
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             raise missing("ray", "--executor ray")  # before any work, without importing it
 

@@ -43,10 +43,13 @@ def test_a_cell_key_is_the_hash_of_its_content() -> None:
 
 
 def test_bad_executor_choices_are_refused_in_one_line(zoo_dir: Path) -> None:
-    with pytest.raises(UsageError, match="--jobs 0: give 1 or more, or auto"):
+    with pytest.raises(UsageError, match="--jobs 0: give 1 to 4096, or auto"):
         Parallelism(jobs=0)
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", "two"])
     assert result.exit_code == 2 and "Invalid value for '--jobs': 'two' is not a number of jobs" in result.output
+    # past a C int the process pool stopped with an internal error (exit 3)
+    result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", "99999999999"])
+    assert (result.exit_code, result.output) == (2, "Error: --jobs 99999999999: give 1 to 4096, or auto\n")
 
 
 def test_ray_missing_names_the_extra(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,12 +23,28 @@ pytestmark = needs_transformers
 DATA = Path(__file__).parent.parent / "data"
 
 
+def _checkpoint_weights(path: Path) -> Path:
+    """The state dict of the checkpoint Optimum exported (``tests/data/README.md``): a seeded
+    LlamaForCausalLM, each key prefixed ``model.`` as ``CausalLMWithCache`` holds it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=32, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.save({f"model.{k}": v for k, v in LlamaForCausalLM(config).state_dict().items()}, path)
+    return path
+
+
 @pytest.fixture
 def optimum(tmp_path: Path) -> tuple[Path, Path]:
     """The Optimum graph in a folder of its own, and the zoo spec reading its weights."""
     graph = tmp_path / "model.onnx"
     shutil.copyfile(DATA / "optimum_llama_causal_lm.onnx", graph)
-    weights = (DATA / "optimum_llama_causal_lm.weights.pt").resolve()
+    weights = _checkpoint_weights(tmp_path / "weights.pt")
     spec = tmp_path / "spec" / "llama_causal_lm.toml"
     spec.parent.mkdir()
     spec.write_text((TINY_ZOO / "llama_causal_lm.toml").read_text() + f'\n[weights]\npath = "{weights}"\n')

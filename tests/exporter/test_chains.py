@@ -16,7 +16,7 @@ from attn_export.cli import cli
 from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import make_variant, op_counts
 from attn_export.spec import load_spec
-from tests.conftest import TINY_ZOO, Built, copy_build
+from tests.conftest import TINY_ZOO, Built, copy_build, plant
 
 DECODER = "mha_kv_cache"
 CHAINS = ("ort-past+int8", "attention-op+fp16")
@@ -143,3 +143,23 @@ def test_bench_times_a_chain_like_any_variant(cache_build: Built, tmp_path: Path
     batch_ends = next(line for line in lines if line.startswith("MODEL")).index("BATCH") + len("BATCH")
     table = [line for line in lines if line.startswith(DECODER)]
     assert len(table) == 2 and all(line[:batch_ends].endswith(" 1") for line in table), "columns out of line"
+
+
+@pytest.mark.slow  # the cache variants' build (35-50 s); CI runs it
+def test_an_fp16_attention_op_without_float32_softmax_is_red(cache_build: Built, tmp_path: Path) -> None:
+    """The opset-23 Attention op's softmax runs in its inputs' float16 unless softmax_precision says
+    float32; ONNX Runtime's CPU shows no difference, so verify reads the graph."""
+    copy = copy_build(cache_build, tmp_path)
+    name = f"{DECODER}.attention-op+fp16"
+    proto = onnx.load(copy.out / f"{name}.onnx")
+    attention = next(n for n in proto.graph.node if n.op_type == "Attention")
+    assert [a.i for a in attention.attribute if a.name == "softmax_precision"] == [onnx.TensorProto.FLOAT]
+    kept = [a for a in attention.attribute if a.name != "softmax_precision"]
+    del attention.attribute[:]
+    attention.attribute.extend(kept)
+    plant(copy.out, name, proto)
+    args = ["verify", str(copy.out / f"{name}.onnx"), "--models", str(copy.models), "--no-latency", "--decode", "0"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    said = f"Attention node '{attention.name}' computes its softmax in float16 (softmax_precision None)"
+    assert said in result.output

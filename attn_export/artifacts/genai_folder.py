@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attn_export.errors import SpecError, UsageError
-from attn_export.spec import ModelSpec
+from attn_export.spec import ModelSpec, variant_chain
 from attn_export.spec.cache import MASK, POSITIONS, cache_of
 
 if TYPE_CHECKING:
@@ -187,17 +187,13 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
             "num_beams": 1,
             "num_return_sequences": 1,
             # a growing cache's present is a new tensor; static-cache writes into its past's buffer
-            "past_present_share_buffer": _in_place(variant),
+            "past_present_share_buffer": variant_chain(variant).in_place,
             "repetition_penalty": 1.0,
             "temperature": 1.0,
             "top_k": 1,
             "top_p": 1.0,
         },
     }
-
-
-def _in_place(variant: str) -> bool:
-    return "static-cache" in variant.split("+")
 
 
 def logits_vocab(spec: ModelSpec) -> int:

@@ -234,8 +234,7 @@ def _rounded_trajectories(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory
         for k, (exact, approx) in enumerate(zip(outputs, steps, strict=False)):
             for name, value in exact.items():
                 key, drift = rounding_key(bits, name), Rounding.between(value, approx[name])
-                now = traj.int8[k].get(key, Rounding())
-                traj.int8[k][key] = Rounding(max(now.rms, drift.rms), max(now.max, drift.max))
+                traj.int8[k][key] = traj.int8[k].get(key, Rounding()).widest(drift)
 
 
 def step_inputs(spec: ModelSpec, traj: Trajectory, outputs: list[Feeds]) -> list[Feeds]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.artifacts.genai_folder import LOGITS
+from attn_export.artifacts.genai_folder import LOGITS, logits_vocab
 from attn_export.errors import SpecError, UsageError
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.genai import Generation
@@ -93,8 +93,7 @@ def generate_prompts(
     inputs = {t.name: t for t in spec.inputs}
     if "input_ids" not in inputs or cache.mask is None:
         raise SpecError(f"{spec.name}: --generate feeds token ids and a mask: declare input_ids and {MASK} inputs")
-    vocab = next(t.shape[-1] for t in spec.outputs if t.name == LOGITS)
-    assert isinstance(vocab, int)
+    vocab = logits_vocab(spec)
     seq, past = spec.dims[cache.seq_dim], spec.dims[cache.past_dim]
     # the prompt's step has an empty cache; step k after it feeds a past of prompt + k - 1
     length = min(seq.max, past.max + 2 - steps, 6)

@@ -102,7 +102,7 @@ def judge_value(
     kept = None if left_out is None or left_out.shape != expected.shape else ~left_out
     rms = rms_of(expected, kept)
     factor = rounding_factor(tol)
-    rounding = _capped(rounding, expected, rms, factor) if rounding is not None and tol.int8_rounding else Rounding()
+    rounding = _capped(rounding, expected, rms, tol) if rounding is not None and tol.int8_rounding else Rounding()
     result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms, rounding), kept)
     base = tol.atol + FLOOR_FACTOR * floor
     bound = base + max(tol.rms_rtol * rms, factor * rounding.rms) if tol.rms_rtol else None
@@ -121,13 +121,14 @@ def judge_value(
     return dataclasses.replace(judged, by_rounding=judged.passed and bool(rounding.max) and beyond_shares)
 
 
-def _capped(rounding: Rounding, expected: np.ndarray, rms: float, factor: float) -> Rounding:
+def _capped(rounding: Rounding, expected: np.ndarray, rms: float, tol: Tolerance) -> Rounding:
     """``rounding`` so that the room it gives stays inside the value: per element no larger
     than its largest element, on the rms no larger than ``ROUNDING_CAP`` (fp16:
     ``FLOAT16_ROUNDING_CAP``) of its rms."""
     finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected[:0]
     largest = float(np.abs(finite).max()) if finite.size else 0.0
-    cap = FLOAT16_ROUNDING_CAP if factor == FLOAT16_ROUNDING_FACTOR else ROUNDING_CAP
+    factor = rounding_factor(tol)
+    cap = FLOAT16_ROUNDING_CAP if tol.weight_bits == 16 else ROUNDING_CAP
     most = Rounding(cap * rms / factor, largest / factor)
     return Rounding(min(rounding.rms, most.rms), min(rounding.max, most.max))
 

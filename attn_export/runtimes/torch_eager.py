@@ -149,7 +149,7 @@ class TorchRuntime(Runtime):
 
     def rounding(self, bits: int) -> TorchRuntime:
         """This module run with the ``bits``-bit variant's weight rounding, as a runtime of its own."""
-        return TorchRuntime(
+        rounded = TorchRuntime(
             self.module,
             self.inputs,
             self.outputs,
@@ -158,6 +158,8 @@ class TorchRuntime(Runtime):
             threads=self.threads,
             weight_bits=bits,
         )
+        rounded._float16 = self._half() if bits == FLOAT16 else None  # one float16 copy per module
+        return rounded
 
     def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
         """How far the module run with each quantizing variant's rounding (``in_int8``: int8,
@@ -184,8 +186,7 @@ class TorchRuntime(Runtime):
                     if t.name in outputs:
                         key = rounding_key(bits, t.name)
                         run = Rounding.between(outputs[t.name], v.detach().cpu().numpy())
-                        seen = found.get(key, Rounding())
-                        found[key] = Rounding(max(seen.rms, run.rms), max(seen.max, run.max))
+                        found[key] = found.get(key, Rounding()).widest(run)
         return found
 
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:

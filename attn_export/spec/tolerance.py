@@ -105,6 +105,10 @@ class Rounding:
     rms: float = 0.0
     max: float = 0.0
 
+    def widest(self, other: Rounding) -> Rounding:
+        """The larger of the two on each measure."""
+        return Rounding(max(self.rms, other.rms), max(self.max, other.max))
+
     @classmethod
     def between(cls, exact: np.ndarray, rounded: np.ndarray) -> Rounding:
         """The rms and the largest of |rounded - exact| where both are finite; none for

@@ -20,15 +20,16 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     ir = require("onnx_ir", "the fp16 variant")
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    angles = _angle_nodes(proto)
     # Constants beyond fp16's range (the -1e9 mask fill) are clamped to +-65504 by the
     # converter, so fully masked rows stay finite.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         half = convert_float_to_float16(
-            _angles_untyped(proto),
+            _angles_untyped(proto, angles),
             keep_io_types=True,
             op_block_list=["Softmax"],
-            node_block_list=_angle_nodes(proto),
+            node_block_list=angles,
             disable_shape_infer=True,
         )
     for node in half.graph.node:  # the opset-23 op's softmax too: its default is the inputs' float16
@@ -44,12 +45,12 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     )
 
 
-def _angles_untyped(proto: onnx.ModelProto) -> onnx.ModelProto:
+def _angles_untyped(proto: onnx.ModelProto, angles: list[str]) -> onnx.ModelProto:
     """``proto`` with every value typed but the angles' intermediates and the initializers:
     the converter casts each typed float value between two kept nodes to float16 and back
     (and types an initializer float16 even where it keeps it float32), which would round the
     angles; the Cos and Sin outputs keep their types, and so their casts to float16."""
-    kept = set(_angle_nodes(proto))
+    kept = set(angles)
     inside = {o for n in proto.graph.node if n.name in kept and n.op_type not in ("Cos", "Sin") for o in n.output}
     inside |= {t.name for t in proto.graph.initializer}
     copy = onnx.shape_inference.infer_shapes(proto)  # every other value typed: the converter infers none
@@ -75,16 +76,13 @@ def _angle_nodes(proto: onnx.ModelProto) -> list[str]:
         if node.name not in kept:
             kept[node.name] = node
             todo += [makers[i] for i in node.input if i in makers]
+    outputs = {o.name for o in proto.graph.output}
     shared = True
     while shared:  # drop a node read from outside the set, then what only it read
         shared = False
         for name, node in list(kept.items()):
             outside = {r for out in node.output for r in readers.get(out, [])} - set(kept)
-            if node.op_type not in ("Cos", "Sin") and (outside or set(node.output) & _graph_outputs(proto)):
+            if node.op_type not in ("Cos", "Sin") and (outside or set(node.output) & outputs):
                 del kept[name]
                 shared = True
     return sorted(kept)
-
-
-def _graph_outputs(proto: onnx.ModelProto) -> set[str]:
-    return {o.name for o in proto.graph.output}

@@ -24,6 +24,7 @@ from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
 from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
+from attn_export.spec import variant_chain
 from attn_export.spec.cache import MASK
 
 
@@ -139,6 +140,6 @@ def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
 def fed_by_genai(variant: str) -> Callable[[onnx.ModelProto], None] | None:
     """The edit that makes ``variant``'s graph one onnxruntime-genai feeds: a static-cache
     graph takes its filled length from the mask (``length_from_mask``); others need none."""
-    if "static-cache" not in variant.split("+"):
+    if not variant_chain(variant).in_place:
         return None
     return functools.partial(length_from_mask, mask=MASK, ids="input_ids")

@@ -6,6 +6,7 @@ the graph fits it, in genai's generator; PyTorch's ``generate()`` is the referen
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import tempfile
 from collections.abc import Callable
@@ -85,6 +86,7 @@ def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _R
     prompts = generate_prompts(spec, steps, options.seed, special_tokens(config, vocab))
     module = instantiate(spec)
 
+    @functools.cache  # greedy and seeded: each target and runner judged by one run
     def generation(layout: str, how: str) -> Generation:
         rows = prompts[layout]
         if how == "batch":

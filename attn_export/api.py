@@ -17,15 +17,14 @@ import numpy as np
 import onnx
 
 from attn_export.artifacts.onnx_file import load_model_file
+from attn_export.checks.spec_learning import learn_ranges, learned_spec
 from attn_export.errors import UsageError
 from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
-from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.torch_export import refuse_misfit
 from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
-from attn_export.pipelines.verify.outside import learned_spec
 from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
@@ -171,7 +170,7 @@ def _adapted(module: Any, spec: ModelSpec, config: Any) -> tuple[Any, ModelSpec]
     land on the rows of the tables they index (as build learns them): drawn from 0..7, a
     graph that clamps a table passed."""
     adapted = adapt(module, spec, config)
-    return adapted, with_lookup_ranges(adapted, spec)
+    return adapted, learn_ranges(adapted, spec)
 
 
 def _output_shapes(module: Any, raw: dict[str, Any], config: Any) -> list[dict[str, Any]]:

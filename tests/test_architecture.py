@@ -114,6 +114,22 @@ def test_the_import_graph_has_no_circle() -> None:
         assert not circle, " -> ".join(circle)
 
 
+#: What only ``checks/spec_learning`` may call: a spec is learned from its module one way.
+LEARNING = {"with_lookup_ranges", "check_masks"}
+
+
+def test_a_spec_is_learned_from_its_module_in_one_room() -> None:
+    home = {"attn_export.checks.spec_learning", "attn_export.checks.mask_probe", "attn_export.exporter.index_inputs"}
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _module(path) in home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attn_export"):
+                wrong += [f"{_module(path)} imports {a.name}" for a in node.names if a.name in LEARNING]
+    assert not wrong, "\n".join(wrong)
+
+
 def _choices(command: str, option: str) -> list[str]:
     params = {p.name: p for p in cli.commands[command].params}  # type: ignore[union-attr]
     kind = params[option].type

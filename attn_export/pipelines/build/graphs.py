@@ -20,7 +20,7 @@ from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
 from attn_export.checks.decode_record import record_trajectory
 from attn_export.checks.fully_masked import judge
 from attn_export.checks.generate import generate_prompts, is_causal_lm, stacked, torch_generate
-from attn_export.checks.mask_probe import check_masks
+from attn_export.checks.spec_learning import LEARN_SEED, learn_ranges, read_masks
 from attn_export.errors import (
     AttnExportError,
     ExportFailure,
@@ -32,7 +32,6 @@ from attn_export.errors import (
 )
 from attn_export.exporter.factory import build_config, instantiate
 from attn_export.exporter.graph_checks import check_deterministic, check_model, check_spec_axes
-from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
@@ -54,8 +53,9 @@ from attn_export.spec.tolerance import rounding_bits, rounding_name
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 
-#: Feeds for export examples and golden vectors use this seed (recorded in the golden file).
-BUILD_SEED = 0
+#: Feeds for export examples and golden vectors use this seed (recorded in the golden file):
+#: the one the spec is learned from.
+BUILD_SEED = LEARN_SEED
 #: Recorded intermediates are at most this large (or the memory budget, if smaller): they
 #: are for one small case, to be copied to a deploy box beside the graph.
 INTERMEDIATES_LIMIT = 256 << 20
@@ -126,7 +126,7 @@ class SpecBuild:
         """The module, run once on the example inputs (a spec error where it cannot take
         them); the spec as built learns first which values of its ids reach the tables they index."""
         module = instantiate(self.spec)
-        self.spec = with_lookup_ranges(module, self.spec)
+        self.spec = learn_ranges(module, self.spec)
         refuse_misfit(module, self.spec, make_feeds(self.spec, self.sizes, BUILD_SEED))
         return module
 
@@ -134,7 +134,7 @@ class SpecBuild:
         """The module reads every mask as the spec says (``mask_probe``); and the positions a
         query sees (``causality``), which each golden case records."""
         with self._eager() as eager:
-            check_masks(self.spec, eager, self.sizes, BUILD_SEED)
+            read_masks(self.spec, eager)
             return sights(self.spec, eager, self.sizes, [p.sizes for p in golden_points(self.spec)])
 
     def _eager(self) -> TorchRuntime:

@@ -11,7 +11,8 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, UsageError
+from attn_export.checks.spec_learning import checkout_ranges
+from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import (
     check_deterministic,
     check_float32_softmax,
@@ -209,7 +210,7 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
     path = models_dir / f"{name}.toml"
     if models_dir.is_dir() and path.is_file():
         spec = dataclasses.replace(load_spec(path), guards=entry.model_spec.guards)
-        return _learned_ranges(spec) if learn else spec
+        return checkout_ranges(spec) if learn else spec
     where = (
         f"no spec for model '{name}' in {models_dir}"
         if models_dir.is_dir()
@@ -226,22 +227,6 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
         f"{where}: verify rebuilds PyTorch originals only from the checkout's specs (pass {option} DIR, "
         f"the folder the build read){other}"
     )
-
-
-def _learned_ranges(spec: ModelSpec) -> ModelSpec:
-    """``spec`` with the values its undeclared ids take read from its module, as build read
-    them; as it is where the module cannot be made (verify says so where it runs it)."""
-    from attn_export.exporter.index_inputs import undeclared_ids, with_lookup_ranges
-
-    if not undeclared_ids(spec):
-        return spec
-    from attn_export.exporter.factory import instantiate
-
-    try:
-        module = instantiate(spec)
-    except AttnExportError:
-        return spec
-    return with_lookup_ranges(module, spec)
 
 
 def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from attn_export import __version__
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, is_build_folder
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
+from attn_export.checks.spec_learning import learned_spec, needs_module
 from attn_export.errors import ArtifactError, GraphCheckError, UsageError
 from attn_export.exporter.graph_checks import check_spec_signature
-from attn_export.exporter.index_inputs import with_lookup_ranges
 from attn_export.exporter.source import module_sources
 from attn_export.spec import ModelSpec, load_spec, variant_chain
-from attn_export.spec.shapes import example_sizes
 
-__all__ = ["changed_since", "learned_spec", "outside_manifest", "outside_spec"]
+__all__ = ["changed_since", "outside_manifest", "outside_spec"]
 
 
 def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tuple[Path, Manifest, list[str]]:
@@ -44,7 +42,7 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
                 f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
                 "never from a build folder; name the checkout's spec"
             )
-    if spec.masks or any(t.is_ids and t.values is None for t in spec.inputs):
+    if needs_module(spec):
         from attn_export.exporter.factory import instantiate
 
         spec = learned_spec(instantiate(spec), spec)
@@ -67,21 +65,6 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
         variant=variant,
     )
     return graph.parent, Manifest(__version__, {name: entry}), [name]
-
-
-def learned_spec(module: Any, spec: ModelSpec) -> ModelSpec:
-    """``spec`` as build learns it from ``module`` before an export: the values its ids take
-    to land on their tables' rows (``lookup_ranges``), and every mask read as declared
-    (``check_masks``: a SpecError where the module reads one another way, as build says;
-    judged by a convention the wrong way round, the named mask cases test other rows)."""
-    from attn_export.checks.mask_probe import check_masks
-    from attn_export.runtimes.torch_eager import TorchRuntime
-
-    spec = with_lookup_ranges(module, spec)
-    if spec.masks:
-        with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
-            check_masks(spec, eager, example_sizes(spec))
-    return spec
 
 
 def outside_spec(spec_path: Path, entry: ManifestEntry) -> ModelSpec:

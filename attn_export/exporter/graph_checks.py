@@ -36,6 +36,7 @@ __all__ = [
     "check_spec_axes",
     "graph_shapes",
     "name_dims",
+    "only_shapes_rejected",
 ]
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -112,6 +113,18 @@ def check_model(proto: onnx.ModelProto, name: str, path: Path | None = None) -> 
             onnx.checker.check_model(proto, full_check=True)
     except Exception as e:  # ValidationError, InferenceError, or a decode error on a corrupt name
         raise GraphCheckError(f"{name}: onnx.checker rejected the graph: {one_line(e)}") from e
+
+
+def only_shapes_rejected(proto: onnx.ModelProto, path: Path | None = None) -> bool:
+    """Whether the graph passes onnx.checker's structural check, so that only its strict shape
+    inference rejected it (``check_model``): a declared shape that contradicts what onnx infers
+    (onnxruntime-genai's model builder declares a 1-D constant as rank 0), which ONNX
+    Runtime, which does not read declared shapes of intermediate values, still runs."""
+    try:
+        onnx.checker.check_model(str(path) if path is not None and external_data_files(proto) else proto)
+    except Exception:  # ValidationError, or a decode error on a corrupt name
+        return False
+    return True
 
 
 def graph_shapes(proto: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...]]:
@@ -218,14 +231,16 @@ def _kept_window(have: str, total: str, dims: Mapping[str, DimRange], symbol_of:
 def check_signature(
     proto: onnx.ModelProto, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
 ) -> None:
-    """The graph's inputs and outputs are the spec's, by name, order, rank, dtype and static
-    sizes: else no feed made from the spec fits the graph, and nothing can be compared."""
-    declared_in = [i.name for i in proto.graph.input]
-    declared_out = [o.name for o in proto.graph.output]
-    if declared_in != [t.name for t in inputs]:
-        raise GraphCheckError(f"{name}: graph inputs {declared_in} != spec inputs {[t.name for t in inputs]}")
-    if declared_out != [t.name for t in outputs]:
-        raise GraphCheckError(f"{name}: graph outputs {declared_out} != spec outputs {[t.name for t in outputs]}")
+    """The graph's inputs and outputs are the spec's, by name, rank, dtype and static sizes:
+    else no feed made from the spec fits the graph, and nothing can be compared. Their order
+    is free: every runtime feeds and reads them by name (onnxruntime-genai's model builder
+    lists every layer's past key before the first past value)."""
+    for kind, declared, spec_names in (
+        ("inputs", [i.name for i in proto.graph.input], [t.name for t in inputs]),
+        ("outputs", [o.name for o in proto.graph.output], [t.name for t in outputs]),
+    ):
+        if sorted(declared) != sorted(spec_names):
+            raise GraphCheckError(f"{name}: graph {kind} {declared} != spec {kind} {spec_names}")
     shapes = graph_shapes(proto)
     types = {v.name: v.type.tensor_type.elem_type for v in (*proto.graph.input, *proto.graph.output)}
     for t in list(inputs) + list(outputs):
@@ -284,6 +299,8 @@ def check_dynamic_axes(
                 )
             continue
         if isinstance(want, int):
+            if isinstance(have, str) and not own_names and _SYMBOL.fullmatch(have):
+                continue  # another exporter's name for a fixed size (genai's kv_cache_dim): checked at run
             if isinstance(have, str):
                 raise GraphCheckError(
                     f"{name}: {kind} '{t.name}' axis {axis} should be {want} but the graph computes it "

@@ -86,6 +86,7 @@ def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck, w: 
     """The rows for one model, printed as soon as it is verified."""
     lines = [format_case(c, w) for c in cases]
     lines += [f"{name:<{w.model}} {'checks':<{w.runtime}} {'-':<{w.shape}} {'-':<8} FAIL   {p}" for p in check.problems]
+    lines += [f"note: {n}" for n in check.notes]
     nan = sum(any((o.shared_nan or o.shared_inf) and o.passed for o in c.comparisons) for c in cases)
     if nan:  # passing, but not silently: the spec allowed it
         lines.append(

@@ -19,6 +19,7 @@ from attn_export.exporter.graph_checks import (
     check_model,
     check_spec_axes,
     check_spec_signature,
+    only_shapes_rejected,
 )
 from attn_export.exporter.source import module_sources
 from attn_export.pipelines.verify.outside import outside_manifest
@@ -169,29 +170,38 @@ def plain_export(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> Man
         return None
 
 
-def graph_problems(out_dir: Path, entry: ManifestEntry, outside: bool = False) -> tuple[list[str], bool]:
-    """Problems found in the graph itself, and whether it is sound enough to run.
+def graph_problems(out_dir: Path, entry: ManifestEntry, outside: bool = False) -> tuple[list[str], bool, list[str]]:
+    """Problems found in the graph itself, whether it is sound enough to run, and notes.
 
     A file that is not a loadable model is bad input (ArtifactError, exit 2). A graph the
     checker rejects, or whose inputs and outputs are not the spec's, is not run; one with
     wrong dynamic axes is, to show the consequences. A graph no build made (``outside``)
-    names its dims as its exporter did (Optimum's ``batch_size``, genai's ``batch_size``).
+    names its dims as its exporter did (Optimum's ``batch_size``, genai's ``batch_size``),
+    and where only onnx's strict shape inference rejects it, a note says so and ONNX Runtime
+    judges it by running it: the file is what the user deploys, and it runs.
     """
     spec = entry.model_spec
-    proto = load_model_file(out_dir / entry.file)
+    path = out_dir / entry.file
+    proto = load_model_file(path)
+    notes: list[str] = []
     try:
-        check_model(proto, entry.name, out_dir / entry.file)
+        try:
+            check_model(proto, entry.name, path)
+        except GraphCheckError as e:
+            if not (outside and only_shapes_rejected(proto, path)):
+                raise
+            notes.append(f"{e} (a shape it declares; the graph passes onnx's structural check and is run)")
         check_deterministic(proto, entry.name)
         check_spec_signature(proto, entry.name, spec)
     except GraphCheckError as e:
-        return [str(e)], False
+        return [str(e)], False, notes
     try:
         check_spec_axes(proto, entry.name, spec, own_names=not outside)
         if "fp16" in entry.variant.split("+"):
             check_float32_softmax(proto, entry.name)
     except GraphCheckError as e:
-        return [str(e)], True
-    return [], True
+        return [str(e)], True, notes
+    return [], True, notes
 
 
 #: Spec fields that do not change the PyTorch original or how it is judged (build overrides),

@@ -281,11 +281,13 @@ class CaseResult:
 
 @dataclass
 class ModelCheck:
-    """Per-model checks that come before any run: artifact integrity and graph axes."""
+    """Per-model checks that come before any run: artifact integrity and graph axes; and
+    what they found that fails nothing (``notes``)."""
 
     model: str
     file: str
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -525,7 +527,9 @@ class VerifyReport:
             manifest_sha256=d.get("manifest_sha256"),
             versions=dict(d.get("versions") or {}),
             shard=Shard(**d["shard"]) if d.get("shard") else None,
-            checks=[ModelCheck(c["model"], c["file"], list(c["problems"])) for c in d["checks"]],
+            checks=[
+                ModelCheck(c["model"], c["file"], list(c["problems"]), list(c.get("notes", []))) for c in d["checks"]
+            ],
             cases=[CaseResult.from_dict(c) for c in d["cases"]],
             decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
             generate=[GenerateResult.from_dict(g) for g in d.get("generate", [])],

@@ -228,8 +228,9 @@ def _plan_model(
             )
     runnable = check.passed
     if runnable:
-        problems, runnable = graph_problems(out_dir, entry, outside=options.spec_file is not None)
+        problems, runnable, notes = graph_problems(out_dir, entry, outside=options.spec_file is not None)
         check.problems += problems
+        check.notes += notes
     if not runnable:
         return model
     try:

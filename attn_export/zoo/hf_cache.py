@@ -15,6 +15,10 @@ sliding-window model (Mistral) still masks by its window, and each present grows
 token. ``cache_from_config=True`` builds the cache from the config, as ``generate()`` does: a
 sliding-window layer then keeps only its newest ``sliding_window - 1`` positions, which its
 spec declares as ``[cache] window`` (``spec.cache``).
+
+``positions="mask"`` takes no ``position_ids`` input: each token's position is counted from
+the mask as ``generate()`` counts it (real tokens before it, from 0), the form of
+onnxruntime-genai's model builder graphs, whose attention derives positions from the mask.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from torch import Tensor, nn
 
 __all__ = ["CausalLMWithCache", "DecoderWithCache"]
 
+#: Where the positions come from: a ``position_ids`` input, or counted from the mask.
+POSITIONS = ("input", "mask")
 #: The cache layers whose whole state is one key and one value tensor (flat, as ONNX feeds them).
 _FLAT_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
@@ -58,9 +64,13 @@ def _refuse_unflat_cache(model: nn.Module, config: Any) -> None:
 class _FlatCache(nn.Module):
     """A transformers model of ``config`` fed its cache as flat tensors, any number of layers."""
 
-    def __init__(self, config: Any, auto: str, output: str, cache_from_config: bool) -> None:
+    def __init__(self, config: Any, auto: str, output: str, cache_from_config: bool, positions: str) -> None:
         super().__init__()
         import transformers
+
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(map(repr, POSITIONS))}, got {positions!r}")
+        self.positions = positions
 
         self.layers = _layers(config)
         factory = getattr(transformers, auto)
@@ -75,11 +85,15 @@ class _FlatCache(nn.Module):
         self.output = output
         self.cache_from_config = cache_from_config
 
-    def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor
-    ) -> tuple[Tensor, ...]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
         from transformers import DynamicCache
 
+        if self.positions == "input":
+            position_ids, *past = rest
+        else:  # the token's index among the real tokens, the last ``seq`` of them new
+            past = list(rest)
+            counted = attention_mask.long().cumsum(-1) - 1
+            position_ids = counted.clamp(min=0)[:, -input_ids.shape[1] :]
         if len(past) != 2 * self.layers:
             raise ValueError(
                 f"{self.layers} layers take {2 * self.layers} past tensors (past_key_values.{{i}}.key/value), "
@@ -105,10 +119,11 @@ class DecoderWithCache(_FlatCache):
     ``attention_mask`` (1 = attend, left padding allowed), ``position_ids`` and each layer's
     past key and value in layer order; it returns the last hidden state and each layer's
     present key and value. ``cache_from_config``: the cache the config makes (a
-    sliding-window layer trims), else one that keeps every position."""
+    sliding-window layer trims), else one that keeps every position. ``positions``: "input"
+    (a ``position_ids`` input after the mask) or "mask" (none: counted from the mask)."""
 
-    def __init__(self, config: Any, cache_from_config: bool = False) -> None:
-        super().__init__(config, "AutoModel", "last_hidden_state", cache_from_config)
+    def __init__(self, config: Any, cache_from_config: bool = False, positions: str = "input") -> None:
+        super().__init__(config, "AutoModel", "last_hidden_state", cache_from_config, positions)
 
 
 class CausalLMWithCache(_FlatCache):
@@ -117,5 +132,5 @@ class CausalLMWithCache(_FlatCache):
     it, returning ``logits`` ``[batch, seq, vocab]`` and each layer's present key and value:
     the whole model a generator (onnxruntime-genai's, ``verify --generate``) runs."""
 
-    def __init__(self, config: Any, cache_from_config: bool = False) -> None:
-        super().__init__(config, "AutoModelForCausalLM", "logits", cache_from_config)
+    def __init__(self, config: Any, cache_from_config: bool = False, positions: str = "input") -> None:
+        super().__init__(config, "AutoModelForCausalLM", "logits", cache_from_config, positions)

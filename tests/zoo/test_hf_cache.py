@@ -148,3 +148,31 @@ def test_every_family_builds_and_verifies(tmp_path: Path) -> None:
     assert "104 of 104 cases agree across 7 models" in verify.output, verify.output
     batch_one = [line for line in verify.output.splitlines() if " batch-1 " in line]
     assert len(batch_one) == 7 and all(" PASS " in line for line in batch_one), verify.output
+
+
+def test_positions_counted_from_the_mask_are_the_ones_generate_feeds() -> None:
+    """``positions="mask"`` (onnxruntime-genai's model builder graphs take no position_ids):
+    each token's index among the row's real tokens, as given to the input form."""
+    import torch
+    from transformers import LlamaConfig
+
+    from attn_export.zoo.hf_cache import CausalLMWithCache
+
+    config = LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=32, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    given = CausalLMWithCache(config).eval()
+    counted = CausalLMWithCache(config, positions="mask").eval()
+    counted.load_state_dict(given.state_dict())
+    ids = torch.randint(3, 32, (2, 3))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]])  # a past of 4, row 1 left-padded
+    past = [torch.randn(2, 2, 4, 8) for _ in range(4)]
+    positions = torch.tensor([[4, 5, 6], [2, 3, 4]])
+    with torch.no_grad():
+        want, got = given(ids, mask, positions, *past), counted(ids, mask, *past)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w)
+    with pytest.raises(ValueError, match="positions must be one of 'input', 'mask'"):
+        CausalLMWithCache(config, positions="ids")

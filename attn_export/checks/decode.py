@@ -107,10 +107,10 @@ def _axis(spec: ModelSpec, name: str, dim: str | None) -> int | None:
 
 def layouts(spec: ModelSpec, cache: CacheSpec) -> list[str]:
     """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
-    batch where it may be 2 or more (and a mask says which tokens are padding)."""
+    batch where it may be 2 or more (and a mask that may pad says which tokens are padding)."""
     batch = spec.dims.get(cache.batch_dim or "")
     out = ["batch-1"] if batch is None or batch.min <= 1 else []
-    return out + (["left-padded"] if batch is not None and batch.max >= 2 and cache.mask else [])
+    return out + (["left-padded"] if batch is not None and batch.max >= 2 and cache.mask and cache.pads else [])
 
 
 def step_count(spec: ModelSpec, cache: CacheSpec, n_steps: int) -> tuple[int, list[str]]:

@@ -40,6 +40,13 @@ __all__ = ["KIND", "OnnxRuntime", "available_providers", "crash_on_load", "load_
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
 #: What ONNX Runtime says when an allocation would take its arena past ``max_mem``.
+#: GroupQueryAttention's refusal of several new tokens on a filled cache at batch > 1 (CPU),
+#: and what to declare where a generator never feeds such a step.
+_GQA_EXTEND = "batch_size must be 1 when sequence_length > 1 and past context is given"
+_GQA_EXTEND_HINT = (
+    " (a generator feeds such a graph a prompt on an empty cache, then one token a step: declare "
+    "[cache] extend_batch = 1 in the spec to judge it on the steps it is fed)"
+)
 _ARENA_FULL = re.compile(
     r"running (?P<op>\w+) node.*Available memory of (?P<free>\d+) is smaller than requested bytes of (?P<asked>\d+)"
 )
@@ -302,7 +309,8 @@ class OnnxRuntime(Runtime):
                     f"{format_bytes(self.budget)}; narrow the dims or raise --max-memory (or ${ENV}, or max_memory "
                     "in the spec)"
                 ) from e
-            raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}") from e
+            hint = _GQA_EXTEND_HINT if _GQA_EXTEND in first_line(e) else ""
+            raise RuntimeFailure(f"{self.name}: inference failed: {first_line(e)}{hint}") from e
         outputs = dict(zip(names, values, strict=True))
         if static is None:
             return outputs

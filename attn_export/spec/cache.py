@@ -24,11 +24,22 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from attn_export.errors import SpecError
+from attn_export.errors import InputError, SpecError
+from attn_export.spec.masks import FULL
 from attn_export.spec.model import ModelSpec, TensorSpec
 from attn_export.spec.shapes import concrete_shape
 
-__all__ = ["MASK", "POSITIONS", "CacheSpec", "cache_of", "output_shape", "present_windows"]
+__all__ = [
+    "MASK",
+    "POSITIONS",
+    "CacheSpec",
+    "cache_of",
+    "check_fed_sizes",
+    "fed_points",
+    "fed_sizes",
+    "output_shape",
+    "present_windows",
+]
 
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)")
 MASK = "attention_mask"
@@ -52,6 +63,11 @@ class CacheSpec:
     max_seq: int | None = None
     #: The positions each present keeps (the newest): a sliding-window cache; None: all.
     window: int | None = None
+    #: ``[cache] extend_batch``: the largest batch of a step of several new tokens on a
+    #: filled cache (``fed_sizes``); None: any.
+    extend_batch: int | None = None
+    #: Whether the mask may pad (its pattern is not "full": a graph that takes no padding).
+    pads: bool = True
 
     def kept(self, length: int) -> int:
         """The positions a present holds after a step whose past and new tokens are ``length``."""
@@ -146,7 +162,51 @@ def cache_of(spec: ModelSpec) -> CacheSpec | None:
         batch if isinstance(batch, str) else None,
         spec.cache_max_seq,
         spec.cache_window,
+        spec.cache_extend_batch,
+        mask is None or mask.mask is None or mask.mask.pattern != FULL,
     )
+
+
+def fed_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> dict[str, int]:
+    """``sizes`` as a graph of ``[cache] extend_batch`` is fed: a step of several new tokens
+    on a filled cache at that batch at most (onnxruntime-genai's generator feeds a prompt on
+    an empty cache, then one token a step; its GroupQueryAttention refuses the rest)."""
+    cache = cache_of(spec)
+    fed = spec.with_sums(sizes)
+    if cache is None or cache.extend_batch is None or cache.batch_dim is None:
+        return fed
+    if fed[cache.past_dim] > 0 and fed[cache.seq_dim] > 1 and fed[cache.batch_dim] > cache.extend_batch:
+        fed[cache.batch_dim] = max(spec.dims[cache.batch_dim].min, cache.extend_batch)
+    return spec.with_sums(fed)
+
+
+def fed_points(spec: ModelSpec, sizes: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """Where ``[cache] extend_batch`` moves points of a sweep to a smaller batch, the two
+    steps a generator feeds at the largest batch, from ``sizes``: a prompt on an empty cache
+    and one new token on a filled one; none for any other spec."""
+    cache = cache_of(spec)
+    if cache is None or cache.extend_batch is None or cache.batch_dim is None:
+        return {}
+    batch, past, seq = (spec.dims[d] for d in (cache.batch_dim, cache.past_dim, cache.seq_dim))
+    widest = {**sizes, cache.batch_dim: batch.max}
+    return {
+        "prompt": spec.with_sums({**widest, cache.past_dim: past.min}),
+        "step": spec.with_sums(
+            {**widest, cache.seq_dim: max(seq.min, 1), cache.past_dim: max(sizes[cache.past_dim], 1)}
+        ),
+    }
+
+
+def check_fed_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
+    """InputError where ``sizes`` (given by the user) are sizes ``fed_sizes`` would change."""
+    cache = cache_of(spec)
+    if cache is not None and cache.batch_dim is not None and fed_sizes(spec, sizes) != spec.with_sums(sizes):
+        raise InputError(
+            f"{spec.name}: {cache.batch_dim}={sizes[cache.batch_dim]} with {cache.seq_dim}={sizes[cache.seq_dim]} new "
+            f"tokens on a filled cache ({cache.past_dim}={sizes[cache.past_dim]}): the spec's [cache] extend_batch = "
+            f"{cache.extend_batch} says the graph takes several new tokens on a filled cache at batch "
+            f"{cache.extend_batch} at most"
+        )
 
 
 def present_windows(spec: ModelSpec) -> dict[str, int]:

@@ -21,6 +21,7 @@ __all__ = [
     "CASES",
     "CONVENTIONS",
     "EXPANSIONS",
+    "FULL",
     "LAYOUTS",
     "PATTERN",
     "PATTERNS",
@@ -34,8 +35,12 @@ __all__ = [
 ]
 
 #: How verify fills a mask: keys kept at random, a kept prefix (right padding) or suffix
-#: (left padding) per batch element, or keys up to the query's own position.
-PATTERNS = ("random", "padding", "left-padding", "causal")
+#: (left padding) per batch element, keys up to the query's own position, or every key (a
+#: graph that takes no padding where the cache holds tokens: onnxruntime-genai's model
+#: builder's, whose attention counts a row's real tokens as a prefix of the whole).
+PATTERNS = ("random", "padding", "left-padding", "causal", "full")
+#: The pattern that keeps every key: no named case applies, nothing hidden to probe.
+FULL = "full"
 #: The ordinary case: the pattern alone, no fully masked row.
 PATTERN = "pattern"
 #: Named cases, each its own verify case: the last query row of the first batch element
@@ -203,6 +208,8 @@ def _keep3(pattern: str, b: int, q: int, k: int, rng: np.random.Generator) -> np
     score is far below a graph's mask fill, as at large values, masked keys take the
     weight: a fill of -1e4 for -1e9 passed rows keeping three keys in four), or, where
     the mask has no query axis of its own, its first sequence's row."""
+    if pattern == FULL:
+        return np.ones((b, q, k), dtype=bool)
     if pattern == "causal":
         return np.broadcast_to(np.tril(np.ones((q, k), dtype=bool)), (b, q, k)).copy()
     if pattern in ("padding", "left-padding"):
@@ -251,7 +258,8 @@ def fill_mask(mask: MaskSpec, dtype: str, shape: tuple[int, ...], rng: np.random
     roles = LAYOUTS[mask.layout]
     size = {r: shape[i] for i, r in enumerate(roles)}
     keep = _keep3(mask.pattern, size.get("batch", 1), size.get("query", 1), size["key"], rng)
-    applies = case_applies(case, mask.layout, shape)  # a [seq, seq] mask beside a key-padding one keeps its pattern
+    # a [seq, seq] mask beside a key-padding one keeps its pattern, as a full one does
+    applies = mask.pattern != FULL and case_applies(case, mask.layout, shape)
     if case == "fully-masked-row" and applies:
         keep[0, -1, :] = False
     elif case == "fully-padded-sequence" and applies:

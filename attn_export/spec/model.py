@@ -184,6 +184,9 @@ class ModelSpec:
     #: ``[cache] window``: the positions each present of a sliding-window KV cache keeps
     #: (the newest); None: a cache that keeps every position (``spec.cache``).
     cache_window: int | None = None
+    #: ``[cache] extend_batch``: the largest batch at which one step brings several new tokens
+    #: to a filled cache (onnxruntime-genai's GroupQueryAttention on CPU: 1); None: any.
+    cache_extend_batch: int | None = None
     #: What the build's export accepted: set by build, never by a spec file.
     guards: tuple[Guard, ...] = ()
     #: The least and greatest value of each integer input without declared ``values`` that
@@ -221,7 +224,7 @@ class ModelSpec:
         weights = asdict(self.weights)
         if self.weights.path is not None and self.search_path is not None:
             weights["path"] = os.path.relpath(self.weights.path, self.search_path)
-        sizes = {"max_seq": self.cache_max_seq, "window": self.cache_window}
+        sizes = {"max_seq": self.cache_max_seq, "window": self.cache_window, "extend_batch": self.cache_extend_batch}
         cache = {k: v for k, v in sizes.items() if v is not None}
         return (
             {

@@ -496,9 +496,10 @@ def _max_memory(where: _Where, raw: dict[str, Any]) -> int | None:
 def _cache_size(where: _Where, raw: dict[str, Any], key: str) -> int | None:
     """One ``[cache]`` size, at least 1 (checked against the cache's dims by ``cache_of``):
     ``max_seq``, the positions a buffer updated in place holds; ``window``, the newest
-    positions a sliding-window cache keeps."""
+    positions a sliding-window cache keeps; ``extend_batch``, the largest batch at which a
+    step brings several new tokens to a filled cache."""
     table = _table(where, raw, "cache", "a table like { window = 4096 }")
-    _check_keys(where, table, {"max_seq", "window"}, "[cache]", "cache")
+    _check_keys(where, table, {"max_seq", "window", "extend_batch"}, "[cache]", "cache")
     if key not in table:
         return None
     size = _int(where, table[key], f"cache.{key}", key, "cache")
@@ -648,6 +649,7 @@ def spec_from_dict(
         fully_masked=_choice(where, raw, "fully_masked", "match", FULLY_MASKED),
         cache_max_seq=_cache_size(where, raw, "max_seq"),
         cache_window=_cache_size(where, raw, "window"),
+        cache_extend_batch=_cache_size(where, raw, "extend_batch"),
         guards=_guards(where, raw, dims),
         vocab=_vocab(where, raw, inputs),
     )

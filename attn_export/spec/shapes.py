@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from attn_export.errors import InputError, UsageError
 from attn_export.spec.distributions import DEFAULT, DISTRIBUTIONS
-from attn_export.spec.masks import CASES, PATTERN, case_applies
+from attn_export.spec.masks import CASES, FULL, PATTERN, case_applies
 from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
@@ -89,15 +89,30 @@ def example_sizes(spec: ModelSpec) -> dict[str, int]:
     return spec.with_sums(sizes)
 
 
+def _fed(spec: ModelSpec, sizes: Mapping[str, int]) -> dict[str, int]:
+    """``sizes`` as the graph is fed them (``cache.fed_sizes``: a cache's ``extend_batch``)."""
+    from attn_export.spec.cache import fed_sizes  # the cache module reads shapes
+
+    return fed_sizes(spec, sizes)
+
+
+def _fed_points(spec: ModelSpec) -> dict[str, dict[str, int]]:
+    """The prompt and the step a generator feeds at the largest batch (``cache.fed_points``)."""
+    from attn_export.spec.cache import fed_points
+
+    return fed_points(spec, example_sizes(spec))
+
+
 def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:
-    """The free dims of ``sizes``, each at most ``cap``, with the sum dims added."""
+    """The free dims of ``sizes``, each at most ``cap``, with the sum dims added, as fed."""
     dims = spec.free_dims
-    return spec.with_sums({k: v if cap is None else max(dims[k].min, min(v, cap)) for k, v in sizes.items()})
+    return _fed(spec, {k: v if cap is None else max(dims[k].min, min(v, cap)) for k, v in sizes.items()})
 
 
 def mask_cases(spec: ModelSpec) -> list[str]:
-    """The named mask cases that apply to ``spec``'s masks (none without a mask)."""
-    return [c for c in CASES if any(case_applies(c, m.layout, t.shape) for t, m in spec.masks)]
+    """The named mask cases that apply to ``spec``'s masks (none without a mask, or where
+    every mask keeps every key)."""
+    return [c for c in CASES if any(m.pattern != FULL and case_applies(c, m.layout, t.shape) for t, m in spec.masks)]
 
 
 def check_mask_case(spec: ModelSpec, case: str | None, label: str) -> None:
@@ -134,6 +149,7 @@ def sweep(spec: ModelSpec, *, n_random: int = 2, seed: int = 0, cap: int | None 
         ShapePoint("skew-a", {k: (dims[k].max if i % 2 else dims[k].min) for i, k in enumerate(names)}),
         ShapePoint("skew-b", {k: (dims[k].min if i % 2 else dims[k].max) for i, k in enumerate(names)}),
         *_guard_points(spec),
+        *(ShapePoint(label, sizes) for label, sizes in _fed_points(spec).items()),
     ]
     rng = random.Random(seed)
     candidates += [
@@ -209,12 +225,14 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
         ShapePoint("distinct", example_sizes(spec)),
         *_guard_points(spec),  # before the corners: a smoke check that fails there names the guard
         *corner_points(spec),
+        *(ShapePoint(label, sizes) for label, sizes in _fed_points(spec).items()),
         ShapePoint("long", spec.with_sums(long)),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}
     for p in points:
-        unique.setdefault(tuple(p.sizes.values()), p)
-    return list(unique.values()) + _mask_points(spec, example_sizes(spec))
+        fed = _fed(spec, p.sizes)
+        unique.setdefault(tuple(fed.values()), ShapePoint(p.label, fed, p.case))
+    return list(unique.values()) + _mask_points(spec, _fed(spec, example_sizes(spec)))
 
 
 def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
@@ -232,6 +250,9 @@ def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
     for k, v in spec.with_sums(sizes).items():
         if k in sizes and sizes[k] != v:
             raise InputError(f"{spec.name}: {k}={sizes[k]}, but {k} = {' + '.join(spec.dims[k].parts)} = {v}")
+    from attn_export.spec.cache import check_fed_sizes
+
+    check_fed_sizes(spec, sizes)
 
 
 def parse_shapes(text: str) -> list[dict[str, int]]:

@@ -12,6 +12,7 @@ from attn_export.pipelines.verify.results import CaseResult, PlacementResult, Ve
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.placement import Placement
 from attn_export.spec import ModelSpec
+from attn_export.spec.cache import fed_sizes
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.memory import memory_budget
 from attn_export.spec.shapes import example_sizes
@@ -24,7 +25,7 @@ def model_placement(name: str, path: Path, spec: ModelSpec, options: VerifyOptio
     nodes run does not depend on the values, and ONNX Runtime places nodes when it loads
     the graph); a run that fails is a placement that could not be read."""
     budget = memory_budget(options.max_memory, None if options.golden else spec)
-    feeds = make_feeds(spec, example_sizes(spec), options.seed)
+    feeds = make_feeds(spec, fed_sizes(spec, example_sizes(spec)), options.seed)
     found = []
     for target in options.targets:
         runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget)

@@ -165,7 +165,7 @@ def test_bench_bad_size_lists(value: str, message: str) -> None:
 
 
 def test_doubling_run_expands() -> None:
-    from attn_export.cli import _int_list
+    from attn_export.cli.bench import _int_list
 
     assert _int_list(None, None, "64,128,...,2048") == [64, 128, 256, 512, 1024, 2048]  # type: ignore[arg-type]
     assert _int_list(None, None, "16,8,16") == [16, 8]  # type: ignore[arg-type]  # each row once, in order

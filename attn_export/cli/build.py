@@ -1,0 +1,120 @@
+"""attn-export build: export, check and smoke-test each spec into a build folder."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from attn_export.artifacts.targets import TARGETS as BUILD_TARGETS
+from attn_export.cli.group import cli
+from attn_export.cli.options import (
+    executor_options,
+    max_memory_option,
+    models_option,
+    notice,
+    out_option,
+    provider_option,
+    variant_option,
+    wait_option,
+)
+from attn_export.spec import EXPORTERS
+
+
+@cli.command()
+@click.argument("names", nargs=-1)
+@models_option
+@out_option("Output folder for .onnx files, golden vectors and manifest.json.")
+@click.option("--opset", type=click.IntRange(7, 30), help="Override every spec's opset.")
+@click.option("--exporter", type=click.Choice(EXPORTERS), help="Override every spec's exporter.")
+@click.option("--force", is_flag=True, help="Rebuild models even when nothing changed.")
+@click.option("--fail-fast", is_flag=True, help="Stop at the first model that fails.")
+@variant_option(
+    "Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
+    "at the spec's typical shape and keeps the fastest within tolerance."
+)
+@provider_option("Provider that ort-optimized optimizes for and auto times on.")
+@wait_option
+@max_memory_option
+@click.option(
+    "--record-intermediates",
+    is_flag=True,
+    help="Also record PyTorch's value of every FX node on the smallest golden case, so that "
+    "'localize --golden' runs where torch is not installed.",
+)
+@click.option(
+    "--target",
+    type=click.Choice(list(BUILD_TARGETS)),
+    default="onnx",
+    show_default=True,
+    help="What the folder is for: " + "; ".join(f"{k}: {v}" for k, v in BUILD_TARGETS.items()) + ".",
+)
+@executor_options
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
+def build(
+    names: tuple[str, ...],
+    models_dir: Path,
+    out_dir: Path,
+    opset: int | None,
+    exporter: str | None,
+    force: bool,
+    fail_fast: bool,
+    variants: tuple[str, ...],
+    provider: str,
+    wait_s: float,
+    max_memory: int | None,
+    record_intermediates: bool,
+    target: str,
+    executor: str,
+    jobs: int | None,
+    as_json: bool,
+) -> None:
+    """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
+    batch and sequence axes.
+
+    Each model is exported in eval mode, checked (onnx.checker, symbolic and distinct
+    dynamic axes), smoke-run in ONNX Runtime against PyTorch, and written atomically with
+    golden vectors and a manifest entry. Unchanged models are skipped.
+
+    Example:
+
+    \b
+        attn-export build --out build
+        attn-export build mha mha_cross --force
+        attn-export build path/to/model.toml
+        attn-export build mha --variant fp32 --variant int8 --variant auto
+        attn-export build mha --record-intermediates
+        attn-export build --jobs auto
+        attn-export build llama_causal_lm --target genai
+    """
+    from attn_export.executors import Parallelism
+    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.report.build_text import format_build_line, format_build_summary
+    from attn_export.spec import spec_paths
+
+    options = BuildOptions(
+        out_dir=out_dir,
+        opset=opset,
+        exporter=exporter,
+        force=force,
+        fail_fast=fail_fast,
+        variants=tuple(dict.fromkeys(variants or ("fp32",))),
+        provider=provider,
+        lock_wait_s=wait_s,
+        max_memory=max_memory,
+        record_intermediates=record_intermediates,
+        target=target,
+    )
+    on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
+    parallelism = Parallelism(executor, jobs)
+    summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict(), indent=2))
+        for r in summary.results:
+            if r.error:
+                click.echo(f"Error: {r.error}", err=True)
+    else:
+        click.echo(format_build_summary(summary))
+    sys.exit(summary.exit_code)

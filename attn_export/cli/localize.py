@@ -1,0 +1,201 @@
+"""attn-export localize: the first node where a graph leaves PyTorch on one case."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from attn_export.cli.group import cli
+from attn_export.cli.options import (
+    FILE,
+    PathArg,
+    check_outside,
+    checkout_models_option,
+    given,
+    max_memory_option,
+    outside_graph_options,
+    wait_option,
+)
+from attn_export.runtimes import PROVIDERS, RUNTIMES
+from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS
+from attn_export.spec.masks import CASES
+from attn_export.spec.model import FULLY_MASKED
+
+
+@cli.command()
+@click.argument("folder", type=PathArg())
+@click.argument("model", required=False)
+@checkout_models_option
+@outside_graph_options
+@click.option("--shapes", help="The case's sizes, e.g. \"batch=2,seq=5,kv_seq=7\" (default: the build's example).")
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the case's inputs.")
+@click.option(
+    "--distribution",
+    type=click.Choice(list(DISTRIBUTIONS)),
+    default=DEFAULT_DISTRIBUTION,
+    show_default=True,
+    help="Value distribution of float inputs.",
+)
+@click.option("--mask-case", type=click.Choice(CASES), help="Feed this named mask case instead of the pattern.")
+@click.option(
+    "--decode-step",
+    type=click.IntRange(1),
+    help="For a decoder: localize this step of verify --decode (1 = the prompt), fed the cache PyTorch's "
+    "steps before it gave back.",
+)
+@click.option(
+    "--layout", help="With --decode-step: the trajectory's padding layout (batch-1, left-padded). Default: the first."
+)
+@click.option(
+    "--decode-steps",
+    type=click.IntRange(0, 4096),
+    default=8,
+    show_default=True,
+    help="With --decode-step: the steps verify --decode played (its --decode N); its tokens depend on it.",
+)
+@click.option(
+    "--fully-masked",
+    type=click.Choice(FULLY_MASKED),
+    help="Override the spec's fully_masked for this case: match judges the padded query rows that ignore "
+    "leaves out (in every region where the outputs differ on them), to see where the two sides part there.",
+)
+@click.option(
+    "--runtime",
+    type=click.Choice(list(RUNTIMES)),
+    default="onnxruntime",
+    show_default=True,
+    help="Where the graph runs: ONNX Runtime on --provider, or the ONNX reference evaluator (onnx-reference).",
+)
+@click.option(
+    "--provider", type=click.Choice(PROVIDERS), default="cpu", show_default=True, help="ONNX Runtime provider."
+)
+@click.option(
+    "--shrink",
+    is_flag=True,
+    help="Search for the smallest case that fails at the same place (each dim toward its minimum, the mask "
+    "case dropped) and localize that one.",
+)
+@click.option(
+    "--bundle",
+    type=PathArg(file_okay=False),
+    help="Write a replay bundle of the blamed region into this new folder (attn-export replay reruns it).",
+)
+@click.option("--json", "json_path", type=FILE, help="Write the report as JSON.")
+@click.option(
+    "--overlay",
+    "overlay_path",
+    type=FILE,
+    help="Write a Model Explorer node-data overlay: each region's own error over its tolerance.",
+)
+@click.option(
+    "--golden",
+    is_flag=True,
+    help="Localize the case 'build --record-intermediates' recorded, on PyTorch's recorded values: needs "
+    "neither torch nor the models' code (a deploy box).",
+)
+@max_memory_option
+@wait_option
+def localize(
+    folder: Path,
+    model: str | None,
+    models_dir: Path,
+    spec_path: Path | None,
+    variant: str,
+    shapes: str | None,
+    seed: int,
+    distribution: str,
+    mask_case: str | None,
+    decode_step: int | None,
+    layout: str | None,
+    decode_steps: int,
+    fully_masked: str | None,
+    runtime: str,
+    provider: str,
+    shrink: bool,
+    bundle: Path | None,
+    json_path: Path | None,
+    overlay_path: Path | None,
+    golden: bool,
+    max_memory: int | None,
+    wait_s: float,
+) -> None:
+    """Name the first node where a built graph leaves PyTorch on one case, with the FX
+    node, module and source line it came from. FOLDER is a build folder, or with --spec
+    one .onnx file no build made.
+
+    Both sides run once with every intermediate value kept; then each group of ONNX nodes
+    made from one FX node runs alone on PyTorch's values, so its own error is told apart
+    from what it inherits. The case is verify's (its reproduce line gives --shapes, --seed,
+    --distribution, --mask-case). Exit 0 when the case agrees, 1 when the graph diverges,
+    2 on bad usage or input.
+
+    Example:
+
+    \b
+        attn-export localize build mha --shapes "batch=2,seq=5,kv_seq=7" --seed 3
+        attn-export localize build llama_attention --json where.json
+        attn-export localize build mha --shapes "batch=8,seq=100" --shrink --bundle where/
+        attn-export localize build mha_kv_cache --decode-step 3 --layout left-padded
+        attn-export localize build mha --golden
+        attn-export localize build mha --runtime onnx-reference
+        attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
+    """
+    from attn_export.artifacts.files import write_output
+    from attn_export.pipelines.localize import LocalizeOptions, localize_model
+    from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
+    from attn_export.report.localize_text import format_localize
+    from attn_export.report.model_explorer import format_overlay
+    from attn_export.spec.shapes import parse_shapes
+
+    check_outside(spec_path, variant)
+    if spec_path is None and folder.is_file():
+        raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
+    if spec_path is not None:
+        reads = [*build_files(folder.parent), *graph_data([folder])]
+    else:
+        reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
+    if bundle is not None:  # written in the same run
+        reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
+    check_report_paths({"json": json_path, "overlay": overlay_path}, bundle, reads=reads, summary=False)
+    points = parse_shapes(shapes) if shapes else None
+    if points is not None and len(points) != 1:
+        raise click.UsageError("--shapes: localize takes one case; give one shape point")
+    if layout and decode_step is None:
+        raise click.UsageError("--layout needs --decode-step")
+    if decode_step is None and given("decode_steps"):
+        raise click.UsageError("--decode-steps needs --decode-step")
+    if decode_step is not None and given("distribution"):
+        raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
+    if shrink and decode_step is not None:
+        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
+    options = LocalizeOptions(
+        models_dir=models_dir,
+        sizes=points[0] if points else None,
+        seed=seed,
+        distribution=distribution,
+        mask_case=mask_case,
+        provider=provider,
+        runtime=runtime,
+        max_memory=max_memory,
+        lock_wait_s=wait_s,
+        shrink=shrink,
+        bundle=bundle,
+        decode_step=decode_step,
+        layout=layout,
+        decode_steps=decode_steps,
+        fully_masked=fully_masked,
+        golden=golden,
+        spec_file=spec_path,
+        variant=variant,
+    )
+    report = localize_model(folder, model, options)
+    click.echo(format_localize(report))
+    if json_path is not None:
+        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    if overlay_path is not None:
+        write_output(overlay_path, format_overlay(report).encode())
+    sys.exit(0 if report.agrees else 1)

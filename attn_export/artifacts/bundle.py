@@ -19,6 +19,7 @@ import numpy as np
 
 from attn_export.artifacts.files import atomic_write, read_regular
 from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
+from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import ArtifactError, UsageError
 
@@ -82,7 +83,7 @@ def write_bundle(
     case = GoldenCase(_CASE, {}, inputs, expected)
     atomic_write(folder / "region.onnx", model)
     atomic_write(folder / "case.npz", encode_golden([case]))
-    atomic_write(folder / "bundle.json", (json.dumps(info, indent=2) + "\n").encode())
+    atomic_write(folder / "bundle.json", json_text(info).encode())
     atomic_write(folder / "reproduce.sh", _script(info).encode())
     (folder / "reproduce.sh").chmod(0o755)
 

@@ -13,7 +13,6 @@ The folder is written whole or not at all: into a temporary folder beside it, re
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import SpecError, UsageError
 from attn_export.spec import ModelSpec, variant_chain
 from attn_export.spec.cache import MASK, POSITIONS, cache_of
@@ -230,7 +230,7 @@ def write_genai_folder(
             _write_edited(graph, staging / GRAPH_NAME, edit)
         for name, path in data.items():
             shutil.copyfile(path, staging / name)
-        (staging / CONFIG_NAME).write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+        (staging / CONFIG_NAME).write_text(json_text(document))
         if dest.exists():
             os.replace(dest, old)
             moved = True

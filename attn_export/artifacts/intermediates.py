@@ -13,7 +13,6 @@ pattern, and ``meta.json`` against its schema.
 from __future__ import annotations
 
 import io
-import json
 import re
 import zipfile
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import numpy as np
 
 from attn_export.artifacts.files import schema_document
 from attn_export.artifacts.golden import GoldenCase, checked_header, encode_golden, load_entry, open_npz, read_cases
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, first_line
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
@@ -72,7 +72,7 @@ def encode_intermediates(rec: Intermediates) -> bytes:
             npy = io.BytesIO()
             np.lib.format.write_array(npy, np.ascontiguousarray(value), allow_pickle=False)
             arrays[f"values/{name}.npy"] = npy.getvalue()
-        arrays[_META] = json.dumps(meta, indent=1, sort_keys=True).encode()
+        arrays[_META] = json_text(meta, indent=1, sort_keys=True, end="").encode()
         for key in sorted(arrays):
             info = zipfile.ZipInfo(key, date_time=(1980, 1, 1, 0, 0, 0))
             info.compress_type = zipfile.ZIP_DEFLATED

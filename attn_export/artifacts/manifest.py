@@ -8,7 +8,6 @@ the docs' file formats page; ``Manifest.from_json`` rejects anything else.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import LOCK_NAME, STAGED, atomic_write, read_regular, schema_document
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, SpecError, UsageError
 from attn_export.spec import ModelSpec, spec_from_dict, variant_chain, variant_key
 
@@ -97,7 +97,7 @@ class Manifest:
             "toolkit_version": self.toolkit_version,
             "models": {k: v.to_dict() for k, v in sorted(self.models.items())},
         }
-        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        return json_text(doc, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.targets import TARGETS as BUILD_TARGETS
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
@@ -111,7 +111,7 @@ def build(
     parallelism = Parallelism(executor, jobs)
     summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
     if as_json:
-        click.echo(json.dumps(summary.to_dict(), indent=2))
+        click.echo(json_text(summary.to_dict(), end=""))
         for r in summary.results:
             if r.error:
                 click.echo(f"Error: {r.error}", err=True)

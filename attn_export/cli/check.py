@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import FILE, PathArg
 
@@ -61,5 +61,5 @@ def check_cmd(
     report = check_paths(paths, options)
     click.echo(format_check(report))
     if json_path is not None:
-        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+        write_output(json_path, json_text(report.to_dict()).encode())
     sys.exit(report.exit_code)

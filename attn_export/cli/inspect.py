@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import PathArg, provider_option
 
@@ -32,5 +32,5 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
     from attn_export.report.inspect_text import format_inspect
 
     result = inspect_file(file, provider)
-    click.echo(json.dumps(result.to_dict(), indent=2) if as_json else format_inspect(result))
+    click.echo(json_text(result.to_dict(), end="") if as_json else format_inspect(result))
     sys.exit(0 if result.kernels_ok else 1)

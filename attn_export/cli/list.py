@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import models_option
 
@@ -30,6 +30,6 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
 
     specs = [load_spec(p) for p in spec_paths(models_dir, names)]
     if as_json:
-        click.echo(json.dumps([s.to_dict() for s in specs], indent=2))
+        click.echo(json_text([s.to_dict() for s in specs], end=""))
     else:
         click.echo(format_spec_table(specs))

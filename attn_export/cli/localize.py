@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
     FILE,
@@ -195,7 +195,7 @@ def localize(
     report = localize_model(folder, model, options)
     click.echo(format_localize(report))
     if json_path is not None:
-        write_output(json_path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+        write_output(json_path, json_text(report.to_dict()).encode())
     if overlay_path is not None:
         write_output(overlay_path, format_overlay(report).encode())
     sys.exit(0 if report.agrees else 1)

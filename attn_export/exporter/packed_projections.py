@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
 
 __all__ = ["PACKED", "pack", "packed_weights", "unpacked"]
@@ -104,7 +105,7 @@ def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[st
         {"columns": n, "matmul": _described(p.matmul), "add": _described(p.add)}
         for p, n in zip(projections, columns, strict=True)
     ]
-    matmul.metadata_props.add(key=PACKED, value=json.dumps(parts))
+    matmul.metadata_props.add(key=PACKED, value=json_text(parts, indent=None, end=""))
     nodes = [matmul]
     if any(p.bias is not None for p in projections):
         biases = [

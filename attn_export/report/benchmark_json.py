@@ -12,11 +12,11 @@ line, for the chart's tooltip.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import write_output
+from attn_export.artifacts.json_text import json_text
 from attn_export.pipelines.bench.results import BenchReport, BenchRow, DecodeBenchReport, DecodeRow
 from attn_export.report.base import BenchFormat
 
@@ -80,8 +80,7 @@ def benchmark_entries(report: BenchReport | DecodeBenchReport) -> list[dict[str,
 
 def write_benchmark_json(report: BenchReport | DecodeBenchReport, path: Path) -> None:
     """The entries as strict JSON (bench times are finite: a run that measured nothing has no row)."""
-    text = json.dumps(benchmark_entries(report), indent=2, ensure_ascii=False, allow_nan=False)
-    write_output(path, (text + "\n").encode())
+    write_output(path, json_text(benchmark_entries(report), ensure_ascii=False).encode())
 
 
 BENCH_FORMAT = BenchFormat(

@@ -1,16 +1,16 @@
 """JSON report: strict JSON (no NaN/Infinity tokens), read back by ``load_json_report``.
 
-Non-finite floats are written as the strings "inf", "-inf" and "nan".
+Non-finite floats are written as the strings "inf", "-inf" and "nan" (``json_text``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from attn_export.artifacts.files import read_regular, write_output
+from attn_export.artifacts.json_text import json_floats, json_text
 from attn_export.errors import ArtifactError
 from attn_export.report.base import BenchFormat, ReportFormat
 
@@ -28,37 +28,14 @@ __all__ = [
 ]
 
 
-def _encode(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _encode(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_encode(v) for v in value]
-    return value
-
-
-_FLOATS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, str) and value in _FLOATS:
-        return _FLOATS[value]
-    if isinstance(value, dict):
-        return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
 def dump_json_report(report: VerifyReport) -> str:
-    return json.dumps(_encode(report.to_dict()), indent=2, allow_nan=False) + "\n"
+    return json_text(report.to_dict())
 
 
 def load_json_report(text: str) -> VerifyReport:
     from attn_export.pipelines.verify import VerifyReport
 
-    return VerifyReport.from_dict(_decode(json.loads(text)))
+    return VerifyReport.from_dict(json_floats(json.loads(text)))
 
 
 #: A verify report is a few KiB per case; anything far beyond this is not one.
@@ -73,7 +50,7 @@ def read_json_report(path: Path) -> VerifyReport:
         doc = json.loads(read_regular(path, None, MAX_REPORT_BYTES))
         if not isinstance(doc, dict) or doc.get("schema") != VerifyReport.SCHEMA:
             raise ArtifactError(f"{path}: not an attn-export verify report")
-        return VerifyReport.from_dict(_decode(doc))
+        return VerifyReport.from_dict(json_floats(doc))
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ArtifactError(f"{path}: not an attn-export verify report ({type(e).__name__}: {e})") from e
 
@@ -83,7 +60,7 @@ FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")
 
 def write_bench_json(report: BenchReport | DecodeBenchReport, path: Path) -> None:
     """Bench figures as JSON (``BenchReport.from_dict`` reads them back)."""
-    write_output(path, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
+    write_output(path, json_text(report.to_dict()).encode())
 
 
 BENCH_FORMAT = BenchFormat("json", write_bench_json, "Write the figures as JSON.")

@@ -6,9 +6,9 @@ add none, stay green."""
 
 from __future__ import annotations
 
-import json
 import math
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.compare.outputs import OutputComparison
 from attn_export.pipelines.localize import LocalizeReport
 
@@ -43,4 +43,4 @@ def format_overlay(report: LocalizeReport) -> str:
         "results": results,
         "thresholds": [{"value": 1, "bgColor": "#c8e6c9"}, {"value": _CAP, "bgColor": "#ef9a9a"}],
     }
-    return json.dumps(doc, indent=2) + "\n"
+    return json_text(doc)

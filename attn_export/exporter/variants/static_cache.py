@@ -13,13 +13,13 @@ only its new tokens, where a growing cache writes the whole present again. The i
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
@@ -111,7 +111,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
         _filled_shapes(proto, past, attention)
     interface = StaticCache(pairs)
     info = {"cache_ops": kinds, "ops": dict(op_counts(proto)), "interface": interface.to_dict()}
-    return VariantGraph(proto, info, [GQA_LIMITS], {METADATA_KEY: json.dumps(interface.to_dict())})
+    return VariantGraph(proto, info, [GQA_LIMITS], {METADATA_KEY: json_text(interface.to_dict(), indent=None, end="")})
 
 
 def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:

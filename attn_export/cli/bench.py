@@ -12,7 +12,9 @@ import click
 
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
+    STDOUT,
     FiniteFloat,
+    JsonTarget,
     bench_report_options,
     executor_options,
     format_paths,
@@ -21,8 +23,10 @@ from attn_export.cli.options import (
     models_option,
     out_option,
     provider_option,
+    text_echo,
     threads_option,
     variant_option,
+    write_json,
 )
 from attn_export.report import BENCH_FORMATS
 from attn_export.runtimes import RUNTIMES
@@ -151,7 +155,7 @@ def bench(
     runtimes: tuple[str, ...],
     executor: str,
     jobs: int | None,
-    **reports: Path | None,
+    **reports: JsonTarget | None,
 ) -> None:
     """Time PyTorch eager, PyTorch SDPA and ONNX Runtime (each variant) side by side, for
     the zoo or NAMES (models in --models, or spec files); with --compile, torch.compile too.
@@ -180,7 +184,7 @@ def bench(
     from attn_export.report import bench_text, check_bench_formats
     from attn_export.spec import spec_paths
 
-    files = format_paths(BENCH_FORMATS, "bench_", reports)
+    to_stdout, files = format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files, out_dir)
     parallelism = Parallelism(executor, jobs)
     # What bench and bench --decode take alike.
@@ -216,6 +220,7 @@ def bench(
             ),
             (bench_text.decode_header(w), partial(bench_text.format_decode_row, w=w), bench_text.format_decode_summary),
             files,
+            to_stdout,
         )
         return
     if pasts is not None:
@@ -227,6 +232,7 @@ def bench(
         lambda on_row: bench_models(paths, out_dir, options, on_row, parallelism),
         (bench_text.bench_header(w), partial(bench_text.format_bench_row, w=w), bench_text.format_bench_summary),
         files,
+        to_stdout,
     )
 
 
@@ -242,20 +248,24 @@ def _run_bench(
     run: Callable[[Callable[[Any], None]], tuple[Any, Any]],
     text: tuple[str, Callable[[Any], str], Callable[[Any], str]],
     files: dict[str, Path | None],
+    to_stdout: bool,
 ) -> None:
     """Build what is missing and time (``run``), print rows as they come and the summary
-    (``text``: header, row, summary), write the report files asked for (``BENCH_FORMATS``)."""
+    (``text``: header, row, summary), write the report files asked for (``BENCH_FORMATS``)
+    and, for ``--json -``, the JSON on stdout instead of the text."""
     from attn_export.report import write_bench_reports
     from attn_export.report.build_text import format_build_line
+    from attn_export.report.json_report import dump_bench_json
 
     header, format_row, format_summary = text
+    echo = text_echo(to_stdout)
     printed: list[bool] = []
 
     def on_row(row: Any) -> None:
         if not printed:
             printed.append(True)
-            click.echo(header)
-        click.echo(format_row(row))
+            echo(header)
+        echo(format_row(row))
 
     built, report = run(on_row)
     if report is None:
@@ -263,5 +273,7 @@ def _run_bench(
             if not r.ok:
                 click.echo(format_build_line(r), err=True)
         sys.exit(built.exit_code)
-    click.echo(format_summary(report))
+    echo(format_summary(report))
     write_bench_reports(report, files)
+    if to_stdout:
+        write_json(STDOUT, dump_bench_json(report))

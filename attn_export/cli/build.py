@@ -11,7 +11,11 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.targets import TARGETS as BUILD_TARGETS
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
+    STDOUT,
+    JsonTarget,
     executor_options,
+    json_file,
+    json_option,
     max_memory_option,
     models_option,
     notice,
@@ -19,6 +23,7 @@ from attn_export.cli.options import (
     provider_option,
     variant_option,
     wait_option,
+    write_json,
 )
 from attn_export.spec import EXPORTERS
 
@@ -52,7 +57,9 @@ from attn_export.spec import EXPORTERS
     help="What the folder is for: " + "; ".join(f"{k}: {v}" for k, v in BUILD_TARGETS.items()) + ".",
 )
 @executor_options
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary instead of progress lines.")
+@json_option(
+    "Write a JSON summary to FILE (a .json file; - or a bare --json: stdout, instead of progress lines).", bare=True
+)
 def build(
     names: tuple[str, ...],
     models_dir: Path,
@@ -69,7 +76,7 @@ def build(
     target: str,
     executor: str,
     jobs: int | None,
-    as_json: bool,
+    json_path: JsonTarget | None,
 ) -> None:
     """Export the zoo (or NAMES: models in --models, or spec files) to ONNX with dynamic
     batch and sequence axes.
@@ -89,8 +96,11 @@ def build(
         attn-export build --jobs auto
         attn-export build llama_causal_lm --target genai
     """
+    from attn_export.artifacts.files import LOCK_NAME
+    from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
     from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.report import check_report_paths, check_reports_spare
     from attn_export.report.build_text import format_build_line, format_build_summary
     from attn_export.spec import spec_paths
 
@@ -107,11 +117,16 @@ def build(
         record_intermediates=record_intermediates,
         target=target,
     )
-    on_result = None if as_json else (lambda r: click.echo(format_build_line(r)))
+    json_out = {"json": json_file(json_path)}
+    check_report_paths(json_out, out_dir, summary=False)
+    check_reports_spare(json_out, out_dir, [MANIFEST_NAME, LOCK_NAME])
+    to_stdout = json_path == STDOUT
+    on_result = None if to_stdout else (lambda r: click.echo(format_build_line(r)))
     parallelism = Parallelism(executor, jobs)
     summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
-    if as_json:
-        click.echo(json_text(summary.to_dict(), end=""))
+    if json_path is not None:
+        write_json(json_path, json_text(summary.to_dict()))
+    if to_stdout:  # the errors the progress lines would have shown
         for r in summary.results:
             if r.error:
                 click.echo(f"Error: {r.error}", err=True)

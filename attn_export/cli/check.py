@@ -9,7 +9,7 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import FILE, PathArg
+from attn_export.cli.options import STDOUT, JsonTarget, PathArg, json_file, json_option, write_json
 
 
 @cli.command("check")
@@ -28,9 +28,13 @@ from attn_export.cli.options import FILE, PathArg
     multiple=True,
     help="Operator domain allowed besides ai.onnx, ai.onnx.ml and com.microsoft (repeatable).",
 )
-@click.option("--json", "json_path", type=FILE, help="Write the report as JSON.")
+@json_option("Write the report as JSON to FILE (-: stdout, instead of text).")
 def check_cmd(
-    paths: tuple[Path, ...], min_opset: int, max_opset: int | None, domains: tuple[str, ...], json_path: Path | None
+    paths: tuple[Path, ...],
+    min_opset: int,
+    max_opset: int | None,
+    domains: tuple[str, ...],
+    json_path: JsonTarget | None,
 ) -> None:
     """The static checks, for a pre-commit hook: nothing runs, nothing imports torch.
 
@@ -46,8 +50,8 @@ def check_cmd(
     \b
         attn-export check build
         attn-export check build/mha.onnx exported/model.onnx --max-opset 21
+        attn-export check build --json -
     """
-    from attn_export.artifacts.files import write_output
     from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
     from attn_export.pipelines.check import CheckOptions, check_paths
     from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
@@ -56,10 +60,11 @@ def check_cmd(
     graphs = [g for p in paths for g in (folder_graphs(p) if p.is_dir() else [p])]
     reads = [*paths, *graph_data(g for g in graphs if g.suffix == ".onnx" and g.is_file())]
     reads += [f for folder in {p if p.is_dir() else p.parent for p in paths} for f in build_files(folder)]
-    check_report_paths({"json": json_path}, reads=reads, summary=False)
+    check_report_paths({"json": json_file(json_path)}, reads=reads, summary=False)
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
     report = check_paths(paths, options)
-    click.echo(format_check(report))
+    if json_path != STDOUT:
+        click.echo(format_check(report))
     if json_path is not None:
-        write_output(json_path, json_text(report.to_dict()).encode())
+        write_json(json_path, json_text(report.to_dict()))
     sys.exit(report.exit_code)

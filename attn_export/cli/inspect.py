@@ -9,14 +9,16 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import PathArg, provider_option
+from attn_export.cli.options import STDOUT, JsonTarget, PathArg, json_file, json_option, provider_option, write_json
 
 
 @cli.command("inspect")
 @click.argument("file", type=PathArg())
 @provider_option("Check that every op has a kernel on this ONNX Runtime provider.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
+@json_option(
+    "Write the description as JSON to FILE (a .json file; - or a bare --json: stdout, instead of text).", bare=True
+)
+def inspect_cmd(file: Path, provider: str, json_path: JsonTarget | None) -> None:
     """Describe any ONNX file: IR version, opsets, producer, metadata, inputs and outputs
     with symbolic dims, op histogram, parameters, external data, and whether every op has
     a kernel on the provider (exit 1 if not).
@@ -29,8 +31,14 @@ def inspect_cmd(file: Path, provider: str, as_json: bool) -> None:
         attn-export inspect build/mha.onnx --json
     """
     from attn_export.pipelines.inspect import inspect_file
+    from attn_export.report import check_report_paths, graph_data
     from attn_export.report.inspect_text import format_inspect
 
+    if (out := json_file(json_path)) is not None:  # the graph is read twice only when a file is written
+        check_report_paths({"json": out}, reads=[file, *graph_data([file])], summary=False)
     result = inspect_file(file, provider)
-    click.echo(json_text(result.to_dict(), end="") if as_json else format_inspect(result))
+    if json_path != STDOUT:
+        click.echo(format_inspect(result))
+    if json_path is not None:
+        write_json(json_path, json_text(result.to_dict()))
     sys.exit(0 if result.kernels_ok else 1)

@@ -8,14 +8,14 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import models_option
+from attn_export.cli.options import STDOUT, JsonTarget, json_file, json_option, models_option, write_json
 
 
 @cli.command("list")
 @click.argument("names", nargs=-1)
 @models_option
-@click.option("--json", "as_json", is_flag=True, help="Print the specs as JSON.")
-def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
+@json_option("Write the specs as JSON to FILE (a .json file; - or a bare --json: stdout).", bare=True)
+def list_cmd(names: tuple[str, ...], models_dir: Path, json_path: JsonTarget | None) -> None:
     """Show the model zoo (or NAMES: models or spec files): name, module, inputs with
     their dims, opset, exporter.
 
@@ -24,12 +24,15 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, as_json: bool) -> None:
     \b
         attn-export list --models models
         attn-export list path/to/model.toml
+        attn-export list mha --json
     """
+    from attn_export.report import check_report_paths
     from attn_export.report.build_text import format_spec_table
     from attn_export.spec import load_spec, spec_paths
 
+    check_report_paths({"json": json_file(json_path)}, summary=False)
     specs = [load_spec(p) for p in spec_paths(models_dir, names)]
-    if as_json:
-        click.echo(json_text([s.to_dict() for s in specs], end=""))
-    else:
+    if json_path != STDOUT:
         click.echo(format_spec_table(specs))
+    if json_path is not None:
+        write_json(json_path, json_text([s.to_dict() for s in specs]))

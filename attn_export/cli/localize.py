@@ -11,13 +11,18 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
     FILE,
+    STDOUT,
+    JsonTarget,
     PathArg,
     check_outside,
     checkout_models_option,
     given,
+    json_file,
+    json_option,
     max_memory_option,
     outside_graph_options,
     wait_option,
+    write_json,
 )
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -84,7 +89,7 @@ from attn_export.spec.model import FULLY_MASKED
     type=PathArg(file_okay=False),
     help="Write a replay bundle of the blamed region into this new folder (attn-export replay reruns it).",
 )
-@click.option("--json", "json_path", type=FILE, help="Write the report as JSON.")
+@json_option("Write the report as JSON to FILE (-: stdout, instead of text).")
 @click.option(
     "--overlay",
     "overlay_path",
@@ -117,7 +122,7 @@ def localize(
     provider: str,
     shrink: bool,
     bundle: Path | None,
-    json_path: Path | None,
+    json_path: JsonTarget | None,
     overlay_path: Path | None,
     golden: bool,
     max_memory: int | None,
@@ -160,7 +165,7 @@ def localize(
         reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
     if bundle is not None:  # written in the same run
         reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
-    check_report_paths({"json": json_path, "overlay": overlay_path}, bundle, reads=reads, summary=False)
+    check_report_paths({"json": json_file(json_path), "overlay": overlay_path}, bundle, reads=reads, summary=False)
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
@@ -193,9 +198,10 @@ def localize(
         variant=variant,
     )
     report = localize_model(folder, model, options)
-    click.echo(format_localize(report))
+    if json_path != STDOUT:
+        click.echo(format_localize(report))
     if json_path is not None:
-        write_output(json_path, json_text(report.to_dict()).encode())
+        write_json(json_path, json_text(report.to_dict()))
     if overlay_path is not None:
         write_output(overlay_path, format_overlay(report).encode())
     sys.exit(0 if report.agrees else 1)

@@ -6,15 +6,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from attn_export.artifacts.files import LOCK_WAIT_S
+from attn_export.artifacts.files import LOCK_WAIT_S, write_output
 from attn_export.errors import AttnExportError
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS
 from attn_export.spec import VARIANTS, variant_chain
+
+if TYPE_CHECKING:
+    from attn_export.pipelines.verify import VerifyReport
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -46,6 +49,74 @@ class PathArg(click.Path):
 
 
 FILE = PathArg(dir_okay=False)
+
+#: ``--json -``: the JSON goes to stdout, in place of the text the command prints there.
+STDOUT: Literal["-"] = "-"
+
+#: Where ``--json`` writes: a file, or ``STDOUT``.
+JsonTarget = Path | Literal["-"]
+
+
+class _JsonFile(PathArg):
+    """``--json``'s value: a file, or ``-`` for stdout (a file named ``-`` is ``./-``).
+
+    ``bare`` is for the commands whose ``--json`` may come without a value (list, build and
+    inspect took it as a flag): the next word becomes the value, so ``list --json mha`` would
+    write the specs over a file named mha. There the file must end in .json, and any other
+    word is refused."""
+
+    def __init__(self, bare: bool) -> None:
+        super().__init__(dir_okay=False)
+        self.bare = bare
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == STDOUT:
+            return STDOUT
+        if self.bare and isinstance(value, str) and not value.lower().endswith(".json"):
+            self.fail(
+                f"{value!r} is not a .json file. --json takes the word after it as its file: to print JSON, "
+                "put --json last or write --json -; to write a file, name one ending in .json.",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
+def json_option(help: str, bare: bool = False) -> Decorator:  # noqa: A002
+    """``--json FILE`` (``-``: stdout), one meaning for every command; with ``bare`` a
+    plain ``--json`` means ``-``."""
+    flag: dict[str, Any] = {"is_flag": False, "flag_value": STDOUT} if bare else {}
+    metavar = "[FILE]" if bare else "FILE"
+    return click.option("--json", "json_path", type=_JsonFile(bare), metavar=metavar, help=help, **flag)
+
+
+def write_json(target: JsonTarget, text: str) -> None:
+    """JSON ``text`` (from ``json_text`` or a report renderer) to its ``--json`` target."""
+    if target == STDOUT:
+        click.echo(text, nl=False)
+    else:
+        write_output(Path(target), text.encode())
+
+
+def text_echo(json_to_stdout: bool) -> Callable[[str], None]:
+    """``click.echo`` for a command's text, or nothing where ``--json -`` holds stdout."""
+    return (lambda _text: None) if json_to_stdout else click.echo
+
+
+def write_verify_reports(report: VerifyReport, to_stdout: bool, paths: dict[str, Path | None]) -> None:
+    """A verify report's files (``report.write_reports``), and its JSON on stdout for ``--json -``."""
+    from attn_export.report import write_reports
+    from attn_export.report.json_report import dump_json_report
+
+    write_reports(report, paths)
+    if to_stdout:
+        write_json(STDOUT, dump_json_report(report))
+
+
+def json_file(target: JsonTarget | None) -> Path | None:
+    """The file ``--json`` writes, for the output-path guards: none for stdout."""
+    return None if target == STDOUT else target
+
 
 #: --max-slowdown's values; the GitHub Action checks its input with it before building.
 MAX_SLOWDOWN = FiniteFloat(0, min_open=True)
@@ -105,7 +176,7 @@ def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
             command = click.option(
                 f"--{fmt.name}",
                 _format_dest(prefix, fmt.name),
-                type=FILE,
+                type=_JsonFile(bare=False) if fmt.name == "json" else FILE,
                 help=fmt.help,
             )(command)
         return command
@@ -113,9 +184,13 @@ def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
     return decorate
 
 
-def format_paths(formats: dict[str, Any], prefix: str, given: dict[str, Path | None]) -> dict[str, Path | None]:
-    """Format name -> the path its option was given (None where not), from a command's keywords."""
-    return {name: given[_format_dest(prefix, name)] for name in formats}
+def format_paths(
+    formats: dict[str, Any], prefix: str, given: dict[str, JsonTarget | None]
+) -> tuple[bool, dict[str, Path | None]]:
+    """From a command's keywords: whether ``--json -`` sends the JSON to stdout, and format
+    name -> the file its option was given (None where not, or stdout)."""
+    paths = {name: given[_format_dest(prefix, name)] for name in formats}
+    return paths.get("json") == STDOUT, {name: json_file(path) for name, path in paths.items()}
 
 
 report_options = _format_options(FORMATS, "report_")

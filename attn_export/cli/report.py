@@ -8,7 +8,15 @@ from pathlib import Path
 import click
 
 from attn_export.cli.group import cli
-from attn_export.cli.options import FILE, report_options
+from attn_export.cli.options import (
+    FILE,
+    JsonTarget,
+    format_paths,
+    report_options,
+    text_echo,
+    write_verify_reports,
+)
+from attn_export.report import FORMATS
 
 
 @cli.group("report")
@@ -19,7 +27,7 @@ def report_group() -> None:
 @report_group.command("merge")
 @click.argument("files", nargs=-1, required=True, type=FILE)
 @report_options
-def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
+def report_merge(files: tuple[Path, ...], **reports: JsonTarget | None) -> None:
     """Put the JSON reports of a sharded verify (each shard's --shard i/n --json FILE)
     together: the reports one unsharded run would give, the same JSON apart from timings.
 
@@ -32,15 +40,16 @@ def report_merge(files: tuple[Path, ...], **reports: Path | None) -> None:
         attn-export report merge shard-*.json --junit junit.xml --markdown verify.md --json verify.json
     """
     from attn_export.pipelines.verify.merge import merge_shards
-    from attn_export.report import check_report_paths, write_reports
+    from attn_export.report import check_report_paths
     from attn_export.report.json_report import read_json_report
     from attn_export.report.verify_text import format_failures, format_summary
 
-    report_paths = {name.removeprefix("report_"): path for name, path in reports.items()}
+    to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
     check_report_paths(report_paths, reads=files)
+    echo = text_echo(to_stdout)
     report = merge_shards([(str(f), read_json_report(f)) for f in files])
     for text in (format_failures(report), format_summary(report)):
         if text:
-            click.echo(text)
-    write_reports(report, report_paths)
+            echo(text)
+    write_verify_reports(report, to_stdout, report_paths)
     sys.exit(report.exit_code)

@@ -13,6 +13,7 @@ from attn_export.cli.options import (
     FILE,
     MAX_SLOWDOWN,
     FiniteFloat,
+    JsonTarget,
     PathArg,
     check_outside,
     checkout_models_option,
@@ -23,8 +24,10 @@ from attn_export.cli.options import (
     notice,
     outside_graph_options,
     report_options,
+    text_echo,
     threads_option,
     wait_option,
+    write_verify_reports,
 )
 from attn_export.errors import AttnExportError
 from attn_export.report import FORMATS
@@ -206,7 +209,7 @@ def verify(
     executor: str,
     jobs: int | None,
     localize_first: bool,
-    **reports: Path | None,
+    **reports: JsonTarget | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
 
@@ -240,7 +243,7 @@ def verify(
         shard_names,
         verify_artifacts,
     )
-    from attn_export.report import build_files, check_report_paths, check_reports_spare, graph_data, write_reports
+    from attn_export.report import build_files, check_report_paths, check_reports_spare, graph_data
     from attn_export.report.verify_text import (
         VERIFY_WIDTHS,
         format_decode,
@@ -266,7 +269,8 @@ def verify(
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
     check_outside(spec_path, variant)
-    report_paths = format_paths(FORMATS, "report_", reports)
+    to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
+    echo = text_echo(to_stdout)
     check_report_paths(report_paths)  # before the folder is read; again below, with what it reads
     parallelism = Parallelism(executor, jobs)
     out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
@@ -309,7 +313,7 @@ def verify(
     if tidied:
         notice(tidied)
     if not names and not shard:
-        click.echo("no model to verify")
+        click.echo("no model to verify", err=to_stdout)  # no report: stdout holds no JSON
         return
     printed: list[bool] = []
     w = VERIFY_WIDTHS.fitting([(n, manifest.models[n].model_spec) for n in names], [t.label for t in options.targets])
@@ -317,28 +321,28 @@ def verify(
     def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
         if not printed:  # the header only once a model has rows: an error stays one line
             printed.append(True)
-            click.echo(header(w))
-        click.echo(format_model_rows(name, cases, check, w))
+            echo(header(w))
+        echo(format_model_rows(name, cases, check, w))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
     if shard:
         report.shard = Shard.of(selected, shard)
         if not names:  # its reports still say which shard it was, for report merge
-            click.echo(f"shard {shard[0]}/{shard[1]} holds no model")
-            write_reports(report, report_paths)
+            echo(f"shard {shard[0]}/{shard[1]} holds no model")
+            write_verify_reports(report, to_stdout, report_paths)
             return
     sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
     for text in (section(report) for section in sections):
         if text:
-            click.echo(text)
+            echo(text)
     if localize_first:
         from attn_export.pipelines.localize import localize_failures
         from attn_export.report.localize_text import format_localize
 
         for found in localize_failures(report, options, notice):
-            click.echo(format_localize(found))
-    click.echo(format_summary(report))
+            echo(format_localize(found))
+    echo(format_summary(report))
     if whole:
         _unbuilt_notice(models_dir, manifest, out_dir)
-    write_reports(report, report_paths)
+    write_verify_reports(report, to_stdout, report_paths)
     sys.exit(report.exit_code)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BENCH_FORMAT",
     "FORMAT",
+    "dump_bench_json",
     "dump_json_report",
     "load_json_report",
     "read_json_report",
@@ -55,12 +56,16 @@ def read_json_report(path: Path) -> VerifyReport:
         raise ArtifactError(f"{path}: not an attn-export verify report ({type(e).__name__}: {e})") from e
 
 
-FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here.")
+FORMAT = ReportFormat("json", dump_json_report, "Write the JSON report here (-: stdout, instead of the text).")
+
+
+def dump_bench_json(report: BenchReport | DecodeBenchReport) -> str:
+    """Bench figures as JSON (``BenchReport.from_dict`` reads them back)."""
+    return json_text(report.to_dict())
 
 
 def write_bench_json(report: BenchReport | DecodeBenchReport, path: Path) -> None:
-    """Bench figures as JSON (``BenchReport.from_dict`` reads them back)."""
-    write_output(path, json_text(report.to_dict()).encode())
+    write_output(path, dump_bench_json(report).encode())
 
 
-BENCH_FORMAT = BenchFormat("json", write_bench_json, "Write the figures as JSON.")
+BENCH_FORMAT = BenchFormat("json", write_bench_json, "Write the figures as JSON (-: stdout, instead of the table).")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
@@ -68,6 +69,32 @@ def test_every_docs_page_is_in_the_nav() -> None:
     nav = (ROOT / "mkdocs.yml").read_text()
     pages = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
     assert [p for p in pages if not re.search(rf":\s*{re.escape(p)}\s*$", nav, re.M)] == []
+
+
+def _command_names() -> list[str]:
+    """Every command as typed: ``verify``, and a group's as ``report merge``."""
+    return [
+        f"{name} {sub}" if sub else name
+        for name, command in cli.commands.items()
+        for sub in (sorted(command.commands) if isinstance(command, click.Group) else [""])
+    ]
+
+
+def test_the_commands_page_says_what_every_command_is_for() -> None:
+    """The page's own list, not only the reference mkdocs-click generates under it."""
+    listed = (DOCS / "cli.md").read_text().split("::: mkdocs-click", 1)[0]
+    missing = [name for name in _command_names() if not re.search(rf"`attn-export {name}\b", listed)]
+    assert "replay" in _command_names() and not missing, missing
+
+
+def test_the_library_reference_titles_each_entry_apart() -> None:
+    """mkdocstrings titles an entry by the module's last name: three ``results`` read alike."""
+    page = (DOCS / "reference.md").read_text()
+    entries = re.findall(r"^::: ([\w.]+)\n((?:    .*\n)*)", page, re.M)
+    titles = [
+        (re.findall(r"toc_label: (.+)", options) or [module.rsplit(".", 1)[-1]])[0] for module, options in entries
+    ]
+    assert len(titles) > 10 and len(set(titles)) == len(titles), sorted(t for t in titles if titles.count(t) > 1)
 
 
 def _attn_export(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

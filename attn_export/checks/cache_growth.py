@@ -30,7 +30,7 @@ import numpy as np
 
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec
-from attn_export.spec.shapes import concrete_shape
+from attn_export.spec.model import concrete_shape
 
 __all__ = ["CacheCarry", "CacheGrowth", "cache_carry", "cache_growth", "expected_present"]
 

@@ -35,7 +35,8 @@ from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec, Rounding, Tolerance
 from attn_export.spec.cache import CacheSpec
 from attn_export.spec.inputs import draw_inputs
-from attn_export.spec.shapes import concrete_shape, example_sizes
+from attn_export.spec.model import concrete_shape
+from attn_export.spec.shapes import example_sizes
 from attn_export.spec.tolerance import rounding_key
 
 if TYPE_CHECKING:

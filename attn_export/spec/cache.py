@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 from attn_export.errors import InputError, SpecError
 from attn_export.spec.masks import FULL
-from attn_export.spec.model import ModelSpec, TensorSpec
-from attn_export.spec.shapes import concrete_shape
+from attn_export.spec.model import ModelSpec, TensorSpec, concrete_shape
 
 __all__ = [
     "MASK",

@@ -13,8 +13,7 @@ import numpy as np
 from attn_export.spec.cache import POSITIONS, cache_of
 from attn_export.spec.distributions import DEFAULT, sample
 from attn_export.spec.masks import PATTERN, fill_mask
-from attn_export.spec.model import ModelSpec, TensorSpec
-from attn_export.spec.shapes import concrete_shape
+from attn_export.spec.model import ModelSpec, TensorSpec, concrete_shape
 
 __all__ = ["POSITION_NAMES", "draw_inputs", "int_values", "make_feeds", "make_tensor"]
 

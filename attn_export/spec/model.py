@@ -35,6 +35,7 @@ __all__ = [
     "ModelSpec",
     "TensorSpec",
     "WeightsSpec",
+    "concrete_shape",
 ]
 
 DTYPES = ("float32", "float16", "float64", "int32", "int64", "bool")
@@ -85,6 +86,11 @@ class Guard:
 
     def to_dict(self) -> dict[str, Any]:
         return {"condition": self.condition, "where": self.where, "points": [dict(p) for p in self.points]}
+
+
+def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Replace symbolic dims with sizes."""
+    return tuple(d if isinstance(d, int) else sizes[d] for d in tensor.shape)
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attn_export.errors import InputError, UsageError
+from attn_export.spec.cache import check_fed_sizes, fed_points, fed_sizes
 from attn_export.spec.distributions import DEFAULT, DISTRIBUTIONS
 from attn_export.spec.masks import CASES, FULL, PATTERN, case_applies
 from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
     "ShapePoint",
-    "concrete_shape",
     "corner_points",
     "example_sizes",
     "format_sizes",
@@ -50,11 +50,6 @@ class ShapePoint:
 def format_sizes(sizes: Mapping[str, int]) -> str:
     """Sizes as reports and commands write them: ``batch=2,seq=5``."""
     return ",".join(f"{k}={v}" for k, v in sizes.items())
-
-
-def concrete_shape(tensor: TensorSpec, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    """Replace symbolic dims with sizes."""
-    return tuple(d if isinstance(d, int) else sizes[d] for d in tensor.shape)
 
 
 def _candidates(rng: DimRange, taken: set[int]) -> list[int]:
@@ -91,15 +86,11 @@ def example_sizes(spec: ModelSpec) -> dict[str, int]:
 
 def _fed(spec: ModelSpec, sizes: Mapping[str, int]) -> dict[str, int]:
     """``sizes`` as the graph is fed them (``cache.fed_sizes``: a cache's ``extend_batch``)."""
-    from attn_export.spec.cache import fed_sizes  # the cache module reads shapes
-
     return fed_sizes(spec, sizes)
 
 
 def _fed_points(spec: ModelSpec) -> dict[str, dict[str, int]]:
     """The prompt and the step a generator feeds at the largest batch (``cache.fed_points``)."""
-    from attn_export.spec.cache import fed_points
-
     return fed_points(spec, example_sizes(spec))
 
 
@@ -250,8 +241,6 @@ def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:
     for k, v in spec.with_sums(sizes).items():
         if k in sizes and sizes[k] != v:
             raise InputError(f"{spec.name}: {k}={sizes[k]}, but {k} = {' + '.join(spec.dims[k].parts)} = {v}")
-    from attn_export.spec.cache import check_fed_sizes
-
     check_fed_sizes(spec, sizes)
 
 

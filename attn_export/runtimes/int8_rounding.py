@@ -17,8 +17,12 @@ projection, a table of relative positions cut to the length). What the simulatio
 
 ``bits=4`` rounds as the ``int4`` variant (``MatMulNBitsQuantizer``, symmetric, blocks of
 ``INT4_BLOCK`` along the reduced axis) does: each block of a weight to integers -8..7 times
-the block's largest-magnitude element over -8, the other operand left in float (MatMulNBits
-at its default accuracy level computes in float32). The same MatMuls are rounded.
+the block's largest-magnitude element over -8; and the other operand as MatMulNBits at
+accuracy level 4 rounds it on a CPU (ONNX Runtime's int8 kernels, what onnxruntime-genai's
+model builder sets): each block of ``INT4_BLOCK`` to integers -127..127 times its largest
+magnitude over 127. The same MatMuls are rounded. ONNX Runtime's CUDA kernels compute such
+a graph in float, nearer the module than this (``verify --generate`` holds them to int4's
+tolerance, not float32's).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ WEIGHT_LEVELS = 64
 ACTIVATION_LEVELS = 255
 #: MatMulNBits: the weights' block along the reduced axis, as onnxruntime-genai's CPU int4.
 INT4_BLOCK = 32
+#: MatMulNBits' accuracy level: 4, int8 compute on a CPU, onnxruntime-genai's CPU default.
+INT4_ACCURACY_LEVEL = 4
+#: At that level, the activations' codes per block, symmetric.
+INT8_CODES = 127
 
 
 def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
@@ -90,6 +98,18 @@ def rounded(module: Any, bits: int = 8) -> Iterator[None]:
         rounded = torch.round(grouped / safe).clamp(-8, 7) * scale
         return rounded.reshape(padded.shape)[..., :length].movedim(-1, axis)
 
+    def activation_blocks(x: Any) -> Any:
+        """``x`` as MatMulNBits at accuracy level 4 rounds it on a CPU (MLAS's CompInt8):
+        blocks of ``INT4_BLOCK`` along the reduced (last) axis, each to integers -127..127
+        times the block's largest magnitude over 127, rounded half to even."""
+        length = x.shape[-1]
+        padded = torch.nn.functional.pad(x, (0, -length % INT4_BLOCK))
+        grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
+        peak = grouped.abs().amax(-1, keepdim=True)
+        inverse = torch.where(peak == 0, torch.zeros_like(peak), INT8_CODES / peak)
+        codes = torch.round(grouped * inverse)
+        return (codes * (peak / INT8_CODES)).reshape(padded.shape)[..., :length]
+
     def activation(x: Any) -> Any:
         low, high = x.amin().clamp(max=0), x.amax().clamp(min=0)
         scale = ((high - low) / ACTIVATION_LEVELS).clamp_min(torch.finfo(x.dtype).tiny)
@@ -117,7 +137,8 @@ def rounded(module: Any, bits: int = 8) -> Iterator[None]:
                 ):  # MatMulNBits takes 2-D weights; F.linear reduces over their last axis, a matmul the first
                     if args[1].dim() != 2:
                         return func(*args, **kwargs)
-                    return func(args[0], blocks(args[1], -1 if func is F.linear else -2), *args[2:], **kwargs)
+                    weights = blocks(args[1], -1 if func is F.linear else -2)
+                    return func(activation_blocks(args[0]), weights, *args[2:], **kwargs)
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
             result = func(*args, **kwargs)
             if func in slicing and args and is_owned(args[0]):

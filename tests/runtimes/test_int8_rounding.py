@@ -47,7 +47,8 @@ def test_only_a_whole_weight_as_the_second_operand_is_rounded() -> None:
 
 def test_int4_rounding_is_the_int4_variants_to_float32_noise() -> None:
     """A weight of 70 inputs (blocks of 32, the last one short), rounded in PyTorch as the
-    int4 variant's MatMulNBits rounds it: the same outputs as ONNX Runtime's graph."""
+    int4 variant's MatMulNBits rounds it, and the activations as accuracy level 4 rounds them
+    on a CPU (genai's builder sets it): the same outputs as ONNX Runtime's graph."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -68,6 +69,7 @@ def test_int4_rounding_is_the_int4_variants_to_float32_noise() -> None:
     )
     proto = make(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "cpu").proto
     assert [n.op_type for n in proto.graph.node] == ["MatMulNBits"]
+    assert {a.name: a.i for a in proto.graph.node[0].attribute}["accuracy_level"] == 4
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     graph_out = session.run(None, {"x": x.numpy()})[0]
     with torch.no_grad():

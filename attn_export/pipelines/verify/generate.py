@@ -43,7 +43,7 @@ from attn_export.runtimes.genai import GENAI, Generation
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
-from attn_export.spec.tolerance import rounding_name
+from attn_export.spec.tolerance import Tolerance, rounding_name
 
 __all__ = ["generate_model", "recorded_reference"]
 
@@ -135,8 +135,14 @@ def generate_model(
     """Every generation of ``entry``'s graph this run asks for, judged against PyTorch's
     (run here, or recorded at build in golden mode)."""
     bits = _rounding_bits(spec, entry.variant)
-    # int4's rounding is simulated to float32 noise, so its logits are held to the model's own tolerance
-    tolerance = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
+    # int4's rounding on a CPU is simulated to float32 noise, so there its logits are held to
+    # the model's own tolerance; another provider computes in float (int4's own tolerance)
+    exact = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
+    rounded = tolerances_for(spec, entry.variant, options)["logits"]
+
+    def tolerance_on(provider: str | None) -> Tolerance:
+        return exact if provider in (None, "cpu") else rounded
+
     if options.golden:
         reference = recorded_reference(out_dir, entry, spec, options)
     else:
@@ -147,7 +153,9 @@ def generate_model(
     padded = cache is not None and cache.pads  # a graph that takes no padding runs prompts of one length
     results = []
 
-    def judged_row(runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str) -> None:
+    def judged_row(
+        runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str, tolerance: Tolerance
+    ) -> None:
         """The row of one runner's generation; one that could not run diverges at its first step."""
         by_step: list[float] = []
         step: int | None = 1
@@ -169,7 +177,8 @@ def generate_model(
                 if len(rows) > 1 and not padded:
                     continue  # our loop pads on the left; genai's generator pads its own way below
                 got = _run(graph_generate, runtime, spec, rows, steps, pad)
-                judged_row(target.label, layout, rows, reference.generation(layout, "batch"), got)
+                want = reference.generation(layout, "batch")
+                judged_row(target.label, layout, rows, want, got, tolerance_on(target.provider))
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return results
     from attn_export.runtimes.genai import genai_generate
@@ -179,7 +188,7 @@ def generate_model(
         for layout, rows in reference.prompts.items() if folder is not None else ():
             # genai pads on the right and masks: each row gives what its prompt alone gives
             want = reference.generation(layout, "alone")
-            judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad))
+            judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad), tolerance_on(None))
     return results
 
 

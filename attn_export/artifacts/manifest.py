@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -70,8 +70,9 @@ class ManifestEntry:
     @cached_property
     def model_spec(self) -> ModelSpec:
         """The spec as built (opset and exporter included), as data: it names no file that
-        is resolved and no folder that is searched."""
-        return spec_from_dict(self.spec)
+        is resolved and no folder that is searched, and sets no memory budget (its
+        ``max_memory`` is dropped: a budget is the reader's, ``spec.memory.memory_budget``)."""
+        return replace(spec_from_dict(self.spec), max_memory=None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -65,9 +65,10 @@ def machine_memory() -> int:
 
 def memory_budget(override: int | None = None, spec: ModelSpec | None = None) -> int:
     """The budget of the person running the command: ``override`` (``--max-memory``), else
-    ``$ATTN_EXPORT_MAX_MEMORY``, else the checkout spec's ``max_memory``, else half this
-    machine's memory. Pass ``spec`` only when it is the checkout's: a budget never comes
-    from a manifest or a golden file, data that may come from anywhere."""
+    ``$ATTN_EXPORT_MAX_MEMORY``, else the spec's ``max_memory``, else half this machine's
+    memory. Every reader calls it with the spec it judges by: a budget never comes from a
+    build folder, data that may come from anywhere, so a spec read from a manifest
+    (``ManifestEntry.model_spec``) carries none and only the checkout's can set one."""
     if override:
         return override
     if os.environ.get(ENV) is not None:

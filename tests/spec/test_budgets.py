@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from tests.conftest import Built
+from tests.conftest import Built, copy_build, shared_build, tiny_spec
 
 
 def test_a_manifest_cannot_lift_the_budget_of_golden_mode(tiny_build: Built, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,6 +27,32 @@ def test_a_manifest_cannot_lift_the_budget_of_golden_mode(tiny_build: Built, mon
     result = CliRunner().invoke(cli, ["verify", str(tiny_build.out), "--golden", "--no-latency"])
     assert result.exit_code == 2, result.output
     assert result.output.endswith("golden arrays declare 104.6 KiB, over the memory budget of 4.0 KiB\n")
+
+
+@pytest.fixture
+def recorded_build(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> Built:
+    """A copy of ``tiny_spec``'s build with recorded intermediates (built once per session)."""
+    built = shared_build(
+        tmp_path_factory, "tiny-recorded", lambda models: [tiny_spec(models)], record_intermediates=True
+    )
+    return copy_build(built, tmp_path)
+
+
+def test_a_manifest_cannot_lift_the_budget_of_localize_golden(
+    recorded_build: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """localize --golden took its budget from the manifest's max_memory: a folder saying
+    1000 TiB had every recorded header it declared allocated."""
+    manifest = recorded_build.out / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    for entry in doc["models"].values():
+        entry["spec"]["max_memory"] = 1000 << 40
+    manifest.write_text(json.dumps(doc))
+    monkeypatch.delenv("ATTN_EXPORT_MAX_MEMORY", raising=False)
+    monkeypatch.setattr("attn_export.spec.memory.machine_memory", lambda: 8 << 10)  # half of it: 4 KiB
+    result = CliRunner().invoke(cli, ["localize", str(recorded_build.out), "tiny", "--golden"])
+    assert result.exit_code == 2, result.output
+    assert result.output.endswith("intermediate values declare 10.3 KiB, over the memory budget of 4.0 KiB\n")
 
 
 def test_recorded_inputs_are_checked_against_the_budget_before_loading(tiny_build: Built, tmp_path: Path) -> None:

@@ -116,8 +116,7 @@ class TargetRun:
         from attn_export.runtimes.torch_eager import TorchRuntime, torch_device_for
 
         spec, options, kind = self.spec, self.options, self.kind
-        # golden mode: the manifest's spec is data, its max_memory not obeyed
-        budget = memory_budget(options.max_memory, None if self.module is None else spec)
+        budget = memory_budget(options.max_memory, spec)
         tolerances = tolerances_for(spec, self.variant, options)
         self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget, self.plain))
         self.expected: Expected

@@ -66,7 +66,7 @@ def decode_model(
             ]
         expected_from = eager.name
     results = []
-    budget = memory_budget(options.max_memory, None if options.golden else spec)
+    budget = memory_budget(options.max_memory, spec)
     for target in options.targets:
         with RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget) as runtime:
             for traj, expected, full, alone in plans:

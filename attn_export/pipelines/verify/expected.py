@@ -68,7 +68,7 @@ def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -
         points = [ShapePoint(f"{options.scenario}-{k + 1}", s) for k, s in enumerate(steps)]
     else:
         points = sweep(spec, n_random=options.n_random, seed=options.seed, cap=cap)
-    check_memory(spec, points, memory_budget(options.max_memory, None if options.golden else spec))
+    check_memory(spec, points, memory_budget(options.max_memory, spec))
     if options.distributions:
         return [(p, d) for d in options.distributions for p in points]
     extra = [p for p in points if p.label in ("distinct", "max")] or points

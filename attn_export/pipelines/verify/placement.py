@@ -24,7 +24,7 @@ def model_placement(name: str, path: Path, spec: ModelSpec, options: VerifyOptio
     """The graph at ``path`` on each target, run once at the spec's example sizes (which
     nodes run does not depend on the values, and ONNX Runtime places nodes when it loads
     the graph); a run that fails is a placement that could not be read."""
-    budget = memory_budget(options.max_memory, None if options.golden else spec)
+    budget = memory_budget(options.max_memory, spec)
     feeds = make_feeds(spec, fed_sizes(spec, example_sizes(spec)), options.seed)
     found = []
     for target in options.targets:

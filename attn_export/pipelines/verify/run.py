@@ -255,7 +255,7 @@ def _plan_model(
 def _case_count(spec: ModelSpec, target: Target, options: VerifyOptions, golden: list[GoldenCase]) -> int:
     """How many cases a target's sweep holds, known without running anything."""
     if options.inputs_file:
-        budget = memory_budget(options.max_memory, None if options.golden else spec)
+        budget = memory_budget(options.max_memory, spec)
         return len(read_recorded(options.inputs_file, budget))
     if options.golden:
         return len(golden_expected(golden).plan)

@@ -99,7 +99,7 @@ def read_bundle(folder: Path, budget: int) -> Bundle:
     if not isinstance(info, dict) or info.get("schema") != BUNDLE_SCHEMA:
         raise ArtifactError(f"{folder / 'bundle.json'}: not an attn-export replay bundle")
     _check_info(folder / "bundle.json", info)
-    model = load_model_file(folder / "region.onnx", with_data=True).SerializeToString()
+    model = load_model_file(folder / "region.onnx", with_data=True, budget=budget).SerializeToString()
     cases = read_golden(folder / "case.npz", budget=budget, root=folder)
     if [c.label for c in cases] != [_CASE] or sorted(cases[0].outputs) != [info["value"]]:
         raise ArtifactError(

@@ -1,6 +1,7 @@
 """Reading ONNX files that may come from anywhere: every malformed file is one clear
-ArtifactError, and external data that points outside the model's folder is refused
-before anything reads it."""
+ArtifactError, and external data that points outside the model's folder or past its file,
+or names bytes another tensor names, is refused before anything reads it; what is read
+stays within the memory budget."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from onnx.external_data_helper import load_external_data_for_model, load_externa
 
 from attn_export.artifacts.files import read_regular
 from attn_export.errors import ArtifactError
+from attn_export.spec.memory import format_bytes, memory_budget
 
 __all__ = [
     "check_external_data",
@@ -76,24 +78,39 @@ def external_data_files(proto: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(location for location, _ in _external(proto)))
 
 
-def with_small_data(proto: onnx.ModelProto, model_dir: Path, limit: int = 1 << 16) -> onnx.ModelProto:
+def with_small_data(
+    proto: onnx.ModelProto, model_dir: Path, limit: int = 1 << 16, budget: int | None = None
+) -> onnx.ModelProto:
     """A copy of ``proto`` holding the external tensors of at most ``limit`` bytes: shape
     inference reads the values of shape inputs (a Reshape's target, a Slice's ends), never
-    the weights, and cannot read external data itself. Locations are checked first."""
-    check_external_data(proto, model_dir)
+    the weights, and cannot read external data itself. Locations and spans are checked
+    first (``check_external_data``); a tensor is small by its dims and by the bytes it
+    names, and all read together stay within ``budget`` (default: ``memory_budget``)."""
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
-    for _, t in list(_external(copy)):
+    small = []
+    for (_, t), (_, length) in zip(list(_external(copy)), check_external_data(proto, model_dir), strict=True):
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
-        if itemsize and math.prod(t.dims) * itemsize <= limit:
-            load_external_data_for_tensor(t, str(model_dir))
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+        if itemsize and math.prod(t.dims) * itemsize <= limit and length <= limit:
+            small.append((t, length))
+    read = sum(length for _, length in small)
+    _within(read, budget, f"{model_dir}: its external tensors of up to {limit} bytes, read for shape inference, are")
+    for t, _ in small:
+        load_external_data_for_tensor(t, str(model_dir))
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
     return copy
 
 
-def _span(location: str, t: onnx.TensorProto, size: int) -> None:
-    """A tensor's offset and length lie inside its external data file of ``size`` bytes."""
+def _within(named: int, budget: int | None, what: str) -> None:
+    """Refuse to read ``named`` bytes of external data over ``budget`` (default: ``memory_budget``)."""
+    cap = budget or memory_budget()
+    if named > cap:
+        raise ArtifactError(f"{what} {format_bytes(named)}, over the memory budget of {format_bytes(cap)}")
+
+
+def _span(location: str, t: onnx.TensorProto, size: int) -> tuple[int, int]:
+    """A tensor's offset and length, inside its external data file of ``size`` bytes."""
     keys = {e.key: e.value for e in t.external_data}
     try:
         offset = int(keys.get("offset", 0))
@@ -105,13 +122,26 @@ def _span(location: str, t: onnx.TensorProto, size: int) -> None:
             f"external data of tensor '{t.name}': bytes {offset}..{offset + length} lie outside {location!r} "
             f"({size} bytes)"
         )
+    return offset, length
 
 
-def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[str]:
-    """Refuse external data outside ``model_dir`` (``..``, absolute paths, symlinks out)."""
+def _distinct(spans: list[tuple[int, int]]) -> int:
+    """How many bytes the (offset, length) spans cover, each counted once."""
+    covered = end = 0
+    for offset, length in sorted(spans):
+        covered += max(0, offset + length - max(offset, end))
+        end = max(end, offset + length)
+    return covered
+
+
+def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[tuple[onnx.TensorProto, int]]:
+    """Each external tensor with the bytes it names, refusing data outside ``model_dir``
+    (``..``, absolute paths, symlinks out), past its file's end, or named twice: a save
+    writes each tensor's bytes once, and thousands of tensors naming the same bytes made a
+    graph of 1 MB read gigabytes."""
     root = model_dir.resolve()
-    files = external_data_files(proto)
-    for location in files:
+    sizes = {}
+    for location in external_data_files(proto):
         candidate = Path(location)
         if not location or candidate.is_absolute() or ".." in candidate.parts:
             raise ArtifactError(f"refused external data location {location!r}: it must be a file inside {model_dir}")
@@ -120,9 +150,21 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[str]:
             raise ArtifactError(f"refused external data location {location!r}: it resolves outside {model_dir}")
         if not resolved.is_file():
             raise ArtifactError(f"external data file {location!r} is missing next to the model")
+        sizes[location] = resolved.stat().st_size
+    spans: dict[str, list[tuple[int, int]]] = {location: [] for location in sizes}
+    found = []
     for location, t in _external(proto):
-        _span(location, t, (root / location).stat().st_size)
-    return files
+        offset, length = _span(location, t, sizes[location])
+        spans[location].append((offset, length))
+        found.append((t, length))
+    for location, named in spans.items():
+        total, distinct = sum(length for _, length in named), _distinct(named)
+        if total > distinct:
+            raise ArtifactError(
+                f"refused external data {location!r}: its {len(named)} tensors name {format_bytes(total)} in all, "
+                f"{format_bytes(distinct)} of them distinct (tensors share bytes, which a save never writes)"
+            )
+    return found
 
 
 def _strings_are_text(message: Message) -> bool:
@@ -145,11 +187,12 @@ def default_opset(proto: onnx.ModelProto) -> int | None:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
 
 
-def load_model_file(path: Path, with_data: bool = False) -> onnx.ModelProto:
+def load_model_file(path: Path, with_data: bool = False, budget: int | None = None) -> onnx.ModelProto:
     """Parse an ONNX file (a regular file, read no further than its size); refuse anything
     that is not a model this installation can run. External data stays outside unless
     ``with_data`` (a graph that is serialized again, to run it or a part of it: ONNX Runtime
-    would look for its data in the current directory, not next to the file)."""
+    would look for its data in the current directory, not next to the file), read only
+    within ``budget`` (default: the caller's, ``memory_budget``)."""
     data = read_regular(path, limit=MAX_MODEL_BYTES)
     if not data:
         raise ArtifactError(f"{path}: empty file, not an ONNX model")
@@ -167,7 +210,9 @@ def load_model_file(path: Path, with_data: bool = False) -> onnx.ModelProto:
     limit = max_supported_opset()
     if opset is not None and opset > limit:
         raise ArtifactError(f"{path}: uses opset {opset}, newer than this installation supports (up to {limit})")
-    if check_external_data(proto, path.parent) and with_data:
+    external = check_external_data(proto, path.parent)
+    if external and with_data:
+        _within(sum(length for _, length in external), budget, f"{path}: its external data is")
         try:
             load_external_data_for_model(proto, str(path.parent))
         except (OSError, ValueError, RuntimeError) as e:

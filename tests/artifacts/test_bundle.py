@@ -48,8 +48,8 @@ def _bundle(folder: Path, axis: int = -1, zero_row: int | None = None, rows: lis
     return folder
 
 
-def _replay(folder: Path) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["replay", str(folder)])
+def _replay(folder: Path, *args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["replay", str(folder), *args])
     return result.exit_code, result.output
 
 
@@ -142,3 +142,52 @@ def test_a_bundle_is_judged_by_the_shares_of_the_rms_localize_judged_it_by(tmp_p
     assert _replay(_lossy_bundle(tmp_path / "rounding", spike))[0] == 0
     code, output = _replay(_lossy_bundle(tmp_path / "scale", 0.1 * x))
     assert code == 1 and "rms" in output.splitlines()[1], output
+
+
+def _external_bundle(folder: Path, tensors: int, length: int, shared: bool) -> Path:
+    """A region adding ``tensors`` weights of ``length`` float32 values each to its input,
+    the weights kept in ``weights.bin`` beside it: each its own bytes, or all the same ones."""
+    weights = []
+    for i in range(tensors):
+        w = onnx.TensorProto(name=f"w{i}", data_type=onnx.TensorProto.FLOAT, dims=[length])
+        w.data_location = onnx.TensorProto.EXTERNAL
+        offset = 0 if shared else 4 * length * i
+        for key, value in (("location", "weights.bin"), ("offset", offset), ("length", 4 * length)):
+            w.external_data.add(key=key, value=str(value))
+        weights.append(w)
+    names = ["x", *(f"y{i}" for i in range(tensors))]
+    nodes = [helper.make_node("Add", [names[i], f"w{i}"], [names[i + 1]], name=f"node_{i}") for i in range(tensors)]
+    graph = helper.make_graph(
+        nodes,
+        "region",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [length])],
+        [onnx.ValueInfoProto(name=names[-1])],
+        weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.zeros(length, np.float32)
+    info = {
+        "model": "m", "fx_node": "add", "nodes": ["node_0"], "value": names[-1], "source": "m.py:3", "code": "y = x",
+        "tolerance": {"atol": 1e-5, "rtol": 1e-4}, "localize": "attn-export localize build m",
+    }  # fmt: skip
+    write_bundle(folder, model.SerializeToString(), {"x": x}, {names[-1]: x + tensors}, info)
+    stored = 1 if shared else tensors
+    (folder / "weights.bin").write_bytes(np.ones(stored * length, np.float32).tobytes())
+    return folder
+
+
+def test_external_data_is_read_by_its_distinct_bytes_and_within_the_budget(tmp_path: Path) -> None:
+    """Replay read every tensor's external bytes, however many tensors named the same ones:
+    a bundle of 20 KB took 4.8 GB under --max-memory 100MiB and exited 0."""
+    code, output = _replay(_external_bundle(tmp_path / "own", 3, 16, shared=False))
+    assert code == 0, output
+    code, output = _replay(_external_bundle(tmp_path / "shared", 3, 16, shared=True))
+    assert code == 2, output
+    assert output == (
+        "Error: refused external data 'weights.bin': its 3 tensors name 192 B in all, 64 B of them distinct "
+        "(tensors share bytes, which a save never writes)\n"
+    )
+    code, output = _replay(_external_bundle(tmp_path / "large", 2, 4096, shared=False), "--max-memory", "16KiB")
+    assert code == 2, output
+    region = tmp_path / "large" / "region.onnx"
+    assert output == f"Error: {region}: its external data is 32.0 KiB, over the memory budget of 16.0 KiB\n"

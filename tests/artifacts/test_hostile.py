@@ -152,6 +152,39 @@ def test_external_data_past_its_file_is_refused(tmp_path: Path, offset: str, len
     assert _error_line(result) == f"Error: external data of tensor 'w': {said}"
 
 
+def test_external_tensors_naming_the_same_bytes_are_refused_before_any_is_read(tmp_path: Path) -> None:
+    """check, which runs nothing, read each of thousands of tensors naming the same bytes:
+    5.2 GB, then a MemoryError, for a graph of 1.3 MB."""
+    path = _external_model(tmp_path, "data.bin")
+    (tmp_path / "data.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    assert invoke("check", str(path)).exit_code == 0
+    model = onnx.load(path, load_external_data=False)
+    for i in range(3):
+        twin = model.graph.initializer.add()
+        twin.CopyFrom(model.graph.initializer[0])
+        twin.name = f"w{i}"
+        model.graph.node.append(helper.make_node("Add", ["y" if i == 0 else f"y{i}", f"w{i}"], [f"y{i + 1}"]))
+    model.graph.output[0].name = "y3"
+    path.write_bytes(model.SerializeToString())
+    said = (
+        "refused external data 'data.bin': its 4 tensors name 64 B in all, 16 B of them distinct "
+        "(tensors share bytes, which a save never writes)"
+    )
+    result = invoke("inspect", str(path))
+    assert result.exit_code == 2 and _error_line(result) == f"Error: {said}"
+    result = invoke("check", str(path))
+    assert result.exit_code == 1 and f"load: {said}" in result.output, result.output
+
+
+def test_check_reads_external_data_within_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _external_model(tmp_path, "data.bin")
+    (tmp_path / "data.bin").write_bytes(np.ones(4, np.float32).tobytes())
+    monkeypatch.setenv("ATTN_EXPORT_MAX_MEMORY", "8")
+    result = invoke("check", str(path))
+    said = f"checker: {tmp_path}: its external tensors of up to 65536 bytes, read for shape inference, are 16 B, over"
+    assert result.exit_code == 1 and said in result.output, result.output
+
+
 # -- weights -----------------------------------------------------------------------------------
 
 

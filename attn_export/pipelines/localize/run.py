@@ -265,14 +265,14 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
 
 
-def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry) -> onnx.ModelProto | None:
+def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry, budget: int) -> onnx.ModelProto | None:
     """For a variant made from the plain export (not re-exported at another opset; for a
     chain, its first link), the folder's plain graph of the same spec: what its fused
     regions are mapped back to."""
     plain = plain_export(out_dir, manifest, entry)
     if plain is None or variant_chain(entry.variant).export_opset:
         return None
-    return load_model_file(out_dir / plain.file, with_data=True)
+    return load_model_file(out_dir / plain.file, with_data=True, budget=budget)
 
 
 def _check_golden(options: LocalizeOptions) -> None:
@@ -370,8 +370,9 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
             stale = stale_reasons(entry, spec)
             if stale:
                 raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
-        proto = load_model_file(out_dir / entry.file, with_data=True)
-        return _Found(out_dir, entry, spec, proto, _plain_graph(out_dir, manifest, entry))
+        budget = memory_budget(options.max_memory, spec)
+        proto = load_model_file(out_dir / entry.file, with_data=True, budget=budget)
+        return _Found(out_dir, entry, spec, proto, _plain_graph(out_dir, manifest, entry, budget))
 
 
 def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
@@ -384,7 +385,9 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     if model not in (None, name):
         raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
     entry = manifest.models[name]
-    return _Found(out_dir, entry, outside_spec(options.spec_file, entry), load_model_file(graph, with_data=True), None)
+    spec = outside_spec(options.spec_file, entry)
+    proto = load_model_file(graph, with_data=True, budget=memory_budget(options.max_memory, spec))
+    return _Found(out_dir, entry, spec, proto, None)
 
 
 @dataclass

@@ -58,7 +58,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _manifests(config: pytest.Config) -> list[Path]:
-    return [Path(folder).resolve() / "manifest.json" for folder in config.getoption("attn_export")]
+    from attn_export.artifacts.files import resolved
+
+    return [resolved(Path(folder)) / "manifest.json" for folder in config.getoption("attn_export")]
 
 
 @dataclass
@@ -77,12 +79,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """Each build folder's manifest joins the paths pytest collects, as a file given on its
     command line: its cases are counted, selected (-k) and named (the folder in each node
     id) as any test is. Bad options, manifests and specs are a usage error, here."""
-    manifests = _manifests(config)
-    if not manifests:
+    if not config.getoption("attn_export"):
         return
     from attn_export.errors import AttnExportError
 
     try:
+        manifests = _manifests(config)
         config.stash[_FOLDERS] = {m: _read_folder(config, m) for m in manifests}
     except AttnExportError as e:
         raise pytest.UsageError(f"--attn-export: {e}") from e

@@ -93,6 +93,14 @@ def test_the_plugin_turns_every_error_into_a_one_line_failure_or_usage_error(one
     assert "Traceback" not in seed.stdout + seed.stderr
 
 
+def test_a_build_folder_that_is_a_loop_of_symbolic_links_is_a_usage_error(tmp_path: Path) -> None:
+    """It was INTERNALERROR and a traceback: Python raises RuntimeError on such a loop."""
+    (tmp_path / "build").symlink_to("build")
+    loop = _pytest(tmp_path)
+    assert loop.returncode == 4 and "INTERNALERROR" not in loop.stdout + loop.stderr, loop.stdout + loop.stderr
+    assert "ERROR: --attn-export: build: refused: a loop of symbolic links" in loop.stderr
+
+
 @pytest.mark.slow
 def test_the_plugin_has_a_budget_and_fails_a_case_over_it_in_one_line(one_model: Path) -> None:
     over = _pytest(one_model, "--attn-export-max-memory", "16KiB")

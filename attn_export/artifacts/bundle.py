@@ -10,14 +10,13 @@ A bundle is data: reading one runs nothing it names and reads no more than the b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from attn_export.artifacts.files import atomic_write, read_regular
+from attn_export.artifacts.files import atomic_write, read_regular, resolved, schema_document
 from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
 from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.onnx_file import load_model_file
@@ -34,6 +33,7 @@ __all__ = [
 ]
 
 BUNDLE_SCHEMA = "attn-export/replay-bundle"
+BUNDLE_VERSION = 1
 _CASE = "replay"
 #: The tolerance ``bundle.json`` records, each a finite number >= 0: atol and rtol, and
 #: the shares of the value's rms (``spec.Tolerance``; 0 where a bundle leaves them out).
@@ -68,7 +68,9 @@ def _script(info: dict[str, Any]) -> str:
 
 
 def check_bundle_folder(folder: Path) -> None:
-    """Refuse, before any work, a bundle folder that is not new or empty: nothing is replaced."""
+    """Refuse, before any work, a bundle folder that is not new or empty (nothing is
+    replaced) or that lies past a loop of symbolic links (it could not be made)."""
+    resolved(folder)
     if folder.is_symlink() or (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))):
         raise UsageError(f"--bundle {folder}: give a new or empty folder (nothing in it is replaced)")
 
@@ -78,8 +80,11 @@ def write_bundle(
 ) -> None:
     """Write a bundle into ``folder``, which must be new or empty (nothing is replaced)."""
     check_bundle_folder(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    info = {"schema": BUNDLE_SCHEMA, "schema_version": 1, **info}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--bundle {folder}: cannot make it: {e.strerror or e}") from e
+    info = {"schema": BUNDLE_SCHEMA, "schema_version": BUNDLE_VERSION, **info}
     case = GoldenCase(_CASE, {}, inputs, expected)
     atomic_write(folder / "region.onnx", model)
     atomic_write(folder / "case.npz", encode_golden([case]))
@@ -92,13 +97,15 @@ def read_bundle(folder: Path, budget: int) -> Bundle:
     """A bundle's files, each read as data within its bound (``budget`` for the arrays)."""
     if not folder.is_dir():
         raise ArtifactError(f"{folder}: not a replay bundle folder")
+    path = folder / "bundle.json"
     try:
-        info = json.loads(read_regular(folder / "bundle.json", folder, 1 << 20).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{folder / 'bundle.json'}: not JSON ({type(e).__name__})") from e
-    if not isinstance(info, dict) or info.get("schema") != BUNDLE_SCHEMA:
-        raise ArtifactError(f"{folder / 'bundle.json'}: not an attn-export replay bundle")
-    _check_info(folder / "bundle.json", info)
+        text = read_regular(path, folder, 1 << 20).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{path}: not valid JSON (not UTF-8)") from e
+    info = schema_document(
+        text, str(path), BUNDLE_SCHEMA, BUNDLE_VERSION, "replay bundle", "localize again with --bundle"
+    )
+    _check_info(path, info)
     model = load_model_file(folder / "region.onnx", with_data=True, budget=budget).SerializeToString()
     cases = read_golden(folder / "case.npz", budget=budget, root=folder)
     if [c.label for c in cases] != [_CASE] or sorted(cases[0].outputs) != [info["value"]]:

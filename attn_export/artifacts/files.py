@@ -34,6 +34,7 @@ __all__ = [
     "output_target",
     "read_lock",
     "read_regular",
+    "resolved",
     "schema_document",
     "sha256_bytes",
     "sha256_file",
@@ -66,11 +67,20 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def resolved(path: Path) -> Path:
+    """``path`` with its symbolic links followed; a loop of them is a UsageError naming
+    ``path`` (Python raises RuntimeError or OSError, which read as internal errors)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError) as e:
+        raise UsageError(f"{path}: refused: a loop of symbolic links") from e
+
+
 @contextlib.contextmanager
 def open_regular(path: Path, root: Path | None = None, limit: int | None = None) -> Iterator[tuple[BinaryIO, int]]:
     """Open ``path`` for reading, with its size, if it is a regular file (after symlinks,
     which must stay inside ``root`` when given) of at most ``limit`` bytes."""
-    if root is not None and not path.resolve().is_relative_to(root.resolve()):
+    if root is not None and not resolved(path).is_relative_to(resolved(root)):
         raise ArtifactError(f"{path}: refused: a symbolic link to a file outside {root}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting for a writer

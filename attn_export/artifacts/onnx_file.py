@@ -14,7 +14,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from onnx.external_data_helper import load_external_data_for_model, load_external_data_for_tensor
 
-from attn_export.artifacts.files import read_regular
+from attn_export.artifacts.files import read_regular, resolved
 from attn_export.errors import ArtifactError
 from attn_export.spec.memory import format_bytes, memory_budget
 
@@ -139,18 +139,18 @@ def check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[tuple[o
     (``..``, absolute paths, symlinks out), past its file's end, or named twice: a save
     writes each tensor's bytes once, and thousands of tensors naming the same bytes made a
     graph of 1 MB read gigabytes."""
-    root = model_dir.resolve()
+    root = resolved(model_dir)
     sizes = {}
     for location in external_data_files(proto):
         candidate = Path(location)
         if not location or candidate.is_absolute() or ".." in candidate.parts:
             raise ArtifactError(f"refused external data location {location!r}: it must be a file inside {model_dir}")
-        resolved = (root / candidate).resolve()
-        if not resolved.is_relative_to(root):
+        target = resolved(root / candidate)
+        if not target.is_relative_to(root):
             raise ArtifactError(f"refused external data location {location!r}: it resolves outside {model_dir}")
-        if not resolved.is_file():
+        if not target.is_file():
             raise ArtifactError(f"external data file {location!r} is missing next to the model")
-        sizes[location] = resolved.stat().st_size
+        sizes[location] = target.stat().st_size
     spans: dict[str, list[tuple[int, int]]] = {location: [] for location in sizes}
     found = []
     for location, t in _external(proto):

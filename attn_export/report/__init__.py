@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attn_export._deps import require
-from attn_export.artifacts.files import LOCK_NAME, append_output, output_target, write_output
+from attn_export.artifacts.files import LOCK_NAME, append_output, output_target, resolved, write_output
 from attn_export.artifacts.manifest import MANIFEST_NAME, is_build_folder
 from attn_export.errors import AttnExportError, UsageError
 from attn_export.report import bench_text, benchmark_json, json_report, junit, markdown, plot
@@ -89,17 +89,17 @@ def check_report_paths(
     or module: written over, the run passes and what it read is gone."""
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY") if summary else None
     given = [(f"--{flag}", path) for flag, path in paths.items()]
-    read = {p.resolve() for p in reads}
+    read = {resolved(p) for p in reads}
     taken: dict[Path, str] = {}
     for label, path in [*given, ("$GITHUB_STEP_SUMMARY", Path(summary_file) if summary_file else None)]:
         if path is None:
             continue
         try:
-            target = output_target(path).resolve()
+            target = resolved(output_target(path))
         except UsageError as e:
             raise UsageError(f"$GITHUB_STEP_SUMMARY: {e}" if label[0] == "$" else str(e)) from None
-        folder = path.parent.resolve()
-        if not folder.is_dir() and (made is None or not folder.is_relative_to(made.resolve())):
+        folder = resolved(path.parent)
+        if not folder.is_dir() and (made is None or not folder.is_relative_to(resolved(made))):
             raise UsageError(f"cannot write {path}: no folder {path.parent}")
         if folder.is_dir():
             _probe(path, folder)
@@ -130,9 +130,9 @@ def check_reports_spare(paths: Mapping[str, Path | None], folder: Path, names: I
     """Refuse a report path that is one of the files ``names`` of the build folder being read
     (its manifest, a graph, a golden file): written over it, the run passes and the folder
     is broken for the next."""
-    kept = {(folder / name).resolve(): name for name in names}
+    kept = {resolved(folder / name): name for name in names}
     for flag, path in paths.items():
-        if path is not None and (hit := kept.get(output_target(path).resolve())) is not None:
+        if path is not None and (hit := kept.get(resolved(output_target(path)))) is not None:
             raise UsageError(f"--{flag} {path} is {hit} of the build folder {folder}; write the report elsewhere")
 
 

@@ -64,7 +64,7 @@ class StaticCache:
         try:
             raw = json.loads(text)
             return cls(tuple((str(p), str(q)) for p, q in raw["pairs"]), str(raw["length"]))
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ArtifactError(f"the graph's {METADATA_KEY} metadata is malformed: {e}") from e
 
     def feeds(self, feeds: Mapping[str, np.ndarray], capacity: int) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ from onnx import helper
 from attn_export.artifacts.bundle import write_bundle
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.cli import cli
+from attn_export.errors import UsageError
 
 
 def _bundle(folder: Path, axis: int = -1, zero_row: int | None = None, rows: list[list[bool]] | None = None) -> Path:
@@ -85,8 +86,16 @@ def _case(inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> Call
     return edit
 
 
+def _write(name: str, text: str) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        (folder / name).write_text(text)
+
+    return edit
+
+
 X = np.zeros((2, 3, 4), np.float32)
 HOSTILE = [
+    ("a deeply nested bundle.json", _write("bundle.json", "[" * 100_000), "bundle.json: not valid JSON ("),
     ("a source that is a list", _edit_info("source", ["m.py"]), "'source' must be a string"),
     ("nodes that are not names", _edit_info("nodes", [1]), "'nodes' must be a list of node names"),
     ("an infinite atol", _edit_info("tolerance", {"atol": 1e400, "rtol": 0}), "must hold a finite atol and rtol"),
@@ -191,3 +200,9 @@ def test_external_data_is_read_by_its_distinct_bytes_and_within_the_budget(tmp_p
     assert code == 2, output
     region = tmp_path / "large" / "region.onnx"
     assert output == f"Error: {region}: its external data is 32.0 KiB, over the memory budget of 16.0 KiB\n"
+
+
+def test_a_bundle_folder_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match=r"--bundle .*file/where: cannot make it: Not a directory"):
+        _bundle(tmp_path / "file" / "where")

@@ -185,6 +185,30 @@ def test_check_reads_external_data_within_the_budget(tmp_path: Path, monkeypatch
     assert result.exit_code == 1 and said in result.output, result.output
 
 
+# -- loops of symbolic links ---------------------------------------------------------------------
+
+LOOPED = {
+    "check of a loop": ["check", "{loop}"],
+    "check of a folder whose graph is a loop": ["check", "{out}"],
+    "localize of a loop": ["localize", "{loop}", "tiny"],
+    "localize's bundle past a loop": ["localize", "{out}", "tiny", "--bundle", "{loop}/where"],
+    "verify's models folder a loop": ["verify", "{out}", "--models", "{loop}"],
+    "build into a loop": ["build", "{models}/tiny.toml", "--out", "{loop}"],
+}
+
+
+@pytest.mark.parametrize("args", LOOPED.values(), ids=LOOPED.keys())
+def test_a_loop_of_symbolic_links_is_one_line_and_exit_2(tiny_build: Built, tmp_path: Path, args: list[str]) -> None:
+    """Python raises RuntimeError on such a loop: it was an internal error (exit 3)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    (tiny_build.out / "tiny.onnx").unlink()
+    (tiny_build.out / "tiny.onnx").symlink_to("tiny.onnx")
+    result = invoke(*(a.format(loop=loop, out=tiny_build.out, models=tiny_build.models) for a in args))
+    assert result.exit_code == 2, result.output
+    assert _error_line(result).endswith(": refused: a loop of symbolic links"), result.output
+
+
 # -- weights -----------------------------------------------------------------------------------
 
 

@@ -13,11 +13,12 @@ from click.testing import CliRunner
 from onnx import helper
 
 from attn_export.cli import cli
-from attn_export.errors import RuntimeFailure, SpecError
+from attn_export.errors import ArtifactError, RuntimeFailure, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
+from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
 from attn_export.spec import ModelSpec, load_spec
 from attn_export.spec.cache import cache_of
 from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
@@ -309,3 +310,8 @@ def test_a_hugging_face_llama_decodes_in_place(tmp_path: Path, monkeypatch: pyte
         result = CliRunner().invoke(cli, ["verify", graph, "--no-latency", "--decode", "3"])
         assert result.exit_code == 0, result.output
         assert "2 of 2 decode trajectories agree" in result.output or "1 of 1 decode" in result.output, result.output
+
+
+def test_metadata_nested_too_deeply_is_malformed_not_an_internal_error() -> None:
+    with pytest.raises(ArtifactError, match="metadata is malformed: maximum recursion depth"):
+        StaticCache.from_metadata({METADATA_KEY: "[" * 100_000})

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export import __version__
-from attn_export.artifacts.files import build_lock, sha256_bytes, write_output
+from attn_export.artifacts.files import build_lock, resolved, sha256_bytes, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
 from attn_export.artifacts.genai_folder import GENAI_DIR, genai_config, refuse_unfit, write_genai_folder
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
@@ -101,8 +101,8 @@ def build_models(
     if twice is not None:
         both = " and ".join(str(p) for p in spec_paths if p.stem == twice)
         raise UsageError(f"{both} both name model '{twice}': one build folder holds one model of a name")
-    out = options.out_dir.resolve()
-    inside = next((p for p in spec_paths if p.resolve().parent.is_relative_to(out)), None)
+    out = resolved(options.out_dir)
+    inside = next((p for p in spec_paths if resolved(p).parent.is_relative_to(out)), None)
     if inside is not None:
         raise UsageError(
             f"--out {options.out_dir} holds the spec {inside}: verify runs code only from the checkout, never from "

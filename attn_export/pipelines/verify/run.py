@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attn_export.artifacts.files import read_lock
+from attn_export.artifacts.files import read_lock, resolved
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.recorded import read_recorded
@@ -88,7 +88,7 @@ def verify_artifacts(
         missing = [n for n in names if n not in manifest.models]
         if missing:
             raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
-        if not options.golden and options.models_dir.resolve().is_relative_to(out_dir.resolve()):
+        if not options.golden and resolved(options.models_dir).is_relative_to(resolved(out_dir)):
             raise UsageError(
                 f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from the "
                 "checkout, never from a build folder; pass --models with the checkout's spec folder"

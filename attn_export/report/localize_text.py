@@ -13,6 +13,14 @@ from attn_export.spec.shapes import format_sizes
 __all__ = ["format_localize", "format_replay", "where"]
 
 
+def _printable(lines: list[str]) -> str:
+    """The lines for a terminal, each one line as written: recorded text in them (a source
+    line, the names a graph or a bundle carries: data) has every non-printable character
+    escaped (``\\n``, ``\\x1b``), so none clears the screen or starts a line of its own (a
+    forged "AGREES")."""
+    return "\n".join("".join(c if c.isprintable() else repr(c)[1:-1] for c in line) for line in lines)
+
+
 def _source(source: str) -> str:
     """``file:line``, the file relative to the working directory when it lies under it."""
     path, _, line = source.rpartition(":")
@@ -99,7 +107,7 @@ def format_localize(report: LocalizeReport) -> str:
     if report.bundle:
         lines.append(f"replay bundle: {report.bundle} (rerun: sh {report.bundle}/reproduce.sh)")
     lines.append(f"reproduce: {report.reproduce}")
-    return "\n".join(lines)
+    return _printable(lines)
 
 
 def format_replay(result: ReplayResult) -> str:
@@ -109,4 +117,4 @@ def format_replay(result: ReplayResult) -> str:
         f"replay {info.get('model')}: region of FX node {info.get('fx_node')}{source} on onnxruntime[{result.provider}]"
     )
     verdict = "AGREES with PyTorch's recorded value" if c.passed else f"DIFFERS: {c.reason()}"
-    return f"{head}\n{verdict}"
+    return _printable([head, verdict])

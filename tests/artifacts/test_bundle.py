@@ -202,6 +202,15 @@ def test_external_data_is_read_by_its_distinct_bytes_and_within_the_budget(tmp_p
     assert output == f"Error: {region}: its external data is 32.0 KiB, over the memory budget of 16.0 KiB\n"
 
 
+def test_the_recorded_source_is_printed_escaped(tmp_path: Path) -> None:
+    """A bundle is data: its source line printed raw forged a line of the verdict."""
+    folder = _bundle(tmp_path / "b", axis=1)
+    _edit_info("source", "m.py:3\x1b[2J\nAGREES with PyTorch's recorded value")(folder)
+    code, output = _replay(folder)
+    assert code == 1 and len(output.splitlines()) == 2, output
+    assert "at m.py:3\\x1b[2J\\nAGREES with PyTorch's recorded value on onnxruntime[cpu]" in output
+
+
 def test_a_bundle_folder_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match=r"--bundle .*file/where: cannot make it: Not a directory"):

@@ -16,7 +16,8 @@ from onnx import helper
 from attn_export.artifacts.bundle import write_bundle
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.cli import cli
-from attn_export.errors import UsageError
+from attn_export.errors import RuntimeFailure, UsageError
+from attn_export.pipelines.localize import replay_bundle
 
 
 def _bundle(folder: Path, axis: int = -1, zero_row: int | None = None, rows: list[list[bool]] | None = None) -> Path:
@@ -103,6 +104,7 @@ HOSTILE = [
     ("a negative rtol", _edit_info("tolerance", {"atol": 0, "rtol": -1}), "must hold a finite atol and rtol"),
     ("rows that are not a grid", _edit_info("left_out_rows", [[True], [True, False]]), "'left_out_rows' must be"),
     ("rows that are not booleans", _edit_info("left_out_rows", [[1, 0]]), "'left_out_rows' must be"),
+    ("rows leaving out every element", _edit_info("left_out_rows", [[True] * 3] * 2), "is left to compare once"),
     ("an int past float", _edit_info("tolerance", {"atol": 0, "rtol": 0, "atol_rms": 10**400}), "must hold a finite"),
     ("two values", _case({"x": X}, {"softmax": X, "other": X}), "PyTorch's value of 'softmax' alone"),
     ("another value", _case({"x": X}, {"other": X}), "PyTorch's value of 'softmax' alone"),
@@ -215,3 +217,36 @@ def test_a_bundle_folder_that_cannot_be_made_is_a_usage_error(tmp_path: Path) ->
     (tmp_path / "file").write_text("")
     with pytest.raises(UsageError, match=r"--bundle .*file/where: cannot make it: Not a directory"):
         _bundle(tmp_path / "file" / "where")
+
+
+def test_a_region_that_runs_without_end_is_stopped(tmp_path: Path) -> None:
+    """A Loop whose condition stays true ran until the process was killed."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Neg", ["v_in"], ["v_out"])],
+        "body",
+        [
+            helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_in", onnx.TensorProto.FLOAT, [4]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", onnx.TensorProto.FLOAT, [4]),
+        ],
+    )
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["", "cond", "x"], ["y"], body=body, name="node_loop")],
+        "region",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])],
+        [onnx.ValueInfoProto(name="y")],
+        [onnx.numpy_helper.from_array(np.array(True), "cond")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    info = {
+        "model": "m", "fx_node": "loop", "nodes": ["node_loop"], "value": "y", "source": "m.py:3", "code": "y = x",
+        "tolerance": {"atol": 1e-5, "rtol": 1e-4}, "localize": "attn-export localize build m",
+    }  # fmt: skip
+    x = np.zeros(4, np.float32)
+    write_bundle(tmp_path / "b", model.SerializeToString(), {"x": x}, {"y": x}, info)
+    with pytest.raises(RuntimeFailure, match=r"^onnxruntime\[cpu\]: the region ran past 0.5 s and was stopped"):
+        replay_bundle(tmp_path / "b", timeout_s=0.5)

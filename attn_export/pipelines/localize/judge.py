@@ -10,7 +10,7 @@ import numpy as np
 
 from attn_export.spec import Tolerance
 
-__all__ = ["ROUNDINGS", "left_out", "region_tolerance", "representable"]
+__all__ = ["ROUNDINGS", "judged_elements", "left_out", "region_tolerance", "representable"]
 
 #: A region run alone may differ from PyTorch by this many float32 roundings of the
 #: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
@@ -57,6 +57,13 @@ def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None
     view = [1] * len(shape)
     view[0], view[axis] = batch, query
     return np.broadcast_to(rows.reshape(view), shape)
+
+
+def judged_elements(shape: tuple[int, ...], rows: np.ndarray | None) -> int:
+    """How many elements of a value of ``shape`` are judged: all but those on the padded
+    ``rows`` left out (``left_out``)."""
+    selector = None if rows is None else _row_selector(shape, rows)
+    return int(np.prod(shape)) if selector is None else int(np.count_nonzero(~selector))
 
 
 def left_out(expected: np.ndarray, actual: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

@@ -68,12 +68,12 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def resolved(path: Path) -> Path:
-    """``path`` with its symbolic links followed; a loop of them is a UsageError naming
+    """``path`` with its symbolic links followed; a loop of them is an ArtifactError naming
     ``path`` (Python raises RuntimeError or OSError, which read as internal errors)."""
     try:
         return path.resolve()
     except (RuntimeError, OSError) as e:
-        raise UsageError(f"{path}: refused: a loop of symbolic links") from e
+        raise ArtifactError(f"{path}: refused: a loop of symbolic links") from e
 
 
 @contextlib.contextmanager

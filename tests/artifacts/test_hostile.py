@@ -189,7 +189,6 @@ def test_check_reads_external_data_within_the_budget(tmp_path: Path, monkeypatch
 
 LOOPED = {
     "check of a loop": ["check", "{loop}"],
-    "check of a folder whose graph is a loop": ["check", "{out}"],
     "localize of a loop": ["localize", "{loop}", "tiny"],
     "localize's bundle past a loop": ["localize", "{out}", "tiny", "--bundle", "{loop}/where"],
     "verify's models folder a loop": ["verify", "{out}", "--models", "{loop}"],
@@ -202,8 +201,6 @@ def test_a_loop_of_symbolic_links_is_one_line_and_exit_2(tiny_build: Built, tmp_
     """Python raises RuntimeError on such a loop: it was an internal error (exit 3)."""
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    (tiny_build.out / "tiny.onnx").unlink()
-    (tiny_build.out / "tiny.onnx").symlink_to("tiny.onnx")
     result = invoke(*(a.format(loop=loop, out=tiny_build.out, models=tiny_build.models) for a in args))
     assert result.exit_code == 2, result.output
     assert _error_line(result).endswith(": refused: a loop of symbolic links"), result.output

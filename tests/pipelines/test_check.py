@@ -141,6 +141,16 @@ def test_unreadable_files_are_findings(shared_tiny: Built, tmp_path: Path) -> No
     assert report.exit_code == 1
 
 
+def test_a_graph_that_is_a_loop_of_symbolic_links_is_a_finding(tiny_build: Built) -> None:
+    """It was an internal error (exit 3): Python raises RuntimeError on such a loop."""
+    graph = tiny_build.out / "tiny.onnx"
+    graph.unlink()
+    graph.symlink_to("tiny.onnx")
+    code, output = _check(tiny_build.out)
+    assert code == 1, output
+    assert f"hashes: {graph}: refused: a loop of symbolic links" in output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -66,8 +66,9 @@ def _spec(weights: Path, mask: str = "full", cache: str = "[cache]\nextend_batch
 
 @pytest.fixture(scope="module")
 def builder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The builder's fp32 CPU folder of a seeded checkpoint, and the checkpoint's weights as
-    ``CausalLMWithCache`` holds them (each key prefixed ``model.``)."""
+    """The builder's fp32 CPU folder of a seeded checkpoint (its int4 folder beside it, in
+    ``genai-int4``), and the checkpoint's weights as ``CausalLMWithCache`` holds them (each
+    key prefixed ``model.``)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -83,15 +84,15 @@ def builder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="t3"
     ).save_pretrained(checkpoint)
-    out = root / "genai"
-    subprocess.run(
-        [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
-         "-p", "fp32", "-e", "cpu", "-c", str(root / "cache")],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    for precision, out in (("fp32", root / "genai"), ("int4", root / "genai-int4")):
+        subprocess.run(
+            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out),
+             "-p", precision, "-e", "cpu", "-c", str(root / "cache")],
+            check=True, capture_output=True,
+        )  # fmt: skip
     weights = root / "weights.pt"
     torch.save({f"model.{k}": v for k, v in model.state_dict().items()}, weights)
-    return out, weights
+    return root / "genai", weights
 
 
 def _verify(graph: Path, spec: Path, *more: str) -> tuple[int, str]:
@@ -139,3 +140,19 @@ def test_steps_the_generator_never_feeds_are_refused_by_the_graph_and_the_report
     assert code == 1
     assert "batch_size must be 1 when sequence_length > 1 and past context is given" in out
     assert "declare [cache] extend_batch = 1 in the spec" in out
+
+
+def test_the_builders_int4_graph_generates_the_int4_rounded_modules_tokens(
+    builder: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """genai's CPU int4 (MatMulNBits at accuracy level 4: int8 activations) against the module
+    rounded as it computes: the logits to float32 noise, so they are held to float32's room."""
+    folder, weights = builder
+    spec = tmp_path / "spec" / "llama_builder.toml"
+    spec.parent.mkdir()
+    spec.write_text(_spec(weights))
+    one = "batch_size=1,sequence_length=3,past_sequence_length=2"
+    graph = folder.parent / "genai-int4" / "model.onnx"
+    code, out = _verify(graph, spec, "--variant", "int4", "--shapes", one, "--generate", "4")
+    assert code == 0, out
+    assert "3 of 3 generations give PyTorch's tokens" in out

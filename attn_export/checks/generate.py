@@ -16,7 +16,8 @@ later is judged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "is_causal_lm",
     "judge",
     "stacked",
+    "step_feeds",
     "torch_generate",
 ]
 
@@ -167,11 +169,17 @@ def torch_generate(
     return Generation(tokens, [step.double().numpy() for step in out.logits])
 
 
-def graph_generate(
-    runtime: Runtime, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int
-) -> Generation:
-    """The graph in ``runtime`` (activated) run token by token, greedy, left-padded as
-    PyTorch is fed: the prompt on an empty cache, then one token a step."""
+def _played(
+    runtime: Runtime,
+    spec: ModelSpec,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    pad: int,
+    forced: Sequence[Sequence[int]] | None = None,
+) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """Each step's feeds and last logits as the graph in ``runtime`` (activated) is run token
+    by token, left-padded as PyTorch is fed: the prompt on an empty cache, then one token a
+    step, the greedy one or the ``forced`` row's (PyTorch's tokens, fed back to reach a step)."""
     cache = cache_of(spec)
     assert cache is not None
     ids, mask = _left_padded(prompts, pad)
@@ -182,9 +190,7 @@ def graph_generate(
         shape = [d if isinstance(d, int) else sizes[d] for d in inputs[past].shape]
         pasts[past] = np.zeros(shape, dtype=inputs[past].dtype)
     step_ids = ids
-    tokens: list[list[int]] = []
-    logits: list[np.ndarray] = []
-    for _ in range(steps):
+    for step in range(steps):
         positions = np.where(mask == 0, 1, np.cumsum(mask, axis=1) - 1)[:, -step_ids.shape[1] :]
         feeds = {"input_ids": step_ids, MASK: mask, **pasts}
         if POSITIONS in inputs:
@@ -192,13 +198,36 @@ def graph_generate(
         feeds = {name: np.asarray(value, dtype=inputs[name].dtype) for name, value in feeds.items()}
         out = runtime.run(feeds)
         last = np.asarray(out[LOGITS])[:, -1].astype(np.float64)
-        logits.append(last)
-        chosen = last.argmax(axis=-1)
-        tokens.append([int(t) for t in chosen])
+        yield feeds, last
+        chosen = last.argmax(axis=-1) if forced is None else np.array([row[step] for row in forced])
         pasts = {past: out[present] for past, present in cache.pairs}
         step_ids = chosen[:, None].astype(np.int64)
         mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
+
+
+def graph_generate(
+    runtime: Runtime, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int
+) -> Generation:
+    """The graph in ``runtime`` (activated) run token by token, greedy, left-padded as
+    PyTorch is fed: the prompt on an empty cache, then one token a step."""
+    logits = [last for _, last in _played(runtime, spec, prompts, steps, pad)]
+    tokens = [[int(t) for t in last.argmax(axis=-1)] for last in logits]
     return Generation([list(row) for row in zip(*tokens, strict=True)], logits)
+
+
+def step_feeds(
+    runtime: Runtime,
+    spec: ModelSpec,
+    prompts: Sequence[Sequence[int]],
+    tokens: Sequence[Sequence[int]],
+    pad: int,
+    step: int,
+) -> dict[str, np.ndarray]:
+    """The feeds of generation step ``step`` (1 = the prompt) when ``runtime`` (PyTorch's
+    module) is fed ``tokens`` (its own generation) before it: the step localized on PyTorch's
+    inputs, so that only its own divergence shows."""
+    feeds, _ = next(itertools.islice(_played(runtime, spec, prompts, step, pad, tokens), step - 1, None))
+    return feeds
 
 
 def stacked(generations: Sequence[Generation]) -> Generation:

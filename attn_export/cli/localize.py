@@ -53,7 +53,21 @@ from attn_export.spec.model import FULLY_MASKED
     "steps before it gave back.",
 )
 @click.option(
-    "--layout", help="With --decode-step: the trajectory's padding layout (batch-1, left-padded). Default: the first."
+    "--generate-step",
+    type=click.IntRange(1),
+    help="For a causal LM: localize this step of verify --generate N's generation (1 = the prompt), fed "
+    "PyTorch's own tokens and cache before it (give --generate N).",
+)
+@click.option(
+    "--generate",
+    "generate_steps",
+    type=click.IntRange(1, 4096),
+    help="With --generate-step: the N of the verify --generate N run (its seeded prompts depend on it).",
+)
+@click.option(
+    "--layout",
+    help="With --decode-step: the trajectory's padding layout (batch-1, left-padded); with --generate-step: "
+    "the generation's (batch-1, padded). Default: the first.",
 )
 @click.option(
     "--decode-steps",
@@ -115,6 +129,8 @@ def localize(
     distribution: str,
     mask_case: str | None,
     decode_step: int | None,
+    generate_step: int | None,
+    generate_steps: int | None,
     layout: str | None,
     decode_steps: int,
     fully_masked: str | None,
@@ -169,14 +185,20 @@ def localize(
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
-    if layout and decode_step is None:
-        raise click.UsageError("--layout needs --decode-step")
+    if layout and decode_step is None and generate_step is None:
+        raise click.UsageError("--layout needs --decode-step or --generate-step")
+    if generate_step is not None and decode_step is not None:
+        raise click.UsageError("--generate-step and --decode-step name two cases: give one")
+    if (generate_step is None) != (generate_steps is None):
+        raise click.UsageError("--generate-step and --generate go together: the step, and the N of verify --generate N")
     if decode_step is None and given("decode_steps"):
         raise click.UsageError("--decode-steps needs --decode-step")
     if decode_step is not None and given("distribution"):
         raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
     if shrink and decode_step is not None:
         raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
+    if generate_step is not None and (shrink or given("distribution")):
+        raise click.UsageError("--generate-step plays verify --generate's steps: no --shrink or --distribution")
     options = LocalizeOptions(
         models_dir=models_dir,
         sizes=points[0] if points else None,
@@ -190,6 +212,8 @@ def localize(
         shrink=shrink,
         bundle=bundle,
         decode_step=decode_step,
+        generate_step=generate_step,
+        generate_steps=generate_steps or 0,
         layout=layout,
         decode_steps=decode_steps,
         fully_masked=fully_masked,

@@ -66,6 +66,11 @@ def _error(c: OutputComparison | None) -> str:
 def format_localize(report: LocalizeReport) -> str:
     if report.golden_case is not None:
         case = f"the recorded case {report.golden_case} ({format_sizes(report.sizes)}), PyTorch's values as built"
+    elif report.generate_step is not None:
+        case = (
+            f"generate step {report.generate_step} of {report.layout} ({format_sizes(report.sizes)}), "
+            f"PyTorch's tokens before it, seed {report.seed}"
+        )
     elif report.decode_step is not None:
         case = f"decode step {report.decode_step} of {report.layout} ({format_sizes(report.sizes)}), seed {report.seed}"
     else:

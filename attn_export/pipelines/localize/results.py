@@ -42,6 +42,12 @@ class LocalizeOptions:
     layout: str | None = None
     #: The trajectory's length as verify --decode played it (its token data depend on it).
     decode_steps: int = DEFAULT_STEPS
+    #: A causal LM's generation step to localize, 1 being the prompt, as verify --generate
+    #: numbers them: its inputs hold PyTorch's own tokens and cache before it. ``layout`` is
+    #: the generation's (batch-1, padded).
+    generate_step: int | None = None
+    #: How many tokens verify --generate asked for (its seeded prompts depend on it).
+    generate_steps: int = 0
     #: The spec's ``fully_masked`` rule overridden for this case ("match" compares the
     #: padded query rows that "ignore" leaves out, to see where the two sides part there).
     fully_masked: str | None = None
@@ -131,6 +137,8 @@ class LocalizeReport:
     #: For a decoder's step: which (1 = the prompt) of which padding layout.
     decode_step: int | None = None
     layout: str | None = None
+    #: For a causal LM's generation: which step (1 = the prompt) of the ``layout`` generation.
+    generate_step: int | None = None
     #: With ``golden``: the recorded case's label (its sizes are ``sizes``).
     golden_case: str | None = None
     #: With ``shrink``: the sizes of the case asked for, and how many cases the search tried.

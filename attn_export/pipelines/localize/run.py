@@ -40,12 +40,14 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
+from attn_export.pipelines.localize.generate_step import generate_step_case
 from attn_export.pipelines.localize.judge import left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
 from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
+from attn_export.pipelines.verify.generate import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
@@ -249,6 +251,10 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
         where = [str(out_dir), entry.name]
     if options.golden:
         args = [*where, "--golden"]
+    elif options.generate_step is not None:
+        args = [*where, "--generate-step", str(options.generate_step), "--generate", str(options.generate_steps)]
+        args += ["--layout", options.layout] if options.layout else []
+        args += ["--seed", str(options.seed)]
     elif options.decode_step is None:
         args = [*where, "--shapes", format_sizes(sizes), "--seed", str(options.seed)]
         args += ["--distribution", options.distribution]
@@ -285,6 +291,7 @@ def _check_golden(options: LocalizeOptions) -> None:
         "--distribution": options.distribution != DEFAULT_DISTRIBUTION,
         "--mask-case": options.mask_case is not None,
         "--decode-step": options.decode_step is not None,
+        "--generate-step": options.generate_step is not None,
         "--shrink": options.shrink,
     }
     named = [flag for flag, given in asked.items() if given]
@@ -416,11 +423,14 @@ class _Side:
 
 
 def _pytorch_side(
-    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int, bits: tuple[int, ...]
+    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int, variant: str
 ) -> tuple[_Side, LocalizeOptions]:
     """Run the module's FX program and the module itself on the case ``options`` name."""
     module = instantiate(spec)
-    if options.decode_step is None:
+    if options.generate_step is not None:
+        sizes, feeds, layout = generate_step_case(spec, module, options, generation_rounding(spec, variant))
+        options = dataclasses.replace(options, layout=layout)
+    elif options.decode_step is None:
         sizes = _check_case(spec, options)
         check_memory(spec, [ShapePoint("localize", sizes)], budget)
         feeds = make_feeds(
@@ -432,6 +442,7 @@ def _pytorch_side(
     program = _program(spec, module, default_opset(proto) or 0)
     values = torch_values(program, spec, feeds, budget)
     # the simulated rounding of the variant's quantization (int8, int4), which its tolerances judge by
+    bits = rounding_bits(spec.tolerances(variant).values())
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
         outputs = eager.run(feeds)
         seen = sights(spec, eager, example_sizes(spec), [sizes])
@@ -472,8 +483,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     if options.golden:
         side = _recorded_side(out_dir / entry.intermediates, spec, budget)
     else:
-        bits = rounding_bits(spec.tolerances(entry.variant).values())
-        side, options = _pytorch_side(spec, proto, options, budget, bits)
+        side, options = _pytorch_side(spec, proto, options, budget, entry.variant)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
     outputs = case.outputs
     notes = []
@@ -510,6 +520,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         regions=errors,
         uncompared=len(regions) - len({tuple(e.nodes) for e in errors}),
         decode_step=options.decode_step,
+        generate_step=options.generate_step,
         layout=options.layout,
         notes=notes,
         reproduce=_reproduce(out_dir, entry, options, sizes),
@@ -537,10 +548,11 @@ def localize_failures(
     report: VerifyReport, options: VerifyOptions, notice: Callable[[str], None] | None = None
 ) -> list[LocalizeReport]:
     """``verify --localize``: the first failing case of each model that verify compared with
-    PyTorch on ONNX Runtime, and the first step where a decode trajectory left PyTorch's,
-    localized (one case per model bounds the cost: the others usually fail at the same node).
-    A graph localize cannot take (``NotLocalizable``: no dynamo exporter's metadata) is said
-    to ``notice`` and left out, where one is given: verify's verdict and reports stand."""
+    PyTorch on ONNX Runtime, else the first step where a decode trajectory left PyTorch's, else
+    the first step where our loop's generation did, localized (one case per model bounds the
+    cost: the others usually fail at the same node). A graph localize cannot take
+    (``NotLocalizable``: no dynamo exporter's metadata) is said to ``notice`` and left out,
+    where one is given: verify's verdict and reports stand."""
     out_dir = Path(report.artifacts)
     base = LocalizeOptions(
         models_dir=options.models_dir,
@@ -575,6 +587,19 @@ def localize_failures(
                 decode_steps=options.steps,
                 provider=d.target.provider or "cpu",
                 runtime=d.target.runtime,
+            )
+    ours = {t.label: t for t in options.targets}  # genai's generator runs the graph its own way
+    for g in report.generate:
+        target = ours.get(g.runner)
+        if target is not None and g.step is not None and g.model not in asked:
+            asked[g.model] = dataclasses.replace(
+                base,
+                seed=report.seed,
+                generate_step=g.step,
+                generate_steps=g.steps,
+                layout=g.layout,
+                provider=target.provider or "cpu",
+                runtime=target.runtime,
             )
     found = []
     for model, opts in asked.items():

@@ -45,7 +45,7 @@ from attn_export.spec.cache import cache_of
 from attn_export.spec.memory import memory_budget
 from attn_export.spec.tolerance import Tolerance, rounding_name
 
-__all__ = ["generate_model", "recorded_reference"]
+__all__ = ["generate_model", "generation_rounding", "recorded_reference"]
 
 
 def _run(make: Callable[..., Generation], *args: Any) -> Generation | str:
@@ -69,7 +69,7 @@ class _Reference:
     folder: Path | None = None
 
 
-def _rounding_bits(spec: ModelSpec, variant: str) -> int | None:
+def generation_rounding(spec: ModelSpec, variant: str) -> int | None:
     """The weight rounding a ``variant`` graph generates by (8, 4), or None: a quantized graph
     generates as the module with its weights rounded so."""
     judged = spec.tolerance_for("logits", variant)
@@ -100,7 +100,7 @@ def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _R
 def recorded_reference(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, options: VerifyOptions) -> _Reference:
     """Golden mode: the generations build recorded (no torch) for ``entry``'s rounding, and
     the build's genai folder; ArtifactError or UsageError where they cannot serve."""
-    bits = _rounding_bits(spec, entry.variant)
+    bits = generation_rounding(spec, entry.variant)
     if not entry.generations:
         raise ArtifactError(
             f"{entry.name}: the build recorded no generations (built by an older attn-export, or its module "
@@ -134,7 +134,7 @@ def generate_model(
 ) -> list[GenerateResult]:
     """Every generation of ``entry``'s graph this run asks for, judged against PyTorch's
     (run here, or recorded at build in golden mode)."""
-    bits = _rounding_bits(spec, entry.variant)
+    bits = generation_rounding(spec, entry.variant)
     # int4's rounding on a CPU is simulated to float32 noise, so there its logits are held to
     # the model's own tolerance; another provider computes in float (int4's own tolerance)
     exact = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]

@@ -1,0 +1,51 @@
+"""The inputs of one step of ``verify --generate``'s generation, for ``localize
+--generate-step``: the seeded prompts verify drew, with PyTorch's own tokens and cache fed
+back before the step, so that the step is localized on PyTorch's inputs and only its own
+divergence shows (a graph that picked another token earlier is not followed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attn_export.artifacts.genai_folder import logits_vocab, pad_token, special_tokens
+from attn_export.checks.generate import generate_prompts, graph_generate, step_feeds
+from attn_export.errors import UsageError
+from attn_export.pipelines.localize.results import LocalizeOptions
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import ModelSpec
+from attn_export.spec.shapes import sizes_from_feeds
+
+__all__ = ["generate_step_case"]
+
+
+def generate_step_case(
+    spec: ModelSpec, module: Any, options: LocalizeOptions, bits: int | None
+) -> tuple[dict[str, int], dict[str, np.ndarray], str]:
+    """The sizes and feeds of generation step ``options.generate_step`` (1 = the prompt) of
+    the ``options.layout`` prompts of a ``--generate options.generate_steps`` run, and that
+    layout; the module runs with the variant's weight rounding ``bits`` (8, 4, or None), as
+    verify's reference generation does."""
+    from attn_export.exporter.factory import build_config
+
+    if options.sizes or options.mask_case:
+        raise UsageError(
+            "--generate-step plays verify --generate's steps: it cannot be combined with --shapes or --mask-case"
+        )
+    step, steps = options.generate_step or 0, options.generate_steps
+    if not 1 <= step <= steps:
+        raise UsageError(f"{spec.name}: --generate-step {step} is not a step of --generate {steps} (1 to {steps})")
+    config = build_config(spec)
+    vocab = logits_vocab(spec)
+    pad = pad_token(config, vocab)
+    prompts = generate_prompts(spec, steps, options.seed, special_tokens(config, vocab))
+    layout = options.layout or next(iter(prompts))
+    if layout not in prompts:
+        raise UsageError(f"{spec.name}: --layout {layout} is not a generation layout (it has: {', '.join(prompts)})")
+    rows = prompts[layout]
+    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, weight_bits=bits) as eager:
+        tokens = graph_generate(eager, spec, rows, step - 1, pad).tokens or [[] for _ in rows]
+        feeds = step_feeds(eager, spec, rows, tokens, pad, step)
+    sizes = sizes_from_feeds(spec.inputs, {name: value.shape for name, value in feeds.items()})
+    return spec.with_sums(sizes), feeds, layout

@@ -14,6 +14,10 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ __all__ = [
     "InlineExecutor",
     "Parallelism",
     "cell_key",
+    "exit_if_orphaned",
     "open_executor",
     "run_in_order",
 ]
@@ -66,6 +71,32 @@ class ExecutorKind:
     help: str
 
 
+#: In a worker process of ``--jobs``: the process that started it (None elsewhere).
+_PARENT: int | None = None
+
+
+def _watch_parent(parent: int) -> None:
+    """A local worker's initializer: the worker ends itself within a moment of its parent's
+    death (a SIGKILL leaves the parent no time to end it), instead of building for nobody
+    into a folder whose lock died with the parent."""
+    global _PARENT
+    _PARENT = parent
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def exit_if_orphaned() -> None:
+    """End this worker now if the process that started it has died: called before a cell
+    writes, so that no worker writes after its parent has gone (a no-op outside workers)."""
+    if _PARENT is not None and os.getppid() != _PARENT:
+        os._exit(1)
+
+
 def _start_local(jobs: int | None, exclusive: bool) -> Executor:
     if not jobs or jobs == 1:
         return InlineExecutor()
@@ -74,7 +105,42 @@ def _start_local(jobs: int | None, exclusive: bool) -> Executor:
 
     # spawn, not fork: a forked child of a process whose torch or ONNX Runtime thread pools
     # already ran may hang in them.
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(
+        max_workers=jobs,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_watch_parent,
+        initargs=(os.getpid(),),
+    )
+
+
+@contextlib.contextmanager
+def _ended_on_signal(executor: Executor) -> Iterator[None]:
+    """While a process pool's workers run cells, SIGTERM exits this process as
+    ``SystemExit(143)`` (the status the signal itself gives) and, like Ctrl-C, ends the
+    workers at once: a worker left running holds its memory and writes for nobody. A SIGTERM
+    handler the caller set is kept."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    if not isinstance(executor, ProcessPoolExecutor):
+        yield
+        return
+    ours = threading.current_thread() is threading.main_thread()
+    ours = ours and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    if ours:
+        signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        for process in list(executor._processes.values()):  # the pool's own table, as 3.14's terminate_workers
+            process.terminate()
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _start_ray(jobs: int | None, exclusive: bool) -> Executor:
@@ -141,7 +207,8 @@ def open_executor(parallelism: Parallelism, exclusive: bool = False) -> Iterator
         parallelism.check_exclusive()
     executor = EXECUTORS[parallelism.executor].start(parallelism.jobs, exclusive)
     try:
-        yield executor
+        with _ended_on_signal(executor):
+            yield executor
     except BrokenProcessPool as e:
         raise RuntimeFailure(
             f"a process of --jobs {parallelism.jobs} ended abruptly ({e.__cause__ or 'killed, or out of memory'}); "

@@ -6,10 +6,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.errors import UsageError
 from attn_export.executors import InlineExecutor, Parallelism, cell_key, open_executor
+from tests.conftest import Built, tiny_spec
 
 
 def test_one_job_runs_cells_in_this_process() -> None:
@@ -158,3 +162,77 @@ def test_a_ray_task_is_sent_with_the_drivers_working_directory(tmp_path: Path, m
     monkeypatch.chdir(tmp_path)
     executor.submit(os.path.isdir, "build")
     assert sent == [(str(tmp_path), os.path.isdir, "build")]
+
+
+def _running(pid: int) -> bool:
+    """Whether a process runs (a zombie has ended: only its parent has yet to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _workers(parent: int) -> list[int]:
+    """The process pool's workers that ``parent`` spawned."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _stopped(args: Sequence[str], sig: signal.Signals, workers: int) -> tuple[int, list[int]]:
+    """Run attn-export ``args`` until ``workers`` of its pool run, then send it ``sig``: its
+    exit status and the pids of its workers."""
+    proc = subprocess.Popen([sys.executable, "-m", "attn_export", *args], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := _workers(proc.pid)) < workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) >= workers, f"{workers} workers never started"
+        proc.send_signal(sig)
+        return proc.wait(timeout=10), pids
+    finally:
+        proc.kill()
+
+
+def _gone(pids: Sequence[int], within_s: float = 5.0) -> list[int]:
+    """Those of ``pids`` still running after ``within_s`` seconds, killed then."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+
+
+@needs_proc
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_stopped_build_leaves_no_worker_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM to build --jobs 2 left its workers running (holding ~870 MB) and writing staged
+    files into the folder after the build had died. SIGTERM now ends them before the build
+    cleans up; SIGKILL leaves the build no time, and the workers end themselves."""
+    specs = [str(tiny_spec(tmp_path / "models", name)) for name in ("a", "b")]
+    out = tmp_path / "out"
+    status, pids = _stopped(["build", *specs, "--out", str(out), "--jobs", "2"], sig, workers=2)
+    left = sorted(p.name for p in out.iterdir())
+    assert status == (128 + sig if sig == signal.SIGTERM else -sig)
+    assert _gone(pids) == []
+    assert sorted(p.name for p in out.iterdir()) == left  # nothing written after the build died
+    if sig == signal.SIGTERM:  # the build cleaned up after its workers had ended
+        assert not [name for name in left if name.endswith((".staged", ".tmp"))], left
+
+
+@needs_proc
+def test_a_stopped_verify_leaves_no_worker_behind(tiny_build: Built) -> None:
+    args = ["verify", str(tiny_build.out), "--models", str(tiny_build.models), "--no-latency", "--jobs", "2"]
+    status, pids = _stopped(args, signal.SIGTERM, workers=1)
+    assert status == 128 + signal.SIGTERM
+    assert _gone(pids) == []

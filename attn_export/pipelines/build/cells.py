@@ -26,6 +26,7 @@ from attn_export.artifacts.golden import GOLDEN_FORMAT
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
+from attn_export.executors import exit_if_orphaned
 from attn_export.pipelines.build.auto import auto_choice
 from attn_export.pipelines.build.graphs import Graph, SpecBuild
 from attn_export.pipelines.build.results import BuildOptions, BuildResult
@@ -163,6 +164,13 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
     return graph, info
 
 
+def _stage(out_dir: Path, stable: str, data: bytes) -> tuple[str, str]:
+    """``stage``, unless this cell's build has died: its folder's lock died with it, and the
+    folder is another build's to write."""
+    exit_if_orphaned()
+    return stage(out_dir, stable, data)
+
+
 def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None, result: BuildResult) -> BuiltGraph:
     spec, options = ctx.spec, ctx.options
     out_dir = options.out_dir
@@ -178,16 +186,16 @@ def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None,
     spec = ctx.spec  # as built: with the guards its export accepted
     name = variant_key(spec.name, variant)
     with stage_timer(result, "write"):
-        file, sha = stage(out_dir, f"{name}.onnx", graph.model)
-        golden, golden_sha = stage(out_dir, f"{spec.name}.golden.npz", ctx.golden_file.get())
+        file, sha = _stage(out_dir, f"{name}.onnx", graph.model)
+        golden, golden_sha = _stage(out_dir, f"{spec.name}.golden.npz", ctx.golden_file.get())
         recorded, why_not = (None, None)
         if options.record_intermediates:
             recorded, why_not = ctx.intermediates(variant, graph.model)
             result.warnings += [why_not] if why_not else []
-        inter, inter_sha = stage(out_dir, f"{name}.intermediates.npz", recorded) if recorded else ("", "")
+        inter, inter_sha = _stage(out_dir, f"{name}.intermediates.npz", recorded) if recorded else ("", "")
         generated, why_not = ctx.generations.get()
         result.warnings += [why_not] if why_not else []
-        gen, gen_sha = stage(out_dir, f"{spec.name}.generate.npz", generated) if generated else ("", "")
+        gen, gen_sha = _stage(out_dir, f"{spec.name}.generate.npz", generated) if generated else ("", "")
         entry = ManifestEntry(
             name=name,
             file=file,

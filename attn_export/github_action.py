@@ -51,6 +51,10 @@ DEFAULTS = {
 }
 #: What the step's ``outputs`` name each report (the keys are ``report.FORMATS``').
 OUTPUTS = {"json": ".json", "junit": ".xml", "markdown": ".md"}
+#: The inputs that name a folder: each becomes an argument of build or verify.
+FOLDERS = ("models", "build-dir", "reports-dir")
+#: The runner's files the step appends to.
+RUNNER_FILES = ("GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY")
 
 
 def _words(value: str) -> list[str]:
@@ -89,6 +93,10 @@ class ActionInputs:
         from attn_export.runtimes import PROVIDERS
 
         raw = {name: env.get(PREFIX + name.upper().replace("-", "_"), "").strip() or d for name, d in DEFAULTS.items()}
+        optionlike = next((name for name in FOLDERS if raw[name].startswith("-")), None)
+        if optionlike is not None:  # `build-dir: --help` printed verify's help and passed, having checked nothing
+            folder = raw[optionlike]
+            raise UsageError(f"input {optionlike}: {folder!r} reads as an option, not a folder (name it ./{folder})")
         providers = tuple(dict.fromkeys(_words(raw["providers"])))
         unknown = [p for p in providers if p not in (*PROVIDERS, "all")]
         if unknown:
@@ -179,10 +187,29 @@ def _summary(env: Mapping[str, str], text: str) -> None:
         append_output(Path(path), "\n" + text.strip("\n") + "\n")
 
 
+def _check_runner_files(env: Mapping[str, str]) -> None:
+    """UsageError naming the first of ``RUNNER_FILES`` that cannot be appended to (a
+    directory, a FIFO, a device, no permission): checked before anything runs, since the
+    step's outputs and summary go there."""
+    for name in RUNNER_FILES:
+        path = env.get(name)
+        try:
+            if path:
+                append_output(Path(path), "")
+        except UsageError as e:
+            raise UsageError(f"${name}: {e}") from e
+
+
 def run_action(env: Mapping[str, str]) -> int:
     """The action's main step: returns the step's exit code (0 when verify passed, else the
     failing command's: 1 a check failed, 2 bad usage or input). The outputs are written
-    whatever happens; ``passed`` is ``true`` only with exit 0."""
+    whatever happens, unless ``$GITHUB_OUTPUT`` itself cannot take them; ``passed`` is
+    ``true`` only with exit 0."""
+    try:
+        _check_runner_files(env)
+    except UsageError as e:
+        print(f"::error title=attn-export::{e}", flush=True)
+        return e.exit_code
     try:
         from attn_export.runtimes.ort import require_provider
 
@@ -230,8 +257,14 @@ def run_action(env: Mapping[str, str]) -> int:
 
 
 def main() -> None:
-    """``python -m attn_export.github_action``: the action's step."""
-    sys.exit(run_action(os.environ))
+    """``python -m attn_export.github_action``: the action's step; an error writing the
+    runner's files mid-run (a full disk) is one line too."""
+    try:
+        code = run_action(os.environ)
+    except AttnExportError as e:
+        print(f"::error title=attn-export::{e}", flush=True)
+        code = e.exit_code
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -172,6 +172,9 @@ def test_a_failing_verify_fails_the_step_with_passed_false(tiny_build: Built, tm
     [
         ({"FAIL_ON": "numerics speed"}, "input fail-on: speed unknown (choose from numerics, latency, placement)"),
         ({"REPORTS_DIR": "pyproject.toml"}, "input reports-dir: cannot make pyproject.toml: File exists"),
+        # verify printed its help and the step passed, having checked nothing
+        ({"BUILD_DIR": "--help"}, "input build-dir: '--help' reads as an option, not a folder (name it ./--help)"),
+        ({"MODELS": "-h"}, "input models: '-h' reads as an option, not a folder (name it ./-h)"),
         pytest.param(
             {"PROVIDERS": "cpu cuda"},
             "provider 'cuda' is not available in this onnxruntime; available: ",
@@ -195,6 +198,25 @@ def test_bad_input_is_one_error_line_exit_2_and_passed_false(
     outputs = parse_github_output((tmp_path / "out").read_text())
     assert outputs == {"json": "", "junit": "", "markdown": "", "passed": "false"}
     assert (tmp_path / "summary.md").read_text().startswith(f"\n### attn-export: ❌ bad input\n\n{message}")
+
+
+@pytest.mark.parametrize("variable", ["GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY"])
+@pytest.mark.parametrize("kind", ["a directory", "a FIFO", "a character device"])
+def test_a_runner_file_that_is_no_file_is_one_error_line_exit_2(
+    variable: str, kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback, after the build and verify had run."""
+    monkeypatch.chdir(tmp_path)
+    special = {"a directory": tmp_path / "dir", "a FIFO": tmp_path / "fifo", "a character device": Path(os.devnull)}
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    monkeypatch.setattr(github_action, "_attn_export", lambda args: pytest.fail("nothing runs"))
+    env = {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    assert run_action(env | {variable: str(special[kind])}) == 2
+    assert capsys.readouterr().out == (
+        f"::error title=attn-export::${variable}: {special[kind]} is {kind}; "
+        "reports are written only to a regular file or a new path\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,46 @@ def test_merge_refuses_a_missing_or_repeated_shard(sample: dict[str, Path], tmp_
     assert junk.exit_code == 2 and junk.output == f"Error: {tmp_path / 'junk.json'}: not an attn-export verify report\n"
 
 
+MISTYPED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "seconds": (lambda d: d.update(seconds="1.5"), "(seconds: a string, not float)"),
+    "shard": (lambda d: d["shard"].update(index="2"), "(shard.index: a string, not int)"),
+    "case": (lambda d: d["cases"].__setitem__(0, 7), "(AttributeError: 'int' object has no attribute 'get')"),
+    "error": (
+        lambda d: d["cases"][0]["comparisons"][0].update(max_abs_error=[0.5]),
+        "(cases[0].comparisons[0].max_abs_error: a list, not float)",
+    ),
+    "placement": (
+        lambda d: d["placement"][0]["by_provider"].update(CPUExecutionProvider="all"),
+        "(placement[0].placement.by_provider['CPUExecutionProvider']: a string, not int)",
+    ),
+    "stray model": (lambda d: d["cases"][0].update(model="x"), "holds results of model 'x', which none of its checks"),
+}
+
+
+@pytest.mark.parametrize("what", MISTYPED)
+def test_merge_refuses_wrongly_typed_fields_in_one_line(sample: dict[str, Path], tmp_path: Path, what: str) -> None:
+    """Each was an internal error (exit 3), in merging or in rendering the merged report."""
+    edit, message = MISTYPED[what]
+    result = _merge([sample["shard-1"], _edited(sample["shard-2"], tmp_path, edit)], tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and message in result.output, result.output
+    assert not (tmp_path / "merged.json").exists()
+
+
+def test_merge_keeps_each_shards_generations(sample: dict[str, Path], tmp_path: Path) -> None:
+    """The merged report dropped them: a shard whose generation failed merged into a pass."""
+    from attn_export.checks.generate import GenerateResult
+
+    def diverged(doc: dict[str, Any]) -> None:
+        model = doc["checks"][0]["model"]
+        got = GenerateResult(model, "onnxruntime", "batch1", [[1]], 2, [[1, 2]], [[1, 3]], [0.0, 9.0], "step 2", 2)
+        doc["generate"] = [got.to_dict()]
+
+    result = _merge([sample["shard-1"], _edited(sample["shard-2"], tmp_path, diverged)], tmp_path)
+    assert result.exit_code == 1, result.output
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [g["divergence"] for g in merged["generate"]] == ["step 2"] and not merged["passed"]
+
+
 def test_an_empty_shard_writes_its_report_and_merges(shared_tiny: Built, tmp_path: Path) -> None:
     args = ("--distribution", "normal", "--random", "0", "--no-latency")
     _verify([shared_tiny.out], tmp_path / "whole.json", *args, models=shared_tiny.models)

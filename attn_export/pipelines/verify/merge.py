@@ -66,8 +66,8 @@ def _shards(shards: Sequence[tuple[str, VerifyReport]]) -> list[Shard]:
 
 def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
     """The report one unsharded run would give, from its shards' (name, report) pairs:
-    models in sorted order, each with its checks, cases, decode trajectories and placement
-    as its shard found them; ``seconds`` the shards' sum. UsageError, in one line, where they are
+    models in sorted order, each with its checks, cases, decode trajectories, generations
+    and placement as its shard found them; ``seconds`` the shards' sum. UsageError, in one line, where they are
     not the n shards of one run."""
     if not shards:
         raise UsageError("give the JSON report of every shard")
@@ -77,8 +77,13 @@ def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
     if selection_sha256(models) != found[0].selection:
         raise UsageError("the shards' models are not the selection they were sharded from")
     for (name, report), shard in zip(shards, found, strict=True):
-        if [c.model for c in report.checks] != shard_names(models, (shard.index, shard.count)):
+        checked = [c.model for c in report.checks]
+        if checked != shard_names(models, (shard.index, shard.count)):
             raise UsageError(f"{name}: shard {shard.label} holds other models than --shard {shard.label} gives")
+        ran = {c.model for c in report.cases} | {d.model for d in report.decode}
+        stray = sorted((ran | {g.model for g in report.generate} | {p.model for p in report.placement}) - set(checked))
+        if stray:
+            raise UsageError(f"{name}: holds results of model {stray[0]!r}, which none of its checks names")
     first = shards[0][1]
     order = {m: i for i, m in enumerate(models)}
     reports = [r for _, r in shards]
@@ -89,6 +94,7 @@ def merge_shards(shards: Sequence[tuple[str, VerifyReport]]) -> VerifyReport:
         checks=sorted((c for r in reports for c in r.checks), key=lambda c: order[c.model]),
         cases=sorted((c for r in reports for c in r.cases), key=lambda c: order[c.model]),
         decode=sorted((d for r in reports for d in r.decode), key=lambda d: order[d.model]),
+        generate=sorted((g for r in reports for g in r.generate), key=lambda g: order[g.model]),
         placement=sorted((p for r in reports for p in r.placement), key=lambda p: order[p.model]),
         seconds=sum(r.seconds for r in reports),
         manifest_sha256=first.manifest_sha256,

@@ -45,7 +45,7 @@ def report_merge(files: tuple[Path, ...], **reports: JsonTarget | None) -> None:
     from attn_export.report.verify_text import format_failures, format_summary
 
     to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
-    check_report_paths(report_paths, reads=files)
+    check_report_paths(report_paths, reads=files, into_builds=False)
     echo = text_echo(to_stdout)
     report = merge_shards([(str(f), read_json_report(f)) for f in files])
     for text in (format_failures(report), format_summary(report)):

@@ -78,15 +78,20 @@ _NOT_REPORTS = {".onnx": "an ONNX graph's", ".npz": "a golden file's", ".toml": 
 
 
 def check_report_paths(
-    paths: Mapping[str, Path | None], made: Path | None = None, reads: Iterable[Path] = (), summary: bool = True
+    paths: Mapping[str, Path | None],
+    made: Path | None = None,
+    reads: Iterable[Path] = (),
+    summary: bool = True,
+    into_builds: bool = True,
 ) -> None:
     """Refuse, before any work, a report path that is not a regular file or a new path
     (``artifacts.files.output_target``), and ``$GITHUB_STEP_SUMMARY`` likewise where the
     command appends to it (``summary``); one whose folder does not exist, unless it is in
     ``made``, the folder the command makes (found after the work, its report was lost); a
     file another report is written to, a file the command ``reads`` (a manifest, the
-    reports it merges), any build folder's manifest or lock, and a graph, golden file, spec
-    or module: written over, the run passes and what it read is gone."""
+    reports it merges), any build folder's manifest or lock (without ``into_builds``, any
+    path inside a build folder: a command that reads none writes none), and a graph, golden
+    file, spec or module: written over, the run passes and what it read is gone."""
     summary_file = os.environ.get("GITHUB_STEP_SUMMARY") if summary else None
     given = [(f"--{flag}", path) for flag, path in paths.items()]
     read = {resolved(p) for p in reads}
@@ -112,6 +117,9 @@ def check_report_paths(
             raise UsageError(
                 f"{label} {path} is {target.name} of the build folder {target.parent}; write the report elsewhere"
             )
+        build = None if into_builds else next((f for f in target.parents if is_build_folder(f)), None)
+        if build is not None:
+            raise UsageError(f"{label} {path} is inside the build folder {build}; write the report elsewhere")
         if whose := _NOT_REPORTS.get(target.suffix.lower()):
             raise UsageError(f"{label} {path}: {target.suffix} is {whose} suffix, not a report's; write it elsewhere")
 

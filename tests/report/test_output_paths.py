@@ -164,6 +164,7 @@ def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: 
     for shard in shards:
         shard.write_text("{}")
     manifest, out = zoo_copy / "manifest.json", tmp_path / "o"
+    (zoo_copy / "genai").mkdir()
     cases = [
         (["localize", str(zoo_copy), "mha", "--json", str(manifest)], f"--json {manifest} is a file this command"),
         (["localize", str(zoo_copy), "mha", "--overlay", str(zoo_copy / "mha.onnx")], ".onnx is an ONNX graph's"),
@@ -173,6 +174,11 @@ def test_no_command_writes_a_report_over_what_it_reads_or_over_a_spec(zoo_copy: 
         # merge reads no build folder: the manifest was replaced by the merged report
         (["report", "merge", *map(str, shards), "--json", str(manifest)],
          f"is manifest.json of the build folder {zoo_copy}"),
+        # nor any other path in a build folder: merge reads none, so it writes into none
+        (["report", "merge", *map(str, shards), "--json", str(zoo_copy / "merged.json")],
+         f"--json {zoo_copy / 'merged.json'} is inside the build folder {zoo_copy}; write the report elsewhere"),
+        (["report", "merge", *map(str, shards), "--junit", str(zoo_copy / "genai" / "m.xml")],
+         f"--junit {zoo_copy / 'genai' / 'm.xml'} is inside the build folder {zoo_copy}; write the report elsewhere"),
         (["verify", str(zoo_copy), "--golden", "--json", str(tmp_path / "spec.toml")], ".toml is a spec's suffix"),
         (["bench", str(TINY_ZOO / "mha.toml"), "--out", str(out), "--json", str(out / "manifest.json")],
          "is a file this command reads"),

@@ -8,6 +8,7 @@ AssertionError with the numbers of every failing case. Bad input is a UsageError
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,12 +56,19 @@ def build(
 ) -> BuildSummary:
     """Build spec files, or every spec of a folder, into ``out``: ``attn-export build``.
     ``max_memory`` (bytes, or a size such as ``"8GiB"``) is ``--max-memory``."""
-    items = [specs] if isinstance(specs, str | Path) else list(specs)
-    folders = [Path(p) for p in items if Path(p).is_dir()]
+    items = _paths("specs", specs)
+    folders = [p for p in items if p.is_dir()]
     paths = [p for folder in folders for p in spec_paths(folder)]
-    paths += spec_paths(Path("."), tuple(str(p) for p in items if not Path(p).is_dir()))
+    paths += spec_paths(Path("."), tuple(str(p) for p in items if not p.is_dir()))
+    _typed("opset", opset, (int, type(None)), "an integer")
     options = BuildOptions(
-        Path(out), opset, exporter, force, variants=tuple(variants), provider=provider, max_memory=_bytes(max_memory)
+        _path("out", out),
+        opset,
+        exporter,
+        force,
+        variants=_names("variants", variants),
+        provider=_typed("provider", provider, (str,), "a provider's name"),
+        max_memory=_bytes(max_memory),
     )
     return build_models(paths, options)
 
@@ -92,19 +100,17 @@ def verify(
     is one .onnx file no build made, judged as a graph of ``variant``: ``--spec``, ``--variant``.
     ``models`` defaults to ``"models"``; named with ``golden``, each graph's recorded spec must
     be the one there."""
-    paths = [Path(artifacts)] if isinstance(artifacts, str | Path) else [Path(a) for a in artifacts]
-    spec_file = None if spec is None else Path(spec)
-    out_dir, manifest, names = select_models(paths, spec_file, variant)
+    paths = _paths("artifacts", artifacts)
+    spec_file = None if spec is None else _path("spec", spec)
+    out_dir, manifest, names = select_models(paths, spec_file, _typed("variant", variant, (str,), "a variant's name"))
+    _typed("jobs", jobs, (int, type(None)), "a number of jobs")
     options = VerifyOptions(
-        targets=resolve_targets(runtimes, providers),
-        models_dir=Path(models or "models"),
+        targets=resolve_targets(_names("runtimes", runtimes), _names("providers", providers)),
+        models_dir=_path("models", models or "models"),
         golden=golden,
         golden_checkout=golden and models is not None,
-        shapes=shapes,
-        seed=seed,
-        n_random=n_random,
-        atol=atol,
-        rtol=rtol,
+        shapes=None if shapes is None else _shapes(shapes),
+        **_sweep(seed, n_random, atol, rtol),
         latency=latency,
         max_memory=_bytes(max_memory),
         spec_file=spec_file,
@@ -113,8 +119,65 @@ def verify(
     return verify_artifacts(out_dir, manifest, names, options, parallelism=Parallelism(executor, jobs))
 
 
+def _typed(what: str, value: Any, kinds: tuple[type, ...], expected: str) -> Any:
+    """``value``, unless it is none of ``kinds`` (a bool counts as no number): an argument of
+    the wrong type reached code that assumed its type, and was a raw TypeError there."""
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise UsageError(f"{what}: give {expected}, not {value!r}")
+    return value
+
+
+def _list(what: str, value: Any, expected: str) -> Sequence[Any]:
+    """``value`` if it is a list or a tuple (a string is no list of its letters)."""
+    return _typed(what, value, (list, tuple), expected)
+
+
+def _path(what: str, value: Any) -> Path:
+    return Path(_typed(what, value, (str, os.PathLike), "a path"))
+
+
+def _paths(what: str, value: Any) -> list[Path]:
+    """One path, or a sequence of them."""
+    if isinstance(value, str | os.PathLike):
+        return [Path(value)]
+    return [_path(f"{what}[{i}]", v) for i, v in enumerate(_list(what, value, "a path or a list of paths"))]
+
+
+def _names(what: str, value: Any) -> tuple[str, ...]:
+    """One name, or a sequence of them (a string is one name, not its letters)."""
+    if isinstance(value, str):
+        return (value,)
+    names = _list(what, value, "a name or a list of names")
+    return tuple(_typed(f"{what}[{i}]", v, (str,), "a name") for i, v in enumerate(names))
+
+
+def _table(what: str, value: Any, of: str) -> Mapping[str, Any]:
+    return _typed(what, value, (Mapping,), f"a mapping of each name to {of}")
+
+
+def _shapes(shapes: Any) -> list[dict[str, int]]:
+    """Each shape a mapping of dim to size."""
+    shapes = _list("shapes", shapes, "a list of mappings of dim to size")
+    return [
+        {k: _typed(f"shapes[{i}][{k!r}]", v, (int,), "a size") for k, v in _table(f"shapes[{i}]", s, "a size").items()}
+        for i, s in enumerate(shapes)
+    ]
+
+
+def _sweep(seed: Any, n_random: Any, atol: Any, rtol: Any) -> dict[str, Any]:
+    """verify's sweep arguments, each of its type (their ranges are the options' to check)."""
+    tolerance = (int, float, type(None))
+    return {
+        "seed": _typed("seed", seed, (int,), "an integer"),
+        "n_random": _typed("n_random", n_random, (int,), "an integer"),
+        "atol": _typed("atol", atol, tolerance, "a number"),
+        "rtol": _typed("rtol", rtol, tolerance, "a number"),
+    }
+
+
 def _bytes(size: int | str | None) -> int | None:
     """A memory budget given as bytes or as a size string (``"512MiB"``), as the CLI takes it."""
+    _typed("max_memory", size, (int, str, type(None)), 'bytes or a size such as "8GiB"')
     return parse_bytes(size) if isinstance(size, str) else size
 
 
@@ -124,17 +187,35 @@ def _name(module: Any, name: str | None) -> str:
 
 def _dims(dims: Mapping[str, DimSpec]) -> dict[str, dict[str, int] | str]:
     out: dict[str, dict[str, int] | str] = {}
-    for k, v in dims.items():
+    for k, v in _table("dims", dims, "its range").items():
         if isinstance(v, str):
             out[k] = v
             continue
-        lo, hi = (v["min"], v["max"]) if isinstance(v, Mapping) else v
-        out[k] = {"min": lo, "max": hi}
+        pair = [v.get("min"), v.get("max")] if isinstance(v, Mapping) else v
+        if not isinstance(pair, list | tuple) or len(pair) != 2 or None in pair:
+            raise UsageError(
+                f"dims[{k!r}]: give (min, max), {{'min': .., 'max': ..}} or a sum such as 'past_seq + seq', not {v!r}"
+            )
+        out[k] = {"min": pair[0], "max": pair[1]}
     return out
 
 
-def _tensors(tensors: Mapping[str, InputSpec]) -> list[dict[str, Any]]:
-    return [{"name": n, **(dict(t) if isinstance(t, Mapping) else {"shape": list(t)})} for n, t in tensors.items()]
+def _tensors(what: str, tensors: Mapping[str, InputSpec]) -> list[dict[str, Any]]:
+    """Each tensor's spec entry, from its shape or its table."""
+    out = []
+    for n, t in _table(what, tensors, "its shape or table").items():
+        if not isinstance(t, Mapping | list | tuple):
+            raise UsageError(f"{what}[{n!r}]: give a shape (sizes and dim names) or a table, not {t!r}")
+        out.append({"name": n, **(dict(t) if isinstance(t, Mapping) else {"shape": list(t)})})
+    if not out:
+        raise UsageError(f"{what}: give at least one")
+    return out
+
+
+def _module(module: Any) -> Any:
+    import torch
+
+    return _typed("module", module, (torch.nn.Module,), "a torch.nn.Module")
 
 
 def _object_name(value: Any) -> Any:
@@ -146,6 +227,7 @@ def _call_table(call: Mapping[str, Any] | None) -> dict[str, Any]:
     """``call`` as a spec's [call] table: rotary classes named as a spec names them."""
     if not call:
         return {}
+    _table("call", call, "its value")
     return {
         "call": {
             k: {kk: _object_name(vv) for kk, vv in v.items()} if isinstance(v, Mapping) else v for k, v in call.items()
@@ -248,8 +330,8 @@ def export(
     Raises the first failing check (CheckFailed) or UsageError.
     """
     raw: dict[str, Any] = {
-        "name": _name(module, name),
-        "inputs": _tensors(inputs),
+        "name": _name(_module(module), name),
+        "inputs": _tensors("inputs", inputs),
         "dims": _dims(dims),
         "opset": opset,
         "exporter": exporter,
@@ -258,9 +340,9 @@ def export(
         **_call_table(call),
     }
     config = _config(module, config)
-    raw["outputs"] = _tensors(outputs) if outputs else _output_shapes(module, raw, config)
+    raw["outputs"] = _tensors("outputs", outputs) if outputs else _output_shapes(module, raw, config)
     adapted, spec = _adapted(module, _spec(module, raw), config)
-    return export_module(adapted, spec, Path(path))
+    return export_module(adapted, spec, _path("path", path))
 
 
 _ELEM_TYPES = {
@@ -280,6 +362,8 @@ def _graph_tensors(
     a name the graph lacks is refused (a graph that lost its mask input was judged against
     the module run without one, and passed)."""
     names = [v.name for v in values]
+    for name, keys in _table(kind, overrides, "a table of keys to add").items():
+        _typed(f"{kind}[{name!r}]", keys, (Mapping,), "a table of keys to add, as a spec's entry has")
     unknown = [name for name in overrides if name not in names]
     if unknown:
         raise UsageError(
@@ -321,7 +405,8 @@ def assert_onnx_matches(
     {"pick": 0}}``), and ``call`` adds forward() keywords, its rotary modules built from
     ``config`` (by default the module's own), as in ``export``.
     """
-    file = Path(path)
+    file = _path("path", path)
+    _module(module)
     proto = load_model_file(file)
     graph, shapes = proto.graph, graph_shapes(proto)
     weights = {i.name for i in graph.initializer}
@@ -337,7 +422,7 @@ def assert_onnx_matches(
     declared = _spec(module, raw)
     adapted = adapt(module, declared, _config(module, config))
     spec = learned_spec(adapted, declared)  # masks read as declared, as build checks them
-    options = VerifyOptions(seed=seed, n_random=n_random, latency=False)
+    options = VerifyOptions(**_sweep(seed, n_random, None, None), latency=False)
     cases = verify_module(spec.name, adapted, spec, file, options)
     failed = [c for c in cases if not c.passed]
     if failed:

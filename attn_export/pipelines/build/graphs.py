@@ -173,13 +173,8 @@ class SpecBuild:
             prompts = generate_prompts(spec, steps, BUILD_SEED, special_tokens(config, vocab))
             pad = pad_token(config, vocab)
             recorded = RecordedGenerations(pad, eos_tokens(config), steps, prompts)
-            for bits in (None, *(b for b in self._asked_bits() if b in (8, 4))):
-                rounding = "none" if bits is None else rounding_name(bits)
-                for layout, rows in prompts.items():
-                    batch = torch_generate(module, spec, rows, steps, pad, bits)
-                    alone = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
-                    for how, made in (("batch", batch), ("alone", alone)):
-                        recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits)
+            with self._eager():  # this machine's physical cores, in whichever process builds it
+                self._record(recorded, module, spec, pad)
         except (SpecError, UsageError) as e:
             return None, f"no generations recorded for verify --golden --generate: {e}"
         except Exception as e:  # noqa: BLE001 - the graph is built; only its recorded generations are missing
@@ -188,6 +183,18 @@ class SpecBuild:
                 f"({type(e).__name__}: {first_line(e)})"
             )
         return encode_generations(recorded), None
+
+    def _record(self, recorded: RecordedGenerations, module: Any, spec: ModelSpec, pad: int) -> None:
+        """Each layout's generation as one batch and each prompt alone, by the module and by it
+        with each rounding the build's quantized variants make."""
+        steps, prompts = recorded.steps, recorded.prompts
+        for bits in (None, *(b for b in self._asked_bits() if b in (8, 4))):
+            rounding = "none" if bits is None else rounding_name(bits)
+            for layout, rows in prompts.items():
+                batch = torch_generate(module, spec, rows, steps, pad, bits)
+                alone = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
+                for how, made in (("batch", batch), ("alone", alone)):
+                    recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attn_export.checks.decode import DEFAULT_STEPS
+from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION

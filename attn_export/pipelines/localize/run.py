@@ -25,14 +25,8 @@ from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifes
 from attn_export.artifacts.onnx_file import default_opset, load_model_file
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.causality import sights
-from attn_export.checks.decode import (
-    DEFAULT_STEPS,
-    Trajectory,
-    layouts,
-    plan_trajectory,
-    run_trajectory,
-    step_inputs,
-)
+from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, plan_trajectory, step_inputs
+from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError

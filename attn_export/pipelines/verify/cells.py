@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from attn_export.artifacts.golden import GoldenCase, Sight, read_sights
 from attn_export.artifacts.manifest import ManifestEntry
-from attn_export.checks.decode import DecodeResult
+from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.fully_masked import FullyMaskedRows
 from attn_export.compare import latency_gate
 from attn_export.errors import AttnExportError, UsageError

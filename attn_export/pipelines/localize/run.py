@@ -41,7 +41,7 @@ from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
-from attn_export.pipelines.verify.generate import generation_rounding
+from attn_export.pipelines.verify.greedy_generations import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport

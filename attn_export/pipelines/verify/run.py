@@ -40,7 +40,7 @@ from attn_export.pipelines.verify.cells import (
     time_case,
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
-from attn_export.pipelines.verify.generate import generate_model, recorded_reference
+from attn_export.pipelines.verify.greedy_generations import generate_model, recorded_reference
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases

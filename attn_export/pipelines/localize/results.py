@@ -38,7 +38,7 @@ class LocalizeOptions:
     #: A decoder's step to localize, 1 being the prompt, as verify --decode numbers them;
     #: its inputs hold the cache PyTorch's steps before it fed back.
     decode_step: int | None = None
-    #: The decode trajectory's padding layout (``checks.decode.layouts``); default: the spec's first.
+    #: The decode trajectory's padding layout (``checks.decode.plan.layouts``); default: the spec's first.
     layout: str | None = None
     #: The trajectory's length as verify --decode played it (its token data depend on it).
     decode_steps: int = DEFAULT_STEPS

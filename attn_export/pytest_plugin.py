@@ -138,7 +138,7 @@ class BuildFolder(pytest.File):
     """A build folder's manifest: one item per model x target x case of verify's sweep."""
 
     def collect(self) -> Iterator[CaseItem]:
-        from attn_export.checks.decode import layouts
+        from attn_export.checks.decode.plan import layouts
         from attn_export.errors import AttnExportError
         from attn_export.pipelines.verify import case_plan
         from attn_export.runtimes import RUNTIMES

@@ -85,7 +85,7 @@ def prefill_calls(spec_of: Mapping[str, Any], runners: Mapping[str, Any], seq: i
 def decode_calls(spec_of: Mapping[str, Any], runners: Mapping[str, Any], past: int) -> dict[str, Callable[[], object]]:
     """Each runner's decode step over a window of 8 steps from ``past``, planned from its
     own spec with one seed."""
-    from attn_export.pipelines.bench.decode import plan_window
+    from attn_export.pipelines.bench.decode_timing import plan_window
 
     return {label: runner.decoder(plan_window(spec_of[label], 1, past, 8, 0)).step for label, runner in runners.items()}
 

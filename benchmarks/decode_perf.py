@@ -81,7 +81,7 @@ def profile_bound_steps(model: Path, spec: Any, threads: int, past: int, in_plac
     each op type's share of kernel time with its ms per step. The ops that read the cache
     and those that read the weights also get their achieved bandwidth (bytes over kernel
     time), which says whether a step's remainder lies in moving bytes or in a kernel."""
-    from attn_export.pipelines.bench.decode import plan_window
+    from attn_export.pipelines.bench.decode_timing import plan_window
     from attn_export.pipelines.bench.physics import graph_weight_bytes, profile_steps, step_bytes
     from attn_export.runtimes.ort import OnnxRuntime
 
@@ -130,7 +130,7 @@ def main() -> None:
     keep_freed_memory()  # before the builds fill the heap: the timed steps then never page-fault
 
     from attn_export.artifacts.manifest import load_manifest
-    from attn_export.pipelines.bench.decode import run_decode_bench
+    from attn_export.pipelines.bench.decode_timing import run_decode_bench
     from attn_export.pipelines.bench.results import DecodeBenchOptions
     from attn_export.pipelines.build import BuildOptions, build_models
     from attn_export.report.bench_text import format_decode_summary, markdown_decode_table

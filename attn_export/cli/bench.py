@@ -208,7 +208,7 @@ def bench(
     if decode or scenario:
         if "--seq" in typed:
             raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
-        from attn_export.pipelines.bench.decode import bench_decode_models
+        from attn_export.pipelines.bench.decode_timing import bench_decode_models
         from attn_export.pipelines.bench.results import DecodeBenchOptions
 
         decode_options = DecodeBenchOptions(pasts=pasts, scenario=scenario, **shared)

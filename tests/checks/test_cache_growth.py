@@ -23,7 +23,7 @@ from attn_export.errors import GraphCheckError, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_spec_axes, graph_shapes
 from attn_export.exporter.torch_export import export_onnx
-from attn_export.pipelines.bench.decode import plan_window
+from attn_export.pipelines.bench.decode_timing import plan_window
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, verify_artifacts
 from attn_export.runtimes.decoders import FeedbackDecoder

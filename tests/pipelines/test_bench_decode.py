@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate
-from attn_export.pipelines.bench.decode import past_lengths, plan_window
+from attn_export.pipelines.bench.decode_timing import past_lengths, plan_window
 from attn_export.pipelines.bench.results import DecodeBenchReport
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
@@ -319,7 +319,7 @@ def test_the_deepest_step_of_a_window_is_the_one_its_memory_is_checked_at() -> N
     """The first step alone was checked; a sliding window holds the newest of the tokens."""
     import dataclasses
 
-    from attn_export.pipelines.bench.decode import _deepest
+    from attn_export.pipelines.bench.decode_timing import _deepest
     from attn_export.spec.cache import cache_of
 
     spec = load_spec(SPEC)

@@ -90,13 +90,13 @@ def test_golden_mode_judges_by_the_generations_the_build_recorded(
 ) -> None:
     """A deployment box without torch: the build recorded PyTorch's generations, and genai runs
     the build's own genai folder."""
-    from attn_export.pipelines.verify import generate
+    from attn_export.pipelines.verify import greedy_generations
 
     def no_torch(*args: object, **kwargs: object) -> None:
         raise AssertionError("golden mode ran PyTorch")
 
-    monkeypatch.setattr(generate, "torch_generate", no_torch)
-    monkeypatch.setattr(generate, "_from_torch", no_torch)
+    monkeypatch.setattr(greedy_generations, "torch_generate", no_torch)
+    monkeypatch.setattr(greedy_generations, "_from_torch", no_torch)
     folder = tmp_path / "copy"
     shutil.copytree(causal_lm.out, folder)
     result = _verify(str(folder), "--golden", "--generate", "8")

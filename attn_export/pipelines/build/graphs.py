@@ -16,8 +16,9 @@ from attn_export.artifacts.generations import Recorded, RecordedGenerations, enc
 from attn_export.artifacts.golden import GoldenCase, Sight, encode_golden
 from attn_export.artifacts.intermediates import encode_intermediates
 from attn_export.checks.causality import sights
-from attn_export.checks.decode import DEFAULT_STEPS, pytorch_trajectories
-from attn_export.checks.decode_record import record_trajectory
+from attn_export.checks.decode.plan import DEFAULT_STEPS
+from attn_export.checks.decode.recording import record_trajectory
+from attn_export.checks.decode.run import pytorch_trajectories
 from attn_export.checks.fully_masked import judge
 from attn_export.checks.generate import generate_prompts, is_causal_lm, stacked, torch_generate
 from attn_export.checks.spec_learning import LEARN_SEED, learn_ranges, read_masks

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.checks.decode import Trajectory, one_pass_feeds, pass_length
+from attn_export.checks.decode.plan import Trajectory, one_pass_feeds, pass_length
 from attn_export.compare.outputs import judge_value
 from attn_export.pipelines.localize.judge import left_out, region_tolerance
 from attn_export.pipelines.localize.results import RegionError

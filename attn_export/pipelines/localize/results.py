@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attn_export.checks.decode import DEFAULT_STEPS
+from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -38,7 +38,7 @@ class LocalizeOptions:
     #: A decoder's step to localize, 1 being the prompt, as verify --decode numbers them;
     #: its inputs hold the cache PyTorch's steps before it fed back.
     decode_step: int | None = None
-    #: The decode trajectory's padding layout (``checks.decode.layouts``); default: the spec's first.
+    #: The decode trajectory's padding layout (``checks.decode.plan.layouts``); default: the spec's first.
     layout: str | None = None
     #: The trajectory's length as verify --decode played it (its token data depend on it).
     decode_steps: int = DEFAULT_STEPS

@@ -25,14 +25,8 @@ from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifes
 from attn_export.artifacts.onnx_file import default_opset, load_model_file
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.causality import sights
-from attn_export.checks.decode import (
-    DEFAULT_STEPS,
-    Trajectory,
-    layouts,
-    plan_trajectory,
-    run_trajectory,
-    step_inputs,
-)
+from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, plan_trajectory, step_inputs
+from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
@@ -47,7 +41,7 @@ from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
-from attn_export.pipelines.verify.generate import generation_rounding
+from attn_export.pipelines.verify.greedy_generations import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport

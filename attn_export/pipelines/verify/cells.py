@@ -18,12 +18,11 @@ from typing import Any, Generic, TypeVar
 
 from attn_export.artifacts.golden import GoldenCase, Sight, read_sights
 from attn_export.artifacts.manifest import ManifestEntry
-from attn_export.checks.decode import DecodeResult
+from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.fully_masked import FullyMaskedRows
 from attn_export.compare import latency_gate
 from attn_export.errors import AttnExportError, UsageError
 from attn_export.executors import cell_key
-from attn_export.pipelines.verify.decode import decode_model
 from attn_export.pipelines.verify.expected import (
     Expected,
     case_plan,
@@ -35,6 +34,7 @@ from attn_export.pipelines.verify.expected import (
 from attn_export.pipelines.verify.models import build_golden
 from attn_export.pipelines.verify.placement import model_placement
 from attn_export.pipelines.verify.results import CaseResult, PlacementResult, VerifyOptions
+from attn_export.pipelines.verify.trajectories import decode_model
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
 from attn_export.spec import ModelSpec

@@ -11,7 +11,7 @@ from pathlib import Path
 from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.checks.causality import sights
-from attn_export.checks.decode_record import split_recorded_label
+from attn_export.checks.decode.recording import split_recorded_label
 from attn_export.errors import InputError
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import check_feeds

@@ -16,10 +16,8 @@ from typing import Any, ClassVar
 
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.artifacts.recorded import RECORDED
-from attn_export.checks.decode import (
-    DEFAULT_STEPS,
-    DecodeResult,
-)
+from attn_export.checks.decode.plan import DEFAULT_STEPS
+from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise

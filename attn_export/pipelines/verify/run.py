@@ -19,7 +19,7 @@ from attn_export.artifacts.files import read_lock, resolved
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.recorded import read_recorded
-from attn_export.checks.decode import DecodeResult
+from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import generate_prompts, is_causal_lm
 from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
 from attn_export.executors import SERIAL, Parallelism, open_executor
@@ -40,7 +40,7 @@ from attn_export.pipelines.verify.cells import (
     time_case,
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
-from attn_export.pipelines.verify.generate import generate_model, recorded_reference
+from attn_export.pipelines.verify.greedy_generations import generate_model, recorded_reference
 from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export.artifacts.golden import GoldenCase, Sight
-from attn_export.checks.decode import LAYOUTS, Feeds, Trajectory, layouts, step_inputs
+from attn_export.checks.decode.plan import LAYOUTS, Feeds, Trajectory, layouts, step_inputs
 from attn_export.errors import ArtifactError
 from attn_export.spec import ModelSpec
 from attn_export.spec.cache import CacheSpec

@@ -9,16 +9,11 @@ import numpy as np
 
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.manifest import ManifestEntry
-from attn_export.checks.decode import (
-    DecodeResult,
-    Trajectory,
-    compare_trajectories,
-    pytorch_trajectories,
-    recompute,
-    run_trajectory,
-    unpadded,
-)
-from attn_export.checks.decode_record import read_trajectories
+from attn_export.checks.decode.judge import compare_trajectories, unpadded
+from attn_export.checks.decode.plan import Trajectory
+from attn_export.checks.decode.recording import read_trajectories
+from attn_export.checks.decode.results import DecodeResult
+from attn_export.checks.decode.run import pytorch_trajectories, recompute, run_trajectory
 from attn_export.compare import OutputComparison
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions

@@ -179,6 +179,17 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Localize the first failing case of each model (attn-export localize) and print where the graph "
     "leaves PyTorch under the failures.",
 )
+@click.option(
+    "--check-regions",
+    is_flag=True,
+    help="For each graph that passes, localize its first case and add a note naming any region (and source "
+    "line) whose own error breaks its tolerance though the outputs agree; the graph still passes.",
+)
+@click.option(
+    "--strict-regions",
+    is_flag=True,
+    help="As --check-regions, but such a graph fails, the region named in its failure reason.",
+)
 def verify(
     paths: tuple[Path, ...],
     models_dir: Path,
@@ -209,6 +220,8 @@ def verify(
     executor: str,
     jobs: int | None,
     localize_first: bool,
+    check_regions: bool,
+    strict_regions: bool,
     **reports: JsonTarget | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
@@ -228,6 +241,7 @@ def verify(
         attn-export verify build/mha.onnx --shapes "batch=1,seq=1" --seed 3
         attn-export verify edited/mha.onnx --spec models/mha.toml
         attn-export verify build/llama_causal_lm.onnx --generate 16
+        attn-export verify build/bert_attention.int8.onnx --strict-regions
     """
     from attn_export.artifacts.files import LOCK_NAME
     from attn_export.artifacts.folder import tidy
@@ -268,6 +282,9 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
+    regions_flag = "--strict-regions" if strict_regions else "--check-regions" if check_regions else None
+    if regions_flag and golden:
+        raise click.UsageError(f"{regions_flag} compares with PyTorch: it cannot be combined with --golden")
     check_outside(spec_path, variant)
     to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
     echo = text_echo(to_stdout)
@@ -331,6 +348,12 @@ def verify(
             echo(f"shard {shard[0]}/{shard[1]} holds no model")
             write_verify_reports(report, to_stdout, report_paths)
             return
+    if regions_flag:
+        from attn_export.pipelines.localize import check_regions as region_check
+
+        for said in region_check(report, options, strict_regions, notice):
+            if not strict_regions:  # a failure's reason is printed with the failures
+                echo(f"note: {said}")
     sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
     for text in (section(report) for section in sections):
         if text:

@@ -8,7 +8,10 @@ six: the same numbers, a step at past 512 about a tenth faster at 2 threads and 
 the noise at 1 (``docs/performance.md``). The packed MatMul records the projections it
 holds (``PACKED``): their columns for the int8 link, which rounds each part with a scale
 of its own, as it rounds weights apart, and the nodes they were for localization, which
-takes them apart again (``unpacked``).
+takes them apart again (``unpacked``). A rewrite that replaces the MatMul (int8's
+``MatMulInteger`` and its scales) hands the record on to the node that now gives the packed
+value (``keep_records``); localization then cuts that value into the projections with a
+``Slice`` each, so a fault in the key's columns is still named at the key's projection.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from onnx import helper, numpy_helper
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
 
-__all__ = ["PACKED", "pack", "packed_weights", "unpacked"]
+__all__ = ["PACKED", "keep_records", "pack", "packed_weights", "unpacked"]
 
 #: Metadata of a packed MatMul: JSON, one entry per projection it holds, in column order:
 #: its column count and the MatMul (and bias Add, or null) it was, by name, output and
@@ -131,10 +134,11 @@ def _described_ok(node: object) -> bool:
 
 
 def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
-    """The projections a packed MatMul records ([] for any other node). A graph is data: a
-    record that does not say that is an ArtifactError naming the node."""
+    """The projections a packed MatMul records, or the node a rewrite handed its record on
+    to (``keep_records``); [] for any other node. A graph is data: a record that does not
+    say that is an ArtifactError naming the node."""
     text = next((p.value for p in node.metadata_props if p.key == PACKED), None)
-    if node.op_type != "MatMul" or not text:
+    if not text:
         return []
     try:
         parts = json.loads(text)
@@ -155,7 +159,21 @@ def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
 
 def packed_weights(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Each packed MatMul's weight and the column counts of the weights it holds."""
-    return {n.input[1]: tuple(int(p["columns"]) for p in parts) for n in proto.graph.node if (parts := _parts(n))}
+    matmuls = (n for n in proto.graph.node if n.op_type == "MatMul")
+    return {n.input[1]: tuple(int(p["columns"]) for p in parts) for n in matmuls if (parts := _parts(n))}
+
+
+def keep_records(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """Hand each packed MatMul's record in ``before`` on to the node of ``after`` that gives
+    the same value, where a rewrite replaced the MatMul and dropped its metadata (int8's
+    ``quantize_dynamic`` keeps the value's name and makes it with a Mul of the scales). A
+    value ``after`` no longer has keeps no record: localization judges the packed nodes as
+    one region, as before packing."""
+    records = {n.output[0]: p.value for n in before.graph.node for p in n.metadata_props if p.key == PACKED}
+    for node in after.graph.node:
+        value = node.output[0] if node.output else ""
+        if value in records and not any(p.key == PACKED for p in node.metadata_props):
+            node.metadata_props.add(key=PACKED, value=records[value])
 
 
 def _node(op: str, inputs: list[str], described: Mapping[str, Any]) -> onnx.NodeProto:
@@ -174,34 +192,91 @@ def _apart(
     """The nodes and weights standing for one packed MatMul and its bias ``add``, and
     whether they stand for ``add`` too. Every number of the packed graph is kept: a part
     recorded without a bias still adds its share of the packed bias (zeros, unless the
-    graph was changed), in an Add of its own."""
+    graph was changed), in an Add of its own. A node other than the MatMul (the one a
+    rewrite handed the record on to) stays, and each projection is a ``Slice`` of its value."""
+    width = sum(int(p["columns"]) for p in parts)
+    if node.op_type != "MatMul":
+        return _sliced(node, parts, add, constants, width)
     if node.input[1] not in constants:
         raise ArtifactError(f"node '{node.name}': a packed projection whose weight is not a constant")
     weight = numpy_helper.to_array(constants[node.input[1]])
-    width = sum(int(p["columns"]) for p in parts)
     if weight.ndim != 2 or weight.shape[1] != width:
         shape = list(weight.shape)
         raise ArtifactError(f"node '{node.name}': its {PACKED} metadata holds {width} columns, its weight is {shape}")
-    bias_name = next((i for i in add.input if i in constants), "") if add is not None else ""
-    bias = numpy_helper.to_array(constants[bias_name]) if bias_name else None
-    if bias is not None and bias.shape != (width,):
-        bias = None  # not a bias of the packed projection: the Add stays, reading the parts side by side
+    bias_name, bias = _bias(add, constants, width)
     starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
-    nodes, weights, values = [], [], []
+    nodes, weights = [], []
     for k, part in enumerate(parts):
         cut = slice(int(starts[k]), int(starts[k + 1]))
         weights.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, cut]), f"{node.input[1]}/part{k}"))
         nodes.append(_node("MatMul", [node.input[0], weights[-1].name], part["matmul"]))
-        value = str(part["matmul"]["output"])
+    return _joined(node, parts, add, nodes, weights, bias_name, bias)
+
+
+def _bias(add: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto], width: int) -> tuple[str, Any]:
+    """The packed bias ``add`` adds (its name and value), or ('', None) where it adds no
+    bias of the packed projection's width: that Add stays, reading the parts side by side."""
+    name = next((i for i in add.input if i in constants), "") if add is not None else ""
+    bias = numpy_helper.to_array(constants[name]) if name else None
+    return (name, bias) if bias is not None and bias.shape == (width,) else ("", None)
+
+
+def _sliced(
+    node: onnx.NodeProto,
+    parts: list[dict[str, Any]],
+    add: onnx.NodeProto | None,
+    constants: Mapping[str, onnx.TensorProto],
+    width: int,
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]:
+    """``_apart`` for a node a rewrite handed the record on to: the node itself, then each
+    projection a ``Slice`` of its last axis standing for that projection's MatMul (its name,
+    output and metadata), so the region cut falls between the packed value and each
+    projection. The width the record holds is checked against the bias only: the node's
+    own shape is known when it runs."""
+    bias_name, bias = _bias(add, constants, width)
+    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    whole = onnx.NodeProto()
+    whole.CopyFrom(node)
+    whole.output[0] = f"{node.output[0]}/packed"  # the Concat gives the packed value its name back
+    kept = [p for p in whole.metadata_props if p.key != PACKED]
+    del whole.metadata_props[:]
+    whole.metadata_props.extend(kept)
+    nodes, weights = [], []
+    for k, part in enumerate(parts):
+        bounds = [f"{node.output[0]}/part{k}/{what}" for what in ("starts", "ends", "axes")]
+        for name, value in zip(bounds, (starts[k], starts[k + 1], -1), strict=True):
+            weights.append(numpy_helper.from_array(np.array([value], np.int64), name))
+        nodes.append(_node("Slice", [whole.output[0], *bounds], part["matmul"]))
+    return _joined(node, parts, add, nodes, weights, bias_name, bias, first=[whole])
+
+
+def _joined(
+    node: onnx.NodeProto,
+    parts: list[dict[str, Any]],
+    add: onnx.NodeProto | None,
+    nodes: list[onnx.NodeProto],
+    weights: list[onnx.TensorProto],
+    bias_name: str,
+    bias: Any,
+    first: Sequence[onnx.NodeProto] = (),
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]:
+    """Each projection's node (in ``nodes``, one per part), its share of the packed bias
+    where there is one, and their Concat giving the packed value."""
+    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    out, values = list(first), []
+    for k, (part, made) in enumerate(zip(parts, nodes, strict=True)):
+        out.append(made)
+        value = made.output[0]
         if bias is not None:
+            cut = slice(int(starts[k]), int(starts[k + 1]))
             weights.append(numpy_helper.from_array(np.ascontiguousarray(bias[cut]), f"{bias_name}/part{k}"))
             unnamed = {"name": f"{value}/bias", "output": f"{value}/bias", "metadata": {}}
-            nodes.append(_node("Add", [value, weights[-1].name], part["add"] or unnamed))
-            value = nodes[-1].output[0]
+            out.append(_node("Add", [value, weights[-1].name], part["add"] or unnamed))
+            value = out[-1].output[0]
         values.append(value)
     packed = add.output[0] if add is not None and bias is not None else node.output[0]
-    nodes.append(helper.make_node("Concat", values, [packed], name=f"{packed}/unpacked", axis=-1))
-    return nodes, weights, bias is not None
+    out.append(helper.make_node("Concat", values, [packed], name=f"{packed}/unpacked", axis=-1))
+    return out, weights, bias is not None
 
 
 def _check_names(graph: onnx.GraphProto, records: Mapping[int, list[dict[str, Any]]]) -> None:

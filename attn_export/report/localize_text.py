@@ -1,6 +1,6 @@
 """localize's verdict for the terminal: the case, the outputs, the first region whose own
-error breaks the tolerance (node, op, FX node, module path, source line), and the command
-that reruns it."""
+error breaks the tolerance (node, op, FX node, module path, source line) — where the
+outputs agree too ("OUTPUTS AGREE, but region ..."), and the command that reruns it."""
 
 from __future__ import annotations
 
@@ -93,7 +93,16 @@ def format_localize(report: LocalizeReport) -> str:
             f"token so far first at {where(bug)}: {_error(bug.local)}"
         )
     r = report.first
-    if report.graph_agrees:
+    hidden = report.hidden_region
+    if hidden is not None:
+        line = _source(hidden.source) if hidden.source else "no source line"
+        lines.append(
+            f"OUTPUTS AGREE, but region {hidden.fx_node} ({line}) breaks its tolerance: {_error(hidden.local)}"
+        )
+        lines.append(f"  at {where(hidden)}")
+        lines.append(f"  in the whole graph: {_error(hidden.propagated)}")
+        lines.append(f"  {compared}")
+    elif report.graph_agrees:
         lines.append(f"AGREES: the graph gives PyTorch's outputs here; {compared}")
     elif r is None:
         lines.append(f"DIVERGES, but no compared region tells where; {compared}")

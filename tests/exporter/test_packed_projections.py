@@ -88,8 +88,33 @@ def test_int8_rounds_each_packed_weight_with_its_own_scale() -> None:
     scales = {t.name: numpy_helper.to_array(t) for t in packed.graph.initializer if t.name.endswith("_scale")}
     parts = np.split(scales["p/qkv_weight_scale"], np.cumsum(COLUMNS)[:-1])
     assert [len(set(p.tolist())) for p in parts] == [1, 1, 1] and parts[1][0] > 4 * parts[0][0]
-    metadata = [p.key for n in packed.graph.node for p in n.metadata_props]
-    assert PACKED not in metadata  # the MatMul it marked is quantized
+    marked = [n for n in packed.graph.node if any(p.key == PACKED for p in n.metadata_props)]
+    assert [(n.op_type, n.output[0]) for n in marked] == [("Mul", "p/qkv_matmul")]  # the value the MatMul gave
+
+
+@pytest.mark.parametrize("bias", [(True, True, True), (True, False, True), (False, False, False)])
+def test_an_int8_packed_projection_is_taken_apart_at_slices_of_its_value(bias: tuple[bool, bool, bool]) -> None:
+    """int8 replaces the packed MatMul by MatMulInteger and its scales: the record goes on
+    to the node giving the packed value, and localization cuts that value into the three,
+    each a Slice with its projection's name and metadata (a fault in the key's columns was
+    blamed on the attention the packed nodes fed, not on the key's projection)."""
+    proto = _projections(8.0, bias)
+    for node in proto.graph.node:
+        node.name = f"node_{node.output[0]}"
+        node.metadata_props.add(key="pkg.torch.onnx.fx_node", value=f"%{node.output[0]} : fake")
+    quantized = make_variant("int8", _packed(proto)).proto
+    apart = unpacked(quantized)
+    made = {n.output[0]: n for n in apart.graph.node}
+    for name, biased in zip("qkv", bias, strict=True):
+        projection = made[f"{name}_mm" if biased else name]
+        assert (projection.name, projection.op_type) == (f"node_{name}_mm" if biased else f"node_{name}", "Slice")
+        assert {p.key: p.value for p in projection.metadata_props} == {
+            "pkg.torch.onnx.fx_node": f"%{projection.output[0]} : fake"
+        }
+    assert made["p/qkv"].op_type == "Concat"
+    assert not any(p.key == PACKED for n in apart.graph.node for p in n.metadata_props)
+    x = np.random.default_rng(1).standard_normal((1, 5, HIDDEN)).astype(np.float32)
+    np.testing.assert_array_equal(_run(apart, x), _run(quantized, x))
 
 
 @pytest.mark.parametrize("bias", [(True, True, True), (True, False, True), (False, False, False)])

@@ -315,3 +315,30 @@ def test_a_hugging_face_llama_decodes_in_place(tmp_path: Path, monkeypatch: pyte
 def test_metadata_nested_too_deeply_is_malformed_not_an_internal_error() -> None:
     with pytest.raises(ArtifactError, match="metadata is malformed: maximum recursion depth"):
         StaticCache.from_metadata({METADATA_KEY: "[" * 100_000})
+
+
+def test_a_fault_in_one_int8_packed_projection_is_localized_to_that_projection(built, tmp_path) -> None:
+    """int8 replaces the packed MatMul by MatMulInteger and its scales; the record of the
+    three projections goes on to the node giving the packed value, and localization cuts
+    the three out of it with a Slice each. Planted: the key's columns' int8 scale doubled.
+    Before, the quantized nodes, untraced, joined the attention's region and the fault was
+    headlined at the attention and cache lines; the right graph has no region over its
+    tolerance."""
+    from onnx import numpy_helper
+
+    copy = copy_build(built, tmp_path)
+    name = "mha_one_stream.static-cache+int8"
+    args = ["localize", str(copy.out), name, "--models", str(copy.models)]
+    right = CliRunner().invoke(cli, [*args, "--strict-regions"])
+    assert right.exit_code == 0 and "AGREES: " in right.output, right.output
+    proto = onnx.load(copy.out / f"{name}.onnx")
+    (scale,) = [t for t in proto.graph.initializer if t.name.endswith("/qkv_weight_scale")]
+    scales = numpy_helper.to_array(scale).copy()
+    query = scales.shape[0] // 3  # as many key/value heads as query heads
+    scales[query : 2 * query] *= 2.0
+    scale.CopyFrom(numpy_helper.from_array(scales, scale.name))
+    plant(copy.out, name, proto)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    assert "DIVERGES first at ONNX node_linear_1 (+1 nodes) [Slice+Add] from FX node linear_1 " in result.output
+    assert "in k_linear at " in result.output and "self.k_linear(hidden_states)" in result.output, result.output

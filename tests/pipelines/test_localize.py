@@ -23,7 +23,7 @@ from attn_export.cli import cli
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
-from attn_export.pipelines.localize.judge import representable
+from attn_export.pipelines.localize.judge import beyond, held, representable
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import TINY_SPECS, TINY_ZOO, Built, needs_transformers, plant, write_spec
 
@@ -539,3 +539,113 @@ def test_a_planted_fault_is_localized_on_the_onnx_reference_evaluator_as_on_onnx
     result = CliRunner().invoke(cli, [*args, "onnx-reference", "--shapes", "batch=2,seq=3", "--localize"])
     assert result.exit_code == 1 and "DIVERGES first at ONNX node_div [Div] from FX node div" in result.output
     assert "on onnx-reference" in result.output
+
+
+def _key_scale_off(out: Path, name: str, factor: float) -> None:
+    """The int8 scale of the key projection's weight (BERT's ``self.key``, FX node
+    ``linear_1``) times ``factor``: the key a quarter off at 1.25, which the outputs'
+    int8 tolerance lets through (its attention averages the error away)."""
+    proto = onnx.load(out / f"{name}.onnx")
+    bias_add = _node(proto, "node_linear_1")
+    dequantized = next(n for n in proto.graph.node if bias_add.input[0] in n.output)  # the scales' Mul
+    integer = next(n for n in proto.graph.node if dequantized.input[0] in n.output)  # the Cast
+    matmul = next(n for n in proto.graph.node if integer.input[0] in n.output)
+    assert matmul.op_type == "MatMulInteger", matmul.op_type
+    _scale_initializer(proto, matmul.input[1].removesuffix("_quantized") + "_scale", factor)
+    plant(out, name, proto)
+
+
+@needs_transformers
+@pytest.mark.parametrize("variant", ["fp32", "int8", "fp16"])
+def test_no_region_of_a_right_bert_graph_breaks_its_tolerance(zoo_copy: Path, variant: str) -> None:
+    """Controls for the region check: a right graph of every variant it is told of, plain,
+    int8 and fp16, has no region over its tolerance (a false red there would fail a right
+    graph under --strict-regions), on the example case and on large values."""
+    name = "bert_attention" if variant == "fp32" else _add_variant(zoo_copy, "bert_attention", variant)
+    for options in ({}, {"distribution": "large", "seed": 1}):
+        report = _localize(zoo_copy, name, **options)
+        assert report.passed(strict_regions=True), report.hidden_region and where(report.hidden_region)
+        assert report.hidden_region is None and not [r.fx_node for r in report.regions if r.breaks]
+
+
+@needs_transformers
+def test_a_region_over_its_tolerance_is_reported_where_the_outputs_agree(zoo_copy: Path, tmp_path: Path) -> None:
+    """BERT int8 with the key projection's weight scale x1.25 passes verify, and localize said
+    AGREES though its own regions showed the key's breaking its tolerance. Now it says which
+    region and line; --strict-regions makes that exit 1."""
+    name = _add_variant(zoo_copy, "bert_attention", "int8")
+    _key_scale_off(zoo_copy, name, 1.25)
+    report = _localize(zoo_copy, name)
+    hidden = report.hidden_region
+    assert report.agrees and hidden is not None and report.first is None
+    assert (hidden.fx_node, hidden.module_path) == ("linear_1", "module.self.key"), where(hidden)
+    assert hidden.source.rpartition(":")[0].endswith("modeling_bert.py") and "self.key(hidden_states)" in hidden.code
+    assert [r.fx_node for r in report.regions if r.breaks] == ["linear_1"]  # nothing downstream inherits it
+    assert report.passed() and not report.passed(strict_regions=True)
+    args = ["localize", str(zoo_copy), name, "--models", str(TINY_ZOO), "--json", str(tmp_path / "where.json")]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output  # the outputs decide by default
+    line = next(x for x in result.output.splitlines() if x.startswith("OUTPUTS AGREE"))
+    assert line.startswith("OUTPUTS AGREE, but region linear_1 (") and "modeling_bert.py:" in line
+    assert ") breaks its tolerance: max abs " in line and "AGREES: " not in result.output
+    doc = json.loads((tmp_path / "where.json").read_text())
+    assert doc["agrees"] is True and doc["hidden_region"]["fx_node"] == "linear_1" and doc["first"] is None
+    assert LocalizeReport.from_dict(doc).to_dict() == doc
+    strict = CliRunner().invoke(cli, [*args[:-2], "--strict-regions"])
+    assert strict.exit_code == 1 and "OUTPUTS AGREE, but region linear_1 (" in strict.output, strict.output
+    bundle = tmp_path / "bundle"
+    assert _localize(zoo_copy, name, bundle=bundle).bundle == str(bundle)  # the region's replay, as for a fault
+    assert json.loads((bundle / "bundle.json").read_text())["fx_node"] == "linear_1"
+
+
+@needs_transformers
+def test_verify_check_regions_notes_and_strict_regions_fails_a_region_over_its_tolerance(zoo_copy: Path) -> None:
+    name = _add_variant(zoo_copy, "bert_attention", "int8")
+    args = ["verify", str(zoo_copy / f"{name}.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
+    args += ["--shapes", "batch=2,seq=3", "--distribution", "normal"]
+    right = CliRunner().invoke(cli, [*args, "--strict-regions"])
+    assert right.exit_code == 0 and "region" not in right.output, right.output  # a right graph: no false red
+    _key_scale_off(zoo_copy, name, 1.25)
+    plain = CliRunner().invoke(cli, args)
+    assert plain.exit_code == 0 and "region" not in plain.output, plain.output  # what verify alone says
+    noted = CliRunner().invoke(cli, [*args, "--check-regions", "--json", str(zoo_copy.parent / "noted.json")])
+    assert noted.exit_code == 0, noted.output
+    note = f"note: {name}: outputs agree, but region linear_1 ("
+    (said,) = [x for x in noted.output.splitlines() if x.startswith(note)]
+    assert "modeling_bert.py:" in said
+    assert ") breaks its tolerance on onnxruntime[cpu] at batch=2,seq=3 (normal, seed 0): linear_1: " in said
+    assert noted.output.splitlines()[-1].startswith("verify PASSED")
+    (check,) = json.loads((zoo_copy.parent / "noted.json").read_text())["checks"]
+    assert check["passed"] is True and check["notes"] == [said.removeprefix("note: ")]
+    strict = CliRunner().invoke(cli, [*args, "--strict-regions"])
+    assert strict.exit_code == 1, strict.output
+    assert f"FAIL {name}: outputs agree, but region linear_1 (" in strict.output
+    assert strict.output.splitlines()[-1].startswith(f"verify FAILED ({name})")
+    assert said.removeprefix("note: ").split("; where: ")[0] in strict.output
+    golden = CliRunner().invoke(cli, [*args[:5], "--golden", "--strict-regions"])
+    assert golden.exit_code == 2 and "Traceback" not in golden.output
+    assert "Error: --strict-regions compares with PyTorch: it cannot be combined with --golden" in golden.output
+
+
+def test_a_right_float16_graph_on_values_beyond_its_range_has_no_region_over_its_tolerance(zoo_copy: Path) -> None:
+    """sdpa's scores on large values pass 65504. ONNX Runtime's CPU computes them in float32
+    inside, and the fp16 graph's outputs agree; run alone, the MatMul gives infinity (what
+    float16 holds there) and the Div, fed the score clipped to 65504, a value PyTorch never
+    had. Both were said to break their tolerance in a right graph (a false red under
+    --strict-regions); now the overflow is held as the dtype's largest value and the Div,
+    fed clipped values, is not judged and said so."""
+    name = _add_variant(zoo_copy, "sdpa", "fp16")
+    report = _localize(zoo_copy, name, distribution="large")
+    assert report.passed(strict_regions=True) and not [r.fx_node for r in report.regions if r.breaks]
+    (div,) = [r for r in report.regions if r.fx_node == "div"]
+    assert div.clipped == ["matmul"] and div.local is not None and not div.local.passed
+    said = "not judged: div, fed PyTorch's values beyond the graph's float range"
+    assert any(n.startswith(said) for n in report.notes)
+
+
+def test_an_overflow_is_held_only_where_pytorch_is_beyond_the_range() -> None:
+    pytorch = np.array([7e4, -7e4, 7e4, 100.0], dtype=np.float32)
+    graph = np.array([np.inf, -np.inf, -np.inf, np.inf], dtype=np.float16)
+    assert held(pytorch, graph).tolist() == [65504.0, -65504.0, -np.inf, np.inf]  # sign and range both count
+    assert beyond(pytorch, np.dtype(np.float16)) and not beyond(pytorch, np.dtype(np.float32))
+    assert held(pytorch, graph.astype(np.float32)) is not None

@@ -10,7 +10,7 @@ import numpy as np
 
 from attn_export.spec import Tolerance
 
-__all__ = ["ROUNDINGS", "judged_elements", "left_out", "region_tolerance", "representable"]
+__all__ = ["ROUNDINGS", "beyond", "held", "judged_elements", "left_out", "region_tolerance", "representable"]
 
 #: A region run alone may differ from PyTorch by this many float32 roundings of the
 #: largest magnitude in its value, besides the spec's tolerance: an op fed the same inputs
@@ -42,6 +42,31 @@ def representable(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
     if top >= float(np.finfo(value.dtype).max):
         return value
     return np.where(np.isfinite(value), np.clip(value, -top, top), value).astype(value.dtype)
+
+
+def beyond(value: np.ndarray, dtype: np.dtype | None) -> bool:
+    """Whether any finite element of PyTorch's float ``value`` lies beyond what ``dtype``
+    holds (float16's 65504): fed to a region in that dtype, it is clipped, and what the
+    region computes from it is not PyTorch's value on any input PyTorch gave."""
+    if dtype is None or value.dtype.kind != "f" or np.dtype(dtype).kind != "f":
+        return False
+    top = float(np.finfo(dtype).max)
+    return top < float(np.finfo(value.dtype).max) and bool((np.abs(value[np.isfinite(value)]) > top).any())
+
+
+def held(value: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """The graph's ``actual`` with an overflow taken as the largest value its dtype holds,
+    where PyTorch's ``value`` is beyond that dtype's range and of the same sign: a float16
+    MatMul whose true value exceeds 65504 gives infinity, which ``representable`` clips
+    PyTorch's to, no fault of the graph (the fp16 variant's range, on large values)."""
+    if actual.dtype.kind != "f" or value.dtype.kind != "f" or actual.shape != value.shape:
+        return actual
+    top = float(np.finfo(actual.dtype).max)
+    if top >= float(np.finfo(value.dtype).max):
+        return actual
+    with np.errstate(invalid="ignore"):
+        over = np.isinf(actual) & np.isfinite(value) & (np.abs(value) > top) & (np.sign(actual) == np.sign(value))
+    return np.where(over, np.sign(value) * top, actual).astype(actual.dtype) if over.any() else actual
 
 
 def _row_selector(shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray | None:

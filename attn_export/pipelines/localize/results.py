@@ -1,6 +1,13 @@
 """What localize found, as data: each compared region's local error (its nodes run alone on
 PyTorch's values) beside its propagated error (the whole graph's value there), and the
-first region whose own error breaks the tolerance."""
+first region whose own error breaks the tolerance.
+
+Where the outputs agree, a region may still break its own tolerance: a fault the outputs'
+looser tolerance hides (an int8 graph's key projection a quarter off passes verify, its
+attention averaging the error away). ``LocalizeReport.hidden_region`` names the first such
+region, and ``LocalizeReport.passed`` is the one verdict: the case agrees, and under
+``strict_regions`` no region breaks its tolerance either (``localize --strict-regions``,
+``verify --strict-regions``)."""
 
 from __future__ import annotations
 
@@ -90,11 +97,16 @@ class RegionError:
     lines: list[str] = field(default_factory=list)
     #: The ONNX node that computes ``value`` ('' when unnamed).
     node: str = ""
+    #: Inputs whose PyTorch values lie beyond the graph's dtype there (float16's 65504 in an
+    #: fp16 variant, on large values): fed clipped, the region computes from values PyTorch
+    #: never had, so ``local`` is shown but not its own error, and it breaks nothing.
+    clipped: list[str] = field(default_factory=list)
 
     @property
     def breaks(self) -> bool:
-        """Whether the region's own error breaks the tolerance."""
-        return self.local is not None and not self.local.passed
+        """Whether the region's own error breaks the tolerance (one fed clipped values has
+        no error of its own to judge)."""
+        return self.local is not None and not self.local.passed and not self.clipped
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -169,12 +181,26 @@ class LocalizeReport:
         """Whether the graph gives PyTorch's outputs and PyTorch agrees with itself."""
         return self.graph_agrees and self.module_bug is None
 
+    @property
+    def hidden_region(self) -> RegionError | None:
+        """Where the graph gives PyTorch's outputs: the first region whose own error breaks
+        its tolerance all the same; None where none does, or where the outputs differ
+        (``first`` names the region to blame there)."""
+        return next((r for r in self.regions if r.breaks), None) if self.graph_agrees else None
+
+    def passed(self, strict_regions: bool = False) -> bool:
+        """The verdict: the case agrees; with ``strict_regions``, and no region breaks its
+        own tolerance where the outputs agree (default False: the outputs decide, and such
+        a region is reported, not failed)."""
+        return self.agrees and not (strict_regions and self.hidden_region is not None)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": "attn-export/localize-report",
             "schema_version": 1,
             **{k: v for k, v in asdict(self).items() if k not in ("outputs", "regions", "first", "module_bug")},
             "agrees": self.agrees,
+            "hidden_region": self.hidden_region.to_dict() if self.hidden_region else None,
             "outputs": [o.to_dict() for o in self.outputs],
             "first": self.first.to_dict() if self.first else None,
             "module_bug": self.module_bug.to_dict() if self.module_bug else None,
@@ -183,7 +209,7 @@ class LocalizeReport:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LocalizeReport:
-        skip = {"schema", "schema_version", "agrees", "outputs", "regions", "first", "module_bug"}
+        skip = {"schema", "schema_version", "agrees", "hidden_region", "outputs", "regions", "first", "module_bug"}
         return cls(
             **{k: v for k, v in d.items() if k not in skip},
             outputs=[OutputComparison.from_dict(o) for o in d["outputs"]],

@@ -1,7 +1,8 @@
 """The localize pipeline: a built graph and its checkout spec -> one case's inputs ->
 PyTorch's values of every FX node and the graph's values of every ONNX value (one run each)
 -> each region run alone on PyTorch's values -> the first region whose own error breaks
-the tolerance, with its source line."""
+the tolerance, with its source line (where the outputs agree too: a fault their tolerance
+hides). ``check_regions`` is verify's ``--check-regions`` and ``--strict-regions``."""
 
 from __future__ import annotations
 
@@ -28,14 +29,14 @@ from attn_export.checks.causality import sights
 from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, plan_trajectory, step_inputs
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
-from attn_export.compare.outputs import judge_value
+from attn_export.compare.outputs import OutputComparison, judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.pipelines.localize.generate_step import generate_step_case
-from attn_export.pipelines.localize.judge import left_out, region_tolerance, representable
+from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
 from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
@@ -44,7 +45,7 @@ from attn_export.pipelines.localize.values import TorchValues, graph_values, tor
 from attn_export.pipelines.verify.greedy_generations import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
-from attn_export.pipelines.verify.results import VerifyOptions, VerifyReport
+from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import require_provider
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
@@ -60,7 +61,7 @@ from attn_export.spec.memory import check_memory, memory_budget
 from attn_export.spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
 from attn_export.spec.tolerance import rounding_bits
 
-__all__ = ["LocalizeOptions", "localize_failures", "localize_model"]
+__all__ = ["LocalizeOptions", "check_regions", "localize_failures", "localize_model"]
 
 #: Exported programs by (spec, module sources, opset): each case localized in this process
 #: after the first of its model reuses the export, the costly step (seconds per model).
@@ -163,7 +164,11 @@ def _regions(
         sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
-        teacher = {i: _as_graph(next(src[i] for src in sources if i in src), graph_vals.get(i)) for i in region.inputs}
+        pytorch_in = {i: next(src[i] for src in sources if i in src) for i in region.inputs}
+        teacher = {i: _as_graph(v, graph_vals.get(i)) for i, v in pytorch_in.items()}
+        # inputs PyTorch's values overflow in the graph's dtype: what the region computes
+        # from them clipped is no value PyTorch has, so its error is not its own
+        clipped = [i for i, v in pytorch_in.items() if i in graph_vals and beyond(v, graph_vals[i].dtype)]
         ran = run_region(proto, region, teacher, on, budget)
         alone = filled(ran) if isinstance(ran, dict) else None
         forced.update(alone or {})
@@ -187,18 +192,28 @@ def _regions(
                     code=(own and region.code) or code,
                     local=None
                     if alone is None
-                    else judge_value(fx_node, expected, left_out(expected, alone[value], rows), rtol),
+                    else _judged(fx_node, torch_vals[fx_node], expected, alone[value], rows, rtol),
                     propagated=None
                     if whole is None
-                    else judge_value(fx_node, expected, left_out(expected, whole, rows), rtol),
+                    else _judged(fx_node, torch_vals[fx_node], expected, whole, rows, rtol),
                     refused=ran if isinstance(ran, str) else None,
                     covers=list(region.covers) if len(region.covers) > 1 else [],
                     lines=_lines(region.covers, torch_vals) if len(region.covers) > 1 else [],
+                    clipped=clipped,
                 )
             )
             if out[-1].breaks:
                 fed[value] = teacher, rtol
     return out, fed
+
+
+def _judged(
+    fx_node: str, value: np.ndarray, expected: np.ndarray, actual: np.ndarray, rows: np.ndarray | None, tol: Tolerance
+) -> OutputComparison:
+    """The graph's ``actual`` against PyTorch's ``value`` of ``fx_node`` as the graph can hold
+    it (``expected``: clipped to its dtype's range), an overflow beyond that range held as
+    its end, the padded rows left out."""
+    return judge_value(fx_node, expected, left_out(expected, held(value, actual), rows), tol)
 
 
 def _as_graph(value: np.ndarray, graph: np.ndarray | None) -> np.ndarray:
@@ -311,11 +326,11 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         smallest, _, tries = shrink_case(found.spec, options, report, lambda trial: _localize(found, trial)[0])
         report, replay = _localize(found, smallest)  # its bundle too
         report.shrunk_from, report.shrink_tries = asked, tries
-    if options.bundle is not None and (replay is None or report.first is None):
+    if options.bundle is not None and replay is None:
         why = "the case agrees" if report.agrees else "no single region's own error is to blame"
         report.notes.append(f"no replay bundle written: {why}")
-    if options.bundle is not None and replay is not None and report.first is not None:
-        first = report.first
+    if options.bundle is not None and replay is not None:
+        first = replay.region
         info = {
             "model": found.entry.name,
             "fx_node": first.fx_node,
@@ -395,6 +410,8 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
 class _Replay:
     """What a bundle of the blamed region holds: its graph, its inputs and PyTorch's value."""
 
+    #: The region: the one blamed, or where the outputs agree, the first over its tolerance.
+    region: RegionError
     model: bytes
     inputs: dict[str, np.ndarray]
     expected: dict[str, np.ndarray]
@@ -500,6 +517,12 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     agree = spec.fully_masked == "ignore" or padded_rows_agree(spec, case, outputs_there, tolerances)
     rows = padded_tokens(spec, case) if agree else None
     errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows, filled)
+    unjudged = list(dict.fromkeys(e.fx_node for e in errors if e.clipped and e.local and not e.local.passed))
+    if unjudged:
+        notes.append(
+            f"not judged: {', '.join(unjudged)}, fed PyTorch's values beyond the graph's float range "
+            "(clipped, so their error is not their own)"
+        )
     report = LocalizeReport(
         model=model,
         file=str(out_dir / entry.file),
@@ -523,17 +546,18 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     replay = None
     if not report.graph_agrees:
         report.first, report.cause = _blame(errors, torch_vals)
-        first = report.first
-        if report.cause == "graph" and first is not None:
-            region = next(r for r in regions if (first.value, first.fx_node) in r.compared)
-            teacher, region_tol = fed[first.value]
-            replay = _Replay(
-                region_model(proto, region, teacher).SerializeToString(),
-                teacher,
-                {first.value: torch_vals[first.fx_node]},
-                region_tol,
-                rows,
-            )
+    first = report.first if report.cause == "graph" else report.hidden_region
+    if first is not None:
+        region = next(r for r in regions if (first.value, first.fx_node) in r.compared)
+        teacher, region_tol = fed[first.value]
+        replay = _Replay(
+            first,
+            region_model(proto, region, teacher).SerializeToString(),
+            teacher,
+            {first.value: torch_vals[first.fx_node]},
+            region_tol,
+            rows,
+        )
     report.seconds = time.perf_counter() - started
     return report, replay
 
@@ -547,29 +571,11 @@ def localize_failures(
     cost: the others usually fail at the same node). A graph localize cannot take
     (``NotLocalizable``: no dynamo exporter's metadata) is said to ``notice`` and left out,
     where one is given: verify's verdict and reports stand."""
-    out_dir = Path(report.artifacts)
-    base = LocalizeOptions(
-        models_dir=options.models_dir,
-        max_memory=options.max_memory,
-        lock_wait_s=options.lock_wait_s,
-        spec_file=options.spec_file,
-        variant=options.variant,
-    )
-    if options.spec_file is not None:  # the one graph verify was given, not a build folder
-        out_dir = out_dir / report.checks[0].file
+    out_dir, base = _base_options(report, options)
     asked: dict[str, LocalizeOptions] = {}
     for case in report.failed_cases:
-        numeric = case.expected_from.startswith("torch") and case.distribution != RECORDED
-        if numeric and case.comparisons and case.model not in asked:
-            asked[case.model] = dataclasses.replace(
-                base,
-                sizes=case.sizes,
-                seed=case.seed,
-                distribution=case.distribution,
-                mask_case=case.shape if case.shape in CASES else None,
-                provider=case.target.provider or "cpu",
-                runtime=case.target.runtime,
-            )
+        if _numeric(case) and case.model not in asked:
+            asked[case.model] = _case_options(base, case)
     for d in report.decode:
         step = d.first_divergence or d.module_bug
         if step is not None and d.model not in asked:
@@ -604,3 +610,83 @@ def localize_failures(
                 raise
             notice(f"{model} not localized: {e}")
     return found
+
+
+def _base_options(report: VerifyReport, options: VerifyOptions) -> tuple[Path, LocalizeOptions]:
+    """Where verify's graphs are (for ``verify --spec``, the one graph it was given, not a
+    build folder) and the localize options every case of them shares."""
+    out_dir = Path(report.artifacts)
+    base = LocalizeOptions(
+        models_dir=options.models_dir,
+        max_memory=options.max_memory,
+        lock_wait_s=options.lock_wait_s,
+        spec_file=options.spec_file,
+        variant=options.variant,
+    )
+    if options.spec_file is not None:
+        out_dir = out_dir / report.checks[0].file
+    return out_dir, base
+
+
+def _numeric(case: CaseResult) -> bool:
+    """Whether verify compared ``case`` with PyTorch on inputs localize can make again."""
+    return case.expected_from.startswith("torch") and case.distribution != RECORDED and bool(case.comparisons)
+
+
+def _case_options(base: LocalizeOptions, case: CaseResult) -> LocalizeOptions:
+    """``base`` localizing verify's ``case``: its sizes, seed, values, mask case and target."""
+    return dataclasses.replace(
+        base,
+        sizes=case.sizes,
+        seed=case.seed,
+        distribution=case.distribution,
+        mask_case=case.shape if case.shape in CASES else None,
+        provider=case.target.provider or "cpu",
+        runtime=case.target.runtime,
+    )
+
+
+def check_regions(
+    report: VerifyReport, options: VerifyOptions, strict: bool, notice: Callable[[str], None] | None = None
+) -> list[str]:
+    """``verify --check-regions`` (``strict`` False) and ``--strict-regions`` (True): each
+    model whose graph passed has one case verify compared with PyTorch localized, and
+    where a region's own error breaks its tolerance though the outputs agree, its model's
+    checks get a note naming the region and its source line (the graph still passes), or
+    under ``strict`` a problem saying the same (the graph fails). The case is verify's
+    distinct case (the build's example sizes) where it ran one, else its first. Returns what
+    it added, in order. A graph localize cannot take is said to ``notice`` and left as verify judged it
+    (a check that cannot run fails nothing), where one is given."""
+    out_dir, base = _base_options(report, options)
+    failed = set(report.failed_models)
+    firsts: dict[str, CaseResult] = {}
+    for case in report.cases:  # the distinct case where verify ran it: every size its own
+        if case.model in failed or not _numeric(case):
+            continue
+        if case.model not in firsts or (case.shape == "distinct" and firsts[case.model].shape != "distinct"):
+            firsts[case.model] = case
+    added = []
+    for check in report.checks:
+        if check.model not in firsts:
+            continue
+        case = firsts[check.model]
+        try:
+            found = localize_model(out_dir, check.model, _case_options(base, case))
+        except NotLocalizable as e:
+            if notice is None:
+                raise
+            notice(f"{check.model} not region-checked: {e}")
+            continue
+        region = found.hidden_region
+        if region is None:
+            continue
+        said = (
+            f"{check.model}: outputs agree, but region {region.fx_node} ({region.source or 'no source line'}) "
+            f"breaks its tolerance on {case.runtime} at {format_sizes(case.sizes)} "
+            f"({case.distribution}, seed {case.seed}): "
+            f"{region.local.reason() if region.local else 'not computed'}; where: {found.reproduce}"
+            + (" --strict-regions" if strict else "")
+        )
+        (check.notes if found.passed(strict_regions=strict) else check.problems).append(said)
+        added.append(said)
+    return added

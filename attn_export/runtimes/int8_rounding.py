@@ -162,7 +162,7 @@ def float16_twin(module: Any) -> Any:
     return twin
 
 
-def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
+def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | None = None) -> Any:
     """``twin`` (``float16_twin``) on ``args`` as the ``fp16`` variant computes: float inputs
     cast to float16, every op in float16 but Softmax (kept in float32, as the variant keeps
     it; SDPA is taken apart as the export takes it, where PyTorch's own kernel would keep
@@ -175,7 +175,13 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
     query and the key by the root each: the same arithmetic rounded elsewhere, as valid a
     float16 graph. Where an output hangs on near ties (large scores, an attention row whose
     winner a last bit decides), which elements flip differs from one rounding to the other;
-    the larger error of the two says how far a right graph's own flips may go."""
+    the larger error of the two says how far a right graph's own flips may go.
+
+    ``dither`` (a seed) moves each finite float16 score entering a Softmax to a neighbouring
+    float16 value, up, down or not at all, drawn per element: a right graph's MatMul rounds
+    its scores within about a unit in the last place of PyTorch's, and where two keys' scores
+    are closer than that (large values: a unit is 4 at scores of 5000), which of them wins is
+    its rounding's choice. Both decompositions above may settle such a tie alike."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
 
@@ -202,7 +208,21 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
             scores = (
                 scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
             )
-        return scores.float().softmax(-1).half() @ v
+        return in_float32(scores).softmax(-1).half() @ v
+
+    generator = None if dither is None else torch.Generator().manual_seed(dither)
+
+    def in_float32(scores: Any) -> Any:
+        """float16 scores as Softmax reads them, in float32; with ``dither``, each finite
+        one moved to a float16 neighbour or kept, as another valid rounding may leave it."""
+        wide = scores.float()
+        if generator is None:
+            return wide
+        finite = wide.isfinite()
+        magnitude = wide.abs().clamp(min=2.0**-14).where(finite, torch.ones_like(wide))
+        unit = torch.exp2(torch.floor(torch.log2(magnitude)) - 10)
+        step = torch.randint(-1, 2, wide.shape, generator=generator).to(wide.dtype)
+        return wide + (step * unit).where(finite & (wide.abs() + unit <= HALF_MAX), torch.zeros_like(wide))
 
     def clamped(value: Any) -> Any:
         """A fill beyond float16's range (-1e9) as the converter's constant: clamped to +-65504."""
@@ -213,7 +233,7 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False) -> Any:
             kwargs = dict(kwargs or {})
             if func in softmaxes and args and args[0].dtype == torch.float16:
                 kwargs.pop("dtype", None)
-                return func(args[0].float(), *args[1:], **kwargs).half()
+                return func(in_float32(args[0]), *args[1:], **kwargs).half()
             if func is F.scaled_dot_product_attention and args and args[0].dtype == torch.float16:
                 return attention(*args, **kwargs)
             halves = _halves(args, kwargs)

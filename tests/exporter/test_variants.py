@@ -212,6 +212,20 @@ def test_a_wrong_fp16_graph_is_red(variant_build: Path, tmp_path: Path, fault: s
     assert says in result.output
 
 
+@pytest.mark.slow
+def test_a_right_fp16_graph_is_green_where_a_near_tie_flips_its_winner(tmp_path: Path) -> None:
+    """On large values LlamaAttention's scores reach 5000, where float16's unit is 4: in this
+    case two keys of one row are 0.6 apart, and the graph gives the row to the other key
+    than both of PyTorch's float16 roundings do (40.9 against their 10). The dithered
+    roundings (``FLOAT16_ROUNDINGS``) settle that tie both ways, so the case is green."""
+    summary = build_models([TINY_ZOO / "llama_attention.toml"], BuildOptions(tmp_path, variants=("fp16",)))
+    assert summary.results[0].status == "built", summary.results[0].error
+    case = ["--shapes", "batch=4,seq=40", "--seed", "11", "--distribution", "large", "--no-latency"]
+    verified = CliRunner().invoke(cli, ["verify", str(tmp_path / "llama_attention.fp16.onnx"), *TINY, *case])
+    assert verified.exit_code == 0, verified.output
+    assert "passes on large values only because fp16's own rounding" in verified.output
+
+
 def test_ort_optimized_records_its_provider(variant_build: Path) -> None:
     assert load_manifest(variant_build).models["mha_cross.ort-optimized"].variant_info["provider"] == "cpu"
 

@@ -562,6 +562,11 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     return report, replay
 
 
+def _step_options(base: LocalizeOptions, seed: int, target: Target, **step: Any) -> LocalizeOptions:
+    """``base`` at one decode or generate ``step`` verify ran on ``target`` with ``seed``."""
+    return dataclasses.replace(base, seed=seed, provider=target.provider or "cpu", runtime=target.runtime, **step)
+
+
 def localize_failures(
     report: VerifyReport, options: VerifyOptions, notice: Callable[[str], None] | None = None
 ) -> list[LocalizeReport]:
@@ -579,27 +584,15 @@ def localize_failures(
     for d in report.decode:
         step = d.first_divergence or d.module_bug
         if step is not None and d.model not in asked:
-            asked[d.model] = dataclasses.replace(
-                base,
-                seed=report.seed,
-                decode_step=step.step,
-                layout=d.scenario,
-                decode_steps=options.steps,
-                provider=d.target.provider or "cpu",
-                runtime=d.target.runtime,
+            asked[d.model] = _step_options(
+                base, report.seed, d.target, decode_step=step.step, layout=d.scenario, decode_steps=options.steps
             )
     ours = {t.label: t for t in options.targets}  # genai's generator runs the graph its own way
     for g in report.generate:
         target = ours.get(g.runner)
         if target is not None and g.step is not None and g.model not in asked:
-            asked[g.model] = dataclasses.replace(
-                base,
-                seed=report.seed,
-                generate_step=g.step,
-                generate_steps=g.steps,
-                layout=g.layout,
-                provider=target.provider or "cpu",
-                runtime=target.runtime,
+            asked[g.model] = _step_options(
+                base, report.seed, target, generate_step=g.step, generate_steps=g.steps, layout=g.layout
             )
     found = []
     for model, opts in asked.items():

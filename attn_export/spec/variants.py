@@ -106,7 +106,10 @@ INT8_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_roundi
 INT4_TOLERANCE = Tolerance(1e-4, 0.05, atol_rms=0.25, rms_rtol=0.05, int8_rounding=True, weight_bits=4)
 #: fp16's rounding grows with the values (a right graph's worst element reached 22 on large
 #: ones): the module run in float16 (``in_float16``) sets the room, where it is more than the shares.
-FP16_TOLERANCE = Tolerance(1e-4, 0.01, atol_rms=0.02, rms_rtol=0.005, int8_rounding=True, weight_bits=16)
+#: Its rms share: a right graph's error rms reached 0.0012 x the output's beyond what the
+#: simulation gives (tiny zoo, seeds 0-9, every distribution and decode step); 0.005 let an
+#: output projection 1 % off before BertAttention's LayerNorm pass (0.0016-0.0030 x).
+FP16_TOLERANCE = Tolerance(1e-4, 0.01, atol_rms=0.02, rms_rtol=0.002, int8_rounding=True, weight_bits=16)
 
 VARIANTS: dict[str, VariantInfo] = {
     v.name: v

@@ -226,6 +226,22 @@ def test_a_right_fp16_graph_is_green_where_a_near_tie_flips_its_winner(tmp_path:
     assert "passes on large values only because fp16's own rounding" in verified.output
 
 
+@pytest.mark.slow
+def test_an_fp16_output_projection_1_percent_off_before_a_layer_norm_is_red(tmp_path: Path) -> None:
+    """BertAttention's LayerNorm after its output projection shrinks a 1 % weight scale to
+    under fp16's share of the rms per element (1e-2 of rms 1): the error's rms (0.16-0.3 %
+    of the output's, a right graph's at most 0.12 %) is what shows it."""
+    summary = build_models([TINY_ZOO / "bert_attention.toml"], BuildOptions(tmp_path, variants=("fp16",)))
+    assert summary.results[0].status == "built", summary.results[0].error
+    plant(
+        tmp_path, "bert_attention.fp16", _fp16_fault(onnx.load(tmp_path / "bert_attention.fp16.onnx"), "weight 1 % off")
+    )
+    args = ["verify", str(tmp_path / "bert_attention.fp16.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    assert "FAIL bert_attention.fp16 onnxruntime[cpu]" in result.output and "(rms_rtol)" in result.output
+
+
 def test_ort_optimized_records_its_provider(variant_build: Path) -> None:
     assert load_manifest(variant_build).models["mha_cross.ort-optimized"].variant_info["provider"] == "cpu"
 

@@ -204,13 +204,18 @@ def _apart(
         shape = list(weight.shape)
         raise ArtifactError(f"node '{node.name}': its {PACKED} metadata holds {width} columns, its weight is {shape}")
     bias_name, bias = _bias(add, constants, width)
-    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    starts = _starts(parts)
     nodes, weights = [], []
     for k, part in enumerate(parts):
         cut = slice(int(starts[k]), int(starts[k + 1]))
         weights.append(numpy_helper.from_array(np.ascontiguousarray(weight[:, cut]), f"{node.input[1]}/part{k}"))
         nodes.append(_node("MatMul", [node.input[0], weights[-1].name], part["matmul"]))
     return _joined(node, parts, add, nodes, weights, bias_name, bias)
+
+
+def _starts(parts: list[dict[str, Any]]) -> np.ndarray:
+    """Where each projection's columns start in the packed value, and the width at the end."""
+    return np.cumsum([0, *(int(p["columns"]) for p in parts)])
 
 
 def _bias(add: onnx.NodeProto | None, constants: Mapping[str, onnx.TensorProto], width: int) -> tuple[str, Any]:
@@ -234,7 +239,7 @@ def _sliced(
     projection. The width the record holds is checked against the bias only: the node's
     own shape is known when it runs."""
     bias_name, bias = _bias(add, constants, width)
-    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    starts = _starts(parts)
     whole = onnx.NodeProto()
     whole.CopyFrom(node)
     whole.output[0] = f"{node.output[0]}/packed"  # the Concat gives the packed value its name back
@@ -262,7 +267,7 @@ def _joined(
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], bool]:
     """Each projection's node (in ``nodes``, one per part), its share of the packed bias
     where there is one, and their Concat giving the packed value."""
-    starts = np.cumsum([0, *(int(p["columns"]) for p in parts)])
+    starts = _starts(parts)
     out, values = list(first), []
     for k, (part, made) in enumerate(zip(parts, nodes, strict=True)):
         out.append(made)

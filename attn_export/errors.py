@@ -6,6 +6,9 @@ bad input (``UsageError``).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping, Sequence
+
 __all__ = [
     "ArtifactError",
     "AttnExportError",
@@ -15,11 +18,14 @@ __all__ = [
     "InputError",
     "LockError",
     "MissingDependencyError",
+    "Notice",
+    "OptionError",
     "ProviderError",
     "RuntimeFailure",
     "SpecError",
     "UsageError",
     "first_line",
+    "notify",
     "one_line",
 ]
 
@@ -55,6 +61,34 @@ class UsageError(AttnExportError):
     """Raised when the caller's arguments or files are invalid (exit 2)."""
 
     exit_code = 2
+
+
+class OptionError(UsageError):
+    """Raised when an option's value, or two options together, are refused. The message
+    names each option as the library's parameter (``regions``); a face that calls it
+    otherwise (the CLI's ``--strict-regions``) says the message with ``named``."""
+
+    def __init__(self, template: str, options: Sequence[str], **values: object) -> None:
+        """``template`` holds ``{option}`` where each of ``options`` is named, and the
+        ``values`` it shows."""
+        self.template, self.options, self.values = template, tuple(options), values
+        super().__init__(self.named({}))
+
+    def named(self, names: Mapping[str, str]) -> str:
+        """The message with each option called as ``names`` calls it (else by its parameter)."""
+        return self.template.format(**self.values, **{o: names.get(o, o) for o in self.options})
+
+
+class Notice(UserWarning):
+    """Issued by the Python API and the pytest plugin for what the CLI says beside its
+    verdict (a note on a model that passes, a model a check could not take): the verdict
+    stands, and ``-W error::attn_export.errors.Notice`` makes it a failure."""
+
+
+def notify(text: str) -> None:
+    """``text`` as a ``Notice``: what the faces without a terminal of their own (the Python
+    API, the pytest plugin) pass where the CLI passes its notice on stderr."""
+    warnings.warn(text, Notice, stacklevel=2)
 
 
 class SpecError(UsageError):

@@ -29,7 +29,7 @@ from attn_export.cli.options import (
     wait_option,
     write_verify_reports,
 )
-from attn_export.errors import AttnExportError
+from attn_export.errors import AttnExportError, OptionError
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
@@ -282,9 +282,6 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    regions_flag = "--strict-regions" if strict_regions else "--check-regions" if check_regions else None
-    if regions_flag and golden:
-        raise click.UsageError(f"{regions_flag} compares with PyTorch: it cannot be combined with --golden")
     check_outside(spec_path, variant)
     to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
     echo = text_echo(to_stdout)
@@ -321,8 +318,13 @@ def verify(
         scenario=scenario,
         spec_file=spec_path,
         variant=variant,
+        regions="strict" if strict_regions else "check" if check_regions else None,
     )
-    options.check()  # before the folder's decoders are picked for --scenario
+    try:
+        options.check()  # before the folder's decoders are picked for --scenario
+    except OptionError as e:
+        flags = {"regions": f"--{options.regions}-regions", "golden": "--golden"}
+        raise click.UsageError(e.named(flags)) from e
     if scenario:
         names = decoder_names(manifest, names, scenario, notice)
     selected, names = names, shard_names(names, shard)
@@ -332,13 +334,13 @@ def verify(
     if not names and not shard:
         click.echo("no model to verify", err=to_stdout)  # no report: stdout holds no JSON
         return
-    printed: list[bool] = []
+    printed: dict[str, int] = {}  # each model's notes printed with its rows
     w = VERIFY_WIDTHS.fitting([(n, manifest.models[n].model_spec) for n in names], [t.label for t in options.targets])
 
     def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
         if not printed:  # the header only once a model has rows: an error stays one line
-            printed.append(True)
             echo(header(w))
+        printed[name] = len(check.notes)
         echo(format_model_rows(name, cases, check, w))
 
     report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
@@ -348,12 +350,9 @@ def verify(
             echo(f"shard {shard[0]}/{shard[1]} holds no model")
             write_verify_reports(report, to_stdout, report_paths)
             return
-    if regions_flag:
-        from attn_export.pipelines.localize import check_regions as region_check
-
-        for said in region_check(report, options, strict_regions, notice):
-            if not strict_regions:  # a failure's reason is printed with the failures
-                echo(f"note: {said}")
+    for check in report.checks:  # what the region check noted once the rows were out
+        for note in check.notes[printed.get(check.model, 0) :]:
+            echo(f"note: {note}")
     sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
     for text in (section(report) for section in sections):
         if text:

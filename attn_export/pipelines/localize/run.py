@@ -2,7 +2,7 @@
 PyTorch's values of every FX node and the graph's values of every ONNX value (one run each)
 -> each region run alone on PyTorch's values -> the first region whose own error breaks
 the tolerance, with its source line (where the outputs agree too: a fault their tolerance
-hides). ``check_regions`` is verify's ``--check-regions`` and ``--strict-regions``."""
+hides). ``check_regions`` is verify's ``regions`` (``--check-regions``, ``--strict-regions``)."""
 
 from __future__ import annotations
 
@@ -641,15 +641,15 @@ def _case_options(base: LocalizeOptions, case: CaseResult) -> LocalizeOptions:
 
 def check_regions(
     report: VerifyReport, options: VerifyOptions, strict: bool, notice: Callable[[str], None] | None = None
-) -> list[str]:
-    """``verify --check-regions`` (``strict`` False) and ``--strict-regions`` (True): each
-    model whose graph passed has one case verify compared with PyTorch localized, and
-    where a region's own error breaks its tolerance though the outputs agree, its model's
-    checks get a note naming the region and its source line (the graph still passes), or
-    under ``strict`` a problem saying the same (the graph fails). The case is verify's
-    distinct case (the build's example sizes) where it ran one, else its first. Returns what
-    it added, in order. A graph localize cannot take is said to ``notice`` and left as verify judged it
-    (a check that cannot run fails nothing), where one is given."""
+) -> None:
+    """Verify's ``regions`` (``check``: ``strict`` False; ``strict``: True), run by
+    ``verify_artifacts``: each model whose graph passed has one case verify compared with
+    PyTorch localized, and where a region's own error breaks its tolerance though the
+    outputs agree, its model's checks get a note naming the region and its source line (the
+    graph still passes), or under ``strict`` a problem saying the same (the graph fails).
+    The case is verify's distinct case (the build's example sizes) where it ran one, else
+    its first. A graph localize cannot take is said to ``notice`` and left as verify judged
+    it (a check that cannot run fails nothing), where one is given."""
     out_dir, base = _base_options(report, options)
     failed = set(report.failed_models)
     firsts: dict[str, CaseResult] = {}
@@ -658,7 +658,6 @@ def check_regions(
             continue
         if case.model not in firsts or (case.shape == "distinct" and firsts[case.model].shape != "distinct"):
             firsts[case.model] = case
-    added = []
     for check in report.checks:
         if check.model not in firsts:
             continue
@@ -681,5 +680,3 @@ def check_regions(
             + (" --strict-regions" if strict else "")
         )
         (check.notes if found.passed(strict_regions=strict) else check.problems).append(said)
-        added.append(said)
-    return added

@@ -3,6 +3,7 @@
 from attn_export.pipelines.verify.expected import case_plan
 from attn_export.pipelines.verify.models import checkout_spec, decoder_names, select_models, shard_names
 from attn_export.pipelines.verify.results import (
+    REGIONS,
     CaseResult,
     ModelCheck,
     PlacementResult,
@@ -16,6 +17,7 @@ __all__ = [
     "CaseResult",
     "ModelCheck",
     "PlacementResult",
+    "REGIONS",
     "Shard",
     "VerifyOptions",
     "VerifyReport",

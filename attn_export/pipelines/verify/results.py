@@ -21,7 +21,7 @@ from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError, UsageError
 from attn_export.runtimes import Target
 from attn_export.runtimes.placement import Placement
 from attn_export.runtimes.timing import LatencyStats
@@ -34,12 +34,18 @@ __all__ = [
     "CaseResult",
     "ModelCheck",
     "PlacementResult",
+    "REGIONS",
     "Shard",
     "VerifyOptions",
     "VerifyReport",
     "runtime_versions",
     "selection_sha256",
 ]
+
+
+#: ``VerifyOptions.regions``: ``check`` notes a region whose own error breaks its tolerance
+#: though the outputs agree, ``strict`` fails the graph on it.
+REGIONS = ("check", "strict")
 
 
 @dataclass
@@ -87,10 +93,14 @@ class VerifyOptions:
     #: graph of ``variant`` (its name and tolerance); None for built graphs.
     spec_file: Path | None = None
     variant: str = "fp32"
+    #: One of ``REGIONS``: each graph that passes has one case localized, a region over its
+    #: own tolerance where the outputs agree noted (``check``) or failed (``strict``); None: no check.
+    regions: str | None = None
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
-        (the Python API builds options without the CLI's checks)."""
+        (the Python API builds options without the CLI's checks); for ``regions``, an
+        OptionError that each face words with its own names for the options."""
         for name, value in (("--atol", self.atol), ("--rtol", self.rtol)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise UsageError(f"{name} {value}: give a finite number >= 0")
@@ -112,6 +122,13 @@ class VerifyOptions:
             clash = next((o for o, v in self._sweep_options().items() if v), None)
             if clash:
                 raise UsageError(f"--scenario replaces the sweep: it cannot be combined with {clash}")
+        if self.regions is not None:
+            if self.regions not in REGIONS:
+                known = ", ".join(REGIONS)
+                raise OptionError(f"{{regions}} {{value!r}}: give one of {known}", ["regions"], value=self.regions)
+            if self.golden:
+                clash = "{regions} compares with PyTorch: it cannot be combined with {golden}"
+                raise OptionError(clash, ["regions", "golden"])
 
     def _sweep_options(self) -> dict[str, object]:
         """The options that fix a run's cases, as the CLI names them."""
@@ -153,6 +170,7 @@ class VerifyOptions:
             "generate_steps": self.generate_steps,
             "require_placement": self.require_placement,
             "scenario": self.scenario,
+            "regions": self.regions,
             **({"spec": str(self.spec_file), "variant": self.variant} if self.spec_file else {}),
         }
 

@@ -79,21 +79,29 @@ def verify_artifacts(
     runs them. The folder is read under a shared lock: a build in progress is waited for
     (``on_notice`` hears it once), and ``manifest`` is read again once it is done. With
     ``options.spec_file``, the manifest is ``outside_manifest``'s of a graph no build made
-    (``_verify_outside``)."""
+    (``_verify_outside``). With ``options.regions``, each graph that passed then has its
+    regions checked (``localize.check_regions``), after the lock: a graph localize cannot
+    take is said to ``on_notice`` and left as judged, or without one raised (NotLocalizable)."""
     if options.spec_file is not None:
-        return _verify_outside(out_dir, manifest, names, options, on_model, on_notice, parallelism)
-    with read_lock(out_dir, options.lock_wait_s, on_notice):
-        if (out_dir / MANIFEST_NAME).is_file():
-            manifest = load_manifest(out_dir)
-        missing = [n for n in names if n not in manifest.models]
-        if missing:
-            raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
-        if not options.golden and resolved(options.models_dir).is_relative_to(resolved(out_dir)):
-            raise UsageError(
-                f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from the "
-                "checkout, never from a build folder; pass --models with the checkout's spec folder"
-            )
-        return _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+        report = _verify_outside(out_dir, manifest, names, options, on_model, on_notice, parallelism)
+    else:
+        with read_lock(out_dir, options.lock_wait_s, on_notice):
+            if (out_dir / MANIFEST_NAME).is_file():
+                manifest = load_manifest(out_dir)
+            missing = [n for n in names if n not in manifest.models]
+            if missing:
+                raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
+            if not options.golden and resolved(options.models_dir).is_relative_to(resolved(out_dir)):
+                raise UsageError(
+                    f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from "
+                    "the checkout, never from a build folder; pass --models with the checkout's spec folder"
+                )
+            report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+    if options.regions is not None:
+        from attn_export.pipelines.localize.run import check_regions  # torch's side, only when asked
+
+        check_regions(report, options, options.regions == "strict", on_notice)
+    return report
 
 
 def _verify_outside(

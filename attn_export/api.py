@@ -19,7 +19,7 @@ import onnx
 
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.checks.spec_learning import learn_ranges, learned_spec
-from attn_export.errors import UsageError
+from attn_export.errors import UsageError, notify
 from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
@@ -91,6 +91,7 @@ def verify(
     executor: str = "local",
     spec: str | Path | None = None,
     variant: str = "fp32",
+    regions: str | None = None,
 ) -> VerifyReport:
     """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
     off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``;
@@ -99,7 +100,11 @@ def verify(
     own work with ``if __name__ == "__main__":``). With ``spec`` (a spec file), ``artifacts``
     is one .onnx file no build made, judged as a graph of ``variant``: ``--spec``, ``--variant``.
     ``models`` defaults to ``"models"``; named with ``golden``, each graph's recorded spec must
-    be the one there."""
+    be the one there. ``regions="check"`` localizes one case of each graph that passes and
+    notes, in its check's ``notes``, a region whose own error breaks its tolerance though the
+    outputs agree; ``"strict"`` fails the graph on it: ``--check-regions``,
+    ``--strict-regions``. A graph localize cannot take is left as judged, with a ``Notice``
+    warning."""
     paths = _paths("artifacts", artifacts)
     spec_file = None if spec is None else _path("spec", spec)
     out_dir, manifest, names = select_models(paths, spec_file, _typed("variant", variant, (str,), "a variant's name"))
@@ -115,8 +120,11 @@ def verify(
         max_memory=_bytes(max_memory),
         spec_file=spec_file,
         variant=variant,
+        regions=_typed("regions", regions, (str, type(None)), '"check", "strict" or None'),
     )
-    return verify_artifacts(out_dir, manifest, names, options, parallelism=Parallelism(executor, jobs))
+    return verify_artifacts(
+        out_dir, manifest, names, options, on_notice=notify, parallelism=Parallelism(executor, jobs)
+    )
 
 
 def _typed(what: str, value: Any, kinds: tuple[type, ...], expected: str) -> Any:

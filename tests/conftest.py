@@ -16,6 +16,7 @@ verified by one test, ``tests/pipelines/test_production_zoo.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -29,9 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import onnx
 import pytest
+from onnx import numpy_helper
 
+from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
+from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.pipelines.verify.models import checkout_spec
@@ -508,3 +513,54 @@ def peak_rss(args: Sequence[str], **kwargs: Any) -> tuple[subprocess.CompletedPr
     stderr, _, last = done.stderr.rstrip("\n").rpartition("\n")
     done.stderr = stderr
     return done, int(last) * 1024
+
+
+def add_variant(out: Path, model: str, variant: str) -> str:
+    """The variant made from the built plain graph and entered in the manifest, as build
+    makes it (without its smoke check: the point is to break it)."""
+    manifest = load_manifest(out)
+    name = f"{model}.{variant}"
+    graph = make_variant(variant, onnx.load(out / f"{model}.onnx")).proto
+    onnx.save(graph, out / f"{name}.onnx")
+    entry = dataclasses.replace(
+        manifest.models[model], name=name, file=f"{name}.onnx", variant=variant, intermediates="",
+        intermediates_sha256="", sha256=sha256_file(out / f"{name}.onnx"),
+    )  # fmt: skip
+    manifest.models[name] = entry
+    save_manifest(out, manifest)
+    return name
+
+
+def scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> None:
+    init = next(i for i in proto.graph.initializer if i.name == name)
+    value = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((value * factor).astype(value.dtype), name))
+
+
+def key_scale_off(out: Path, name: str, factor: float) -> None:
+    """The int8 scale of the key projection's weight (BERT's ``self.key``, FX node
+    ``linear_1``) times ``factor``: the key a quarter off at 1.25, which the outputs'
+    int8 tolerance lets through (its attention averages the error away)."""
+    proto = onnx.load(out / f"{name}.onnx")
+    bias_add = next(n for n in proto.graph.node if n.name == "node_linear_1")
+    dequantized = next(n for n in proto.graph.node if bias_add.input[0] in n.output)  # the scales' Mul
+    integer = next(n for n in proto.graph.node if dequantized.input[0] in n.output)  # the Cast
+    matmul = next(n for n in proto.graph.node if integer.input[0] in n.output)
+    assert matmul.op_type == "MatMulInteger", matmul.op_type
+    scale_initializer(proto, matmul.input[1].removesuffix("_quantized") + "_scale", factor)
+    plant(out, name, proto)
+
+
+@pytest.fixture(scope="session")
+def shared_bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    """The tiny zoo's BERT layer, plain and int8, alone in a folder with its spec (in
+    ``models``): built once per session for the faces that verify a whole folder."""
+
+    def specs(models: Path) -> list[Path]:
+        models.mkdir(parents=True)
+        return [Path(shutil.copy(TINY_ZOO / "bert_attention.toml", models))]
+
+    built = shared_build(tmp_path_factory, "bert", specs, variants=("fp32", "int8"))
+    assert built.errors == {"bert_attention": None, "bert_attention.int8": None}, built.errors
+    with unchanged(built.out), unchanged(built.models):
+        yield built

@@ -15,7 +15,7 @@ import attn_export
 from attn_export.errors import ExportFailure, SpecError, UsageError
 from attn_export.pipelines.build import BuildResult, BuildSummary
 from attn_export.pipelines.verify import VerifyReport
-from tests.conftest import tiny_spec
+from tests.conftest import TINY_ZOO, Built, add_variant, key_scale_off, needs_transformers, tiny_spec
 from tests.faulty_modules import ShapeBranchAttention
 from tests.user_modules import LlamaStyleAttention
 
@@ -132,3 +132,38 @@ def test_inputs_the_module_cannot_take_are_one_error_naming_its_line(tmp_path: P
         attn_export.export(
             LlamaStyleAttention(), inputs={"x": ["batch", "seq", 24]}, dims=dims, path=tmp_path / "x.onnx"
         )
+
+
+@needs_transformers
+def test_verify_regions_notes_or_fails_a_region_over_its_tolerance_where_the_outputs_agree(zoo_copy: Path) -> None:
+    """BERT int8 with its key projection's scale x1.25 passes verify; ``regions`` says where
+    (``verify --check-regions``, ``--strict-regions``), and nothing on the right graph."""
+    name = add_variant(zoo_copy, "bert_attention", "int8")
+    graph, point = zoo_copy / f"{name}.onnx", [{"batch": 2, "seq": 3}]
+    right = attn_export.verify(graph, models=TINY_ZOO, shapes=point, regions="strict")
+    assert right.passed and right.checks[0].notes == [], right.checks
+    key_scale_off(zoo_copy, name, 1.25)
+    assert attn_export.verify(graph, models=TINY_ZOO, shapes=point).checks[0].notes == []  # verify alone
+    noted = attn_export.verify(graph, models=TINY_ZOO, shapes=point, regions="check")
+    (note,) = noted.checks[0].notes
+    assert noted.passed and noted.settings["regions"] == "check"
+    assert note.startswith(f"{name}: outputs agree, but region linear_1 (") and "modeling_bert.py:" in note
+    strict = attn_export.verify(graph, models=TINY_ZOO, shapes=point, regions="strict")
+    assert not strict.passed and strict.checks[0].notes == []
+    assert strict.checks[0].problems == [f"{note} --strict-regions"]
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"regions": True}, 'regions: give "check", "strict" or None, not True'),
+        ({"regions": "loud"}, "regions 'loud': give one of check, strict"),
+        ({"regions": "check", "golden": True}, "regions compares with PyTorch: it cannot be combined with golden"),
+    ],
+)
+def test_a_bad_regions_argument_is_a_usage_error_in_the_api_s_words(
+    shared_tiny: Built, given: dict[str, object], message: str
+) -> None:
+    with pytest.raises(UsageError) as err:
+        attn_export.verify(shared_tiny.out, models=shared_tiny.models, **given)  # type: ignore[arg-type]
+    assert str(err.value) == message

@@ -3,7 +3,6 @@ came from, in the tiny zoo's graphs; a correct graph is blamed for nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -17,15 +16,22 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from attn_export.artifacts.files import sha256_file
-from attn_export.artifacts.manifest import load_manifest, save_manifest
 from attn_export.cli import cli
-from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.pipelines.localize.judge import beyond, held, representable
 from attn_export.report.localize_text import format_localize, where
-from tests.conftest import TINY_SPECS, TINY_ZOO, Built, needs_transformers, plant, write_spec
+from tests.conftest import (
+    TINY_SPECS,
+    TINY_ZOO,
+    Built,
+    add_variant,
+    key_scale_off,
+    needs_transformers,
+    plant,
+    scale_initializer,
+    write_spec,
+)
 
 ZOO_CODE = Path(__file__).resolve().parents[2] / "attn_export" / "zoo"
 #: The CLI where torch cannot be imported, as on a deploy box.
@@ -391,40 +397,18 @@ def test_localize_golden_names_a_build_without_recorded_intermediates(tiny_build
     assert f"tiny: no recorded intermediates in {tiny_build.out}; build it with --record-intermediates" in result.output
 
 
-def _add_variant(out: Path, model: str, variant: str) -> str:
-    """The variant made from the built plain graph and entered in the manifest, as build
-    makes it (without its smoke check: the point is to break it)."""
-    manifest = load_manifest(out)
-    name = f"{model}.{variant}"
-    graph = make_variant(variant, onnx.load(out / f"{model}.onnx")).proto
-    onnx.save(graph, out / f"{name}.onnx")
-    entry = dataclasses.replace(
-        manifest.models[model], name=name, file=f"{name}.onnx", variant=variant, intermediates="",
-        intermediates_sha256="", sha256=sha256_file(out / f"{name}.onnx"),
-    )  # fmt: skip
-    manifest.models[name] = entry
-    save_manifest(out, manifest)
-    return name
-
-
-def _scale_initializer(proto: onnx.ModelProto, name: str, factor: float) -> None:
-    init = next(i for i in proto.graph.initializer if i.name == name)
-    value = numpy_helper.to_array(init)
-    init.CopyFrom(numpy_helper.from_array((value * factor).astype(value.dtype), name))
-
-
 #: (fault, variant, a node of the region to blame, edit, the FX node compared there, FX nodes
 #: the region must stand for, a piece of the source line)
 FUSED_PLANTS = [
     ("fused attention's bias", "ort-fused", "node_MultiHeadAttention_3",
-     lambda p: _scale_initializer(p, "val_7", 2.0), "view_3", {"linear", "softmax", "div", "view_3"},
+     lambda p: scale_initializer(p, "val_7", 2.0), "view_3", {"linear", "softmax", "div", "view_3"},
      "output.transpose(1, 2)"),
     ("quantized weight's scale", "int8", "node_MatMul_2_quant",
-     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
+     lambda p: scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
     # 10 % off: no element leaves int8's bound, the region's error rms does (a module's masked
     # -inf scores were blamed instead, its outputs finite)
     ("quantized weight's scale, 10 % off", "int8", "node_MatMul_32_quant",
-     lambda p: _scale_initializer(p, "val_31_scale", 1.10), "linear_3", {"linear_3"}, "self.out_linear(output)"),
+     lambda p: scale_initializer(p, "val_31_scale", 1.10), "linear_3", {"linear_3"}, "self.out_linear(output)"),
     ("ONNX Runtime's fused scale", "ort-optimized", "node_matmul/MatMulScaleFusion/",
      lambda p: _set_attribute(p, "node_matmul/MatMulScaleFusion/", "alpha", 1.0), "div", {"matmul", "div"},
      "/ (self.head_dim**0.5)"),
@@ -432,13 +416,13 @@ FUSED_PLANTS = [
      lambda p: _set_attribute(p, "node_softmax", "axis", 2), "softmax", {"softmax"}, "F.softmax(scores, dim=-1)"),
     # a region reading float16 is fed PyTorch's values in float16 (float32 would not load, and was blamed)
     ("float16 weight", "fp16", "node_MatMul_32",
-     lambda p: _scale_initializer(p, "val_31", 2.0), "linear_3", {"linear_3"}, "self.out_linear(output)"),
+     lambda p: scale_initializer(p, "val_31", 2.0), "linear_3", {"linear_3"}, "self.out_linear(output)"),
     # chains: each link's nodes are mapped back through the plain graph the first was made from
     ("quantized weight's scale, optimized", "int8+ort-optimized", "node_MatMul_2_quant",
-     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
+     lambda p: scale_initializer(p, "val_1_scale", -1.0), "linear", {"linear"}, "self.q_linear(query)"),
     # the fused attention took the projections' bias in: the quantized MatMul joins its region
     ("quantized weight's scale, fused", "ort-fused+int8", "node_MatMul_2_quant",
-     lambda p: _scale_initializer(p, "val_1_scale", -1.0), "view_3", {"linear", "softmax", "view_3"},
+     lambda p: scale_initializer(p, "val_1_scale", -1.0), "view_3", {"linear", "softmax", "view_3"},
      "output.transpose(1, 2)"),
 ]  # fmt: skip
 
@@ -453,7 +437,7 @@ FUSED_PLANTS = [
 def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_it_stands_for(
     zoo_copy: Path, fault: str, variant: str, node: str, edit: Callable, fx_node: str, covers: set[str], code: str
 ) -> None:
-    name = _add_variant(zoo_copy, "mha", variant)
+    name = add_variant(zoo_copy, "mha", variant)
     agrees = _localize(zoo_copy, name)
     assert agrees.agrees and not [r.fx_node for r in agrees.regions if r.breaks], "a correct variant"
     proto = onnx.load(zoo_copy / f"{name}.onnx")
@@ -501,7 +485,7 @@ def test_a_fault_after_a_fused_attention_is_not_blamed_on_its_rows_that_see_no_k
     assert right.agrees and not [r.fx_node for r in right.regions if r.breaks]
     proto = onnx.load(zoo_copy / f"{name}.onnx")
     out_weight = [n for n in proto.graph.node if n.op_type == "MatMul"][-1].input[1]
-    _scale_initializer(proto, out_weight, 1.5)
+    scale_initializer(proto, out_weight, 1.5)
     plant(zoo_copy, name, proto)
     first = _localize(zoo_copy, name).first
     assert first is not None and first.fx_node == "linear_3" and "self.out_linear(out)" in first.code, where(first)
@@ -541,27 +525,13 @@ def test_a_planted_fault_is_localized_on_the_onnx_reference_evaluator_as_on_onnx
     assert "on onnx-reference" in result.output
 
 
-def _key_scale_off(out: Path, name: str, factor: float) -> None:
-    """The int8 scale of the key projection's weight (BERT's ``self.key``, FX node
-    ``linear_1``) times ``factor``: the key a quarter off at 1.25, which the outputs'
-    int8 tolerance lets through (its attention averages the error away)."""
-    proto = onnx.load(out / f"{name}.onnx")
-    bias_add = _node(proto, "node_linear_1")
-    dequantized = next(n for n in proto.graph.node if bias_add.input[0] in n.output)  # the scales' Mul
-    integer = next(n for n in proto.graph.node if dequantized.input[0] in n.output)  # the Cast
-    matmul = next(n for n in proto.graph.node if integer.input[0] in n.output)
-    assert matmul.op_type == "MatMulInteger", matmul.op_type
-    _scale_initializer(proto, matmul.input[1].removesuffix("_quantized") + "_scale", factor)
-    plant(out, name, proto)
-
-
 @needs_transformers
 @pytest.mark.parametrize("variant", ["fp32", "int8", "fp16"])
 def test_no_region_of_a_right_bert_graph_breaks_its_tolerance(zoo_copy: Path, variant: str) -> None:
     """Controls for the region check: a right graph of every variant it is told of, plain,
     int8 and fp16, has no region over its tolerance (a false red there would fail a right
     graph under --strict-regions), on the example case and on large values."""
-    name = "bert_attention" if variant == "fp32" else _add_variant(zoo_copy, "bert_attention", variant)
+    name = "bert_attention" if variant == "fp32" else add_variant(zoo_copy, "bert_attention", variant)
     for options in ({}, {"distribution": "large", "seed": 1}):
         report = _localize(zoo_copy, name, **options)
         assert report.passed(strict_regions=True), report.hidden_region and where(report.hidden_region)
@@ -573,8 +543,8 @@ def test_a_region_over_its_tolerance_is_reported_where_the_outputs_agree(zoo_cop
     """BERT int8 with the key projection's weight scale x1.25 passes verify, and localize said
     AGREES though its own regions showed the key's breaking its tolerance. Now it says which
     region and line; --strict-regions makes that exit 1."""
-    name = _add_variant(zoo_copy, "bert_attention", "int8")
-    _key_scale_off(zoo_copy, name, 1.25)
+    name = add_variant(zoo_copy, "bert_attention", "int8")
+    key_scale_off(zoo_copy, name, 1.25)
     report = _localize(zoo_copy, name)
     hidden = report.hidden_region
     assert report.agrees and hidden is not None and report.first is None
@@ -600,12 +570,12 @@ def test_a_region_over_its_tolerance_is_reported_where_the_outputs_agree(zoo_cop
 
 @needs_transformers
 def test_verify_check_regions_notes_and_strict_regions_fails_a_region_over_its_tolerance(zoo_copy: Path) -> None:
-    name = _add_variant(zoo_copy, "bert_attention", "int8")
+    name = add_variant(zoo_copy, "bert_attention", "int8")
     args = ["verify", str(zoo_copy / f"{name}.onnx"), "--models", str(TINY_ZOO), "--no-latency"]
     args += ["--shapes", "batch=2,seq=3", "--distribution", "normal"]
     right = CliRunner().invoke(cli, [*args, "--strict-regions"])
     assert right.exit_code == 0 and "region" not in right.output, right.output  # a right graph: no false red
-    _key_scale_off(zoo_copy, name, 1.25)
+    key_scale_off(zoo_copy, name, 1.25)
     plain = CliRunner().invoke(cli, args)
     assert plain.exit_code == 0 and "region" not in plain.output, plain.output  # what verify alone says
     noted = CliRunner().invoke(cli, [*args, "--check-regions", "--json", str(zoo_copy.parent / "noted.json")])
@@ -634,7 +604,7 @@ def test_a_right_float16_graph_on_values_beyond_its_range_has_no_region_over_its
     had. Both were said to break their tolerance in a right graph (a false red under
     --strict-regions); now the overflow is held as the dtype's largest value and the Div,
     fed clipped values, is not judged and said so."""
-    name = _add_variant(zoo_copy, "sdpa", "fp16")
+    name = add_variant(zoo_copy, "sdpa", "fp16")
     report = _localize(zoo_copy, name, distribution="large")
     assert report.passed(strict_regions=True) and not [r.fx_node for r in report.regions if r.breaks]
     (div,) = [r for r in report.regions if r.fx_node == "div"]

@@ -55,6 +55,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         help="ONNX Runtime provider (repeatable; default cpu), as verify --provider.",
     )
+    group.addoption(
+        "--attn-export-regions",
+        metavar="check|strict",
+        help="Localize one case of each model that passes: check warns (Notice) of a region over its own "
+        "tolerance though the outputs agree, strict fails the model's cases on it; as verify --check-regions, "
+        "--strict-regions.",
+    )
 
 
 def _manifests(config: pytest.Config) -> list[Path]:
@@ -95,7 +102,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _read_folder(config: pytest.Config, path: Path) -> _Folder:
     from attn_export.artifacts.manifest import load_manifest
-    from attn_export.errors import UsageError
+    from attn_export.errors import OptionError, UsageError
     from attn_export.pipelines.verify import VerifyOptions, checkout_spec
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.memory import parse_bytes
@@ -110,7 +117,12 @@ def _read_folder(config: pytest.Config, path: Path) -> _Folder:
         seed=seed,
         latency=False,
         max_memory=None if budget is None else parse_bytes(budget, "--attn-export-max-memory"),
+        regions=config.getoption("attn_export_regions"),
     )
+    try:
+        options.check()
+    except OptionError as e:
+        raise UsageError(e.named({"regions": "--attn-export-regions"})) from e
     models = sorted(manifest.models)
     specs = {m: checkout_spec(options.models_dir, manifest.models[m], "--attn-export-models") for m in models}
     return _Folder(manifest, options, specs)
@@ -176,15 +188,21 @@ class BuildFolder(pytest.File):
     def report(self, model: str) -> VerifyReport:
         """verify's report for one model, made when its first case runs; a model verify
         cannot run (a corrupt graph, a case over the budget) fails each of its cases in one
-        line, as the CLI says it, never with a traceback."""
-        from attn_export.errors import AttnExportError
+        line, as the CLI says it, never with a traceback. What the CLI notes beside a
+        model's rows (a region over its tolerance where the outputs agree) is a ``Notice``
+        warning of the test that made the report."""
+        from attn_export.errors import AttnExportError, notify
         from attn_export.pipelines.verify import verify_artifacts
 
         if model not in self.reports:
             try:
-                self.reports[model] = verify_artifacts(self.path.parent, self.manifest, [model], self.options)
+                report = verify_artifacts(self.path.parent, self.manifest, [model], self.options, on_notice=notify)
             except AttnExportError as e:
                 self.reports[model] = str(e)
+            else:
+                self.reports[model] = report
+                for note in (n for check in report.checks for n in check.notes):
+                    notify(note)
         found = self.reports[model]
         if isinstance(found, str):
             reproduce = f"attn-export verify {self.path.parent} --models {self.options.models_dir}"

@@ -17,7 +17,7 @@ from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.spec import load_spec
 from attn_export.spec.distributions import case_label
-from tests.conftest import TINY_MHA, plant, write_spec
+from tests.conftest import TINY_MHA, Built, copy_build, key_scale_off, needs_transformers, plant, write_spec
 
 OWN_TEST = """
 import torch
@@ -123,3 +123,29 @@ def test_the_cases_are_collected_counted_and_selected_as_any_test(
     )  # fmt: skip
     assert done.returncode == 0 and f"1/{n} tests collected ({n - 1} deselected)" in done.stdout, done.stdout
     assert done.stdout.startswith(f"{one_model.name}/build/manifest.json::good[onnxruntime-cpu-min]\n")
+
+
+def test_a_bad_regions_option_is_a_usage_error_naming_the_plugin_s_flag(one_model: Path) -> None:
+    bad = _pytest(one_model, "--attn-export-regions", "loud")
+    assert bad.returncode == 4 and "--attn-export-regions 'loud': give one of check, strict" in bad.stderr
+    assert "Traceback" not in bad.stdout + bad.stderr
+
+
+@needs_transformers
+@pytest.mark.slow  # two pytest runs over BERT's sweeps, plain and int8, each localizing both (over a minute)
+def test_the_plugin_s_regions_warn_of_or_fail_a_region_over_its_tolerance(shared_bert: Built, tmp_path: Path) -> None:
+    """The int8 graph's key projection a quarter off passes verify; --attn-export-regions
+    check makes it a Notice warning, strict fails its cases; the plain graph beside it has
+    neither."""
+    copy = copy_build(shared_bert, tmp_path)
+    key_scale_off(copy.out, "bert_attention.int8", 1.25)
+    args = [sys.executable, "-m", "pytest", "--attn-export", str(copy.out), "--attn-export-models", str(copy.models)]
+    args += ["-p", "no:cacheprovider", "-q", "-rf", "--attn-export-regions"]
+    said = "bert_attention.int8: outputs agree, but region linear_1 ("
+    noted = subprocess.run([*args, "check"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert noted.returncode == 0 and f"Notice: {said}" in noted.stdout, noted.stdout + noted.stderr
+    assert noted.stdout.count("Notice: ") == 1 and "modeling_bert.py:" in noted.stdout
+    strict = subprocess.run([*args, "strict"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    failed = re.findall(r"^FAILED \S+::(\S+?)\[", strict.stdout, re.M)
+    assert strict.returncode == 1 and failed and set(failed) == {"bert_attention.int8"}, strict.stdout
+    assert f"FAIL {said}" in strict.stdout and "Notice: " not in strict.stdout

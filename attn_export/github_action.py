@@ -47,6 +47,7 @@ DEFAULTS = {
     "golden": "false",
     "fail-on": "numerics",
     "max-slowdown": "2",
+    "regions": "",
     "reports-dir": "attn-export-reports",
 }
 #: What the step's ``outputs`` name each report (the keys are ``report.FORMATS``').
@@ -80,6 +81,8 @@ class ActionInputs:
     golden: bool
     fail_on: tuple[str, ...]
     max_slowdown: str
+    #: verify's region check (``VerifyOptions.regions``): ``check``, ``strict``, or None.
+    regions: str | None
     reports_dir: Path
 
     @classmethod
@@ -89,6 +92,7 @@ class ActionInputs:
         import click
 
         from attn_export.cli import MAX_SLOWDOWN
+        from attn_export.pipelines.verify import REGIONS
         from attn_export.pipelines.verify.models import parse_shard
         from attn_export.runtimes import PROVIDERS
 
@@ -105,6 +109,8 @@ class ActionInputs:
         bad = [g for g in gates if g not in GATES]
         if bad:
             raise UsageError(f"input fail-on: {', '.join(bad)} unknown (choose from {', '.join(GATES)})")
+        if raw["regions"] and raw["regions"] not in REGIONS:
+            raise UsageError(f"input regions: {raw['regions']} unknown (choose from {', '.join(REGIONS)}, or empty)")
         try:
             shard = parse_shard(raw["shard"]) if raw["shard"] else None
         except UsageError as e:
@@ -121,6 +127,7 @@ class ActionInputs:
             golden=_flag("golden", raw["golden"]),
             fail_on=tuple(g for g in GATES if g in gates or g == "numerics"),
             max_slowdown=raw["max-slowdown"],
+            regions=raw["regions"] or None,
             reports_dir=Path(raw["reports-dir"]),
         )
 
@@ -141,7 +148,7 @@ def build_command(inputs: ActionInputs) -> list[str] | None:
 
 def verify_command(inputs: ActionInputs) -> list[str]:
     """``attn-export verify``'s arguments: the build folder, the providers, the shard, the
-    reports and one option per ``fail-on`` gate (``GATES``)."""
+    reports, one option per ``fail-on`` gate (``GATES``) and the region check."""
     args = ["verify", str(inputs.build_dir)]
     args += ["--golden"] if inputs.golden else ["--models", str(inputs.models)]
     for provider in inputs.providers:
@@ -152,7 +159,7 @@ def verify_command(inputs: ActionInputs) -> list[str]:
         args += [f"--{name}", str(path)]
     for gate in inputs.fail_on:
         args += [*GATES[gate], *([inputs.max_slowdown] if gate == "latency" else [])]
-    return args
+    return args + ([f"--{inputs.regions}-regions"] if inputs.regions else [])
 
 
 def _attn_export(args: Sequence[str]) -> int:

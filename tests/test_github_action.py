@@ -24,7 +24,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import read_golden, write_golden
 from attn_export.github_action import DEFAULTS, ActionInputs, run_action, verify_command
 from attn_export.runtimes.ort import available_providers
-from tests.conftest import ROOT, Built, tiny_spec
+from tests.conftest import ROOT, Built, copy_build, key_scale_off, needs_transformers, tiny_spec
 
 ACTION = yaml.safe_load((ROOT / "action.yml").read_text())
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
@@ -227,6 +227,7 @@ def test_a_runner_file_that_is_no_file_is_one_error_line_exit_2(
         ({"GOLDEN": "yes"}, "input golden: 'yes' is neither true nor false"),
         ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number."),
         ({"MAX_SLOWDOWN": "0"}, "input max-slowdown: 0.0 is not in the range x>0."),
+        ({"REGIONS": "loud"}, "input regions: loud unknown (choose from check, strict, or empty)"),
     ],
 )
 def test_each_input_is_checked_before_anything_runs(given: dict[str, str], message: str) -> None:
@@ -310,3 +311,35 @@ def test_a_verify_that_refuses_its_input_is_an_error_line(
         capsys.readouterr().out
     )
     assert parse_github_output((tmp_path / "out").read_text())["passed"] == "false"
+
+
+def test_regions_becomes_verify_s_region_option() -> None:
+    assert verify_command(ActionInputs.from_env({"ATTN_EXPORT_REGIONS": "strict"}))[-1] == "--strict-regions"
+    assert not [a for a in verify_command(ActionInputs.from_env({})) if a.endswith("-regions")]
+
+
+@needs_transformers
+@pytest.mark.slow  # two verifies of BERT's sweeps, plain and int8, each localizing both (over a minute)
+def test_the_action_s_regions_note_or_fail_a_region_over_its_tolerance(
+    shared_bert: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 graph's key projection a quarter off passes verify; ``regions: check`` notes
+    it in the step's log and report, ``strict`` fails the step on it; the plain graph beside
+    it has neither."""
+    copy = copy_build(shared_bert, tmp_path / "given")
+    key_scale_off(copy.out, "bert_attention.int8", 1.25)
+    inputs = {"models": str(copy.models), "build-dir": str(copy.out), "regions": "check"}
+    run = run_action_steps(tmp_path, inputs)
+    said = "bert_attention.int8: outputs agree, but region linear_1 ("
+    assert run.code == 0 and run.outputs["passed"] == "true", run.log
+    (note,) = [line for line in run.log.splitlines() if line.startswith("note: ") and "region" in line]
+    assert note.startswith(f"note: {said}") and "--check-regions" in run.log
+    checks = {c["model"]: c for c in json.loads(Path(run.outputs["json"]).read_text())["checks"]}
+    assert checks["bert_attention.int8"]["notes"] == [note.removeprefix("note: ")]
+    assert checks["bert_attention"]["notes"] == [] and checks["bert_attention"]["passed"]
+    monkeypatch.chdir(tmp_path / "workspace")
+    env = {f"ATTN_EXPORT_{k.upper().replace('-', '_')}": v for k, v in {**inputs, "regions": "strict"}.items()}
+    assert run_action(env | {"GITHUB_OUTPUT": str(tmp_path / "strict-outputs")}) == 1
+    checks = {c["model"]: c for c in json.loads(Path("attn-export-reports/verify.json").read_text())["checks"]}
+    assert checks["bert_attention.int8"]["problems"][0].startswith(said)
+    assert checks["bert_attention"]["passed"] and not checks["bert_attention"]["problems"]

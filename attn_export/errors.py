@@ -82,7 +82,7 @@ class OptionError(UsageError):
 class Notice(UserWarning):
     """Issued by the Python API and the pytest plugin for what the CLI says beside its
     verdict (a note on a model that passes, a model a check could not take): the verdict
-    stands, and ``-W error::attn_export.errors.Notice`` makes it a failure."""
+    stands, and the note reaches a script or a test run that shows no stderr."""
 
 
 def notify(text: str) -> None:

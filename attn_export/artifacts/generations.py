@@ -28,7 +28,9 @@ from attn_export.spec.memory import format_bytes
 
 __all__ = ["LAYOUTS", "ROUNDINGS", "RUNS", "Recorded", "RecordedGenerations", "encode_generations", "read_generations"]
 
-LAYOUTS = ("batch-1", "padded")
+#: ``same-length``: two prompts of one length, for a graph that takes no padding (its mask
+#: ``full``), which our loop cannot run on ``padded``.
+LAYOUTS = ("batch-1", "padded", "same-length")
 #: ``none`` for a float graph, else the quantizing variant whose rounding the module took.
 ROUNDINGS = ("none", "int8", "int4")
 RUNS = ("batch", "alone")

@@ -5,7 +5,8 @@ token by our loop: the prompt with an empty cache, then one token a step, each s
 fed back as the next step's pasts, ``position_ids`` counted over the mask as transformers counts
 them. Where onnxruntime-genai is installed and the graph fits it, its generator runs the graph
 too (``runtimes.genai``), padding on the right as it does in deployment. Prompts are seeded: one
-at batch 1 and a batch of two of different lengths (left-padded for PyTorch and our loop).
+at batch 1 and a batch of two of different lengths (left-padded for PyTorch and our loop); for a
+graph that takes no padding, also a batch of two of one length, which our loop runs.
 
 Tokens must match exactly, and each step's logits (of each row's last token) within the
 variant's tolerance for ``logits``; a quantized graph (int8, int4) is held to PyTorch's
@@ -82,9 +83,10 @@ def generate_prompts(
     spec: ModelSpec, steps: int, seed: int, special: frozenset[int] = frozenset()
 ) -> dict[str, list[list[int]]]:
     """Seeded prompts by layout: one at batch 1, and (where the batch may be 2) two of
-    different lengths. Each fits the spec's ranges with ``steps`` new tokens after it; ids
-    leave out the ``special`` tokens (pad, bos, eos: a generator masks a pad in a prompt)
-    and the lowest three where the vocabulary allows. UsageError naming what to change where
+    different lengths, and two of one length where the mask takes no padding. Each fits the
+    spec's ranges with ``steps`` new tokens after it; ids leave out the ``special`` tokens
+    (pad, bos, eos: a generator masks a pad in a prompt) and the lowest three where the
+    vocabulary allows. UsageError naming what to change where
     a causal LM cannot be run so."""
     cache = cache_of(spec)
     if not is_causal_lm(spec) or cache is None:
@@ -121,6 +123,8 @@ def generate_prompts(
     layouts = {"batch-1": [draw(length)]}
     if batch is not None and batch.max >= 2:
         layouts["padded"] = [draw(length), draw(max(1, length // 2))]
+        if not cache.pads:
+            layouts["same-length"] = [draw(length), draw(length)]
     return layouts
 
 

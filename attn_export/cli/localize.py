@@ -66,8 +66,9 @@ from attn_export.spec.model import FULLY_MASKED
 )
 @click.option(
     "--layout",
-    help="With --decode-step: the trajectory's padding layout (batch-1, left-padded); with --generate-step: "
-    "the generation's (batch-1, padded). Default: the first.",
+    help="With --decode-step: the trajectory's padding layout (batch-1, left-padded, or full-batch where "
+    "the mask takes no padding); with --generate-step: the generation's (batch-1, padded, same-length). "
+    "Default: the first.",
 )
 @click.option(
     "--decode-steps",

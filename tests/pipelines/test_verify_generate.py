@@ -118,3 +118,24 @@ def test_golden_mode_refuses_recorded_generations_changed_after_the_build(causal
     result = _verify(str(folder), "--golden", "--generate", "4")
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert "llama_causal_lm.generate.npz changed after the build" in result.output
+
+
+@pytest.mark.slow
+def test_a_graph_that_takes_no_padding_decodes_and_generates_a_batch_of_one_length(
+    causal_lm: Built, tmp_path: Path
+) -> None:
+    """A spec whose mask is ``full`` cannot run the padded layouts in our loop; a batch of rows of
+    one length still checks that the graph keeps the rows apart, step after step."""
+    spec = tmp_path / "llama_causal_lm.toml"
+    spec.write_text(SPEC.read_text().replace('mask = "left-padding"', 'mask = "full"'))
+    result = CliRunner().invoke(
+        cli,
+        ["verify", str(causal_lm.out / "llama_causal_lm.onnx"), "--spec", str(spec), "--no-latency", "--decode", "2",
+         "--generate", "3", "--shapes", "batch=1,seq=2,past_seq=0", "--json", str(tmp_path / "r.json")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = VerifyReport.from_dict(json.loads((tmp_path / "r.json").read_text()))
+    assert [(d.scenario, d.passed) for d in report.decode] == [("batch-1", True), ("full-batch", True)]
+    same = [g for g in report.generate if g.layout == "same-length" and g.runner == "onnxruntime[cpu]"]
+    assert len(same) == 1 and len(same[0].prompts) == 2 and len({len(p) for p in same[0].prompts}) == 1
+    assert same[0].got == same[0].expected and same[0].got[0] != same[0].got[1]

@@ -33,8 +33,9 @@ __all__ = [
 
 #: Decode steps verify runs for a model with a cache unless ``--decode N`` says otherwise.
 DEFAULT_STEPS = 8
-#: How a trajectory's rows are padded (a trajectory's ``scenario``).
-LAYOUTS = ("batch-1", "left-padded")
+#: How a trajectory's rows are padded (a trajectory's ``scenario``): ``full-batch`` is a batch
+#: of rows of one length, for a graph that takes no padding (its mask ``full``).
+LAYOUTS = ("batch-1", "left-padded", "full-batch")
 
 Feeds = dict[str, np.ndarray]
 
@@ -77,11 +78,15 @@ def axis_of(spec: ModelSpec, name: str, dim: str | None) -> int | None:
 
 
 def layouts(spec: ModelSpec, cache: CacheSpec) -> list[str]:
-    """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, the padded
-    batch where it may be 2 or more (and a mask that may pad says which tokens are padding)."""
+    """The scenarios a spec's ranges allow: batch 1 where its batch may be 1, and where it
+    may be 2 or more the padded batch (a mask that may pad says which tokens are padding) or,
+    under a mask that takes no padding, a batch of rows of one length: rows a graph mixes
+    up differ there and nowhere at batch 1."""
     batch = spec.dims.get(cache.batch_dim or "")
     out = ["batch-1"] if batch is None or batch.min <= 1 else []
-    return out + (["left-padded"] if batch is not None and batch.max >= 2 and cache.mask and cache.pads else [])
+    if batch is None or batch.max < 2 or not cache.mask:
+        return out
+    return out + ["left-padded" if cache.pads else "full-batch"]
 
 
 def step_count(spec: ModelSpec, cache: CacheSpec, n_steps: int) -> tuple[int, list[str]]:
@@ -128,8 +133,9 @@ def plan_trajectory(spec: ModelSpec, cache: CacheSpec, scenario: str, n_steps: i
     n_steps, notes = step_count(spec, cache, n_steps)
     prompt = _prompt_length(spec, cache)
     batch = 1 if scenario == "batch-1" else min(3, spec.dims[cache.batch_dim or ""].max)
-    # Rows of different prompt lengths; one is all padding until its first generated token.
-    lengths = [prompt] if batch == 1 else [prompt, 0, max(1, prompt // 2)][:batch]
+    # Left-padded: rows of different prompt lengths, one all padding until its first
+    # generated token.
+    lengths = [prompt, 0, max(1, prompt // 2)][:batch] if scenario == "left-padded" else [prompt] * batch
     keep = np.ones((batch, prompt + n_steps), dtype=bool)
     for row, n in enumerate(lengths):
         keep[row, : prompt - n] = False

@@ -26,6 +26,7 @@ from attn_export.cli.options import (
     report_options,
     text_echo,
     threads_option,
+    timeout_option,
     wait_option,
     write_verify_reports,
 )
@@ -190,6 +191,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     is_flag=True,
     help="As --check-regions, but such a graph fails, the region named in its failure reason.",
 )
+@timeout_option(
+    "--region-timeout",
+    "With --check-regions, --strict-regions or --localize: stop a run of the whole graph or of one region "
+    "after this many seconds on ONNX Runtime. A region over it fails its graph (--check-regions too) or is "
+    "not localized (--localize).",
+)
 def verify(
     paths: tuple[Path, ...],
     models_dir: Path,
@@ -222,6 +229,7 @@ def verify(
     localize_first: bool,
     check_regions: bool,
     strict_regions: bool,
+    timeout_s: float,
     **reports: JsonTarget | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
@@ -285,6 +293,8 @@ def verify(
     regions_flag = "--strict-regions" if strict_regions else "--check-regions" if check_regions else None
     if regions_flag and golden:
         raise click.UsageError(f"{regions_flag} compares with PyTorch: it cannot be combined with --golden")
+    if given("timeout_s") and not (regions_flag or localize_first):
+        raise click.UsageError("--region-timeout needs --check-regions, --strict-regions or --localize")
     check_outside(spec_path, variant)
     to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
     echo = text_echo(to_stdout)
@@ -351,7 +361,7 @@ def verify(
     if regions_flag:
         from attn_export.pipelines.localize import check_regions as region_check
 
-        for said in region_check(report, options, strict_regions, notice):
+        for said in region_check(report, options, strict_regions, notice, timeout_s):
             if not strict_regions:  # a failure's reason is printed with the failures
                 echo(f"note: {said}")
     sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
@@ -362,7 +372,7 @@ def verify(
         from attn_export.pipelines.localize import localize_failures
         from attn_export.report.localize_text import format_localize
 
-        for found in localize_failures(report, options, notice):
+        for found in localize_failures(report, options, notice, timeout_s):
             echo(format_localize(found))
     echo(format_summary(report))
     if whole:

@@ -21,6 +21,7 @@ __all__ = [
     "Notice",
     "OptionError",
     "ProviderError",
+    "RunTimeout",
     "RuntimeFailure",
     "SpecError",
     "UsageError",
@@ -131,3 +132,8 @@ class NondeterministicModule(CheckFailed):
 
 class RuntimeFailure(CheckFailed):
     """Raised when a runtime cannot load a graph, uses the wrong provider, or fails to run."""
+
+
+class RunTimeout(RuntimeFailure):
+    """Raised when a run of a graph or a region goes past its time limit and is stopped
+    (a Loop without end in a graph from elsewhere)."""

@@ -21,6 +21,7 @@ from attn_export.cli.options import (
     json_option,
     max_memory_option,
     outside_graph_options,
+    timeout_option,
     wait_option,
     write_json,
 )
@@ -125,6 +126,11 @@ from attn_export.spec.model import FULLY_MASKED
 )
 @max_memory_option
 @wait_option
+@timeout_option(
+    "--timeout",
+    "Stop a run of the whole graph (noted; its regions still run) or of one region (an exit 1 naming it) "
+    "after this many seconds on ONNX Runtime: a Loop without end ran until it was killed.",
+)
 def localize(
     folder: Path,
     model: str | None,
@@ -151,6 +157,7 @@ def localize(
     strict_regions: bool,
     max_memory: int | None,
     wait_s: float,
+    timeout_s: float,
 ) -> None:
     """Name the first node where a built graph leaves PyTorch on one case, with the FX
     node, module and source line it came from. FOLDER is a build folder, or with --spec
@@ -231,6 +238,7 @@ def localize(
         golden=golden,
         spec_file=spec_path,
         variant=variant,
+        timeout_s=timeout_s,
     )
     report = localize_model(folder, model, options)
     if json_path != STDOUT:

@@ -14,6 +14,7 @@ from attn_export.artifacts.files import LOCK_WAIT_S, write_output
 from attn_export.errors import AttnExportError
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS
+from attn_export.runtimes.ort import MAX_TIMEOUT_S, RUN_TIMEOUT_S
 from attn_export.spec import VARIANTS, variant_chain
 
 if TYPE_CHECKING:
@@ -157,6 +158,20 @@ def variant_option(help: str) -> Decorator:  # noqa: A002
 def provider_option(help: str) -> Decorator:  # noqa: A002
     """A single --provider for ONNX Runtime, shared by build, bench and inspect."""
     return click.option("--provider", type=click.Choice(list(PROVIDERS)), default="cpu", show_default=True, help=help)
+
+
+def timeout_option(flag: str, help: str) -> Decorator:  # noqa: A002
+    """A run's time limit in seconds (``runtimes.ort.run_bounded``), shared by replay,
+    localize (``--timeout``) and verify (``--region-timeout``)."""
+    return click.option(
+        flag,
+        "timeout_s",
+        type=FiniteFloat(0, MAX_TIMEOUT_S, min_open=True),
+        default=RUN_TIMEOUT_S,
+        show_default=True,
+        metavar="SECONDS",
+        help=help,
+    )
 
 
 def threads_option(help: str) -> Decorator:  # noqa: A002

@@ -26,6 +26,7 @@ from attn_export.cli.options import (
     report_options,
     text_echo,
     threads_option,
+    timeout_option,
     wait_option,
     write_verify_reports,
 )
@@ -190,6 +191,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     is_flag=True,
     help="As --check-regions, but such a graph fails, the region named in its failure reason.",
 )
+@timeout_option(
+    "--region-timeout",
+    "With --check-regions, --strict-regions or --localize: stop a run of the whole graph or of one region "
+    "after this many seconds on ONNX Runtime. A region over it fails its graph (--check-regions too) or is "
+    "not localized (--localize).",
+)
 def verify(
     paths: tuple[Path, ...],
     models_dir: Path,
@@ -222,6 +229,7 @@ def verify(
     localize_first: bool,
     check_regions: bool,
     strict_regions: bool,
+    timeout_s: float,
     **reports: JsonTarget | None,
 ) -> None:
     """Check built graphs against PyTorch (or golden vectors) across a shape sweep.
@@ -282,6 +290,8 @@ def verify(
         raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
+    if given("timeout_s") and not (check_regions or strict_regions or localize_first):
+        raise click.UsageError("--region-timeout needs --check-regions, --strict-regions or --localize")
     check_outside(spec_path, variant)
     to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
     echo = text_echo(to_stdout)
@@ -319,6 +329,7 @@ def verify(
         spec_file=spec_path,
         variant=variant,
         regions="strict" if strict_regions else "check" if check_regions else None,
+        region_timeout_s=timeout_s,
     )
     try:
         options.check()  # before the folder's decoders are picked for --scenario

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attn_export.errors import ArtifactError, InputError, ProviderError, RuntimeFailure, first_line
+from attn_export.errors import (
+    ArtifactError,
+    InputError,
+    ProviderError,
+    RuntimeFailure,
+    RunTimeout,
+    UsageError,
+    first_line,
+)
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import PROVIDERS, Target
@@ -36,7 +45,26 @@ if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
     from attn_export.runtimes.placement import Placement
 
-__all__ = ["KIND", "OnnxRuntime", "available_providers", "crash_on_load", "load_session", "require_provider"]
+__all__ = [
+    "KIND",
+    "MAX_TIMEOUT_S",
+    "RUN_TIMEOUT_S",
+    "OnnxRuntime",
+    "available_providers",
+    "check_timeout",
+    "crash_on_load",
+    "load_session",
+    "require_provider",
+    "run_bounded",
+]
+
+#: How long one run of a region (or of the whole graph, in localize) may take by default:
+#: a region at a case's sizes runs in milliseconds to seconds, and a graph from elsewhere is
+#: data (a Loop without end ran until the process was killed).
+RUN_TIMEOUT_S = 120.0
+#: The longest limit taken: a day. Past it a limit is a typo, and a timer that far out
+#: overflows.
+MAX_TIMEOUT_S = 86400.0
 
 _LEVELS = {"disabled": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
 #: What ONNX Runtime says when an allocation would take its arena past ``max_mem``.
@@ -237,6 +265,37 @@ def load_session(
     if not used or used[0] != ep:
         raise RuntimeFailure(f"{label}: session fell back to {', '.join(used) or 'no provider'} instead of {ep}")
     return session
+
+
+def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
+    """``timeout_s`` as seconds, or UsageError naming ``what``: a limit that is no number, or
+    not above 0 and at most ``MAX_TIMEOUT_S``, would stop every run at once or none."""
+    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not (number and 0 < timeout_s <= MAX_TIMEOUT_S):  # nan fails both comparisons
+        raise UsageError(f"{what}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {timeout_s!r}")
+    return float(timeout_s)
+
+
+def run_bounded(
+    session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], timeout_s: float
+) -> list[np.ndarray]:
+    """``session.run``, stopped after ``timeout_s`` seconds by ONNX Runtime's terminate flag
+    (which a Loop checks at each iteration): RunTimeout, whose message says the limit; any
+    other failure raises as ONNX Runtime raised it."""
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.log_severity_level = 4  # the failure raises with its message; no log line
+    timer = threading.Timer(timeout_s, setattr, (options, "terminate", True))
+    timer.start()
+    try:
+        return list(session.run(list(names), dict(feeds), options))
+    except Exception as e:
+        if options.terminate:
+            raise RunTimeout(f"ran past {timeout_s:g} s and was stopped (a Loop without end?)") from e
+        raise
+    finally:
+        timer.cancel()
 
 
 class OnnxRuntime(Runtime):

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import read_regular
+from attn_export.artifacts.json_fields import json_field, json_object
 from attn_export.errors import AttnExportError, RuntimeFailure
 
 __all__ = ["OpCount", "Placement", "describe_counts", "placement_from_profile", "read_profile"]
@@ -90,13 +91,19 @@ class Placement:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Placement:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "placement") -> Placement:
+        """The placement ``to_dict`` wrote; ArtifactError naming the first field not of its
+        type (a report is read from anywhere)."""
+        counts = {
+            k: [OpCount(**json_object(c, f"{where}.{k}[{i}]")) for i, c in enumerate(json_field(d, k, list, where))]
+            for k in ("fallbacks", "shape_ops")
+        }
         return cls(
-            d["provider"],
-            dict(d["by_provider"]),
-            [OpCount(**c) for c in d["fallbacks"]],
-            [OpCount(**c) for c in d["shape_ops"]],
-            d.get("error"),
+            json_field(d, "provider", str, where),
+            dict(json_field(d, "by_provider", dict[str, int], where)),
+            counts["fallbacks"],
+            counts["shape_ops"],
+            json_field(d, "error", str | None, where, None),
         )
 
 

@@ -250,3 +250,27 @@ def test_a_region_that_runs_without_end_is_stopped(tmp_path: Path) -> None:
     write_bundle(tmp_path / "b", model.SerializeToString(), {"x": x}, {"y": x}, info)
     with pytest.raises(RuntimeFailure, match=r"^onnxruntime\[cpu\]: the region ran past 0.5 s and was stopped"):
         replay_bundle(tmp_path / "b", timeout_s=0.5)
+    stopped = "Error: onnxruntime[cpu]: the region ran past 0.5 s and was stopped (a Loop without end?)\n"
+    assert _replay(tmp_path / "b", "--timeout", "0.5") == (1, stopped)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("0", "0.0 is not in the range 0<x<=86400.0."),
+        ("-3", "-3.0 is not in the range 0<x<=86400.0."),
+        ("soon", "'soon' is not a valid float range."),
+        ("nan", "'nan' is not a finite number."),
+        ("1e9", "1000000000.0 is not in the range 0<x<=86400.0."),
+    ],
+)
+def test_a_time_limit_that_is_no_number_of_seconds_is_a_usage_error(tmp_path: Path, value: str, said: str) -> None:
+    """The limit was fixed at 120 s; now a flag, whose bad value is one line, exit 2."""
+    folder = _bundle(tmp_path / "b")
+    code, output = _replay(folder, "--timeout", value)
+    assert code == 2 and output.splitlines()[-1] == f"Error: Invalid value for '--timeout': {said}", output
+
+
+def test_replay_bundle_refuses_a_time_limit_in_its_own_terms(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match=r"^timeout_s: give seconds above 0 and at most 86400, not 0$"):
+        replay_bundle(_bundle(tmp_path / "b"), timeout_s=0)

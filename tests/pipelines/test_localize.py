@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from attn_export.cli import cli
+from attn_export.errors import UsageError
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.pipelines.localize.judge import beyond, held, representable
@@ -202,6 +204,9 @@ def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, 
         (["nope"], "no model 'nope'"),
         ([], f"holds {len(TINY_SPECS)} models; name one"),
         (["mha", "--mask-case", "fully-masked-row"], "--mask-case fully-masked-row does not apply"),
+        (["mha", "--timeout", "0"], "Invalid value for '--timeout': 0.0 is not in the range 0<x<=86400.0."),
+        (["mha", "--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a finite number."),
+        (["mha", "--timeout", "1e9"], "Invalid value for '--timeout': 1000000000.0 is not in the range 0<x<=86400.0."),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(zoo_dir: Path, args: list[str], message: str) -> None:
@@ -356,6 +361,73 @@ def test_a_region_onnx_runtime_will_not_run_is_named(zoo_copy: Path) -> None:
     assert report.cause == "refused" and report.first is not None and report.first.fx_node == "softmax"
     assert report.first.refused and any(n.startswith("the whole graph fails to run") for n in report.notes)
     assert "ONNX Runtime will not run it on PyTorch's values" in format_localize(report)
+
+
+def _plant_a_loop_without_end(out: Path) -> None:
+    """mha's scaled scores (``div``) shifted by 16, which the softmax reading them does not
+    see, and beside them a Loop (its output read by nothing) that runs while the smallest
+    score is below 8: never on the graph's own scores, for ever on PyTorch's. verify passes
+    the graph, and localize runs the Loop's region on PyTorch's scores."""
+    proto = onnx.load(out / "mha.onnx")
+    div = _node(proto, "node_div")
+    div.output[0] = "div_unshifted"
+    shift = onnx.helper.make_node("Add", ["div_unshifted", "shift"], ["div"], name="node_shift")
+    shift.metadata_props.extend(div.metadata_props)
+    scalar, kinds = onnx.helper.make_tensor_value_info, onnx.TensorProto
+    body = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["cond_in"], ["cond_out"]), onnx.helper.make_node("Neg", ["v"], ["v_out"])],
+        "body",
+        [scalar("i", kinds.INT64, []), scalar("cond_in", kinds.BOOL, []), scalar("v", kinds.FLOAT, [])],
+        [scalar("cond_out", kinds.BOOL, []), scalar("v_out", kinds.FLOAT, [])],
+    )
+    hang = [
+        shift,
+        onnx.helper.make_node("ReduceMin", ["div"], ["hang_min"], keepdims=0, name="node_hang_min"),
+        onnx.helper.make_node("Less", ["hang_min", "eight"], ["hang_cond"], name="node_hang_cond"),
+        onnx.helper.make_node("Loop", ["", "hang_cond", "eight"], ["hang_out"], body=body, name="node_hang"),
+    ]
+    nodes = list(proto.graph.node)
+    at = nodes.index(div) + 1
+    del proto.graph.node[:]
+    proto.graph.node.extend([*nodes[:at], *hang, *nodes[at:]])
+    proto.graph.initializer.extend(
+        numpy_helper.from_array(np.array(v, np.float32), name) for name, v in (("shift", 16), ("eight", 8))
+    )
+    plant(out, "mha", proto)
+
+
+@pytest.mark.slow  # a localize and a verify with region checks (10 s)
+def test_a_region_that_runs_without_end_is_stopped_at_its_limit(zoo_copy: Path, tmp_path: Path) -> None:
+    """localize and verify --check-regions ran each region with no limit: this one ran until
+    the process was killed. Now it is stopped after --timeout seconds, in one line naming it;
+    verify fails the graph and still writes its report."""
+    _plant_a_loop_without_end(zoo_copy)
+    stopped = (
+        "mha: region of ONNX nodes node_hang_min, node_hang_cond, node_hang on onnxruntime[cpu] ran past 0.5 s "
+        "and was stopped (a Loop without end?)"
+    )
+    found = CliRunner().invoke(cli, ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--timeout", "0.5"])
+    assert (found.exit_code, found.output) == (1, f"Error: {stopped}\n")
+    args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--random", "0"]
+    args += ["--distribution", "normal", "--json", str(tmp_path / "report.json")]
+    passed = CliRunner().invoke(cli, args)
+    assert passed.exit_code == 0, passed.output  # the outputs agree: only a region check runs the Loop
+    checked = CliRunner().invoke(cli, [*args, "--check-regions", "--region-timeout", "0.5"])
+    assert checked.exit_code == 1 and f"FAIL {stopped}\n" in checked.output, checked.output
+    assert "Traceback" not in checked.output and "note: " not in checked.output
+    (check,) = json.loads((tmp_path / "report.json").read_text())["checks"]
+    assert check["problems"] == [stopped] and check["passed"] is False
+    alone = CliRunner().invoke(cli, [*args, "--region-timeout", "0.5"])
+    assert alone.exit_code == 2
+    assert "Error: --region-timeout needs --check-regions, --strict-regions or --localize" in alone.output
+
+
+def test_a_time_limit_is_checked_in_the_librarys_terms(tmp_path: Path) -> None:
+    for bad in (0, -1.0, float("nan"), float("inf"), 1e9, "10", True):
+        with pytest.raises(
+            UsageError, match=rf"^timeout_s: give seconds above 0 and at most 86400, not {re.escape(repr(bad))}$"
+        ):
+            localize_model(tmp_path, None, LocalizeOptions(timeout_s=bad))  # type: ignore[arg-type]
 
 
 def test_a_planted_fault_is_localized_on_a_box_without_torch_from_the_recorded_intermediates(

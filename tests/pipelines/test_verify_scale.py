@@ -129,14 +129,31 @@ def test_merge_refuses_a_missing_or_repeated_shard(sample: dict[str, Path], tmp_
 MISTYPED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "seconds": (lambda d: d.update(seconds="1.5"), "(seconds: a string, not float)"),
     "shard": (lambda d: d["shard"].update(index="2"), "(shard.index: a string, not int)"),
-    "case": (lambda d: d["cases"].__setitem__(0, 7), "(AttributeError: 'int' object has no attribute 'get')"),
+    "case": (lambda d: d["cases"].__setitem__(0, 7), "(cases[0]: a number, not an object)"),
     "error": (
         lambda d: d["cases"][0]["comparisons"][0].update(max_abs_error=[0.5]),
         "(cases[0].comparisons[0].max_abs_error: a list, not float)",
     ),
     "placement": (
         lambda d: d["placement"][0]["by_provider"].update(CPUExecutionProvider="all"),
-        "(placement[0].placement.by_provider['CPUExecutionProvider']: a string, not int)",
+        "(placement[0].by_provider['CPUExecutionProvider']: a string, not int)",
+    ),
+    # each of these was converted without a word: dict() of a list of pairs, list() of a
+    # string's letters, a target or timing of the wrong shape unpacked into its class
+    "sizes": (
+        lambda d: d["cases"][0].update(sizes=[["batch", 2], ["seq", 3]]),
+        "(cases[0].sizes: a list, not dict[str, int])",
+    ),
+    "settings": (lambda d: d.update(settings=[["atol", None]]), "(settings: a list, not dict[str, Any])"),
+    "notes": (lambda d: d["cases"][0].update(notes="rows left out"), "(cases[0].notes: a string, not list[str])"),
+    "problems": (lambda d: d["checks"][0].update(problems="bad"), "(checks[0].problems: a string, not list[str])"),
+    "target": (lambda d: d["cases"][0].update(target=["onnxruntime"]), "(cases[0].target: a list, not dict)"),
+    "latency": (lambda d: d["cases"][0].update(latency=[1.0]), "(cases[0].latency: a list, not dict)"),
+    "seed": (lambda d: d["cases"][0].update(seed="0"), "(cases[0].seed: a string, not int)"),
+    "missing": (lambda d: d["cases"][0].pop("shape"), "(cases[0].shape: missing)"),
+    "by_provider": (
+        lambda d: d["placement"][0].update(by_provider=[["CPUExecutionProvider", 26]]),
+        "(placement[0].by_provider: a list, not dict[str, int])",
     ),
     "stray model": (lambda d: d["cases"][0].update(model="x"), "holds results of model 'x', which none of its checks"),
 }

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from attn_export.errors import first_line
+from attn_export.errors import RunTimeout, first_line
 from attn_export.exporter.stack import innermost_line
 from attn_export.pipelines.localize.values import evaluate
 from attn_export.runtimes.target import Target
@@ -239,14 +239,29 @@ def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.
 
 
 def run_region(
-    model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray], target: Target, budget: int
+    model: onnx.ModelProto,
+    region: Region,
+    feeds: Mapping[str, np.ndarray],
+    target: Target,
+    budget: int,
+    timeout_s: float,
 ) -> dict[str, np.ndarray] | str:
     """Every value the region's nodes compute, run alone on ``feeds`` (one per region
     input) on ``target``; where the region cannot run alone, why (the runtime refuses it
-    or its inputs)."""
+    or its inputs). A run past ``timeout_s`` seconds is RunTimeout naming the region: no
+    refusal to judge around, a graph that does not end."""
     try:
         sub = region_model(model, region, feeds)
         made = [o.name for o in sub.graph.output]
-        return dict(zip(made, evaluate(sub, made, {k: feeds[k] for k in region.inputs}, target, budget), strict=True))
+        values = evaluate(sub, made, {k: feeds[k] for k in region.inputs}, target, budget, timeout_s)
+        return dict(zip(made, values, strict=True))
+    except RunTimeout as e:
+        raise RunTimeout(f"region {_label(region)} on {target.label} {e}") from e
     except Exception as e:  # noqa: BLE001 - ONNX Runtime and onnx raise their own classes
         return first_line(e)
+
+
+def _label(region: Region) -> str:
+    """The region as a message names it: its FX node and ONNX nodes (a fused region has no FX node)."""
+    nodes = ", ".join(region.nodes)
+    return f"{region.fx_node} (ONNX nodes {nodes})" if region.fx_node else f"of ONNX nodes {nodes}"

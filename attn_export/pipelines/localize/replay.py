@@ -4,7 +4,6 @@ ONNX Runtime is deployed and in a bug report."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,17 +12,13 @@ import numpy as np
 
 from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, left_out_rows, read_bundle
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, RuntimeFailure, first_line
+from attn_export.errors import ArtifactError, RuntimeFailure, RunTimeout, first_line
 from attn_export.pipelines.localize.judge import judged_elements, left_out, representable
-from attn_export.runtimes.ort import load_session
+from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout, load_session, run_bounded
 from attn_export.spec import Tolerance
 from attn_export.spec.memory import memory_budget
 
-__all__ = ["TIMEOUT_S", "ReplayResult", "replay_bundle"]
-
-#: How long a region may run: one region at a case's sizes runs in milliseconds to
-#: seconds, and a bundle is data (a Loop without end ran until it was killed).
-TIMEOUT_S = 120.0
+__all__ = ["ReplayResult", "replay_bundle"]
 
 
 @dataclass
@@ -73,34 +68,25 @@ def _check_fit(folder: Path, session: Any, bundle: Bundle) -> None:
 
 
 def _run(session: Any, value: str, bundle: Bundle, provider: str, timeout_s: float) -> np.ndarray:
-    """The region's value, its run stopped after ``timeout_s`` seconds (ONNX Runtime's
-    terminate flag, which a Loop checks at each iteration)."""
-    import onnxruntime as ort
-
-    options = ort.RunOptions()
-    options.log_severity_level = 4  # the failure raises with its message; no log line
-    timer = threading.Timer(timeout_s, setattr, (options, "terminate", True))
-    timer.start()
+    """The region's value, its run stopped after ``timeout_s`` seconds."""
     try:
-        return session.run([value], bundle.inputs, options)[0]
+        return run_bounded(session, [value], bundle.inputs, timeout_s)[0]
+    except RunTimeout as e:
+        raise RunTimeout(f"onnxruntime[{provider}]: the region {e}") from e
     except Exception as e:  # noqa: BLE001 - ONNX Runtime raises its own classes
-        if options.terminate:
-            raise RuntimeFailure(
-                f"onnxruntime[{provider}]: the region ran past {timeout_s:g} s and was stopped (a Loop without end?)"
-            ) from e
         raise RuntimeFailure(f"onnxruntime[{provider}]: {first_line(e)}") from e
-    finally:
-        timer.cancel()
 
 
 def replay_bundle(
-    folder: Path, provider: str = "cpu", max_memory: int | None = None, timeout_s: float = TIMEOUT_S
+    folder: Path, provider: str = "cpu", max_memory: int | None = None, timeout_s: float = RUN_TIMEOUT_S
 ) -> ReplayResult:
     """Run the bundle's ``region.onnx`` on its inputs with graph optimizations off, as
     localize ran it, for at most ``timeout_s`` seconds, and judge it as localize did: at the
     bundle's tolerance, in PyTorch's dtype, with PyTorch's values on the padded rows the
     spec leaves out. A bundle whose left-out rows leave nothing to judge is refused: it
-    would agree having compared nothing."""
+    would agree having compared nothing. UsageError for a ``timeout_s`` that is not seconds
+    above 0 and at most a day."""
+    timeout_s = check_timeout(timeout_s)
     budget = memory_budget(max_memory)
     bundle = read_bundle(folder, budget)
     ((value, expected),) = bundle.expected.items()

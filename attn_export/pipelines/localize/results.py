@@ -18,6 +18,7 @@ from typing import Any
 
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
+from attn_export.runtimes.ort import RUN_TIMEOUT_S
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 
@@ -65,6 +66,9 @@ class LocalizeOptions:
     #: (``verify --spec``); None for built graphs.
     spec_file: Path | None = None
     variant: str = "fp32"
+    #: Seconds one run of the whole graph or of one region may take on ONNX Runtime: a graph
+    #: is data, and a Loop without end ran until the process was killed.
+    timeout_s: float = RUN_TIMEOUT_S
 
     @property
     def target(self) -> Target:

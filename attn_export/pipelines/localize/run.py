@@ -30,7 +30,7 @@ from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, p
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, RuntimeFailure, UsageError
+from attn_export.errors import ArtifactError, RuntimeFailure, RunTimeout, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
@@ -47,7 +47,7 @@ from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
-from attn_export.runtimes.ort import require_provider
+from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout, require_provider
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
@@ -149,12 +149,13 @@ def _regions(
     budget: int,
     rows: np.ndarray | None,
     filled: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    timeout_s: float,
 ) -> tuple[list[RegionError], dict[str, tuple[dict[str, np.ndarray], Tolerance]]]:
-    """Every region run alone, in graph order, on PyTorch's values where PyTorch has them
-    (the graph's inputs and its shape arithmetic as the regions before computed them);
-    each that holds an FX node's tensor is compared, beside the whole graph's value there.
-    Also the inputs each region whose own error breaks the tolerance was fed, and the
-    tolerance it was judged by (for a bundle)."""
+    """Every region run alone (for at most ``timeout_s`` seconds), in graph order, on
+    PyTorch's values where PyTorch has them (the graph's inputs and its shape arithmetic as
+    the regions before computed them); each that holds an FX node's tensor is compared,
+    beside the whole graph's value there. Also the inputs each region whose own error
+    breaks the tolerance was fed, and the tolerance it was judged by (for a bundle)."""
     forced: dict[str, np.ndarray] = {}
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
@@ -169,7 +170,7 @@ def _regions(
         # inputs PyTorch's values overflow in the graph's dtype: what the region computes
         # from them clipped is no value PyTorch has, so its error is not its own
         clipped = [i for i, v in pytorch_in.items() if i in graph_vals and beyond(v, graph_vals[i].dtype)]
-        ran = run_region(proto, region, teacher, on, budget)
+        ran = run_region(proto, region, teacher, on, budget, timeout_s)
         alone = filled(ran) if isinstance(ran, dict) else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
@@ -277,6 +278,7 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
     args += ["--runtime", options.runtime] if options.runtime != DEFAULT_RUNTIME else []
     args += ["--provider", options.provider] if options.target.provider not in (None, "cpu") else []
     args += ["--fully-masked", options.fully_masked] if options.fully_masked else []
+    args += ["--timeout", f"{options.timeout_s:g}"] if options.timeout_s != RUN_TIMEOUT_S else []
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
 
 
@@ -311,7 +313,10 @@ def _check_golden(options: LocalizeOptions) -> None:
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
     one); with ``options.spec_file``, ``out_dir`` is one .onnx file no build made
-    (``verify --spec``). UsageError/ArtifactError on bad input; the verdict is data."""
+    (``verify --spec``). UsageError/ArtifactError on bad input; the verdict is data. A run
+    of the whole graph past ``options.timeout_s`` is a note (its regions still run), one of
+    a region RunTimeout naming it."""
+    check_timeout(options.timeout_s)
     if options.runtime not in RUNTIMES:
         raise UsageError(f"unknown runtime {options.runtime} (known: {', '.join(RUNTIMES)})")
     if options.target.provider is not None:
@@ -500,7 +505,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     notes = []
     filled, feeds = _in_buffers(proto, spec, feeds)
     try:
-        graph_vals = filled(graph_values(proto, feeds, options.target, budget))
+        graph_vals = filled(graph_values(proto, feeds, options.target, budget, options.timeout_s))
     except RuntimeFailure as e:
         graph_vals = {}
         notes.append(f"the whole graph fails to run: {e}")
@@ -516,7 +521,12 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     # it has a right graph whose attention differs there, which was blamed for a fault after it.
     agree = spec.fully_masked == "ignore" or padded_rows_agree(spec, case, outputs_there, tolerances)
     rows = padded_tokens(spec, case) if agree else None
-    errors, fed = _regions(proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows, filled)
+    try:
+        errors, fed = _regions(
+            proto, regions, torch_vals, graph_vals, feeds, tol, options.target, budget, rows, filled, options.timeout_s
+        )
+    except RunTimeout as e:
+        raise RunTimeout(f"{model}: {e}") from e
     unjudged = list(dict.fromkeys(e.fx_node for e in errors if e.clipped and e.local and not e.local.passed))
     if unjudged:
         notes.append(
@@ -568,14 +578,17 @@ def _step_options(base: LocalizeOptions, seed: int, target: Target, **step: Any)
 
 
 def localize_failures(
-    report: VerifyReport, options: VerifyOptions, notice: Callable[[str], None] | None = None
+    report: VerifyReport,
+    options: VerifyOptions,
+    notice: Callable[[str], None] | None = None,
 ) -> list[LocalizeReport]:
     """``verify --localize``: the first failing case of each model that verify compared with
     PyTorch on ONNX Runtime, else the first step where a decode trajectory left PyTorch's, else
     the first step where our loop's generation did, localized (one case per model bounds the
     cost: the others usually fail at the same node). A graph localize cannot take
-    (``NotLocalizable``: no dynamo exporter's metadata) is said to ``notice`` and left out,
-    where one is given: verify's verdict and reports stand."""
+    (``NotLocalizable``: no dynamo exporter's metadata), or whose region runs past
+    ``options.region_timeout_s`` seconds (``RunTimeout``), is said to ``notice`` and left out, where one is
+    given: verify's verdict and reports stand."""
     out_dir, base = _base_options(report, options)
     asked: dict[str, LocalizeOptions] = {}
     for case in report.failed_cases:
@@ -598,7 +611,7 @@ def localize_failures(
     for model, opts in asked.items():
         try:
             found.append(localize_model(out_dir, model, opts))
-        except NotLocalizable as e:
+        except (NotLocalizable, RunTimeout) as e:
             if notice is None:
                 raise
             notice(f"{model} not localized: {e}")
@@ -615,6 +628,7 @@ def _base_options(report: VerifyReport, options: VerifyOptions) -> tuple[Path, L
         lock_wait_s=options.lock_wait_s,
         spec_file=options.spec_file,
         variant=options.variant,
+        timeout_s=options.region_timeout_s,
     )
     if options.spec_file is not None:
         out_dir = out_dir / report.checks[0].file
@@ -640,7 +654,10 @@ def _case_options(base: LocalizeOptions, case: CaseResult) -> LocalizeOptions:
 
 
 def check_regions(
-    report: VerifyReport, options: VerifyOptions, strict: bool, notice: Callable[[str], None] | None = None
+    report: VerifyReport,
+    options: VerifyOptions,
+    strict: bool,
+    notice: Callable[[str], None] | None = None,
 ) -> None:
     """Verify's ``regions`` (``check``: ``strict`` False; ``strict``: True), run by
     ``verify_artifacts``: each model whose graph passed has one case verify compared with
@@ -649,7 +666,9 @@ def check_regions(
     graph still passes), or under ``strict`` a problem saying the same (the graph fails).
     The case is verify's distinct case (the build's example sizes) where it ran one, else
     its first. A graph localize cannot take is said to ``notice`` and left as verify judged
-    it (a check that cannot run fails nothing), where one is given."""
+    it (a check that cannot run fails nothing), where one is given. A region that runs past
+    ``options.region_timeout_s`` seconds fails its model's checks either way, the region and
+    the limit named: a graph that does not end on PyTorch's values does not pass."""
     out_dir, base = _base_options(report, options)
     failed = set(report.failed_models)
     firsts: dict[str, CaseResult] = {}
@@ -668,6 +687,9 @@ def check_regions(
             if notice is None:
                 raise
             notice(f"{check.model} not region-checked: {e}")
+            continue
+        except RunTimeout as e:  # a failure of its own, printed with the failures
+            check.problems.append(str(e))
             continue
         region = found.hidden_region
         if region is None:

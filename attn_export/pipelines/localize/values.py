@@ -16,7 +16,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import Intermediates
 from attn_export.errors import RuntimeFailure, UsageError, first_line
 from attn_export.exporter.stack import innermost_line
-from attn_export.runtimes.ort import load_session
+from attn_export.runtimes.ort import load_session, run_bounded
 from attn_export.runtimes.target import Target
 from attn_export.spec import ModelSpec
 from attn_export.spec.memory import format_bytes
@@ -81,23 +81,31 @@ def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray],
 
 
 def evaluate(
-    model: onnx.ModelProto, names: list[str], feeds: Mapping[str, np.ndarray], target: Target, budget: int
+    model: onnx.ModelProto,
+    names: list[str],
+    feeds: Mapping[str, np.ndarray],
+    target: Target,
+    budget: int,
+    timeout_s: float,
 ) -> list[np.ndarray]:
     """``names`` computed by ``model`` on ``target``: the ONNX reference evaluator, or an
     ONNX Runtime session with graph optimizations off (its arena held to ``budget``), so
-    that it runs the nodes the file holds. Raises what the runtime raises."""
+    that it runs the nodes the file holds, stopped after ``timeout_s`` seconds (RunTimeout;
+    ONNX Runtime's terminate flag: the reference evaluator has none). Raises what the
+    runtime raises."""
     if target.provider is None:
         from onnx.reference import ReferenceEvaluator
 
         return [np.asarray(v) for v in ReferenceEvaluator(model).run(names, dict(feeds))]
     session = load_session(model.SerializeToString(), target.provider, level="disabled", budget=budget)
-    return list(session.run(names, dict(feeds)))
+    return run_bounded(session, names, feeds, timeout_s)
 
 
 def graph_values(
-    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: Target, budget: int
+    model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], target: Target, budget: int, timeout_s: float
 ) -> dict[str, np.ndarray]:
-    """Every value the graph's nodes compute, from one run on ``target`` with none fused."""
+    """Every value the graph's nodes compute, from one run on ``target`` with none fused,
+    stopped after ``timeout_s`` seconds."""
     exposed = onnx.ModelProto()
     exposed.CopyFrom(model)
     named = {o.name for o in exposed.graph.output}
@@ -108,6 +116,6 @@ def graph_values(
                 named.add(name)
     names = [o.name for o in exposed.graph.output]
     try:
-        return dict(zip(names, evaluate(exposed, names, feeds, target, budget), strict=True))
+        return dict(zip(names, evaluate(exposed, names, feeds, target, budget, timeout_s), strict=True))
     except Exception as e:  # noqa: BLE001 - ONNX Runtime and the reference evaluator raise their own classes
         raise RuntimeFailure(f"{target.label}: {first_line(e)}") from e

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from attn_export.artifacts.files import LOCK_WAIT_S
+from attn_export.artifacts.json_fields import json_field, json_object
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.checks.decode.results import DecodeResult
@@ -23,6 +24,7 @@ from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
 from attn_export.errors import OptionError, UsageError
 from attn_export.runtimes import Target
+from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout
 from attn_export.runtimes.placement import Placement
 from attn_export.runtimes.timing import LatencyStats
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -96,6 +98,9 @@ class VerifyOptions:
     #: One of ``REGIONS``: each graph that passes has one case localized, a region over its
     #: own tolerance where the outputs agree noted (``check``) or failed (``strict``); None: no check.
     regions: str | None = None
+    #: How long one run of a graph, or of one of its regions, may take in the region check
+    #: (and ``localize_failures``) before ONNX Runtime stops it: graphs are data.
+    region_timeout_s: float = RUN_TIMEOUT_S
 
     def check(self) -> None:
         """UsageError naming the first option out of its range, as the CLI would refuse it
@@ -129,6 +134,7 @@ class VerifyOptions:
             if self.golden:
                 clash = "{regions} compares with PyTorch: it cannot be combined with {golden}"
                 raise OptionError(clash, ["regions", "golden"])
+        check_timeout(self.region_timeout_s, "region_timeout_s")
 
     def _sweep_options(self) -> dict[str, object]:
         """The options that fix a run's cases, as the CLI names them."""
@@ -275,24 +281,38 @@ class CaseResult:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CaseResult:
-        lat = d.get("latency") or {}
+    def from_dict(cls, d: Any, where: str = "case") -> CaseResult:
+        """The case ``to_dict`` wrote; ArtifactError naming the first field (``where.seed``)
+        not of its type: a case is read from a shard's report, which can come from anywhere."""
+        d = json_object(d, where)
+        lat = json_field(d, "latency", dict | None, where, None) or {}
+        timing = {k: json_field(lat, k, dict | None, f"{where}.latency", None) for k in ("onnx", "torch")}
         return cls(
-            model=d["model"],
-            target=Target(**d["target"]),
-            shape=d["shape"],
-            sizes=dict(d["sizes"]),
-            seed=d["seed"],
-            expected_from=d["expected_from"],
-            distribution=d["distribution"],
-            comparisons=[OutputComparison.from_dict(c) for c in d["comparisons"]],
-            error=d.get("error"),
-            gate=d.get("gate"),
-            placement_gate=d.get("placement_gate"),
-            notes=list(d.get("notes", [])),
-            onnx_latency=LatencyStats(**lat["onnx"]) if lat.get("onnx") else None,
-            torch_latency=LatencyStats(**lat["torch"]) if lat.get("torch") else None,
+            model=json_field(d, "model", str, where),
+            target=_target(d, where),
+            shape=json_field(d, "shape", str, where),
+            sizes=dict(json_field(d, "sizes", dict[str, int], where)),
+            seed=json_field(d, "seed", int, where),
+            expected_from=json_field(d, "expected_from", str, where),
+            distribution=json_field(d, "distribution", str, where),
+            comparisons=[
+                OutputComparison.from_dict(json_object(c, f"{where}.comparisons[{i}]"))
+                for i, c in enumerate(json_field(d, "comparisons", list, where))
+            ],
+            error=json_field(d, "error", str | None, where, None),
+            gate=json_field(d, "gate", str | None, where, None),
+            placement_gate=json_field(d, "placement_gate", str | None, where, None),
+            notes=list(json_field(d, "notes", list[str], where, [])),
+            onnx_latency=LatencyStats(**timing["onnx"]) if timing["onnx"] else None,
+            torch_latency=LatencyStats(**timing["torch"]) if timing["torch"] else None,
         )
+
+
+def _target(d: Mapping[str, Any], where: str) -> Target:
+    """The ``target`` object of a result ``d`` (``Target.to_dict``), each field checked."""
+    target = json_field(d, "target", dict, where)
+    runtime = json_field(target, "runtime", str, f"{where}.target")
+    return Target(runtime, json_field(target, "provider", str | None, f"{where}.target", None))
 
 
 @dataclass
@@ -390,8 +410,11 @@ class PlacementResult:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PlacementResult:
-        return cls(d["model"], Target(**d["target"]), Placement.from_dict(d), d["required"])
+    def from_dict(cls, d: Any, where: str = "placement") -> PlacementResult:
+        """The placement ``to_dict`` wrote; ArtifactError naming the first field not of its type."""
+        d = json_object(d, where)
+        model, target = json_field(d, "model", str, where), _target(d, where)
+        return cls(model, target, Placement.from_dict(d, where), json_field(d, "required", bool, where))
 
 
 @dataclass
@@ -535,20 +558,41 @@ class VerifyReport:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> VerifyReport:
+    def from_dict(cls, d: Any) -> VerifyReport:
+        """The report ``to_dict`` wrote (``report merge`` reads shards' from anywhere); ArtifactError
+        naming the first field not of its type (``cases[0].seed: a string, not int``), never
+        a silent conversion (``dict`` of a list of pairs, ``list`` of a string's letters)."""
+        d = json_object(d, "the report")
+        shard = json_field(d, "shard", dict | None, "", None)
+        found = {k: json_field(d, k, list, "", []) for k in ("decode", "generate", "placement")}
         return cls(
-            artifacts=d["artifacts"],
-            seed=d["seed"],
-            settings=dict(d["settings"]),
-            manifest_sha256=d.get("manifest_sha256"),
-            versions=dict(d.get("versions") or {}),
-            shard=Shard(**d["shard"]) if d.get("shard") else None,
-            checks=[
-                ModelCheck(c["model"], c["file"], list(c["problems"]), list(c.get("notes", []))) for c in d["checks"]
+            artifacts=json_field(d, "artifacts", str),
+            seed=json_field(d, "seed", int),
+            settings=dict(json_field(d, "settings", dict[str, Any])),
+            manifest_sha256=json_field(d, "manifest_sha256", str | None, "", None),
+            versions=dict(json_field(d, "versions", dict[str, str] | None, "", None) or {}),
+            shard=None if not shard else _shard(shard),
+            checks=[_check(c, f"checks[{i}]") for i, c in enumerate(json_field(d, "checks", list))],
+            cases=[CaseResult.from_dict(c, f"cases[{i}]") for i, c in enumerate(json_field(d, "cases", list))],
+            decode=[DecodeResult.from_dict(json_object(t, f"decode[{i}]")) for i, t in enumerate(found["decode"])],
+            generate=[
+                GenerateResult.from_dict(dict(json_object(g, f"generate[{i}]")))
+                for i, g in enumerate(found["generate"])
             ],
-            cases=[CaseResult.from_dict(c) for c in d["cases"]],
-            decode=[DecodeResult.from_dict(t) for t in d.get("decode", [])],
-            generate=[GenerateResult.from_dict(g) for g in d.get("generate", [])],
-            placement=[PlacementResult.from_dict(p) for p in d.get("placement", [])],
-            seconds=d["seconds"],
+            placement=[PlacementResult.from_dict(p, f"placement[{i}]") for i, p in enumerate(found["placement"])],
+            seconds=json_field(d, "seconds", float),
         )
+
+
+def _shard(d: Mapping[str, Any]) -> Shard:
+    index, count = json_field(d, "index", int, "shard"), json_field(d, "count", int, "shard")
+    return Shard(index, count, json_field(d, "selection", str, "shard"))
+
+
+def _check(d: Any, where: str) -> ModelCheck:
+    """A ``checks`` entry of a report, each field checked."""
+    d = json_object(d, where)
+    problems, notes = json_field(d, "problems", list[str], where), json_field(d, "notes", list[str], where, [])
+    return ModelCheck(
+        json_field(d, "model", str, where), json_field(d, "file", str, where), list(problems), list(notes)
+    )

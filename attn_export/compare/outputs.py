@@ -117,6 +117,7 @@ def judge_value(
         rms_bound=bound,
         rounding_rms=rounding.rms,
         rounding_max=rounding.max,
+        unsimulated=rounding.unsimulated,
     )
     return dataclasses.replace(judged, by_rounding=judged.passed and bool(rounding.max) and beyond_shares)
 
@@ -130,7 +131,7 @@ def _capped(rounding: Rounding, expected: np.ndarray, rms: float, tol: Tolerance
     factor = rounding_factor(tol)
     cap = FLOAT16_ROUNDING_CAP if tol.weight_bits == 16 else ROUNDING_CAP
     most = Rounding(cap * rms / factor, largest / factor)
-    return Rounding(min(rounding.rms, most.rms), min(rounding.max, most.max))
+    return dataclasses.replace(rounding, rms=min(rounding.rms, most.rms), max=min(rounding.max, most.max))
 
 
 def allowed_error(tol: Tolerance, expected: np.ndarray) -> np.ndarray:
@@ -175,6 +176,9 @@ class OutputComparison:
     #: Whether the error is beyond the shares of the rms alone: within what int8 rounding
     #: does to the module here, but past what a fixed share holds (verify says so).
     by_rounding: bool = False
+    #: Why the variant's rounding could not be simulated here ('' where it was, or where the
+    #: tolerance does not ask): the output was judged by the shares of the rms alone.
+    unsimulated: str = ""
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
     #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
@@ -251,7 +255,7 @@ class OutputComparison:
                 f"{self.name}: {self.mismatched}/{self.total} elements "
                 f"({100 * self.mismatch_fraction:.2f}%) outside atol={self.atol:g} rtol={self.rtol:g}; "
                 f"max abs {self.max_abs_error:.3g} at {self.worst_index}, "
-                f"needs atol>={self.min_passing_atol:.3g}"
+                f"needs atol>={self.min_passing_atol:.3g}{self._shares_alone()}"
             )
         if not self.rms_ok:
             assert self.rms_bound is not None
@@ -259,9 +263,13 @@ class OutputComparison:
             return (
                 f"{self.name}: the error's rms {self.rms_error:.3g}{share} is over its bound {self.rms_bound:.3g} "
                 "(rms_rtol): every element within atol, but the whole output off, as a wrong scale or zero "
-                "point leaves it; a right graph's rounding stays below"
+                f"point leaves it; a right graph's rounding stays below{self._shares_alone()}"
             )
         return ""
+
+    def _shares_alone(self) -> str:
+        """The clause saying the variant's rounding could not be simulated, '' where it was."""
+        return f"; {self.unsimulated}: judged by the shares of the rms alone" if self.unsimulated else ""
 
     @property
     def widened(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -164,30 +165,43 @@ class TorchRuntime(Runtime):
     def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
         """How far the module run with each quantizing variant's rounding (``in_int8``: int8,
         int4) is from its ``outputs`` on ``feeds``, per float output and by
-        ``rounding_key``: how far a right graph of that variant strays here. None (zero)
-        where the module cannot run so: such graphs are then judged by the shares of the rms
-        alone."""
-        torch = require("torch", "running the PyTorch original")
+        ``rounding_key``: how far a right graph of that variant strays here, the widest of
+        the runs that ran (fp16 has several, ``FLOAT16_ROUNDINGS``). Zero where none ran,
+        with the first one's error as ``Rounding.unsimulated``: such graphs are then judged
+        by the shares of the rms alone."""
         found: dict[str, Rounding] = {}
         for bits in self.rounding_bits:
-            try:
-                with torch.no_grad():
-                    tensors = self._tensors(feeds)
-                    results = (
-                        [in_float16(self._half(), *tensors, scale_scores=s, dither=d) for s, d in FLOAT16_ROUNDINGS]
-                        if bits == FLOAT16
-                        else [in_int8(self.module, *tensors, bits=bits)]
-                    )
-            except Exception:  # noqa: BLE001 - a rounded weight may break code the float one runs
-                found |= {rounding_key(bits, t.name): Rounding() for t in self.outputs if t.name in outputs}
-                continue
+            results, why = self._rounded_runs(bits, feeds)
+            found |= {rounding_key(bits, t.name): Rounding(unsimulated=why) for t in self.outputs if t.name in outputs}
             for result in results:
                 for t, v in zip(self.outputs, _values(result), strict=False):
                     if t.name in outputs:
                         key = rounding_key(bits, t.name)
-                        run = Rounding.between(outputs[t.name], v.detach().cpu().numpy())
-                        found[key] = found.get(key, Rounding()).widest(run)
+                        found[key] = found[key].widest(Rounding.between(outputs[t.name], v.detach().cpu().numpy()))
         return found
+
+    def _rounded_runs(self, bits: int, feeds: Mapping[str, np.ndarray]) -> tuple[list[Any], str]:
+        """The module's results with the ``bits``-bit variant's rounding, one per run that ran
+        (a rounded weight may break code the float one runs, one fp16 run fail where another
+        does not), and why none ran ('' where one did)."""
+        torch = require("torch", "running the PyTorch original")
+        tensors = self._tensors(feeds)
+        runs = (
+            [partial(in_float16, self._half(), *tensors, scale_scores=s, dither=d) for s, d in FLOAT16_ROUNDINGS]
+            if bits == FLOAT16
+            else [partial(in_int8, self.module, *tensors, bits=bits)]
+        )
+        results, errors = [], []
+        for run in runs:
+            try:
+                with torch.no_grad():
+                    results.append(run())
+            except Exception as e:  # noqa: BLE001 - whatever fails, the other runs still say something
+                errors.append(e)
+        if results:
+            return results, ""
+        error = errors[0]
+        return [], f"{rounding_name(bits)}'s simulation could not run ({type(error).__name__}: {first_line(error)})"
 
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:
         """The module's outputs in float64, every op ``widened`` or cast as a whole; None

@@ -104,6 +104,9 @@ class Rounding:
 
     rms: float = 0.0
     max: float = 0.0
+    #: Why the module could not run with that rounding ('' where it ran): the room is then
+    #: zero, the output judged by the shares of the rms alone, and a failure says why.
+    unsimulated: str = ""
 
     def widest(self, other: Rounding) -> Rounding:
         """The larger of the two on each measure."""

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attn_export.compare import OutputComparison, compare_output
+from attn_export.compare.outputs import judge_value
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
-from attn_export.spec import Tolerance
+from attn_export.spec import Rounding, Tolerance
+from attn_export.spec.variants import FP16_TOLERANCE
 
 TOL = Tolerance(1e-5, 1e-4)
 
@@ -127,6 +129,29 @@ def test_shape_and_dtype_must_match_exactly() -> None:
     assert compare_output("o", a, np.zeros((3, 2), np.float32), TOL).reason() == "o: shape [3, 2] != expected [2, 3]"
     assert compare_output("o", a, np.zeros((2, 3), np.float64), TOL).reason() == "o: dtype float64 != expected float32"
     assert compare_output("o", a, None, TOL).reason() == "o: output missing"
+
+
+def test_a_case_whose_rounding_could_not_be_simulated_says_so_when_it_fails() -> None:
+    """Without its simulated rounding a case has the shares of the rms alone, and a user
+    reading its red must see why (the rounding's ``unsimulated``, from ``TorchRuntime``)."""
+    expected = np.linspace(-1, 1, 8, dtype=np.float32)
+    why = "fp16's simulation could not run (RuntimeError: no float16 kernel)"
+    c = judge_value("o", expected, expected + 0.1, FP16_TOLERANCE, rounding=Rounding(unsimulated=why))
+    assert not c.passed and c.unsimulated == why
+    assert c.reason().endswith(f"; {why}: judged by the shares of the rms alone")
+    ran = judge_value("o", expected, expected + 0.1, FP16_TOLERANCE, rounding=Rounding(1e-3, 1e-3))
+    assert not ran.passed and "shares of the rms alone" not in ran.reason()
+    assert OutputComparison.from_dict(c.to_dict()) == c
+
+
+def test_no_rounding_room_passes_an_overflowed_graph() -> None:
+    """On a GPU a float16 MatMul overflows where ONNX Runtime's CPU (and so the simulation)
+    stays finite: the graph's Inf/NaN fails whatever room fp16's rounding gives."""
+    expected = np.linspace(-1, 1, 8, dtype=np.float32)
+    actual = expected.copy()
+    actual[3] = np.nan
+    c = judge_value("o", expected, actual, FP16_TOLERANCE, rounding=Rounding(1.0, 1.0))
+    assert not c.passed and c.unexpected_nonfinite == 1
 
 
 def test_round_trips_through_dict() -> None:

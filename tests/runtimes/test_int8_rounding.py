@@ -1,13 +1,17 @@
 """The int8 rounding simulated in PyTorch rounds what ``quantize_dynamic`` quantizes, and
-nothing else: a MatMul whose second operand is a whole weight of the module."""
+nothing else: a MatMul whose second operand is a whole weight of the module. The float16
+one stays finite where float16 overflows, and a rounding that cannot run says why."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from attn_export.runtimes.int8_rounding import in_int8
+from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8
+from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.spec import Rounding, TensorSpec
 
 
 class _Uses(nn.Module):
@@ -49,7 +53,6 @@ def test_int4_rounding_is_the_int4_variants_to_float32_noise() -> None:
     """A weight of 70 inputs (blocks of 32, the last one short), rounded in PyTorch as the
     int4 variant's MatMulNBits rounds it, and the activations as accuracy level 4 rounds them
     on a CPU (genai's builder sets it): the same outputs as ONNX Runtime's graph."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -77,3 +80,48 @@ def test_int4_rounding_is_the_int4_variants_to_float32_noise() -> None:
         exact = linear(x).numpy()
     assert np.abs(simulated - graph_out).max() < 1e-5 < np.abs(exact - graph_out).max()
     assert onnx.checker.check_model(proto) is None
+
+
+class _Scores(nn.Module):
+    """Attention's scores as the seed module computes them: a MatMul, a scale, Softmax."""
+
+    def __init__(self, fails_in_float16: bool = False) -> None:
+        super().__init__()
+        self.fails_in_float16 = fails_in_float16
+        self.value = nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if self.fails_in_float16 and q.dtype == torch.float16:
+            raise RuntimeError("no float16 kernel")
+        scores = (q @ k.transpose(-2, -1)) / 2
+        return scores.softmax(-1) @ (k * self.value)
+
+
+def test_float16_that_overflows_keeps_its_float32_result_as_onnx_runtimes_cpu() -> None:
+    """Scores past 65504 are +inf in float16; ONNX Runtime's CPU computes them in float32, so
+    the simulation keeps them there: finite and as near the module as float16 values allow."""
+    torch.manual_seed(0)
+    module = _Scores().eval()
+    q, k = torch.randn(2, 5, 8) * 200, torch.randn(2, 6, 8) * 200
+    assert not torch.isfinite(q.half() @ k.half().transpose(-2, -1)).all()
+    with torch.no_grad():
+        exact = module(q, k)
+        for dither in (None, 1):
+            simulated = in_float16(float16_twin(module), q, k, dither=dither)
+            assert simulated.dtype == torch.float32 and torch.isfinite(simulated).all()
+            assert (simulated - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_a_rounding_that_cannot_run_says_why() -> None:
+    runtime = TorchRuntime(
+        _Scores(fails_in_float16=True),
+        [TensorSpec("q", "float32", ("b", 5, 8)), TensorSpec("k", "float32", ("b", 6, 8))],
+        [TensorSpec("o", "float32", ("b", 5, 8))],
+        rounding_bits=(FLOAT16,),
+    )
+    feeds = {"q": np.ones((1, 5, 8), np.float32), "k": np.ones((1, 6, 8), np.float32)}
+    with runtime:
+        rounding = runtime.int8_rounding(feeds, runtime.run(feeds))
+    assert rounding == {
+        "fp16:o": Rounding(unsimulated="fp16's simulation could not run (RuntimeError: no float16 kernel)")
+    }

@@ -202,7 +202,7 @@ def _sweep(seed: Any, n_random: Any, atol: Any, rtol: Any) -> dict[str, Any]:
 def _bytes(size: int | str | None) -> int | None:
     """A memory budget given as bytes or as a size string (``"512MiB"``), as the CLI takes it."""
     _typed("max_memory", size, (int, str, type(None)), 'bytes or a size such as "8GiB"')
-    return parse_bytes(size) if isinstance(size, str) else size
+    return parse_bytes(size, "max_memory") if isinstance(size, str) else size
 
 
 def _name(module: Any, name: str | None) -> str:

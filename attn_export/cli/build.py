@@ -123,8 +123,8 @@ def build(
     check_reports_spare(json_out, out_dir, [MANIFEST_NAME, LOCK_NAME])
     to_stdout = json_path == STDOUT
     on_result = None if to_stdout else (lambda r: click.echo(format_build_line(r)))
-    parallelism = Parallelism(executor, jobs)
     with flag_names(lock_wait_s="--wait"):
+        parallelism = Parallelism(executor, jobs)
         summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
     if json_path is not None:
         write_json(json_path, json_text(summary.to_dict()))

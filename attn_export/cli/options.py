@@ -219,7 +219,7 @@ def _bytes(value: str) -> int:
     from attn_export.spec.memory import parse_bytes
 
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, "--max-memory")
     except AttnExportError as e:
         raise click.BadParameter(str(e).removeprefix("--max-memory: ")) from e
 

@@ -3,14 +3,17 @@ a module in hand, with no TOML file.
 
 ``build`` and ``verify`` report failures as data (``BuildSummary``, ``VerifyReport``), as
 the commands do; ``export`` raises the first failing check; ``assert_onnx_matches`` raises
-AssertionError with the numbers of every failing case. Bad input is a UsageError.
+AssertionError with the numbers of every failing case. Bad input is a UsageError; an
+option out of its range, or two that cannot go together, is its subclass OptionError, whose
+message names this API's parameters (``seed -1: a seed is 0 or more``), never a CLI flag.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ import onnx
 
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.checks.spec_learning import learn_ranges, learned_spec
-from attn_export.errors import UsageError, notify
+from attn_export.errors import OptionError, UsageError, notify
 from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
@@ -70,7 +73,8 @@ def build(
         provider=_typed("provider", provider, (str,), "a provider's name"),
         max_memory=_bytes(max_memory),
     )
-    return build_models(paths, options)
+    with _called(out_dir="out"):
+        return build_models(paths, options)
 
 
 def verify(
@@ -107,7 +111,7 @@ def verify(
     warning."""
     paths = _paths("artifacts", artifacts)
     spec_file = None if spec is None else _path("spec", spec)
-    out_dir, manifest, names = select_models(paths, spec_file, _typed("variant", variant, (str,), "a variant's name"))
+    _typed("variant", variant, (str,), "a variant's name")
     _typed("jobs", jobs, (int, type(None)), "a number of jobs")
     options = VerifyOptions(
         targets=resolve_targets(_names("runtimes", runtimes), _names("providers", providers)),
@@ -122,9 +126,21 @@ def verify(
         variant=variant,
         regions=_typed("regions", regions, (str, type(None)), '"check", "strict" or None'),
     )
-    return verify_artifacts(
-        out_dir, manifest, names, options, on_notice=notify, parallelism=Parallelism(executor, jobs)
-    )
+    with _called(spec_file="spec", models_dir="models"):
+        out_dir, manifest, names = select_models(paths, spec_file, variant)
+        return verify_artifacts(
+            out_dir, manifest, names, options, on_notice=notify, parallelism=Parallelism(executor, jobs)
+        )
+
+
+@contextmanager
+def _called(**names: str) -> Iterator[None]:
+    """An OptionError about options this API calls otherwise (``spec`` for ``spec_file``),
+    in the API's words."""
+    try:
+        yield
+    except OptionError as e:
+        raise e.called(names) from e
 
 
 def _typed(what: str, value: Any, kinds: tuple[type, ...], expected: str) -> Any:
@@ -186,7 +202,7 @@ def _sweep(seed: Any, n_random: Any, atol: Any, rtol: Any) -> dict[str, Any]:
 def _bytes(size: int | str | None) -> int | None:
     """A memory budget given as bytes or as a size string (``"512MiB"``), as the CLI takes it."""
     _typed("max_memory", size, (int, str, type(None)), 'bytes or a size such as "8GiB"')
-    return parse_bytes(size) if isinstance(size, str) else size
+    return parse_bytes(size, "max_memory") if isinstance(size, str) else size
 
 
 def _name(module: Any, name: str | None) -> str:

@@ -79,6 +79,13 @@ class OptionError(UsageError):
         """The message with each option called as ``names`` calls it (else by its parameter)."""
         return self.template.format(**self.values, **{o: names.get(o, o) for o in self.options})
 
+    def called(self, names: Mapping[str, str]) -> OptionError:
+        """This error as a face whose parameters are not the options' own names says it (the
+        API's ``spec`` for ``spec_file``): still an OptionError, that ``named`` words alike."""
+        error = OptionError(self.template, self.options, **self.values)
+        error.args = (self.named(names),)
+        return error
+
 
 class Notice(UserWarning):
     """Issued by the Python API and the pytest plugin for what the CLI says beside its

@@ -108,9 +108,6 @@ def _read_folder(config: pytest.Config, path: Path) -> _Folder:
     from attn_export.spec.memory import parse_bytes
 
     seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
-    if seed < 0:
-        raise UsageError(f"--attn-export-seed {seed}: a seed is 0 or more")
-    manifest = load_manifest(path.parent)
     options = VerifyOptions(
         targets=resolve_targets(["onnxruntime"], config.getoption("attn_export_provider") or ["cpu"]),
         models_dir=Path(config.getoption("attn_export_models")),
@@ -122,7 +119,8 @@ def _read_folder(config: pytest.Config, path: Path) -> _Folder:
     try:
         options.check()
     except OptionError as e:
-        raise UsageError(e.named({"regions": "--attn-export-regions"})) from e
+        raise UsageError(e.named({"seed": "--attn-export-seed", "regions": "--attn-export-regions"})) from e
+    manifest = load_manifest(path.parent)
     models = sorted(manifest.models)
     specs = {m: checkout_spec(options.models_dir, manifest.models[m], "--attn-export-models") for m in models}
     return _Folder(manifest, options, specs)

@@ -1,5 +1,6 @@
 """The Python API holds the CLI's standard: every bad argument is a UsageError with one
-line naming the option, raised before anything is written."""
+line naming the option (by the API's parameter, never a CLI flag), raised before anything
+is written."""
 
 from __future__ import annotations
 
@@ -9,22 +10,22 @@ from pathlib import Path
 import pytest
 
 import attn_export
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError, UsageError
 from tests.conftest import Built, tiny_spec
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"opset": 99}, "--opset 99: give 7 to 30"),
-        ({"exporter": "onnxruntime"}, "--exporter onnxruntime: choose dynamo or torchscript"),
+        ({"opset": 99}, "opset 99: give 7 to 30"),
+        ({"exporter": "onnxruntime"}, "exporter onnxruntime: choose dynamo or torchscript"),
         ({"provider": "gpu"}, "unknown provider gpu (known: cpu, cuda)"),
         ({"variants": ("fp64",)}, "unknown variant fp64"),
     ],
 )
 def test_a_bad_build_argument_is_a_usage_error_and_writes_nothing(tmp_path: Path, kwargs: dict, message: str) -> None:
     spec = tiny_spec(tmp_path / "models")
-    with pytest.raises(UsageError, match=re.escape(message)):
+    with pytest.raises(UsageError, match="^" + re.escape(message)):
         attn_export.build(spec, out=tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
 
@@ -32,17 +33,42 @@ def test_a_bad_build_argument_is_a_usage_error_and_writes_nothing(tmp_path: Path
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"atol": -1.0}, "--atol -1.0: give a finite number >= 0"),
-        ({"rtol": float("nan")}, "--rtol nan: give a finite number >= 0"),
-        ({"seed": -1}, "--seed -1: a seed is 0 or more"),
-        ({"n_random": 1000}, "--random 1000: give 0 to 100"),
+        ({"atol": -1.0}, "atol -1.0: give a finite number >= 0"),
+        ({"rtol": float("nan")}, "rtol nan: give a finite number >= 0"),
+        ({"seed": -1}, "seed -1: a seed is 0 or more"),
+        ({"n_random": 1000}, "n_random 1000: give 0 to 100"),
         ({"providers": ("gpu",)}, "unknown provider gpu"),
         ({"runtimes": ("tensorrt",)}, "unknown runtime tensorrt"),
     ],
 )
 def test_a_bad_verify_argument_is_a_usage_error(shared_tiny: Built, kwargs: dict, message: str) -> None:
-    with pytest.raises(UsageError, match=re.escape(message)):
+    with pytest.raises(UsageError, match="^" + re.escape(message)):
         attn_export.verify(shared_tiny.out, models=shared_tiny.models, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"variant": "int8"}, "variant needs spec: a built graph's manifest names its own variant"),
+        (
+            {"golden": True, "shapes": [{"batch": 1}]},
+            "shapes and distributions cannot be combined with golden (golden files fix their cases)",
+        ),
+    ],
+)
+def test_options_that_cannot_go_together_are_refused_in_the_apis_words(
+    shared_tiny: Built, kwargs: dict, message: str
+) -> None:
+    """The rules the CLI held alone hold for the API too, each option named as the API names it."""
+    with pytest.raises(OptionError) as refused:
+        attn_export.verify(shared_tiny.out, models=shared_tiny.models, **kwargs)
+    assert str(refused.value) == message
+
+
+def test_an_out_folder_holding_a_spec_is_refused_by_the_apis_name(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path / "models")
+    with pytest.raises(OptionError, match="^" + re.escape(f"out {tmp_path / 'models'} holds the spec {spec}:")):
+        attn_export.build(spec, out=tmp_path / "models")
 
 
 def _tiny_module() -> object:

@@ -20,7 +20,7 @@ from attn_export.artifacts.files import atomic_write, read_regular, resolved, sc
 from attn_export.artifacts.golden import GoldenCase, encode_golden, read_golden
 from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.onnx_file import load_model_file
-from attn_export.errors import ArtifactError, UsageError
+from attn_export.errors import ArtifactError, OptionError
 
 __all__ = [
     "BUNDLE_SCHEMA",
@@ -72,7 +72,9 @@ def check_bundle_folder(folder: Path) -> None:
     replaced) or that lies past a loop of symbolic links (it could not be made)."""
     resolved(folder)
     if folder.is_symlink() or (folder.exists() and (not folder.is_dir() or any(folder.iterdir()))):
-        raise UsageError(f"--bundle {folder}: give a new or empty folder (nothing in it is replaced)")
+        raise OptionError(
+            "{bundle} {value}: give a new or empty folder (nothing in it is replaced)", ["bundle"], value=folder
+        )
 
 
 def write_bundle(
@@ -83,7 +85,9 @@ def write_bundle(
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--bundle {folder}: cannot make it: {e.strerror or e}") from e
+        raise OptionError(
+            "{bundle} {value}: cannot make it: {why}", ["bundle"], value=folder, why=e.strerror or e
+        ) from e
     info = {"schema": BUNDLE_SCHEMA, "schema_version": BUNDLE_VERSION, **info}
     case = GoldenCase(_CASE, {}, inputs, expected)
     atomic_write(folder / "region.onnx", model)

@@ -17,6 +17,7 @@ from attn_export.cli.options import (
     JsonTarget,
     bench_report_options,
     executor_options,
+    flag_names,
     format_paths,
     given,
     max_memory_option,
@@ -186,54 +187,59 @@ def bench(
 
     to_stdout, files = format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files, out_dir)
-    parallelism = Parallelism(executor, jobs)
-    # What bench and bench --decode take alike.
-    shared: dict[str, Any] = {
-        "batches": batches,
-        "provider": provider,
-        "threads": threads,
-        "budget_s": budget,
-        "memory": not no_memory,
-        "runtimes": tuple(dict.fromkeys(runtimes)),
-        "max_memory": max_memory,
-        "torch_compile": torch_compile,
-        # the default set's rewrites, asked for by no one, may fail on a model without failing the run
-        "variants": tuple(dict.fromkeys(variants)) or RunnerOptions.variants,
-        "optional": () if variants else RunnerOptions.variants[1:],
-    }
-    flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
-    typed = [f for f, name in flags.items() if given(name)]
-    if scenario and typed:
-        raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
-    if decode or scenario:
-        if "--seq" in typed:
-            raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
-        from attn_export.pipelines.bench.decode_timing import bench_decode_models
-        from attn_export.pipelines.bench.results import DecodeBenchOptions
+    with flag_names():
+        parallelism = Parallelism(executor, jobs)
+        # What bench and bench --decode take alike.
+        shared: dict[str, Any] = {
+            "batches": batches,
+            "provider": provider,
+            "threads": threads,
+            "budget_s": budget,
+            "memory": not no_memory,
+            "runtimes": tuple(dict.fromkeys(runtimes)),
+            "max_memory": max_memory,
+            "torch_compile": torch_compile,
+            # the default set's rewrites, asked for by no one, may fail on a model without failing the run
+            "variants": tuple(dict.fromkeys(variants)) or RunnerOptions.variants,
+            "optional": () if variants else RunnerOptions.variants[1:],
+        }
+        flags = {"--batch": "batches", "--seq": "seqs", "--past": "pasts"}
+        typed = [f for f, name in flags.items() if given(name)]
+        if scenario and typed:
+            raise click.UsageError(f"--scenario sets the batch, past and query tokens: drop {', '.join(typed)}")
+        if decode or scenario:
+            if "--seq" in typed:
+                raise click.UsageError("--seq has no meaning with --decode: a decode step is one token (choose --past)")
+            from attn_export.pipelines.bench.decode_timing import bench_decode_models
+            from attn_export.pipelines.bench.results import DecodeBenchOptions
 
-        decode_options = DecodeBenchOptions(pasts=pasts, scenario=scenario, **shared)
+            decode_options = DecodeBenchOptions(pasts=pasts, scenario=scenario, **shared)
+            paths = spec_paths(models_dir, names)
+            w = _widths(bench_text.DECODE_WIDTHS, paths, decode_options)
+            _run_bench(
+                lambda on_row: bench_decode_models(
+                    paths, out_dir, decode_options, on_row, skip_without_cache=not names, parallelism=parallelism
+                ),
+                (
+                    bench_text.decode_header(w),
+                    partial(bench_text.format_decode_row, w=w),
+                    bench_text.format_decode_summary,
+                ),
+                files,
+                to_stdout,
+            )
+            return
+        if pasts is not None:
+            raise click.UsageError("--past needs --decode")
+        options = BenchOptions(seqs=seqs, **shared)
         paths = spec_paths(models_dir, names)
-        w = _widths(bench_text.DECODE_WIDTHS, paths, decode_options)
+        w = _widths(bench_text.BENCH_WIDTHS, paths, options)
         _run_bench(
-            lambda on_row: bench_decode_models(
-                paths, out_dir, decode_options, on_row, skip_without_cache=not names, parallelism=parallelism
-            ),
-            (bench_text.decode_header(w), partial(bench_text.format_decode_row, w=w), bench_text.format_decode_summary),
+            lambda on_row: bench_models(paths, out_dir, options, on_row, parallelism),
+            (bench_text.bench_header(w), partial(bench_text.format_bench_row, w=w), bench_text.format_bench_summary),
             files,
             to_stdout,
         )
-        return
-    if pasts is not None:
-        raise click.UsageError("--past needs --decode")
-    options = BenchOptions(seqs=seqs, **shared)
-    paths = spec_paths(models_dir, names)
-    w = _widths(bench_text.BENCH_WIDTHS, paths, options)
-    _run_bench(
-        lambda on_row: bench_models(paths, out_dir, options, on_row, parallelism),
-        (bench_text.bench_header(w), partial(bench_text.format_bench_row, w=w), bench_text.format_bench_summary),
-        files,
-        to_stdout,
-    )
 
 
 def _widths(default: Widths, paths: list[Path], options: RunnerOptions) -> Widths:

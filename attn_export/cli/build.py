@@ -14,6 +14,7 @@ from attn_export.cli.options import (
     STDOUT,
     JsonTarget,
     executor_options,
+    flag_names,
     json_file,
     json_option,
     max_memory_option,
@@ -122,8 +123,9 @@ def build(
     check_reports_spare(json_out, out_dir, [MANIFEST_NAME, LOCK_NAME])
     to_stdout = json_path == STDOUT
     on_result = None if to_stdout else (lambda r: click.echo(format_build_line(r)))
-    parallelism = Parallelism(executor, jobs)
-    summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
+    with flag_names(lock_wait_s="--wait"):
+        parallelism = Parallelism(executor, jobs)
+        summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
     if json_path is not None:
         write_json(json_path, json_text(summary.to_dict()))
     if to_stdout:  # the errors the progress lines would have shown

@@ -9,7 +9,7 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import STDOUT, JsonTarget, PathArg, json_file, json_option, write_json
+from attn_export.cli.options import STDOUT, JsonTarget, PathArg, flag_names, json_file, json_option, write_json
 
 
 @cli.command("check")
@@ -62,7 +62,8 @@ def check_cmd(
     reads += [f for folder in {p if p.is_dir() else p.parent for p in paths} for f in build_files(folder)]
     check_report_paths({"json": json_file(json_path)}, reads=reads, summary=False)
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
-    report = check_paths(paths, options)
+    with flag_names():
+        report = check_paths(paths, options)
     if json_path != STDOUT:
         click.echo(format_check(report))
     if json_path is not None:

@@ -14,9 +14,8 @@ from attn_export.cli.options import (
     STDOUT,
     JsonTarget,
     PathArg,
-    check_outside,
     checkout_models_option,
-    given,
+    flag_names,
     json_file,
     json_option,
     max_memory_option,
@@ -190,33 +189,9 @@ def localize(
     from attn_export.report.model_explorer import format_overlay
     from attn_export.spec.shapes import parse_shapes
 
-    check_outside(spec_path, variant)
-    if spec_path is None and folder.is_file():
-        raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
-    if spec_path is not None:
-        reads = [*build_files(folder.parent), *graph_data([folder])]
-    else:
-        reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
-    if bundle is not None:  # written in the same run
-        reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
-    check_report_paths({"json": json_file(json_path), "overlay": overlay_path}, bundle, reads=reads, summary=False)
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
         raise click.UsageError("--shapes: localize takes one case; give one shape point")
-    if layout and decode_step is None and generate_step is None:
-        raise click.UsageError("--layout needs --decode-step or --generate-step")
-    if generate_step is not None and decode_step is not None:
-        raise click.UsageError("--generate-step and --decode-step name two cases: give one")
-    if (generate_step is None) != (generate_steps is None):
-        raise click.UsageError("--generate-step and --generate go together: the step, and the N of verify --generate N")
-    if decode_step is None and given("decode_steps"):
-        raise click.UsageError("--decode-steps needs --decode-step")
-    if decode_step is not None and given("distribution"):
-        raise click.UsageError("--distribution has no meaning with --decode-step: the steps feed unit-normal tokens")
-    if shrink and decode_step is not None:
-        raise click.UsageError("--shrink searches over sizes: a decode step's sizes are its trajectory's")
-    if generate_step is not None and (shrink or given("distribution")):
-        raise click.UsageError("--generate-step plays verify --generate's steps: no --shrink or --distribution")
     options = LocalizeOptions(
         models_dir=models_dir,
         sizes=points[0] if points else None,
@@ -240,7 +215,18 @@ def localize(
         variant=variant,
         timeout_s=timeout_s,
     )
-    report = localize_model(folder, model, options)
+    with flag_names(sizes="--shapes", spec_file="--spec"):
+        options.check()  # before any file is read
+        if spec_path is None and folder.is_file():
+            raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
+        if spec_path is not None:
+            reads = [*build_files(folder.parent), *graph_data([folder])]
+        else:
+            reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
+        if bundle is not None:  # written in the same run
+            reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
+        check_report_paths({"json": json_file(json_path), "overlay": overlay_path}, bundle, reads=reads, summary=False)
+        report = localize_model(folder, model, options)
     if json_path != STDOUT:
         click.echo(format_localize(report))
     if json_path is not None:

@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
 from attn_export.artifacts.files import LOCK_WAIT_S, write_output
-from attn_export.errors import AttnExportError
+from attn_export.errors import AttnExportError, OptionError, UsageError
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS
 from attn_export.runtimes.ort import MAX_TIMEOUT_S, RUN_TIMEOUT_S
@@ -233,7 +234,7 @@ def _bytes(value: str) -> int:
     from attn_export.spec.memory import parse_bytes
 
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, "--max-memory")
     except AttnExportError as e:
         raise click.BadParameter(str(e).removeprefix("--max-memory: ")) from e
 
@@ -247,6 +248,19 @@ checkout_models_option = _models_option(
     "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest. "
     "Given with verify --golden: each graph's recorded spec must be the one here."
 )
+
+
+@contextmanager
+def flag_names(**renamed: str) -> Iterator[None]:
+    """The library's OptionError said with the running command's flags: the options' one
+    mapping from parameter to flag. A parameter is set by the option of its name
+    (``n_random`` by ``--random``), else by the flag ``renamed`` gives (``spec_file="--spec"``)."""
+    try:
+        yield
+    except OptionError as e:
+        params = click.get_current_context().command.params
+        flags = {p.name: p.opts[0] for p in params if isinstance(p, click.Option) and p.name}
+        raise UsageError(e.named(flags | renamed)) from e
 
 
 def given(param: str) -> bool:
@@ -269,11 +283,6 @@ def outside_graph_options(f: Callable[..., Any]) -> Callable[..., Any]:
         help="Take one .onnx file no build made (edited by hand, or exported by a script) and judge it against "
         "this spec's module, as a built graph is; replaces --models. Not with --golden.",
     )(f)
-
-
-def check_outside(spec_path: Path | None, variant: str) -> None:
-    if spec_path is None and variant != "fp32":
-        raise click.UsageError("--variant needs --spec: a built graph's manifest names its own variant")
 
 
 models_option = _models_option("Folder of *.toml model specs.")

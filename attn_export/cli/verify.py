@@ -15,9 +15,9 @@ from attn_export.cli.options import (
     FiniteFloat,
     JsonTarget,
     PathArg,
-    check_outside,
     checkout_models_option,
     executor_options,
+    flag_names,
     format_paths,
     given,
     max_memory_option,
@@ -30,7 +30,7 @@ from attn_export.cli.options import (
     wait_option,
     write_verify_reports,
 )
-from attn_export.errors import AttnExportError, OptionError
+from attn_export.errors import AttnExportError
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
@@ -280,102 +280,93 @@ def verify(
     from attn_export.runtimes import resolve_targets
     from attn_export.spec.shapes import parse_shapes
 
-    if inputs_file and (shapes or distributions):
-        raise click.UsageError("--inputs replaces the sweep: it cannot be combined with --shapes or --distribution")
-    if golden and (shapes or distributions):
-        raise click.UsageError(
-            "--shapes and --distribution cannot be combined with --golden (golden files fix their cases)"
-        )
-    if mask_case and not shapes:
-        raise click.UsageError("--mask-case needs --shapes (the sweep already holds every mask case)")
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
     if given("timeout_s") and not (check_regions or strict_regions or localize_first):
         raise click.UsageError("--region-timeout needs --check-regions, --strict-regions or --localize")
-    check_outside(spec_path, variant)
-    to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
-    echo = text_echo(to_stdout)
-    check_report_paths(report_paths)  # before the folder is read; again below, with what it reads
-    parallelism = Parallelism(executor, jobs)
-    out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
-    folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
-    check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
-    graphs = [out_dir / manifest.models[n].file for n in names]
-    check_report_paths(report_paths, reads=[*build_files(out_dir), *graph_data(graphs)])  # the summary too
-    whole = not golden and spec_path is None and all(p.is_dir() for p in paths)
-    options = VerifyOptions(
-        targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
-        models_dir=models_dir,
-        golden=golden,
-        golden_checkout=golden and given("models_dir"),
-        shapes=parse_shapes(shapes) if shapes else None,
-        distributions=distributions or None,
-        inputs_file=inputs_file,
-        n_random=n_random,
-        seed=seed,
-        atol=atol,
-        rtol=rtol,
-        latency=not no_latency,
-        threads=threads,
-        latency_budget_s=latency_budget,
-        max_slowdown=max_slowdown,
-        max_memory=max_memory,
-        lock_wait_s=wait_s,
-        mask_case=mask_case,
-        decode_steps=decode_steps,
-        generate_steps=generate_steps,
-        require_placement=require_placement,
-        scenario=scenario,
-        spec_file=spec_path,
-        variant=variant,
-        regions="strict" if strict_regions else "check" if check_regions else None,
-        region_timeout_s=timeout_s,
-    )
-    try:
-        options.check()  # before the folder's decoders are picked for --scenario
-    except OptionError as e:
-        flags = {"regions": f"--{options.regions}-regions", "golden": "--golden"}
-        raise click.UsageError(e.named(flags)) from e
-    if scenario:
-        names = decoder_names(manifest, names, scenario, notice)
-    selected, names = names, shard_names(names, shard)
-    tidied = tidy(out_dir) if spec_path is None else None  # a graph's own folder is no build's to tidy
-    if tidied:
-        notice(tidied)
-    if not names and not shard:
-        click.echo("no model to verify", err=to_stdout)  # no report: stdout holds no JSON
-        return
-    printed: dict[str, int] = {}  # each model's notes printed with its rows
-    w = VERIFY_WIDTHS.fitting([(n, manifest.models[n].model_spec) for n in names], [t.label for t in options.targets])
-
-    def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
-        if not printed:  # the header only once a model has rows: an error stays one line
-            echo(header(w))
-        printed[name] = len(check.notes)
-        echo(format_model_rows(name, cases, check, w))
-
-    report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
-    if shard:
-        report.shard = Shard.of(selected, shard)
-        if not names:  # its reports still say which shard it was, for report merge
-            echo(f"shard {shard[0]}/{shard[1]} holds no model")
-            write_verify_reports(report, to_stdout, report_paths)
+    regions = "strict" if strict_regions else "check" if check_regions else None
+    with flag_names(regions=f"--{regions}-regions", spec_file="--spec", region_timeout_s="--region-timeout"):
+        options = VerifyOptions(
+            targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
+            models_dir=models_dir,
+            golden=golden,
+            golden_checkout=golden and given("models_dir"),
+            shapes=parse_shapes(shapes) if shapes else None,
+            distributions=distributions or None,
+            inputs_file=inputs_file,
+            n_random=n_random,
+            seed=seed,
+            atol=atol,
+            rtol=rtol,
+            latency=not no_latency,
+            threads=threads,
+            latency_budget_s=latency_budget,
+            max_slowdown=max_slowdown,
+            max_memory=max_memory,
+            lock_wait_s=wait_s,
+            mask_case=mask_case,
+            decode_steps=decode_steps,
+            generate_steps=generate_steps,
+            require_placement=require_placement,
+            scenario=scenario,
+            spec_file=spec_path,
+            variant=variant,
+            regions=regions,
+            region_timeout_s=timeout_s,
+        )
+        options.check()  # before the folder is read
+        to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
+        echo = text_echo(to_stdout)
+        check_report_paths(report_paths)  # before the folder is read; again below, with what it reads
+        parallelism = Parallelism(executor, jobs)
+        out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
+        folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
+        check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
+        graphs = [out_dir / manifest.models[n].file for n in names]
+        check_report_paths(report_paths, reads=[*build_files(out_dir), *graph_data(graphs)])  # the summary too
+        whole = not golden and spec_path is None and all(p.is_dir() for p in paths)
+        if scenario:
+            names = decoder_names(manifest, names, scenario, notice)
+        selected, names = names, shard_names(names, shard)
+        tidied = tidy(out_dir) if spec_path is None else None  # a graph's own folder is no build's to tidy
+        if tidied:
+            notice(tidied)
+        if not names and not shard:
+            click.echo("no model to verify", err=to_stdout)  # no report: stdout holds no JSON
             return
-    for check in report.checks:  # what the region check noted once the rows were out
-        for note in check.notes[printed.get(check.model, 0) :]:
-            echo(f"note: {note}")
-    sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
-    for text in (section(report) for section in sections):
-        if text:
-            echo(text)
-    if localize_first:
-        from attn_export.pipelines.localize import localize_failures
-        from attn_export.report.localize_text import format_localize
+        printed: dict[str, int] = {}  # each model's notes printed with its rows
+        w = VERIFY_WIDTHS.fitting(
+            [(n, manifest.models[n].model_spec) for n in names], [t.label for t in options.targets]
+        )
 
-        for found in localize_failures(report, options, notice):
-            echo(format_localize(found))
-    echo(format_summary(report))
-    if whole:
-        _unbuilt_notice(models_dir, manifest, out_dir)
-    write_verify_reports(report, to_stdout, report_paths)
-    sys.exit(report.exit_code)
+        def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
+            if not printed:  # the header only once a model has rows: an error stays one line
+                echo(header(w))
+            printed[name] = len(check.notes)
+            echo(format_model_rows(name, cases, check, w))
+
+        report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
+        if shard:
+            report.shard = Shard.of(selected, shard)
+            if not names:  # its reports still say which shard it was, for report merge
+                echo(f"shard {shard[0]}/{shard[1]} holds no model")
+                write_verify_reports(report, to_stdout, report_paths)
+                return
+        for check in report.checks:  # what the region check noted once the rows were out
+            for note in check.notes[printed.get(check.model, 0) :]:
+                echo(f"note: {note}")
+        sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
+        for text in (section(report) for section in sections):
+            if text:
+                echo(text)
+        if localize_first:
+            from attn_export.pipelines.localize import localize_failures
+            from attn_export.report.localize_text import format_localize
+
+            for found in localize_failures(report, options, notice):
+                echo(format_localize(found))
+        echo(format_summary(report))
+        if whole:
+            _unbuilt_notice(models_dir, manifest, out_dir)
+        write_verify_reports(report, to_stdout, report_paths)
+        sys.exit(report.exit_code)

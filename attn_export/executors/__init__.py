@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from attn_export._deps import missing
-from attn_export.errors import AttnExportError, RuntimeFailure, UsageError, first_line
+from attn_export.errors import AttnExportError, OptionError, RuntimeFailure, first_line
 
 __all__ = [
     "EXECUTORS",
@@ -172,19 +172,19 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise UsageError(f"--executor {self.executor}: choose one of {', '.join(EXECUTORS)}")
+            known = ", ".join(EXECUTORS)
+            raise OptionError(f"{{executor}} {{value}}: choose one of {known}", ["executor"], value=self.executor)
         if self.jobs is not None and not 1 <= self.jobs <= MAX_JOBS:
-            raise UsageError(f"--jobs {self.jobs}: give 1 to {MAX_JOBS}, or auto")
+            raise OptionError(f"{{jobs}} {{value}}: give 1 to {MAX_JOBS}, or auto", ["jobs"], value=self.jobs)
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             raise missing("ray", "--executor ray")  # before any work, without importing it
 
     def check_exclusive(self) -> None:
         """UsageError unless cells that time can run here without two on one machine."""
         if self.executor == "local" and (self.jobs or 1) > 1:
-            raise UsageError(
-                f"--jobs {self.jobs}: every cell here is timed, and timings never run side by side on one "
-                "machine; spread them over a cluster's machines with --executor ray"
-            )
+            timed = "{jobs} {value}: every cell here is timed, and timings never run side by side on one machine; "
+            timed += "spread them over a cluster's machines with {executor} ray"
+            raise OptionError(timed, ["jobs", "executor"], value=self.jobs)
 
     @property
     def parallel(self) -> bool:

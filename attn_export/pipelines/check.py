@@ -24,7 +24,7 @@ import onnx
 
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file, max_supported_opset
-from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.errors import ArtifactError, GraphCheckError, OptionError, UsageError
 from attn_export.exporter.graph_checks import (
     DEFAULT_DOMAINS,
     check_deterministic,
@@ -247,7 +247,8 @@ def check_paths(paths: Sequence[Path], options: CheckOptions | None = None) -> C
     if not paths:
         raise UsageError("give .onnx files, manifest.json files or build folders to check")
     if options.max_opset is not None and options.max_opset < options.min_opset:
-        raise UsageError(f"--max-opset {options.max_opset} is below --min-opset {options.min_opset}")
+        below = "{max_opset} {value} is below {min_opset} {minimum}"
+        raise OptionError(below, ["max_opset", "min_opset"], value=options.max_opset, minimum=options.min_opset)
     start = time.perf_counter()
     resolver = _Resolver()
     targets = list(dict.fromkeys(t for p in paths for t in resolver.targets(p)))

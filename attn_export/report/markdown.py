@@ -69,7 +69,8 @@ def markdown_report(report: VerifyReport) -> str:
     ]
     if problems:
         lines += ["", "#### Failures", "", *problems]
-    notes = [f"- **{c.model}** {c.runtime} {c.shape}: {n}" for c in report.cases for n in c.notes]
+    notes = [f"- **{c.model}**: {n}" for c in report.checks for n in c.notes]  # the region check's among them
+    notes += [f"- **{c.model}** {c.runtime} {c.shape}: {n}" for c in report.cases for n in c.notes]
     notes += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {n}" for d in report.decode for n in d.notes]
     if notes:
         lines += ["", "#### Notes", "", *notes]

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from attn_export.errors import RuntimeFailure, UsageError
+from attn_export.errors import OptionError, RuntimeFailure
 from attn_export.runtimes.allocator import keep_freed_memory
 
 __all__ = [
@@ -145,12 +145,13 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def check_threads(threads: int | None, option: str = "--threads") -> None:
-    """Refuse a thread count below 1 or above ``THREADS_PER_CPU`` per usable CPU, naming the
-    ``option`` that gave it."""
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count (option ``threads``) below 1 or above ``THREADS_PER_CPU`` per
+    usable CPU: more only makes the runners fight over the cores, and the timings noise."""
     limit = THREADS_PER_CPU * usable_cpus()
     if threads is not None and not 1 <= threads <= limit:
-        raise UsageError(f"{option} {threads}: give 1 to {limit} ({THREADS_PER_CPU} per CPU this process may use)")
+        per_cpu = f"give 1 to {limit} ({THREADS_PER_CPU} per CPU this process may use)"
+        raise OptionError(f"{{threads}} {{value}}: {per_cpu}", ["threads"], value=threads)
 
 
 def physical_cores() -> int:

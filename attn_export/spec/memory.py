@@ -34,8 +34,9 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
 
 
-def parse_bytes(text: str, what: str = "--max-memory") -> int:
-    """``4GiB``, ``512M``, ``1.5 GB`` or a plain byte count; units are powers of 1024."""
+def parse_bytes(text: str, what: str) -> int:
+    """``4GiB``, ``512M``, ``1.5 GB`` or a plain byte count; units are powers of 1024.
+    ``what`` names where the text came from in the caller's words (``max_memory``)."""
     match = _SIZE.fullmatch(text.strip()) if text.isascii() else None
     value = float(match[1]) * _UNITS[match[2].upper()] if match else 0.0
     if not match or not 1 <= value < 1 << 62:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from attn_export.errors import InputError, UsageError
+from attn_export.errors import InputError, OptionError
 from attn_export.spec.cache import check_fed_sizes, fed_points, fed_sizes
 from attn_export.spec.distributions import DEFAULT, DISTRIBUTIONS
 from attn_export.spec.masks import CASES, FULL, PATTERN, case_applies
@@ -107,10 +107,11 @@ def mask_cases(spec: ModelSpec) -> list[str]:
 
 
 def check_mask_case(spec: ModelSpec, case: str | None, label: str) -> None:
-    """UsageError when ``case`` (``--mask-case``) names a case none of ``spec``'s masks has."""
+    """OptionError when ``case`` (option ``mask_case``) names a case none of ``spec``'s masks has."""
     if case and case not in mask_cases(spec):
         cases = ", ".join(mask_cases(spec)) or "none"
-        raise UsageError(f"{label}: --mask-case {case} does not apply (it has: {cases})")
+        none = f"{{label}}: {{mask_case}} {{value}} does not apply (it has: {cases})"
+        raise OptionError(none, ["mask_case"], label=label, value=case)
 
 
 def _mask_points(spec: ModelSpec, sizes: dict[str, int]) -> list[ShapePoint]:

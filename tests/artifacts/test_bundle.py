@@ -16,7 +16,7 @@ from onnx import helper
 from attn_export.artifacts.bundle import write_bundle
 from attn_export.artifacts.golden import GoldenCase, encode_golden
 from attn_export.cli import cli
-from attn_export.errors import RuntimeFailure, UsageError
+from attn_export.errors import OptionError, RuntimeFailure, UsageError
 from attn_export.pipelines.localize import replay_bundle
 
 
@@ -215,7 +215,7 @@ def test_the_recorded_source_is_printed_escaped(tmp_path: Path) -> None:
 
 def test_a_bundle_folder_that_cannot_be_made_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(UsageError, match=r"--bundle .*file/where: cannot make it: Not a directory"):
+    with pytest.raises(OptionError, match=r"^bundle .*file/where: cannot make it: Not a directory"):
         _bundle(tmp_path / "file" / "where")
 
 

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError, UsageError
 from attn_export.executors import InlineExecutor, Parallelism, cell_key, open_executor
 from tests.conftest import Built, tiny_spec
 
@@ -47,7 +47,7 @@ def test_a_cell_key_is_the_hash_of_its_content() -> None:
 
 
 def test_bad_executor_choices_are_refused_in_one_line(zoo_dir: Path) -> None:
-    with pytest.raises(UsageError, match="--jobs 0: give 1 to 4096, or auto"):
+    with pytest.raises(OptionError, match="^jobs 0: give 1 to 4096, or auto"):  # the library's name
         Parallelism(jobs=0)
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", "two"])
     assert result.exit_code == 2 and "Invalid value for '--jobs': 'two' is not a number of jobs" in result.output
@@ -120,7 +120,7 @@ def test_the_python_api_takes_the_executor(zoo_dir: Path, monkeypatch: pytest.Mo
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(MissingDependencyError, match=r"--executor ray needs ray"):
         attn_export.verify(zoo_dir, models=zoo_dir.parent, executor="ray")
-    with pytest.raises(UsageError, match="--jobs 0"):
+    with pytest.raises(OptionError, match="^jobs 0"):  # the API's parameter
         attn_export.verify(zoo_dir, jobs=0)
 
 

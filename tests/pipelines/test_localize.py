@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from attn_export.cli import cli
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError, UsageError
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.pipelines.localize.judge import beyond, held, representable
@@ -207,12 +207,32 @@ def test_the_command_prints_the_verdict_writes_json_and_exits_1(zoo_copy: Path, 
         (["mha", "--timeout", "0"], "Invalid value for '--timeout': 0.0 is not in the range 0<x<=86400.0."),
         (["mha", "--timeout", "nan"], "Invalid value for '--timeout': 'nan' is not a finite number."),
         (["mha", "--timeout", "1e9"], "Invalid value for '--timeout': 1000000000.0 is not in the range 0<x<=86400.0."),
+        (["mha", "--layout", "left-padded"], "Error: --layout needs --decode-step or --generate-step\n"),
+        (["mha", "--decode-step", "2", "--shrink"], "Error: --shrink searches over sizes: a decode step's sizes"),
+        (["mha", "--golden", "--mask-case", "fully-masked-row"], "recorded: it cannot be combined with --mask-case\n"),
+        (["mha", "--decode-step", "2", "--shapes", "batch=1"], "Error: --decode-step plays verify --decode's steps"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(zoo_dir: Path, args: list[str], message: str) -> None:
     result = CliRunner().invoke(cli, ["localize", str(zoo_dir), *args, "--models", str(TINY_ZOO)])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"layout": "left-padded"}, "layout needs decode_step or generate_step"),
+        ({"decode_step": 2, "generate_step": 2, "generate_steps": 4}, "generate_step and decode_step name two cases"),
+        ({"decode_step": 2, "shrink": True}, "shrink searches over sizes: a decode step's sizes are its trajectory's"),
+        ({"golden": True, "seed": 3}, "golden localizes the case the build recorded: it cannot be combined with seed"),
+        ({"variant": "int8"}, "variant needs spec_file: a built graph's manifest names its own variant"),
+    ],
+)
+def test_the_options_name_their_own_parameters(options: dict, message: str) -> None:
+    """The rules the CLI held alone hold for a library caller too, in the library's words."""
+    with pytest.raises(OptionError, match="^" + re.escape(message)):
+        LocalizeOptions(**options).check()
 
 
 def test_verify_localize_prints_where_under_the_failures(zoo_copy: Path) -> None:

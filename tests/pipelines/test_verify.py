@@ -368,6 +368,23 @@ def test_golden_and_shapes_are_exclusive(zoo_dir: Path) -> None:
     assert result.exit_code == 2 and "--shapes and --distribution cannot be combined with --golden" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--inputs", "x.npz", "--distribution", "normal"], "--inputs replaces the sweep: it cannot be combined with"),
+        (["--mask-case", "fully-masked-row"], "--mask-case needs --shapes (the sweep already holds every mask case)"),
+        (["--variant", "int8"], "--variant needs --spec: a built graph's manifest names its own variant"),
+    ],
+)
+def test_options_that_cannot_go_together_are_refused_before_the_folder_is_read(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Checked by the options (the API's rules too), said with the command's flags."""
+    result = invoke("verify", str(tmp_path / "nowhere"), *args)
+    assert result.exit_code == 2 and result.output.startswith(f"Error: {message}")
+    assert result.output.count("\n") == 1  # one line, as every library error
+
+
 def test_missing_manifest_exits_2(tmp_path: Path) -> None:
     result = invoke("verify", str(tmp_path))
     assert result.exit_code == 2

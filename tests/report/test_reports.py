@@ -139,6 +139,18 @@ def test_markdown_of_a_passing_report(zoo_dir: Path) -> None:
     assert md.startswith("### attn-export verify: ✅ passed") and "Failures" not in md
 
 
+def test_markdown_notes_a_models_check_notes() -> None:
+    """A note on a model that passes (the region check's) reaches the job summary too."""
+    from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
+    from attn_export.runtimes import Target
+
+    note = "OUTPUTS AGREE, but region linear_1 breaks its tolerance"
+    case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {"seq": 3}, 0, "golden")
+    report = VerifyReport("out", 0, {}, [ModelCheck("m", "m.onnx", notes=[note])], [case])
+    md = markdown_report(report)
+    assert md.endswith(f"#### Notes\n\n- **m**: {note}\n") and "Failures" not in md
+
+
 TORCH_FREE = """
 import sys
 for name in ("torch", "onnxscript"):

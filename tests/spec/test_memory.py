@@ -45,13 +45,13 @@ def test_dims_at_the_limit_are_refused_before_allocating(tmp_path: Path) -> None
     [("8GiB", 8 << 30), ("512M", 512 << 20), ("1.5 GB", 3 << 29), ("1000000", 10**6), ("64kib", 65536)],
 )
 def test_parse_bytes(text: str, value: int) -> None:
-    assert parse_bytes(text) == value
+    assert parse_bytes(text, "max_memory") == value
 
 
 @pytest.mark.parametrize("text", ["nan", "inf", "²", "-1", "0", "12XB", ""])
 def test_parse_bytes_refuses(text: str) -> None:
     with pytest.raises(UsageError, match=r"is not a memory size like 8GiB, 512MiB or 1000000"):
-        parse_bytes(text)
+        parse_bytes(text, "max_memory")
 
 
 def test_budget_is_the_option_else_the_environment_else_the_checkout_spec_else_half_the_machine(

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.artifacts.targets import TARGETS
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError, UsageError
 from attn_export.runtimes.target import PROVIDERS
 from attn_export.spec import EXPORTERS, variant_chain
 
@@ -62,24 +62,31 @@ class BuildOptions:
     target: str = "onnx"
 
     def check(self) -> None:
-        """UsageError naming the first option out of its range, as the CLI would refuse it
-        (the Python API builds options without the CLI's checks)."""
+        """OptionError naming the first option out of its range by its parameter here
+        (``opset``): the Python API builds options without the CLI's parsing, and each face
+        words the error with its own names for the options."""
         if self.opset is not None and not 7 <= self.opset <= 30:
-            raise UsageError(f"--opset {self.opset}: give 7 to 30")
+            raise OptionError("{opset} {value}: give 7 to 30", ["opset"], value=self.opset)
         if self.exporter is not None and self.exporter not in EXPORTERS:
-            raise UsageError(f"--exporter {self.exporter}: choose {' or '.join(EXPORTERS)}")
+            exporters = " or ".join(EXPORTERS)
+            raise OptionError(f"{{exporter}} {{value}}: choose {exporters}", ["exporter"], value=self.exporter)
         for variant in self.variants:
             variant_chain(variant)  # an impossible chain is refused before anything is exported
         if self.provider not in PROVIDERS:
             raise UsageError(f"unknown provider {self.provider} (known: {', '.join(PROVIDERS)})")
         if not (math.isfinite(self.lock_wait_s) and self.lock_wait_s >= 0):
-            raise UsageError(f"--wait {self.lock_wait_s}: give a finite number >= 0")
+            raise OptionError(
+                "{lock_wait_s} {value}: give a finite number >= 0", ["lock_wait_s"], value=self.lock_wait_s
+            )
         if self.max_memory is not None and self.max_memory < 1:
-            raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+            raise OptionError(
+                "{max_memory} {value}: give a size of at least 1 byte", ["max_memory"], value=self.max_memory
+            )
         if self.target not in TARGETS:
             raise UsageError(f"unknown target {self.target} (known: {', '.join(TARGETS)})")
         if self.target == "genai" and any(variant_chain(v).chooser for v in self.variants):
-            raise UsageError("--target genai packages the graphs asked for by name: name the variant, not auto")
+            named = "{target} genai packages the graphs asked for by name: name the variant, not auto"
+            raise OptionError(named, ["target"])
         if self.out_dir.exists() and not self.out_dir.is_dir():
             raise UsageError(f"cannot use output directory {self.out_dir}: not a directory")
 

@@ -22,7 +22,7 @@ from attn_export.artifacts.folder import commit, recover, remove_leftovers
 from attn_export.artifacts.genai_folder import GENAI_DIR, genai_config, refuse_unfit, write_genai_folder
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
 from attn_export.artifacts.provenance import versions
-from attn_export.errors import ArtifactError, AttnExportError, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, OptionError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.exporter.factory import build_config
 from attn_export.exporter.variants.static_cache import fed_by_genai
@@ -92,10 +92,8 @@ def build_models(
     options.check()
     timed = [v for v in options.variants if variant_chain(v).chooser]
     if timed and parallelism.parallel:
-        raise UsageError(
-            f"--variant {timed[0]} times its candidates, and timing never runs beside another cell: "
-            "build it with one job on the local executor"
-        )
+        alone = "{variants} {value} times its candidates, and timing never runs beside another cell: "
+        raise OptionError(alone + "build it with one job on the local executor", ["variants"], value=timed[0])
     stems = [p.stem for p in spec_paths]
     twice = next((s for s in stems if stems.count(s) > 1), None)
     if twice is not None:
@@ -104,10 +102,9 @@ def build_models(
     out = resolved(options.out_dir)
     inside = next((p for p in spec_paths if resolved(p).parent.is_relative_to(out)), None)
     if inside is not None:
-        raise UsageError(
-            f"--out {options.out_dir} holds the spec {inside}: verify runs code only from the checkout, never from "
-            "a build folder, and would refuse it; give --out a folder of its own"
-        )
+        code = "{out_dir} {value} holds the spec {inside}: verify runs code only from the checkout, never from "
+        code += "a build folder, and would refuse it; give {out_dir} a folder of its own"
+        raise OptionError(code, ["out_dir"], value=options.out_dir, inside=inside)
     started = time.perf_counter()
     results: list[BuildResult] = []
 

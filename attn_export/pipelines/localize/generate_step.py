@@ -11,7 +11,7 @@ import numpy as np
 
 from attn_export.artifacts.genai_folder import logits_vocab, pad_token, special_tokens
 from attn_export.checks.generate import generate_prompts, graph_generate, step_feeds
-from attn_export.errors import UsageError
+from attn_export.errors import OptionError
 from attn_export.pipelines.localize.results import LocalizeOptions
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec
@@ -29,20 +29,19 @@ def generate_step_case(
     verify's reference generation does."""
     from attn_export.exporter.factory import build_config
 
-    if options.sizes or options.mask_case:
-        raise UsageError(
-            "--generate-step plays verify --generate's steps: it cannot be combined with --shapes or --mask-case"
-        )
     step, steps = options.generate_step or 0, options.generate_steps
     if not 1 <= step <= steps:
-        raise UsageError(f"{spec.name}: --generate-step {step} is not a step of --generate {steps} (1 to {steps})")
+        outside = f"{{model}}: {{generate_step}} {step} is not a step of {{generate_steps}} {steps} (1 to {steps})"
+        raise OptionError(outside, ["generate_step", "generate_steps"], model=spec.name)
     config = build_config(spec)
     vocab = logits_vocab(spec)
     pad = pad_token(config, vocab)
     prompts = generate_prompts(spec, steps, options.seed, special_tokens(config, vocab))
     layout = options.layout or next(iter(prompts))
     if layout not in prompts:
-        raise UsageError(f"{spec.name}: --layout {layout} is not a generation layout (it has: {', '.join(prompts)})")
+        has = ", ".join(prompts)
+        unknown = f"{{model}}: {{layout}} {{value}} is not a generation layout (it has: {has})"
+        raise OptionError(unknown, ["layout"], model=spec.name, value=layout)
     rows = prompts[layout]
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, weight_bits=bits) as eager:
         tokens = graph_generate(eager, spec, rows, step - 1, pad).tokens or [[] for _ in rows]

@@ -18,9 +18,11 @@ from typing import Any
 
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
-from attn_export.runtimes.ort import RUN_TIMEOUT_S
+from attn_export.errors import OptionError
+from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.spec.distributions import DISTRIBUTIONS
 
 __all__ = ["LocalizeOptions", "LocalizeReport", "RegionError"]
 
@@ -69,6 +71,72 @@ class LocalizeOptions:
     #: Seconds one run of the whole graph or of one region may take on ONNX Runtime: a graph
     #: is data, and a Loop without end ran until the process was killed.
     timeout_s: float = RUN_TIMEOUT_S
+
+    def check(self) -> None:
+        """OptionError naming the first option out of its range, or two that name different
+        cases, by its parameter here (``decode_step``): the Python API builds options without
+        the CLI's parsing, and each face words the error with its own names for the options."""
+        if self.spec_file is None and self.variant != "fp32":
+            raise OptionError(
+                "{variant} needs {spec_file}: a built graph's manifest names its own variant", ["variant", "spec_file"]
+            )
+        if self.distribution not in DISTRIBUTIONS:
+            known = ", ".join(DISTRIBUTIONS)
+            raise OptionError(
+                f"{{distribution}} {{value!r}} is not one of {known}", ["distribution"], value=self.distribution
+            )
+        step, generating = self.decode_step is not None, self.generate_step is not None
+        distribution = self.distribution != DEFAULT_DISTRIBUTION
+        if self.layout and not (step or generating):
+            raise OptionError(
+                "{layout} needs {decode_step} or {generate_step}", ["layout", "decode_step", "generate_step"]
+            )
+        if generating and step:
+            raise OptionError(
+                "{generate_step} and {decode_step} name two cases: give one", ["generate_step", "decode_step"]
+            )
+        if generating != (self.generate_steps > 0):
+            paired = "{generate_step} and {generate_steps} go together: the step, and the N of verify --generate N"
+            raise OptionError(paired, ["generate_step", "generate_steps"])
+        if not step and self.decode_steps != DEFAULT_STEPS:
+            raise OptionError("{decode_steps} needs {decode_step}", ["decode_steps", "decode_step"])
+        if step and distribution:
+            unit = "{distribution} has no meaning with {decode_step}: the steps feed unit-normal tokens"
+            raise OptionError(unit, ["distribution", "decode_step"])
+        if step and self.shrink:
+            searched = "{shrink} searches over sizes: a decode step's sizes are its trajectory's"
+            raise OptionError(searched, ["shrink", "decode_step"])
+        if generating and (self.shrink or distribution):
+            plays = "{generate_step} plays verify --generate's steps: no {shrink} or {distribution}"
+            raise OptionError(plays, ["generate_step", "shrink", "distribution"])
+        if self.golden:
+            self._check_golden()
+        for name, verify in (("decode_step", "--decode"), ("generate_step", "--generate")):
+            if getattr(self, name) is not None and (self.sizes or self.mask_case):
+                plays = (
+                    f"{{{name}}} plays verify {verify}'s steps: it cannot be combined with {{sizes}} or {{mask_case}}"
+                )
+                raise OptionError(plays, [name, "sizes", "mask_case"])
+        check_timeout(self.timeout_s, "timeout_s")
+
+    def _check_golden(self) -> None:
+        """``golden`` localizes the case the build recorded: refuse options that name another."""
+        asked = {
+            "sizes": self.sizes is not None,
+            "seed": self.seed != 0,
+            "distribution": self.distribution != DEFAULT_DISTRIBUTION,
+            "mask_case": self.mask_case is not None,
+            "decode_step": self.decode_step is not None,
+            "generate_step": self.generate_step is not None,
+            "shrink": self.shrink,
+        }
+        named = next((name for name, given in asked.items() if given), None)
+        if named:
+            recorded = f"{{golden}} localizes the case the build recorded: it cannot be combined with {{{named}}}"
+            raise OptionError(recorded, ["golden", named])
+        if self.spec_file is not None:
+            spec = "{golden} localizes a build's recorded intermediates; a graph given with {spec_file} has none"
+            raise OptionError(spec, ["golden", "spec_file"])
 
     @property
     def target(self) -> Target:

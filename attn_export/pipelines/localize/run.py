@@ -30,7 +30,7 @@ from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, p
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, RuntimeFailure, RunTimeout, UsageError
+from attn_export.errors import ArtifactError, OptionError, RuntimeFailure, RunTimeout, UsageError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
@@ -47,14 +47,12 @@ from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_
 from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
-from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout, require_provider
+from attn_export.runtimes.ort import RUN_TIMEOUT_S, require_provider
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
 from attn_export.spec import ModelSpec, Tolerance, variant_chain
 from attn_export.spec.cache import cache_of
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import DISTRIBUTIONS
 from attn_export.spec.inputs import make_feeds
 from attn_export.spec.masks import CASES, PATTERN
 from attn_export.spec.memory import check_memory, memory_budget
@@ -82,8 +80,6 @@ def _program(spec: ModelSpec, module: Any, opset: int) -> Any:
 
 
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
-    if options.distribution not in DISTRIBUTIONS:
-        raise UsageError(f"--distribution {options.distribution!r} is not one of {', '.join(DISTRIBUTIONS)}")
     check_mask_case(spec, options.mask_case, spec.name)
     sizes = dict(options.sizes) if options.sizes else example_sizes(spec)
     validate_sizes(spec, sizes)
@@ -98,20 +94,22 @@ def _decode_step(
     step is localized on PyTorch's inputs, so only its own divergence shows."""
     cache = cache_of(spec)
     if cache is None:
-        raise UsageError(f"{spec.name}: --decode-step needs a model with a key/value cache")
-    if options.sizes or options.mask_case:
-        raise UsageError(
-            "--decode-step plays verify --decode's steps: it cannot be combined with --shapes or --mask-case"
+        raise OptionError(
+            "{model}: {decode_step} needs a model with a key/value cache", ["decode_step"], model=spec.name
         )
     names = layouts(spec, cache)
     layout = options.layout or names[0]
     if layout not in names:
-        raise UsageError(f"{spec.name}: --layout {layout} does not apply (it has: {', '.join(names)})")
+        has = ", ".join(names)
+        raise OptionError(
+            f"{{model}}: {{layout}} {{value}} does not apply (it has: {has})", ["layout"], model=spec.name, value=layout
+        )
     step = options.decode_step or 0
     # verify draws every token of the trajectory at once: plan as many steps as it played
     traj = plan_trajectory(spec, cache, layout, max(options.decode_steps, step - 1), options.seed)
     if not 1 <= step <= len(traj.steps):
-        raise UsageError(f"{spec.name}: --decode-step {step} is not a step of {layout} (1 to {len(traj.steps)})")
+        steps = f"{{model}}: {{decode_step}} {{value}} is not a step of {layout} (1 to {len(traj.steps)})"
+        raise OptionError(steps, ["decode_step"], model=spec.name, value=step)
     check_memory(spec, [ShapePoint("localize", s) for s in traj.sizes], budget)
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims) as eager:
         outputs, error = run_trajectory(eager, spec, traj)
@@ -292,36 +290,17 @@ def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry, budget
     return load_model_file(out_dir / plain.file, with_data=True, budget=budget)
 
 
-def _check_golden(options: LocalizeOptions) -> None:
-    """``golden`` localizes the recorded case: refuse options that would name another."""
-    if not options.golden:
-        return
-    asked = {
-        "--shapes": options.sizes is not None,
-        "--seed": options.seed != 0,
-        "--distribution": options.distribution != DEFAULT_DISTRIBUTION,
-        "--mask-case": options.mask_case is not None,
-        "--decode-step": options.decode_step is not None,
-        "--generate-step": options.generate_step is not None,
-        "--shrink": options.shrink,
-    }
-    named = [flag for flag, given in asked.items() if given]
-    if named:
-        raise UsageError(f"--golden localizes the case the build recorded: it cannot be combined with {named[0]}")
-
-
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
     """Localize one case of one built graph (``model`` may be left out when the folder holds
     one); with ``options.spec_file``, ``out_dir`` is one .onnx file no build made
     (``verify --spec``). UsageError/ArtifactError on bad input; the verdict is data. A run
     of the whole graph past ``options.timeout_s`` is a note (its regions still run), one of
     a region RunTimeout naming it."""
-    check_timeout(options.timeout_s)
+    options.check()
     if options.runtime not in RUNTIMES:
         raise UsageError(f"unknown runtime {options.runtime} (known: {', '.join(RUNTIMES)})")
     if options.target.provider is not None:
         require_provider(options.target.provider)
-    _check_golden(options)
     found = _built(out_dir, model, options) if options.spec_file is None else _outside(out_dir, model, options)
     if options.bundle is not None:
         check_bundle_folder(options.bundle)
@@ -400,11 +379,10 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     """A graph no build made, as ``outside_manifest`` lists it, with its spec and no plain
     export beside it."""
     assert options.spec_file is not None
-    if options.golden:
-        raise UsageError("--golden localizes a build's recorded intermediates; a graph given with --spec has none")
     out_dir, manifest, (name,) = outside_manifest(graph, options.spec_file, options.variant)
     if model not in (None, name):
-        raise UsageError(f"{graph}: --spec {options.spec_file} makes it model '{name}', not '{model}'")
+        other = f"{{graph}}: {{spec_file}} {{value}} makes it model '{name}', not '{model}'"
+        raise OptionError(other, ["spec_file"], graph=graph, value=options.spec_file)
     entry = manifest.models[name]
     spec = outside_spec(options.spec_file, entry)
     proto = load_model_file(graph, with_data=True, budget=memory_budget(options.max_memory, spec))

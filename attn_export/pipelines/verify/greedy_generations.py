@@ -33,7 +33,7 @@ from attn_export.checks.generate import (
     stacked,
     torch_generate,
 )
-from attn_export.errors import ArtifactError, AttnExportError, SpecError, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.models import integrity
@@ -113,10 +113,9 @@ def recorded_reference(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, opt
     recorded = read_generations(out_dir / entry.generations, spec, logits_vocab(spec), budget, out_dir)
     steps = options.generate_steps
     if steps > recorded.steps:
-        raise UsageError(
-            f"--golden --generate {steps}: {entry.name}'s build recorded {recorded.steps} new tokens; "
-            f"ask for {recorded.steps} or fewer, or verify --generate without --golden"
-        )
+        fewer = f"{{golden}} {{generate_steps}} {steps}: {entry.name}'s build recorded {recorded.steps} new tokens; "
+        fewer += f"ask for {recorded.steps} or fewer, or verify {{generate_steps}} without {{golden}}"
+        raise OptionError(fewer, ["golden", "generate_steps"])
     rounding = "none" if bits is None else rounding_name(bits)
     if not any(key[0] == rounding for key in recorded.runs):
         raise ArtifactError(f"{entry.name}: the build recorded no generation with the {rounding} rounding")

@@ -12,7 +12,7 @@ from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.checks.spec_learning import checkout_ranges
-from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.errors import ArtifactError, GraphCheckError, OptionError, UsageError
 from attn_export.exporter.graph_checks import (
     check_deterministic,
     check_float32_softmax,
@@ -58,7 +58,7 @@ def shard_names(names: Sequence[str], shard: tuple[int, int] | None) -> list[str
         return ordered
     i, n = shard
     if not (n >= 1 and 1 <= i <= n):
-        raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
+        raise OptionError("{shard} {value}: expected i/n with 1 <= i <= n", ["shard"], value=f"{i}/{n}")
     return [name for k, name in enumerate(ordered) if k % n == i - 1]
 
 
@@ -70,7 +70,8 @@ def decoder_names(
     kept = [n for n in names if cache_of(manifest.models[n].model_spec) is not None]
     left_out = [n for n in names if n not in kept]
     if not kept:
-        raise UsageError(f"--scenario {scenario}: none of {', '.join(names)} has a key/value cache")
+        none = f"{{scenario}} {{value}}: none of {', '.join(names)} has a key/value cache"
+        raise OptionError(none, ["scenario"], value=scenario)
     if left_out and on_notice:
         on_notice(f"--scenario {scenario} runs decoders only: leaving out {', '.join(left_out)} (no key/value cache)")
     return kept
@@ -83,7 +84,7 @@ def select_models(
     names; or with ``spec_file``, one .onnx file no build made (``outside_manifest``)."""
     if spec_file is not None:
         if len(paths) != 1:
-            raise UsageError("--spec verifies one .onnx file: give exactly one")
+            raise OptionError("{spec_file} verifies one .onnx file: give exactly one", ["spec_file"])
         return outside_manifest(paths[0], spec_file, variant)
     if not paths:
         raise UsageError("give a build folder or .onnx files from one")

@@ -14,7 +14,7 @@ from attn_export.artifacts.manifest import Manifest, ManifestEntry, is_build_fol
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.provenance import versions
 from attn_export.checks.spec_learning import learned_spec, needs_module
-from attn_export.errors import ArtifactError, GraphCheckError, UsageError
+from attn_export.errors import ArtifactError, GraphCheckError, OptionError
 from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.source import module_sources
 from attn_export.spec import ModelSpec, load_spec, variant_chain
@@ -29,19 +29,21 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     hash is the file's as read now (``changed_since``). A spec in a build folder, or in any
     folder below one, is refused: its module would be code from a folder that is data."""
     if graph.suffix != ".onnx" or graph.is_dir():
-        raise UsageError(f"{graph}: --spec judges one .onnx file, not a folder or another file")
+        raise OptionError(
+            "{graph}: {spec_file} judges one .onnx file, not a folder or another file", ["spec_file"], graph=graph
+        )
     if not graph.is_file():
         raise ArtifactError(f"{graph}: no such file")
     if variant_chain(variant).chooser:
-        raise UsageError(f"--variant {variant} chooses among variants; name the variant of the graph")
+        chooser = "{variant} {value} chooses among variants; name the variant of the graph"
+        raise OptionError(chooser, ["variant"], value=variant)
     spec = load_spec(spec_path)  # data only: a spec names its module, which is imported later
     home = spec_path.resolve().parent
     for folder in (home, *home.parents):
         if is_build_folder(folder):
-            raise UsageError(
-                f"--spec {spec_path} lies in the build folder {folder}: verify runs code only from the checkout, "
-                "never from a build folder; name the checkout's spec"
-            )
+            inside = "{spec_file} {value} lies in the build folder {folder}: verify runs code only from the "
+            inside += "checkout, never from a build folder; name the checkout's spec"
+            raise OptionError(inside, ["spec_file"], value=spec_path, folder=folder)
     if needs_module(spec):
         from attn_export.exporter.factory import instantiate
 
@@ -50,7 +52,8 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     try:
         check_spec_signature(load_model_file(graph), graph.name, spec)
     except GraphCheckError as e:  # no case could feed it: the spec names another graph
-        raise UsageError(f"{e}: --spec {spec_path} does not describe this graph") from None
+        other = "{error}: {spec_file} {value} does not describe this graph"
+        raise OptionError(other, ["spec_file"], error=e, value=spec_path) from None
     entry = ManifestEntry(
         name=name,
         file=graph.name,

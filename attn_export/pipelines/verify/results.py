@@ -22,7 +22,7 @@ from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
-from attn_export.errors import OptionError, UsageError
+from attn_export.errors import OptionError
 from attn_export.runtimes import Target
 from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout
 from attn_export.runtimes.placement import Placement
@@ -103,30 +103,53 @@ class VerifyOptions:
     region_timeout_s: float = RUN_TIMEOUT_S
 
     def check(self) -> None:
-        """UsageError naming the first option out of its range, as the CLI would refuse it
-        (the Python API builds options without the CLI's checks); for ``regions``, an
-        OptionError that each face words with its own names for the options."""
-        for name, value in (("--atol", self.atol), ("--rtol", self.rtol)):
+        """OptionError naming the first option out of its range, or two that cannot go
+        together, by its parameter here (``seed``): the Python API builds options without the
+        CLI's parsing, and each face words the error with its own names for the options."""
+        for name, value in (("atol", self.atol), ("rtol", self.rtol)):
             if value is not None and not (math.isfinite(value) and value >= 0):
-                raise UsageError(f"{name} {value}: give a finite number >= 0")
+                raise OptionError(f"{{{name}}} {{value}}: give a finite number >= 0", [name], value=value)
         if self.seed < 0:
-            raise UsageError(f"--seed {self.seed}: a seed is 0 or more")
+            raise OptionError("{seed} {value}: a seed is 0 or more", ["seed"], value=self.seed)
         if not 0 <= self.n_random <= 100:
-            raise UsageError(f"--random {self.n_random}: give 0 to 100")
+            raise OptionError("{n_random} {value}: give 0 to 100", ["n_random"], value=self.n_random)
         if self.decode_steps is not None and not 0 <= self.decode_steps <= 4096:
-            raise UsageError(f"--decode {self.decode_steps}: give 0 to 4096")
+            raise OptionError("{decode_steps} {value}: give 0 to 4096", ["decode_steps"], value=self.decode_steps)
         if not 0 <= self.generate_steps <= 4096:
-            raise UsageError(f"--generate {self.generate_steps}: give 0 to 4096")
+            raise OptionError("{generate_steps} {value}: give 0 to 4096", ["generate_steps"], value=self.generate_steps)
         if self.max_slowdown is not None and not (math.isfinite(self.max_slowdown) and self.max_slowdown > 0):
-            raise UsageError(f"--max-slowdown {self.max_slowdown}: give a finite number > 0")
+            raise OptionError(
+                "{max_slowdown} {value}: give a finite number > 0", ["max_slowdown"], value=self.max_slowdown
+            )
         if self.max_memory is not None and self.max_memory < 1:
-            raise UsageError(f"--max-memory {self.max_memory}: give a size of at least 1 byte")
+            raise OptionError(
+                "{max_memory} {value}: give a size of at least 1 byte", ["max_memory"], value=self.max_memory
+            )
+        if self.inputs_file and (self.shapes or self.distributions):
+            sweep = "{inputs_file} replaces the sweep: it cannot be combined with {shapes} or {distributions}"
+            raise OptionError(sweep, ["inputs_file", "shapes", "distributions"])
+        if self.golden and (self.shapes or self.distributions):
+            fixed = "{shapes} and {distributions} cannot be combined with {golden} (golden files fix their cases)"
+            raise OptionError(fixed, ["shapes", "distributions", "golden"])
+        if self.mask_case and not self.shapes:
+            raise OptionError(
+                "{mask_case} needs {shapes} (the sweep already holds every mask case)", ["mask_case", "shapes"]
+            )
+        if self.spec_file is None and self.variant != "fp32":
+            raise OptionError(
+                "{variant} needs {spec_file}: a built graph's manifest names its own variant", ["variant", "spec_file"]
+            )
         if self.scenario is not None:
             if self.scenario not in SCENARIOS:
-                raise UsageError(f"--scenario {self.scenario}: unknown (known: {', '.join(SCENARIOS)})")
-            clash = next((o for o, v in self._sweep_options().items() if v), None)
+                known = ", ".join(SCENARIOS)
+                raise OptionError(
+                    f"{{scenario}} {{value}}: unknown (known: {known})", ["scenario"], value=self.scenario
+                )
+            clash = next((o for o in ("shapes", "inputs_file", "golden") if getattr(self, o)), None)
             if clash:
-                raise UsageError(f"--scenario replaces the sweep: it cannot be combined with {clash}")
+                raise OptionError(
+                    f"{{scenario}} replaces the sweep: it cannot be combined with {{{clash}}}", ["scenario", clash]
+                )
         if self.regions is not None:
             if self.regions not in REGIONS:
                 known = ", ".join(REGIONS)
@@ -134,11 +157,10 @@ class VerifyOptions:
             if self.golden:
                 clash = "{regions} compares with PyTorch: it cannot be combined with {golden}"
                 raise OptionError(clash, ["regions", "golden"])
+        if self.golden and self.spec_file is not None:
+            none = "{golden} compares with a build's golden file; a graph given with {spec_file} has none"
+            raise OptionError(none, ["golden", "spec_file"])
         check_timeout(self.region_timeout_s, "region_timeout_s")
-
-    def _sweep_options(self) -> dict[str, object]:
-        """The options that fix a run's cases, as the CLI names them."""
-        return {"--shapes": self.shapes, "--inputs": self.inputs_file, "--golden": self.golden}
 
     def placement_required(self, target: Target) -> bool:
         """Whether ``--require-placement`` holds for ``target``."""

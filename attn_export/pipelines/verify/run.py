@@ -21,7 +21,7 @@ from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntr
 from attn_export.artifacts.recorded import read_recorded
 from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import generate_prompts, is_causal_lm
-from attn_export.errors import ArtifactError, AttnExportError, RuntimeFailure, UsageError
+from attn_export.errors import ArtifactError, AttnExportError, OptionError, RuntimeFailure, UsageError
 from attn_export.executors import SERIAL, Parallelism, open_executor
 from attn_export.pipelines.verify.cells import (
     CaseCell,
@@ -92,10 +92,9 @@ def verify_artifacts(
             if missing:
                 raise ArtifactError(f"{out_dir}: the manifest no longer lists {', '.join(missing)}")
             if not options.golden and resolved(options.models_dir).is_relative_to(resolved(out_dir)):
-                raise UsageError(
-                    f"--models {options.models_dir} is inside the build folder {out_dir}: verify runs code only from "
-                    "the checkout, never from a build folder; pass --models with the checkout's spec folder"
-                )
+                inside = "{models_dir} {value} is inside the build folder {folder}: verify runs code only from the "
+                inside += "checkout, never from a build folder; pass {models_dir} with the checkout's spec folder"
+                raise OptionError(inside, ["models_dir"], value=options.models_dir, folder=out_dir)
             report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
     if options.regions is not None:
         from attn_export.pipelines.localize.run import check_regions  # torch's side, only when asked
@@ -118,8 +117,6 @@ def _verify_outside(
     folder, judged against ``options.spec_file``. Golden mode needs a build's golden file
     and is refused. A build in progress in the folder is waited for."""
     assert options.spec_file is not None
-    if options.golden:
-        raise UsageError("--golden compares with a build's golden file; a graph given with --spec has none")
     options = dataclasses.replace(options, models_dir=options.spec_file.parent)
 
     def rehashed(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
@@ -158,7 +155,8 @@ def _verify_locked(
     if options.generate_steps:  # before any work: a prompt and its tokens must fit each model's ranges
         lms = [spec for spec in specs if is_causal_lm(spec)]
         if not lms:
-            raise UsageError("--generate runs causal LMs (a logits output and a KV cache): no model of this run is one")
+            lm = "{generate_steps} runs causal LMs (a logits output and a KV cache): no model of this run is one"
+            raise OptionError(lm, ["generate_steps"])
         for entry, spec in zip(entries, specs, strict=True):
             if is_causal_lm(spec):
                 generate_prompts(spec, options.generate_steps, options.seed)

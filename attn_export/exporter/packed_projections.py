@@ -9,8 +9,8 @@ the noise at 1 (``docs/performance.md``). The packed MatMul records the projecti
 holds (``PACKED``): their columns for the int8 link, which rounds each part with a scale
 of its own, as it rounds weights apart, and the nodes they were for localization, which
 takes them apart again (``unpacked``). A rewrite that replaces the MatMul (int8's
-``MatMulInteger`` and its scales) hands the record on to the node that now gives the packed
-value (``keep_records``); localization then cuts that value into the projections with a
+``MatMulInteger`` and its scales, int4's ``MatMulNBits``) hands the record on to the node
+that now gives the packed value (``keep_records``); localization then cuts that value into the projections with a
 ``Slice`` each, so a fault in the key's columns is still named at the key's projection.
 """
 
@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
 
-__all__ = ["PACKED", "keep_records", "pack", "packed_weights", "unpacked"]
+__all__ = ["PACKED", "keep_records", "pack", "packed_records", "packed_weights", "unpacked"]
 
 #: Metadata of a packed MatMul: JSON, one entry per projection it holds, in column order:
 #: its column count and the MatMul (and bias Add, or null) it was, by name, output and
@@ -163,13 +163,19 @@ def packed_weights(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return {n.input[1]: tuple(int(p["columns"]) for p in parts) for n in matmuls if (parts := _parts(n))}
 
 
-def keep_records(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
-    """Hand each packed MatMul's record in ``before`` on to the node of ``after`` that gives
-    the same value, where a rewrite replaced the MatMul and dropped its metadata (int8's
-    ``quantize_dynamic`` keeps the value's name and makes it with a Mul of the scales). A
-    value ``after`` no longer has keeps no record: localization judges the packed nodes as
-    one region, as before packing."""
-    records = {n.output[0]: p.value for n in before.graph.node for p in n.metadata_props if p.key == PACKED}
+def packed_records(proto: onnx.ModelProto) -> dict[str, str]:
+    """Each packed MatMul's record, by the value it gives: what ``keep_records`` hands on,
+    read before a rewrite that changes the graph in place (int4's quantizer does)."""
+    return {n.output[0]: p.value for n in proto.graph.node for p in n.metadata_props if p.key == PACKED}
+
+
+def keep_records(records: Mapping[str, str], after: onnx.ModelProto) -> None:
+    """Hand each record (``packed_records`` of the graph before a rewrite) on to the node of
+    ``after`` that gives the same value, where the rewrite replaced the packed MatMul and
+    dropped its metadata (int8's ``quantize_dynamic`` keeps the value's name and makes it
+    with a Mul of the scales, int4's quantizer with a ``MatMulNBits``). A value ``after`` no
+    longer has keeps no record: localization judges the packed nodes as one region, as
+    before packing."""
     for node in after.graph.node:
         value = node.output[0] if node.output else ""
         if value in records and not any(p.key == PACKED for p in node.metadata_props):

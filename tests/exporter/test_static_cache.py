@@ -4,6 +4,7 @@ and decoded bound, past and present one buffer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +39,9 @@ def built(tmp_path_factory: pytest.TempPathFactory):
     def specs(models: Path) -> list[Path]:
         return [write_spec(models, "mha_one_stream", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()))]
 
-    built = shared_build(tmp_path_factory, "static-cache", specs, variants=("static-cache", "static-cache+int8"))
-    assert built.errors["mha_one_stream.static-cache"] is None, built.errors
-    assert built.errors["mha_one_stream.static-cache+int8"] is None, built.errors
+    variants = ("static-cache", "static-cache+int8", "static-cache+int4")
+    built = shared_build(tmp_path_factory, "static-cache", specs, variants=variants)
+    assert all(built.errors[f"mha_one_stream.{v}"] is None for v in variants), built.errors
     return built
 
 
@@ -342,3 +343,39 @@ def test_a_fault_in_one_int8_packed_projection_is_localized_to_that_projection(b
     assert result.exit_code == 1, result.output
     assert "DIVERGES first at ONNX node_linear_1 (+1 nodes) [Slice+Add] from FX node linear_1 " in result.output
     assert "in k_linear at " in result.output and "self.k_linear(hidden_states)" in result.output, result.output
+
+
+def test_a_fault_in_one_int4_packed_projection_is_localized_to_that_projection(built, tmp_path) -> None:
+    """int4's quantizer replaces the packed MatMul by a MatMulNBits in place; the record of
+    the three projections goes on to it, and localization cuts its value with a Slice each.
+    Planted: the key's rows of its block scales ([N, blocks]) doubled. Before, the record
+    was lost and the fault was judged in the attention's region. The query's and value's
+    regions break their rms bound by int4's rounding alone (a region has no simulated
+    rounding's room), so the key's is told apart by how far it breaks it, not by the headline."""
+    from onnx import numpy_helper
+
+    from attn_export.exporter.packed_projections import PACKED
+    from attn_export.pipelines.localize import LocalizeOptions, localize_model
+
+    copy = copy_build(built, tmp_path)
+    name = "mha_one_stream.static-cache+int4"
+    proto = onnx.load(copy.out / f"{name}.onnx")
+    (node,) = [n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.input[1].endswith("/qkv_weight_Q4")]
+    kept = [p.value for p in node.metadata_props if p.key == PACKED]
+    assert kept, f"the MatMulNBits '{node.name}' lost the packed projection's record"
+    record = json.loads(kept[0])
+    query, key = (int(part["columns"]) for part in record[:2])
+    (scale,) = [t for t in proto.graph.initializer if t.name == node.input[2]]
+    scales = numpy_helper.to_array(scale).copy()
+    scales[query : query + key] *= 2.0
+    scale.CopyFrom(numpy_helper.from_array(scales, scale.name))
+    plant(copy.out, name, proto)
+    report = localize_model(copy.out, name, LocalizeOptions(models_dir=copy.models))
+    assert not report.passed()
+    regions = {r.module_path: r for r in report.regions if r.module_path.endswith("_linear")}
+    assert {p: r.ops for p, r in regions.items() if p != "out_linear"} == {
+        p: ["Slice", "Add"] for p in ("q_linear", "k_linear", "v_linear")
+    }
+    over = {p: r.local.rms_error / r.local.rms_bound for p, r in regions.items() if r.local and r.local.rms_bound}
+    assert regions["k_linear"].breaks and regions["k_linear"].fx_node == "linear_1"
+    assert over["k_linear"] > 4 * max(v for p, v in over.items() if p != "k_linear"), over

@@ -9,6 +9,7 @@ import logging
 import onnx
 
 from attn_export.errors import ExportFailure
+from attn_export.exporter.packed_projections import keep_records, packed_records
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.runtimes.int8_rounding import INT4_ACCURACY_LEVEL, INT4_BLOCK
 
@@ -20,6 +21,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     module by the weights' and activations' rounding alone."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    records = packed_records(proto)  # the quantizer rewrites proto in place, dropping them
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
     quantizer_log.setLevel(logging.ERROR)  # it logs every MatMul it quantizes or skips
@@ -35,6 +37,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     counts = op_counts(out)
     if not counts.get("com.microsoft.MatMulNBits"):
         raise ExportFailure("variant int4: no MatMul has a constant weight to quantize (MatMulNBits needs one)")
+    keep_records(records, out)  # localization still takes the packed projection apart
     info = {
         "quantized": (
             f"MatMul weights int4, symmetric blocks of {INT4_BLOCK}, accuracy level {INT4_ACCURACY_LEVEL} "

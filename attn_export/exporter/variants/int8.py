@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.packed_projections import keep_records, packed_weights
+from attn_export.exporter.packed_projections import keep_records, packed_records, packed_weights
 from attn_export.exporter.variants import VariantGraph, op_counts
 
 
@@ -57,6 +57,6 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
             logger.setLevel(level)
         out = onnx.load(dst)
     _round_parts_apart(proto, out)
-    keep_records(proto, out)  # localization still takes the packed projection apart
+    keep_records(packed_records(proto), out)  # localization still takes the packed projection apart
     info = {"quantized": "MatMul weights int8 (7-bit range), activations dynamic", "ops": dict(op_counts(out))}
     return VariantGraph(out, info)

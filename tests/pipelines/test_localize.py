@@ -624,6 +624,29 @@ def test_a_fault_in_a_variant_no_build_made_is_localized_as_in_a_build_folder(
     assert any(EXPORTED_MAP in n for n in report.notes), report.notes
 
 
+@pytest.mark.slow  # a build of two variants of the opset-23 export (8 s)
+def test_a_variant_re_exported_at_another_opset_is_localized_with_spec_through_its_own_metadata(
+    tmp_path: Path,
+) -> None:
+    """attention-op and ort-past are re-exported at opset 23, and their nodes carry the FX
+    metadata themselves: given alone with --spec, no plain graph is exported for them."""
+    spec = TINY_ZOO / "mha_kv_cache.toml"
+    variants = ("attention-op", "ort-past")
+    summary = build_models([spec], BuildOptions(tmp_path / "out", variants=variants))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    for variant in variants:
+        proto = onnx.load(tmp_path / "out" / f"mha_kv_cache.{variant}.onnx")
+        out_weight = [n for n in proto.graph.node if n.op_type == "MatMul"][-1].input[1]
+        scale_initializer(proto, out_weight, 1.5)
+        (tmp_path / variant).mkdir()
+        onnx.save(proto, tmp_path / variant / "mha_kv_cache.onnx")
+        options = LocalizeOptions(spec_file=spec, variant=variant)
+        report = localize_model(tmp_path / variant / "mha_kv_cache.onnx", None, options)
+        first = report.first
+        assert first is not None and first.fx_node == "linear_3" and "self.out_linear(out)" in first.code, variant
+        assert not [n for n in report.notes if EXPORTED_MAP in n], report.notes
+
+
 @pytest.mark.slow
 def test_a_fault_in_onnx_runtimes_cache_attention_is_localized_to_the_sdpa_and_cache_lines(
     zoo_copy: Path,

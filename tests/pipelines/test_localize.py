@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from attn_export.errors import OptionError, UsageError
 from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
+from attn_export.pipelines.localize import run as localize_run
 from attn_export.pipelines.localize.judge import beyond, held, representable
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import (
@@ -568,12 +570,15 @@ EXPORTED_MAP = "fused regions are mapped back to FX nodes through the plain grap
 
 
 def test_an_optimized_graph_no_build_made_is_localized_through_the_plain_graph_exported_from_its_spec(
-    zoo_dir: Path, tmp_path: Path
+    zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ONNX Runtime's optimizer drops the exporter's metadata, and a graph given with --spec
     has no plain graph beside it to take it from: it was refused as no dynamo export. The
     plain graph is exported from the spec (said in a note, nothing written beside the
-    graph), and localize and verify --localize name the fused scale's FX nodes and line."""
+    graph), and localize and verify --localize name the fused scale's FX nodes and line.
+    The module's side runs on that export's FX program: the module is not exported twice."""
+    monkeypatch.setattr(localize_run, "_PROGRAMS", OrderedDict())
+    monkeypatch.setattr(localize_run, "export_program", lambda *a, **k: pytest.fail("exported a second time"))
     _, variant, node, edit, fx_node, _, code = next(p for p in FUSED_PLANTS if p[1] == "ort-optimized")
     args = ["--spec", str(TINY_ZOO / "mha.toml"), "--variant", variant]
     right = CliRunner().invoke(cli, ["localize", str(_alone(zoo_dir, variant, tmp_path / "right")), *args])

@@ -72,13 +72,22 @@ _KEPT_PROGRAMS = 4
 def _program(spec: ModelSpec, module: Any, opset: int) -> Any:
     """The FX program the dynamo exporter converts, as build exported it: exported once
     per model and opset, then reused (the spec and its module's source files are the key)."""
-    key = (spec.content_hash(), tuple(sorted(module_sources(spec).items())), opset)
+    key = _program_key(spec, opset)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=opset)
-        while len(_PROGRAMS) > _KEPT_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
+        _keep_program(spec, opset, export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=opset))
     _PROGRAMS.move_to_end(key)
     return _PROGRAMS[key]
+
+
+def _program_key(spec: ModelSpec, opset: int) -> tuple[str, tuple[tuple[str, str], ...], int]:
+    return spec.content_hash(), tuple(sorted(module_sources(spec).items())), opset
+
+
+def _keep_program(spec: ModelSpec, opset: int, program: Any) -> None:
+    """Keep ``program`` for the next case of the spec at ``opset`` (the last few models only)."""
+    _PROGRAMS[_program_key(spec, opset)] = program
+    while len(_PROGRAMS) > _KEPT_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
 
 
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
@@ -307,7 +316,10 @@ def _exported_plain(spec: ModelSpec) -> onnx.ModelProto:
     from attn_export.pipelines.build.results import BuildOptions
 
     with tempfile.TemporaryDirectory() as folder:
-        graph = SpecBuild(spec, versions(), BuildOptions(Path(folder))).graph("fp32")
+        build = SpecBuild(spec, versions(), BuildOptions(Path(folder)))
+        graph = build.graph("fp32")
+    if spec.opset in build.programs:  # the same export localize runs the module's side on: not made twice
+        _keep_program(spec, spec.opset, build.programs[spec.opset])
     return onnx.load_from_string(graph.model)
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,8 +20,10 @@ from onnx import numpy_helper
 
 from attn_export.cli import cli
 from attn_export.errors import OptionError, UsageError
+from attn_export.exporter.variants import make_variant
 from attn_export.pipelines.build import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
+from attn_export.pipelines.localize import run as localize_run
 from attn_export.pipelines.localize.judge import beyond, held, representable
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import (
@@ -519,6 +522,17 @@ FUSED_PLANTS = [
 ]  # fmt: skip
 
 
+def _blamed_as_planted(report: LocalizeReport, node: str, fx_node: str, covers: set[str], code: str) -> None:
+    """The planted region is blamed, alone, for ``fx_node`` and the FX nodes it stands for, at
+    the zoo's line."""
+    first = report.first
+    assert not report.agrees and first is not None and report.cause == "graph", report.notes
+    assert (first.fx_node, node in first.nodes) == (fx_node, True), where(first)
+    assert covers <= set(first.covers or [first.fx_node]), first.covers
+    assert code in first.code and first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
+    assert [r.fx_node for r in report.regions if r.breaks] == [fx_node]
+
+
 @pytest.mark.parametrize(
     ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
     [
@@ -536,12 +550,106 @@ def test_a_fault_in_a_fused_variant_is_localized_to_its_region_and_the_fx_nodes_
     edit(proto)
     plant(zoo_copy, name, proto)
     report = _localize(zoo_copy, name)
-    first = report.first
-    assert not report.agrees and first is not None and report.cause == "graph", report.notes
-    assert (first.fx_node, node in first.nodes) == (fx_node, True), where(first)
-    assert covers <= set(first.covers or [first.fx_node]), first.covers
-    assert code in first.code and first.source.startswith(str(ZOO_CODE / "seed.py") + ":")
-    assert [r.fx_node for r in report.regions if r.breaks] == [fx_node]
+    _blamed_as_planted(report, node, fx_node, covers, code)
+
+
+def _alone(zoo_dir: Path, variant: str, folder: Path, edit: Callable | None = None) -> Path:
+    """The zoo's ``mha`` as ``variant``, made from its plain graph as build makes it and
+    edited, alone in ``folder``: a graph no build made, no plain graph beside it."""
+    proto = make_variant(variant, onnx.load(zoo_dir / "mha.onnx")).proto
+    if edit is not None:
+        edit(proto)
+    folder.mkdir(parents=True)
+    onnx.save(proto, folder / "mha.onnx")
+    return folder / "mha.onnx"
+
+
+#: What a graph given with --spec says where its fused regions were mapped back through a
+#: plain graph exported from the spec.
+EXPORTED_MAP = "fused regions are mapped back to FX nodes through the plain graph exported now from the spec"
+
+
+def test_an_optimized_graph_no_build_made_is_localized_through_the_plain_graph_exported_from_its_spec(
+    zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ONNX Runtime's optimizer drops the exporter's metadata, and a graph given with --spec
+    has no plain graph beside it to take it from: it was refused as no dynamo export. The
+    plain graph is exported from the spec (said in a note, nothing written beside the
+    graph), and localize and verify --localize name the fused scale's FX nodes and line.
+    The module's side runs on that export's FX program: the module is not exported twice."""
+    monkeypatch.setattr(localize_run, "_PROGRAMS", OrderedDict())
+    monkeypatch.setattr(localize_run, "export_program", lambda *a, **k: pytest.fail("exported a second time"))
+    _, variant, node, edit, fx_node, _, code = next(p for p in FUSED_PLANTS if p[1] == "ort-optimized")
+    args = ["--spec", str(TINY_ZOO / "mha.toml"), "--variant", variant]
+    right = CliRunner().invoke(cli, ["localize", str(_alone(zoo_dir, variant, tmp_path / "right")), *args])
+    assert right.exit_code == 0 and "\nAGREES: " in right.output, right.output
+    assert f"note: {variant}'s {EXPORTED_MAP} {TINY_ZOO / 'mha.toml'} (no build's plain graph" in right.output
+    graph = _alone(zoo_dir, variant, tmp_path / "edited", edit)
+    blame = f"DIVERGES first at ONNX {node} [FusedMatMul] from FX node {fx_node} (aten.div.Tensor) at "
+    standing = "(a region standing for 2 FX nodes: matmul, div; "
+    for command in (["localize", str(graph)], ["verify", str(graph), "--no-latency", "--random", "0", "--localize"]):
+        result = CliRunner().invoke(cli, [*command, *args])
+        assert result.exit_code == 1 and blame in result.output, result.output
+        assert code in result.output and standing in result.output and EXPORTED_MAP in result.output
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["mha.onnx"]
+
+
+@pytest.mark.parametrize(
+    ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
+    [
+        # by default, those refused or mapped short before the plain graph was exported from the spec
+        pytest.param(*p, id=p[0], marks=() if p[1] in ("int8+ort-optimized", "ort-fused") else pytest.mark.slow)
+        for p in FUSED_PLANTS
+        if p[1] != "ort-optimized"
+    ],
+)
+def test_a_fault_in_a_variant_no_build_made_is_localized_as_in_a_build_folder(
+    zoo_dir: Path,
+    tmp_path: Path,
+    fault: str,
+    variant: str,
+    node: str,
+    edit: Callable,
+    fx_node: str,
+    covers: set[str],
+    code: str,
+) -> None:
+    """Every variant made from the plain export, given with --spec, maps its fused regions
+    back through the plain graph exported from the spec as through the one a build folder
+    holds (a chain through ONNX Runtime's optimizer was refused; a fused attention lost the
+    FX nodes it stands for)."""
+
+    def run(graph: Path) -> LocalizeReport:
+        return localize_model(graph, None, LocalizeOptions(spec_file=TINY_ZOO / "mha.toml", variant=variant))
+
+    agrees = run(_alone(zoo_dir, variant, tmp_path / "right"))
+    assert agrees.agrees and not [r.fx_node for r in agrees.regions if r.breaks], "a correct variant"
+    report = run(_alone(zoo_dir, variant, tmp_path / "edited", edit))
+    _blamed_as_planted(report, node, fx_node, covers, code)
+    assert any(EXPORTED_MAP in n for n in report.notes), report.notes
+
+
+@pytest.mark.slow  # a build of two variants of the opset-23 export (8 s)
+def test_a_variant_re_exported_at_another_opset_is_localized_with_spec_through_its_own_metadata(
+    tmp_path: Path,
+) -> None:
+    """attention-op and ort-past are re-exported at opset 23, and their nodes carry the FX
+    metadata themselves: given alone with --spec, no plain graph is exported for them."""
+    spec = TINY_ZOO / "mha_kv_cache.toml"
+    variants = ("attention-op", "ort-past")
+    summary = build_models([spec], BuildOptions(tmp_path / "out", variants=variants))
+    assert summary.exit_code == 0, [r.error for r in summary.results]
+    for variant in variants:
+        proto = onnx.load(tmp_path / "out" / f"mha_kv_cache.{variant}.onnx")
+        out_weight = [n for n in proto.graph.node if n.op_type == "MatMul"][-1].input[1]
+        scale_initializer(proto, out_weight, 1.5)
+        (tmp_path / variant).mkdir()
+        onnx.save(proto, tmp_path / variant / "mha_kv_cache.onnx")
+        options = LocalizeOptions(spec_file=spec, variant=variant)
+        report = localize_model(tmp_path / variant / "mha_kv_cache.onnx", None, options)
+        first = report.first
+        assert first is not None and first.fx_node == "linear_3" and "self.out_linear(out)" in first.code, variant
+        assert not [n for n in report.notes if EXPORTED_MAP in n], report.notes
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import read_intermediates
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import default_opset, load_model_file
+from attn_export.artifacts.provenance import versions
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.causality import sights
 from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, plan_trajectory, step_inputs
@@ -70,13 +72,22 @@ _KEPT_PROGRAMS = 4
 def _program(spec: ModelSpec, module: Any, opset: int) -> Any:
     """The FX program the dynamo exporter converts, as build exported it: exported once
     per model and opset, then reused (the spec and its module's source files are the key)."""
-    key = (spec.content_hash(), tuple(sorted(module_sources(spec).items())), opset)
+    key = _program_key(spec, opset)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=opset)
-        while len(_PROGRAMS) > _KEPT_PROGRAMS:
-            _PROGRAMS.popitem(last=False)
+        _keep_program(spec, opset, export_program(module, spec, make_feeds(spec, example_sizes(spec), 0), opset=opset))
     _PROGRAMS.move_to_end(key)
     return _PROGRAMS[key]
+
+
+def _program_key(spec: ModelSpec, opset: int) -> tuple[str, tuple[tuple[str, str], ...], int]:
+    return spec.content_hash(), tuple(sorted(module_sources(spec).items())), opset
+
+
+def _keep_program(spec: ModelSpec, opset: int, program: Any) -> None:
+    """Keep ``program`` for the next case of the spec at ``opset`` (the last few models only)."""
+    _PROGRAMS[_program_key(spec, opset)] = program
+    while len(_PROGRAMS) > _KEPT_PROGRAMS:
+        _PROGRAMS.popitem(last=False)
 
 
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
@@ -280,14 +291,36 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
     return "attn-export localize " + " ".join(shlex.quote(a) for a in args)
 
 
+def _maps_through_plain(variant: str) -> bool:
+    """Whether ``variant``'s graph is made from the plain export (for a chain, its first
+    link), so its fused regions are mapped back through it; a re-export at another opset
+    (``attention-op``, ``ort-past``) carries the FX metadata on its own nodes."""
+    return variant != "fp32" and not variant_chain(variant).export_opset
+
+
 def _plain_graph(out_dir: Path, manifest: Manifest, entry: ManifestEntry, budget: int) -> onnx.ModelProto | None:
-    """For a variant made from the plain export (not re-exported at another opset; for a
-    chain, its first link), the folder's plain graph of the same spec: what its fused
-    regions are mapped back to."""
+    """For a variant made from the plain export, the folder's plain graph of the same spec:
+    what its fused regions are mapped back to."""
     plain = plain_export(out_dir, manifest, entry)
-    if plain is None or variant_chain(entry.variant).export_opset:
+    if plain is None or not _maps_through_plain(entry.variant):
         return None
     return load_model_file(out_dir / plain.file, with_data=True, budget=budget)
+
+
+def _exported_plain(spec: ModelSpec) -> onnx.ModelProto:
+    """The spec's plain graph as build exports it (module, export, graph checks), for a
+    graph no build made: no plain graph lies beside it to map its fused regions back to.
+    Build's stages write nothing here; their folder is a temporary one all the same."""
+    # imported here: build records localize's values, so its package imports this one's
+    from attn_export.pipelines.build.graphs import SpecBuild
+    from attn_export.pipelines.build.results import BuildOptions
+
+    with tempfile.TemporaryDirectory() as folder:
+        build = SpecBuild(spec, versions(), BuildOptions(Path(folder)))
+        graph = build.graph("fp32")
+    if spec.opset in build.programs:  # the same export localize runs the module's side on: not made twice
+        _keep_program(spec, spec.opset, build.programs[spec.opset])
+    return onnx.load_from_string(graph.model)
 
 
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
@@ -339,8 +372,11 @@ class _Found:
     entry: ManifestEntry
     spec: ModelSpec
     proto: onnx.ModelProto
-    #: For a variant, the plain export beside it, which its fused regions are mapped back to.
+    #: For a variant, the plain export its fused regions are mapped back to (the one beside
+    #: it, or for a graph no build made, exported from the spec).
     plain: onnx.ModelProto | None
+    #: Said in the report of every case localized on it (where ``plain`` came from).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found:
@@ -376,8 +412,8 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
 
 
 def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
-    """A graph no build made, as ``outside_manifest`` lists it, with its spec and no plain
-    export beside it."""
+    """A graph no build made, as ``outside_manifest`` lists it, with its spec; for a variant
+    made from the plain export, that export made again from the spec, as none lies beside it."""
     assert options.spec_file is not None
     out_dir, manifest, (name,) = outside_manifest(graph, options.spec_file, options.variant)
     if model not in (None, name):
@@ -386,7 +422,13 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     entry = manifest.models[name]
     spec = outside_spec(options.spec_file, entry)
     proto = load_model_file(graph, with_data=True, budget=memory_budget(options.max_memory, spec))
-    return _Found(out_dir, entry, spec, proto, None)
+    if spec.exporter != "dynamo" or not _maps_through_plain(entry.variant):  # the former is refused below
+        return _Found(out_dir, entry, spec, proto, None)
+    said = (
+        f"{entry.variant}'s fused regions are mapped back to FX nodes through the plain graph exported "
+        f"now from the spec {options.spec_file} (no build's plain graph lies beside this one)"
+    )
+    return _Found(out_dir, entry, spec, proto, _exported_plain(spec), [said])
 
 
 @dataclass
@@ -480,7 +522,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         side, options = _pytorch_side(spec, proto, options, budget, entry.variant)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
     outputs = case.outputs
-    notes = []
+    notes = list(found.notes)
     filled, feeds = _in_buffers(proto, spec, feeds)
     try:
         graph_vals = filled(graph_values(proto, feeds, options.target, budget, options.timeout_s))

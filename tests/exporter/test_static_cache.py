@@ -16,12 +16,12 @@ from onnx import helper
 from attn_export.cli import cli
 from attn_export.errors import ArtifactError, RuntimeFailure, SpecError
 from attn_export.exporter.factory import instantiate
+from attn_export.model_spec import ModelSpec, load_spec
+from attn_export.model_spec.cache import cache_of
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.cache import cache_of
 from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
 
 CAPACITY = "\n[cache]\nmax_seq = 48\n"

@@ -150,7 +150,7 @@ def main() -> None:
         from attn_export.artifacts.provenance import versions
         from attn_export.pipelines.bench.results import BenchOptions, DecodeBenchOptions
         from attn_export.pipelines.bench.runners import timing_machine
-        from attn_export.pipelines.build import BuildOptions, build_models
+        from attn_export.pipelines.building import BuildOptions, build_models
         from attn_export.runtimes.timing import load_average
 
         load_start = load_average()

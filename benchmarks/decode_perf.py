@@ -133,7 +133,7 @@ def main() -> None:
     from attn_export.model_spec import load_spec, variant_key
     from attn_export.pipelines.bench.decode_timing import run_decode_bench
     from attn_export.pipelines.bench.results import DecodeBenchOptions
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.report.bench_text import format_decode_summary, markdown_decode_table
 
     command = " ".join(["python", "benchmarks/decode_perf.py", *sys.argv[1:]])

@@ -20,7 +20,7 @@ from pathlib import Path
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.compare import OutputComparison
 from attn_export.model_spec import spec_paths
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "models"

@@ -148,7 +148,7 @@ def main() -> None:
     from attn_export.model_spec import load_spec
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import run_bench
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.runtimes.timing import load_average
 
     spec = load_spec(SPEC)

@@ -38,7 +38,7 @@ from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.exporter.variants import make_variant
 from attn_export.model_spec import load_spec, spec_paths
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.pipelines.verify.models import checkout_spec
 

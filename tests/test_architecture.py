@@ -15,7 +15,7 @@ import pytest
 from attn_export.cli import cli
 from attn_export.exporter.variants import make_variant
 from attn_export.model_spec import VARIANTS
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from tests.conftest import ROOT, write_spec

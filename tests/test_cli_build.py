@@ -63,7 +63,7 @@ def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
 
 
 def test_build_json_summary_round_trips(tmp_path: Path) -> None:
-    from attn_export.pipelines.build import BuildSummary
+    from attn_export.pipelines.building import BuildSummary
 
     # torchscript, the fastest exporter: what is tested here is not the export
     tiny_spec(tmp_path / "models", exporter="torchscript")

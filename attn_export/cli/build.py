@@ -101,7 +101,7 @@ def build(
     from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
     from attn_export.model_spec import spec_paths
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.report import check_report_paths, check_reports_spare
     from attn_export.report.build_text import format_build_line, format_build_summary
 

@@ -23,7 +23,7 @@ from attn_export.exporter.torch_export import export_onnx
 from attn_export.model_spec import load_spec
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.shapes import example_sizes
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from tests.conftest import TINY_ZOO, plant, write_spec

@@ -21,7 +21,7 @@ from attn_export.model_spec import load_spec
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import EXPANSIONS
 from attn_export.model_spec.shapes import example_sizes
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime

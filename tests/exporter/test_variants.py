@@ -17,7 +17,7 @@ from onnx import numpy_helper
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.model_spec import VARIANTS, load_spec
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from tests.conftest import TINY_ZOO, ZOO, plant, set_initializer, write_spec
 
 #: verify rebuilds the PyTorch originals of the tiny zoo from its specs

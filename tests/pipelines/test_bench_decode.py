@@ -20,7 +20,7 @@ from attn_export.exporter.factory import instantiate
 from attn_export.model_spec import load_spec
 from attn_export.pipelines.bench.decode_timing import past_lengths, plan_window
 from attn_export.pipelines.bench.results import DecodeBenchReport
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.runtimes.torch_compiled import CompiledTorchRuntime

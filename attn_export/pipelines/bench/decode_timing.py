@@ -53,7 +53,7 @@ from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
-from attn_export.pipelines.build import BuildSummary
+from attn_export.pipelines.building import BuildSummary
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.timing import check_threads, physical_cores

@@ -24,7 +24,7 @@ from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
 from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
-from attn_export.pipelines.build import BuildSummary
+from attn_export.pipelines.building import BuildSummary
 from attn_export.runtimes.timing import check_threads, physical_cores
 
 __all__ = ["bench_models", "run_bench"]

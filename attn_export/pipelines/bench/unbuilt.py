@@ -14,7 +14,7 @@ from attn_export.artifacts.manifest import Manifest, load_manifest
 from attn_export.model_spec import ModelSpec
 from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.pipelines.bench.runners import unloadable
-from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
+from attn_export.pipelines.building import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes import RUNTIMES
 
 __all__ = ["Left", "build_for_bench", "left_out_notes", "unbuilt", "with_unloadable", "without_left_out"]

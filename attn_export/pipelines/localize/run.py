@@ -312,8 +312,8 @@ def _exported_plain(spec: ModelSpec) -> onnx.ModelProto:
     graph no build made: no plain graph lies beside it to map its fused regions back to.
     Build's stages write nothing here; their folder is a temporary one all the same."""
     # imported here: build records localize's values, so its package imports this one's
-    from attn_export.pipelines.build.graphs import SpecBuild
-    from attn_export.pipelines.build.results import BuildOptions
+    from attn_export.pipelines.building.graphs import SpecBuild
+    from attn_export.pipelines.building.results import BuildOptions
 
     with tempfile.TemporaryDirectory() as folder:
         build = SpecBuild(spec, versions(), BuildOptions(Path(folder)))

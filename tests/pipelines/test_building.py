@@ -30,8 +30,8 @@ from attn_export.model_spec import load_spec, variant_chain
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.model import Guard
 from attn_export.model_spec.shapes import golden_points, sweep
-from attn_export.pipelines.build import BuildOptions, build_models
-from attn_export.pipelines.build.graphs import SpecBuild
+from attn_export.pipelines.building import BuildOptions, build_models
+from attn_export.pipelines.building.graphs import SpecBuild
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
 from tests.conftest import APART_SPECS, ROOT, TINY_SPECS, Built, tiny_spec, write_spec

@@ -46,7 +46,7 @@ from attn_export.model_spec.masks import CASES
 from attn_export.model_spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.model_spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
 from attn_export.model_spec.tolerance import rounding_bits, rounding_name
-from attn_export.pipelines.build.results import BuildOptions
+from attn_export.pipelines.building.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.timing import physical_cores

@@ -27,14 +27,14 @@ from attn_export.executors import Parallelism
 from attn_export.exporter.factory import adapt
 from attn_export.exporter.graph_checks import graph_shapes
 from attn_export.exporter.torch_export import refuse_misfit
-from attn_export.pipelines.build import BuildOptions, BuildResult, BuildSummary, build_models, export_module
+from attn_export.model_spec import ModelSpec, spec_from_dict, spec_paths
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.memory import parse_bytes
+from attn_export.model_spec.shapes import example_sizes, format_sizes
+from attn_export.pipelines.building import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 from attn_export.runtimes import resolve_targets
 from attn_export.runtimes.target import DEFAULT_RUNTIME
-from attn_export.spec import ModelSpec, spec_from_dict, spec_paths
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.memory import parse_bytes
-from attn_export.spec.shapes import example_sizes, format_sizes
 
 __all__ = ["assert_onnx_matches", "build", "export", "verify"]
 

@@ -20,9 +20,9 @@ import pytest
 
 if TYPE_CHECKING:
     from attn_export.artifacts.manifest import Manifest
+    from attn_export.model_spec import ModelSpec
     from attn_export.pipelines.verify import CaseResult, VerifyOptions, VerifyReport
     from attn_export.runtimes import Target
-    from attn_export.spec import ModelSpec
 
 __all__ = ["BuildFolder", "CaseItem"]
 
@@ -103,9 +103,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def _read_folder(config: pytest.Config, path: Path) -> _Folder:
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.errors import OptionError, UsageError
+    from attn_export.model_spec.memory import parse_bytes
     from attn_export.pipelines.verify import VerifyOptions, checkout_spec
     from attn_export.runtimes import resolve_targets
-    from attn_export.spec.memory import parse_bytes
 
     seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
     options = VerifyOptions(
@@ -150,10 +150,10 @@ class BuildFolder(pytest.File):
     def collect(self) -> Iterator[CaseItem]:
         from attn_export.checks.decode.plan import layouts
         from attn_export.errors import AttnExportError
+        from attn_export.model_spec.cache import cache_of
+        from attn_export.model_spec.distributions import case_label
         from attn_export.pipelines.verify import case_plan
         from attn_export.runtimes import RUNTIMES
-        from attn_export.spec.cache import cache_of
-        from attn_export.spec.distributions import case_label
 
         folder = self.config.stash[_FOLDERS][self.path.resolve()]
         self.manifest, self.options = folder.manifest, folder.options
@@ -216,7 +216,7 @@ class CaseItem(pytest.Item):
         self.model, self.target, self.case = model, target, case
 
     def runtest(self) -> None:
-        from attn_export.spec.distributions import case_label
+        from attn_export.model_spec.distributions import case_label
 
         assert isinstance(self.parent, BuildFolder)
         report = self.parent.report(self.model)
@@ -247,7 +247,7 @@ class CaseItem(pytest.Item):
 
 
 def _describe(case: CaseResult, report: VerifyReport) -> list[str]:
-    from attn_export.spec.shapes import format_sizes
+    from attn_export.model_spec.shapes import format_sizes
 
     sizes = format_sizes(case.sizes)
     lines = [f"{case.model} {case.runtime} {case.shape} ({sizes}, seed {case.seed}):"]

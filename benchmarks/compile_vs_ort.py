@@ -74,7 +74,7 @@ def table(kind: str, p50s: Mapping[int, Mapping[str, list[float]]]) -> str:
 
 def prefill_calls(spec_of: Mapping[str, Any], runners: Mapping[str, Any], seq: int) -> dict[str, Callable[[], object]]:
     """Each runner's call on the same feeds at batch 1, ``seq``."""
-    from attn_export.spec.inputs import make_feeds
+    from attn_export.model_spec.inputs import make_feeds
 
     return {
         label: runner.prepare(make_feeds(spec_of[label], {"batch": 1, "seq": seq}, 0))
@@ -103,8 +103,8 @@ def timed(
     runner's spec."""
     from attn_export.artifacts.manifest import load_manifest
     from attn_export.exporter.factory import instantiate
+    from attn_export.model_spec import load_spec
     from attn_export.pipelines.bench.runners import graph_runners, torch_runners
-    from attn_export.spec import load_spec
 
     manifest = load_manifest(out)
     first = load_spec(specs[0][0])
@@ -150,7 +150,7 @@ def main() -> None:
         from attn_export.artifacts.provenance import versions
         from attn_export.pipelines.bench.results import BenchOptions, DecodeBenchOptions
         from attn_export.pipelines.bench.runners import timing_machine
-        from attn_export.pipelines.build import BuildOptions, build_models
+        from attn_export.pipelines.building import BuildOptions, build_models
         from attn_export.runtimes.timing import load_average
 
         load_start = load_average()

@@ -130,11 +130,11 @@ def main() -> None:
     keep_freed_memory()  # before the builds fill the heap: the timed steps then never page-fault
 
     from attn_export.artifacts.manifest import load_manifest
+    from attn_export.model_spec import load_spec, variant_key
     from attn_export.pipelines.bench.decode_timing import run_decode_bench
     from attn_export.pipelines.bench.results import DecodeBenchOptions
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.report.bench_text import format_decode_summary, markdown_decode_table
-    from attn_export.spec import load_spec, variant_key
 
     command = " ".join(["python", "benchmarks/decode_perf.py", *sys.argv[1:]])
     spec, one_stream = load_spec(SPEC), load_spec(ONE_STREAM)

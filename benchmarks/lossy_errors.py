@@ -1,5 +1,5 @@
 """How far right int8 and fp16 graphs are from PyTorch, as shares of each output's rms: the
-figures the lossy variants' default tolerances (``spec.variants.INT8_TOLERANCE``,
+figures the lossy variants' default tolerances (``model_spec.variants.INT8_TOLERANCE``,
 ``FP16_TOLERANCE``) are set from.
 
     python benchmarks/lossy_errors.py            # builds tests/models' int8 and fp16 graphs first
@@ -19,9 +19,9 @@ from pathlib import Path
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.compare import OutputComparison
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import spec_paths
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
-from attn_export.spec import spec_paths
 
 MODELS = Path(__file__).resolve().parents[1] / "tests" / "models"
 

@@ -112,9 +112,9 @@ def targets(
 
 def profile_lines(out: Path, manifest: Any, spec: Any, variants: tuple[str, ...], threads: int) -> list[str]:
     """ONNX Runtime's profile of each variant's calls at ``PROFILED_SEQ``, at 1 thread and at ``threads``."""
+    from attn_export.model_spec import variant_key
+    from attn_export.model_spec.inputs import make_feeds
     from attn_export.pipelines.bench.physics import profile_calls
-    from attn_export.spec import variant_key
-    from attn_export.spec.inputs import make_feeds
 
     feeds = make_feeds(spec, {"batch": 1, "seq": PROFILED_SEQ}, 0)
     lines = []
@@ -145,11 +145,11 @@ def main() -> None:
     command, threads = started(parser, args, "perf_table.py")
 
     from attn_export.artifacts.manifest import load_manifest
+    from attn_export.model_spec import load_spec
     from attn_export.pipelines.bench.results import BenchOptions
     from attn_export.pipelines.bench.run import run_bench
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.runtimes.timing import load_average
-    from attn_export.spec import load_spec
 
     spec = load_spec(SPEC)
     load_start = load_average()

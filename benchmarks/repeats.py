@@ -22,7 +22,7 @@ def spread(values: Sequence[float], fmt: str, unit: str = "") -> str:
 
 def float32_exact(variant: str) -> bool:
     """No link of the variant's chain computes below float32 (int8, fp16 do)."""
-    from attn_export.spec import variant_chain
+    from attn_export.model_spec import variant_chain
 
     return not any("float32" in link.takes for link in variant_chain(variant).links)
 

@@ -8,7 +8,7 @@ checked unchanged when its fixture ends. The zoo is built in two halves, one per
 the same time, and put together as one build writes it (``shared_zoo``).
 
 The tests use the tiny zoo in ``tests/models``: every model of ``models/`` as the same spec
-at hidden sizes of at most 32 and lengths of at most 40 (``tests/spec/test_spec.py`` holds
+at hidden sizes of at most 32 and lengths of at most 40 (``tests/model_spec/test_spec.py`` holds
 it to that), fast to export and to run. The production-size zoo of ``models/`` is built and
 verified by one test, ``tests/pipelines/test_production_zoo.py``.
 """
@@ -37,10 +37,10 @@ from onnx import numpy_helper
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.exporter.variants import make_variant
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import load_spec, spec_paths
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.pipelines.verify.models import checkout_spec
-from attn_export.spec import load_spec, spec_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The production-size zoo, as `attn-export build` builds it by default.

@@ -13,7 +13,7 @@ import torch
 
 import attn_export
 from attn_export.errors import ExportFailure, SpecError, UsageError
-from attn_export.pipelines.build import BuildResult, BuildSummary
+from attn_export.pipelines.building import BuildResult, BuildSummary
 from attn_export.pipelines.verify import VerifyReport
 from tests.conftest import TINY_ZOO, Built, add_variant, key_scale_off, needs_transformers, tiny_spec
 from tests.faulty_modules import ShapeBranchAttention

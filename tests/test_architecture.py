@@ -14,10 +14,10 @@ import pytest
 
 from attn_export.cli import cli
 from attn_export.exporter.variants import make_variant
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import VARIANTS
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
-from attn_export.spec import VARIANTS
 from tests.conftest import ROOT, write_spec
 
 PACKAGE = ROOT / "attn_export"
@@ -27,7 +27,7 @@ PACKAGE = ROOT / "attn_export"
 #: bases and the faces.
 STAGES = (
     "base",
-    "spec",
+    "model_spec",
     "zoo",
     "artifacts",
     "runtimes",

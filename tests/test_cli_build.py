@@ -63,7 +63,7 @@ def test_one_spec_file_is_enough_for_list_and_build(tmp_path: Path) -> None:
 
 
 def test_build_json_summary_round_trips(tmp_path: Path) -> None:
-    from attn_export.pipelines.build import BuildSummary
+    from attn_export.pipelines.building import BuildSummary
 
     # torchscript, the fastest exporter: what is tested here is not the export
     tiny_spec(tmp_path / "models", exporter="torchscript")
@@ -349,12 +349,12 @@ def test_an_empty_path_is_refused_before_anything_is_written(
 
 def test_an_unexpected_error_is_one_line_and_exit_3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A bug (as count_flops once raised on a decoder) printed a traceback; --debug shows it."""
-    import attn_export.spec
+    import attn_export.model_spec
 
     def broken(*args: object) -> object:
         raise RuntimeError("The size of tensor a (16) must match\nthe size of tensor b (8)")
 
-    monkeypatch.setattr(attn_export.spec, "spec_paths", broken)
+    monkeypatch.setattr(attn_export.model_spec, "spec_paths", broken)
     result = invoke("list", "--models", str(ZOO))
     assert result.exit_code == 3
     assert result.output == (

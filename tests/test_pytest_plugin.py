@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.distributions import case_label
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
-from attn_export.spec import load_spec
-from attn_export.spec.distributions import case_label
 from tests.conftest import TINY_MHA, Built, copy_build, key_scale_off, needs_transformers, plant, write_spec
 
 OWN_TEST = """

@@ -36,7 +36,7 @@ BUNDLE_SCHEMA = "attn-export/replay-bundle"
 BUNDLE_VERSION = 1
 _CASE = "replay"
 #: The tolerance ``bundle.json`` records, each a finite number >= 0: atol and rtol, and
-#: the shares of the value's rms (``spec.Tolerance``; 0 where a bundle leaves them out).
+#: the shares of the value's rms (``model_spec.Tolerance``; 0 where a bundle leaves them out).
 TOLERANCE_KEYS = ("atol", "rtol", "atol_rms", "rms_rtol")
 
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import SpecError, UsageError
-from attn_export.spec import ModelSpec, variant_chain
-from attn_export.spec.cache import MASK, POSITIONS, cache_of
+from attn_export.model_spec import ModelSpec, variant_chain
+from attn_export.model_spec.cache import MASK, POSITIONS, cache_of
 
 if TYPE_CHECKING:
     import onnx

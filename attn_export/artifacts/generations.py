@@ -23,8 +23,8 @@ import numpy as np
 
 from attn_export.artifacts.golden import checked_header, encode_npz, load_entry, open_npz
 from attn_export.errors import ArtifactError
-from attn_export.spec import ModelSpec
-from attn_export.spec.memory import format_bytes
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.memory import format_bytes
 
 __all__ = ["LAYOUTS", "ROUNDINGS", "RUNS", "Recorded", "RecordedGenerations", "encode_generations", "read_generations"]
 

@@ -3,7 +3,7 @@
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
 float32 error on the case), ``<case>/int8/<name>`` (two float64: the rms and the largest
-element of what the int8 rounding does to the module there, ``spec.Rounding``) and
+element of what the int8 rounding does to the module there, ``model_spec.Rounding``) and
 ``<case>/sight/<mask>`` (two int64, -1 for "all": what a query sees under each
 self-attention key-padding mask, ``GoldenCase.sights``); written with fixed timestamps and
 sorted entries (deterministic).
@@ -29,10 +29,10 @@ import numpy as np
 
 from attn_export.artifacts.files import atomic_write, open_regular
 from attn_export.errors import ArtifactError, InputError, first_line
-from attn_export.spec import ModelSpec, Rounding
-from attn_export.spec.cache import output_shape
-from attn_export.spec.memory import check_memory, format_bytes, memory_budget
-from attn_export.spec.shapes import ShapePoint, validate_sizes
+from attn_export.model_spec import ModelSpec, Rounding
+from attn_export.model_spec.cache import output_shape
+from attn_export.model_spec.memory import check_memory, format_bytes, memory_budget
+from attn_export.model_spec.shapes import ShapePoint, validate_sizes
 
 __all__ = [
     "GOLDEN_FORMAT",

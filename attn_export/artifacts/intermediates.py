@@ -24,8 +24,8 @@ from attn_export.artifacts.files import schema_document
 from attn_export.artifacts.golden import GoldenCase, checked_header, encode_golden, load_entry, open_npz, read_cases
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, first_line
-from attn_export.spec import ModelSpec
-from attn_export.spec.memory import format_bytes
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.memory import format_bytes
 
 __all__ = ["Intermediates", "encode_intermediates", "read_intermediates"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from attn_export.artifacts.files import LOCK_NAME, STAGED, atomic_write, read_regular, schema_document
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, SpecError, UsageError
-from attn_export.spec import ModelSpec, spec_from_dict, variant_chain, variant_key
+from attn_export.model_spec import ModelSpec, spec_from_dict, variant_chain, variant_key
 
 __all__ = ["MANIFEST_NAME", "Manifest", "ManifestEntry", "is_build_folder", "load_manifest", "save_manifest"]
 
@@ -71,7 +71,7 @@ class ManifestEntry:
     def model_spec(self) -> ModelSpec:
         """The spec as built (opset and exporter included), as data: it names no file that
         is resolved and no folder that is searched, and sets no memory budget (its
-        ``max_memory`` is dropped: a budget is the reader's, ``spec.memory.memory_budget``)."""
+        ``max_memory`` is dropped: a budget is the reader's, ``model_spec.memory.memory_budget``)."""
         return replace(spec_from_dict(self.spec), max_memory=None)
 
     def to_dict(self) -> dict[str, Any]:

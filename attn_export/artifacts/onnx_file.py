@@ -16,7 +16,7 @@ from onnx.external_data_helper import load_external_data_for_model, load_externa
 
 from attn_export.artifacts.files import read_regular, resolved
 from attn_export.errors import ArtifactError
-from attn_export.spec.memory import format_bytes, memory_budget
+from attn_export.model_spec.memory import format_bytes, memory_budget
 
 __all__ = [
     "check_external_data",

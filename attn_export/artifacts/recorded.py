@@ -16,7 +16,7 @@ import numpy as np
 from attn_export.artifacts.files import open_regular
 from attn_export.artifacts.golden import SECTIONS, GoldenCase, npy_header, read_golden
 from attn_export.errors import ArtifactError
-from attn_export.spec.memory import format_bytes
+from attn_export.model_spec.memory import format_bytes
 
 __all__ = ["RECORDED", "read_recorded"]
 

@@ -2,7 +2,7 @@
 
 At every step of a trajectory each present must hold exactly what its past and the step's
 new tokens make: ``past_seq + seq`` positions on its cache axis (axis 2), or for a
-sliding-window cache (``[cache] window = N``, ``spec.cache``) the newest
+sliding-window cache (``[cache] window = N``, ``model_spec.cache``) the newest
 ``min(past_seq + seq, N)``; its other axes (batch, kv_heads, head_dim) stay the past's. A
 present with more positions is a cache that grows when it should not; one with fewer has lost
 tokens. Both sides are checked: the graph, and PyTorch's module at the same step (live, or as
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import CacheSpec
-from attn_export.spec.model import concrete_shape
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import CacheSpec
+from attn_export.model_spec.model import concrete_shape
 
 __all__ = ["CacheCarry", "CacheGrowth", "cache_carry", "cache_growth", "expected_present"]
 

@@ -22,10 +22,10 @@ import numpy as np
 
 from attn_export.artifacts.golden import Sight
 from attn_export.errors import InputError
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import validate_sizes
 from attn_export.runtimes import Runtime
-from attn_export.spec import ModelSpec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import validate_sizes
 
 __all__ = ["query_dims", "sights"]
 

@@ -28,12 +28,12 @@ from attn_export.compare import OutputComparison, compare_outputs
 from attn_export.errors import AttnExportError, GraphCheckError, RuntimeFailure
 from attn_export.exporter.graph_checks import check_model, check_spec_axes
 from attn_export.exporter.masked_softmax import REWRITES, rewrite_softmax
+from attn_export.model_spec import ModelSpec, Rounding, Tolerance
+from attn_export.model_spec.cache import cache_of, output_shape
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.distributions import split_label
+from attn_export.model_spec.masks import CASES, masked_row_selector
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.spec import ModelSpec, Rounding, Tolerance
-from attn_export.spec.cache import cache_of, output_shape
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import split_label
-from attn_export.spec.masks import CASES, masked_row_selector
 
 __all__ = ["FullyMaskedRows", "judge", "padded_query_rows", "padded_rows_agree", "padded_tokens", "settle"]
 

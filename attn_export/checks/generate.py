@@ -26,10 +26,10 @@ import numpy as np
 
 from attn_export.artifacts.genai_folder import LOGITS, logits_vocab
 from attn_export.errors import SpecError, UsageError
+from attn_export.model_spec import ModelSpec, Tolerance
+from attn_export.model_spec.cache import MASK, POSITIONS, cache_of
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.genai import Generation
-from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.cache import MASK, POSITIONS, cache_of
 
 __all__ = [
     "GenerateResult",

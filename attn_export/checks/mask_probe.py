@@ -13,12 +13,12 @@ import numpy as np
 
 from attn_export.compare import compare_output
 from attn_export.errors import SpecError
+from attn_export.model_spec import ModelSpec, TensorSpec
+from attn_export.model_spec.cache import output_shape
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.masks import FULL, LAYOUTS, MaskSpec
 from attn_export.runtimes import Runtime
 from attn_export.runtimes.torch_eager import same_answer
-from attn_export.spec import ModelSpec, TensorSpec
-from attn_export.spec.cache import output_shape
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import FULL, LAYOUTS, MaskSpec
 
 __all__ = ["check_masks"]
 

@@ -12,9 +12,9 @@ from typing import Any
 from attn_export.checks.mask_probe import check_masks
 from attn_export.errors import AttnExportError
 from attn_export.exporter.index_inputs import undeclared_ids, with_lookup_ranges
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.shapes import example_sizes
 from attn_export.runtimes import Runtime
-from attn_export.spec import ModelSpec
-from attn_export.spec.shapes import example_sizes
 
 __all__ = ["LEARN_SEED", "checkout_ranges", "learn_ranges", "learned_spec", "needs_module", "read_masks"]
 

@@ -29,10 +29,10 @@ from attn_export.cli.options import (
     variant_option,
     write_json,
 )
+from attn_export.model_spec.scenarios import SCENARIOS
 from attn_export.report import BENCH_FORMATS
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
-from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
     from attn_export.pipelines.bench.results import RunnerOptions
@@ -180,10 +180,10 @@ def bench(
         attn-export bench --executor ray   # one model x shape per node of $RAY_ADDRESS's cluster
     """
     from attn_export.executors import Parallelism
+    from attn_export.model_spec import spec_paths
     from attn_export.pipelines.bench.results import BenchOptions, RunnerOptions
     from attn_export.pipelines.bench.run import bench_models
     from attn_export.report import bench_text, check_bench_formats
-    from attn_export.spec import spec_paths
 
     to_stdout, files = format_paths(BENCH_FORMATS, "bench_", reports)
     check_bench_formats(files, out_dir)

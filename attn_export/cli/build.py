@@ -26,7 +26,7 @@ from attn_export.cli.options import (
     wait_option,
     write_json,
 )
-from attn_export.spec import EXPORTERS
+from attn_export.model_spec import EXPORTERS
 
 
 @cli.command()
@@ -100,10 +100,10 @@ def build(
     from attn_export.artifacts.files import LOCK_NAME
     from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.model_spec import spec_paths
+    from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.report import check_report_paths, check_reports_spare
     from attn_export.report.build_text import format_build_line, format_build_summary
-    from attn_export.spec import spec_paths
 
     options = BuildOptions(
         out_dir=out_dir,

@@ -26,9 +26,9 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, json_path: JsonTarget | N
         attn-export list path/to/model.toml
         attn-export list mha --json
     """
+    from attn_export.model_spec import load_spec, spec_paths
     from attn_export.report import check_report_paths
     from attn_export.report.build_text import format_spec_table
-    from attn_export.spec import load_spec, spec_paths
 
     check_report_paths({"json": json_file(json_path)}, summary=False)
     specs = [load_spec(p) for p in spec_paths(models_dir, names)]

@@ -24,11 +24,11 @@ from attn_export.cli.options import (
     wait_option,
     write_json,
 )
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.distributions import DISTRIBUTIONS
+from attn_export.model_spec.masks import CASES
+from attn_export.model_spec.model import FULLY_MASKED
 from attn_export.runtimes import PROVIDERS, RUNTIMES
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import DISTRIBUTIONS
-from attn_export.spec.masks import CASES
-from attn_export.spec.model import FULLY_MASKED
 
 
 @cli.command()
@@ -183,11 +183,11 @@ def localize(
         attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
     """
     from attn_export.artifacts.files import write_output
+    from attn_export.model_spec.shapes import parse_shapes
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
     from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.localize_text import format_localize
     from attn_export.report.model_explorer import format_overlay
-    from attn_export.spec.shapes import parse_shapes
 
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:

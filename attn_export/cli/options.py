@@ -13,10 +13,10 @@ import click
 
 from attn_export.artifacts.files import LOCK_WAIT_S, write_output
 from attn_export.errors import AttnExportError, OptionError, UsageError
+from attn_export.model_spec import VARIANTS, variant_chain
 from attn_export.report import BENCH_FORMATS, FORMATS
 from attn_export.runtimes import PROVIDERS
 from attn_export.runtimes.ort import MAX_TIMEOUT_S, RUN_TIMEOUT_S
-from attn_export.spec import VARIANTS, variant_chain
 
 if TYPE_CHECKING:
     from attn_export.pipelines.verify import VerifyReport
@@ -231,7 +231,7 @@ max_memory_option = click.option(
 
 
 def _bytes(value: str) -> int:
-    from attn_export.spec.memory import parse_bytes
+    from attn_export.model_spec.memory import parse_bytes
 
     try:
         return parse_bytes(value, "--max-memory")

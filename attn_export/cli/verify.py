@@ -31,12 +31,12 @@ from attn_export.cli.options import (
     write_verify_reports,
 )
 from attn_export.errors import AttnExportError
+from attn_export.model_spec.distributions import DISTRIBUTIONS
+from attn_export.model_spec.masks import CASES
+from attn_export.model_spec.scenarios import SCENARIOS
 from attn_export.report import FORMATS
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.target import DEFAULT_RUNTIME
-from attn_export.spec.distributions import DISTRIBUTIONS
-from attn_export.spec.masks import CASES
-from attn_export.spec.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
     from attn_export.artifacts.manifest import Manifest
@@ -255,6 +255,7 @@ def verify(
     from attn_export.artifacts.folder import tidy
     from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
+    from attn_export.model_spec.shapes import parse_shapes
     from attn_export.pipelines.verify import (
         CaseResult,
         ModelCheck,
@@ -278,7 +279,6 @@ def verify(
         header,
     )
     from attn_export.runtimes import resolve_targets
-    from attn_export.spec.shapes import parse_shapes
 
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")

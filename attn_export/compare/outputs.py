@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from attn_export.spec import Rounding, Tolerance
+from attn_export.model_spec import Rounding, Tolerance
 
 __all__ = [
     "FLOOR_FACTOR",

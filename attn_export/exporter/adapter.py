@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from attn_export.errors import SpecError
-from attn_export.spec import ModelSpec
-from attn_export.spec.masks import EXPANSIONS
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.masks import EXPANSIONS
 
 __all__ = ["SpecCall", "check_call", "needs_adapter", "pick_outputs", "wrap"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from attn_export._deps import OPTIONAL, missing, require
 from attn_export.errors import SpecError, first_line
-from attn_export.spec import ModelSpec
+from attn_export.model_spec import ModelSpec
 
 __all__ = ["adapt", "build_config", "instantiate", "resolve_object"]
 

@@ -19,9 +19,9 @@ from onnx import helper
 
 from attn_export.artifacts.onnx_file import default_opset, external_data_files, with_small_data
 from attn_export.errors import GraphCheckError, one_line
+from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
+from attn_export.model_spec.cache import present_windows
 from attn_export.runtimes.static_cache import graph_signature
-from attn_export.spec import DimRange, ModelSpec, TensorSpec
-from attn_export.spec.cache import present_windows
 
 __all__ = [
     "DEFAULT_DOMAINS",
@@ -268,7 +268,7 @@ def check_dynamic_axes(
 ) -> None:
     """Raise GraphCheckError naming the first axis that is static, unnamed or merged, or
     a sum dim (``dims``) whose graph expression is not the sum of its parts. ``windows``
-    (``spec.cache.present_windows``): outputs whose axis 2 keeps at most that many positions,
+    (``model_spec.cache.present_windows``): outputs whose axis 2 keeps at most that many positions,
     a sliding-window cache's presents. With ``own_names`` each dim must also carry the spec's
     name (what a build names it); without, a graph someone else exported may name each dim
     its own way, one name per dim."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from attn_export.errors import ExportFailure
-from attn_export.spec import Guard, ModelSpec
+from attn_export.model_spec import Guard, ModelSpec
 
 __all__ = ["accepted_guards", "refuse_fixed_dims"]
 

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from attn_export._deps import require
-from attn_export.spec import ModelSpec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes
 
 __all__ = ["lookup_ranges", "undeclared_ids", "with_lookup_ranges"]
 

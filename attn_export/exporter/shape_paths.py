@@ -18,8 +18,8 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.exporter.stack import innermost_line
-from attn_export.spec import Guard, ModelSpec
-from attn_export.spec.shapes import format_sizes
+from attn_export.model_spec import Guard, ModelSpec
+from attn_export.model_spec.shapes import format_sizes
 
 __all__ = ["PathDifference", "path_difference", "traced_lines"]
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from attn_export.spec import ModelSpec
+from attn_export.model_spec import ModelSpec
 
 __all__ = ["module_sources"]
 

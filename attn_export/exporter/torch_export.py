@@ -32,10 +32,10 @@ from attn_export.exporter.guards import accepted_guards, refuse_fixed_dims
 from attn_export.exporter.random_ops import refuse_random_ops
 from attn_export.exporter.stack import import_path, module_code, root_cause
 from attn_export.exporter.state_updates import refuse_state_updates
+from attn_export.model_spec import Guard, ModelSpec
+from attn_export.model_spec.inputs import int_values
+from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.runtimes.base import describe_inputs
-from attn_export.spec import Guard, ModelSpec
-from attn_export.spec.inputs import int_values
-from attn_export.spec.shapes import sizes_from_feeds
 
 __all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "refuse_misfit", "stamp_metadata"]
 

@@ -34,8 +34,8 @@ from attn_export.exporter.graph_checks import (
     check_opset,
     check_spec_axes,
 )
+from attn_export.model_spec.memory import memory_budget
 from attn_export.pipelines.verify.models import build_golden, integrity
-from attn_export.spec.memory import memory_budget
 
 __all__ = ["CHECKS", "CheckOptions", "CheckReport", "FileCheck", "check_paths"]
 

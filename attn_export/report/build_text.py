@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from attn_export.pipelines.build import BuildResult, BuildSummary
-from attn_export.spec import ModelSpec
+from attn_export.model_spec import ModelSpec
+from attn_export.pipelines.building import BuildResult, BuildSummary
 
 __all__ = ["format_build_line", "format_build_summary", "format_spec_table"]
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from attn_export.compare.outputs import OutputComparison
+from attn_export.model_spec.shapes import format_sizes
 from attn_export.pipelines.localize import LocalizeReport, RegionError, ReplayResult
-from attn_export.spec.shapes import format_sizes
 
 __all__ = ["format_localize", "format_replay", "where"]
 

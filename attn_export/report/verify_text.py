@@ -6,12 +6,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from attn_export.compare.outputs import FLOOR_FACTOR
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.masks import CASES
+from attn_export.model_spec.shapes import format_sizes, mask_cases
+from attn_export.model_spec.variants import variant_chain
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes.genai import GENAI
-from attn_export.spec import ModelSpec
-from attn_export.spec.masks import CASES
-from attn_export.spec.shapes import format_sizes, mask_cases
-from attn_export.spec.variants import variant_chain
 
 __all__ = [
     "VERIFY_WIDTHS",
@@ -196,7 +196,7 @@ def format_distributions(report: VerifyReport) -> str:
     return "\n".join(lines + _extreme_only(report) + _by_rounding(report))
 
 
-#: The distributions of values far from a model's usual ones (``spec.distributions``).
+#: The distributions of values far from a model's usual ones (``model_spec.distributions``).
 _EXTREME = ("large", "outliers")
 
 

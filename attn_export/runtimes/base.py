@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Self
 import numpy as np
 
 from attn_export.errors import InputError, RuntimeFailure
+from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
+from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.runtimes.target import Target
-from attn_export.spec import DimRange, ModelSpec, TensorSpec
-from attn_export.spec.shapes import sizes_from_feeds
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow

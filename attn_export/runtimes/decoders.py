@@ -16,9 +16,9 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.errors import RuntimeFailure
+from attn_export.model_spec import TensorSpec
+from attn_export.model_spec.cache import CacheSpec
 from attn_export.runtimes.static_cache import StaticCache
-from attn_export.spec import TensorSpec
-from attn_export.spec.cache import CacheSpec
 
 __all__ = ["DecodeWindow", "Decoder", "EagerDecoder", "FeedbackDecoder", "OrtDecoder", "Signature"]
 

@@ -35,11 +35,11 @@ from attn_export.errors import (
     UsageError,
     first_line,
 )
+from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
+from attn_export.model_spec.memory import ENV, format_bytes, memory_budget
 from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import PROVIDERS, Target
-from attn_export.spec import DimRange, ModelSpec, TensorSpec
-from attn_export.spec.memory import ENV, format_bytes, memory_budget
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from attn_export.errors import RuntimeFailure, first_line
+from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
 from attn_export.runtimes.base import Runtime, RuntimeKind
 from attn_export.runtimes.target import Target
-from attn_export.spec import DimRange, ModelSpec, TensorSpec
 
 __all__ = ["KIND", "ReferenceRuntime"]
 

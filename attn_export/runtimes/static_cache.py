@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attn_export.errors import ArtifactError, InputError
-from attn_export.spec import DimRange, TensorSpec
-from attn_export.spec.shapes import sizes_from_feeds
+from attn_export.model_spec import DimRange, TensorSpec
+from attn_export.model_spec.shapes import sizes_from_feeds
 
 if TYPE_CHECKING:
     import onnx

@@ -11,12 +11,12 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.errors import NondeterministicModule, RuntimeFailure, first_line
+from attn_export.model_spec import DimRange, Rounding, TensorSpec
+from attn_export.model_spec.tolerance import rounding_key, rounding_name
 from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8, rounded
 from attn_export.runtimes.target import PROVIDERS
-from attn_export.spec import DimRange, Rounding, TensorSpec
-from attn_export.spec.tolerance import rounding_key, rounding_name
 
 if TYPE_CHECKING:
     from attn_export.runtimes.decoders import Decoder, DecodeWindow
@@ -54,7 +54,7 @@ class TorchRuntime(Runtime):
         self.threads = threads
         #: Run with the weight rounding of the int8 (8) or int4 (4) variant (``in_int8``); None: as it is.
         self.weight_bits = weight_bits
-        #: The quantizations whose rounding ``int8_rounding`` simulates (``spec.tolerance.rounding_bits``).
+        #: The quantizations whose rounding ``int8_rounding`` simulates (``model_spec.tolerance.rounding_bits``).
         self.rounding_bits = rounding_bits
         self.name = f"torch[{device}]" + (f"[{rounding_name(weight_bits)} rounding]" if weight_bits else "")
         self._saved_threads: int | None = None

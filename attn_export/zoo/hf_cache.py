@@ -14,7 +14,7 @@ By default every layer keeps its whole cache, as a plain ``DynamicCache()`` does
 sliding-window model (Mistral) still masks by its window, and each present grows by every
 token. ``cache_from_config=True`` builds the cache from the config, as ``generate()`` does: a
 sliding-window layer then keeps only its newest ``sliding_window - 1`` positions, which its
-spec declares as ``[cache] window`` (``spec.cache``).
+spec declares as ``[cache] window`` (``model_spec.cache``).
 
 ``positions="mask"`` takes no ``position_ids`` input: each token's position is counted from
 the mask as ``generate()`` counts it (real tokens before it, from 0), the form of

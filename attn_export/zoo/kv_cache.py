@@ -17,7 +17,7 @@ Each forward takes positional tensors and returns ``(output, present_key, presen
 * ``window=N`` makes the cache a sliding window: each present keeps the newest
   ``min(past_seq + seq, N)`` positions (``narrow`` by a ``torch.sym_min``, which exports as
   ``Min(N, total_seq)``), and a query sees itself and the N positions before it, with or
-  without a cache. Its spec declares ``[cache] window = N`` (``spec.cache``).
+  without a cache. Its spec declares ``[cache] window = N`` (``model_spec.cache``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from attn_export.artifacts.files import LOCK_NAME, sha256_file
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from tests.conftest import tiny_spec
 
 VARIANTS = ("fp32", "int8")

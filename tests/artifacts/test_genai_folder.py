@@ -15,7 +15,7 @@ from attn_export.artifacts.genai_folder import genai_config, refuse_unfit
 from attn_export.cli import cli
 from attn_export.errors import SpecError
 from attn_export.exporter.factory import build_config, instantiate
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import TINY_ZOO, Built, needs_transformers, shared_build
 
 pytestmark = needs_transformers

@@ -12,7 +12,7 @@ import pytest
 
 from attn_export.artifacts.generations import Recorded, RecordedGenerations, encode_generations, read_generations
 from attn_export.errors import ArtifactError
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import TINY_ZOO
 
 SPEC = load_spec(TINY_ZOO / "llama_causal_lm.toml")

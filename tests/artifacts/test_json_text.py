@@ -11,7 +11,7 @@ import pytest
 
 from attn_export.artifacts.json_text import json_floats, json_text
 from attn_export.compare.outputs import OutputComparison, compare_output
-from attn_export.spec.tolerance import Tolerance
+from attn_export.model_spec.tolerance import Tolerance
 from tests.conftest import ROOT
 
 
@@ -38,7 +38,12 @@ def test_finite_documents_are_written_as_json_dumps_writes_them() -> None:
 
 #: json.dumps where no document is written or printed: fingerprints hashed on the spot, and
 #: the request a bench child process reads back.
-NOT_WRITTEN = {"spec/model.py", "pipelines/build/cells.py", "executors/__init__.py", "pipelines/bench/memory.py"}
+NOT_WRITTEN = {
+    "model_spec/model.py",
+    "pipelines/building/cells.py",
+    "executors/__init__.py",
+    "pipelines/bench/memory.py",
+}
 
 
 def test_every_json_the_tool_writes_goes_through_json_text() -> None:

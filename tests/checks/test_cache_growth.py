@@ -23,14 +23,14 @@ from attn_export.errors import GraphCheckError, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_spec_axes, graph_shapes
 from attn_export.exporter.torch_export import export_onnx
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes
 from attn_export.pipelines.bench.decode_timing import plan_window
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, verify_artifacts
 from attn_export.runtimes.decoders import FeedbackDecoder
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
 from attn_export.zoo.kv_cache import MHAKVCache
 from tests.conftest import TINY_ZOO, Built, copy_build, needs_transformers, plant, shared_build, unchanged, write_spec
 

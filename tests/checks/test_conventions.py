@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from tests.conftest import TINY_ZOO, write_spec
 

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.checks.fully_masked import FullyMaskedRows
-from attn_export.spec import Tolerance, load_spec
+from attn_export.model_spec import Tolerance, load_spec
 from tests.conftest import write_spec
 
 SPEC = """

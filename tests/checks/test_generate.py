@@ -10,8 +10,8 @@ import pytest
 
 from attn_export.checks.generate import generate_prompts, judge, stacked
 from attn_export.errors import UsageError
+from attn_export.model_spec import Tolerance, load_spec
 from attn_export.runtimes.genai import Generation
-from attn_export.spec import Tolerance, load_spec
 from tests.conftest import TINY_ZOO
 
 TOL = Tolerance(1e-5, 1e-4)

@@ -20,12 +20,12 @@ from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.masked_softmax import rewrite_softmax
 from attn_export.exporter.torch_export import export_onnx
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
 from tests.conftest import TINY_ZOO, plant, write_spec
 
 #: F.scaled_dot_product_attention with a bool mask: PyTorch gives 0 on a fully masked row
@@ -270,7 +270,7 @@ def test_every_mask_pattern_has_a_row_keeping_one_key_and_padding_a_whole_sequen
     only at lengths random draws rarely reach, and a mask fill of -1e4 for -1e9 leaks only
     in rows whose every kept score is far below it (rows keeping three keys in four rarely
     are), also in masks without a query axis of their own (key padding, [batch, 1, 1, kv])."""
-    from attn_export.spec.masks import _keep3
+    from attn_export.model_spec.masks import _keep3
 
     rng = np.random.default_rng(0)
     for pattern in ("padding", "left-padding"):

@@ -21,7 +21,7 @@ from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.checks.fully_masked import padded_rows_agree
 from attn_export.cli import cli
 from attn_export.errors import ArtifactError
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import write_spec
 
 
@@ -301,8 +301,8 @@ def test_which_padded_rows_see_no_key_follows_what_the_module_sees(
     from attn_export.checks.causality import sights
     from attn_export.checks.fully_masked import padded_tokens
     from attn_export.exporter.factory import instantiate
+    from attn_export.model_spec import load_spec
     from attn_export.runtimes.torch_eager import TorchRuntime
-    from attn_export.spec import load_spec
 
     spec = load_spec(write_spec(tmp_path, "padded", body.replace("{rule}", "").replace(SPEC_MODULE, module)))
     sizes = {"batch": 2, "seq": len(keep)}
@@ -340,8 +340,8 @@ def test_a_window_of_the_modules_own_under_ignore_leaves_out_only_rows_out_of_it
     in golden mode too, where the user's recorded inputs are judged by what the build
     recorded the module sees; a window wider than the short probe included."""
     from attn_export.exporter.factory import instantiate
+    from attn_export.model_spec import load_spec
     from attn_export.runtimes.torch_eager import TorchRuntime
-    from attn_export.spec import load_spec
 
     built, verified = _build_and_verify(tmp_path, 'fully_masked = "ignore"', module, "padding", body)
     assert built.exit_code == 0, built.output
@@ -367,7 +367,7 @@ def test_sights_are_read_from_a_build_and_never_from_recorded_inputs(tmp_path: P
     agree; a file of recorded inputs is inputs and outputs: a sight in it is not read."""
     from attn_export.artifacts.golden import GoldenCase, Sight, read_sights, write_golden
     from attn_export.artifacts.recorded import read_recorded
-    from attn_export.spec import load_spec
+    from attn_export.model_spec import load_spec
 
     spec = load_spec(write_spec(tmp_path, "padded", SPEC.replace("{rule}", "")))
     sizes, keep = {"batch": 1, "seq": 4}, {"keep": np.ones((1, 4), dtype=bool)}

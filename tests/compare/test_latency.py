@@ -10,10 +10,10 @@ import pytest
 from attn_export.compare import compare_output
 from attn_export.compare.latency import clearly_faster, latency_gate, noise
 from attn_export.errors import RuntimeFailure
+from attn_export.model_spec import Tolerance
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
 from attn_export.runtimes.timing import LatencyStats, first_calls, measure_alternating
-from attn_export.spec import Tolerance
 
 
 def _stats(p50: float, p90: float, load: float | None = 0.1, cores: int = 2) -> LatencyStats:

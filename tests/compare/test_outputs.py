@@ -12,10 +12,10 @@ from hypothesis.extra import numpy as hnp
 
 from attn_export.compare import OutputComparison, compare_output
 from attn_export.compare.outputs import judge_value
+from attn_export.model_spec import Rounding, Tolerance
+from attn_export.model_spec.variants import FP16_TOLERANCE
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
 from attn_export.runtimes import Target
-from attn_export.spec import Rounding, Tolerance
-from attn_export.spec.variants import FP16_TOLERANCE
 
 TOL = Tolerance(1e-5, 1e-4)
 

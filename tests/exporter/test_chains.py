@@ -15,7 +15,7 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import make_variant, op_counts
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import TINY_ZOO, Built, copy_build, plant
 
 DECODER = "mha_kv_cache"

@@ -13,7 +13,7 @@ import pytest
 
 from attn_export.errors import GraphCheckError
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes, name_dims
-from attn_export.spec import ModelSpec, load_spec
+from attn_export.model_spec import ModelSpec, load_spec
 from tests.conftest import TINY_ZOO, needs_transformers
 
 DECODERS = ["mha_kv_cache", pytest.param("llama_sdpa_kv_cache", marks=needs_transformers)]

@@ -16,8 +16,8 @@ from attn_export.cli import cli
 from attn_export.errors import SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.index_inputs import lookup_ranges
-from attn_export.spec import load_spec, spec_from_dict
-from attn_export.spec.inputs import make_feeds
+from attn_export.model_spec import load_spec, spec_from_dict
+from attn_export.model_spec.inputs import make_feeds
 from tests.conftest import clamp_input, plant, write_spec
 
 TOKENS = """

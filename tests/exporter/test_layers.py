@@ -17,14 +17,14 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate, resolve_object
 from attn_export.exporter.torch_export import export_onnx
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.masks import EXPANSIONS
+from attn_export.model_spec.shapes import example_sizes
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import EXPANSIONS
-from attn_export.spec.shapes import example_sizes
 from tests.conftest import TINY_ZOO, ZOO, needs_transformers, tiny_spec, write_spec
 
 #: The new zoo models, what their exported graph gave on fully masked rows, and PyTorch's.

@@ -14,10 +14,10 @@ import torch
 import tests.random_modules as random_modules
 from attn_export.errors import NondeterministicModule
 from attn_export.exporter.random_ops import refuse_random_ops
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes
 from attn_export.runtimes.torch_eager import TorchRuntime, same_answer
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
 from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
 from tests.conftest import build_tiny_with, tiny_spec, write_spec
 from tests.random_modules import (

@@ -16,12 +16,12 @@ from onnx import helper
 from attn_export.cli import cli
 from attn_export.errors import ArtifactError, RuntimeFailure, SpecError
 from attn_export.exporter.factory import instantiate
+from attn_export.model_spec import ModelSpec, load_spec
+from attn_export.model_spec.cache import cache_of
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.cache import cache_of
 from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
 
 CAPACITY = "\n[cache]\nmax_seq = 48\n"
@@ -55,7 +55,7 @@ def test_the_capacity_must_hold_the_longest_present(tmp_path: Path) -> None:
 
 
 def test_a_static_cache_needs_a_declared_capacity(tmp_path: Path) -> None:
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
 
     spec = write_spec(
         tmp_path, "undeclared", _one_stream((TINY_ZOO / "mha_kv_cache.toml").read_text()).replace(CAPACITY, "")
@@ -291,7 +291,7 @@ def test_a_hugging_face_llama_decodes_in_place(tmp_path: Path, monkeypatch: pyte
     SDPA (``repeat_kv``); the cache folds into the op all the same, so its in-place cache
     (and ort-past, at batch 1 where GroupQueryAttention takes a prompt on a cache) builds
     and decodes like PyTorch's growing cache."""
-    from attn_export.pipelines.build import BuildOptions, build_models
+    from attn_export.pipelines.building import BuildOptions, build_models
 
     spec = write_spec(
         tmp_path / "models", "llama_one_stream", _one_stream((TINY_ZOO / "llama_sdpa_kv_cache.toml").read_text())

@@ -16,8 +16,8 @@ from onnx import numpy_helper
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
-from attn_export.spec import VARIANTS, load_spec
+from attn_export.model_spec import VARIANTS, load_spec
+from attn_export.pipelines.building import BuildOptions, build_models
 from tests.conftest import TINY_ZOO, ZOO, plant, set_initializer, write_spec
 
 #: verify rebuilds the PyTorch originals of the tiny zoo from its specs
@@ -298,9 +298,9 @@ def test_the_int8_rounding_simulated_in_pytorch_gives_the_int8_graph_s_outputs(v
     import torch
 
     from attn_export.exporter.factory import instantiate
+    from attn_export.model_spec.inputs import make_feeds
+    from attn_export.model_spec.shapes import example_sizes
     from attn_export.runtimes.int8_rounding import in_int8
-    from attn_export.spec.inputs import make_feeds
-    from attn_export.spec.shapes import example_sizes
 
     spec = load_spec(TINY_ZOO / "mha_cross.toml")
     torch.manual_seed(0)

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.errors import InputError
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
 from attn_export.pipelines.bench.physics import profile_calls
 from attn_export.pipelines.bench.results import BenchReport
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
 from tests.conftest import TINY_ZOO, Built, plant, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 

@@ -17,13 +17,13 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate
+from attn_export.model_spec import load_spec
 from attn_export.pipelines.bench.decode_timing import past_lengths, plan_window
 from attn_export.pipelines.bench.results import DecodeBenchReport
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.runtimes.torch_compiled import CompiledTorchRuntime
-from attn_export.spec import load_spec
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 
@@ -319,8 +319,8 @@ def test_the_deepest_step_of_a_window_is_the_one_its_memory_is_checked_at() -> N
     """The first step alone was checked; a sliding window holds the newest of the tokens."""
     import dataclasses
 
+    from attn_export.model_spec.cache import cache_of
     from attn_export.pipelines.bench.decode_timing import _deepest
-    from attn_export.spec.cache import cache_of
 
     spec = load_spec(SPEC)
     cache = cache_of(spec)

@@ -21,7 +21,7 @@ from onnx import numpy_helper
 from attn_export.cli import cli
 from attn_export.errors import OptionError, UsageError
 from attn_export.exporter.variants import make_variant
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport, localize_model
 from attn_export.pipelines.localize import run as localize_run
 from attn_export.pipelines.localize.judge import beyond, held, representable

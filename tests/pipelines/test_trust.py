@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import ROOT, ZOO, Built, copy_build, needs_transformers, shared_build, tiny_spec, unchanged
 
 FAST = ("--no-latency",)

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from onnx import helper
 
 from attn_export.cli import cli
-from attn_export.spec import load_spec
-from attn_export.spec.distributions import DISTRIBUTIONS
-from attn_export.spec.inputs import make_feeds
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.distributions import DISTRIBUTIONS
+from attn_export.model_spec.inputs import make_feeds
 from tests.conftest import Built, plant
 
 FAST = ("--no-latency",)

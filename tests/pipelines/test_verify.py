@@ -18,9 +18,9 @@ from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.torch_export import export_onnx
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
 from attn_export.pipelines.verify import VerifyOptions, shard_names, verify_artifacts
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
 from tests.conftest import (
     TINY_SPECS,
     TINY_ZOO,

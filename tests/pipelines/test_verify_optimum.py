@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.errors import GraphCheckError
 from attn_export.exporter.graph_checks import check_spec_axes
-from attn_export.spec import load_spec
+from attn_export.model_spec import load_spec
 from tests.conftest import TINY_ZOO, needs_transformers
 
 pytestmark = needs_transformers

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
-from attn_export.spec.cache import cache_of
+from attn_export.model_spec.cache import cache_of
 from tests.conftest import TINY_ZOO
 
 TINY = ("--models", str(TINY_ZOO))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from attn_export.compare.outputs import judge_value
+from attn_export.model_spec import Tolerance
 from attn_export.pipelines.localize import LocalizeReport, RegionError
 from attn_export.report.localize_text import format_localize
-from attn_export.spec import Tolerance
 
 FORGED = "y = x\x1b[2J\nAGREES: the graph gives PyTorch's outputs here"
 

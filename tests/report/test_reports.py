@@ -83,9 +83,9 @@ def test_json_report_is_strict_json_even_with_nan() -> None:
     import numpy as np
 
     from attn_export.compare import compare_output
+    from attn_export.model_spec import Tolerance
     from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
     from attn_export.runtimes import Target
-    from attn_export.spec import Tolerance
 
     nan_case = compare_output("o", np.zeros(2, np.float32), np.array([0, np.nan], np.float32), Tolerance(0, 0))
     report = VerifyReport(
@@ -211,10 +211,10 @@ def test_golden_mode_catches_a_planted_fault(zoo_copy: Path) -> None:
 
 def test_every_renderer_prints_the_same_numbers_for_a_shape_mismatch() -> None:
     from attn_export.compare import compare_output
+    from attn_export.model_spec import Tolerance
     from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
     from attn_export.report.verify_text import format_case
     from attn_export.runtimes import Target
-    from attn_export.spec import Tolerance
 
     wrong_shape = compare_output("o", np.zeros((2, 3), np.float32), np.zeros((2, 4), np.float32), Tolerance(0, 0))
     case = CaseResult("m", Target("onnxruntime", "cpu"), "min", {"seq": 3}, 0, "golden", [wrong_shape])
@@ -238,10 +238,10 @@ def test_every_renderer_prints_the_same_numbers_for_a_shape_mismatch() -> None:
 
 def test_a_tolerance_set_by_pytorchs_own_error_is_said_beside_the_rows() -> None:
     from attn_export.compare import compare_outputs
+    from attn_export.model_spec import Tolerance
     from attn_export.pipelines.verify import CaseResult, ModelCheck
     from attn_export.report.verify_text import format_model_rows
     from attn_export.runtimes import Target
-    from attn_export.spec import Tolerance
 
     expected = {"o": np.full(4, 1000.0, np.float32)}
     actual = {"o": np.full(4, 1000.5, np.float32)}
@@ -264,11 +264,11 @@ def test_the_verify_table_stays_aligned_for_long_names_and_shapes() -> None:
     """Columns were 18/18/30 wide: a decoder's four dims with a mask case, or a name such as
     mistral_sdpa_kv_cache, pushed every later column of its rows out of line."""
     from attn_export.compare import compare_outputs
+    from attn_export.model_spec import Tolerance, load_spec
+    from attn_export.model_spec.shapes import example_sizes
     from attn_export.pipelines.verify import CaseResult, ModelCheck
     from attn_export.report.verify_text import VERIFY_WIDTHS, format_model_rows, header
     from attn_export.runtimes import Target
-    from attn_export.spec import Tolerance, load_spec
-    from attn_export.spec.shapes import example_sizes
 
     spec = load_spec(TINY_ZOO / "mistral_sdpa_kv_cache.toml")
     name = "mistral_sdpa_kv_cache.ort-past+int8"

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from attn_export.spec.memory import format_bytes
+from attn_export.model_spec.memory import format_bytes
 from tests.conftest import Built, peak_rss, plant
 
 #: Rows of 16 floats the hostile graph makes: 1.9 GiB.

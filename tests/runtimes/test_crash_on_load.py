@@ -15,7 +15,7 @@ from onnx import TensorProto, helper
 
 from attn_export.cli import cli
 from attn_export.errors import RuntimeFailure
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes import ort
 from tests.conftest import TINY_ZOO, Built
 

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
+from attn_export.model_spec.inputs import make_feeds
 from attn_export.runtimes.ort import OnnxRuntime
-from attn_export.spec.inputs import make_feeds
 from tests.conftest import TINY_ZOO
 
 pytestmark = pytest.mark.skipif(

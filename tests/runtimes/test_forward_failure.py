@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from attn_export.errors import RuntimeFailure
+from attn_export.model_spec import TensorSpec
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import TensorSpec
 
 
 class ShiftedPositions(torch.nn.Module):

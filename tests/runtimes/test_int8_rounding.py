@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from attn_export.model_spec import Rounding, TensorSpec
 from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import Rounding, TensorSpec
 
 
 class _Uses(nn.Module):

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from attn_export.artifacts.manifest import load_manifest
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes
 from attn_export.runtimes import placement
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.placement import OpCount, Placement, placement_from_profile
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes
 
 CPU = "CPUExecutionProvider"
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from attn_export.errors import NondeterministicModule
+from attn_export.model_spec import TensorSpec
 from attn_export.runtimes.float64 import in_float64
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import TensorSpec
 from tests.conftest import build_tiny_with
 from tests.random_modules import DropoutAlwaysAttention
 

@@ -6,9 +6,9 @@ import pytest
 
 from attn_export.errors import RuntimeFailure
 from attn_export.exporter.factory import instantiate
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
 from attn_export.runtimes.torch_compiled import CompiledTorchRuntime
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
 from tests.conftest import tiny_spec
 
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from attn_export.cli import cli
-from attn_export.pipelines.build import BuildOptions, build_models
+from attn_export.pipelines.building import BuildOptions, build_models
 from tests.conftest import Built, needs_transformers, write_spec
 
 pytestmark = needs_transformers

@@ -1,10 +1,10 @@
-"""Stage: multi-step decoding of a model with a key/value cache (``spec.cache``).
+"""Stage: multi-step decoding of a model with a key/value cache (``model_spec.cache``).
 
 A trajectory is a prompt step (an empty cache, the whole prompt) and then N steps of one
 token. Each side, the expected one (PyTorch, or the golden recording) and the graph, feeds
 its own ``present`` back as its ``past``, so an error that only shows once a cache holds
 something grows step by step as it does in deployment. Two padding layouts (the code's
-``scenario``, not to be confused with ``spec.scenarios``' presets): batch 1, and a
+``scenario``, not to be confused with ``model_spec.scenarios``' presets): batch 1, and a
 left-padded batch with different prompt lengths (one row all padding during the prompt).
 PyTorch is also checked against itself without a cache (every token so far in one step): a
 cache that disagrees with recompute is a bug in the module, reported as such. At every step

@@ -15,9 +15,9 @@ from attn_export.checks.decode.plan import Feeds, Trajectory, axis_of, pass_leng
 from attn_export.checks.decode.results import DecodeStep
 from attn_export.checks.decode.run import run_alone
 from attn_export.compare import OutputComparison, compare_outputs
+from attn_export.model_spec import ModelSpec, Rounding, Tolerance
+from attn_export.model_spec.cache import CacheSpec
 from attn_export.runtimes.base import Runtime
-from attn_export.spec import ModelSpec, Rounding, Tolerance
-from attn_export.spec.cache import CacheSpec
 
 __all__ = ["compare_trajectories", "unpadded"]
 

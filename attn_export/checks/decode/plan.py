@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from attn_export.spec import ModelSpec, Rounding
-from attn_export.spec.cache import CacheSpec
-from attn_export.spec.inputs import draw_inputs
-from attn_export.spec.model import concrete_shape
-from attn_export.spec.shapes import example_sizes
+from attn_export.model_spec import ModelSpec, Rounding
+from attn_export.model_spec.cache import CacheSpec
+from attn_export.model_spec.inputs import draw_inputs
+from attn_export.model_spec.model import concrete_shape
+from attn_export.model_spec.shapes import example_sizes
 
 __all__ = [
     "DEFAULT_STEPS",

@@ -12,8 +12,8 @@ import numpy as np
 from attn_export.artifacts.golden import GoldenCase, Sight
 from attn_export.checks.decode.plan import LAYOUTS, Feeds, Trajectory, layouts, step_inputs
 from attn_export.errors import ArtifactError
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import CacheSpec
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import CacheSpec
 
 __all__ = ["read_trajectories", "record_trajectory", "recorded_label", "split_recorded_label"]
 

@@ -14,7 +14,7 @@ from attn_export.runtimes.target import Target
 
 __all__ = ["DecodeResult", "DecodeStep"]
 
-#: How a cache's outputs are named (``spec.cache``): present.<i>.key / .value.
+#: How a cache's outputs are named (``model_spec.cache``): present.<i>.key / .value.
 _PRESENT = "present."
 
 

@@ -21,10 +21,10 @@ from attn_export.checks.decode.plan import (
     step_inputs,
 )
 from attn_export.errors import AttnExportError, GraphCheckError
+from attn_export.model_spec import ModelSpec, Rounding
+from attn_export.model_spec.cache import CacheSpec
+from attn_export.model_spec.tolerance import rounding_key
 from attn_export.runtimes.base import Runtime
-from attn_export.spec import ModelSpec, Rounding
-from attn_export.spec.cache import CacheSpec
-from attn_export.spec.tolerance import rounding_key
 
 if TYPE_CHECKING:
     from attn_export.runtimes.torch_eager import TorchRuntime

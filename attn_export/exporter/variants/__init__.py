@@ -1,6 +1,6 @@
 """Graph variants: faster or smaller graphs derived from one spec's export.
 
-The table of variants is ``attn_export.spec.variants.VARIANTS``; each row names a module
+The table of variants is ``attn_export.model_spec.variants.VARIANTS``; each row names a module
 here whose ``make(proto, provider) -> VariantGraph`` derives the variant. Every variant
 gets its own copy of its source graph, so the order in which they are asked for never
 changes a result; in a chain (``ort-past+int8``) every link gets its own copy of the graph
@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from attn_export.errors import AttnExportError, ExportFailure, UsageError, first_line
-from attn_export.spec import VariantInfo, variant_chain
+from attn_export.model_spec import VariantInfo, variant_chain
 
 __all__ = ["ATTENTION_OPS", "VariantGraph", "make_variant", "op_counts"]
 

@@ -23,9 +23,9 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
+from attn_export.model_spec import variant_chain
+from attn_export.model_spec.cache import MASK
 from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
-from attn_export.spec import variant_chain
-from attn_export.spec.cache import MASK
 
 
 def _axis(bound: int) -> int:

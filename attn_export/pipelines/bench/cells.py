@@ -20,6 +20,8 @@ from typing import Any
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
 from attn_export.executors import Parallelism, cell_key, run_in_order
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.inputs import make_feeds
 from attn_export.pipelines.bench.flops import count_flops
 from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weight_bytes, outside_kernels, step_bytes
 from attn_export.pipelines.bench.results import BenchOptions, BenchRow, DecodeBenchOptions, DecodeRow, RunnerOptions
@@ -28,8 +30,6 @@ from attn_export.runtimes import Runtime
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.ort import KIND as ORT_KIND
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
-from attn_export.spec import ModelSpec
-from attn_export.spec.inputs import make_feeds
 
 __all__ = ["DecodeCell", "PrefillCell", "decode_cell", "prefill_cell", "time_cells"]
 

@@ -1,9 +1,9 @@
 """``bench --decode``: the cost of one decode step (one new token) against the cache's length.
 
-For each model with a key/value cache (``spec.cache``), batch size and past length, PyTorch
+For each model with a key/value cache (``model_spec.cache``), batch size and past length, PyTorch
 eager (with its own cache) and ONNX Runtime (each built variant) run decode steps at
 seq 1: per-token p50/p90, tokens/s, the ratio to eager, and peak memory per runner.
-``bench --scenario S`` times the steps of a scenario preset (``spec.scenarios``) instead:
+``bench --scenario S`` times the steps of a scenario preset (``model_spec.scenarios``) instead:
 its batch, its first past, its steps as the window and its query tokens per step (more than
 one for a prefill or a speculative step, where a row's latency is per step of that many).
 
@@ -42,21 +42,21 @@ from attn_export.artifacts.manifest import Manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError, UsageError
 from attn_export.executors import SERIAL, Parallelism
+from attn_export.model_spec import ModelSpec, load_spec
+from attn_export.model_spec.cache import CacheSpec, cache_of
+from attn_export.model_spec.inputs import draw_inputs
+from attn_export.model_spec.memory import check_memory, memory_budget
+from attn_export.model_spec.scenarios import SCENARIOS, scenario_sizes
+from attn_export.model_spec.shapes import ShapePoint
 from attn_export.pipelines.bench.cells import DecodeCell, decode_cell, time_cells
 from attn_export.pipelines.bench.physics import copy_bandwidth
 from attn_export.pipelines.bench.results import DecodeBenchOptions, DecodeBenchReport, DecodeRow
 from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
-from attn_export.pipelines.build import BuildSummary
+from attn_export.pipelines.building import BuildSummary
 from attn_export.runtimes.base import check_feeds
 from attn_export.runtimes.decoders import DecodeWindow
 from attn_export.runtimes.timing import check_threads, physical_cores
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.cache import CacheSpec, cache_of
-from attn_export.spec.inputs import draw_inputs
-from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.scenarios import SCENARIOS, scenario_sizes
-from attn_export.spec.shapes import ShapePoint
 
 __all__ = ["DEFAULT_PASTS", "bench_decode_models", "past_lengths", "plan_window", "run_decode_bench"]
 
@@ -151,7 +151,7 @@ def plan_window(spec: ModelSpec, batch: int, past: int, window: int, seed: int, 
 
 def _rows(spec: ModelSpec, options: DecodeBenchOptions) -> tuple[list[tuple[int, int]], int, int]:
     """(batch, past) of every row to time, the tokens per step and the steps per window: the
-    scenario's (``spec.scenarios``), else ``batches`` x ``pasts`` of one-token steps."""
+    scenario's (``model_spec.scenarios``), else ``batches`` x ``pasts`` of one-token steps."""
     if options.scenario is None:
         return [(b, p) for b in options.batches for p in past_lengths(spec, options.pasts)], 1, options.window
     cache, scenario = _cache(spec), SCENARIOS[options.scenario]

@@ -35,8 +35,8 @@ def peak_rss_mb(request: dict[str, Any], timeout_s: float = 300) -> float | None
 
 
 def _run(request: dict[str, Any]) -> None:
-    from attn_export.spec import spec_from_dict
-    from attn_export.spec.inputs import make_feeds
+    from attn_export.model_spec import spec_from_dict
+    from attn_export.model_spec.inputs import make_feeds
 
     spec = spec_from_dict(request["spec"], folder=Path(request["folder"]) if request["folder"] else None)
     feeds = make_feeds(spec, request["sizes"], 0)

@@ -45,7 +45,7 @@ class RunnerOptions:
     memory: bool = True
     #: Runtimes (keys of ``runtimes.RUNTIMES``) that run each variant's graph.
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,)
-    #: Memory budget per shape in bytes (``spec.memory.memory_budget``); None: the default.
+    #: Memory budget per shape in bytes (``model_spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
     #: Also time ``torch.compile(module, dynamic=True)`` (runner ``torch-compile``); off by
     #: default, as compiling takes seconds per model and shape.
@@ -129,7 +129,7 @@ class DecodeBenchOptions(RunnerOptions):
     #: Decode steps per window before the cache is reset to its prefilled length.
     window: int = 8
     seed: int = 0
-    #: A scenario preset (``spec.scenarios.SCENARIOS``): its batch, query tokens per step,
+    #: A scenario preset (``model_spec.scenarios.SCENARIOS``): its batch, query tokens per step,
     #: first past and steps replace ``batches``, ``pasts`` and ``window``.
     scenario: str | None = None
 
@@ -151,7 +151,7 @@ class DecodeRow:
     verdict: str | None
     #: Query tokens per step: 1 for a decode step, more for a prefill or speculative step.
     seq: int = 1
-    #: The scenario preset the row times (``spec.scenarios``), if any.
+    #: The scenario preset the row times (``model_spec.scenarios``), if any.
     scenario: str | None = None
     #: Bytes a step moves per token: weights, cache read and cache written (``bench.physics``).
     bytes_per_token: float | None = None

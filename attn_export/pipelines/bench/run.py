@@ -15,17 +15,17 @@ from attn_export.artifacts.manifest import Manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import InputError
 from attn_export.executors import SERIAL, Parallelism
+from attn_export.model_spec import ModelSpec, load_spec
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.memory import check_memory, memory_budget
+from attn_export.model_spec.shapes import ShapePoint
 from attn_export.pipelines.bench.cells import PrefillCell, prefill_cell, time_cells
 from attn_export.pipelines.bench.flops import matmul_peak_gflops
 from attn_export.pipelines.bench.results import BenchOptions, BenchReport, BenchRow
 from attn_export.pipelines.bench.runners import graph_notes, peak_memory, timing_machine
 from attn_export.pipelines.bench.unbuilt import Left, build_for_bench, left_out_notes, without_left_out
-from attn_export.pipelines.build import BuildSummary
+from attn_export.pipelines.building import BuildSummary
 from attn_export.runtimes.timing import check_threads, physical_cores
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.cache import cache_of
-from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.shapes import ShapePoint
 
 __all__ = ["bench_models", "run_bench"]
 

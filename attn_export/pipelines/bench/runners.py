@@ -13,14 +13,14 @@ from attn_export.artifacts.manifest import Manifest, ManifestEntry
 from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.errors import RuntimeFailure, UsageError
 from attn_export.exporter.graph_checks import check_model
+from attn_export.model_spec import ModelSpec, variant_key
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.memory import memory_budget
 from attn_export.pipelines.bench.memory import peak_rss_mb
 from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.runtimes import RUNTIMES, Runtime
 from attn_export.runtimes.allocator import keep_freed_memory
 from attn_export.runtimes.timing import physical_cores
-from attn_export.spec import ModelSpec, variant_key
-from attn_export.spec.cache import cache_of
-from attn_export.spec.memory import memory_budget
 
 __all__ = [
     "COMPILED",

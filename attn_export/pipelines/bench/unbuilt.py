@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from attn_export.artifacts.manifest import Manifest, load_manifest
+from attn_export.model_spec import ModelSpec
 from attn_export.pipelines.bench.results import RunnerOptions
 from attn_export.pipelines.bench.runners import unloadable
-from attn_export.pipelines.build import BuildOptions, BuildSummary, build_models
+from attn_export.pipelines.building import BuildOptions, BuildSummary, build_models
 from attn_export.runtimes import RUNTIMES
-from attn_export.spec import ModelSpec
 
 __all__ = ["Left", "build_for_bench", "left_out_notes", "unbuilt", "with_unloadable", "without_left_out"]
 

@@ -12,10 +12,10 @@ import numpy as np
 from attn_export.artifacts.genai_folder import logits_vocab, pad_token, special_tokens
 from attn_export.checks.generate import generate_prompts, graph_generate, step_feeds
 from attn_export.errors import OptionError
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.pipelines.localize.results import LocalizeOptions
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec
-from attn_export.spec.shapes import sizes_from_feeds
 
 __all__ = ["generate_step_case"]
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from attn_export.spec import Tolerance
+from attn_export.model_spec import Tolerance
 
 __all__ = [
     "INT4_REGION_SHARE",

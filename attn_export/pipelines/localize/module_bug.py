@@ -10,10 +10,10 @@ import numpy as np
 
 from attn_export.checks.decode.plan import Trajectory, one_pass_feeds, pass_length
 from attn_export.compare.outputs import judge_value
+from attn_export.model_spec import ModelSpec, Tolerance
 from attn_export.pipelines.localize.judge import left_out, region_tolerance
 from attn_export.pipelines.localize.results import RegionError
 from attn_export.pipelines.localize.values import TorchValues, torch_values
-from attn_export.spec import ModelSpec, Tolerance
 
 __all__ = ["parting_node"]
 

@@ -13,10 +13,10 @@ import numpy as np
 from attn_export.artifacts.bundle import TOLERANCE_KEYS, Bundle, left_out_rows, read_bundle
 from attn_export.compare.outputs import OutputComparison, judge_value
 from attn_export.errors import ArtifactError, RuntimeFailure, RunTimeout, first_line
+from attn_export.model_spec import Tolerance
+from attn_export.model_spec.memory import memory_budget
 from attn_export.pipelines.localize.judge import judged_elements, left_out, representable
 from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout, load_session, run_bounded
-from attn_export.spec import Tolerance
-from attn_export.spec.memory import memory_budget
 
 __all__ = ["ReplayResult", "replay_bundle"]
 

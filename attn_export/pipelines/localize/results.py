@@ -19,10 +19,10 @@ from typing import Any
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.compare.outputs import OutputComparison
 from attn_export.errors import OptionError
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.distributions import DISTRIBUTIONS
 from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import DISTRIBUTIONS
 
 __all__ = ["LocalizeOptions", "LocalizeReport", "RegionError"]
 

@@ -37,6 +37,13 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
+from attn_export.model_spec import ModelSpec, Tolerance, variant_chain
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.masks import CASES, PATTERN
+from attn_export.model_spec.memory import check_memory, memory_budget
+from attn_export.model_spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
+from attn_export.model_spec.tolerance import rounding_bits
 from attn_export.pipelines.localize.generate_step import generate_step_case
 from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
@@ -53,13 +60,6 @@ from attn_export.runtimes.ort import RUN_TIMEOUT_S, require_provider
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import DEFAULT_RUNTIME, Target
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec, Tolerance, variant_chain
-from attn_export.spec.cache import cache_of
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import CASES, PATTERN
-from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
-from attn_export.spec.tolerance import rounding_bits
 
 __all__ = ["LocalizeOptions", "check_regions", "localize_failures", "localize_model"]
 
@@ -312,8 +312,8 @@ def _exported_plain(spec: ModelSpec) -> onnx.ModelProto:
     graph no build made: no plain graph lies beside it to map its fused regions back to.
     Build's stages write nothing here; their folder is a temporary one all the same."""
     # imported here: build records localize's values, so its package imports this one's
-    from attn_export.pipelines.build.graphs import SpecBuild
-    from attn_export.pipelines.build.results import BuildOptions
+    from attn_export.pipelines.building.graphs import SpecBuild
+    from attn_export.pipelines.building.results import BuildOptions
 
     with tempfile.TemporaryDirectory() as folder:
         build = SpecBuild(spec, versions(), BuildOptions(Path(folder)))

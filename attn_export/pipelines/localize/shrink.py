@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
+from attn_export.model_spec import ModelSpec
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport
-from attn_export.spec import ModelSpec
 
 __all__ = ["shrink_case"]
 

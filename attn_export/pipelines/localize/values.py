@@ -16,10 +16,10 @@ from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import Intermediates
 from attn_export.errors import RuntimeFailure, UsageError, first_line
 from attn_export.exporter.stack import innermost_line
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.memory import format_bytes
 from attn_export.runtimes.ort import load_session, run_bounded
 from attn_export.runtimes.target import Target
-from attn_export.spec import ModelSpec
-from attn_export.spec.memory import format_bytes
 
 __all__ = ["TorchValues", "evaluate", "graph_values", "recorded_values", "torch_values"]
 

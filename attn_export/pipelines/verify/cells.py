@@ -23,6 +23,11 @@ from attn_export.checks.fully_masked import FullyMaskedRows
 from attn_export.compare import latency_gate
 from attn_export.errors import AttnExportError, UsageError
 from attn_export.executors import cell_key
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import CacheSpec
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.memory import memory_budget
+from attn_export.model_spec.tolerance import rounding_bits
 from attn_export.pipelines.verify.expected import (
     Expected,
     case_plan,
@@ -37,11 +42,6 @@ from attn_export.pipelines.verify.results import CaseResult, PlacementResult, Ve
 from attn_export.pipelines.verify.trajectories import decode_model
 from attn_export.runtimes import RUNTIMES, Runtime, Target
 from attn_export.runtimes.timing import LatencyStats, measure_alternating
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import CacheSpec
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.memory import memory_budget
-from attn_export.spec.tolerance import rounding_bits
 
 __all__ = [
     "CaseCell",

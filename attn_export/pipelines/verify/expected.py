@@ -13,17 +13,17 @@ from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.checks.causality import sights
 from attn_export.checks.decode.recording import split_recorded_label
 from attn_export.errors import InputError
+from attn_export.model_spec import ModelSpec, Tolerance
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.distributions import DISTRIBUTIONS, split_label
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.masks import PATTERN
+from attn_export.model_spec.memory import check_memory, memory_budget
+from attn_export.model_spec.scenarios import scenario_sizes
+from attn_export.model_spec.shapes import ShapePoint, example_sizes, sizes_from_feeds, sweep
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import check_feeds
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec, Tolerance
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import DISTRIBUTIONS, split_label
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import PATTERN
-from attn_export.spec.memory import check_memory, memory_budget
-from attn_export.spec.scenarios import scenario_sizes
-from attn_export.spec.shapes import ShapePoint, example_sizes, sizes_from_feeds, sweep
 
 __all__ = [
     "Expected",

@@ -35,15 +35,15 @@ from attn_export.checks.generate import (
 )
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
 from attn_export.exporter.variants.static_cache import fed_by_genai
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.memory import memory_budget
+from attn_export.model_spec.tolerance import Tolerance, rounding_name
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.models import integrity
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.genai import GENAI, Generation
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import cache_of
-from attn_export.spec.memory import memory_budget
-from attn_export.spec.tolerance import Tolerance, rounding_name
 
 __all__ = ["generate_model", "generation_rounding", "recorded_reference"]
 

@@ -22,12 +22,12 @@ from attn_export.exporter.graph_checks import (
     only_shapes_rejected,
 )
 from attn_export.exporter.source import module_sources
+from attn_export.model_spec import ModelSpec, load_spec
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.distributions import case_label
+from attn_export.model_spec.shapes import golden_plan
+from attn_export.model_spec.tolerance import rounding_name
 from attn_export.pipelines.verify.outside import outside_manifest
-from attn_export.spec import ModelSpec, load_spec
-from attn_export.spec.cache import cache_of
-from attn_export.spec.distributions import case_label
-from attn_export.spec.shapes import golden_plan
-from attn_export.spec.tolerance import rounding_name
 
 __all__ = [
     "build_golden",

@@ -17,7 +17,7 @@ from attn_export.checks.spec_learning import learned_spec, needs_module
 from attn_export.errors import ArtifactError, GraphCheckError, OptionError
 from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.source import module_sources
-from attn_export.spec import ModelSpec, load_spec, variant_chain
+from attn_export.model_spec import ModelSpec, load_spec, variant_chain
 
 __all__ = ["changed_since", "outside_manifest", "outside_spec"]
 

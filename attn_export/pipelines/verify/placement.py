@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attn_export.errors import AttnExportError, UsageError
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import fed_sizes
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.memory import memory_budget
+from attn_export.model_spec.shapes import example_sizes
 from attn_export.pipelines.verify.results import CaseResult, PlacementResult, VerifyOptions
 from attn_export.runtimes import PROVIDERS, RUNTIMES
 from attn_export.runtimes.placement import Placement
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import fed_sizes
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.memory import memory_budget
-from attn_export.spec.shapes import example_sizes
 
 __all__ = ["gate_cases", "model_placement"]
 

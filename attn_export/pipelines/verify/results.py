@@ -23,14 +23,14 @@ from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
 from attn_export.errors import OptionError
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.masks import CASES
+from attn_export.model_spec.scenarios import SCENARIOS
+from attn_export.model_spec.shapes import format_sizes
 from attn_export.runtimes import Target
 from attn_export.runtimes.ort import RUN_TIMEOUT_S, check_timeout
 from attn_export.runtimes.placement import Placement
 from attn_export.runtimes.timing import LatencyStats
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.masks import CASES
-from attn_export.spec.scenarios import SCENARIOS
-from attn_export.spec.shapes import format_sizes
 
 __all__ = [
     "CaseResult",
@@ -76,7 +76,7 @@ class VerifyOptions:
     threads: int | None = None
     latency_budget_s: float = 0.05
     max_slowdown: float | None = None
-    #: Memory budget per case in bytes; None: ``spec.memory.memory_budget``'s default.
+    #: Memory budget per case in bytes; None: ``model_spec.memory.memory_budget``'s default.
     max_memory: int | None = None
     #: Seconds to wait for a build of the folder in progress before giving up.
     lock_wait_s: float = LOCK_WAIT_S
@@ -89,7 +89,7 @@ class VerifyOptions:
     generate_steps: int = 0
     #: Fail a target's cases when nodes ran off its provider; None: on for every provider but cpu.
     require_placement: bool | None = None
-    #: A decoder scenario preset (``spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
+    #: A decoder scenario preset (``model_spec.scenarios.SCENARIOS``): its steps' sizes instead of the sweep.
     scenario: str | None = None
     #: A graph no build made is verified against this spec file (``verify_outside``), as a
     #: graph of ``variant`` (its name and tolerance); None for built graphs.
@@ -218,7 +218,7 @@ class CaseResult:
     torch_latency: LatencyStats | None = None
     onnx_latency: LatencyStats | None = None
     gate: str | None = None
-    #: The float inputs' value distribution (``spec.distributions``), or "recorded".
+    #: The float inputs' value distribution (``model_spec.distributions``), or "recorded".
     distribution: str = DEFAULT_DISTRIBUTION
     #: What the report must say beside the numbers (what fully masked rows give, rows left out).
     notes: list[str] = field(default_factory=list)

@@ -23,6 +23,11 @@ from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import generate_prompts, is_causal_lm
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, RuntimeFailure, UsageError
 from attn_export.executors import SERIAL, Parallelism, open_executor
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.memory import memory_budget
+from attn_export.model_spec.scenarios import scenario_sizes
+from attn_export.model_spec.shapes import check_mask_case, validate_sizes
 from attn_export.pipelines.verify.cells import (
     CaseCell,
     DecodeCell,
@@ -54,11 +59,6 @@ from attn_export.pipelines.verify.results import (
 )
 from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.timing import check_threads, physical_cores
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import cache_of
-from attn_export.spec.memory import memory_budget
-from attn_export.spec.scenarios import scenario_sizes
-from attn_export.spec.shapes import check_mask_case, validate_sizes
 
 __all__ = ["verify_artifacts", "verify_module"]
 

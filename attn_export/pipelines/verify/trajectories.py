@@ -15,14 +15,14 @@ from attn_export.checks.decode.recording import read_trajectories
 from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.decode.run import pytorch_trajectories, recompute, run_trajectory
 from attn_export.compare import OutputComparison
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import CacheSpec
+from attn_export.model_spec.memory import memory_budget
+from attn_export.model_spec.tolerance import rounding_bits
 from attn_export.pipelines.verify.expected import tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec
-from attn_export.spec.cache import CacheSpec
-from attn_export.spec.memory import memory_budget
-from attn_export.spec.tolerance import rounding_bits
 
 __all__ = ["decode_model"]
 

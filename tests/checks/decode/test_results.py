@@ -7,8 +7,8 @@ import numpy as np
 
 from attn_export.checks.decode.results import DecodeResult
 from attn_export.compare import compare_output
+from attn_export.model_spec import Tolerance
 from attn_export.runtimes import Target
-from attn_export.spec import Tolerance
 
 
 def test_a_padded_row_that_differs_only_in_its_cache_is_said_so() -> None:

@@ -20,13 +20,13 @@ from attn_export.cli import cli
 from attn_export.errors import ArtifactError, InputError, SpecError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.torch_export import export_onnx
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.shapes import example_sizes, sweep, validate_sizes
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, verify_artifacts
 from attn_export.report.junit import junit_xml
 from attn_export.report.markdown import markdown_report
 from attn_export.runtimes import check_feeds
-from attn_export.spec import load_spec
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.shapes import example_sizes, sweep, validate_sizes
 from tests.conftest import HAS_TRANSFORMERS, TINY_ZOO, ZOO, Built, built_on_demand, plant, write_spec
 
 CACHE_MODELS = ["gqa_rope_kv_cache", *(["llama_sdpa_kv_cache"] if HAS_TRANSFORMERS else []), "mha_kv_cache"]

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.errors import InputError, UsageError
-from attn_export.spec import load_spec
-from attn_export.spec.memory import case_bytes, check_memory, machine_memory, memory_budget, parse_bytes
-from attn_export.spec.shapes import sweep
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.memory import case_bytes, check_memory, machine_memory, memory_budget, parse_bytes
+from attn_export.model_spec.shapes import sweep
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec
 
 

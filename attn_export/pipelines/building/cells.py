@@ -27,12 +27,12 @@ from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
 from attn_export.executors import exit_if_orphaned
-from attn_export.pipelines.build.auto import auto_choice
-from attn_export.pipelines.build.graphs import Graph, SpecBuild
-from attn_export.pipelines.build.results import BuildOptions, BuildResult
+from attn_export.model_spec import ModelSpec, load_spec, variant_chain, variant_key
+from attn_export.model_spec.shapes import format_sizes
+from attn_export.pipelines.building.auto import auto_choice
+from attn_export.pipelines.building.graphs import Graph, SpecBuild
+from attn_export.pipelines.building.results import BuildOptions, BuildResult
 from attn_export.runtimes.ort import crash_on_load
-from attn_export.spec import ModelSpec, load_spec, variant_chain, variant_key
-from attn_export.spec.shapes import format_sizes
 
 __all__ = ["BuildCell", "BuiltGraph", "build_cell", "checked_graph", "stage_timer"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from attn_export.spec.memory import format_bytes
+from attn_export.model_spec.memory import format_bytes
 from tests.conftest import TINY_MHA, TINY_ZOO, Built, edit_spec, peak_rss, tiny_spec
 
 #: The budget each entry point runs under, and the peak RSS a refusal must stay below.

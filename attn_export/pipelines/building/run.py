@@ -26,10 +26,10 @@ from attn_export.errors import ArtifactError, AttnExportError, OptionError, Usag
 from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.exporter.factory import build_config
 from attn_export.exporter.variants.static_cache import fed_by_genai
-from attn_export.pipelines.build.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
-from attn_export.pipelines.build.graphs import Once, SpecBuild
-from attn_export.pipelines.build.results import BuildOptions, BuildResult, BuildSummary
-from attn_export.spec import ModelSpec, load_spec, variant_chain
+from attn_export.model_spec import ModelSpec, load_spec, variant_chain
+from attn_export.pipelines.building.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
+from attn_export.pipelines.building.graphs import Once, SpecBuild
+from attn_export.pipelines.building.results import BuildOptions, BuildResult, BuildSummary
 
 __all__ = ["build_models", "export_module"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.errors import SpecError, UsageError
-from attn_export.spec.cache import cache_of
-from attn_export.spec.masks import CONVENTIONS, EXPANSIONS, LAYOUTS, Convention, MaskSpec, default_layout
-from attn_export.spec.memory import parse_bytes
-from attn_export.spec.model import (
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.masks import CONVENTIONS, EXPANSIONS, LAYOUTS, Convention, MaskSpec, default_layout
+from attn_export.model_spec.memory import parse_bytes
+from attn_export.model_spec.model import (
     DTYPES,
     EXPORTERS,
     FULLY_MASKED,
@@ -30,8 +30,8 @@ from attn_export.spec.model import (
     TensorSpec,
     WeightsSpec,
 )
-from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import CHAIN, VARIANTS, Chain, variant_chain
+from attn_export.model_spec.tolerance import Tolerance
+from attn_export.model_spec.variants import CHAIN, VARIANTS, Chain, variant_chain
 
 __all__ = ["load_spec", "spec_from_dict", "spec_paths"]
 

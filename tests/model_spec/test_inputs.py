@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attn_export.spec import TensorSpec
-from attn_export.spec.inputs import make_tensor
-from attn_export.spec.masks import CONVENTIONS, PATTERNS, MaskSpec, masked_row_selector
+from attn_export.model_spec import TensorSpec
+from attn_export.model_spec.inputs import make_tensor
+from attn_export.model_spec.masks import CONVENTIONS, PATTERNS, MaskSpec, masked_row_selector
 
 SIZES = {"batch": 3, "seq": 5, "kv_seq": 7}
 SHAPES = {
@@ -122,8 +122,8 @@ def test_masked_rows_map_to_output_elements_by_dim_name() -> None:
 def test_position_ids_are_drawn_over_every_position_a_case_can_hold(name: str) -> None:
     """From 0..7, a rotary capped at some length passed; a decoder's positions reach past the
     cache's length, a module's without a cache its sequence's, under any of their names."""
-    from attn_export.spec import spec_from_dict
-    from attn_export.spec.inputs import int_values
+    from attn_export.model_spec import spec_from_dict
+    from attn_export.model_spec.inputs import int_values
 
     def spec(cache: bool) -> dict[str, object]:
         past = [{"name": f"past_key_values.0.{kv}", "shape": ["batch", 2, "past", 4]} for kv in ("key", "value")]
@@ -152,8 +152,8 @@ def test_a_named_case_changes_only_the_masks_it_applies_to() -> None:
     """nn.MultiheadAttention's [seq, seq] causal attn_mask beside its key_padding_mask: the
     padded sequence once masked the causal mask whole too, every row then had no key, and
     under fully_masked = "ignore" the case compared nothing and passed."""
-    from attn_export.spec import spec_from_dict
-    from attn_export.spec.inputs import make_feeds
+    from attn_export.model_spec import spec_from_dict
+    from attn_export.model_spec.inputs import make_feeds
 
     ignore = {"dtype": "bool", "convention": "ignore"}
     spec = spec_from_dict(

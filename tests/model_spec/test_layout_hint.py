@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from attn_export.errors import SpecError
-from attn_export.spec import load_spec
-from attn_export.spec.masks import default_layout
-from attn_export.spec.shapes import mask_cases
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.masks import default_layout
+from attn_export.model_spec.shapes import mask_cases
 from tests.conftest import write_spec
 
 SEQ_FIRST = """

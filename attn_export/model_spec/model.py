@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from attn_export.errors import SpecError
-from attn_export.spec.masks import PATTERNS, MaskSpec
-from attn_export.spec.tolerance import Tolerance
-from attn_export.spec.variants import variant_chain
+from attn_export.model_spec.masks import PATTERNS, MaskSpec
+from attn_export.model_spec.tolerance import Tolerance
+from attn_export.model_spec.variants import variant_chain
 
 __all__ = [
     "DTYPES",
@@ -188,7 +188,7 @@ class ModelSpec:
     #: ``[cache] max_seq``: the capacity of a cache buffer updated in place (``static-cache``).
     cache_max_seq: int | None = None
     #: ``[cache] window``: the positions each present of a sliding-window KV cache keeps
-    #: (the newest); None: a cache that keeps every position (``spec.cache``).
+    #: (the newest); None: a cache that keeps every position (``model_spec.cache``).
     cache_window: int | None = None
     #: ``[cache] extend_batch``: the largest batch at which one step brings several new tokens
     #: to a filled cache (onnxruntime-genai's GroupQueryAttention on CPU: 1); None: any.

@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from attn_export.spec.cache import POSITIONS, cache_of
-from attn_export.spec.distributions import DEFAULT, sample
-from attn_export.spec.masks import PATTERN, fill_mask
-from attn_export.spec.model import ModelSpec, TensorSpec, concrete_shape
+from attn_export.model_spec.cache import POSITIONS, cache_of
+from attn_export.model_spec.distributions import DEFAULT, sample
+from attn_export.model_spec.masks import PATTERN, fill_mask
+from attn_export.model_spec.model import ModelSpec, TensorSpec, concrete_shape
 
 __all__ = ["POSITION_NAMES", "draw_inputs", "int_values", "make_feeds", "make_tensor"]
 
@@ -44,7 +44,7 @@ def make_feeds(
     spec: ModelSpec, sizes: Mapping[str, int], seed: int, *, case: str = PATTERN, distribution: str = DEFAULT
 ) -> dict[str, np.ndarray]:
     """Feeds for every input of ``spec``, in declaration order, seeded by ``seed``; masks
-    follow the named ``case``, float inputs follow ``distribution`` (``spec.distributions``)."""
+    follow the named ``case``, float inputs follow ``distribution`` (``model_spec.distributions``)."""
     return draw_inputs(spec, sizes, np.random.default_rng(seed), case=case, distribution=distribution)
 
 

@@ -49,7 +49,7 @@ def test_a_manifest_cannot_lift_the_budget_of_localize_golden(
         entry["spec"]["max_memory"] = 1000 << 40
     manifest.write_text(json.dumps(doc))
     monkeypatch.delenv("ATTN_EXPORT_MAX_MEMORY", raising=False)
-    monkeypatch.setattr("attn_export.spec.memory.machine_memory", lambda: 8 << 10)  # half of it: 4 KiB
+    monkeypatch.setattr("attn_export.model_spec.memory.machine_memory", lambda: 8 << 10)  # half of it: 4 KiB
     result = CliRunner().invoke(cli, ["localize", str(recorded_build.out), "tiny", "--golden"])
     assert result.exit_code == 2, result.output
     assert result.output.endswith("intermediate values declare 10.3 KiB, over the memory budget of 4.0 KiB\n")

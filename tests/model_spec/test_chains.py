@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from attn_export.cli import cli
 from attn_export.errors import SpecError, UsageError
-from attn_export.pipelines.build import BuildOptions
-from attn_export.spec import VARIANTS, Tolerance, VariantInfo, load_spec, variant_chain
-from attn_export.spec.variants import INT8_TOLERANCE, TRAITS
+from attn_export.model_spec import VARIANTS, Tolerance, VariantInfo, load_spec, variant_chain
+from attn_export.model_spec.variants import INT8_TOLERANCE, TRAITS
+from attn_export.pipelines.building import BuildOptions
 from tests.conftest import TINY_ZOO, tiny_spec
 
 REFUSED = [

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.artifacts.targets import TARGETS
 from attn_export.errors import OptionError, UsageError
+from attn_export.model_spec import EXPORTERS, variant_chain
 from attn_export.runtimes.target import PROVIDERS
-from attn_export.spec import EXPORTERS, variant_chain
 
 __all__ = ["STAGES", "STATUSES", "BuildOptions", "BuildResult", "BuildStatus", "BuildSummary"]
 
@@ -46,13 +46,13 @@ class BuildOptions:
     exporter: str | None = None
     force: bool = False
     fail_fast: bool = False
-    #: Graph variants to build (keys of ``spec.VARIANTS``, or chains of them: ``ort-past+int8``).
+    #: Graph variants to build (keys of ``model_spec.VARIANTS``, or chains of them: ``ort-past+int8``).
     variants: tuple[str, ...] = ("fp32",)
     #: Provider that ``ort-optimized`` optimizes for and ``auto`` times on.
     provider: str = "cpu"
     #: Seconds to wait for another build to release the output folder.
     lock_wait_s: float = LOCK_WAIT_S
-    #: Memory budget per case in bytes (``spec.memory.memory_budget``); None: the default.
+    #: Memory budget per case in bytes (``model_spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
     #: Also write PyTorch's value of every FX node on the smallest golden case, so that
     #: ``localize --golden`` runs where torch is not installed.

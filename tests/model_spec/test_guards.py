@@ -10,9 +10,9 @@ import pytest
 
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.errors import SpecError
+from attn_export.model_spec import Guard, load_spec, spec_from_dict
+from attn_export.model_spec.shapes import golden_points, sweep
 from attn_export.pipelines.verify.models import checkout_spec
-from attn_export.spec import Guard, load_spec, spec_from_dict
-from attn_export.spec.shapes import golden_points, sweep
 from tests.conftest import TINY_ZOO, needs_transformers, tiny_spec
 
 SEVEN = Guard("seq != 7", "modules.py:12 `if q.shape[1] == 7:`", ({"kv_seq": 5, "seq": 7, "batch": 2},))

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from attn_export.errors import InputError
-from attn_export.spec import load_spec
-from attn_export.spec.cache import cache_of, fed_sizes
-from attn_export.spec.masks import fill_mask
-from attn_export.spec.shapes import golden_points, mask_cases, sweep, validate_sizes
+from attn_export.model_spec import load_spec
+from attn_export.model_spec.cache import cache_of, fed_sizes
+from attn_export.model_spec.masks import fill_mask
+from attn_export.model_spec.shapes import golden_points, mask_cases, sweep, validate_sizes
 from tests.conftest import TINY_ZOO
 
 LM = (TINY_ZOO / "llama_causal_lm.toml").read_text()

@@ -26,14 +26,14 @@ from attn_export.errors import GraphCheckError, LockError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes
 from attn_export.exporter.torch_export import export_onnx
-from attn_export.pipelines.build import BuildOptions, build_models
-from attn_export.pipelines.build.graphs import SpecBuild
+from attn_export.model_spec import load_spec, variant_chain
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.model import Guard
+from attn_export.model_spec.shapes import golden_points, sweep
+from attn_export.pipelines.building import BuildOptions, build_models
+from attn_export.pipelines.building.graphs import SpecBuild
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import load_spec, variant_chain
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.model import Guard
-from attn_export.spec.shapes import golden_points, sweep
 from tests.conftest import APART_SPECS, ROOT, TINY_SPECS, Built, tiny_spec, write_spec
 
 #: Every tiny zoo model: the shared zoo's, and in the slow set those it leaves out.

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from attn_export.errors import InputError
-from attn_export.spec import ModelSpec, load_spec, spec_from_dict, spec_paths
-from attn_export.spec.shapes import example_sizes, golden_points, parse_shapes, sizes_from_feeds, sweep
+from attn_export.model_spec import ModelSpec, load_spec, spec_from_dict, spec_paths
+from attn_export.model_spec.shapes import example_sizes, golden_points, parse_shapes, sizes_from_feeds, sweep
 from tests.conftest import ROOT, ZOO
 
 SPECS = [load_spec(p) for p in spec_paths(ZOO)]

@@ -8,12 +8,12 @@ from typing import Any
 from attn_export.compare import compare_outputs
 from attn_export.compare.latency import clearly_faster, noise
 from attn_export.errors import AttnExportError, GraphCheckError
-from attn_export.pipelines.build.graphs import BUILD_SEED, SpecBuild
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.variants import auto_candidates
+from attn_export.pipelines.building.graphs import BUILD_SEED, SpecBuild
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.timing import LatencyStats, measure, physical_cores
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.variants import auto_candidates
 
 __all__ = ["auto_choice"]
 

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attn_export.errors import InputError, OptionError
-from attn_export.spec.cache import check_fed_sizes, fed_points, fed_sizes
-from attn_export.spec.distributions import DEFAULT, DISTRIBUTIONS
-from attn_export.spec.masks import CASES, FULL, PATTERN, case_applies
-from attn_export.spec.model import DimRange, ModelSpec, TensorSpec
+from attn_export.model_spec.cache import check_fed_sizes, fed_points, fed_sizes
+from attn_export.model_spec.distributions import DEFAULT, DISTRIBUTIONS
+from attn_export.model_spec.masks import CASES, FULL, PATTERN, case_applies
+from attn_export.model_spec.model import DimRange, ModelSpec, TensorSpec
 
 __all__ = [
     "ShapePoint",

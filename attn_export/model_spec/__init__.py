@@ -1,8 +1,8 @@
-"""Stage 1, the spec: TOML model specs, the variant table, shape sweeps and seeded feeds."""
+"""Stage 1, the model spec: TOML model specs, the variant table, shape sweeps and seeded feeds."""
 
 from __future__ import annotations
 
-from attn_export.spec.model import (
+from attn_export.model_spec.model import (
     DTYPES,
     EXPORTERS,
     MASK_KINDS,
@@ -12,9 +12,9 @@ from attn_export.spec.model import (
     TensorSpec,
     WeightsSpec,
 )
-from attn_export.spec.parse import load_spec, spec_from_dict, spec_paths
-from attn_export.spec.tolerance import Rounding, Tolerance
-from attn_export.spec.variants import VARIANTS, Chain, VariantInfo, variant_chain, variant_key
+from attn_export.model_spec.parse import load_spec, spec_from_dict, spec_paths
+from attn_export.model_spec.tolerance import Rounding, Tolerance
+from attn_export.model_spec.variants import VARIANTS, Chain, VariantInfo, variant_chain, variant_key
 
 __all__ = [
     "DTYPES",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from attn_export.errors import SpecError
-from attn_export.spec import ModelSpec, TensorSpec, load_spec, spec_from_dict, spec_paths
+from attn_export.model_spec import ModelSpec, TensorSpec, load_spec, spec_from_dict, spec_paths
 from tests.conftest import TINY_ZOO, ZOO, tiny_spec, write_spec
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from attn_export.errors import InputError, UsageError
-from attn_export.spec import DimRange, load_spec
-from attn_export.spec.scenarios import SCENARIOS, scenario_sizes
+from attn_export.model_spec import DimRange, load_spec
+from attn_export.model_spec.scenarios import SCENARIOS, scenario_sizes
 from tests.conftest import ROOT, TINY_ZOO, ZOO
 
 #: (batch, seq, past) of each step for the zoo's decoders (past_seq up to 256).

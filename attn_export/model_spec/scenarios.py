@@ -4,7 +4,7 @@
 A scenario is a batch, a number of query tokens per step (the prompt for a prefill, 1 for a
 decode step, the draft tokens for speculative decoding), the past (cached tokens) at its
 first step and a number of steps, each one past the last (past grows by ``seq``). Its dims
-are the cache's (``spec.cache``); a spec's other symbolic dims take their example sizes. A
+are the cache's (``model_spec.cache``); a spec's other symbolic dims take their example sizes. A
 scenario that does not fit a spec's declared ranges is refused, naming the dim: it is never
 clamped into something else.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attn_export.errors import InputError, UsageError
-from attn_export.spec.cache import CacheSpec, cache_of
-from attn_export.spec.model import ModelSpec
-from attn_export.spec.shapes import example_sizes, validate_sizes
+from attn_export.model_spec.cache import CacheSpec, cache_of
+from attn_export.model_spec.model import ModelSpec
+from attn_export.model_spec.shapes import example_sizes, validate_sizes
 
 __all__ = ["SCENARIOS", "Scenario", "scenario_cache", "scenario_sizes"]
 

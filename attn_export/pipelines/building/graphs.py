@@ -37,20 +37,20 @@ from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
 from attn_export.exporter.variants import make_variant
-from attn_export.pipelines.build.results import BuildOptions
+from attn_export.model_spec import ModelSpec, variant_chain, variant_key
+from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
+from attn_export.model_spec.distributions import case_label, split_label
+from attn_export.model_spec.inputs import make_feeds
+from attn_export.model_spec.masks import CASES
+from attn_export.model_spec.memory import check_memory, format_bytes, memory_budget
+from attn_export.model_spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
+from attn_export.model_spec.tolerance import rounding_bits, rounding_name
+from attn_export.pipelines.building.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.timing import physical_cores
 from attn_export.runtimes.torch_eager import TorchRuntime
-from attn_export.spec import ModelSpec, variant_chain, variant_key
-from attn_export.spec.cache import cache_of
-from attn_export.spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
-from attn_export.spec.distributions import case_label, split_label
-from attn_export.spec.inputs import make_feeds
-from attn_export.spec.masks import CASES
-from attn_export.spec.memory import check_memory, format_bytes, memory_budget
-from attn_export.spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
-from attn_export.spec.tolerance import rounding_bits, rounding_name
 
 __all__ = ["BUILD_SEED", "Graph", "Once", "SpecBuild"]
 

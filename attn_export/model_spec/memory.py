@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from attn_export.errors import InputError, UsageError
-from attn_export.spec.model import ModelSpec, TensorSpec, concrete_shape
-from attn_export.spec.shapes import ShapePoint
+from attn_export.model_spec.model import ModelSpec, TensorSpec, concrete_shape
+from attn_export.model_spec.shapes import ShapePoint
 
 __all__ = [
     "DEFAULT_SHARE",

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from attn_export.errors import InputError, SpecError
-from attn_export.spec.masks import FULL
-from attn_export.spec.model import ModelSpec, TensorSpec, concrete_shape
+from attn_export.model_spec.masks import FULL
+from attn_export.model_spec.model import ModelSpec, TensorSpec, concrete_shape
 
 __all__ = [
     "MASK",

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from attn_export.errors import UsageError
-from attn_export.spec.tolerance import Tolerance
+from attn_export.model_spec.tolerance import Tolerance
 
 __all__ = [
     "AUTO",

@@ -797,6 +797,28 @@ def test_verify_check_regions_notes_and_strict_regions_fails_a_region_over_its_t
     assert "Error: --strict-regions compares with PyTorch: it cannot be combined with --golden" in golden.output
 
 
+@needs_transformers
+def test_verify_spec_strict_regions_fails_a_graph_given_alone(zoo_copy: Path, tmp_path: Path) -> None:
+    """The region check of a graph no build made (``verify graph.onnx --spec``), its plain graph
+    exported from the spec as localize's map: the key scale x1.25 fails it, named at its line."""
+    name = add_variant(zoo_copy, "bert_attention", "int8")
+    key_scale_off(zoo_copy, name, 1.25)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    graph = alone / "bert_int8.onnx"
+    graph.write_bytes((zoo_copy / f"{name}.onnx").read_bytes())
+    spec = str(TINY_ZOO / "bert_attention.toml")
+    args = ["verify", str(graph), "--spec", spec, "--variant", "int8", "--no-latency", "--shapes", "batch=2,seq=3"]
+    args += ["--distribution", "normal"]
+    plain = CliRunner().invoke(cli, args)
+    assert plain.exit_code == 0 and "region" not in plain.output, plain.output
+    strict = CliRunner().invoke(cli, [*args, "--strict-regions"])
+    assert strict.exit_code == 1, strict.output
+    (failed,) = [x for x in strict.output.splitlines() if x.startswith("FAIL ") and "outputs agree, but region" in x]
+    assert "region linear_1 (" in failed and "modeling_bert.py:" in failed, failed
+    assert sorted(p.name for p in alone.iterdir()) == ["bert_int8.onnx"]  # nothing written beside it
+
+
 def test_a_right_float16_graph_on_values_beyond_its_range_has_no_region_over_its_tolerance(zoo_copy: Path) -> None:
     """sdpa's scores on large values pass 65504. ONNX Runtime's CPU computes them in float32
     inside, and the fp16 graph's outputs agree; run alone, the MatMul gives infinity (what

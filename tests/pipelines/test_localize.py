@@ -594,6 +594,28 @@ def test_an_optimized_graph_no_build_made_is_localized_through_the_plain_graph_e
     assert sorted(p.name for p in graph.parent.iterdir()) == ["mha.onnx"]
 
 
+@pytest.mark.slow  # a build of its own (7 s)
+def test_a_variant_built_without_its_plain_graph_is_localized_through_one_exported_from_its_spec(
+    tmp_path: Path,
+) -> None:
+    """A build of a variant alone (``--variant ort-optimized``) holds no plain graph to map its
+    fused regions back through: it was refused as no dynamo export, as a graph given with
+    --spec was. The plain graph is exported from the spec, and a note says so."""
+    _, variant, node, edit, fx_node, covers, code = next(p for p in FUSED_PLANTS if p[1] == "ort-optimized")
+    summary = build_models([TINY_ZOO / "mha.toml"], BuildOptions(tmp_path / "out", variants=(variant,)))
+    assert summary.exit_code == 0 and not (tmp_path / "out" / "mha.onnx").exists()
+    name = f"mha.{variant}"
+    right = localize_model(tmp_path / "out", name, LocalizeOptions(models_dir=TINY_ZOO))
+    assert right.agrees and not [r.fx_node for r in right.regions if r.breaks]
+    assert any("fused regions are mapped back" in n and "lies in this build folder" in n for n in right.notes)
+    proto = onnx.load(tmp_path / "out" / f"{name}.onnx")
+    edit(proto)
+    plant(tmp_path / "out", name, proto)
+    _blamed_as_planted(
+        localize_model(tmp_path / "out", name, LocalizeOptions(models_dir=TINY_ZOO)), node, fx_node, covers, code
+    )
+
+
 @pytest.mark.parametrize(
     ("fault", "variant", "node", "edit", "fx_node", "covers", "code"),
     [

@@ -408,7 +408,10 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
                 raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         budget = memory_budget(options.max_memory, spec)
         proto = load_model_file(out_dir / entry.file, with_data=True, budget=budget)
-        return _Found(out_dir, entry, spec, proto, _plain_graph(out_dir, manifest, entry, budget))
+        plain = _plain_graph(out_dir, manifest, entry, budget)
+        if plain is not None or options.golden:  # a recording is all a golden run has of the module
+            return _Found(out_dir, entry, spec, proto, plain)
+        return _mapped_from_spec(out_dir, entry, spec, proto, f"{spec.name}'s spec", "in this build folder")
 
 
 def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
@@ -422,11 +425,20 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     entry = manifest.models[name]
     spec = outside_spec(options.spec_file, entry)
     proto = load_model_file(graph, with_data=True, budget=memory_budget(options.max_memory, spec))
+    return _mapped_from_spec(out_dir, entry, spec, proto, f"the spec {options.spec_file}", "beside this one")
+
+
+def _mapped_from_spec(
+    out_dir: Path, entry: ManifestEntry, spec: ModelSpec, proto: onnx.ModelProto, source: str, where: str
+) -> _Found:
+    """``proto`` with, for a variant made from the plain export that has no plain graph
+    ``where`` it lies, that export made again from the spec (``source``) as the map of its
+    fused regions, and a note saying so; without one, a fused region is one lump."""
     if spec.exporter != "dynamo" or not _maps_through_plain(entry.variant):  # the former is refused below
         return _Found(out_dir, entry, spec, proto, None)
     said = (
         f"{entry.variant}'s fused regions are mapped back to FX nodes through the plain graph exported "
-        f"now from the spec {options.spec_file} (no build's plain graph lies beside this one)"
+        f"now from {source} (no build's plain graph lies {where})"
     )
     return _Found(out_dir, entry, spec, proto, _exported_plain(spec), [said])
 

@@ -29,10 +29,10 @@ import numpy as np
 from attn_export.errors import (
     ArtifactError,
     InputError,
+    OptionError,
     ProviderError,
     RuntimeFailure,
     RunTimeout,
-    UsageError,
     first_line,
 )
 from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
@@ -268,11 +268,13 @@ def load_session(
 
 
 def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
-    """``timeout_s`` as seconds, or UsageError naming ``what``: a limit that is no number, or
-    not above 0 and at most ``MAX_TIMEOUT_S``, would stop every run at once or none."""
+    """``timeout_s`` as seconds, or OptionError naming the option ``what`` (each face words it
+    as it calls it): a limit that is no number, or not above 0 and at most ``MAX_TIMEOUT_S``,
+    would stop every run at once or none."""
     number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
     if not (number and 0 < timeout_s <= MAX_TIMEOUT_S):  # nan fails both comparisons
-        raise UsageError(f"{what}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {timeout_s!r}")
+        refused = f"{{{what}}}: give seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {{value!r}}"
+        raise OptionError(refused, [what], value=timeout_s)
     return float(timeout_s)
 
 

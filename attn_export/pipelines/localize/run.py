@@ -688,11 +688,10 @@ def _case_options(base: LocalizeOptions, case: CaseResult) -> LocalizeOptions:
 def check_regions(
     report: VerifyReport,
     options: VerifyOptions,
-    strict: bool,
     notice: Callable[[str], None] | None = None,
 ) -> None:
-    """Verify's ``regions`` (``check``: ``strict`` False; ``strict``: True), run by
-    ``verify_artifacts``: each model whose graph passed has one case verify compared with
+    """Verify's ``options.regions`` (``check`` or ``strict``), run by ``verify_artifacts``:
+    each model whose graph passed has one case verify compared with
     PyTorch localized, and where a region's own error breaks its tolerance though the
     outputs agree, its model's checks get a note naming the region and its source line (the
     graph still passes), or under ``strict`` a problem saying the same (the graph fails).
@@ -702,6 +701,7 @@ def check_regions(
     ``options.region_timeout_s`` seconds fails its model's checks either way, the region and
     the limit named: a graph that does not end on PyTorch's values does not pass."""
     out_dir, base = _base_options(report, options)
+    strict = options.regions == "strict"
     failed = set(report.failed_models)
     firsts: dict[str, CaseResult] = {}
     for case in report.cases:  # the distinct case where verify ran it: every size its own

@@ -33,6 +33,7 @@ __all__ = [
     "POSITIONS",
     "CacheSpec",
     "cache_of",
+    "counted_positions",
     "check_fed_sizes",
     "fed_points",
     "fed_sizes",
@@ -223,3 +224,25 @@ def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) 
     shape = concrete_shape(tensor, sizes)
     window = present_windows(spec).get(tensor.name)
     return shape if window is None else (*shape[:2], min(shape[2], window), *shape[3:])
+
+
+def counted_positions(spec: ModelSpec) -> int:
+    """How many positions a graph that counts them itself (``gqa-rotary``: each row's
+    filled length plus each token's index) reaches, SpecError where the spec's positions
+    are not that count: a ``position_ids`` input the graph would ignore, or a mask that
+    pads on the left (its rows count from their first real token)."""
+    cache = cache_of(spec)
+    if cache is None:
+        raise SpecError(f"{spec.name}: positions counted from a cache's length need a KV cache (past_key_values.*)")
+    if cache.positions is not None:
+        raise SpecError(
+            f"{spec.name}: the graph counts positions from its cache's length and would ignore '{cache.positions}': "
+            'build a module that counts them from the mask (CausalLMWithCache(positions="mask")) without that input'
+        )
+    if cache.mask is not None and cache.pads:
+        raise SpecError(
+            f"{spec.name}: the graph counts each token's position from its row's ones in '{cache.mask}', as "
+            "onnxruntime-genai's graphs do, where a left-padded row counts from its first real token: "
+            f'declare mask = "{FULL}" on it (onnxruntime-genai pads on the right, which the graph reads)'
+        )
+    return cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max

@@ -90,6 +90,13 @@ class VariantInfo:
     takes: frozenset[str] = frozenset()
     #: Writes the cache into a buffer of the spec's ``[cache] max_seq``, which must be declared.
     in_place: bool = False
+    #: Counts each token's position itself, as the cache's filled length plus its index: its
+    #: maker takes how many positions the graph reaches, and the spec's positions must be
+    #: that count (``positions_are_counted``).
+    counts_positions: bool = False
+    #: The links whose graph it rewrites, one of which must come before it in a chain (it
+    #: cannot be made alone); empty: any graph.
+    after: frozenset[str] = frozenset()
 
 
 AUTO = "auto"
@@ -163,6 +170,16 @@ VARIANTS: dict[str, VariantInfo] = {
             in_place=True,
         ),
         VariantInfo(
+            "gqa-rotary",
+            "rotary folded into GroupQueryAttention and its projections packed into one MatMul, as "
+            "onnxruntime-genai's graphs (after static-cache or ort-past; positions counted from the cache)",
+            "gqa_rotary",
+            auto_candidate=False,
+            needs=PORTABLE | {"float32"},
+            counts_positions=True,
+            after=frozenset({"static-cache", "ort-past"}),
+        ),
+        VariantInfo(
             "fp16",
             "float16 inside, float32 inputs and outputs",
             "fp16",
@@ -228,6 +245,10 @@ class Chain:
         return any(link.in_place for link in self.links)
 
     @property
+    def counts_positions(self) -> bool:
+        return any(link.counts_positions for link in self.links)
+
+    @property
     def chooser(self) -> bool:
         """``auto``: chooses a graph instead of making one (never a link of a longer chain)."""
         return self.links[0].chooser
@@ -235,6 +256,14 @@ class Chain:
 
 def _unknown(name: str, where: str) -> UsageError:
     return UsageError(f"unknown variant {name}{where} (known: {', '.join(VARIANTS)})")
+
+
+def _alone(info: VariantInfo, where: str) -> UsageError:
+    after = sorted(info.after)
+    return UsageError(
+        f"{where}: {info.name} rewrites the graph {' or '.join(after)} makes; put one before it "
+        f"({after[-1]}+{info.name})"
+    )
 
 
 def _taker(trait: str, before: Iterable[VariantInfo]) -> VariantInfo | None:
@@ -248,6 +277,8 @@ def variant_chain(name: str) -> Chain:
     if not isinstance(name, str) or CHAIN not in name:
         if name not in VARIANTS:
             raise _unknown(name, "")
+        if VARIANTS[name].after:
+            raise _alone(VARIANTS[name], f"variant {name}")
         return Chain(name, (VARIANTS[name],))
     where = f"chain {name}"
     links: list[VariantInfo] = []
@@ -272,6 +303,8 @@ def variant_chain(name: str) -> Chain:
                 f"{where}: {part} cannot follow {links[-1].name}: it is made from the opset-{info.export_opset} "
                 "re-export, not from another link's graph, so it can only be the first link"
             )
+        if info.after and not info.after & {link.name for link in links}:
+            raise _alone(info, where)
         for trait in sorted(info.needs):
             taker = _taker(trait, links)
             if taker is not None:

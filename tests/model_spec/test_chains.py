@@ -52,6 +52,16 @@ REFUSED = [
         "chain int8+int4: int4 cannot follow int8: int4 needs a graph that computes in float32, and int8's does not",
     ),
     ("int8+", f"unknown variant '' in chain int8+ (known: {', '.join(VARIANTS)})"),
+    (
+        "int8+gqa-rotary",
+        "chain int8+gqa-rotary: gqa-rotary rewrites the graph ort-past or static-cache makes; put one before it "
+        "(static-cache+gqa-rotary)",
+    ),
+    (
+        "static-cache+int4+gqa-rotary",
+        "chain static-cache+int4+gqa-rotary: gqa-rotary cannot follow int4: gqa-rotary needs a graph that computes "
+        "in float32, and int4's does not",
+    ),
 ]
 
 
@@ -83,7 +93,9 @@ def test_every_two_links_either_chain_or_are_refused_by_the_table() -> None:
         "ort-fused+int8", "ort-fused+int4", "ort-fused+fp16", "ort-fused+ort-optimized",
         "static-cache+int8", "static-cache+int4", "static-cache+fp16", "static-cache+ort-optimized",
         "int8+ort-fused", "int8+ort-optimized", "int4+ort-fused", "int4+ort-optimized", "fp16+ort-optimized",
+        "ort-past+gqa-rotary", "static-cache+gqa-rotary",
     }  # fmt: skip
+    assert variant_chain("static-cache+gqa-rotary+int4").in_place  # a link after the one it rewrites
     assert all(trait in TRAITS for v in VARIANTS.values() for trait in v.needs | v.takes)
 
 

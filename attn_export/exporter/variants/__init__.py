@@ -52,21 +52,30 @@ def _signature(proto: onnx.ModelProto) -> tuple[Counter[tuple[str, str, bytes]],
     return ops, Counter(t.data_type for t in graph.initializer), io
 
 
-def _make(info: VariantInfo, source: onnx.ModelProto, provider: str) -> VariantGraph:
-    """One variant from its own copy of ``source``."""
+def _make(info: VariantInfo, source: onnx.ModelProto, provider: str, positions: int | None) -> VariantGraph:
+    """One variant from its own copy of ``source``; a maker that counts positions itself
+    (``VariantInfo.counts_positions``) is told how many the graph reaches."""
     copy = onnx.ModelProto()
     copy.CopyFrom(source)
     if info.maker is None:
         return VariantGraph(copy)
     maker = importlib.import_module(f"{__name__}.{info.maker}")
+    extra = {}
+    if info.counts_positions:
+        if positions is None:
+            raise ExportFailure(f"variant {info.name} needs the number of positions its graph reaches")
+        extra["positions"] = positions
     with contextlib.redirect_stdout(io.StringIO()):  # quantization and fusion tools print progress
-        graph: VariantGraph = maker.make(copy, provider)
+        graph: VariantGraph = maker.make(copy, provider, **extra)
     return graph
 
 
-def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -> VariantGraph:
+def make_variant(
+    variant: str, source: onnx.ModelProto, provider: str = "cpu", positions: int | None = None
+) -> VariantGraph:
     """Derive ``variant`` from its own copy of ``source`` (the plain export, or the
-    re-export at the opset the table names); ``source`` is never modified.
+    re-export at the opset the table names); ``source`` is never modified. ``positions``:
+    how many positions the graph reaches, for a link that counts them itself.
 
     A chain (``ort-past+int8``, checked by ``variant_chain``) makes its first link from
     ``source`` and each next link from the graph the link before made; its info lists each
@@ -78,7 +87,7 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     if chain.chooser:
         raise UsageError(f"variant {variant} chooses among the others instead of making a graph")
     first, *rest = chain.links
-    graph = _make(first, source, provider)
+    graph = _make(first, source, provider, positions)
     if not rest:
         # a re-export at another opset is not the plain export, even where the link keeps it
         plain = first.maker is not None and first.export_opset is None
@@ -93,7 +102,7 @@ def make_variant(variant: str, source: onnx.ModelProto, provider: str = "cpu") -
     for before, link in zip(chain.links, rest, strict=False):
         cannot = f"{link.name} cannot follow {before.name}"
         try:
-            made = _make(link, graph.proto, provider)
+            made = _make(link, graph.proto, provider, positions)
         except AttnExportError as e:
             raise ExportFailure(f"{cannot}: {e}") from e
         except Exception as e:  # noqa: BLE001 - a link's tool meets a graph it was not written for

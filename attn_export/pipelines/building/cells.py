@@ -28,6 +28,7 @@ from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
 from attn_export.executors import exit_if_orphaned
 from attn_export.model_spec import ModelSpec, load_spec, variant_chain, variant_key
+from attn_export.model_spec.cache import counted_positions
 from attn_export.model_spec.shapes import format_sizes
 from attn_export.pipelines.building.auto import auto_choice
 from attn_export.pipelines.building.graphs import Graph, SpecBuild
@@ -105,6 +106,11 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
                 f"{variant_key(spec.name, variant)}: a cache updated in place needs its capacity: "
                 "declare [cache] max_seq in the spec"
             )
+        if variant_chain(variant).counts_positions:
+            try:
+                counted_positions(spec)
+            except SpecError as e:
+                raise SpecError(f"{variant_key(spec.name, variant)}: {str(e).removeprefix(f'{spec.name}: ')}") from None
         ctx.check_budget()
     with stage_timer(result, "module"):
         ctx.module.get()

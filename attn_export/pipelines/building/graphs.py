@@ -38,7 +38,7 @@ from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
 from attn_export.exporter.variants import make_variant
 from attn_export.model_spec import ModelSpec, variant_chain, variant_key
-from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.cache import cache_of, counted_positions, fed_sizes
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.model_spec.distributions import case_label, split_label
 from attn_export.model_spec.inputs import make_feeds
@@ -233,7 +233,10 @@ class SpecBuild:
         return cases
 
     def _example(self) -> GoldenCase:
-        return self._cases([(ShapePoint("example", self.sizes), DEFAULT_DISTRIBUTION)], BUILD_SEED)[0]
+        """The smoke check's first case: the export's sizes as the graph is fed them (a
+        cache's ``extend_batch`` takes several new tokens on a filled cache at that batch)."""
+        sizes = fed_sizes(self.spec, self.sizes)
+        return self._cases([(ShapePoint("example", sizes), DEFAULT_DISTRIBUTION)], BUILD_SEED)[0]
 
     def _golden_cases(self) -> list[GoldenCase]:
         """PyTorch's outputs at the golden shapes with unit-normal values (smoke-checked and
@@ -280,7 +283,8 @@ class SpecBuild:
         key = variant_key(spec.name, name)
         opset = max(spec.opset, variant_chain(name).export_opset or 0)
         try:
-            graph = make_variant(name, self.export(opset), self.options.provider)
+            positions = counted_positions(spec) if variant_chain(name).counts_positions else None
+            graph = make_variant(name, self.export(opset), self.options.provider, positions)
         except (ExportFailure, GraphCheckError) as e:
             raise type(e)(f"{key}: {e}") from e
         proto = stamp_metadata(

@@ -1,0 +1,290 @@
+"""gqa-rotary: rotary embeddings inside GroupQueryAttention, and its projections as one MatMul.
+
+A link after ``static-cache`` or ``ort-past``: the opset-23 export keeps a module's rotary
+as ``RotaryEmbedding`` nodes on the query and key (their cos and sin computed from the
+positions every step), so the projections cannot be packed and each layer runs its rotary,
+its layout ops and three MatMuls apart. Here each GroupQueryAttention applies the rotary
+itself (``do_rotary`` with cos/sin caches) and reads one packed projection: the shape of
+onnxruntime-genai's model builder graphs.
+
+The op counts each token's position as the cache's filled length plus its index. The caches
+hold what the graph computes for positions 0..N-1: the graph evaluated on a prompt of N
+tokens on an empty cache, a mask of ones. That is the module's own rotary only where its
+positions are that count (``positions_are_counted``): no ``position_ids`` input, positions
+counted from a mask that takes no padding. The build refuses any other spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from attn_export.errors import ExportFailure
+from attn_export.exporter.cache_in_op import attribute, declared_dims, fresh_prefixes
+from attn_export.exporter.packed_projections import pack
+from attn_export.exporter.variants import VariantGraph, op_counts
+from attn_export.exporter.variants.ort_past import _live, _merged_heads, _Nodes, _read
+from attn_export.model_spec.cache import MASK
+from attn_export.runtimes.static_cache import CAPACITY_DIM
+
+__all__ = ["make"]
+
+_GQA = ("com.microsoft", "GroupQueryAttention")
+#: ONNX Runtime's CPU kernel rotates whole heads of a size it vectorizes.
+_HEAD_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class _Rotary:
+    """A ``RotaryEmbedding`` whose output one GroupQueryAttention input only lays out as
+    ``[batch, seq, heads * head_dim]``: its input (``[batch, heads, seq, head_dim]``) and
+    the cos and sin it reads."""
+
+    node: onnx.NodeProto
+    source: str
+    cos: str
+    sin: str
+
+
+def _rotary(name: str, producers: Mapping[str, onnx.NodeProto]) -> _Rotary | None:
+    """The rotary behind a GroupQueryAttention input that ``ort-past`` laid out (a Transpose
+    to ``[batch, seq, heads, head_dim]`` and a Reshape), or None."""
+    merged = producers.get(name)
+    moved = producers.get(merged.input[0]) if merged is not None and merged.op_type == "Reshape" else None
+    if moved is None or moved.op_type != "Transpose" or attribute(moved, "perm", []) != [0, 2, 1, 3]:
+        return None
+    node = producers.get(moved.input[0])
+    if node is None or (node.domain, node.op_type) != ("", "RotaryEmbedding") or len(node.input) != 3:
+        return None
+    if attribute(node, "interleaved", 0) or attribute(node, "rotary_embedding_dim", 0):
+        return None  # an interleaved or partial rotary: the op's cache layout differs
+    return _Rotary(node, *node.input)
+
+
+def _needed(proto: onnx.ModelProto, values: Sequence[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The nodes computing ``values`` (in graph order) and the graph inputs they read."""
+    producers = {out: n for n in proto.graph.node for out in n.output}
+    inputs = {i.name for i in proto.graph.input}
+    seen: set[str] = set()
+    nodes: set[int] = set()
+    reads: set[str] = set()
+    todo = list(values)
+    while todo:
+        value = todo.pop()
+        if value in seen or not value:
+            continue
+        seen.add(value)
+        if value in inputs:
+            reads.add(value)
+        node = producers.get(value)
+        if node is not None and id(node) not in nodes:
+            nodes.add(id(node))
+            todo.extend(_read(node))
+    return [n for n in proto.graph.node if id(n) in nodes], reads
+
+
+def _feed(proto: onnx.ModelProto, name: str, positions: int) -> np.ndarray:
+    """Graph input ``name`` for a prompt of ``positions`` tokens on an empty cache, batch 1:
+    a mask of ones, token ids of 0, a filled length of 0, empty pasts (a buffer: zeros)."""
+    info = next(i for i in proto.graph.input if i.name == name).type.tensor_type
+    dtype = helper.tensor_dtype_to_np_dtype(info.elem_type)
+    dims = declared_dims(proto, name)
+    if not dims:
+        return np.zeros((), dtype)
+    if len(dims) == 2:
+        return np.ones((1, positions), dtype) if name == MASK else np.zeros((1, positions), dtype)
+    heads, head = dims[1], dims[-1]
+    if len(dims) == 4 and isinstance(heads, int) and isinstance(head, int):
+        return np.zeros((1, heads, positions if dims[2] == CAPACITY_DIM else 0, head), dtype)
+    raise ExportFailure(f"variant gqa-rotary: cannot feed input '{name}' {dims} to compute the rotary's cos and sin")
+
+
+def _caches(proto: onnx.ModelProto, values: Sequence[str], positions: int) -> dict[str, np.ndarray]:
+    """Each of ``values`` (a rotary's cos or sin, ``[batch, seq, head_dim / 2]``) at
+    positions 0..N-1, as ``[N, head_dim / 2]``, from ONNX Runtime running the nodes that
+    compute them."""
+    import onnxruntime as ort
+
+    nodes, reads = _needed(proto, values)
+    needed = {n for node in nodes for n in _read(node)}
+    graph = helper.make_graph(
+        nodes,
+        "rotary_caches",
+        [i for i in proto.graph.input if i.name in reads],
+        [helper.make_tensor_value_info(v, TensorProto.FLOAT, None) for v in values],
+        [t for t in proto.graph.initializer if t.name in needed],
+    )
+    model = helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    found = session.run(None, {name: _feed(proto, name, positions) for name in reads})
+    caches = {}
+    for value, array in zip(values, found, strict=True):
+        if array.ndim != 3 or array.shape[:2] != (1, positions):
+            raise ExportFailure(
+                f"variant gqa-rotary: the rotary's '{value}' is {list(array.shape)} on a prompt of {positions} "
+                "tokens, not one row per position"
+            )
+        caches[value] = np.ascontiguousarray(array[0])
+    return caches
+
+
+def _same(caches: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
+    """The one cache the query's and the key's rotary share: GroupQueryAttention takes one."""
+    first, *rest = (caches[n] for n in names)
+    if any(c.shape != first.shape or not np.array_equal(c, first) for c in rest):
+        raise ExportFailure("variant gqa-rotary: the query's and the key's rotary read different cos or sin")
+    return first
+
+
+def _read_lead_axes(nodes: Sequence[onnx.NodeProto], old: Sequence[str], new: str) -> None:
+    """Point the ``Shape`` nodes that read the batch or sequence length off the laid-out
+    query or key (``ort-past``'s lengths) at ``new``, which has the same two leading axes:
+    the rotary and the layout ops before it are left to no reader and dropped."""
+    for node in nodes:
+        start, end = attribute(node, "start", 0), attribute(node, "end", 4)
+        lead = isinstance(start, int) and isinstance(end, int) and 0 <= start < end <= 2
+        if node.op_type == "Shape" and node.input[0] in old and lead:
+            node.input[0] = new
+
+
+def _lengths(mask: str, prefix: str) -> tuple[str, list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """GroupQueryAttention's ``seqlens_k`` as onnxruntime-genai's graphs compute it: each
+    row's ones in the mask, less one. The op then reads each row's own length (a batch
+    padded on the right, as genai pads it) and writes each new token after it."""
+    nodes = _Nodes(f"{prefix}/lengths")
+    axis = nodes.const("key_axis", np.array([1], np.int64))
+    ones = nodes.add(
+        "Cast", [nodes.add("ReduceSum", [mask, axis], "ones", keepdims=0)], "ones_i32", to=TensorProto.INT32
+    )
+    return (
+        nodes.add("Sub", [ones, nodes.const("one", np.array(1, np.int32))], "seqlens_k"),
+        nodes.nodes,
+        nodes.constants,
+    )
+
+
+def _sole_reader(nodes: Sequence[onnx.NodeProto], value: str, op_type: str) -> onnx.NodeProto | None:
+    readers = [n for n in nodes if value in n.input]
+    return readers[0] if len(readers) == 1 and readers[0].op_type == op_type else None
+
+
+def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: onnx.NodeProto) -> None:
+    """The op's output handed on without what ``ort-past`` put after it for the mask (a
+    ``Where`` zeroing rows with no key: each row has its own length now) and, where the
+    module merges the heads back at once (a Transpose and a Reshape to ``[batch, seq,
+    heads * head_dim]``), straight to that Reshape: the op gives that layout already."""
+    split = _sole_reader(nodes, op.output[0], "Reshape")
+    back = _sole_reader(nodes, split.output[0], "Transpose") if split is not None else None
+    seen = _sole_reader(nodes, back.output[0], "Where") if back is not None else None
+    if back is None or seen is None or seen.input[1] != back.output[0]:
+        return
+    back.output[0] = seen.output[0]
+    nodes.remove(seen)
+    moved = _sole_reader(nodes, back.output[0], "Transpose")
+    merged = _sole_reader(nodes, moved.output[0], "Reshape") if moved is not None else None
+    if moved is None or merged is None or attribute(moved, "perm", []) != [0, 2, 1, 3]:
+        return
+    heads = declared_dims(proto, back.output[0])
+    dims = declared_dims(proto, merged.output[0])
+    sizes = [d for d in (*heads[1:2], *heads[3:4], *dims[2:3]) if isinstance(d, int)]
+    if len(heads) == 4 and len(dims) == 3 and len(sizes) == 3 and sizes[0] * sizes[1] == sizes[2]:
+        merged.input[0] = op.output[0]
+
+
+def _checked(ops: Sequence[onnx.NodeProto], proto: onnx.ModelProto) -> list[tuple[onnx.NodeProto, _Rotary, _Rotary]]:
+    """Each op with its query's and its key's rotary; ExportFailure where one has none."""
+    producers = {out: n for n in proto.graph.node for out in n.output}
+    if not ops:
+        raise ExportFailure(
+            "variant gqa-rotary folds rotary into GroupQueryAttention, and the graph has none: "
+            "put static-cache or ort-past before it"
+        )
+    pairs = []
+    for op in ops:
+        if attribute(op, "do_rotary", 0):
+            raise ExportFailure(f"variant gqa-rotary: '{op.name}' applies its rotary already")
+        query, key = (_rotary(name, producers) for name in op.input[:2])
+        if query is None or key is None:
+            raise ExportFailure(
+                f"variant gqa-rotary: '{op.name}' reads no RotaryEmbedding (not interleaved, whole heads) "
+                "on both its query and its key; a module without rotary has nothing to fold"
+            )
+        head = declared_dims(proto, query.source)[-1]
+        if not isinstance(head, int) or head % _HEAD_MULTIPLE:
+            raise ExportFailure(
+                f"variant gqa-rotary: head size {head}: ONNX Runtime's GroupQueryAttention applies rotary "
+                f"to heads of a multiple of {_HEAD_MULTIPLE} only"
+            )
+        pairs.append((op, query, key))
+    return pairs
+
+
+def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
+    """``proto`` with each GroupQueryAttention's rotary folded in, its projections packed and
+    its lengths read off the mask, the cos and sin caches holding ``positions`` rows."""
+    graph = proto.graph
+    pairs = _checked([n for n in graph.node if (n.domain, n.op_type) == _GQA], proto)
+    producers = {out: n for n in graph.node for out in n.output}
+    caches = _caches(proto, sorted({v for _, q, k in pairs for v in (q.cos, q.sin, k.cos, k.sin)}), positions)
+    prefix = next(fresh_prefixes(proto, "gqa_rotary"))
+    tables: dict[bytes, str] = {}  # one cos and one sin cache for every layer that shares them
+
+    def table(array: np.ndarray, label: str) -> str:
+        key = label.encode() + array.tobytes()
+        if key not in tables:
+            tables[key] = f"{prefix}/{label}_cache_{len(tables)}"
+            graph.initializer.append(numpy_helper.from_array(array, tables[key]))
+        return tables[key]
+
+    lengths, first, constants = _lengths(MASK, prefix) if any(i.name == MASK for i in graph.input) else ("", [], [])
+    graph.initializer.extend(constants)
+    packed = 0
+    before: list[list[onnx.NodeProto]] = []
+    for i, (op, query, key) in enumerate(pairs):
+        nodes = _Nodes(f"{prefix}/{i}")
+        q, k = (
+            _merged_heads(proto, r.source, producers) or nodes.to_bsh(r.source, label)
+            for r, label in ((query, "q"), (key, "k"))
+        )
+        inputs = list(op.input) + [""] * (11 - len(op.input))
+        inputs[:2] = [q, k]
+        made = pack(proto, [q, k, inputs[2]], f"{prefix}/{i}")
+        if made is not None:
+            (inputs[0], extra), inputs[1], inputs[2] = made, "", ""
+            nodes.nodes += extra
+            packed += 1
+        inputs[7] = table(_same(caches, [query.cos, key.cos]), "cos")
+        inputs[8] = table(_same(caches, [query.sin, key.sin]), "sin")
+        if lengths:  # the mask as genai's graphs read it: each row's length, no bias
+            inputs[5], inputs[10] = lengths, ""
+        _read_lead_axes(graph.node, op.input[:2], inputs[0])
+        del op.input[:]
+        op.input.extend(inputs)
+        op.attribute.extend([helper.make_attribute("do_rotary", 1), helper.make_attribute("rotary_interleaved", 0)])
+        for new in nodes.nodes:
+            new.metadata_props.extend(op.metadata_props)
+        graph.initializer.extend(nodes.constants)
+        before.append(nodes.nodes)
+    kept = [*first, *graph.node]
+    for made_nodes in before:  # each before the first node that reads it
+        made_values = {o for n in made_nodes for o in n.output}
+        at = next(i for i, n in enumerate(kept) if made_values & set(n.input))
+        kept[at:at] = made_nodes
+    if lengths:
+        for op, _, _ in pairs:
+            _straight_output(proto, kept, op)
+    outputs = {o.name for o in graph.output}
+    graph.ClearField("node")
+    graph.node.extend(_live(kept, outputs))
+    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input} | outputs
+    kept_constants = [c for c in graph.initializer if c.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept_constants)
+    info = {"rotary_folded": len(pairs), "packed_projections": packed, "ops": dict(op_counts(proto))}
+    return VariantGraph(proto, info)

@@ -1,0 +1,136 @@
+"""``gqa-rotary``: rotary inside GroupQueryAttention, one packed projection per layer and each
+row's length read off the mask, as onnxruntime-genai's graphs are; a spec whose positions are
+not the cache's count is refused in one line before anything is exported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import helper, numpy_helper
+
+from attn_export.cli import cli
+from attn_export.exporter.packed_projections import PACKED
+from tests.conftest import TINY_ZOO, Built, needs_transformers, shared_build
+
+pytestmark = needs_transformers
+HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
+VARIANT = "static-cache+gqa-rotary"
+NAME = f"llama_causal_lm.{VARIANT}"
+
+
+def _genai_form(text: str) -> str:
+    """The tiny zoo's causal LM as onnxruntime-genai's graphs are fed: positions counted from a
+    mask that takes no padding, heads of 16 (GroupQueryAttention's rotary wants a multiple of
+    16), a buffer of 40 positions, several new tokens on a filled cache at batch 1 only."""
+    text = text.replace('module = "attn_export.zoo.hf_cache:CausalLMWithCache"\n', "")
+    text = 'module = "attn_export.zoo.hf_cache:CausalLMWithCache"\nkwargs = { positions = "mask" }\n' + text
+    text = text.replace(
+        "num_attention_heads = 4, num_key_value_heads = 2", "num_attention_heads = 2, num_key_value_heads = 1"
+    )
+    text = text.replace('2, "past_seq", 8]', '1, "past_seq", 16]').replace('2, "total_seq", 8]', '1, "total_seq", 16]')
+    text = text.replace('mask = "left-padding"', 'mask = "full"')
+    text = text.replace('[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n', "")
+    return text + "\n[cache]\nmax_seq = 40\nextend_batch = 1\n"
+
+
+def _write(folder: Path, text: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "llama_causal_lm.toml").write_text(text)
+    return [folder / "llama_causal_lm.toml"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
+    made = shared_build(
+        tmp_path_factory, "gqa-rotary", lambda folder: _write(folder, text), target="genai", variants=(VARIANT,)
+    )
+    assert made.errors == {NAME: None}, made.errors
+    return made
+
+
+def _verify(graph: Path, models: Path, *more: str) -> tuple[int, str]:
+    args = ["verify", str(graph), "--no-latency", "--generate", "4", *more]
+    if graph.is_dir():
+        args += ["--models", str(models)]
+    result = CliRunner().invoke(cli, args)
+    return result.exit_code, result.output
+
+
+def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> None:
+    """No RotaryEmbedding, no mask bias: each layer's GroupQueryAttention rotates with the
+    shared cos/sin caches, reads one packed projection (its record kept for localization)
+    and each row's length off the mask. The padded batch genai's generator makes (padded on
+    the right) gives each prompt's own tokens; the extend_batch spec builds (its smoke check
+    is fed as the spec says)."""
+    proto = onnx.load(str(built.out / f"{NAME}.onnx"))
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["RotaryEmbedding"] == ops["Cos"] == ops["Where"] == ops["Transpose"] == 0, ops
+    attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2
+    for node in attention:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["do_rotary"] == 1 and node.input[1] == node.input[2] == ""
+        assert node.input[7] and node.input[8] and (len(node.input) < 11 or node.input[10] == "")
+    packed = [n for n in proto.graph.node if any(p.key == PACKED for p in n.metadata_props)]
+    assert len(packed) == 2
+    assert len({n.input[7] for n in attention}) == 1  # one cos cache for both layers
+    cos = numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == attention[0].input[7]))
+    assert cos.shape == (40, 8)  # the buffer's 40 positions, half a head
+    config = json.loads((built.out / "genai" / NAME / "genai_config.json").read_text())
+    assert "position_ids" not in config["model"]["decoder"]["inputs"]
+    code, out = _verify(built.out, built.models)
+    assert code == 0, out
+    if HAS_GENAI:
+        assert "onnxruntime-genai  padded" in out and "5 of 5 generations" in out, out
+
+
+@pytest.mark.slow  # a verify of an edited graph: about 10 s
+def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> None:
+    proto = onnx.load(str(built.out / f"{NAME}.onnx"))
+    cos = next(t for t in proto.graph.initializer if "cos_cache" in t.name)
+    cos.CopyFrom(numpy_helper.from_array(np.roll(numpy_helper.to_array(cos), 1, axis=0), cos.name))
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    shutil.copy(built.models / "llama_causal_lm.toml", tmp_path / "spec.toml")
+    code, out = _verify(edited, built.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
+    assert code == 1, out
+    assert "FAIL" in out and "logits" in out, out
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (
+            lambda t: t.replace('kwargs = { positions = "mask" }\n', "").replace(
+                '[[inputs]]\nname = "past_key_values.0.key"',
+                '[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n'
+                '[[inputs]]\nname = "past_key_values.0.key"',
+                1,
+            ),
+            "would ignore 'position_ids'",
+        ),
+        (lambda t: t.replace('mask = "full"', 'mask = "left-padding"'), 'declare mask = "full"'),
+    ],
+    ids=["position_ids", "padding"],
+)
+def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
+    tmp_path: Path, edit: object, says: str
+) -> None:
+    text = edit(_genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text()))  # type: ignore[operator]
+    (spec,) = _write(tmp_path / "models", text)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(out), "--variant", VARIANT])
+    assert result.exit_code != 0, result.output
+    failure = [line for line in result.output.splitlines() if "FAILED" in line]
+    assert len(failure) == 1 and says in failure[0], result.output
+    assert "traceback" not in result.output.lower()
+    assert not (out / f"{NAME}.onnx").exists()

@@ -189,6 +189,9 @@ def _regions(
             rtol = region_tolerance(tol, expected, computed)
             target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
             own = fx_node == region.fx_node  # the region's metadata is its own FX node's
+            # on a box without torch the graph's stack traces are read without telling torch's
+            # frames apart (a Linear's line was torch's F.linear): a recorded line, read with torch, wins
+            line = own and not (torch_vals.recorded and source)
             out.append(
                 RegionError(
                     fx_node=fx_node,
@@ -198,8 +201,8 @@ def _regions(
                     ops=list(region.ops),
                     target=(own and region.target) or target,
                     module_path=region.module_path if own else "",
-                    source=(own and region.source) or source,
-                    code=(own and region.code) or code,
+                    source=(line and region.source) or source,
+                    code=(line and region.code) or code,
                     local=None
                     if alone is None
                     else _judged(fx_node, torch_vals[fx_node], expected, alone[value], rows, rtol),

@@ -95,6 +95,38 @@ def test_a_right_copy_agrees_with_the_builds_recording(recorded: Built, tmp_path
     assert "\nAGREES: the graph gives PyTorch's outputs here; 16 regions compared" in result.output
 
 
+def _renamed(proto: onnx.ModelProto) -> None:
+    """Every value between the graph's inputs and outputs renamed, as a tool may leave it."""
+    kept = {v.name for v in [*proto.graph.input, *proto.graph.output, *proto.graph.initializer]}
+    names: dict[str, str] = {}
+    for node in proto.graph.node:
+        node.input[:] = [names.get(v, v) for v in node.input]
+        node.output[:] = [v if v in kept or not v else names.setdefault(v, f"t{len(names)}") for v in node.output]
+    del proto.graph.value_info[:]
+
+
+@pytest.mark.parametrize(
+    ("against", "theirs"),
+    [
+        ("golden", "the recorded intermediates"),
+        pytest.param("torch", "PyTorch's values", marks=pytest.mark.slow),  # an export (5 s)
+    ],
+)
+def test_a_copy_whose_values_cannot_be_paired_is_one_line_and_exit_2(
+    recorded: Built, tmp_path: Path, against: str, theirs: str
+) -> None:
+    """Only the outputs keep their names: comparing them alone would say nothing of where
+    (it said AGREES: 1 regions compared, the output's, where a right copy compares 16)."""
+    graph = _copy(recorded, tmp_path / "renamed", _renamed)
+    args = _golden(graph, recorded) if against == "golden" else ["localize", str(graph), "--spec", str(SPEC)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output == (
+        f"Error: mha: mha.onnx cannot be paired with {theirs}: its nodes name 15 FX nodes "
+        "besides the outputs', but none of its values is named for one (renamed after the export?)\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

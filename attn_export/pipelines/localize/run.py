@@ -48,7 +48,14 @@ from attn_export.model_spec.tolerance import rounding_bits
 from attn_export.pipelines.localize.generate_step import generate_step_case
 from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
-from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
+from attn_export.pipelines.localize.regions import (
+    Region,
+    graph_regions,
+    has_fx_metadata,
+    region_model,
+    run_region,
+    unpaired,
+)
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
@@ -612,6 +619,10 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
+    why = unpaired(proto, regions, torch_vals.outputs, torch_vals.keys(), plain)
+    if why is not None:
+        theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
+        raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     # Rows that see no key are left out of every region where the spec leaves them out of
     # the outputs, or where the graph's outputs agree there: a fused attention gives the mean

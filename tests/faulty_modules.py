@@ -83,3 +83,13 @@ class TwoFixedDimsAttention(LogScaleAttention):
         if keys.shape[1] == 5:
             keys = keys * 1.0
         return super().forward(query, keys, values)
+
+
+class NoFloat16Attention(MultiHeadAttention):
+    """Seed MHA that has no float16 kernel: the fp16 variant's simulated rounding cannot run
+    (``runtimes.int8_rounding.in_float16``), and its graph is judged by the shares of the rms alone."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if query.dtype == torch.float16:
+            raise RuntimeError("no float16 kernel")
+        return super().forward(query, keys, values)

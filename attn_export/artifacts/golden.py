@@ -3,7 +3,9 @@
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
 float32 error on the case), ``<case>/int8/<name>`` (two float64: the rms and the largest
-element of what the int8 rounding does to the module there, ``model_spec.Rounding``) and
+element of what the int8 rounding does to the module there, ``model_spec.Rounding``),
+``<case>/unsimulated/<name>`` (where that rounding could not run: why, one line of UTF-8
+as uint8, ``Rounding.unsimulated``) and
 ``<case>/sight/<mask>`` (two int64, -1 for "all": what a query sees under each
 self-attention key-padding mask, ``GoldenCase.sights``); written with fixed timestamps and
 sorted entries (deterministic).
@@ -17,6 +19,7 @@ loaded. A 1 MB zip bomb declaring gigabytes costs nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import zipfile
@@ -51,10 +54,12 @@ __all__ = [
 ]
 
 #: What a case's entries hold (``<case>/<section>/<name>``).
-SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "sight")
+SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "unsimulated", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
-GOLDEN_FORMAT = 4
+GOLDEN_FORMAT = 5
+#: Bytes of one ``unsimulated`` reason: an exception's first line, cut at this when written.
+_MAX_REASON = 1000
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,10 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
             arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
         for k, r in case.int8.items():
             arrays[f"{case.label}/int8/{k}"] = np.asarray([r.rms, r.max], dtype=np.float64)
+            if r.unsimulated:
+                line = "".join(c if c.isprintable() else " " for c in r.unsimulated)  # as read back: one line
+                reason = line.encode("utf-8")[:_MAX_REASON].decode("utf-8", "ignore")
+                arrays[f"{case.label}/unsimulated/{k}"] = np.frombuffer(reason.encode("utf-8"), np.uint8)
         for k, seen in case.sights.items():
             arrays[f"{case.label}/sight/{k}"] = seen.to_array()
     return encode_npz(arrays)
@@ -281,6 +290,7 @@ def read_cases(
     if spec is not None:
         for case in cases.values():
             _check_case(path, spec, case, [e for e in entries if e.label == case.label], budget)
+    reasons: list[_Entry] = []
     for e in entries:  # a floor's, a rounding's and a sight's shape and dtype are checked before they are loaded
         if e.section == "floors":
             value = load_entry(path, zf, e.info) if e.shape == () and e.dtype == np.float64 else None
@@ -296,6 +306,8 @@ def read_cases(
                     f"{path}: entry '{e.label}/int8/{e.name}' is not a rounding: two finite non-negative float64"
                 )
             cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]))
+        elif e.section == "unsimulated":
+            reasons.append(e)  # once every rounding is read
         elif e.section == "sight":
             value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype.kind in "iu" else None
             if value is None or value.min() < -1:
@@ -304,12 +316,34 @@ def read_cases(
         elif e.section != "sizes":
             section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
             section[e.name] = load_entry(path, zf, e.info)
+    for e in reasons:
+        reason = _reason(path, zf, e)
+        if e.name not in cases[e.label].int8:
+            raise ArtifactError(f"{path}: entry '{e.label}/unsimulated/{e.name}' says why no rounding it records ran")
+        cases[e.label].int8[e.name] = dataclasses.replace(cases[e.label].int8[e.name], unsimulated=reason)
     for t in spec.inputs if spec is not None else ():  # inputs verify could have fed
         for case in cases.values():
             stray = t.stray_nonfinite(case.inputs[t.name]) if t.name in case.inputs else None
             if stray:
                 raise ArtifactError(f"{path}: case '{case.label}': {stray}")
     return list(cases.values())
+
+
+def _reason(path: Path, zf: zipfile.ZipFile, e: _Entry) -> str:
+    """Why a rounding could not run: one line of UTF-8, at most ``_MAX_REASON`` bytes."""
+    fits = e.shape[0] <= _MAX_REASON if e.dtype == np.uint8 and len(e.shape) == 1 else False
+    text = None
+    if fits:
+        try:
+            text = load_entry(path, zf, e.info).tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    if not text or not text.isprintable():
+        raise ArtifactError(
+            f"{path}: entry '{e.label}/unsimulated/{e.name}' is not a reason: one line of UTF-8 text as uint8, "
+            f"at most {_MAX_REASON} bytes"
+        )
+    return text
 
 
 def read_golden(

@@ -118,6 +118,13 @@ from attn_export.runtimes import PROVIDERS, RUNTIMES
     "neither torch nor the models' code (a deploy box).",
 )
 @click.option(
+    "--from",
+    "golden_from",
+    type=PathArg(file_okay=False),
+    help="With --golden and --spec: the build folder whose recorded intermediates of the spec's graph (of "
+    "--variant) the graph given (an edited copy) is paired with, by the FX nodes its values are named for.",
+)
+@click.option(
     "--strict-regions",
     is_flag=True,
     help="Exit 1 also where the outputs agree but a region's own error breaks its tolerance (a fault the "
@@ -153,6 +160,7 @@ def localize(
     json_path: JsonTarget | None,
     overlay_path: Path | None,
     golden: bool,
+    golden_from: Path | None,
     strict_regions: bool,
     max_memory: int | None,
     wait_s: float,
@@ -181,6 +189,7 @@ def localize(
         attn-export localize build bert_attention.int8 --strict-regions
         attn-export localize build mha --runtime onnx-reference
         attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
+        attn-export localize edited/mha.onnx --spec models/mha.toml --golden --from build
     """
     from attn_export.artifacts.files import write_output
     from attn_export.model_spec.shapes import parse_shapes
@@ -211,16 +220,19 @@ def localize(
         decode_steps=decode_steps,
         fully_masked=fully_masked,
         golden=golden,
+        golden_from=golden_from,
         spec_file=spec_path,
         variant=variant,
         timeout_s=timeout_s,
     )
-    with flag_names(sizes="--shapes", spec_file="--spec"):
+    with flag_names(sizes="--shapes", spec_file="--spec", golden_from="--from"):
         options.check()  # before any file is read
         if spec_path is None and folder.is_file():
             raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
         if spec_path is not None:
             reads = [*build_files(folder.parent), *graph_data([folder])]
+            if golden_from is not None:  # the build whose recording the graph is paired with
+                reads += [*build_files(golden_from), *graph_data(folder_graphs(golden_from))]
         else:
             reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
         if bundle is not None:  # written in the same run

@@ -92,6 +92,33 @@ def test_edited_golden_file_fails_golden_verify(zoo_copy: Path) -> None:
     assert "; 1 of 1 models failed a check (FAIL lines above)" in result.output
 
 
+@pytest.mark.slow  # a build of its own (7 s); test_golden's round trip runs by default
+def test_golden_verify_says_why_an_fp16_case_was_judged_without_its_simulation(tmp_path: Path) -> None:
+    """A module with no float16 kernel: fp16's simulated rounding cannot run, and a live
+    verify says so on each failing fp16 case. The golden file recorded the zero room but not
+    why, so verify --golden judged by the shares of the rms alone without saying so."""
+    from attn_export.pipelines.building import BuildOptions, build_models
+    from tests.conftest import TINY_MHA, scale_initializer, write_spec
+
+    module = "tests.faulty_modules:NoFloat16Attention"
+    spec = write_spec(tmp_path / "models", "nof16", TINY_MHA.replace("{exporter}", "dynamo"))
+    spec.write_text(spec.read_text().replace("attn_export.zoo.seed:MultiHeadAttention", module))
+    out = tmp_path / "out"
+    assert build_models([spec], BuildOptions(out, variants=("fp16",))).exit_code == 0
+    proto = onnx.load(out / "nof16.fp16.onnx")
+    scale_initializer(proto, node(proto, "MatMul").input[1], 1.25)  # the query projection's weight
+    plant(out, "nof16.fp16", proto)
+    result = invoke("verify", str(out), "--golden", *FAST)
+    assert result.exit_code == 1, result.output
+    failures = _failures(result)
+    assert failures and all(
+        line.endswith(
+            "; fp16's simulation could not run (RuntimeError: no float16 kernel): judged by the shares of the rms alone"
+        )
+        for line in failures
+    ), failures
+
+
 def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) -> None:
     """Cut to its distinct case (its hash recorded again), a golden file once passed on that
     case alone: a graph wrong only at the range's corners passed."""

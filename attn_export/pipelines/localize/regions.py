@@ -18,7 +18,7 @@ from attn_export.exporter.stack import innermost_line
 from attn_export.pipelines.localize.values import evaluate
 from attn_export.runtimes.target import Target
 
-__all__ = ["Region", "graph_regions", "has_fx_metadata", "region_model", "run_region"]
+__all__ = ["Region", "graph_regions", "has_fx_metadata", "region_model", "run_region", "unpaired"]
 
 _FX_NAME = re.compile(r"%(\S+) :")
 _TARGET = re.compile(r"target=(?:torch\.ops\.)?([\w.]+)")
@@ -217,6 +217,32 @@ def graph_regions(
             )
         )
     return sorted(regions, key=lambda r: r.indices[0])
+
+
+def unpaired(
+    model: onnx.ModelProto,
+    regions: list[Region],
+    output_nodes: Mapping[str, str],
+    known: Collection[str],
+    plain: onnx.ModelProto | None = None,
+) -> str | None:
+    """Why none of the graph's values can be paired with PyTorch's, or None where some can:
+    its nodes name FX nodes PyTorch has a value of (``known``) besides the outputs', yet no
+    value but the outputs (named for the spec's outputs, ``output_nodes``) is named for one
+    (a tool renamed them after the export), or they name none of them at all (the graph of
+    another module or export). Comparing the outputs alone would say nothing of where."""
+    named = {_fx(m) for m in _node_metadata(model, plain)} & set(known)
+    outputs = {o.name for o in model.graph.output}
+    paired = {fx for r in regions for value, fx in r.compared if value not in outputs}
+    if not named:
+        return "its nodes name none of the FX nodes PyTorch's values are of (the graph of another module or export?)"
+    inner = named - set(output_nodes.values())
+    if inner and not paired:
+        return (
+            f"its nodes name {len(inner)} FX nodes besides the outputs', but none of its values is named for one "
+            "(renamed after the export?)"
+        )
+    return None
 
 
 def region_model(model: onnx.ModelProto, region: Region, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -64,6 +64,10 @@ class LocalizeOptions:
     #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
     #: no torch and no checkout needed.
     golden: bool = False
+    #: With ``golden`` and ``spec_file``: the build folder whose recorded intermediates of the
+    #: spec's graph (of ``variant``) a graph no build made is paired with, by the FX nodes its
+    #: values are named for (a copy of that graph, edited by hand).
+    golden_from: Path | None = None
     #: A graph no build made, localized against this spec file as a graph of ``variant``
     #: (``verify --spec``); None for built graphs.
     spec_file: Path | None = None
@@ -111,6 +115,9 @@ class LocalizeOptions:
             raise OptionError(plays, ["generate_step", "shrink", "distribution"])
         if self.golden:
             self._check_golden()
+        elif self.golden_from is not None:
+            recorded = "{golden_from} needs {golden}: it names the build whose recorded intermediates it compares with"
+            raise OptionError(recorded, ["golden_from", "golden"])
         for name, verify in (("decode_step", "--decode"), ("generate_step", "--generate")):
             if getattr(self, name) is not None and (self.sizes or self.mask_case):
                 plays = (
@@ -134,9 +141,15 @@ class LocalizeOptions:
         if named:
             recorded = f"{{golden}} localizes the case the build recorded: it cannot be combined with {{{named}}}"
             raise OptionError(recorded, ["golden", named])
-        if self.spec_file is not None:
-            spec = "{golden} localizes a build's recorded intermediates; a graph given with {spec_file} has none"
-            raise OptionError(spec, ["golden", "spec_file"])
+        if (self.spec_file is None) != (self.golden_from is None):
+            if self.spec_file is not None:
+                spec = (
+                    "{golden} localizes a build's recorded intermediates; a graph given with {spec_file} has none: "
+                    "name the build that recorded its spec's graph with {golden_from}"
+                )
+                raise OptionError(spec, ["golden", "spec_file", "golden_from"])
+            alone = "{golden_from} pairs a graph given with {spec_file} with a build's recording: give {spec_file}"
+            raise OptionError(alone, ["golden_from", "spec_file"])
 
     @property
     def target(self) -> Target:

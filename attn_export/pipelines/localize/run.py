@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from attn_export.artifacts.bundle import TOLERANCE_KEYS, check_bundle_folder, write_bundle
-from attn_export.artifacts.files import read_lock
+from attn_export.artifacts.files import read_lock, sha256_file
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import read_intermediates
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
@@ -32,12 +32,13 @@ from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, p
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, OptionError, RuntimeFailure, RunTimeout, UsageError
+from attn_export.errors import ArtifactError, GraphCheckError, OptionError, RuntimeFailure, RunTimeout, UsageError
 from attn_export.exporter.factory import instantiate
+from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.model_spec import ModelSpec, Tolerance, variant_chain
+from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain
 from attn_export.model_spec.cache import cache_of
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import CASES, PATTERN
@@ -47,7 +48,14 @@ from attn_export.model_spec.tolerance import rounding_bits
 from attn_export.pipelines.localize.generate_step import generate_step_case
 from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
-from attn_export.pipelines.localize.regions import Region, graph_regions, has_fx_metadata, region_model, run_region
+from attn_export.pipelines.localize.regions import (
+    Region,
+    graph_regions,
+    has_fx_metadata,
+    region_model,
+    run_region,
+    unpaired,
+)
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
@@ -189,6 +197,9 @@ def _regions(
             rtol = region_tolerance(tol, expected, computed)
             target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
             own = fx_node == region.fx_node  # the region's metadata is its own FX node's
+            # on a box without torch the graph's stack traces are read without telling torch's
+            # frames apart (a Linear's line was torch's F.linear): a recorded line, read with torch, wins
+            line = own and not (torch_vals.recorded and source)
             out.append(
                 RegionError(
                     fx_node=fx_node,
@@ -198,8 +209,8 @@ def _regions(
                     ops=list(region.ops),
                     target=(own and region.target) or target,
                     module_path=region.module_path if own else "",
-                    source=(own and region.source) or source,
-                    code=(own and region.code) or code,
+                    source=(line and region.source) or source,
+                    code=(line and region.code) or code,
                     local=None
                     if alone is None
                     else _judged(fx_node, torch_vals[fx_node], expected, alone[value], rows, rtol),
@@ -269,7 +280,7 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
     else:
         where = [str(out_dir), entry.name]
     if options.golden:
-        args = [*where, "--golden"]
+        args = [*where, "--golden", *(["--from", str(options.golden_from)] if options.golden_from else [])]
     elif options.generate_step is not None:
         args = [*where, "--generate-step", str(options.generate_step), "--generate", str(options.generate_steps)]
         args += ["--layout", options.layout] if options.layout else []
@@ -334,7 +345,12 @@ def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -
         raise UsageError(f"unknown runtime {options.runtime} (known: {', '.join(RUNTIMES)})")
     if options.target.provider is not None:
         require_provider(options.target.provider)
-    found = _built(out_dir, model, options) if options.spec_file is None else _outside(out_dir, model, options)
+    if options.spec_file is None:
+        found = _built(out_dir, model, options)
+    elif options.golden_from is not None:
+        found = _edited(out_dir, model, options)
+    else:
+        found = _outside(out_dir, model, options)
     if options.bundle is not None:
         check_bundle_folder(options.bundle)
     report, replay = _localize(found, options)
@@ -377,6 +393,8 @@ class _Found:
     plain: onnx.ModelProto | None
     #: Said in the report of every case localized on it (where ``plain`` came from).
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: In golden mode, the recorded intermediates it is judged by (default: its entry's, beside it).
+    recorded: Path | None = None
 
 
 def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found:
@@ -426,6 +444,61 @@ def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found
     spec = outside_spec(options.spec_file, entry)
     proto = load_model_file(graph, with_data=True, budget=memory_budget(options.max_memory, spec))
     return _mapped_from_spec(out_dir, entry, spec, proto, f"the spec {options.spec_file}", "beside this one")
+
+
+def _edited(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
+    """A graph no build made (a copy of a built graph, edited by hand), to be localized on
+    the intermediates recorded for the build's graph of its spec and variant in the build
+    folder ``options.golden_from``: paired with them by the FX nodes its values are named
+    for, as with PyTorch's. The spec file names the graph and must be the one the build
+    recorded; the build's spec is read as data, so no torch and no module code run. The
+    build folder is read only (its graph need not be the one given, its recording must be
+    intact)."""
+    assert options.spec_file is not None and options.golden_from is not None
+    if graph.suffix != ".onnx" or graph.is_dir():
+        raise OptionError(
+            "{graph}: {spec_file} judges one .onnx file, not a folder or another file", ["spec_file"], graph=graph
+        )
+    if not graph.is_file():
+        raise ArtifactError(f"{graph}: no such file")
+    build, spec_file = options.golden_from, options.spec_file
+    wanted = load_spec(spec_file)  # data only: no module is imported
+    name = wanted.name if options.variant == "fp32" else f"{wanted.name}.{options.variant}"
+    if model not in (None, name):
+        other = f"{{graph}}: {{spec_file}} {{value}} makes it model '{name}', not '{model}'"
+        raise OptionError(other, ["spec_file"], graph=graph, value=spec_file)
+    with read_lock(build, options.lock_wait_s):
+        manifest = load_manifest(build)
+        if name not in manifest.models:
+            has = ", ".join(sorted(manifest.models))
+            asked = f"{build}: no model '{name}' ({spec_file} as {options.variant}) to pair the graph with"
+            raise UsageError(f"{asked}; it has: {has}")
+        entry = manifest.models[name]
+        if not entry.intermediates:
+            raise UsageError(
+                f"{name}: no recorded intermediates in {build}; build it with --record-intermediates "
+                "where torch is installed"
+            )
+        problems = integrity(build, entry, "intermediates", graph=False)
+        if problems:
+            raise ArtifactError(problems[0])
+        stale = stale_reasons(entry, dataclasses.replace(wanted, guards=entry.model_spec.guards))
+        if stale:
+            raise UsageError(
+                f"{name}: {build} recorded it from another spec ({'; '.join(stale)}): its values are not those of "
+                f"{spec_file}'s module; build it again with --record-intermediates"
+            )
+        spec = entry.model_spec  # data: the recording is the module's side, no code runs
+        budget = memory_budget(options.max_memory, spec)
+        proto = load_model_file(graph, with_data=True, budget=budget)
+        plain = _plain_graph(build, manifest, entry, budget)
+    try:
+        check_spec_signature(proto, graph.name, spec)
+    except GraphCheckError as e:  # no recorded value could feed it
+        other = "{error}: {spec_file} {value} does not describe this graph"
+        raise OptionError(other, ["spec_file"], error=e, value=spec_file) from None
+    copy = dataclasses.replace(entry, file=graph.name, sha256=sha256_file(graph))
+    return _Found(graph.parent, copy, spec, proto, plain, recorded=build / entry.intermediates)
 
 
 def _mapped_from_spec(
@@ -529,7 +602,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     if options.fully_masked is not None:
         spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
     if options.golden:
-        side = _recorded_side(out_dir / entry.intermediates, spec, budget)
+        side = _recorded_side(found.recorded or out_dir / entry.intermediates, spec, budget)
     else:
         side, options = _pytorch_side(spec, proto, options, budget, entry.variant)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
@@ -546,6 +619,10 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
+    why = unpaired(proto, regions, torch_vals.outputs, torch_vals.keys(), plain)
+    if why is not None:
+        theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
+        raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     # Rows that see no key are left out of every region where the spec leaves them out of
     # the outputs, or where the graph's outputs agree there: a fused attention gives the mean

@@ -31,12 +31,16 @@ class TorchValues(dict[str, np.ndarray]):
 
     outputs: dict[str, str]
     sources: dict[str, tuple[str, str, str]]
+    #: Whether a build recorded them: its ``sources`` were read where torch was installed,
+    #: which tells torch's frames apart from the module's (``exporter.stack.innermost_line``).
+    recorded: bool = False
 
     @classmethod
     def from_recorded(cls, rec: Intermediates) -> TorchValues:
         """The values ``build --record-intermediates`` kept (``localize --golden``)."""
         values = cls(rec.values)
         values.outputs, values.sources = dict(rec.outputs), dict(rec.sources)
+        values.recorded = True
         return values
 
 

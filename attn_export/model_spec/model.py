@@ -21,7 +21,7 @@ import numpy as np
 from attn_export.errors import SpecError
 from attn_export.model_spec.masks import PATTERNS, MaskSpec
 from attn_export.model_spec.tolerance import Tolerance
-from attn_export.model_spec.variants import variant_chain
+from attn_export.model_spec.variants import VariantInfo, variant_chain
 
 __all__ = [
     "DTYPES",
@@ -211,9 +211,13 @@ class ModelSpec:
         if variant in self.variant_tolerances:
             return self.variant_tolerances[variant]
         chain = variant_chain(variant)
-        if chain.composed:
-            return functools.reduce(Tolerance.then, (self.tolerance_for(output, link.name) for link in chain.links))
-        info = chain.links[0]
+        return functools.reduce(Tolerance.then, (self._link_tolerance(output, link) for link in chain.links))
+
+    def _link_tolerance(self, output: str, info: VariantInfo) -> Tolerance:
+        """One link's tolerance: the spec's for that name, else the table's, else the output's
+        (a link that cannot be made alone, ``gqa-rotary``, is read as a link, not a variant)."""
+        if info.name in self.variant_tolerances:
+            return self.variant_tolerances[info.name]
         if not info.chooser and info.tolerance is not None:
             return dataclasses.replace(info.tolerance, allow_nan=self.tolerance.allow_nan)
         return self.output_tolerances.get(output, self.tolerance)

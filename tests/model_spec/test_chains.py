@@ -203,3 +203,12 @@ def test_a_new_variant_joins_chains_with_no_other_code(monkeypatch: pytest.Monke
     BuildOptions(tmp_path, variants=("static-cache+int8",)).check()
     result = CliRunner().invoke(cli, ["build", "--out", str(tmp_path / "out"), "--variant", "int8+static-cache"])
     assert result.exit_code == 2 and "Error: chain int8+static-cache: static-cache cannot follow int8" in result.output
+
+
+def test_a_chain_with_a_link_that_cannot_be_made_alone_has_its_links_tolerances() -> None:
+    """gqa-rotary is a link only (``variant_chain("gqa-rotary")`` refuses it): a chain of it is
+    judged by its links' tolerances all the same, int4's here."""
+    spec = load_spec(TINY_ZOO / "llama_causal_lm.toml")
+    own, int4 = spec.tolerance_for("logits", "static-cache"), spec.tolerance_for("logits", "int4")
+    with_rotary = spec.tolerance_for("logits", "static-cache+gqa-rotary+int4")
+    assert with_rotary == own.then(own).then(int4) and with_rotary.weight_bits == 4

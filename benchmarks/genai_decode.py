@@ -7,9 +7,12 @@ For 1 and 2 layers of a random Llama (hidden 512, 8 heads, vocabulary 256, seede
 local checkpoint, builds in a temporary folder:
 
 * genai's graphs: its model builder (``onnxruntime_genai.models.builder``) at fp32 and int4, CPU;
-* ours: ``attn-export build --target genai`` of ``CausalLMWithCache`` with the checkpoint's
-  weights, fp32 and int4 (``--variant int4``), each with a growing cache and written in place
-  (``static-cache``, ``static-cache+int4``: genai binds past and present to one buffer),
+* ours: ``attn-export build --target genai`` of ``CausalLMWithCache(positions="mask")`` with
+  the checkpoint's weights (the spec genai's own graphs are judged by: positions counted from
+  a mask that pads nothing), fp32 and int4, each written in place (``static-cache``,
+  ``static-cache+int4``: genai binds past and present to one buffer) and in genai's graph
+  shape (``static-cache+gqa-rotary``, ``static-cache+gqa-rotary+int4``: rotary inside
+  GroupQueryAttention, packed projections, no mask bias),
 
 then, at 1 thread (intra- and inter-op, written into each folder's ``genai_config.json``), batch
 1, times greedy decoding in genai's generator after a prompt of 128, 512 and 2048 tokens: the
@@ -31,12 +34,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 PASTS = (128, 512, 2048)
 HIDDEN, HEADS, VOCAB = 512, 8, 256
 PRECISIONS = ("fp32", "int4")
-#: Our graphs by column: each precision with a growing cache, then written in place.
-VARIANTS = {"fp32": "fp32", "int4": "int4", "fp32 in place": "static-cache", "int4 in place": "static-cache+int4"}
+#: Our graphs by column: each precision written in place, then in genai's graph shape.
+VARIANTS = {
+    "fp32 in place": "static-cache",
+    "int4 in place": "static-cache+int4",
+    "fp32 genai shape": "static-cache+gqa-rotary",
+    "int4 genai shape": "static-cache+gqa-rotary+int4",
+}
 
 
 def _checkpoint(folder: Path, layers: int) -> None:
@@ -70,8 +79,7 @@ def _genai_builder(checkpoint: Path, out: Path, precision: str) -> Path:
 
 
 def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
-    """``attn-export build --target genai`` of the checkpoint's weights, fp32 and int4, each
-    with a growing cache and in place."""
+    """``attn-export build --target genai`` of the checkpoint's weights, each of ``VARIANTS``."""
     import torch
     from safetensors.torch import load_file
 
@@ -92,7 +100,7 @@ def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
     models = work / "models"
     models.mkdir()
     (models / "llama.toml").write_text(
-        'module = "attn_export.zoo.hf_cache:CausalLMWithCache"\n'
+        'module = "attn_export.zoo.hf_cache:CausalLMWithCache"\nkwargs = { positions = "mask" }\n'
         f'config = {{ class = "transformers:LlamaConfig", hidden_size = {HIDDEN}, num_hidden_layers = {layers}, '
         f"num_attention_heads = {HEADS}, num_key_value_heads = {HEADS}, intermediate_size = {4 * HIDDEN}, "
         f"vocab_size = {VOCAB}, max_position_embeddings = 4096, bos_token_id = 1, eos_token_id = 2, "
@@ -100,8 +108,7 @@ def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
         f'[weights]\npath = "{weights}"\n'
         '[[inputs]]\nname = "input_ids"\ndtype = "int64"\nshape = [1, "seq"]\n'
         '[[inputs]]\nname = "attention_mask"\ndtype = "int64"\nshape = [1, "total_seq"]\n'
-        'mask = "left-padding"\nconvention = "binary"\n'
-        '[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = [1, "seq"]\n'
+        'mask = "full"\nconvention = "binary"\n'
         f'{pasts}[[outputs]]\nname = "logits"\nshape = [1, "seq", {VOCAB}]\n{presents}'
         "[dims]\nseq = { min = 1, max = 2048 }\npast_seq = { min = 0, max = 2112 }\n"
         'total_seq = "past_seq + seq"\n[cache]\nmax_seq = 4160\n'
@@ -112,7 +119,7 @@ def _ours(checkpoint: Path, work: Path, layers: int) -> dict[str, Path]:
          *(a for v in VARIANTS.values() for a in ("--variant", v))],
         check=True, capture_output=True,
     )  # fmt: skip
-    return {name: out / "genai" / ("llama" if v == "fp32" else f"llama.{v}") for name, v in VARIANTS.items()}
+    return {name: out / "genai" / f"llama.{v}" for name, v in VARIANTS.items()}
 
 
 def _one_thread(folder: Path) -> None:
@@ -152,9 +159,12 @@ def main() -> None:
     import onnxruntime_genai as og
 
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, 1 thread, batch 1, ms per new token in genai's generator")
-    columns = [c for p in PRECISIONS for c in (f"genai {p}", f"ours {p}", "ratio", f"ours {p} in place", "ratio")]
+    columns = [
+        c for p in PRECISIONS for c in (f"genai {p}", f"ours {p} in place", "ratio", f"ours {p} genai shape", "ratio")
+    ]
     print(f"| layers | past | {' | '.join(columns)} | same tokens as genai's |")
     print("|---" * (len(columns) + 3) + "|")
+    counts: dict[int, dict[str, int]] = {}
     for layers in (1, 2):
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
@@ -165,6 +175,10 @@ def main() -> None:
             }
             for folder in folders.values():
                 _one_thread(folder)
+            counts[layers] = {
+                name: len(onnx.load(str(f / "model.onnx"), load_external_data=False).graph.node)
+                for name, f in folders.items()
+            }
             loaded = {name: og.Model(str(folder)) for name, folder in folders.items()}
             rng = np.random.default_rng(0)
             for past in PASTS:
@@ -178,11 +192,13 @@ def main() -> None:
                 cells = []
                 for p in PRECISIONS:
                     cells.append(f"{statistics.median(times[f'genai {p}']):.3f}")
-                    for ours in (f"ours {p}", f"ours {p} in place"):
+                    for ours in (f"ours {p} in place", f"ours {p} genai shape"):
                         ratios = [o / g for o, g in zip(times[ours], times[f"genai {p}"], strict=True)]
                         cells += [f"{statistics.median(times[ours]):.3f}", _spread(ratios)]
                 same = [k for k in VARIANTS if tokens[f"ours {k}"] == tokens[f"genai {k[:4]}"]]
                 print(f"| {layers} | {past} | {' | '.join(cells)} | {', '.join(same) or 'none'} |", flush=True)
+    for layers, nodes in counts.items():
+        print(f"# nodes at {layers} layer(s): " + ", ".join(f"{name} {n}" for name, n in nodes.items()))
 
 
 if __name__ == "__main__":

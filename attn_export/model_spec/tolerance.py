@@ -109,8 +109,10 @@ class Rounding:
     unsimulated: str = ""
 
     def widest(self, other: Rounding) -> Rounding:
-        """The larger of the two on each measure."""
-        return Rounding(max(self.rms, other.rms), max(self.max, other.max))
+        """The larger of the two on each measure; unsimulated (the first one's reason) only
+        where neither ran: a decode step's failure keeps saying why."""
+        reason = self.unsimulated if self.unsimulated and other.unsimulated else ""
+        return Rounding(max(self.rms, other.rms), max(self.max, other.max), reason)
 
     @classmethod
     def between(cls, exact: np.ndarray, rounded: np.ndarray) -> Rounding:

@@ -154,6 +154,32 @@ def test_no_rounding_room_passes_an_overflowed_graph() -> None:
     assert not c.passed and c.unexpected_nonfinite == 1
 
 
+def test_a_rounding_that_moves_an_element_past_the_outputs_largest_still_gives_its_room() -> None:
+    """int4's rounding of large cached values moved a two-layer Llama's logit by 0.634 where
+    the largest logit was 0.54; a graph rounding as the simulation does (to 2e-7) is right.
+    The room stops at twice the largest element, so a graph off by more still fails."""
+    from attn_export.model_spec.variants import INT4_TOLERANCE
+
+    rng = np.random.default_rng(0)
+    expected = rng.uniform(-0.5, 0.5, 4096).astype(np.float32)
+    expected[7] = 0.54
+    drift = rng.normal(0, 0.05, 4096).astype(np.float32)
+    drift[11] = 0.634
+    rounding = Rounding.between(expected, expected + drift)
+    right = judge_value("logits", expected, expected + drift, INT4_TOLERANCE, rounding=rounding)
+    assert right.passed, right.reason()
+    wrong = drift.copy()
+    wrong[11] = 1.2  # more than twice the largest element
+    assert not judge_value("logits", expected, expected + wrong, INT4_TOLERANCE, rounding=rounding).passed
+
+
+def test_a_decode_steps_widest_rounding_keeps_why_none_ran() -> None:
+    """A trajectory's rounding is the widest of its steps': where none ran, the reason stays."""
+    why = "int4's simulation could not run (RuntimeError: x)"
+    assert Rounding(unsimulated=why).widest(Rounding(unsimulated="other")).unsimulated == why
+    assert Rounding(unsimulated=why).widest(Rounding(0.1, 0.2)).unsimulated == ""
+
+
 def test_round_trips_through_dict() -> None:
     c = compare_output("o", np.ones(4, np.float32), np.array([1, 2, 1, 1], np.float32), TOL)
     assert OutputComparison.from_dict(c.to_dict()) == c

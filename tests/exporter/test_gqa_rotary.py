@@ -134,3 +134,21 @@ def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line
     assert len(failure) == 1 and says in failure[0], result.output
     assert "traceback" not in result.output.lower()
     assert not (out / f"{NAME}.onnx").exists()
+
+
+@pytest.mark.slow  # an export of the plain graph for the map and a localize: about 15 s
+def test_a_key_column_fault_in_the_packed_projection_is_localized_at_k_proj(built: Built, tmp_path: Path) -> None:
+    """The packed MatMul keeps its record: localize takes it apart and headlines the key's
+    projection, at a case the spec's extend_batch lets the graph run (batch 1 on a filled cache)."""
+    proto = onnx.load(str(built.out / f"{NAME}.onnx"))
+    weight = next(t for t in proto.graph.initializer if t.name.endswith("qkv_weight"))
+    packed = numpy_helper.to_array(weight).copy()
+    packed[:, 32:48] *= 1.25  # the key's columns (after the query's 2 heads of 16)
+    weight.CopyFrom(numpy_helper.from_array(packed, weight.name))
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    spec = built.models / "llama_causal_lm.toml"
+    result = CliRunner().invoke(cli, ["localize", str(edited), "--spec", str(spec), "--variant", VARIANT])
+    assert result.exit_code == 1, result.output
+    headline = next(line for line in result.output.splitlines() if line.startswith("DIVERGES"))
+    assert "self_attn.k_proj" in headline and "batch=1" in result.output, result.output

@@ -39,7 +39,7 @@ from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain
-from attn_export.model_spec.cache import cache_of
+from attn_export.model_spec.cache import cache_of, fed_sizes
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import CASES, PATTERN
 from attn_export.model_spec.memory import check_memory, memory_budget
@@ -99,8 +99,10 @@ def _keep_program(spec: ModelSpec, opset: int, program: Any) -> None:
 
 
 def _check_case(spec: ModelSpec, options: LocalizeOptions) -> dict[str, int]:
+    """The case's sizes: the user's, else verify's distinct case as the graph is fed it
+    (``fed_sizes``: a cache's ``extend_batch``)."""
     check_mask_case(spec, options.mask_case, spec.name)
-    sizes = dict(options.sizes) if options.sizes else example_sizes(spec)
+    sizes = dict(options.sizes) if options.sizes else fed_sizes(spec, example_sizes(spec))
     validate_sizes(spec, sizes)
     return spec.with_sums(sizes)
 

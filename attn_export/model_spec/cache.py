@@ -230,7 +230,8 @@ def counted_positions(spec: ModelSpec) -> int:
     """How many positions a graph that counts them itself (``gqa-rotary``: each row's
     filled length plus each token's index) reaches, SpecError where the spec's positions
     are not that count: a ``position_ids`` input the graph would ignore, or a mask that
-    pads on the left (its rows count from their first real token)."""
+    pads on the left (its rows count from their first real token); or where the config's
+    sliding window is shorter than those positions (the graph keeps no mask but lengths)."""
     cache = cache_of(spec)
     if cache is None:
         raise SpecError(f"{spec.name}: positions counted from a cache's length need a KV cache (past_key_values.*)")
@@ -245,4 +246,13 @@ def counted_positions(spec: ModelSpec) -> int:
             "onnxruntime-genai's graphs do, where a left-padded row counts from its first real token: "
             f'declare mask = "{FULL}" on it (onnxruntime-genai pads on the right, which the graph reads)'
         )
-    return cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
+    reached = cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
+    config = spec.config or {}
+    window = config.get("sliding_window")
+    if isinstance(window, int) and config.get("use_sliding_window", True) is not False and window < reached:
+        raise SpecError(
+            f"{spec.name}: the graph reads the mask for each row's length alone, and the config's "
+            f"sliding_window = {window} is shorter than the {reached} positions it reaches: it would attend "
+            "past the window; build it without gqa-rotary"
+        )
+    return reached

@@ -119,8 +119,14 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
             "would ignore 'position_ids'",
         ),
         (lambda t: t.replace('mask = "full"', 'mask = "left-padding"'), 'declare mask = "full"'),
+        (
+            lambda t: t.replace("transformers:LlamaConfig", "transformers:MistralConfig").replace(
+                'attn_implementation = "sdpa"', 'attn_implementation = "sdpa", sliding_window = 16'
+            ),
+            "sliding_window = 16 is shorter than the 40 positions",
+        ),
     ],
-    ids=["position_ids", "padding"],
+    ids=["position_ids", "padding", "window"],
 )
 def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
     tmp_path: Path, edit: object, says: str

@@ -182,10 +182,11 @@ def bench(
     from attn_export.pipelines.bench.results import BenchOptions, RunnerOptions
     from attn_export.pipelines.bench.run import bench_models
     from attn_export.report import bench_text
-    from attn_export.report.output_plan import OutputPlan
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     plan = OutputPlan.make(
         format_targets(BENCH_FORMATS, "bench_", reports),
+        graphs=folder_graphs(out_dir),
         read_builds=[out_dir],
         made=out_dir,
         formats=BENCH_FORMATS,

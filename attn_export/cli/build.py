@@ -98,7 +98,7 @@ def build(
     from attn_export.model_spec import spec_paths
     from attn_export.pipelines.building import BuildOptions, build_models
     from attn_export.report.build_text import format_build_line, format_build_summary
-    from attn_export.report.output_plan import OutputPlan
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     options = BuildOptions(
         out_dir=out_dir,
@@ -113,7 +113,7 @@ def build(
         record_intermediates=record_intermediates,
         target=target,
     )
-    plan = OutputPlan.make({"json": json_path}, build=out_dir, made=out_dir)
+    plan = OutputPlan.make({"json": json_path}, graphs=folder_graphs(out_dir), build=out_dir, made=out_dir)
     on_result = None if plan.to_stdout else (lambda r: click.echo(format_build_line(r)))
     with flag_names(lock_wait_s="--wait"):
         parallelism = Parallelism(executor, jobs)

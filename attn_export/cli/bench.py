@@ -12,22 +12,19 @@ import click
 
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
-    STDOUT,
     FiniteFloat,
     JsonTarget,
     bench_report_options,
     executor_options,
     flag_names,
-    format_paths,
+    format_targets,
     given,
     max_memory_option,
     models_option,
     out_option,
     provider_option,
-    text_echo,
     threads_option,
     variant_option,
-    write_json,
 )
 from attn_export.model_spec.scenarios import SCENARIOS
 from attn_export.report import BENCH_FORMATS
@@ -37,6 +34,7 @@ from attn_export.runtimes.target import DEFAULT_RUNTIME
 if TYPE_CHECKING:
     from attn_export.pipelines.bench.results import RunnerOptions
     from attn_export.report.bench_text import Widths
+    from attn_export.report.output_plan import OutputPlan
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -183,10 +181,16 @@ def bench(
     from attn_export.model_spec import spec_paths
     from attn_export.pipelines.bench.results import BenchOptions, RunnerOptions
     from attn_export.pipelines.bench.run import bench_models
-    from attn_export.report import bench_text, check_bench_formats
+    from attn_export.report import bench_text
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
-    to_stdout, files = format_paths(BENCH_FORMATS, "bench_", reports)
-    check_bench_formats(files, out_dir)
+    plan = OutputPlan.make(
+        format_targets(BENCH_FORMATS, "bench_", reports),
+        graphs=folder_graphs(out_dir),
+        read_builds=[out_dir],
+        made=out_dir,
+        formats=BENCH_FORMATS,
+    )
     with flag_names():
         parallelism = Parallelism(executor, jobs)
         # What bench and bench --decode take alike.
@@ -225,8 +229,7 @@ def bench(
                     partial(bench_text.format_decode_row, w=w),
                     bench_text.format_decode_summary,
                 ),
-                files,
-                to_stdout,
+                plan,
             )
             return
         if pasts is not None:
@@ -237,8 +240,7 @@ def bench(
         _run_bench(
             lambda on_row: bench_models(paths, out_dir, options, on_row, parallelism),
             (bench_text.bench_header(w), partial(bench_text.format_bench_row, w=w), bench_text.format_bench_summary),
-            files,
-            to_stdout,
+            plan,
         )
 
 
@@ -253,25 +255,22 @@ def _widths(default: Widths, paths: list[Path], options: RunnerOptions) -> Width
 def _run_bench(
     run: Callable[[Callable[[Any], None]], tuple[Any, Any]],
     text: tuple[str, Callable[[Any], str], Callable[[Any], str]],
-    files: dict[str, Path | None],
-    to_stdout: bool,
+    plan: OutputPlan,
 ) -> None:
     """Build what is missing and time (``run``), print rows as they come and the summary
     (``text``: header, row, summary), write the report files asked for (``BENCH_FORMATS``)
     and, for ``--json -``, the JSON on stdout instead of the text."""
-    from attn_export.report import write_bench_reports
     from attn_export.report.build_text import format_build_line
     from attn_export.report.json_report import dump_bench_json
 
     header, format_row, format_summary = text
-    echo = text_echo(to_stdout)
     printed: list[bool] = []
 
     def on_row(row: Any) -> None:
         if not printed:
             printed.append(True)
-            echo(header)
-        echo(format_row(row))
+            plan.echo(header)
+        plan.echo(format_row(row))
 
     built, report = run(on_row)
     if report is None:
@@ -279,7 +278,5 @@ def _run_bench(
             if not r.ok:
                 click.echo(format_build_line(r), err=True)
         sys.exit(built.exit_code)
-    echo(format_summary(report))
-    write_bench_reports(report, files)
-    if to_stdout:
-        write_json(STDOUT, dump_bench_json(report))
+    plan.echo(format_summary(report))
+    plan.write(lambda name, path: BENCH_FORMATS[name].write(report, path), json=lambda: dump_bench_json(report))

@@ -11,11 +11,9 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.artifacts.targets import TARGETS as BUILD_TARGETS
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
-    STDOUT,
     JsonTarget,
     executor_options,
     flag_names,
-    json_file,
     json_option,
     max_memory_option,
     models_option,
@@ -24,7 +22,6 @@ from attn_export.cli.options import (
     provider_option,
     variant_option,
     wait_option,
-    write_json,
 )
 from attn_export.model_spec import EXPORTERS
 
@@ -97,13 +94,11 @@ def build(
         attn-export build --jobs auto
         attn-export build llama_causal_lm --target genai
     """
-    from attn_export.artifacts.files import LOCK_NAME
-    from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
     from attn_export.model_spec import spec_paths
     from attn_export.pipelines.building import BuildOptions, build_models
-    from attn_export.report import check_report_paths, check_reports_spare
     from attn_export.report.build_text import format_build_line, format_build_summary
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     options = BuildOptions(
         out_dir=out_dir,
@@ -118,17 +113,13 @@ def build(
         record_intermediates=record_intermediates,
         target=target,
     )
-    json_out = {"json": json_file(json_path)}
-    check_report_paths(json_out, out_dir, summary=False)
-    check_reports_spare(json_out, out_dir, [MANIFEST_NAME, LOCK_NAME])
-    to_stdout = json_path == STDOUT
-    on_result = None if to_stdout else (lambda r: click.echo(format_build_line(r)))
+    plan = OutputPlan.make({"json": json_path}, graphs=folder_graphs(out_dir), build=out_dir, made=out_dir)
+    on_result = None if plan.to_stdout else (lambda r: click.echo(format_build_line(r)))
     with flag_names(lock_wait_s="--wait"):
         parallelism = Parallelism(executor, jobs)
         summary = build_models(spec_paths(models_dir, names), options, on_result, notice, parallelism)
-    if json_path is not None:
-        write_json(json_path, json_text(summary.to_dict()))
-    if to_stdout:  # the errors the progress lines would have shown
+    plan.write_texts({"json": lambda: json_text(summary.to_dict())})
+    if plan.to_stdout:  # the errors the progress lines would have shown
         for r in summary.results:
             if r.error:
                 click.echo(f"Error: {r.error}", err=True)

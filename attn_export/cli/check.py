@@ -9,7 +9,7 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import STDOUT, JsonTarget, PathArg, flag_names, json_file, json_option, write_json
+from attn_export.cli.options import JsonTarget, PathArg, flag_names, json_option
 
 
 @cli.command("check")
@@ -54,18 +54,19 @@ def check_cmd(
     """
     from attn_export.exporter.graph_checks import DEFAULT_DOMAINS
     from attn_export.pipelines.check import CheckOptions, check_paths
-    from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.check_text import format_check
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     graphs = [g for p in paths for g in (folder_graphs(p) if p.is_dir() else [p])]
-    reads = [*paths, *graph_data(g for g in graphs if g.suffix == ".onnx" and g.is_file())]
-    reads += [f for folder in {p if p.is_dir() else p.parent for p in paths} for f in build_files(folder)]
-    check_report_paths({"json": json_file(json_path)}, reads=reads, summary=False)
+    plan = OutputPlan.make(
+        {"json": json_path},
+        reads=paths,
+        graphs=[g for g in graphs if g.suffix == ".onnx" and g.is_file()],
+        read_builds={p if p.is_dir() else p.parent for p in paths},
+    )
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))
     with flag_names():
         report = check_paths(paths, options)
-    if json_path != STDOUT:
-        click.echo(format_check(report))
-    if json_path is not None:
-        write_json(json_path, json_text(report.to_dict()))
+    plan.echo(format_check(report))
+    plan.write_texts({"json": lambda: json_text(report.to_dict())})
     sys.exit(report.exit_code)

@@ -9,7 +9,7 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import STDOUT, JsonTarget, PathArg, json_file, json_option, provider_option, write_json
+from attn_export.cli.options import JsonTarget, PathArg, json_option, provider_option
 
 
 @cli.command("inspect")
@@ -31,14 +31,11 @@ def inspect_cmd(file: Path, provider: str, json_path: JsonTarget | None) -> None
         attn-export inspect build/mha.onnx --json
     """
     from attn_export.pipelines.inspect import inspect_file
-    from attn_export.report import check_report_paths, graph_data
     from attn_export.report.inspect_text import format_inspect
+    from attn_export.report.output_plan import OutputPlan
 
-    if (out := json_file(json_path)) is not None:  # the graph is read twice only when a file is written
-        check_report_paths({"json": out}, reads=[file, *graph_data([file])], summary=False)
+    plan = OutputPlan.make({"json": json_path}, reads=[file], graphs=[file])
     result = inspect_file(file, provider)
-    if json_path != STDOUT:
-        click.echo(format_inspect(result))
-    if json_path is not None:
-        write_json(json_path, json_text(result.to_dict()))
+    plan.echo(format_inspect(result))
+    plan.write_texts({"json": lambda: json_text(result.to_dict())})
     sys.exit(0 if result.kernels_ok else 1)

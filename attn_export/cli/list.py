@@ -8,7 +8,7 @@ import click
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
-from attn_export.cli.options import STDOUT, JsonTarget, json_file, json_option, models_option, write_json
+from attn_export.cli.options import JsonTarget, json_option, models_option
 
 
 @cli.command("list")
@@ -27,12 +27,10 @@ def list_cmd(names: tuple[str, ...], models_dir: Path, json_path: JsonTarget | N
         attn-export list mha --json
     """
     from attn_export.model_spec import load_spec, spec_paths
-    from attn_export.report import check_report_paths
     from attn_export.report.build_text import format_spec_table
+    from attn_export.report.output_plan import OutputPlan
 
-    check_report_paths({"json": json_file(json_path)}, summary=False)
+    plan = OutputPlan.make({"json": json_path})
     specs = [load_spec(p) for p in spec_paths(models_dir, names)]
-    if json_path != STDOUT:
-        click.echo(format_spec_table(specs))
-    if json_path is not None:
-        write_json(json_path, json_text([s.to_dict() for s in specs]))
+    plan.echo(format_spec_table(specs))
+    plan.write_texts({"json": lambda: json_text([s.to_dict() for s in specs])})

@@ -11,18 +11,15 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.cli.group import cli
 from attn_export.cli.options import (
     FILE,
-    STDOUT,
     JsonTarget,
     PathArg,
     checkout_models_option,
     flag_names,
-    json_file,
     json_option,
     max_memory_option,
     outside_graph_options,
     timeout_option,
     wait_option,
-    write_json,
 )
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.model_spec.distributions import DISTRIBUTIONS
@@ -191,12 +188,11 @@ def localize(
         attn-export localize edited/mha.onnx --spec models/mha.toml --shapes "batch=2,seq=5,kv_seq=7"
         attn-export localize edited/mha.onnx --spec models/mha.toml --golden --from build
     """
-    from attn_export.artifacts.files import write_output
     from attn_export.model_spec.shapes import parse_shapes
     from attn_export.pipelines.localize import LocalizeOptions, localize_model
-    from attn_export.report import build_files, check_report_paths, folder_graphs, graph_data
     from attn_export.report.localize_text import format_localize
     from attn_export.report.model_explorer import format_overlay
+    from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     points = parse_shapes(shapes) if shapes else None
     if points is not None and len(points) != 1:
@@ -230,19 +226,19 @@ def localize(
         if spec_path is None and folder.is_file():
             raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
         if spec_path is not None:
-            reads = [*build_files(folder.parent), *graph_data([folder])]
+            builds, graphs = [folder.parent], [folder]
             if golden_from is not None:  # the build whose recording the graph is paired with
-                reads += [*build_files(golden_from), *graph_data(folder_graphs(golden_from))]
+                builds, graphs = [*builds, golden_from], [*graphs, *folder_graphs(golden_from)]
         else:
-            reads = [*build_files(folder), *graph_data(folder_graphs(folder, None if model is None else [model]))]
-        if bundle is not None:  # written in the same run
-            reads += [bundle / "bundle.json", bundle / "reproduce.sh"]
-        check_report_paths({"json": json_file(json_path), "overlay": overlay_path}, bundle, reads=reads, summary=False)
+            builds, graphs = [folder], folder_graphs(folder, None if model is None else [model])
+        plan = OutputPlan.make(
+            {"json": json_path, "overlay": overlay_path},
+            reads=[bundle / "bundle.json", bundle / "reproduce.sh"] if bundle is not None else [],  # the same run's
+            graphs=graphs,
+            read_builds=builds,
+            made=bundle,
+        )
         report = localize_model(folder, model, options)
-    if json_path != STDOUT:
-        click.echo(format_localize(report))
-    if json_path is not None:
-        write_json(json_path, json_text(report.to_dict()))
-    if overlay_path is not None:
-        write_output(overlay_path, format_overlay(report).encode())
+    plan.echo(format_localize(report))
+    plan.write_texts({"json": lambda: json_text(report.to_dict()), "overlay": lambda: format_overlay(report)})
     sys.exit(0 if report.passed(strict_regions) else 1)

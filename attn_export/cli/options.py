@@ -7,19 +7,17 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import click
 
-from attn_export.artifacts.files import LOCK_WAIT_S, write_output
+from attn_export.artifacts.files import LOCK_WAIT_S
 from attn_export.errors import AttnExportError, OptionError, UsageError
 from attn_export.model_spec import VARIANTS, variant_chain
 from attn_export.report import BENCH_FORMATS, FORMATS
+from attn_export.report.output_plan import STDOUT, JsonTarget
 from attn_export.runtimes import PROVIDERS
 from attn_export.runtimes.ort import MAX_TIMEOUT_S, RUN_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from attn_export.pipelines.verify import VerifyReport
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -51,12 +49,6 @@ class PathArg(click.Path):
 
 
 FILE = PathArg(dir_okay=False)
-
-#: ``--json -``: the JSON goes to stdout, in place of the text the command prints there.
-STDOUT: Literal["-"] = "-"
-
-#: Where ``--json`` writes: a file, or ``STDOUT``.
-JsonTarget = Path | Literal["-"]
 
 
 class _JsonFile(PathArg):
@@ -90,34 +82,6 @@ def json_option(help: str, bare: bool = False) -> Decorator:  # noqa: A002
     flag: dict[str, Any] = {"is_flag": False, "flag_value": STDOUT} if bare else {}
     metavar = "[FILE]" if bare else "FILE"
     return click.option("--json", "json_path", type=_JsonFile(bare), metavar=metavar, help=help, **flag)
-
-
-def write_json(target: JsonTarget, text: str) -> None:
-    """JSON ``text`` (from ``json_text`` or a report renderer) to its ``--json`` target."""
-    if target == STDOUT:
-        click.echo(text, nl=False)
-    else:
-        write_output(Path(target), text.encode())
-
-
-def text_echo(json_to_stdout: bool) -> Callable[[str], None]:
-    """``click.echo`` for a command's text, or nothing where ``--json -`` holds stdout."""
-    return (lambda _text: None) if json_to_stdout else click.echo
-
-
-def write_verify_reports(report: VerifyReport, to_stdout: bool, paths: dict[str, Path | None]) -> None:
-    """A verify report's files (``report.write_reports``), and its JSON on stdout for ``--json -``."""
-    from attn_export.report import write_reports
-    from attn_export.report.json_report import dump_json_report
-
-    write_reports(report, paths)
-    if to_stdout:
-        write_json(STDOUT, dump_json_report(report))
-
-
-def json_file(target: JsonTarget | None) -> Path | None:
-    """The file ``--json`` writes, for the output-path guards: none for stdout."""
-    return None if target == STDOUT else target
 
 
 #: --max-slowdown's values; the GitHub Action checks its input with it before building.
@@ -200,13 +164,11 @@ def _format_options(formats: dict[str, Any], prefix: str) -> Decorator:
     return decorate
 
 
-def format_paths(
+def format_targets(
     formats: dict[str, Any], prefix: str, given: dict[str, JsonTarget | None]
-) -> tuple[bool, dict[str, Path | None]]:
-    """From a command's keywords: whether ``--json -`` sends the JSON to stdout, and format
-    name -> the file its option was given (None where not, or stdout)."""
-    paths = {name: given[_format_dest(prefix, name)] for name in formats}
-    return paths.get("json") == STDOUT, {name: json_file(path) for name, path in paths.items()}
+) -> dict[str, JsonTarget | None]:
+    """From a command's keywords: format name -> what its option was given (``OutputPlan.make``'s ``given``)."""
+    return {name: given[_format_dest(prefix, name)] for name in formats}
 
 
 report_options = _format_options(FORMATS, "report_")

@@ -8,14 +8,7 @@ from pathlib import Path
 import click
 
 from attn_export.cli.group import cli
-from attn_export.cli.options import (
-    FILE,
-    JsonTarget,
-    format_paths,
-    report_options,
-    text_echo,
-    write_verify_reports,
-)
+from attn_export.cli.options import FILE, JsonTarget, format_targets, report_options
 from attn_export.report import FORMATS
 
 
@@ -40,16 +33,15 @@ def report_merge(files: tuple[Path, ...], **reports: JsonTarget | None) -> None:
         attn-export report merge shard-*.json --junit junit.xml --markdown verify.md --json verify.json
     """
     from attn_export.pipelines.verify.merge import merge_shards
-    from attn_export.report import check_report_paths
+    from attn_export.report import write_reports
     from attn_export.report.json_report import read_json_report
+    from attn_export.report.output_plan import OutputPlan
     from attn_export.report.verify_text import format_failures, format_summary
 
-    to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
-    check_report_paths(report_paths, reads=files, into_builds=False)
-    echo = text_echo(to_stdout)
+    plan = OutputPlan.make(format_targets(FORMATS, "report_", reports), reads=files, summary=True, into_builds=False)
     report = merge_shards([(str(f), read_json_report(f)) for f in files])
     for text in (format_failures(report), format_summary(report)):
         if text:
-            echo(text)
-    write_verify_reports(report, to_stdout, report_paths)
+            plan.echo(text)
+    write_reports(report, plan)
     sys.exit(report.exit_code)

@@ -18,17 +18,15 @@ from attn_export.cli.options import (
     checkout_models_option,
     executor_options,
     flag_names,
-    format_paths,
+    format_targets,
     given,
     max_memory_option,
     notice,
     outside_graph_options,
     report_options,
-    text_echo,
     threads_option,
     timeout_option,
     wait_option,
-    write_verify_reports,
 )
 from attn_export.errors import AttnExportError
 from attn_export.model_spec.distributions import DISTRIBUTIONS
@@ -251,9 +249,7 @@ def verify(
         attn-export verify build/llama_causal_lm.onnx --generate 16
         attn-export verify build/bert_attention.int8.onnx --strict-regions
     """
-    from attn_export.artifacts.files import LOCK_NAME
     from attn_export.artifacts.folder import tidy
-    from attn_export.artifacts.manifest import MANIFEST_NAME
     from attn_export.executors import Parallelism
     from attn_export.model_spec.shapes import parse_shapes
     from attn_export.pipelines.verify import (
@@ -266,7 +262,8 @@ def verify(
         shard_names,
         verify_artifacts,
     )
-    from attn_export.report import build_files, check_report_paths, check_reports_spare, graph_data
+    from attn_export.report import write_reports
+    from attn_export.report.output_plan import OutputPlan
     from attn_export.report.verify_text import (
         VERIFY_WIDTHS,
         format_decode,
@@ -315,15 +312,15 @@ def verify(
             region_timeout_s=timeout_s,
         )
         options.check()  # before the folder is read
-        to_stdout, report_paths = format_paths(FORMATS, "report_", reports)
-        echo = text_echo(to_stdout)
-        check_report_paths(report_paths)  # before the folder is read; again below, with what it reads
         parallelism = Parallelism(executor, jobs)
         out_dir, manifest, names = select_models(list(paths) or [Path("build")], spec_path, variant)
-        folder_files = [f for e in manifest.models.values() for f, _ in e.files()]
-        check_reports_spare(report_paths, out_dir, [MANIFEST_NAME, LOCK_NAME, *folder_files])
-        graphs = [out_dir / manifest.models[n].file for n in names]
-        check_report_paths(report_paths, reads=[*build_files(out_dir), *graph_data(graphs)])  # the summary too
+        plan = OutputPlan.make(
+            format_targets(FORMATS, "report_", reports),
+            graphs=[out_dir / manifest.models[n].file for n in names],
+            build=out_dir,
+            build_files=[f for e in manifest.models.values() for f, _ in e.files()],
+            summary=True,
+        )
         whole = not golden and spec_path is None and all(p.is_dir() for p in paths)
         if scenario:
             names = decoder_names(manifest, names, scenario, notice)
@@ -332,7 +329,7 @@ def verify(
         if tidied:
             notice(tidied)
         if not names and not shard:
-            click.echo("no model to verify", err=to_stdout)  # no report: stdout holds no JSON
+            click.echo("no model to verify", err=plan.to_stdout)  # no report: stdout holds no JSON
             return
         printed: dict[str, int] = {}  # each model's notes printed with its rows
         w = VERIFY_WIDTHS.fitting(
@@ -341,32 +338,32 @@ def verify(
 
         def on_model(name: str, cases: list[CaseResult], check: ModelCheck) -> None:
             if not printed:  # the header only once a model has rows: an error stays one line
-                echo(header(w))
+                plan.echo(header(w))
             printed[name] = len(check.notes)
-            echo(format_model_rows(name, cases, check, w))
+            plan.echo(format_model_rows(name, cases, check, w))
 
         report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
         if shard:
             report.shard = Shard.of(selected, shard)
             if not names:  # its reports still say which shard it was, for report merge
-                echo(f"shard {shard[0]}/{shard[1]} holds no model")
-                write_verify_reports(report, to_stdout, report_paths)
+                plan.echo(f"shard {shard[0]}/{shard[1]} holds no model")
+                write_reports(report, plan)
                 return
         for check in report.checks:  # what the region check noted once the rows were out
             for note in check.notes[printed.get(check.model, 0) :]:
-                echo(f"note: {note}")
+                plan.echo(f"note: {note}")
         sections = (format_decode, format_generate, format_distributions, format_placement, format_failures)
         for text in (section(report) for section in sections):
             if text:
-                echo(text)
+                plan.echo(text)
         if localize_first:
             from attn_export.pipelines.localize import localize_failures
             from attn_export.report.localize_text import format_localize
 
             for found in localize_failures(report, options, notice):
-                echo(format_localize(found))
-        echo(format_summary(report))
+                plan.echo(format_localize(found))
+        plan.echo(format_summary(report))
         if whole:
             _unbuilt_notice(models_dir, manifest, out_dir)
-        write_verify_reports(report, to_stdout, report_paths)
+        write_reports(report, plan)
         sys.exit(report.exit_code)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from attn_export.errors import ArtifactError
 
-__all__ = ["json_field", "json_object", "mistyped"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["json_field", "json_object", "json_record", "mistyped"]
 
 #: What a JSON value is called in a message.
 _JSON_KINDS = {
@@ -27,6 +30,8 @@ _JSON_KINDS = {
 }
 
 _ABSENT: Any = object()
+
+_Record = TypeVar("_Record", bound="DataclassInstance")
 
 
 def _kind(value: Any) -> str:
@@ -96,3 +101,25 @@ def json_field(doc: Mapping[str, Any], key: str, hint: Any, where: str = "", def
     if problem is not None:
         raise ArtifactError(problem)
     return doc[key]
+
+
+def json_record(cls: type[_Record], value: Any, where: str, derived: Collection[str] = ()) -> _Record:
+    """The dataclass ``cls`` from the JSON object ``value``, field by field: each field of
+    the type its annotation gives (its default where the key is absent), the keys in
+    ``derived`` (what ``to_dict`` adds: ``passed``) skipped; ArtifactError naming the first
+    field (``where.key``) missing, mistyped or unknown. For records of plain fields (numbers,
+    strings, lists and objects of them): one that holds another record reads it by hand."""
+    doc = json_object(value, where)
+    fields = dataclasses.fields(cls)
+    unknown = next((k for k in doc if k not in {f.name for f in fields} and k not in derived), None)
+    if unknown is not None:
+        raise ArtifactError(f"{where}.{unknown}: unknown field" if where else f"{unknown}: unknown field")
+    hints = typing.get_type_hints(cls)
+    read = {f.name: json_field(doc, f.name, hints[f.name], where, _default(f)) for f in fields}
+    return cls(**read)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return _ABSENT if f.default_factory is dataclasses.MISSING else f.default_factory()

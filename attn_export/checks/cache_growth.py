@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from attn_export.artifacts.json_fields import json_record
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.cache import CacheSpec
 from attn_export.model_spec.model import concrete_shape
@@ -100,8 +101,10 @@ class CacheGrowth:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CacheGrowth:
-        return cls(**d)
+    def from_dict(cls, d: Any, where: str = "growth") -> CacheGrowth:
+        """What ``to_dict`` wrote; ArtifactError naming the first field missing, unknown or
+        not of its type (a decode step is read from a report from anywhere)."""
+        return json_record(cls, d, where)
 
 
 def expected_present(spec: ModelSpec, cache: CacheSpec, sizes: Mapping[str, int], past: str) -> list[int]:
@@ -160,8 +163,10 @@ class CacheCarry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CacheCarry:
-        return cls(**d)
+    def from_dict(cls, d: Any, where: str = "carry") -> CacheCarry:
+        """What ``to_dict`` wrote; ArtifactError naming the first field missing, unknown or
+        not of its type (a decode step is read from a report from anywhere)."""
+        return json_record(cls, d, where)
 
 
 def _carried(cache: CacheSpec, sizes: Mapping[str, int], past: np.ndarray, present: np.ndarray) -> np.ndarray | None:

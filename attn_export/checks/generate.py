@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from attn_export.artifacts.genai_folder import LOGITS, logits_vocab
+from attn_export.artifacts.json_fields import json_record
 from attn_export.errors import SpecError, UsageError
 from attn_export.model_spec import ModelSpec, Tolerance
 from attn_export.model_spec.cache import MASK, POSITIONS, cache_of
@@ -69,8 +70,10 @@ class GenerateResult:
         return asdict(self) | {"passed": self.passed}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerateResult:
-        return cls(**{k: v for k, v in d.items() if k != "passed"})
+    def from_dict(cls, d: Any, where: str = "generation") -> GenerateResult:
+        """The generation ``to_dict`` wrote; ArtifactError naming the first field (``where.steps``)
+        missing, unknown or not of its type: a generation is read from a report from anywhere."""
+        return json_record(cls, d, where, derived=("passed",))
 
 
 def is_causal_lm(spec: ModelSpec) -> bool:

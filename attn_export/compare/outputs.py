@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
+from attn_export.artifacts.json_fields import json_record
 from attn_export.model_spec import Rounding, Tolerance
 
 __all__ = [
@@ -287,9 +289,10 @@ class OutputComparison:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> OutputComparison:
-        fields = {k: v for k, v in d.items() if k not in ("passed", "mismatch_fraction")}
-        return cls(**fields)  # type: ignore[arg-type]
+    def from_dict(cls, d: Any, where: str = "comparison") -> OutputComparison:
+        """The comparison ``to_dict`` wrote; ArtifactError naming the first field (``where.atol``)
+        missing, unknown or not of its type: a comparison is read from a report from anywhere."""
+        return json_record(cls, d, where, derived=("passed", "mismatch_fraction"))
 
 
 def compare_output(

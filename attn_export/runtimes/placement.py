@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import read_regular
-from attn_export.artifacts.json_fields import json_field, json_object
+from attn_export.artifacts.json_fields import json_field, json_record
 from attn_export.errors import AttnExportError, RuntimeFailure
 
 __all__ = ["OpCount", "Placement", "describe_counts", "placement_from_profile", "read_profile"]
@@ -95,7 +95,7 @@ class Placement:
         """The placement ``to_dict`` wrote; ArtifactError naming the first field not of its
         type (a report is read from anywhere)."""
         counts = {
-            k: [OpCount(**json_object(c, f"{where}.{k}[{i}]")) for i, c in enumerate(json_field(d, k, list, where))]
+            k: [json_record(OpCount, c, f"{where}.{k}[{i}]") for i, c in enumerate(json_field(d, k, list, where))]
             for k in ("fallbacks", "shape_ops")
         }
         return cls(

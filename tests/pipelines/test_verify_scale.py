@@ -168,6 +168,102 @@ def test_merge_refuses_wrongly_typed_fields_in_one_line(sample: dict[str, Path],
     assert not (tmp_path / "merged.json").exists()
 
 
+#: A timing, a generation, a cache's growth and carry-over as their ``to_dict`` writes them.
+_LATENCY = {"p50_ms": 1.0, "p90_ms": 1.2, "mean_ms": 1.1, "repeats": 5, "load": 0.5, "cores": 2}
+_GENERATE = {
+    **dict(model="mha_kv_cache", runner="onnxruntime", layout="batch1", prompts=[[1]], steps=2, expected=[[1, 2]]),
+    **dict(got=[[1, 2]], max_abs_by_step=[0.0, 0.0], divergence="", step=None, passed=True),
+}
+_GROWTH = dict(
+    output="present.0.key", past=1, seq=1, window=None, expected=[1, 2, 2, 4], graph=[1, 2, 3, 4], module=None
+)
+_CARRY = dict(output="present.0.key", past=1, seq=1, carried=1, max_abs_error=0.5, worst_index=[0, 0, 0, 0])
+
+
+def _timed(doc: dict[str, Any], **onnx: Any) -> dict[str, Any]:
+    """The first case's timings, the ONNX Runtime side's fields updated by ``onnx``."""
+    latency = {"onnx": {**_LATENCY, **onnx}, "torch": dict(_LATENCY), "ratio": 1.0, "noise": None}
+    doc["cases"][0]["latency"] = latency
+    return latency
+
+
+def _without(record: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != key}
+
+
+def _step(doc: dict[str, Any]) -> dict[str, Any]:
+    step: dict[str, Any] = doc["decode"][0]["steps"][1]
+    return step
+
+
+NESTED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "latency typed": (lambda d: _timed(d, p50_ms="1.0"), "(cases[0].latency.onnx.p50_ms: a string, not float)"),
+    "latency missing": (lambda d: _timed(d)["torch"].pop("repeats"), "(cases[0].latency.torch.repeats: missing)"),
+    "latency extra": (lambda d: _timed(d, p50=1.0), "(cases[0].latency.onnx.p50: unknown field)"),
+    "comparison missing": (
+        lambda d: d["cases"][0]["comparisons"][0].pop("name"),
+        "(cases[0].comparisons[0].name: missing)",
+    ),
+    "comparison extra": (
+        lambda d: d["cases"][0]["comparisons"][0].update(max_abs=0.5),
+        "(cases[0].comparisons[0].max_abs: unknown field)",
+    ),
+    "decode target": (lambda d: d["decode"][0].update(target=["onnxruntime"]), "(decode[0].target: a list, not dict)"),
+    "decode target extra": (
+        lambda d: d["decode"][0]["target"].update(device="cpu"),
+        "(decode[0].target.device: unknown field)",
+    ),
+    "decode missing": (lambda d: d["decode"][0].pop("scenario"), "(decode[0].scenario: missing)"),
+    "decode prompts": (
+        lambda d: d["decode"][0].update(prompt_lengths="12"),
+        "(decode[0].prompt_lengths: a string, not list[int])",
+    ),
+    "decode steps": (lambda d: d["decode"][0].update(steps="ab"), "(decode[0].steps: a string, not list)"),
+    "step missing": (lambda d: _step(d).pop("seq"), "(decode[0].steps[1].seq: missing)"),
+    "step comparison": (
+        lambda d: _step(d)["recompute"].__setitem__(0, 7),
+        "(decode[0].steps[1].recompute[0]: a number, not an object)",
+    ),
+    "growth extra": (
+        lambda d: _step(d).update(growth=[{**_GROWTH, "shape": [1]}]),
+        "(decode[0].steps[1].growth[0].shape: unknown field)",
+    ),
+    "carry missing": (
+        lambda d: _step(d).update(carry=[_without(_CARRY, "carried")]),
+        "(decode[0].steps[1].carry[0].carried: missing)",
+    ),
+    "generate missing": (
+        lambda d: d.update(generate=[_without(_GENERATE, "runner")]),
+        "(generate[0].runner: missing)",
+    ),
+    "generate extra": (
+        lambda d: d.update(generate=[{**_GENERATE, "tokens": 2}]),
+        "(generate[0].tokens: unknown field)",
+    ),
+    "op count typed": (
+        lambda d: d["placement"][0].update(fallbacks=[{"op_type": "MatMul", "provider": "CPU", "count": "1"}]),
+        "(placement[0].fallbacks[0].count: a string, not int)",
+    ),
+    "op count extra": (
+        lambda d: d["placement"][0].update(shape_ops=[{"op_type": "Shape", "provider": "CPU", "count": 1, "n": 1}]),
+        "(placement[0].shape_ops[0].n: unknown field)",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", NESTED)
+def test_merge_refuses_a_malformed_nested_record_naming_its_field(
+    sample: dict[str, Path], tmp_path: Path, what: str
+) -> None:
+    """Each of these records was unpacked into its class: an extra or missing key came out as
+    a TypeError's or KeyError's text naming no place in the report, a wrong type under the
+    class's attribute (``onnx_latency``) instead of the report's key."""
+    edit, message = NESTED[what]
+    result = _merge([sample["shard-1"], _edited(sample["shard-2"], tmp_path, edit)], tmp_path)
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and message in result.output, result.output
+    assert not (tmp_path / "merged.json").exists()
+
+
 def test_merge_keeps_each_shards_generations(sample: dict[str, Path], tmp_path: Path) -> None:
     """The merged report dropped them: a shard whose generation failed merged into a pass."""
     from attn_export.checks.generate import GenerateResult

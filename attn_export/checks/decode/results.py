@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from attn_export.artifacts.json_fields import json_field, json_object, json_record
 from attn_export.checks.cache_growth import CacheCarry, CacheGrowth
 from attn_export.compare import OutputComparison
 from attn_export.runtimes.target import Target
@@ -74,17 +75,20 @@ class DecodeStep:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DecodeStep:
+    def from_dict(cls, d: Any, where: str = "step") -> DecodeStep:
+        """The step ``to_dict`` wrote; ArtifactError naming the first field (``where.past``)
+        missing or not of its type: a step is read from a report from anywhere."""
+        d = json_object(d, where)
         return cls(
-            d["step"],
-            d["past"],
-            d["seq"],
-            [OutputComparison.from_dict(c) for c in d["comparisons"]],
-            [OutputComparison.from_dict(c) for c in d["recompute"]],
-            d.get("error"),
-            [CacheGrowth.from_dict(g) for g in d.get("growth", [])],
-            d.get("start"),
-            [CacheCarry.from_dict(c) for c in d.get("carry", [])],
+            json_field(d, "step", int, where),
+            json_field(d, "past", int, where),
+            json_field(d, "seq", int, where),
+            _comparisons(d, "comparisons", where, required=True),
+            _comparisons(d, "recompute", where, required=True),
+            json_field(d, "error", str | None, where, None),
+            [CacheGrowth.from_dict(g, f"{where}.growth[{i}]") for i, g in enumerate(_optional(d, "growth", where))],
+            json_field(d, "start", int | None, where, None),
+            [CacheCarry.from_dict(c, f"{where}.carry[{i}]") for i, c in enumerate(_optional(d, "carry", where))],
         )
 
 
@@ -193,15 +197,31 @@ class DecodeResult:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DecodeResult:
+    def from_dict(cls, d: Any, where: str = "decode") -> DecodeResult:
+        """The trajectory ``to_dict`` wrote; ArtifactError naming the first field
+        (``where.steps[1].past``) missing or not of its type: a trajectory is read from a
+        shard's report, which can come from anywhere."""
+        d = json_object(d, where)
         return cls(
-            d["model"],
-            Target(**d["target"]),
-            d["scenario"],
-            d["expected_from"],
-            list(d["prompt_lengths"]),
-            [DecodeStep.from_dict(s) for s in d["steps"]],
-            d.get("error"),
-            [OutputComparison.from_dict(c) for c in d.get("unpadded", [])],
-            list(d.get("notes", [])),
+            json_field(d, "model", str, where),
+            json_record(Target, json_field(d, "target", dict, where), f"{where}.target"),
+            json_field(d, "scenario", str, where),
+            json_field(d, "expected_from", str, where),
+            list(json_field(d, "prompt_lengths", list[int], where)),
+            [DecodeStep.from_dict(s, f"{where}.steps[{i}]") for i, s in enumerate(json_field(d, "steps", list, where))],
+            json_field(d, "error", str | None, where, None),
+            _comparisons(d, "unpadded", where),
+            list(json_field(d, "notes", list[str], where, [])),
         )
+
+
+def _optional(d: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    """The list ``d[key]``, [] where it is absent (a report written before it was recorded)."""
+    found: list[Any] = json_field(d, key, list, where, [])
+    return found
+
+
+def _comparisons(d: Mapping[str, Any], key: str, where: str, required: bool = False) -> list[OutputComparison]:
+    """The comparisons in the list ``d[key]`` (where absent: [], unless ``required``)."""
+    found = json_field(d, key, list, where) if required else _optional(d, key, where)
+    return [OutputComparison.from_dict(c, f"{where}.{key}[{i}]") for i, c in enumerate(found)]

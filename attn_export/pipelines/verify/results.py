@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from attn_export.artifacts.files import LOCK_WAIT_S
-from attn_export.artifacts.json_fields import json_field, json_object
+from attn_export.artifacts.json_fields import json_field, json_object, json_record
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.checks.decode.results import DecodeResult
@@ -309,6 +309,7 @@ class CaseResult:
         d = json_object(d, where)
         lat = json_field(d, "latency", dict | None, where, None) or {}
         timing = {k: json_field(lat, k, dict | None, f"{where}.latency", None) for k in ("onnx", "torch")}
+        stats = {k: json_record(LatencyStats, t, f"{where}.latency.{k}") if t else None for k, t in timing.items()}
         return cls(
             model=json_field(d, "model", str, where),
             target=_target(d, where),
@@ -318,23 +319,21 @@ class CaseResult:
             expected_from=json_field(d, "expected_from", str, where),
             distribution=json_field(d, "distribution", str, where),
             comparisons=[
-                OutputComparison.from_dict(json_object(c, f"{where}.comparisons[{i}]"))
+                OutputComparison.from_dict(c, f"{where}.comparisons[{i}]")
                 for i, c in enumerate(json_field(d, "comparisons", list, where))
             ],
             error=json_field(d, "error", str | None, where, None),
             gate=json_field(d, "gate", str | None, where, None),
             placement_gate=json_field(d, "placement_gate", str | None, where, None),
             notes=list(json_field(d, "notes", list[str], where, [])),
-            onnx_latency=LatencyStats(**timing["onnx"]) if timing["onnx"] else None,
-            torch_latency=LatencyStats(**timing["torch"]) if timing["torch"] else None,
+            onnx_latency=stats["onnx"],
+            torch_latency=stats["torch"],
         )
 
 
 def _target(d: Mapping[str, Any], where: str) -> Target:
     """The ``target`` object of a result ``d`` (``Target.to_dict``), each field checked."""
-    target = json_field(d, "target", dict, where)
-    runtime = json_field(target, "runtime", str, f"{where}.target")
-    return Target(runtime, json_field(target, "provider", str | None, f"{where}.target", None))
+    return json_record(Target, json_field(d, "target", dict, where), f"{where}.target")
 
 
 @dataclass
@@ -596,11 +595,8 @@ class VerifyReport:
             shard=None if not shard else _shard(shard),
             checks=[_check(c, f"checks[{i}]") for i, c in enumerate(json_field(d, "checks", list))],
             cases=[CaseResult.from_dict(c, f"cases[{i}]") for i, c in enumerate(json_field(d, "cases", list))],
-            decode=[DecodeResult.from_dict(json_object(t, f"decode[{i}]")) for i, t in enumerate(found["decode"])],
-            generate=[
-                GenerateResult.from_dict(dict(json_object(g, f"generate[{i}]")))
-                for i, g in enumerate(found["generate"])
-            ],
+            decode=[DecodeResult.from_dict(t, f"decode[{i}]") for i, t in enumerate(found["decode"])],
+            generate=[GenerateResult.from_dict(g, f"generate[{i}]") for i, g in enumerate(found["generate"])],
             placement=[PlacementResult.from_dict(p, f"placement[{i}]") for i, p in enumerate(found["placement"])],
             seconds=json_field(d, "seconds", float),
         )

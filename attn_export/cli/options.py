@@ -243,7 +243,8 @@ def outside_graph_options(f: Callable[..., Any]) -> Callable[..., Any]:
         "spec_path",
         type=FILE,
         help="Take one .onnx file no build made (edited by hand, or exported by a script) and judge it against "
-        "this spec's module, as a built graph is; replaces --models. Not with --golden.",
+        "this spec's module, as a built graph is; replaces --models. verify: not with --golden; localize: "
+        "with --golden, also --from BUILD (the build whose recording it is judged by).",
     )(f)
 
 

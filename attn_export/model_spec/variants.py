@@ -15,6 +15,8 @@ which it takes away, so a new row joins chains without a line anywhere else.
   every chain starts from, nor a chooser such as ``auto``), and none is repeated;
 - at most one export opset: a link made from a re-export (``export_opset``) reads the
   export, not the graph of a link before it, so it can only be the first link;
+- a link that rewrites another's graph (``after``: ``gqa-rotary``) comes after one of
+  those, and is never made alone;
 - each link's ``needs`` are traits that no link before it ``takes``: ``fp16`` after
   ``int8`` would cut the precision twice, anything after ``ort-optimized`` would rewrite
   kernels chosen for one provider, ``ort-fused`` after a graph whose attention is already

@@ -27,7 +27,7 @@ from attn_export.errors import ExportFailure
 from attn_export.exporter.cache_in_op import attribute, declared_dims, fresh_prefixes
 from attn_export.exporter.packed_projections import pack
 from attn_export.exporter.variants import VariantGraph, op_counts
-from attn_export.exporter.variants.ort_past import _live, _merged_heads, _Nodes, _read
+from attn_export.exporter.variants.ort_past import _merged_heads, _Nodes, _read, keep_live
 from attn_export.model_spec.cache import MASK
 from attn_export.runtimes.static_cache import CAPACITY_DIM
 
@@ -282,12 +282,6 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
     if lengths:
         for op, _, _ in pairs:
             _straight_output(proto, kept, op)
-    outputs = {o.name for o in graph.output}
-    graph.ClearField("node")
-    graph.node.extend(_live(kept, outputs))
-    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input} | outputs
-    kept_constants = [c for c in graph.initializer if c.name in read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(kept_constants)
+    keep_live(proto, kept)
     info = {"rotary_folded": len(pairs), "packed_projections": packed, "ops": dict(op_counts(proto))}
     return VariantGraph(proto, info)

@@ -208,6 +208,19 @@ def _read(node: onnx.NodeProto) -> Iterator[str]:
                 yield from _read(inner)
 
 
+def keep_live(proto: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> None:
+    """``proto``'s nodes become ``nodes`` without the dead ones (``_live``), its constants
+    those a node, input or output still reads."""
+    graph = proto.graph
+    outputs = {o.name for o in graph.output}
+    graph.ClearField("node")
+    graph.node.extend(_live(nodes, outputs))
+    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input} | outputs
+    constants = [c for c in graph.initializer if c.name in read]
+    graph.ClearField("initializer")
+    graph.initializer.extend(constants)
+
+
 def _live(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
     """``nodes`` without those whose every output nobody reads: the layout ops a module
     split its heads with, once the contrib op reads the projection itself. ONNX Runtime
@@ -238,14 +251,10 @@ def rewrite(proto: onnx.ModelProto, variant: str, length: str | None = None) -> 
     prefixes = fresh_prefixes(proto, "ort_past")
     producers = {out: n for n in graph.node for out in n.output}
     replaced = {op.node.output[0]: _replace(proto, op, next(prefixes), length, producers) for op in folded}
-    kept = [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])]
-    outputs = {o.name for o in graph.output}
-    graph.ClearField("node")
-    graph.node.extend(_live(kept, outputs))
-    read = {name for node in graph.node for name in _read(node)} | {i.name for i in graph.input} | outputs
-    constants = [c for c in graph.initializer if c.name in read]
-    graph.ClearField("initializer")
-    graph.initializer.extend(constants)
+    keep_live(
+        proto,
+        [n for node in graph.node for n in (replaced[node.output[0]][0] if node.output[0] in replaced else [node])],
+    )
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return folded, sorted({kind for _, kind in replaced.values()})

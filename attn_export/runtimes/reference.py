@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from attn_export.errors import RuntimeFailure, first_line
+from attn_export.errors import RuntimeFailure, RunTimeout, first_line
 from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
 from attn_export.runtimes.base import Runtime, RuntimeKind
 from attn_export.runtimes.target import Target
 
-__all__ = ["KIND", "ReferenceRuntime"]
+__all__ = ["KIND", "ReferenceRuntime", "run_reference_bounded"]
 
 
 class ReferenceRuntime(Runtime):
@@ -60,6 +61,41 @@ class ReferenceRuntime(Runtime):
         except Exception as e:
             raise RuntimeFailure(f"{self.name}: inference failed: {type(e).__name__}: {first_line(e)}") from e
         return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
+
+
+def _bounded_loop(deadline: float, timeout_s: float) -> type:
+    """The reference evaluator's ``Loop`` checking ``deadline`` before each iteration: of the
+    ops a graph may hold, only a Loop can run without end (ONNX Runtime's terminate flag has
+    no counterpart here). Its body runner is set per instance, so it is wrapped there."""
+    from onnx.reference.ops.op_loop import Loop
+
+    class _Loop(Loop):  # type: ignore[misc]
+        op_domain = ""
+
+        def __init__(self, onnx_node: Any, run_params: Any) -> None:
+            super().__init__(onnx_node, run_params)
+            body: Any = self._run_body  # type: ignore[has-type]  # set by OpRun per instance
+
+            def bounded(*args: Any, **kwargs: Any) -> Any:
+                if time.monotonic() > deadline:
+                    raise RunTimeout(f"ran past {timeout_s:g} s and was stopped (a Loop without end?)")
+                return body(*args, **kwargs)
+
+            self._run_body = bounded
+
+    _Loop.__name__ = "Loop"  # the op type it stands for
+    return _Loop
+
+
+def run_reference_bounded(
+    model: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], timeout_s: float
+) -> list[np.ndarray]:
+    """``names`` from the reference evaluator on ``model``, stopped at a Loop's next iteration
+    once ``timeout_s`` seconds have passed (RunTimeout, worded as ``ort.run_bounded``'s)."""
+    from onnx.reference import ReferenceEvaluator
+
+    loop = _bounded_loop(time.monotonic() + timeout_s, timeout_s)
+    return [np.asarray(v) for v in ReferenceEvaluator(model, new_ops=[loop]).run(list(names), dict(feeds))]
 
 
 def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None, budget: int) -> Runtime:

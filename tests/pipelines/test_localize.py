@@ -431,6 +431,21 @@ def test_a_region_that_runs_without_end_is_stopped_at_its_limit(zoo_copy: Path, 
     )
     found = CliRunner().invoke(cli, ["localize", str(zoo_copy), "mha", "--models", str(TINY_ZOO), "--timeout", "0.5"])
     assert (found.exit_code, found.output) == (1, f"Error: {stopped}\n")
+    by_reference = CliRunner().invoke(
+        cli,
+        [
+            "localize",
+            str(zoo_copy),
+            "mha",
+            "--models",
+            str(TINY_ZOO),
+            "--runtime",
+            "onnx-reference",
+            "--timeout",
+            "0.5",
+        ],
+    )  # the reference evaluator's Loop is stopped too
+    assert by_reference.output == f"Error: {stopped.replace('onnxruntime[cpu]', 'onnx-reference')}\n"
     args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--random", "0"]
     args += ["--distribution", "normal", "--json", str(tmp_path / "report.json")]
     passed = CliRunner().invoke(cli, args)

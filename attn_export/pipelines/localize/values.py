@@ -19,6 +19,7 @@ from attn_export.exporter.stack import innermost_line
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.memory import format_bytes
 from attn_export.runtimes.ort import load_session, run_bounded
+from attn_export.runtimes.reference import run_reference_bounded
 from attn_export.runtimes.target import Target
 
 __all__ = ["TorchValues", "evaluate", "graph_values", "recorded_values", "torch_values"]
@@ -94,13 +95,11 @@ def evaluate(
 ) -> list[np.ndarray]:
     """``names`` computed by ``model`` on ``target``: the ONNX reference evaluator, or an
     ONNX Runtime session with graph optimizations off (its arena held to ``budget``), so
-    that it runs the nodes the file holds, stopped after ``timeout_s`` seconds (RunTimeout;
-    ONNX Runtime's terminate flag: the reference evaluator has none). Raises what the
-    runtime raises."""
+    that it runs the nodes the file holds, stopped after ``timeout_s`` seconds (RunTimeout:
+    ONNX Runtime's terminate flag, the reference evaluator's Loop). Raises what the runtime
+    raises."""
     if target.provider is None:
-        from onnx.reference import ReferenceEvaluator
-
-        return [np.asarray(v) for v in ReferenceEvaluator(model).run(names, dict(feeds))]
+        return run_reference_bounded(model, names, feeds, timeout_s)
     session = load_session(model.SerializeToString(), target.provider, level="disabled", budget=budget)
     return run_bounded(session, names, feeds, timeout_s)
 

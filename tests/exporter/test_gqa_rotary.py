@@ -158,3 +158,18 @@ def test_a_key_column_fault_in_the_packed_projection_is_localized_at_k_proj(buil
     assert result.exit_code == 1, result.output
     headline = next(line for line in result.output.splitlines() if line.startswith("DIVERGES"))
     assert "self_attn.k_proj" in headline and "batch=1" in result.output, result.output
+
+
+@pytest.mark.slow  # two more graphs built and verified: about 40 s
+def test_its_int4_and_fp16_chains_verify_green(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The deploy forms: int4 after it for CPUs, fp16 for GPUs (GroupQueryAttention runs in
+    float16 only there), each judged by its own simulated rounding and green."""
+    text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
+    chains = (f"{VARIANT}+int4", f"{VARIANT}+fp16")
+    made = shared_build(tmp_path_factory, "gqa-rotary-lossy", lambda folder: _write(folder, text), variants=chains)
+    assert made.errors == {f"llama_causal_lm.{c}": None for c in chains}, made.errors
+    for chain in chains:
+        proto = onnx.load(str(made.out / f"llama_causal_lm.{chain}.onnx"))
+        assert Counter(n.op_type for n in proto.graph.node)["RotaryEmbedding"] == 0
+    code, out = _verify(made.out, made.models)
+    assert code == 0, out

@@ -7,11 +7,13 @@ its layout ops and three MatMuls apart. Here each GroupQueryAttention applies th
 itself (``do_rotary`` with cos/sin caches) and reads one packed projection: the shape of
 onnxruntime-genai's model builder graphs.
 
-The op counts each token's position as the cache's filled length plus its index. The caches
-hold what the graph computes for positions 0..N-1: the graph evaluated on a prompt of N
-tokens on an empty cache, a mask of ones. That is the module's own rotary only where its
-positions are that count (``positions_are_counted``): no ``position_ids`` input, positions
-counted from a mask that takes no padding. The build refuses any other spec.
+The op counts each token's position from its row's length in the mask (its ones, as genai's
+graphs read them: a batch padded on the right), and keeps no other mask. The caches hold what
+the graph computes for positions 0..N-1: the graph evaluated on a prompt of N tokens on an
+empty cache, a mask of ones. That is the module's own rotary only where its positions are
+that count (``model_spec.cache.counted_positions``): no ``position_ids`` input, positions
+counted from a mask that pads nothing in our loop, no sliding window shorter than N. The
+build refuses any other spec.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ class _Rotary:
     ``[batch, seq, heads * head_dim]``: its input (``[batch, heads, seq, head_dim]``) and
     the cos and sin it reads."""
 
-    node: onnx.NodeProto
     source: str
     cos: str
     sin: str
@@ -62,7 +63,7 @@ def _rotary(name: str, producers: Mapping[str, onnx.NodeProto]) -> _Rotary | Non
         return None
     if attribute(node, "interleaved", 0) or attribute(node, "rotary_embedding_dim", 0):
         return None  # an interleaved or partial rotary: the op's cache layout differs
-    return _Rotary(node, *node.input)
+    return _Rotary(*node.input)
 
 
 def _needed(proto: onnx.ModelProto, values: Sequence[str]) -> tuple[list[onnx.NodeProto], set[str]]:

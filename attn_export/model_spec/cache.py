@@ -226,11 +226,16 @@ def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) 
     return shape if window is None else (*shape[:2], min(shape[2], window), *shape[3:])
 
 
+#: Mask conventions whose ones (True) are the tokens a row holds: what ``gqa-rotary`` counts.
+COUNTED_CONVENTIONS = ("binary", "attend")
+
+
 def counted_positions(spec: ModelSpec) -> int:
     """How many positions a graph that counts them itself (``gqa-rotary``: each row's
     filled length plus each token's index) reaches, SpecError where the spec's positions
     are not that count: a ``position_ids`` input the graph would ignore, or a mask that
-    pads on the left (its rows count from their first real token); or where the config's
+    pads on the left (its rows count from their first real token) or whose ones are not
+    the tokens (an additive or an ignore mask); or where the config's
     sliding window is shorter than those positions (the graph keeps no mask but lengths)."""
     cache = cache_of(spec)
     if cache is None:
@@ -245,6 +250,13 @@ def counted_positions(spec: ModelSpec) -> int:
             f"{spec.name}: the graph counts each token's position from its row's ones in '{cache.mask}', as "
             "onnxruntime-genai's graphs do, where a left-padded row counts from its first real token: "
             f'declare mask = "{FULL}" on it (onnxruntime-genai pads on the right, which the graph reads)'
+        )
+    mask = next((t.mask for t in spec.inputs if t.name == cache.mask), None)
+    if mask is not None and mask.convention.name not in COUNTED_CONVENTIONS:
+        raise SpecError(
+            f"{spec.name}: the graph counts each row's length as the ones (True) in '{cache.mask}', which its "
+            f"convention '{mask.convention.name}' does not mean: give it a mask of convention "
+            f"{' or '.join(COUNTED_CONVENTIONS)} (1 = attend, as tokenizers and onnxruntime-genai give it)"
         )
     reached = cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
     config = spec.config or {}

@@ -125,8 +125,14 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
             ),
             "sliding_window = 16 is shorter than the 40 positions",
         ),
+        (
+            lambda t: t.replace(
+                'name = "attention_mask"\ndtype = "int64"', 'name = "attention_mask"\ndtype = "float32"'
+            ).replace('convention = "binary"', 'convention = "additive"'),
+            "convention 'additive' does not mean",
+        ),
     ],
-    ids=["position_ids", "padding", "window"],
+    ids=["position_ids", "padding", "window", "additive"],
 )
 def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
     tmp_path: Path, edit: object, says: str
@@ -173,3 +179,16 @@ def test_its_int4_and_fp16_chains_verify_green(tmp_path_factory: pytest.TempPath
         assert Counter(n.op_type for n in proto.graph.node)["RotaryEmbedding"] == 0
     code, out = _verify(made.out, made.models)
     assert code == 0, out
+
+
+@pytest.mark.slow  # a build and a verify: about 20 s
+def test_a_bool_mask_is_counted_as_an_integer_one(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """ReduceSum takes no bool: the lengths are counted on the mask cast to int32 (the
+    checker rejected the graph before)."""
+    text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
+    text = text.replace('name = "attention_mask"\ndtype = "int64"', 'name = "attention_mask"\ndtype = "bool"')
+    text = text.replace('convention = "binary"', 'convention = "attend"')
+    made = shared_build(tmp_path_factory, "gqa-rotary-bool", lambda folder: _write(folder, text), variants=(VARIANT,))
+    assert made.errors == {NAME: None}, made.errors
+    result = CliRunner().invoke(cli, ["verify", str(made.out), "--models", str(made.models), "--no-latency"])
+    assert result.exit_code == 0, result.output

@@ -160,9 +160,8 @@ def _lengths(mask: str, prefix: str) -> tuple[str, list[onnx.NodeProto], list[on
     padded on the right, as genai pads it) and writes each new token after it."""
     nodes = _Nodes(f"{prefix}/lengths")
     axis = nodes.const("key_axis", np.array([1], np.int64))
-    ones = nodes.add(
-        "Cast", [nodes.add("ReduceSum", [mask, axis], "ones", keepdims=0)], "ones_i32", to=TensorProto.INT32
-    )
+    as_int = nodes.add("Cast", [mask], "mask_i32", to=TensorProto.INT32)  # a bool mask too
+    ones = nodes.add("ReduceSum", [as_int, axis], "ones", keepdims=0)
     return (
         nodes.add("Sub", [ones, nodes.const("one", np.array(1, np.int32))], "seqlens_k"),
         nodes.nodes,

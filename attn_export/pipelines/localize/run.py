@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from attn_export.artifacts.bundle import TOLERANCE_KEYS, check_bundle_folder, write_bundle
-from attn_export.artifacts.files import read_lock, sha256_file
+from attn_export.artifacts.files import read_lock
 from attn_export.artifacts.golden import GoldenCase
 from attn_export.artifacts.intermediates import read_intermediates
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, load_manifest
@@ -32,13 +32,12 @@ from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, p
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, GraphCheckError, OptionError, RuntimeFailure, RunTimeout, UsageError
+from attn_export.errors import ArtifactError, OptionError, RuntimeFailure, RunTimeout, UsageError
 from attn_export.exporter.factory import instantiate
-from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain
+from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, fed_sizes
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import CASES, PATTERN
@@ -61,7 +60,7 @@ from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
 from attn_export.pipelines.verify.greedy_generations import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
-from attn_export.pipelines.verify.outside import outside_manifest, outside_spec
+from attn_export.pipelines.verify.outside import check_described, check_graph_file, outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.ort import RUN_TIMEOUT_S, require_provider
@@ -330,10 +329,10 @@ def _exported_plain(spec: ModelSpec) -> onnx.ModelProto:
 
     with tempfile.TemporaryDirectory() as folder:
         build = SpecBuild(spec, versions(), BuildOptions(Path(folder)))
-        graph = build.graph("fp32")
+        plain = build.export(spec.opset)  # checked as build checks it; its nodes' FX metadata is the map
     if spec.opset in build.programs:  # the same export localize runs the module's side on: not made twice
         _keep_program(spec, spec.opset, build.programs[spec.opset])
-    return onnx.load_from_string(graph.model)
+    return plain
 
 
 def localize_model(out_dir: Path, model: str | None, options: LocalizeOptions) -> LocalizeReport:
@@ -429,9 +428,10 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
         budget = memory_budget(options.max_memory, spec)
         proto = load_model_file(out_dir / entry.file, with_data=True, budget=budget)
         plain = _plain_graph(out_dir, manifest, entry, budget)
-        if plain is not None or options.golden:  # a recording is all a golden run has of the module
-            return _Found(out_dir, entry, spec, proto, plain)
-        return _mapped_from_spec(out_dir, entry, spec, proto, f"{spec.name}'s spec", "in this build folder")
+    if plain is not None or options.golden:  # a recording is all a golden run has of the module
+        return _Found(out_dir, entry, spec, proto, plain)
+    # the export runs after the lock: a build waiting on the folder need not wait for it
+    return _mapped_from_spec(out_dir, entry, spec, proto, f"{spec.name}'s spec", "in this build folder")
 
 
 def _outside(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
@@ -457,15 +457,10 @@ def _edited(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
     build folder is read only (its graph need not be the one given, its recording must be
     intact)."""
     assert options.spec_file is not None and options.golden_from is not None
-    if graph.suffix != ".onnx" or graph.is_dir():
-        raise OptionError(
-            "{graph}: {spec_file} judges one .onnx file, not a folder or another file", ["spec_file"], graph=graph
-        )
-    if not graph.is_file():
-        raise ArtifactError(f"{graph}: no such file")
+    check_graph_file(graph, options.variant)
     build, spec_file = options.golden_from, options.spec_file
     wanted = load_spec(spec_file)  # data only: no module is imported
-    name = wanted.name if options.variant == "fp32" else f"{wanted.name}.{options.variant}"
+    name = variant_key(wanted.name, options.variant)
     if model not in (None, name):
         other = f"{{graph}}: {{spec_file}} {{value}} makes it model '{name}', not '{model}'"
         raise OptionError(other, ["spec_file"], graph=graph, value=spec_file)
@@ -494,12 +489,8 @@ def _edited(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
         budget = memory_budget(options.max_memory, spec)
         proto = load_model_file(graph, with_data=True, budget=budget)
         plain = _plain_graph(build, manifest, entry, budget)
-    try:
-        check_spec_signature(proto, graph.name, spec)
-    except GraphCheckError as e:  # no recorded value could feed it
-        other = "{error}: {spec_file} {value} does not describe this graph"
-        raise OptionError(other, ["spec_file"], error=e, value=spec_file) from None
-    copy = dataclasses.replace(entry, file=graph.name, sha256=sha256_file(graph))
+    check_described(proto, graph, spec, spec_file)  # no recorded value could feed it otherwise
+    copy = dataclasses.replace(entry, file=graph.name, sha256="")  # not the build's graph: no hash to claim
     return _Found(graph.parent, copy, spec, proto, plain, recorded=build / entry.intermediates)
 
 
@@ -608,6 +599,12 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     else:
         side, options = _pytorch_side(spec, proto, options, budget, entry.variant)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
+    # before the graph runs: a graph that cannot be paired is refused without a whole run
+    regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
+    why = unpaired(proto, regions, torch_vals.outputs, torch_vals.keys(), plain)
+    if why is not None:
+        theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
+        raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     outputs = case.outputs
     notes = list(found.notes)
     filled, feeds = _in_buffers(proto, spec, feeds)
@@ -620,11 +617,6 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     tolerances = spec.tolerances(entry.variant)
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
-    regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
-    why = unpaired(proto, regions, torch_vals.outputs, torch_vals.keys(), plain)
-    if why is not None:
-        theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
-        raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
     # Rows that see no key are left out of every region where the spec leaves them out of
     # the outputs, or where the graph's outputs agree there: a fused attention gives the mean

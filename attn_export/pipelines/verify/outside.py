@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import onnx
+
 from attn_export import __version__
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.manifest import Manifest, ManifestEntry, is_build_folder
@@ -17,17 +19,14 @@ from attn_export.checks.spec_learning import learned_spec, needs_module
 from attn_export.errors import ArtifactError, GraphCheckError, OptionError
 from attn_export.exporter.graph_checks import check_spec_signature
 from attn_export.exporter.source import module_sources
-from attn_export.model_spec import ModelSpec, load_spec, variant_chain
+from attn_export.model_spec import ModelSpec, load_spec, variant_chain, variant_key
 
-__all__ = ["changed_since", "outside_manifest", "outside_spec"]
+__all__ = ["changed_since", "check_described", "check_graph_file", "outside_manifest", "outside_spec"]
 
 
-def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tuple[Path, Manifest, list[str]]:
-    """``graph``'s folder, a manifest listing ``graph`` alone as the model of ``spec_path``
-    (named as build names ``variant``'s graph, judged by its tolerance), and that name.
-    The entry's spec, sources and versions are the checkout's, so it is never stale; its
-    hash is the file's as read now (``changed_since``). A spec in a build folder, or in any
-    folder below one, is refused: its module would be code from a folder that is data."""
+def check_graph_file(graph: Path, variant: str) -> None:
+    """``graph`` as ``--spec`` takes it: one .onnx file that exists, of a variant that is a
+    graph (not a chooser)."""
     if graph.suffix != ".onnx" or graph.is_dir():
         raise OptionError(
             "{graph}: {spec_file} judges one .onnx file, not a folder or another file", ["spec_file"], graph=graph
@@ -37,6 +36,25 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
     if variant_chain(variant).chooser:
         chooser = "{variant} {value} chooses among variants; name the variant of the graph"
         raise OptionError(chooser, ["variant"], value=variant)
+
+
+def check_described(proto: onnx.ModelProto, graph: Path, spec: ModelSpec, spec_path: Path) -> None:
+    """OptionError where ``spec_path``'s spec does not describe ``graph`` (its inputs and
+    outputs): no case could feed it."""
+    try:
+        check_spec_signature(proto, graph.name, spec)
+    except GraphCheckError as e:
+        other = "{error}: {spec_file} {value} does not describe this graph"
+        raise OptionError(other, ["spec_file"], error=e, value=spec_path) from None
+
+
+def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tuple[Path, Manifest, list[str]]:
+    """``graph``'s folder, a manifest listing ``graph`` alone as the model of ``spec_path``
+    (named as build names ``variant``'s graph, judged by its tolerance), and that name.
+    The entry's spec, sources and versions are the checkout's, so it is never stale; its
+    hash is the file's as read now (``changed_since``). A spec in a build folder, or in any
+    folder below one, is refused: its module would be code from a folder that is data."""
+    check_graph_file(graph, variant)
     spec = load_spec(spec_path)  # data only: a spec names its module, which is imported later
     home = spec_path.resolve().parent
     for folder in (home, *home.parents):
@@ -48,12 +66,8 @@ def outside_manifest(graph: Path, spec_path: Path, variant: str = "fp32") -> tup
         from attn_export.exporter.factory import instantiate
 
         spec = learned_spec(instantiate(spec), spec)
-    name = spec.name if variant == "fp32" else f"{spec.name}.{variant}"
-    try:
-        check_spec_signature(load_model_file(graph), graph.name, spec)
-    except GraphCheckError as e:  # no case could feed it: the spec names another graph
-        other = "{error}: {spec_file} {value} does not describe this graph"
-        raise OptionError(other, ["spec_file"], error=e, value=spec_path) from None
+    name = variant_key(spec.name, variant)
+    check_described(load_model_file(graph), graph, spec, spec_path)
     entry = ManifestEntry(
         name=name,
         file=graph.name,

@@ -230,31 +230,33 @@ def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) 
 COUNTED_CONVENTIONS = ("binary", "attend")
 
 
-def counted_positions(spec: ModelSpec) -> int:
+def counted_positions(spec: ModelSpec, label: str | None = None) -> int:
     """How many positions a graph that counts them itself (``gqa-rotary``: each row's
     filled length plus each token's index) reaches, SpecError where the spec's positions
     are not that count: a ``position_ids`` input the graph would ignore, or a mask that
     pads on the left (its rows count from their first real token) or whose ones are not
     the tokens (an additive or an ignore mask); or where the config's
-    sliding window is shorter than those positions (the graph keeps no mask but lengths)."""
+    sliding window is shorter than those positions (the graph keeps no mask but lengths).
+    Errors begin with ``label`` (default: the spec's name; a build names the graph)."""
+    label = label or spec.name
     cache = cache_of(spec)
     if cache is None:
-        raise SpecError(f"{spec.name}: positions counted from a cache's length need a KV cache (past_key_values.*)")
+        raise SpecError(f"{label}: positions counted from a cache's length need a KV cache (past_key_values.*)")
     if cache.positions is not None:
         raise SpecError(
-            f"{spec.name}: the graph counts positions from its cache's length and would ignore '{cache.positions}': "
+            f"{label}: the graph counts positions from its cache's length and would ignore '{cache.positions}': "
             'build a module that counts them from the mask (CausalLMWithCache(positions="mask")) without that input'
         )
     if cache.mask is not None and cache.pads:
         raise SpecError(
-            f"{spec.name}: the graph counts each token's position from its row's ones in '{cache.mask}', as "
+            f"{label}: the graph counts each token's position from its row's ones in '{cache.mask}', as "
             "onnxruntime-genai's graphs do, where a left-padded row counts from its first real token: "
             f'declare mask = "{FULL}" on it (onnxruntime-genai pads on the right, which the graph reads)'
         )
     mask = next((t.mask for t in spec.inputs if t.name == cache.mask), None)
     if mask is not None and mask.convention.name not in COUNTED_CONVENTIONS:
         raise SpecError(
-            f"{spec.name}: the graph counts each row's length as the ones (True) in '{cache.mask}', which its "
+            f"{label}: the graph counts each row's length as the ones (True) in '{cache.mask}', which its "
             f"convention '{mask.convention.name}' does not mean: give it a mask of convention "
             f"{' or '.join(COUNTED_CONVENTIONS)} (1 = attend, as tokenizers and onnxruntime-genai give it)"
         )
@@ -263,7 +265,7 @@ def counted_positions(spec: ModelSpec) -> int:
     window = config.get("sliding_window")
     if isinstance(window, int) and config.get("use_sliding_window", True) is not False and window < reached:
         raise SpecError(
-            f"{spec.name}: the graph reads the mask for each row's length alone, and the config's "
+            f"{label}: the graph reads the mask for each row's length alone, and the config's "
             f"sliding_window = {window} is shorter than the {reached} positions it reaches: it would attend "
             "past the window; build it without gqa-rotary"
         )

@@ -94,7 +94,7 @@ class VariantInfo:
     in_place: bool = False
     #: Counts each token's position itself, as the cache's filled length plus its index: its
     #: maker takes how many positions the graph reaches, and the spec's positions must be
-    #: that count (``positions_are_counted``).
+    #: that count (``model_spec.cache.counted_positions``).
     counts_positions: bool = False
     #: The links whose graph it rewrites, one of which must come before it in a chain (it
     #: cannot be made alone); empty: any graph.

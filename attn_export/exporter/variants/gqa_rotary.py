@@ -31,6 +31,7 @@ from attn_export.exporter.packed_projections import pack
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import _merged_heads, _Nodes, _read, keep_live
 from attn_export.model_spec.cache import MASK
+from attn_export.runtimes.ort import load_session
 from attn_export.runtimes.static_cache import CAPACITY_DIM
 
 __all__ = ["make"]
@@ -66,9 +67,10 @@ def _rotary(name: str, producers: Mapping[str, onnx.NodeProto]) -> _Rotary | Non
     return _Rotary(*node.input)
 
 
-def _needed(proto: onnx.ModelProto, values: Sequence[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+def _needed(
+    proto: onnx.ModelProto, values: Sequence[str], producers: Mapping[str, onnx.NodeProto]
+) -> tuple[list[onnx.NodeProto], set[str]]:
     """The nodes computing ``values`` (in graph order) and the graph inputs they read."""
-    producers = {out: n for n in proto.graph.node for out in n.output}
     inputs = {i.name for i in proto.graph.input}
     seen: set[str] = set()
     nodes: set[int] = set()
@@ -104,13 +106,13 @@ def _feed(proto: onnx.ModelProto, name: str, positions: int) -> np.ndarray:
     raise ExportFailure(f"variant gqa-rotary: cannot feed input '{name}' {dims} to compute the rotary's cos and sin")
 
 
-def _caches(proto: onnx.ModelProto, values: Sequence[str], positions: int) -> dict[str, np.ndarray]:
+def _caches(
+    proto: onnx.ModelProto, values: Sequence[str], positions: int, producers: Mapping[str, onnx.NodeProto]
+) -> dict[str, np.ndarray]:
     """Each of ``values`` (a rotary's cos or sin, ``[batch, seq, head_dim / 2]``) at
     positions 0..N-1, as ``[N, head_dim / 2]``, from ONNX Runtime running the nodes that
     compute them."""
-    import onnxruntime as ort
-
-    nodes, reads = _needed(proto, values)
+    nodes, reads = _needed(proto, values, producers)
     needed = {n for node in nodes for n in _read(node)}
     graph = helper.make_graph(
         nodes,
@@ -120,9 +122,7 @@ def _caches(proto: onnx.ModelProto, values: Sequence[str], positions: int) -> di
         [t for t in proto.graph.initializer if t.name in needed],
     )
     model = helper.make_model(graph, opset_imports=proto.opset_import, ir_version=proto.ir_version)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = load_session(model.SerializeToString(), "cpu")
     found = session.run(None, {name: _feed(proto, name, positions) for name in reads})
     caches = {}
     for value, array in zip(values, found, strict=True):
@@ -200,9 +200,10 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
             node.input[:] = [op.output[0] if name == merged.output[0] else name for name in node.input]
 
 
-def _checked(ops: Sequence[onnx.NodeProto], proto: onnx.ModelProto) -> list[tuple[onnx.NodeProto, _Rotary, _Rotary]]:
+def _checked(
+    ops: Sequence[onnx.NodeProto], proto: onnx.ModelProto, producers: Mapping[str, onnx.NodeProto]
+) -> list[tuple[onnx.NodeProto, _Rotary, _Rotary]]:
     """Each op with its query's and its key's rotary; ExportFailure where one has none."""
-    producers = {out: n for n in proto.graph.node for out in n.output}
     if not ops:
         raise ExportFailure(
             "variant gqa-rotary folds rotary into GroupQueryAttention, and the graph has none: "
@@ -232,9 +233,10 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
     """``proto`` with each GroupQueryAttention's rotary folded in, its projections packed and
     its lengths read off the mask, the cos and sin caches holding ``positions`` rows."""
     graph = proto.graph
-    pairs = _checked([n for n in graph.node if (n.domain, n.op_type) == _GQA], proto)
     producers = {out: n for n in graph.node for out in n.output}
-    caches = _caches(proto, sorted({v for _, q, k in pairs for v in (q.cos, q.sin, k.cos, k.sin)}), positions)
+    pairs = _checked([n for n in graph.node if (n.domain, n.op_type) == _GQA], proto, producers)
+    cos_sin = sorted({v for _, q, k in pairs for v in (q.cos, q.sin, k.cos, k.sin)})
+    caches = _caches(proto, cos_sin, positions, producers)
     prefix = next(fresh_prefixes(proto, "gqa_rotary"))
     tables: dict[bytes, str] = {}  # one cos and one sin cache for every layer that shares them
 

@@ -107,10 +107,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
                 "declare [cache] max_seq in the spec"
             )
         if variant_chain(variant).counts_positions:
-            try:
-                counted_positions(spec)
-            except SpecError as e:
-                raise SpecError(f"{variant_key(spec.name, variant)}: {str(e).removeprefix(f'{spec.name}: ')}") from None
+            counted_positions(spec, variant_key(spec.name, variant))
         ctx.check_budget()
     with stage_timer(result, "module"):
         ctx.module.get()

@@ -282,7 +282,8 @@ def verify(
     if given("timeout_s") and not (check_regions or strict_regions or localize_first):
         raise click.UsageError("--region-timeout needs --check-regions, --strict-regions or --localize")
     regions = "strict" if strict_regions else "check" if check_regions else None
-    with flag_names(regions=f"--{regions}-regions", spec_file="--spec", region_timeout_s="--region-timeout"):
+    named = {"regions": f"--{regions}-regions"} if regions else {}  # the flag given, where one was
+    with flag_names(**named, spec_file="--spec", region_timeout_s="--region-timeout"):
         options = VerifyOptions(
             targets=resolve_targets(runtimes or (DEFAULT_RUNTIME,), providers or ("cpu",)),
             models_dir=models_dir,

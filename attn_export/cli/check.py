@@ -57,11 +57,11 @@ def check_cmd(
     from attn_export.report.check_text import format_check
     from attn_export.report.output_plan import OutputPlan, folder_graphs
 
-    graphs = [g for p in paths for g in (folder_graphs(p) if p.is_dir() else [p])]
+    graphs = (g for p in paths for g in (folder_graphs(p) if p.is_dir() else [p]))  # read if a report asks
     plan = OutputPlan.make(
         {"json": json_path},
         reads=paths,
-        graphs=[g for g in graphs if g.suffix == ".onnx" and g.is_file()],
+        graphs=(g for g in graphs if g.suffix == ".onnx" and g.is_file()),
         read_builds={p if p.is_dir() else p.parent for p in paths},
     )
     options = CheckOptions(min_opset, max_opset, tuple(dict.fromkeys((*DEFAULT_DOMAINS, *domains))))

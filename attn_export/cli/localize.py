@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import click
@@ -225,10 +227,11 @@ def localize(
         options.check()  # before any file is read
         if spec_path is None and folder.is_file():
             raise click.UsageError(f"{folder} is a file: give its build folder, or --spec for a graph no build made")
+        graphs: Iterable[Path]
         if spec_path is not None:
             builds, graphs = [folder.parent], [folder]
             if golden_from is not None:  # the build whose recording the graph is paired with
-                builds, graphs = [*builds, golden_from], [*graphs, *folder_graphs(golden_from)]
+                builds, graphs = [*builds, golden_from], itertools.chain(graphs, folder_graphs(golden_from))
         else:
             builds, graphs = [folder], folder_graphs(folder, None if model is None else [model])
         plan = OutputPlan.make(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -184,18 +184,19 @@ def _builds_files(folders: Iterable[Path]) -> list[Path]:
     return [f / name for f in folders for name in (MANIFEST_NAME, LOCK_NAME)]
 
 
-def folder_graphs(folder: Path, names: Iterable[str] | None = None) -> list[Path]:
+def folder_graphs(folder: Path, names: Iterable[str] | None = None) -> Iterator[Path]:
     """The graphs a build folder's manifest names (those of ``names``), for a plan's
-    ``graphs``; none where it has no manifest that reads (the command itself says so)."""
+    ``graphs``: read when the plan asks for them (a report is asked for), not before; none
+    where it has no manifest that reads (the command itself says so)."""
     from attn_export.artifacts.manifest import load_manifest
 
     if not (folder / MANIFEST_NAME).is_file():
-        return []
+        return
     try:
         models = load_manifest(folder).models
     except AttnExportError:
-        return []
-    return [folder / e.file for n, e in models.items() if names is None or n in names]
+        return
+    yield from (folder / e.file for n, e in models.items() if names is None or n in names)
 
 
 def _graph_data(graphs: Iterable[Path]) -> list[Path]:

@@ -5,7 +5,9 @@ Providers are one table; a new provider is one row.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["DEFAULT_RUNTIME", "PROVIDERS", "Provider", "Target"]
 
@@ -51,3 +53,11 @@ class Target:
 
     def to_dict(self) -> dict[str, str | None]:
         return {"runtime": self.runtime, "provider": self.provider}
+
+    @classmethod
+    def of_result(cls, d: Mapping[str, Any], where: str) -> Target:
+        """The ``target`` object of a result ``d`` read from a report (``to_dict``), each
+        field checked; ArtifactError naming the first that is not."""
+        from attn_export.artifacts.json_fields import json_field, json_record
+
+        return json_record(cls, json_field(d, "target", dict, where), f"{where}.target")

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from attn_export.artifacts.json_fields import json_field, json_object, json_record
+from attn_export.artifacts.json_fields import json_field, json_object
 from attn_export.checks.cache_growth import CacheCarry, CacheGrowth
 from attn_export.compare import OutputComparison
 from attn_export.runtimes.target import Target
@@ -204,7 +204,7 @@ class DecodeResult:
         d = json_object(d, where)
         return cls(
             json_field(d, "model", str, where),
-            json_record(Target, json_field(d, "target", dict, where), f"{where}.target"),
+            Target.of_result(d, where),
             json_field(d, "scenario", str, where),
             json_field(d, "expected_from", str, where),
             list(json_field(d, "prompt_lengths", list[int], where)),

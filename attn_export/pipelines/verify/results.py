@@ -312,7 +312,7 @@ class CaseResult:
         stats = {k: json_record(LatencyStats, t, f"{where}.latency.{k}") if t else None for k, t in timing.items()}
         return cls(
             model=json_field(d, "model", str, where),
-            target=_target(d, where),
+            target=Target.of_result(d, where),
             shape=json_field(d, "shape", str, where),
             sizes=dict(json_field(d, "sizes", dict[str, int], where)),
             seed=json_field(d, "seed", int, where),
@@ -329,11 +329,6 @@ class CaseResult:
             onnx_latency=stats["onnx"],
             torch_latency=stats["torch"],
         )
-
-
-def _target(d: Mapping[str, Any], where: str) -> Target:
-    """The ``target`` object of a result ``d`` (``Target.to_dict``), each field checked."""
-    return json_record(Target, json_field(d, "target", dict, where), f"{where}.target")
 
 
 @dataclass
@@ -434,7 +429,7 @@ class PlacementResult:
     def from_dict(cls, d: Any, where: str = "placement") -> PlacementResult:
         """The placement ``to_dict`` wrote; ArtifactError naming the first field not of its type."""
         d = json_object(d, where)
-        model, target = json_field(d, "model", str, where), _target(d, where)
+        model, target = json_field(d, "model", str, where), Target.of_result(d, where)
         return cls(model, target, Placement.from_dict(d, where), json_field(d, "required", bool, where))
 
 

@@ -248,7 +248,9 @@ class TorchRuntime(Runtime):
 #: where near ties go the other way; the widest is the room. Where a row's scores are large
 #: (outliers: 100s), its Softmax turns a last bit into a percent, and what one rounding does
 #: there is a draw of a wide spread: on mha_cross (outliers, case seed 24) six dithers gave
-#: 0.017-0.033 in the row where the right graph gave 0.045, so six, not two.
+#: 0.017-0.033 in the row where the right graph gave 0.045, so six, not two. The cost: verify
+#: of the tiny zoo's 22 fp16 graphs at seed 0 (``--no-latency``) took 17.0-18.1 s with eight
+#: runs against 12.3-14.1 s with four, alternating runs on an idle 2-core box.
 FLOAT16_ROUNDINGS = ((False, None), (True, None), *(((k % 2 == 0), k) for k in range(1, 7)))
 
 

@@ -68,7 +68,8 @@ def _verify(graph: Path, models: Path, *more: str) -> tuple[int, str]:
 def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> None:
     """No RotaryEmbedding, no mask bias: each layer's GroupQueryAttention rotates with the
     shared cos/sin caches, reads one packed projection (its record kept for localization)
-    and each row's length off the mask. The padded batch genai's generator makes (padded on
+    and each row's length off the mask, and each residual sum is normed in the op that adds
+    it. The padded batch genai's generator makes (padded on
     the right) gives each prompt's own tokens; the extend_batch spec builds (its smoke check
     is fed as the spec says)."""
     proto = onnx.load(str(built.out / f"{NAME}.onnx"))
@@ -83,10 +84,15 @@ def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> N
     packed = [n for n in proto.graph.node if any(p.key == PACKED for p in n.metadata_props)]
     assert len(packed) == 2
     assert len({n.input[7] for n in attention}) == 1  # one cos cache for both layers
+    assert len({n.input[6] for n in attention}) == 1  # one total length, the mask's width
+    assert ops["Add"] == 0 and ops["RMSNormalization"] == 1, ops  # residual sums normed as genai's
+    assert ops["SkipSimplifiedLayerNormalization"] == 4, ops
     cos = numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == attention[0].input[7]))
     assert cos.shape == (40, 8)  # the buffer's 40 positions, half a head
     config = json.loads((built.out / "genai" / NAME / "genai_config.json").read_text())
     assert "position_ids" not in config["model"]["decoder"]["inputs"]
+    deployed = onnx.load(str(built.out / "genai" / NAME / "model.onnx"), load_external_data=False)
+    assert not [n.name for n in deployed.graph.node if "past_length" in (*n.input, *n.output)]  # no dead nodes
     code, out = _verify(built.out, built.models)
     assert code == 0, out
     if HAS_GENAI:

@@ -4,11 +4,13 @@ A link after ``static-cache`` or ``ort-past``: the opset-23 export keeps a modul
 as ``RotaryEmbedding`` nodes on the query and key (their cos and sin computed from the
 positions every step), so the projections cannot be packed and each layer runs its rotary,
 its layout ops and three MatMuls apart. Here each GroupQueryAttention applies the rotary
-itself (``do_rotary`` with cos/sin caches) and reads one packed projection: the shape of
+itself (``do_rotary`` with cos/sin caches) and reads one packed projection, and each
+residual sum is normed in the op that adds it (``skip_norm``): the shape of
 onnxruntime-genai's model builder graphs.
 
 The op counts each token's position from its row's length in the mask (its ones, as genai's
-graphs read them: a batch padded on the right), and keeps no other mask. The caches hold what
+graphs read them: a batch padded on the right) and the keys from the mask's width, computed
+once for every layer, and keeps no other mask. The caches hold what
 the graph computes for positions 0..N-1: the graph evaluated on a prompt of N tokens on an
 empty cache, a mask of ones. That is the module's own rotary only where its positions are
 that count (``model_spec.cache.counted_positions``): no ``position_ids`` input, positions
@@ -28,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 from attn_export.errors import ExportFailure
 from attn_export.exporter.cache_in_op import attribute, declared_dims, fresh_prefixes
 from attn_export.exporter.packed_projections import pack
+from attn_export.exporter.skip_norm import fuse_skip_norms
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import _merged_heads, _Nodes, _read, keep_live
 from attn_export.model_spec.cache import MASK
@@ -154,19 +157,21 @@ def _read_lead_axes(nodes: Sequence[onnx.NodeProto], old: Sequence[str], new: st
             node.input[0] = new
 
 
-def _lengths(mask: str, prefix: str) -> tuple[str, list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """GroupQueryAttention's ``seqlens_k`` as onnxruntime-genai's graphs compute it: each
-    row's ones in the mask, less one. The op then reads each row's own length (a batch
-    padded on the right, as genai pads it) and writes each new token after it."""
+def _lengths(mask: str, prefix: str) -> tuple[tuple[str, str], list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """GroupQueryAttention's ``seqlens_k`` and ``total_sequence_length`` as onnxruntime-genai's
+    graphs compute them, once for every layer: each row's ones in the mask less one, and the
+    mask's width. The op then reads each row's own length (a batch padded on the right, as
+    genai pads it) and writes each new token after it."""
     nodes = _Nodes(f"{prefix}/lengths")
     axis = nodes.const("key_axis", np.array([1], np.int64))
     as_int = nodes.add("Cast", [mask], "mask_i32", to=TensorProto.INT32)  # a bool mask too
     ones = nodes.add("ReduceSum", [as_int, axis], "ones", keepdims=0)
-    return (
-        nodes.add("Sub", [ones, nodes.const("one", np.array(1, np.int32))], "seqlens_k"),
-        nodes.nodes,
-        nodes.constants,
+    seqlens = nodes.add("Sub", [ones, nodes.const("one", np.array(1, np.int32))], "seqlens_k")
+    width = nodes.add(
+        "Gather", [nodes.add("Shape", [mask], "mask_shape"), nodes.const("width_axis", np.array(1))], "width"
     )
+    total = nodes.add("Cast", [width], "total", to=TensorProto.INT32)
+    return (seqlens, total), nodes.nodes, nodes.constants
 
 
 def _sole_reader(nodes: Sequence[onnx.NodeProto], value: str, op_type: str) -> onnx.NodeProto | None:
@@ -247,7 +252,8 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
             graph.initializer.append(numpy_helper.from_array(array, tables[key]))
         return tables[key]
 
-    lengths, first, constants = _lengths(MASK, prefix) if any(i.name == MASK for i in graph.input) else ("", [], [])
+    masked = any(i.name == MASK for i in graph.input)
+    lengths, first, constants = _lengths(MASK, prefix) if masked else (("", ""), [], [])
     graph.initializer.extend(constants)
     packed = 0
     before: list[list[onnx.NodeProto]] = []
@@ -266,8 +272,8 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
             packed += 1
         inputs[7] = table(_same(caches, [query.cos, key.cos]), "cos")
         inputs[8] = table(_same(caches, [query.sin, key.sin]), "sin")
-        if lengths:  # the mask as genai's graphs read it: each row's length, no bias
-            inputs[5], inputs[10] = lengths, ""
+        if masked:  # the mask as genai's graphs read it: each row's length, no bias
+            inputs[5], inputs[6], inputs[10] = *lengths, ""
         _read_lead_axes(graph.node, op.input[:2], inputs[0])
         del op.input[:]
         op.input.extend(inputs)
@@ -281,9 +287,13 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
         made_values = {o for n in made_nodes for o in n.output}
         at = next(i for i, n in enumerate(kept) if made_values & set(n.input))
         kept[at:at] = made_nodes
-    if lengths:
+    if masked:
         for op, _, _ in pairs:
             _straight_output(proto, kept, op)
+    skip_norms = fuse_skip_norms(proto, kept)
     keep_live(proto, kept)
-    info = {"rotary_folded": len(pairs), "packed_projections": packed, "ops": dict(op_counts(proto))}
+    info = {
+        "rotary_folded": len(pairs), "packed_projections": packed, "skip_norms": skip_norms,
+        "ops": dict(op_counts(proto)),
+    }  # fmt: skip
     return VariantGraph(proto, info)

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ExportFailure
 from attn_export.exporter.variants import VariantGraph, op_counts
-from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, rewrite
+from attn_export.exporter.variants.ort_past import GQA_LIMITS, _Nodes, _read, rewrite
 from attn_export.model_spec import variant_chain
 from attn_export.model_spec.cache import MASK
 from attn_export.runtimes.static_cache import CAPACITY_DIM, LENGTH, METADATA_KEY, StaticCache
@@ -123,6 +123,16 @@ def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
     if fed is None or not {mask, ids} <= {i.name for i in graph.input}:
         raise ValueError(f"the graph takes no '{LENGTH}' beside '{mask}' and '{ids}' to derive it from")
     graph.input.remove(fed)
+    if any(LENGTH in _read(node) for node in graph.node):  # gqa-rotary's graph reads the mask alone
+        _derive_length(proto, mask, ids)
+    kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]  # no length to feed: not that interface
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+
+
+def _derive_length(proto: onnx.ModelProto, mask: str, ids: str) -> None:
+    """``past_length`` computed first thing in ``proto``: the mask's length less the ids'."""
+    graph = proto.graph
     nodes = _Nodes(f"{LENGTH}/from_mask")
     total = nodes.add("Shape", [mask], "total", start=1, end=2)
     new = nodes.add("Shape", [ids], "new", start=1, end=2)
@@ -132,9 +142,6 @@ def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
     for i, node in enumerate(nodes.nodes):
         graph.node.insert(i, node)
     graph.initializer.extend(nodes.constants)
-    kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]  # no length to feed: not that interface
-    del proto.metadata_props[:]
-    proto.metadata_props.extend(kept)
 
 
 def fed_by_genai(variant: str) -> Callable[[onnx.ModelProto], None] | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from attn_export.errors import InputError, SpecError
 from attn_export.model_spec.masks import FULL
@@ -230,14 +231,16 @@ def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) 
 COUNTED_CONVENTIONS = ("binary", "attend")
 
 
-def counted_positions(spec: ModelSpec, label: str | None = None) -> int:
+def counted_positions(spec: ModelSpec, label: str | None = None, config: Any = None) -> int:
     """How many positions a graph that counts them itself (``gqa-rotary``: each row's
     filled length plus each token's index) reaches, SpecError where the spec's positions
     are not that count: a ``position_ids`` input the graph would ignore, or a mask that
     pads on the left (its rows count from their first real token) or whose ones are not
     the tokens (an additive or an ignore mask); or where the config's
-    sliding window is shorter than those positions (the graph keeps no mask but lengths).
-    Errors begin with ``label`` (default: the spec's name; a build names the graph)."""
+    sliding window is shorter than those positions (the graph keeps no mask but lengths):
+    ``config``'s, the object the spec's config table makes (its class's default window
+    included), else the table's. Errors begin with ``label`` (default: the spec's name; a
+    build names the graph)."""
     label = label or spec.name
     cache = cache_of(spec)
     if cache is None:
@@ -261,9 +264,10 @@ def counted_positions(spec: ModelSpec, label: str | None = None) -> int:
             f"{' or '.join(COUNTED_CONVENTIONS)} (1 = attend, as tokenizers and onnxruntime-genai give it)"
         )
     reached = cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
-    config = spec.config or {}
-    window = config.get("sliding_window")
-    if isinstance(window, int) and config.get("use_sliding_window", True) is not False and window < reached:
+    table = spec.config or {}
+    window = getattr(config, "sliding_window", None) if config is not None else table.get("sliding_window")
+    used = getattr(config, "use_sliding_window", True) if config is not None else table.get("use_sliding_window", True)
+    if isinstance(window, int) and used is not False and window < reached:
         raise SpecError(
             f"{label}: the graph reads the mask for each row's length alone, and the config's "
             f"sliding_window = {window} is shorter than the {reached} positions it reaches: it would attend "

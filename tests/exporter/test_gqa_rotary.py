@@ -131,6 +131,12 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
             ),
             "sliding_window = 16 is shorter than the 40 positions",
         ),
+        (  # MistralConfig's own window, which the spec leaves as it is
+            lambda t: t.replace("transformers:LlamaConfig", "transformers:MistralConfig").replace(
+                "max_seq = 40", "max_seq = 5000"
+            ),
+            "sliding_window = 4096 is shorter than the 5000 positions",
+        ),
         (
             lambda t: t.replace(
                 'name = "attention_mask"\ndtype = "int64"', 'name = "attention_mask"\ndtype = "float32"'
@@ -138,7 +144,7 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
             "convention 'additive' does not mean",
         ),
     ],
-    ids=["position_ids", "padding", "window", "additive"],
+    ids=["position_ids", "padding", "window", "class-window", "additive"],
 )
 def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
     tmp_path: Path, edit: object, says: str

@@ -27,6 +27,7 @@ from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
 from attn_export.executors import exit_if_orphaned
+from attn_export.exporter.factory import build_config
 from attn_export.model_spec import ModelSpec, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import counted_positions
 from attn_export.model_spec.shapes import format_sizes
@@ -107,7 +108,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
                 "declare [cache] max_seq in the spec"
             )
         if variant_chain(variant).counts_positions:
-            counted_positions(spec, variant_key(spec.name, variant))
+            counted_positions(spec, variant_key(spec.name, variant), build_config(spec))
         ctx.check_budget()
     with stage_timer(result, "module"):
         ctx.module.get()

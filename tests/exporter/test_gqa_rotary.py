@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
@@ -89,6 +90,9 @@ def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> N
     assert ops["SkipSimplifiedLayerNormalization"] == 4, ops
     cos = numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == attention[0].input[7]))
     assert cos.shape == (40, 8)  # the buffer's 40 positions, half a head
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))  # Llama's, heads of 16
+    angles = torch.arange(40, dtype=torch.float32)[:, None] * inv_freq
+    assert np.array_equal(cos, torch.cos(angles).numpy())  # torch's, as the module's each step
     config = json.loads((built.out / "genai" / NAME / "genai_config.json").read_text())
     assert "position_ids" not in config["model"]["decoder"]["inputs"]
     deployed = onnx.load(str(built.out / "genai" / NAME / "model.onnx"), load_external_data=False)

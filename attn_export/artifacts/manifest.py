@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import LOCK_NAME, STAGED, atomic_write, read_regular, schema_document
+from attn_export.artifacts.json_fields import json_record
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, SpecError, UsageError
 from attn_export.model_spec import ModelSpec, spec_from_dict, variant_chain, variant_key
@@ -122,15 +123,7 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
     def bad(why: str) -> ArtifactError:
         return ArtifactError(f"{where}: entry '{name}' {why}")
 
-    if not isinstance(raw, dict):
-        raise bad("is not an object")
-    try:
-        entry = ManifestEntry(**raw)
-    except TypeError as e:
-        raise bad(f"does not fit the schema ({e})") from e
-    for key in ("name", "file", "golden", "build_key", "variant", *_OPTIONAL):
-        if not isinstance(getattr(entry, key), str):
-            raise bad(f"has a non-string '{key}'")
+    entry = json_record(ManifestEntry, raw, f"{where}: models[{name!r}]")  # each field of its type
     for key in ("sha256", "golden_sha256", "spec_hash", *(f"{k}_sha256" for k in _OPTIONAL if getattr(entry, k))):
         value = getattr(entry, key)
         if not isinstance(value, str) or not _HEX64.fullmatch(value):
@@ -144,18 +137,10 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
         value = getattr(entry, key)
         if not value or Path(value).name != value or value in (".", ".."):
             raise bad("names a file outside the output directory")
-    for key in ("versions", "sources"):
-        value = getattr(entry, key)
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise bad(f"has invalid '{key}'")
     try:
         variant_chain(entry.variant)
     except UsageError as e:
         raise bad(f"names a variant this version cannot make: {e}") from e
-    if not isinstance(entry.variant_info, dict):
-        raise bad("has invalid 'variant_info'")
-    if not isinstance(entry.spec, dict):
-        raise bad("has no spec")
     try:
         spec = entry.model_spec
     except SpecError as e:

@@ -721,3 +721,24 @@ def test_a_manifest_entry_naming_a_file_not_its_own_is_refused(tiny_torchscript_
     rebuilt = invoke("build", "--models", str(tiny_build.models), "--out", str(tiny_build.out), "--force")
     assert rebuilt.exit_code == 0, rebuilt.output  # --force starts over from a manifest it cannot use
     assert invoke("verify", str(tiny_build.out), "--golden", "--no-latency").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda e: e.pop("sha256"), "models['mha'].sha256: missing"),
+        (lambda e: e.update(file=3), "models['mha'].file: a number, not str"),
+        (lambda e: e.update(extra=1), "models['mha'].extra: unknown field"),
+        (lambda e: e["versions"].update(torch=2), "models['mha'].versions['torch']: a number, not str"),
+        (lambda e: e.update(spec=[]), "models['mha'].spec: a list, not dict[str, Any]"),
+    ],
+    ids=["missing", "mistyped", "unknown", "nested", "spec"],
+)
+def test_a_manifest_entry_off_the_schema_is_named_by_its_field(zoo_dir: Path, change, says: str) -> None:
+    """Each field read as the type it must be, named by its path: a missing or unknown key
+    was the text of the TypeError the dataclass's constructor raised."""
+    doc = json.loads((zoo_dir / "manifest.json").read_text())
+    change(doc["models"]["mha"])
+    with pytest.raises(ArtifactError) as refused:
+        Manifest.from_json(json.dumps(doc), "manifest.json")
+    assert str(refused.value) == f"manifest.json: {says}"

@@ -10,12 +10,12 @@ onnxruntime-genai's model builder graphs.
 
 The op counts each token's position from its row's length in the mask (its ones, as genai's
 graphs read them: a batch padded on the right) and the keys from the mask's width, computed
-once for every layer, and keeps no other mask. The caches hold what
-the graph's nodes compute for positions 0..N-1 (evaluated on a prompt of N tokens on an
-empty cache, a mask of ones), their cos and sin taken by torch as the module takes them. That is the module's own rotary only where its positions are
-that count (``model_spec.cache.counted_positions``): no ``position_ids`` input, positions
-counted from a mask that pads nothing in our loop, no sliding window shorter than N. The
-build refuses any other spec.
+once for every layer, and keeps no other mask. The caches hold what the graph's nodes
+compute for positions 0..N-1 (evaluated on a prompt of N tokens on an empty cache, a mask of
+ones), their cos and sin taken by torch as the module takes them. That is the module's own
+rotary only where its positions are that count (``model_spec.cache.counted_positions``): no
+``position_ids`` input, positions counted from a mask that pads nothing in our loop, no
+sliding window shorter than N. The build refuses any other spec.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from attn_export.errors import ArtifactError
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["json_field", "json_object", "json_record", "mistyped"]
+__all__ = ["json_field", "json_object", "json_record", "mistyped", "refuse_unknown"]
 
 #: What a JSON value is called in a message.
 _JSON_KINDS = {
@@ -111,12 +111,19 @@ def json_record(cls: type[_Record], value: Any, where: str, derived: Collection[
     strings, lists and objects of them): one that holds another record reads it by hand."""
     doc = json_object(value, where)
     fields = dataclasses.fields(cls)
-    unknown = next((k for k in doc if k not in {f.name for f in fields} and k not in derived), None)
-    if unknown is not None:
-        raise ArtifactError(f"{where}.{unknown}: unknown field" if where else f"{unknown}: unknown field")
+    refuse_unknown(doc, {*(f.name for f in fields), *derived}, where)
     hints = typing.get_type_hints(cls)
     read = {f.name: json_field(doc, f.name, hints[f.name], where, _default(f)) for f in fields}
     return cls(**read)
+
+
+def refuse_unknown(doc: Mapping[str, Any], known: Collection[str], where: str) -> None:
+    """ArtifactError naming the first key of ``doc`` not in ``known`` (``where.key``): a
+    record read by hand passes the keys its ``to_dict`` writes, as ``json_record`` its
+    fields, so every record of a report refuses a key it would not write."""
+    unknown = next((k for k in doc if k not in known), None)
+    if unknown is not None:
+        raise ArtifactError(f"{where}.{unknown}: unknown field" if where else f"{unknown}: unknown field")
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:

@@ -240,6 +240,10 @@ NESTED: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
         lambda d: d.update(generate=[{**_GENERATE, "tokens": 2}]),
         "(generate[0].tokens: unknown field)",
     ),
+    "case extra": (lambda d: d["cases"][0].update(verdict="pass"), "(cases[0].verdict: unknown field)"),
+    "decode extra": (lambda d: d["decode"][0].update(passes=True), "(decode[0].passes: unknown field)"),
+    "step extra": (lambda d: _step(d).update(total=3), "(decode[0].steps[1].total: unknown field)"),
+    "placement extra": (lambda d: d["placement"][0].update(on="cpu"), "(placement[0].on: unknown field)"),
     "op count typed": (
         lambda d: d["placement"][0].update(fallbacks=[{"op_type": "MatMul", "provider": "CPU", "count": "1"}]),
         "(placement[0].fallbacks[0].count: a string, not int)",

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from attn_export.artifacts.json_fields import json_field, json_object
+from attn_export.artifacts.json_fields import json_field, json_object, refuse_unknown
 from attn_export.checks.cache_growth import CacheCarry, CacheGrowth
 from attn_export.compare import OutputComparison
 from attn_export.runtimes.target import Target
@@ -79,7 +79,7 @@ class DecodeStep:
         """The step ``to_dict`` wrote; ArtifactError naming the first field (``where.past``)
         missing or not of its type: a step is read from a report from anywhere."""
         d = json_object(d, where)
-        return cls(
+        result = cls(
             json_field(d, "step", int, where),
             json_field(d, "past", int, where),
             json_field(d, "seq", int, where),
@@ -90,6 +90,8 @@ class DecodeStep:
             json_field(d, "start", int | None, where, None),
             [CacheCarry.from_dict(c, f"{where}.carry[{i}]") for i, c in enumerate(_optional(d, "carry", where))],
         )
+        refuse_unknown(d, result.to_dict(), where)
+        return result
 
 
 @dataclass
@@ -202,7 +204,7 @@ class DecodeResult:
         (``where.steps[1].past``) missing or not of its type: a trajectory is read from a
         shard's report, which can come from anywhere."""
         d = json_object(d, where)
-        return cls(
+        result = cls(
             json_field(d, "model", str, where),
             Target.of_result(d, where),
             json_field(d, "scenario", str, where),
@@ -213,6 +215,8 @@ class DecodeResult:
             _comparisons(d, "unpadded", where),
             list(json_field(d, "notes", list[str], where, [])),
         )
+        refuse_unknown(d, result.to_dict(), where)
+        return result
 
 
 def _optional(d: Mapping[str, Any], key: str, where: str) -> list[Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from attn_export.artifacts.files import LOCK_WAIT_S
-from attn_export.artifacts.json_fields import json_field, json_object, json_record
+from attn_export.artifacts.json_fields import json_field, json_object, json_record, refuse_unknown
 from attn_export.artifacts.recorded import RECORDED
 from attn_export.checks.decode.plan import DEFAULT_STEPS
 from attn_export.checks.decode.results import DecodeResult
@@ -310,7 +310,7 @@ class CaseResult:
         lat = json_field(d, "latency", dict | None, where, None) or {}
         timing = {k: json_field(lat, k, dict | None, f"{where}.latency", None) for k in ("onnx", "torch")}
         stats = {k: json_record(LatencyStats, t, f"{where}.latency.{k}") if t else None for k, t in timing.items()}
-        return cls(
+        result = cls(
             model=json_field(d, "model", str, where),
             target=Target.of_result(d, where),
             shape=json_field(d, "shape", str, where),
@@ -329,6 +329,8 @@ class CaseResult:
             onnx_latency=stats["onnx"],
             torch_latency=stats["torch"],
         )
+        refuse_unknown(d, {*result.to_dict(), "reproduce"}, where)  # the report adds its reproduce line
+        return result
 
 
 @dataclass
@@ -430,7 +432,9 @@ class PlacementResult:
         """The placement ``to_dict`` wrote; ArtifactError naming the first field not of its type."""
         d = json_object(d, where)
         model, target = json_field(d, "model", str, where), Target.of_result(d, where)
-        return cls(model, target, Placement.from_dict(d, where), json_field(d, "required", bool, where))
+        result = cls(model, target, Placement.from_dict(d, where), json_field(d, "required", bool, where))
+        refuse_unknown(d, result.to_dict(), where)
+        return result
 
 
 @dataclass

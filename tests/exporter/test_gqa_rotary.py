@@ -110,11 +110,11 @@ FAMILIES = {
 
 @pytest.mark.slow  # a build and a verify per family: about 40 s each
 @pytest.mark.parametrize("family", FAMILIES)
-def test_other_families_verify_green(
+def test_other_families_read_one_packed_projection_and_verify_green(
     tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
-    """Each builds (Phi-3's own packed ``qkv_proj``, which leaves no projection to pack,
-    failed the build before) and gives PyTorch's tokens."""
+    """Each layer's GroupQueryAttention reads the one projection a layer packs (Phi-3's own
+    ``qkv_proj``; the build failed on it before), and the graph gives PyTorch's tokens."""
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
     config, fields, head = FAMILIES[family]
     text = text.replace('LlamaConfig",', f'{config}",{fields}').replace(", 16]", f", {head}]")
@@ -126,6 +126,9 @@ def test_other_families_verify_green(
         variants=(VARIANT,),
     )
     assert made.errors == {NAME: None}, made.errors
+    proto = onnx.load(str(made.out / f"{NAME}.onnx"))
+    attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 and all(n.input[1] == n.input[2] == "" for n in attention)
     code, out = _verify(made.out, made.models)
     assert code == 0, out
     if HAS_GENAI:

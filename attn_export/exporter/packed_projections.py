@@ -28,6 +28,7 @@ from onnx import helper, numpy_helper
 
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
+from attn_export.exporter.cache_in_op import declared_dims
 
 __all__ = ["PACKED", "keep_records", "pack", "packed_records", "packed_weights", "unpacked"]
 
@@ -83,14 +84,50 @@ def _described(node: onnx.NodeProto | None) -> dict[str, Any] | None:
     return {"name": node.name, "output": node.output[0], "metadata": {p.key: p.value for p in node.metadata_props}}
 
 
+def _slice_bounds(cut: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]) -> list[int] | None:
+    """A ``Slice``'s start, end, axis and step, each one constant number, or None."""
+    found = [constants.get(name) for name in cut.input[1:]]
+    numbers = [int(numpy_helper.to_array(t).item()) for t in found if t is not None and list(t.dims) == [1]]
+    return [*numbers, 1][:4] if len(numbers) == len(found) and len(numbers) in (3, 4) else None
+
+
+def _cut_from(
+    proto: onnx.ModelProto,
+    values: Sequence[str],
+    producers: Mapping[str, onnx.NodeProto],
+    constants: Mapping[str, onnx.TensorProto],
+) -> str | None:
+    """The value whose last axis ``values`` cut end to end, in order, a ``Slice`` each, or
+    None: a projection the module packs itself (Phi-3's ``qkv_proj``), read as it is."""
+    cuts = [n for v in values if (n := producers.get(v)) is not None and n.op_type == "Slice"]
+    if len(cuts) != len(values) or len({c.input[0] for c in cuts}) != 1:
+        return None
+    dims = declared_dims(proto, cuts[0].input[0])
+    width = dims[-1] if len(dims) == 3 else None
+    end = 0
+    for cut in cuts:
+        bounds = _slice_bounds(cut, constants)
+        if not isinstance(width, int) or bounds is None:
+            return None
+        start, stop, axis, step = bounds
+        if axis not in (-1, 2) or step != 1 or start != end or min(stop, width) <= start:
+            return None
+        end = min(stop, width)
+    return cuts[0].input[0] if end == width else None
+
+
 def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[str, list[onnx.NodeProto]] | None:
     """The name of one packed projection standing for ``values`` (each ``x @ W (+ b)`` on the
     same ``x``, each read by one node alone) and the nodes computing it; their weights are
-    added to ``proto``'s initializers. None where they are not such projections: the
-    caller keeps them as they are."""
+    added to ``proto``'s initializers. Where ``values`` are cut from one projection already
+    (``_cut_from``), that one and no nodes. None where they are neither: the caller keeps
+    them as they are."""
     graph = proto.graph
     producers = {out: n for n in graph.node for out in n.output}
     constants = {t.name: t for t in graph.initializer}
+    whole = _cut_from(proto, values, producers, constants)
+    if whole is not None:
+        return whole, []
     readers = Counter(name for n in graph.node for name in n.input) + Counter(o.name for o in graph.output)
     found = [_projection(v, producers, constants, readers) for v in values]
     projections = [p for p in found if p is not None]

@@ -103,6 +103,42 @@ def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> N
         assert "onnxruntime-genai  padded" in out and "5 of 5 generations" in out, out
 
 
+#: Other families the whole-decoder adapter takes, in the tiny zoo's sizes: the config class
+#: that stands for Llama's, the fields it adds, and the head size.
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "", 16),  # q/k/v biases: packed with their sum
+    "phi3": ("Phi3Config", "", 16),  # its own packed qkv_proj, cut into heads by Slices
+    "gemma": ("GemmaConfig", " head_dim = 32,", 32),  # heads wider than hidden / heads, scaled embeddings
+}
+
+
+@pytest.mark.slow  # a build and a verify per family: about 40 s each
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_read_one_packed_projection_and_verify_green(
+    tmp_path_factory: pytest.TempPathFactory, family: str
+) -> None:
+    """Each layer's GroupQueryAttention reads the one projection a layer packs (Phi-3's own
+    ``qkv_proj``; the build failed on it before), and the graph gives PyTorch's tokens."""
+    text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
+    config, fields, head = FAMILIES[family]
+    text = text.replace('LlamaConfig",', f'{config}",{fields}').replace(", 16]", f", {head}]")
+    made = shared_build(
+        tmp_path_factory,
+        f"gqa-rotary-{family}",
+        lambda folder: _write(folder, text),
+        target="genai",
+        variants=(VARIANT,),
+    )
+    assert made.errors == {NAME: None}, made.errors
+    proto = onnx.load(str(made.out / f"{NAME}.onnx"))
+    attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 and all(n.input[1] == n.input[2] == "" for n in attention)
+    code, out = _verify(made.out, made.models)
+    assert code == 0, out
+    if HAS_GENAI:
+        assert "5 of 5 generations" in out, out
+
+
 @pytest.mark.slow  # a verify of an edited graph: about 10 s
 def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> None:
     proto = onnx.load(str(built.out / f"{NAME}.onnx"))

@@ -76,6 +76,48 @@ def test_projections_of_two_inputs_or_read_twice_are_not_packed() -> None:
     assert pack(proto, ["q", "k", "v"], "p") is None
 
 
+def _cut(bounds: list[tuple[int, int, int]]) -> onnx.ModelProto:
+    """One projection of ``x`` (32 columns) cut into q, k and v, a ``Slice`` (start, end,
+    axis) each, as Phi-3 cuts its own ``qkv_proj``."""
+    weights = [numpy_helper.from_array(np.ones((HIDDEN, sum(COLUMNS)), np.float32), "w")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["qkv"])]
+    for name, (start, end, axis) in zip("qkv", bounds, strict=True):
+        for what, value in (("start", start), ("end", end), ("axis", axis)):
+            weights.append(numpy_helper.from_array(np.array([value], np.int64), f"{name}_{what}"))
+        nodes.append(helper.make_node("Slice", ["qkv", f"{name}_start", f"{name}_end", f"{name}_axis"], [name]))
+    graph = helper.make_graph(
+        nodes,
+        "cut",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", HIDDEN])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "qkv"],
+        weights,
+        value_info=[helper.make_tensor_value_info("qkv", TensorProto.FLOAT, [1, "seq", sum(COLUMNS)])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+END = np.iinfo(np.int64).max
+
+
+@pytest.mark.parametrize(
+    ("bounds", "packed"),
+    [
+        ([(0, 16, -1), (16, 24, -1), (24, END, -1)], True),
+        ([(0, 16, 2), (16, 24, 2), (24, 32, 2)], True),
+        ([(0, 16, -1), (16, 24, -1), (25, END, -1)], False),  # a column left out
+        ([(16, 24, -1), (0, 16, -1), (24, END, -1)], False),  # the query's columns not first
+        ([(0, 16, -1), (16, 24, -1), (24, 30, -1)], False),  # the last columns left out
+        ([(0, 1, 1), (1, 2, 1), (2, END, 1)], False),  # cut along the positions
+    ],
+    ids=["to-the-end", "to-the-width", "gap", "reordered", "short", "other-axis"],
+)
+def test_a_projection_cut_end_to_end_is_read_whole(bounds: list[tuple[int, int, int]], packed: bool) -> None:
+    """Query, key and value cut from one projection, end to end in that order, are that
+    projection as it is: no nodes made; cut any other way they are not packed at all."""
+    found = pack(_cut(bounds), ["q", "k", "v"], "p")
+    assert found == (("qkv", []) if packed else None)
+
+
 def test_int8_rounds_each_packed_weight_with_its_own_scale() -> None:
     """With the key's weight 8x as wide, one scale over the packed weight rounds the query's
     and value's 8x as coarsely as quantizing the three apart; each part's own scale gives

@@ -312,7 +312,7 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
         graph.initializer.extend(nodes.constants)
         before.append(nodes.nodes)
     kept = [*first, *graph.node]
-    for made_nodes in before:  # each before the first node that reads it
+    for made_nodes in filter(None, before):  # each before the first node that reads it
         made_values = {o for n in made_nodes for o in n.output}
         at = next(i for i, n in enumerate(kept) if made_values & set(n.input))
         kept[at:at] = made_nodes

@@ -139,6 +139,19 @@ def test_other_families_read_one_packed_projection_and_verify_green(
         assert "5 of 5 generations" in out, out
 
 
+@pytest.mark.slow  # an export: about 15 s
+def test_a_partial_rotary_is_refused_naming_it(tmp_path: Path) -> None:
+    """Phi-3 rotating half of each head: the refusal said a module without rotary had
+    nothing to fold."""
+    text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
+    text = text.replace('LlamaConfig",', 'Phi3Config", partial_rotary_factor = 0.5,')
+    (spec,) = _write(tmp_path / "models", text)
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out"), "--variant", VARIANT])
+    assert result.exit_code == 1, result.output
+    (failure,) = [line for line in result.output.splitlines() if "FAILED" in line]
+    assert "its rotary is partial (a config's partial_rotary_factor < 1" in failure, failure
+
+
 @pytest.mark.slow  # a verify of an edited graph: about 10 s
 def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> None:
     proto = onnx.load(str(built.out / f"{NAME}.onnx"))

@@ -249,9 +249,16 @@ def _checked(
             raise ExportFailure(f"variant gqa-rotary: '{op.name}' applies its rotary already")
         query, key = (_rotary(name, producers) for name in op.input[:2])
         if query is None or key is None:
+            rotary = any(n.op_type == "RotaryEmbedding" for n in proto.graph.node)
             raise ExportFailure(
-                f"variant gqa-rotary: '{op.name}' reads no RotaryEmbedding (not interleaved, whole heads) "
-                "on both its query and its key; a module without rotary has nothing to fold"
+                f"variant gqa-rotary: '{op.name}' reads no RotaryEmbedding of whole heads, not interleaved, "
+                "on both its query and its key; "
+                + (
+                    "its rotary is partial (a config's partial_rotary_factor < 1 rotates part of each head) "
+                    "or interleaved, which the op's cos/sin caches do not hold: build it without gqa-rotary"
+                    if rotary
+                    else "a module without rotary has nothing to fold"
+                )
             )
         head = declared_dims(proto, query.source)[-1]
         if not isinstance(head, int) or head % _HEAD_MULTIPLE:

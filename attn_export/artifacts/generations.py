@@ -42,6 +42,8 @@ class Recorded:
 
     tokens: list[list[int]]
     logits: list[np.ndarray]
+    #: Each step's room beside the tolerance (``Generation.room``), where the run has one.
+    room: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -57,7 +59,8 @@ class RecordedGenerations:
     def run(self, rounding: str, layout: str, how: str, steps: int) -> Recorded:
         """The recorded generation cut to its first ``steps`` steps."""
         recorded = self.runs[(rounding, layout, how)]
-        return Recorded([row[:steps] for row in recorded.tokens], recorded.logits[:steps])
+        room = None if recorded.room is None else recorded.room[:steps]
+        return Recorded([row[:steps] for row in recorded.tokens], recorded.logits[:steps], room)
 
 
 def encode_generations(generations: RecordedGenerations) -> bytes:
@@ -77,6 +80,8 @@ def encode_generations(generations: RecordedGenerations) -> bytes:
             tokens[i, : len(row)] = row
         arrays[f"tokens/{rounding}/{layout}/{how}"] = tokens
         arrays[f"logits/{rounding}/{layout}/{how}"] = np.asarray(recorded.logits, np.float64)
+        if recorded.room is not None:
+            arrays[f"room/{rounding}/{layout}/{how}"] = np.asarray(recorded.room, np.float64)
     return encode_npz(arrays)
 
 
@@ -87,7 +92,7 @@ def _known(key: str) -> bool:
     if parts[0] == "prompt":
         return len(parts) == 3 and parts[1] in LAYOUTS and parts[2].isdigit() and len(parts[2]) < 3
     return (
-        len(parts) == 4 and parts[0] in ("tokens", "logits") and parts[1] in ROUNDINGS
+        len(parts) == 4 and parts[0] in ("tokens", "logits", "room") and parts[1] in ROUNDINGS
         and parts[2] in LAYOUTS and parts[3] in RUNS
     )  # fmt: skip
 
@@ -152,7 +157,13 @@ def read_generations(path: Path, spec: ModelSpec, vocab: int, budget: int, root:
                     f"{rows} prompts, {steps} steps and {vocab} ids"
                 )
             kept = [ids(row[row >= 0], key) for row in tokens]
-            recorded.runs[(rounding, layout, how)] = Recorded(kept, list(logits))
+            room = f"room/{rounding}/{layout}/{how}"
+            spread = load(room, "f", 3) if room in infos else None
+            if spread is not None and (spread.shape != logits.shape or not (spread >= 0).all()):
+                raise ArtifactError(f"{path}: {room} is not a non-negative room of its logits' shape")
+            recorded.runs[(rounding, layout, how)] = Recorded(
+                kept, list(logits), None if spread is None else list(spread)
+            )
     if not recorded.runs:
         raise ArtifactError(f"{path}: records no generation")
     return recorded

@@ -147,12 +147,9 @@ def torch_generate(
     """PyTorch's ``generate()`` of the causal LM inside ``module`` (``module.model``), greedy,
     stopping each row at its config's end-of-sequence token as a generator does; with
     ``bits``, its weights rounded as the int8 or int4 variant rounds them (``rounded``), the
-    generation a right quantized graph gives."""
-    import contextlib
-
-    import torch
-
-    from attn_export.runtimes.int8_rounding import rounded
+    generation a right quantized graph gives. int4's, simulated to float32 noise, holds as
+    its ``room`` how far its activations' near ties move each logit (``INT4_TIES``)."""
+    from attn_export.runtimes.int8_rounding import INT4_TIES
 
     model = getattr(module, "model", None)
     if model is None or not callable(getattr(model, "generate", None)):
@@ -160,9 +157,25 @@ def torch_generate(
             f"{spec.name}: --generate compares with PyTorch's generate(), which {type(module).__name__} lacks: "
             "build the model with attn_export.zoo.hf_cache:CausalLMWithCache"
         )
+    made = _generated(module, prompts, steps, pad, bits)
+    if bits != 4:
+        return made
+    ties = [_generated(module, prompts, steps, pad, bits, tie) for tie in INT4_TIES]
+    return Generation(made.tokens, made.logits, _tie_room(made, ties))
+
+
+def _generated(
+    module: Any, prompts: Sequence[Sequence[int]], steps: int, pad: int, bits: int | None, tie: float = 0.0
+) -> Generation:
+    import contextlib
+
+    import torch
+
+    from attn_export.runtimes.int8_rounding import rounded
+
     ids, mask = _left_padded(prompts, pad)
-    with torch.no_grad(), rounded(module, bits) if bits else contextlib.nullcontext():
-        out = model.generate(
+    with torch.no_grad(), rounded(module, bits, tie) if bits else contextlib.nullcontext():
+        out = module.model.generate(
             torch.from_numpy(ids),
             attention_mask=torch.from_numpy(mask),
             max_new_tokens=steps,
@@ -174,6 +187,21 @@ def torch_generate(
         )
     tokens = out.sequences[:, ids.shape[1] :].tolist()
     return Generation(tokens, [step.double().numpy() for step in out.logits])
+
+
+def _tie_room(made: Generation, ties: Sequence[Generation]) -> list[np.ndarray]:
+    """Per step, the largest |logit - ``made``'s| over the ``ties`` runs, each row counted
+    while a run has chosen ``made``'s tokens before that step (after, it runs another text)."""
+    room = [np.zeros_like(step) for step in made.logits]
+    for tie in ties:
+        for step, want in enumerate(made.logits):
+            if step >= len(tie.logits):
+                break
+            same = [r for r in range(len(made.tokens)) if made.tokens[r][:step] == tie.tokens[r][:step]]
+            with np.errstate(invalid="ignore"):
+                spread = np.nan_to_num(np.abs(tie.logits[step] - want))
+            room[step][same] = np.maximum(room[step][same], spread[same])
+    return room
 
 
 def _played(
@@ -243,11 +271,14 @@ def stacked(generations: Sequence[Generation]) -> Generation:
     tokens = [row for g in generations for row in g.tokens]
     steps = max(len(g.logits) for g in generations)
     vocab = generations[0].logits[0].shape[-1]
-    blank = np.full((1, vocab), np.nan)
-    return Generation(
-        tokens,
-        [np.concatenate([g.logits[i] if i < len(g.logits) else blank for g in generations]) for i in range(steps)],
-    )
+
+    def rows(per_step: Sequence[Sequence[np.ndarray]], fill: float) -> list[np.ndarray]:
+        blank = np.full((1, vocab), fill)
+        return [np.concatenate([g[i] if i < len(g) else blank for g in per_step]) for i in range(steps)]
+
+    rooms = [g.room for g in generations]
+    room = None if any(r is None for r in rooms) else rows([r for r in rooms if r is not None], 0.0)
+    return Generation(tokens, rows([g.logits for g in generations], np.nan), room)
 
 
 def judge(
@@ -255,7 +286,7 @@ def judge(
 ) -> tuple[list[float], str, int | None]:
     """Step by step, the largest logit difference, and the first step whose tokens differ or
     whose logits break ``tolerance`` (its atol widened by ``atol_rms`` x the step's logits'
-    rms; NaN never agrees): one line naming its row, the two tokens and the logit. A row
+    rms and by ``expected``'s room; NaN never agrees): one line naming its row, the two tokens and the logit. A row
     that has ended (PyTorch chose an ``eos`` token) is judged no further, as a generator
     stops it there; a row the graph's runner stopped before that is a divergence."""
     by_step: list[float] = []
@@ -273,7 +304,8 @@ def judge(
             diff = np.abs(want - have)
         by_step.append(float(np.nanmax(diff[rows])) if np.isfinite(diff[rows]).any() else float("nan"))
         # a lossy variant's share of the logits' rms holds what its simulated rounding misses
-        room = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.nanmean(want[rows] ** 2)))
+        shared = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.nanmean(want[rows] ** 2)))
+        room = shared + (expected.room[step] if expected.room is not None else np.zeros_like(want))
         outside = ~(diff <= room + tolerance.rtol * np.abs(want))
         for row in rows:
             w, h = expected.tokens[row][step], got.tokens[row][step]
@@ -284,7 +316,7 @@ def judge(
                     f"step {step + 1}, row {row}: "
                     + (f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};")
                     + f" logit {index}: PyTorch {want[row, index]:.6g}, the graph {have[row, index]:.6g} "
-                    f"(|diff| {diff[row, index]:.3g}, atol={room:.3g} rtol={tolerance.rtol:g})",
+                    f"(|diff| {diff[row, index]:.3g}, atol={room[row, index]:.3g} rtol={tolerance.rtol:g})",
                     step + 1,
                 )
             if w in eos:

@@ -29,6 +29,9 @@ class Generation:
 
     tokens: list[list[int]]
     logits: list[np.ndarray]
+    #: Per step, how far each logit may stray beside the tolerance: where PyTorch's is a
+    #: simulated rounding, the spread of its near ties (``checks.generate.torch_generate``).
+    room: list[np.ndarray] | None = None
 
 
 def genai_generate(folder: Path, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> Generation:

@@ -33,7 +33,7 @@ from typing import Any
 
 from attn_export._deps import require
 
-__all__ = ["FLOAT16", "float16_twin", "in_float16", "in_int8", "rounded"]
+__all__ = ["FLOAT16", "INT4_TIES", "float16_twin", "in_float16", "in_int8", "rounded"]
 
 #: The ``bits`` that stand for the ``fp16`` variant's rounding: float16 inside, not integers.
 FLOAT16 = 16
@@ -50,6 +50,13 @@ INT4_BLOCK = 32
 INT4_ACCURACY_LEVEL = 4
 #: At that level, the activations' codes per block, symmetric.
 INT8_CODES = 127
+#: Near ties of those codes: an activation a unit or two in the last place from halfway
+#: between two codes rounds one way in the module and the other in the graph, whose float
+#: ops (a fused norm, another summation order) differ by that much. One such flip moved a
+#: tiny Gemma's int4 logit by 3.5e-4 at the prompt's step (|logits| 0.17 rms), 35 times the
+#: float32 tolerance, and the module with its codes nudged by 1e-6 of their size gave the
+#: graph's logit to 1e-7. The simulation nudged each way bounds what such flips do.
+INT4_TIES = (1e-6, -1e-6)
 
 
 def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
@@ -61,8 +68,10 @@ def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
 
 
 @contextlib.contextmanager
-def rounded(module: Any, bits: int = 8) -> Iterator[None]:
-    """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does."""
+def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
+    """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does;
+    with ``tie``, int4's activation codes are taken ``1 + tie`` times as large before rounding
+    (``INT4_TIES``)."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
 
@@ -106,7 +115,7 @@ def rounded(module: Any, bits: int = 8) -> Iterator[None]:
         padded = torch.nn.functional.pad(x, (0, -length % INT4_BLOCK))
         grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
         peak = grouped.abs().amax(-1, keepdim=True)
-        inverse = torch.where(peak == 0, torch.zeros_like(peak), INT8_CODES / peak)
+        inverse = torch.where(peak == 0, torch.zeros_like(peak), INT8_CODES / peak) * (1 + tie)
         codes = torch.round(grouped * inverse)
         return (codes * (peak / INT8_CODES)).reshape(padded.shape)[..., :length]
 

@@ -30,7 +30,9 @@ def _recorded() -> RecordedGenerations:
         {"batch-1": [[5, 6, 7]], "padded": [[5, 6, 7], [8, 9]]},
         {
             ("none", "padded", "alone"): Recorded([[4, 4, 9], [3, 2]], logits),
-            ("int4", "batch-1", "batch"): Recorded([[1, 1, 1]], [x[:1] for x in logits]),
+            ("int4", "batch-1", "batch"): Recorded(
+                [[1, 1, 1]], [x[:1] for x in logits], [np.full((1, VOCAB), 0.5)] * 3
+            ),
         },
     )
 
@@ -52,6 +54,9 @@ def test_a_file_reads_back_as_written(tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         back.runs[("none", "padded", "alone")].logits[2], recorded.runs[("none", "padded", "alone")].logits[2]
     )
+    assert alone.room is None  # a run with no near ties to bound records none
+    room = back.run("int4", "batch-1", "batch", 2).room
+    assert room is not None and len(room) == 2 and (np.asarray(room) == 0.5).all()
 
 
 def _with(data: bytes, key: str, value: np.ndarray) -> bytes:
@@ -76,6 +81,8 @@ def _with(data: bytes, key: str, value: np.ndarray) -> bytes:
         ("logits/none/padded/alone", np.zeros((3, 2, 31)), "do not fit 2 prompts, 3 steps and 32 ids"),
         ("meta/steps", np.array(10**9), "not a number of steps the spec's ranges hold"),
         ("meta/pad", np.array([0.5]), "is float64 of 1 axes, not what it records"),
+        ("room/int4/batch-1/batch", np.full((3, 1, VOCAB), -1.0), "is not a non-negative room of its logits' shape"),
+        ("room/int4/batch-1/batch", np.zeros((3, 1, 31)), "is not a non-negative room of its logits' shape"),
     ],
 )
 def test_a_file_holding_anything_else_is_refused(tmp_path: Path, key: str, value: np.ndarray, says: str) -> None:

@@ -77,3 +77,25 @@ def test_more_tokens_than_past_seq_holds_is_refused() -> None:
     assert generate_prompts(spec, 24, seed=0)["batch-1"]  # a prompt of 2, then past 2 + 24 - 2 = 24
     with pytest.raises(UsageError, match="--generate 25: a prompt of 2 tokens and 25 new ones need past_seq up to 25"):
         generate_prompts(spec, 25, seed=0)
+
+
+def test_a_simulated_near_tie_widens_the_room_of_its_logits_alone() -> None:
+    """int4's simulation holds how far its activations' near ties move each logit: a graph
+    that settles a tie the other way is within it, a logit the tie does not reach is not."""
+    room = [np.zeros((1, 8)), np.zeros((1, 8))]
+    room[0][0, 1] = 1e-3
+    want = Generation([[3, 4]], _logits([[3, 4]]), room)
+    got = _gen([[3, 4]])
+    got.logits[0][0, 1] += 8e-4
+    assert judge(want, got, TOL, EOS)[1:] == ("", None)
+    got.logits[0][0, 2] += 8e-4
+    why, step = judge(want, got, TOL, EOS)[1:]
+    assert step == 1 and "logit 2:" in why and "atol=1e-05" in why
+
+
+def test_the_room_of_prompts_generated_alone_stacks_with_them() -> None:
+    first = Generation([[5, 2]], _logits([[5, 2]]), [np.full((1, 8), 0.1)] * 2)
+    second = Generation([[3, 4, 5]], _logits([[3, 4, 5]]), [np.full((1, 8), 0.2)] * 3)
+    room = stacked([first, second]).room
+    assert room is not None and [r[:, 0].tolist() for r in room] == [[0.1, 0.2], [0.1, 0.2], [0.0, 0.2]]
+    assert stacked([first, _gen([[3]])]).room is None

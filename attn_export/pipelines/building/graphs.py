@@ -195,7 +195,7 @@ class SpecBuild:
                 batch = torch_generate(module, spec, rows, steps, pad, bits)
                 alone = stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
                 for how, made in (("batch", batch), ("alone", alone)):
-                    recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits)
+                    recorded.runs[(rounding, layout, how)] = Recorded(made.tokens, made.logits, made.room)
 
     def export(self, opset: int) -> onnx.ModelProto:
         """The module exported at ``opset``, checked; exported once per opset."""

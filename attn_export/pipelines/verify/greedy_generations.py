@@ -122,7 +122,7 @@ def recorded_reference(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, opt
 
     def generation(layout: str, how: str) -> Generation:
         run = recorded.run(rounding, layout, how, steps)
-        return Generation(run.tokens, run.logits)
+        return Generation(run.tokens, run.logits, run.room)
 
     folder = out_dir / GENAI_DIR / entry.name
     return _Reference(recorded.prompts, recorded.pad, recorded.eos, generation, folder if folder.is_dir() else None)

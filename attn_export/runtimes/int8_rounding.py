@@ -198,13 +198,34 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
     float16 value, up, down or not at all, drawn per element: a right graph's MatMul rounds
     its scores within about a unit in the last place of PyTorch's, and where two keys' scores
     are closer than that (large values: a unit is 4 at scores of 5000), which of them wins is
-    its rounding's choice. Both decompositions above may settle such a tie alike."""
+    its rounding's choice. Both decompositions above may settle such a tie alike.
+
+    With ``dither``, the operands of each product of two computed float16 tensors (the
+    query and the key, neither one of the module's own nor a Softmax's probabilities) are
+    moved so too, before it: a right graph rounds its query and key from other values (ONNX
+    Runtime's CPU keeps the input and the projection's sum in float32), within about a unit
+    of PyTorch's, and the score carries that unit times the other operand, many units of the
+    score where the dot product cancels: on large values, a score of 115 made of terms in
+    the 1000s was 1.2 and 1.9 off in the graph (units of 0.06), and a two-key row that the
+    reference gives 86 % to one key went 79 % to the other."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
 
     F = torch.nn.functional
     softmaxes = (F.softmax, torch.softmax, torch.Tensor.softmax)
     fills = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_, torch.full_like)
+    products = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
+    owned = {t.untyped_storage().data_ptr() for t in (*twin.parameters(), *twin.buffers())}
+    probabilities: list[Any] = []  # each Softmax's output (kept alive: storage ids stay theirs)
+
+    def computed(value: Any) -> bool:
+        """A float16 tensor a right graph rounds itself, in a product whose rounding may
+        decide a tie: not one of the module's own (the converter rounds those as PyTorch
+        does), nor a Softmax's output (its product with the values is linear in each)."""
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float16:
+            return False
+        storage = value.untyped_storage().data_ptr()
+        return storage not in owned and all(storage != p.untyped_storage().data_ptr() for p in probabilities)
 
     def attention(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
                   scale: Any = None, enable_gqa: bool = False) -> Any:  # fmt: skip
@@ -215,9 +236,9 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
         factor = scale if scale is not None else q.shape[-1] ** -0.5
         if scale_scores:
-            scores = matmul(q, k.transpose(-2, -1)) * factor
+            scores = matmul(nearby(q), nearby(k).transpose(-2, -1)) * factor
         else:  # on each side, as the export scales
-            scores = matmul(q * factor**0.5, k.transpose(-2, -1) * factor**0.5)
+            scores = matmul(nearby(q * factor**0.5), nearby(k * factor**0.5).transpose(-2, -1))
         if is_causal:
             keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
             scores = scores.masked_fill(~keep, float("-inf"))
@@ -240,14 +261,22 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
         (float16 scores within float16's range; scores kept in float32 where float16
         overflowed, at any size)."""
         wide = scores.float()
-        if generator is None:
-            return wide
+        return wide if generator is None else moved(wide, within_half=scores.dtype == torch.float16)
+
+    def nearby(value: Any) -> Any:
+        """A float16 operand as another valid rounding may leave it: with ``dither``, each
+        finite element moved to a float16 neighbour or kept."""
+        return value if generator is None else moved(value.float(), within_half=True).half()
+
+    def moved(wide: Any, within_half: bool) -> Any:
+        """``wide`` with each finite element moved by a float16 unit in the last place, up,
+        down or not at all (seeded); ``within_half``: not past float16's largest value."""
         finite = wide.isfinite()
         magnitude = wide.abs().clamp(min=2.0**-14).where(finite, torch.ones_like(wide))
         unit = torch.exp2(torch.floor(torch.log2(magnitude)) - 10)
         step = torch.randint(-1, 2, wide.shape, generator=generator).to(wide.dtype)
-        moved = finite & (wide.abs() + unit <= HALF_MAX) if scores.dtype == torch.float16 else finite
-        return wide + (step * unit).where(moved, torch.zeros_like(wide))
+        kept = finite & (wide.abs() + unit <= HALF_MAX) if within_half else finite
+        return wide + (step * unit).where(kept, torch.zeros_like(wide))
 
     def clamped(value: Any) -> Any:
         """A fill beyond float16's range (-1e9) as the converter's constant: clamped to +-65504."""
@@ -258,9 +287,12 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
             kwargs = dict(kwargs or {})
             if func in softmaxes and args and args[0].dtype in (torch.float16, torch.float32):
                 kwargs.pop("dtype", None)
-                return func(in_float32(args[0]), *args[1:], **kwargs).half()
+                probabilities.append(func(in_float32(args[0]), *args[1:], **kwargs).half())
+                return probabilities[-1]
             if func is F.scaled_dot_product_attention and args and args[0].dtype == torch.float16:
                 return attention(*args, **kwargs)
+            if func in products and len(args) >= 2 and computed(args[0]) and computed(args[1]):
+                args = (nearby(args[0]), nearby(args[1]), *args[2:])
             halves = _halves(args, kwargs)
             if func in fills and halves:
                 args = (*args[:2], *(clamped(a) for a in args[2:]))

@@ -244,8 +244,9 @@ class TorchRuntime(Runtime):
 
 
 #: fp16's simulated roundings (``in_float16``): the scores scaled on each side and after their
-#: MatMul, then each with its Softmax inputs dithered by a unit in the last place (seeded),
-#: where near ties go the other way; the widest is the room. Where a row's scores are large
+#: MatMul, then each with its Softmax inputs, and its query and key before their product,
+#: dithered by a unit in the last place (seeded), where near ties go the other way; the
+#: widest is the room. Where a row's scores are large
 #: (outliers: 100s), its Softmax turns a last bit into a percent, and what one rounding does
 #: there is a draw of a wide spread: on mha_cross (outliers, case seed 24) six dithers gave
 #: 0.017-0.033 in the row where the right graph gave 0.045, so six, not two. The cost: verify

@@ -5,13 +5,14 @@ one stays finite where float16 overflows, and a rounding that cannot run says wh
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from attn_export.model_spec import Rounding, TensorSpec
 from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8
-from attn_export.runtimes.torch_eager import TorchRuntime
+from attn_export.runtimes.torch_eager import FLOAT16_ROUNDINGS, TorchRuntime
 
 
 class _Uses(nn.Module):
@@ -125,3 +126,24 @@ def test_a_rounding_that_cannot_run_says_why() -> None:
     assert rounding == {
         "fp16:o": Rounding(unsimulated="fp16's simulation could not run (RuntimeError: no float16 kernel)")
     }
+
+
+class _TwoKeys(nn.Module):
+    """One query over two keys: the output is the second key's share of the Softmax."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ torch.tensor([[0.0], [1.0]], dtype=q.dtype)
+
+
+def test_fp16_roundings_reach_a_tie_that_the_query_and_keys_rounding_decides() -> None:
+    """Scores of 150 made of terms of 30000: a unit of the keys (0.125) moves a score by 25,
+    a unit of the score itself by 0.125. A right graph that rounds the keys otherwise gives
+    either key the row; the dithered roundings (``FLOAT16_ROUNDINGS``) must reach both ends,
+    where dithering the scores alone kept the second key's share within 0.50-0.59."""
+    module = _TwoKeys().eval()
+    q, k = torch.tensor([[200.0, 199.0]]), torch.tensor([[150.0, -150.0], [150.25, -150.25]])
+    twin = float16_twin(module)
+    with torch.no_grad():
+        shares = [float(in_float16(twin, q, k, scale_scores=s, dither=d)) for s, d in FLOAT16_ROUNDINGS]
+    assert float(module(q, k)) == pytest.approx(0.562, abs=1e-3)
+    assert min(shares) < 0.01 and max(shares) > 0.99

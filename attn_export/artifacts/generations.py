@@ -161,6 +161,9 @@ def read_generations(path: Path, spec: ModelSpec, vocab: int, budget: int, root:
             spread = load(room, "f", 3) if room in infos else None
             if spread is not None and (spread.shape != logits.shape or not (spread >= 0).all()):
                 raise ArtifactError(f"{path}: {room} is not a non-negative room of its logits' shape")
+            largest = np.abs(np.where(np.isfinite(logits), logits, 0.0)).max(axis=(1, 2), keepdims=True, initial=0.0)
+            if spread is not None and (spread > largest).any():  # data: a room that wide would pass any logits
+                raise ArtifactError(f"{path}: {room} is wider than its logits' largest value, which no near tie moves")
             recorded.runs[(rounding, layout, how)] = Recorded(
                 kept, list(logits), None if spread is None else list(spread)
             )

@@ -83,6 +83,7 @@ def _with(data: bytes, key: str, value: np.ndarray) -> bytes:
         ("meta/pad", np.array([0.5]), "is float64 of 1 axes, not what it records"),
         ("room/int4/batch-1/batch", np.full((3, 1, VOCAB), -1.0), "is not a non-negative room of its logits' shape"),
         ("room/int4/batch-1/batch", np.zeros((3, 1, 31)), "is not a non-negative room of its logits' shape"),
+        ("room/int4/batch-1/batch", np.full((3, 1, VOCAB), 1e9), "wider than its logits' largest value"),
     ],
 )
 def test_a_file_holding_anything_else_is_refused(tmp_path: Path, key: str, value: np.ndarray, says: str) -> None:

@@ -126,7 +126,7 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
     entry = json_record(ManifestEntry, raw, f"{where}: models[{name!r}]")  # each field of its type
     for key in ("sha256", "golden_sha256", "spec_hash", *(f"{k}_sha256" for k in _OPTIONAL if getattr(entry, k))):
         value = getattr(entry, key)
-        if not isinstance(value, str) or not _HEX64.fullmatch(value):
+        if not _HEX64.fullmatch(value):  # a string: json_record read it as one
             raise bad(f"has an invalid '{key}' (expected 64 hex digits)")
     for key in _OPTIONAL:
         if getattr(entry, f"{key}_sha256") and not getattr(entry, key):

@@ -9,7 +9,7 @@ ran two more nodes per residual than genai's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 import onnx
 from onnx import helper
@@ -21,13 +21,13 @@ __all__ = ["fuse_skip_norms"]
 _SKIP_NORM = ("com.microsoft", "SkipSimplifiedLayerNormalization")
 
 
-def _fusable(proto: onnx.ModelProto, add: onnx.NodeProto, norm: onnx.NodeProto) -> bool:
+def _fusable(proto: onnx.ModelProto, add: onnx.NodeProto, norm: onnx.NodeProto, constants: Set[str]) -> bool:
     """Whether ``norm`` over ``add``'s sum is what the op computes: both addends
     ``[batch, seq, hidden]`` alike, the norm over the last axis in float32 (``stash_type``
-    1) by a constant scale, no bias."""
+    1) by a constant scale (one of ``constants``), no bias."""
     if attribute(norm, "axis", -1) != -1 or attribute(norm, "stash_type", 1) != 1 or len(norm.input) != 2:
         return False
-    if all(t.name != norm.input[1] for t in proto.graph.initializer):
+    if norm.input[1] not in constants:
         return False
     left, right = (declared_dims(proto, name) for name in add.input)
     return len(left) == 3 and left == right and isinstance(left[2], int)
@@ -38,13 +38,14 @@ def fuse_skip_norms(proto: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> int:
     ``SkipSimplifiedLayerNormalization`` in the ``Add``'s place, the values keeping their
     names (the sum is the op's fourth output, for the residual's other readers); the count."""
     producers: Mapping[str, onnx.NodeProto] = {out: n for n in nodes for out in n.output}
+    constants = {t.name for t in proto.graph.initializer}
     fused: dict[int, onnx.NodeProto] = {}  # the Add's id: the op taking its place
     dropped: set[int] = set()
     for norm in nodes:
         add = producers.get(norm.input[0]) if norm.op_type == "RMSNormalization" and not norm.domain else None
         if add is None or add.op_type != "Add" or add.domain or id(add) in fused:
             continue
-        if not _fusable(proto, add, norm):
+        if not _fusable(proto, add, norm, constants):
             continue
         op = helper.make_node(
             _SKIP_NORM[1],

@@ -67,6 +67,12 @@ def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
         return module(*args)
 
 
+def _storages(module: Any) -> set[int]:
+    """Where ``module``'s float parameters and buffers live: a tensor in one of these is the
+    module's own, or a view of it."""
+    return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+
+
 @contextlib.contextmanager
 def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
     """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does;
@@ -76,7 +82,7 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
     from torch.overrides import TorchFunctionMode
 
     F = torch.nn.functional
-    owned = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
+    owned = _storages(module)
     matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm)
     slicing = (
         torch.Tensor.__getitem__,
@@ -215,8 +221,9 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
     softmaxes = (F.softmax, torch.softmax, torch.Tensor.softmax)
     fills = (torch.masked_fill, torch.Tensor.masked_fill, torch.Tensor.masked_fill_, torch.full_like)
     products = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm)
-    owned = {t.untyped_storage().data_ptr() for t in (*twin.parameters(), *twin.buffers())}
+    owned = _storages(twin)
     probabilities: list[Any] = []  # each Softmax's output (kept alive: storage ids stay theirs)
+    softmaxed: set[int] = set()  # their storages
 
     def computed(value: Any) -> bool:
         """A float16 tensor a right graph rounds itself, in a product whose rounding may
@@ -225,7 +232,7 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float16:
             return False
         storage = value.untyped_storage().data_ptr()
-        return storage not in owned and all(storage != p.untyped_storage().data_ptr() for p in probabilities)
+        return storage not in owned and storage not in softmaxed
 
     def attention(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
                   scale: Any = None, enable_gqa: bool = False) -> Any:  # fmt: skip
@@ -288,6 +295,7 @@ def in_float16(twin: Any, *args: Any, scale_scores: bool = False, dither: int | 
             if func in softmaxes and args and args[0].dtype in (torch.float16, torch.float32):
                 kwargs.pop("dtype", None)
                 probabilities.append(func(in_float32(args[0]), *args[1:], **kwargs).half())
+                softmaxed.add(probabilities[-1].untyped_storage().data_ptr())
                 return probabilities[-1]
             if func is F.scaled_dot_product_attention and args and args[0].dtype == torch.float16:
                 return attention(*args, **kwargs)

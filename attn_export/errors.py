@@ -18,6 +18,7 @@ __all__ = [
     "InputError",
     "LockError",
     "MissingDependencyError",
+    "NotLocalizable",
     "Notice",
     "OptionError",
     "ProviderError",
@@ -62,6 +63,11 @@ class UsageError(AttnExportError):
     """Raised when the caller's arguments or files are invalid (exit 2)."""
 
     exit_code = 2
+
+
+class NotLocalizable(UsageError):
+    """Raised when a graph or a case cannot be localized: its nodes do not name the FX node
+    and source line they came from, or its inputs are not ones the module can be fed."""
 
 
 class OptionError(UsageError):

@@ -6,7 +6,10 @@ fed back as the next step's pasts, ``position_ids`` counted over the mask as tra
 them. Where onnxruntime-genai is installed and the graph fits it, its generator runs the graph
 too (``runtimes.genai``), padding on the right as it does in deployment. Prompts are seeded: one
 at batch 1 and a batch of two of different lengths (left-padded for PyTorch and our loop); for a
-graph that takes no padding, also a batch of two of one length, which our loop runs.
+graph that takes no padding, also a batch of two of one length, which our loop runs. A graph
+that reads each row's length off its mask (``gqa-rotary``, as genai's) takes no left padding
+but pads on the right as genai's generator does, and our loop runs it so
+(``padding_side``).
 
 Tokens must match exactly, and each step's logits (of each row's last token) within the
 variant's tolerance for ``logits``; a quantized graph (int8, int4) is held to PyTorch's
@@ -20,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,10 +37,12 @@ from attn_export.runtimes.genai import Generation
 
 __all__ = [
     "GenerateResult",
+    "Side",
     "generate_prompts",
     "graph_generate",
     "is_causal_lm",
     "judge",
+    "padding_side",
     "stacked",
     "step_feeds",
     "torch_generate",
@@ -131,13 +136,30 @@ def generate_prompts(
     return layouts
 
 
-def _left_padded(prompts: Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+#: Where a batch's shorter prompts are padded: before them, as PyTorch's ``generate()`` is fed,
+#: or after them, as onnxruntime-genai's generator feeds a graph that reads each row's length.
+Side = Literal["left", "right"]
+
+
+def padding_side(spec: ModelSpec, counts_positions: bool) -> Side | None:
+    """Where our loop pads a batch of prompts of different lengths for a graph of ``spec``:
+    on the left where its mask pads, on the right where the graph reads each row's length
+    off the mask (a variant that ``counts_positions``, as genai's graphs), else nowhere (None:
+    a graph that takes no padding runs prompts of one length)."""
+    cache = cache_of(spec)
+    if cache is not None and cache.pads:
+        return "left"
+    return "right" if counts_positions else None
+
+
+def _padded(prompts: Sequence[Sequence[int]], pad: int, side: Side = "left") -> tuple[np.ndarray, np.ndarray]:
     longest = max(len(p) for p in prompts)
     ids = np.full((len(prompts), longest), pad, dtype=np.int64)
     mask = np.zeros((len(prompts), longest), dtype=np.int64)
     for row, prompt in enumerate(prompts):
-        ids[row, longest - len(prompt) :] = prompt
-        mask[row, longest - len(prompt) :] = 1
+        at = slice(longest - len(prompt), None) if side == "left" else slice(0, len(prompt))
+        ids[row, at] = prompt
+        mask[row, at] = 1
     return ids, mask
 
 
@@ -173,7 +195,7 @@ def _generated(
 
     from attn_export.runtimes.int8_rounding import rounded
 
-    ids, mask = _left_padded(prompts, pad)
+    ids, mask = _padded(prompts, pad)
     with torch.no_grad(), rounded(module, bits, tie) if bits else contextlib.nullcontext():
         out = module.model.generate(
             torch.from_numpy(ids),
@@ -211,13 +233,17 @@ def _played(
     steps: int,
     pad: int,
     forced: Sequence[Sequence[int]] | None = None,
+    side: Side = "left",
 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray]]:
-    """Each step's feeds and last logits as the graph in ``runtime`` (activated) is run token
-    by token, left-padded as PyTorch is fed: the prompt on an empty cache, then one token a
-    step, the greedy one or the ``forced`` row's (PyTorch's tokens, fed back to reach a step)."""
+    """Each step's feeds and each row's last logits as the graph in ``runtime`` (activated)
+    is run token by token, padded on ``side``: the prompt on an empty cache, then one token a
+    step, the greedy one or the ``forced`` row's (PyTorch's tokens, fed back to reach a step).
+    Each new token is appended after every row's last position, its mask one; a row padded
+    on the right reads its prompt's logits at its last real token, as genai's generator does."""
     cache = cache_of(spec)
     assert cache is not None
-    ids, mask = _left_padded(prompts, pad)
+    ids, mask = _padded(prompts, pad, side)
+    ends = np.array([len(p) - 1 for p in prompts]) if side == "right" else np.full(len(prompts), -1)
     inputs = {t.name: t for t in spec.inputs}
     pasts: dict[str, np.ndarray] = {}
     for past, _ in cache.pairs:
@@ -232,20 +258,32 @@ def _played(
             feeds[POSITIONS] = positions
         feeds = {name: np.asarray(value, dtype=inputs[name].dtype) for name, value in feeds.items()}
         out = runtime.run(feeds)
-        last = np.asarray(out[LOGITS])[:, -1].astype(np.float64)
+        at = ends if step == 0 else np.full(len(prompts), -1)
+        last = np.asarray(out[LOGITS])[np.arange(len(prompts)), at].astype(np.float64)
         yield feeds, last
         chosen = last.argmax(axis=-1) if forced is None else np.array([row[step] for row in forced])
-        pasts = {past: out[present] for past, present in cache.pairs}
+        filled = mask.sum(axis=1) if side == "right" else None
+        pasts = {past: _unfilled_zeroed(out[present], filled) for past, present in cache.pairs}
         step_ids = chosen[:, None].astype(np.int64)
         mask = np.concatenate([mask, np.ones((len(prompts), 1), dtype=np.int64)], axis=1)
 
 
+def _unfilled_zeroed(present: np.ndarray, filled: np.ndarray | None) -> np.ndarray:
+    """``present`` as the next step's past: a row padded on the right holds its tokens in its
+    first ``filled`` positions, and those after are the pads' or were never written (a
+    buffer's NaN, which no input may hold): zero, as nothing the graph may read."""
+    if filled is None:
+        return present
+    after = np.arange(present.shape[2])[None, :] >= filled[:, None]
+    return np.where(after[:, None, :, None], np.zeros((), present.dtype), present)
+
+
 def graph_generate(
-    runtime: Runtime, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int
+    runtime: Runtime, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int, side: Side = "left"
 ) -> Generation:
-    """The graph in ``runtime`` (activated) run token by token, greedy, left-padded as
-    PyTorch is fed: the prompt on an empty cache, then one token a step."""
-    logits = [last for _, last in _played(runtime, spec, prompts, steps, pad)]
+    """The graph in ``runtime`` (activated) run token by token, greedy, padded on ``side``
+    (left as PyTorch is fed): the prompt on an empty cache, then one token a step."""
+    logits = [last for _, last in _played(runtime, spec, prompts, steps, pad, side=side)]
     tokens = [[int(t) for t in last.argmax(axis=-1)] for last in logits]
     return Generation([list(row) for row in zip(*tokens, strict=True)], logits)
 
@@ -257,11 +295,12 @@ def step_feeds(
     tokens: Sequence[Sequence[int]],
     pad: int,
     step: int,
+    side: Side = "left",
 ) -> dict[str, np.ndarray]:
     """The feeds of generation step ``step`` (1 = the prompt) when ``runtime`` (PyTorch's
-    module) is fed ``tokens`` (its own generation) before it: the step localized on PyTorch's
-    inputs, so that only its own divergence shows."""
-    feeds, _ = next(itertools.islice(_played(runtime, spec, prompts, step, pad, tokens), step - 1, None))
+    module) is fed ``tokens`` (its own generation) before it, padded on ``side``: the step
+    localized on PyTorch's inputs, so that only its own divergence shows."""
+    feeds, _ = next(itertools.islice(_played(runtime, spec, prompts, step, pad, tokens, side), step - 1, None))
     return feeds
 
 

@@ -99,8 +99,9 @@ def test_the_graph_has_genais_shape_and_gives_pytorchs_tokens(built: Built) -> N
     assert not [n.name for n in deployed.graph.node if "past_length" in (*n.input, *n.output)]  # no dead nodes
     code, out = _verify(built.out, built.models)
     assert code == 0, out
+    assert "onnxruntime[cpu]   padded   6,3      PASS" in out, out  # our loop pads on the right as genai does
     if HAS_GENAI:
-        assert "onnxruntime-genai  padded" in out and "5 of 5 generations" in out, out
+        assert "onnxruntime-genai  padded" in out and "6 of 6 generations" in out, out
 
 
 #: Other families the whole-decoder adapter takes, in the tiny zoo's sizes: the config class
@@ -163,6 +164,45 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
     code, out = _verify(edited, built.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
     assert code == 1, out
     assert "FAIL" in out and "logits" in out, out
+
+
+@pytest.mark.slow  # a verify with generations and a localize: about 25 s
+def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padded_batch(
+    built: Built, tmp_path: Path
+) -> None:
+    """Each row's length read off the mask's width, not its ones: right on prompts of one
+    length, wrong on a row padded on the right, which our loop runs without genai's generator.
+    Its step cannot be localized on the module's cache, laid out another way: one line."""
+    proto = onnx.load(str(built.out / f"{NAME}.onnx"))
+    attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+    lengths, total = attention[0].input[5], attention[0].input[6]
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(1, np.int32), "one"))
+    at = list(proto.graph.node).index(attention[0])
+    for i, node in enumerate(
+        [
+            helper.make_node("Sub", [total, "one"], ["longest"]),
+            helper.make_node("Shape", [lengths], ["rows"]),
+            helper.make_node("Expand", ["longest", "rows"], ["as_longest"]),
+        ]
+    ):
+        proto.graph.node.insert(at + i, node)
+    for node in attention:
+        node.input[5] = "as_longest"
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    code, out = _verify(edited, built.models, "--spec", str(built.models / "llama_causal_lm.toml"), "--variant", VARIANT)
+    assert code == 1, out
+    ours = [line.split() for line in out.splitlines() if " onnxruntime[cpu] " in line]
+    rows = {cells[2]: cells[4] for cells in ours if cells[2] in ("batch-1", "padded", "same-length")}
+    assert rows == {"batch-1": "PASS", "padded": "FAIL", "same-length": "PASS"}, out
+    assert "generate padded: step 2, row 1" in out, out  # the prompt's own rows are causal
+    result = CliRunner().invoke(
+        cli,
+        ["localize", str(edited), "--spec", str(built.models / "llama_causal_lm.toml"), "--variant", VARIANT,
+         "--generate-step", "2", "--generate", "4", "--layout", "padded"],
+    )  # fmt: skip
+    assert result.exit_code == 2 and "laid out as the module's is not" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from attn_export.artifacts.genai_folder import logits_vocab, pad_token, special_tokens
-from attn_export.checks.generate import generate_prompts, graph_generate, step_feeds
-from attn_export.errors import OptionError
+from attn_export.checks.generate import Side, generate_prompts, graph_generate, step_feeds
+from attn_export.errors import NotLocalizable, OptionError
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.pipelines.localize.results import LocalizeOptions
@@ -21,12 +21,15 @@ __all__ = ["generate_step_case"]
 
 
 def generate_step_case(
-    spec: ModelSpec, module: Any, options: LocalizeOptions, bits: int | None
+    spec: ModelSpec, module: Any, options: LocalizeOptions, bits: int | None, side: Side | None = "left"
 ) -> tuple[dict[str, int], dict[str, np.ndarray], str]:
     """The sizes and feeds of generation step ``options.generate_step`` (1 = the prompt) of
     the ``options.layout`` prompts of a ``--generate options.generate_steps`` run, and that
     layout; the module runs with the variant's weight rounding ``bits`` (8, 4, or None), as
-    verify's reference generation does."""
+    verify's reference generation does. Prompts of different lengths are padded on ``side``
+    (``padding_side``); NotLocalizable where it is not the left: the module pads a cache
+    where its mask says, a graph padded on the right keeps each row's tokens first, and fed
+    the module's cache it would read the pads (None: the graph takes no padding)."""
     from attn_export.exporter.factory import build_config
 
     step, steps = options.generate_step or 0, options.generate_steps
@@ -43,8 +46,19 @@ def generate_step_case(
         unknown = f"{{model}}: {{layout}} {{value}} is not a generation layout (it has: {has})"
         raise OptionError(unknown, ["layout"], model=spec.name, value=layout)
     rows = prompts[layout]
+    if len({len(r) for r in rows}) > 1 and side != "left":
+        takes = "takes padded on the right, its cache laid out as the module's is not" if side else "takes no padding"
+        raise NotLocalizable(
+            f"{spec.name}: the {layout} generation's prompts are of different lengths, which the graph {takes}: "
+            f"localize a layout of prompts of one length ({' or '.join(_even(prompts))})"
+        )
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, weight_bits=bits) as eager:
         tokens = graph_generate(eager, spec, rows, step - 1, pad).tokens or [[] for _ in rows]
         feeds = step_feeds(eager, spec, rows, tokens, pad, step)
     sizes = sizes_from_feeds(spec.inputs, {name: value.shape for name, value in feeds.items()})
     return spec.with_sums(sizes), feeds, layout
+
+
+def _even(prompts: dict[str, list[list[int]]]) -> list[str]:
+    """The layouts whose prompts are of one length."""
+    return [layout for layout, rows in prompts.items() if len({len(r) for r in rows}) == 1]

@@ -31,8 +31,16 @@ from attn_export.checks.causality import sights
 from attn_export.checks.decode.plan import DEFAULT_STEPS, Trajectory, layouts, plan_trajectory, step_inputs
 from attn_export.checks.decode.run import run_trajectory
 from attn_export.checks.fully_masked import judge, padded_rows_agree, padded_tokens
+from attn_export.checks.generate import padding_side
 from attn_export.compare.outputs import OutputComparison, judge_value
-from attn_export.errors import ArtifactError, OptionError, RuntimeFailure, RunTimeout, UsageError
+from attn_export.errors import (
+    ArtifactError,
+    NotLocalizable,
+    OptionError,
+    RuntimeFailure,
+    RunTimeout,
+    UsageError,
+)
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
@@ -542,7 +550,8 @@ def _pytorch_side(
     """Run the module's FX program and the module itself on the case ``options`` name."""
     module = instantiate(spec)
     if options.generate_step is not None:
-        sizes, feeds, layout = generate_step_case(spec, module, options, generation_rounding(spec, variant))
+        padding = padding_side(spec, variant_chain(variant).counts_positions)
+        sizes, feeds, layout = generate_step_case(spec, module, options, generation_rounding(spec, variant), padding)
         options = dataclasses.replace(options, layout=layout)
     elif options.decode_step is None:
         sizes = _check_case(spec, options)
@@ -572,10 +581,6 @@ def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
     """The case ``build --record-intermediates`` recorded, read without torch."""
     rec = read_intermediates(path, spec, budget, root=path.parent)
     return _Side(rec.case.sizes, rec.case.inputs, TorchValues.from_recorded(rec), rec.case)
-
-
-class NotLocalizable(UsageError):
-    """A graph whose nodes do not name the FX node and source line they came from."""
 
 
 def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, _Replay | None]:

@@ -6,6 +6,7 @@ bad input (``UsageError``).
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -70,6 +71,10 @@ class NotLocalizable(UsageError):
     and source line they came from, or its inputs are not ones the module can be fed."""
 
 
+#: A field of an ``OptionError`` template: ``{option}``, ``{value}`` or ``{value!r}``.
+_FIELD = re.compile(r"\{(\w+)(!r)?\}")
+
+
 class OptionError(UsageError):
     """Raised when an option's value, or two options together, are refused. The message
     names each option as the library's parameter (``regions``); a face that calls it
@@ -82,8 +87,18 @@ class OptionError(UsageError):
         super().__init__(self.named({}))
 
     def named(self, names: Mapping[str, str]) -> str:
-        """The message with each option called as ``names`` calls it (else by its parameter)."""
-        return self.template.format(**self.values, **{o: names.get(o, o) for o in self.options})
+        """The message with each option called as ``names`` calls it (else by its parameter).
+        Only the template's own fields are filled: text it quotes (a model's name, a path)
+        keeps its braces, where ``str.format`` would read them as fields and fail."""
+        fields = {**self.values, **{o: names.get(o, o) for o in self.options}}
+
+        def filled(match: re.Match[str]) -> str:
+            name, conversion = match.group(1), match.group(2)
+            if name not in fields:
+                return match.group(0)
+            return repr(fields[name]) if conversion else str(fields[name])
+
+        return _FIELD.sub(filled, self.template)
 
     def called(self, names: Mapping[str, str]) -> OptionError:
         """This error as a face whose parameters are not the options' own names says it (the

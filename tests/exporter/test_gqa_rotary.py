@@ -190,7 +190,8 @@ def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padde
         node.input[5] = "as_longest"
     edited = tmp_path / "edited.onnx"
     onnx.save(proto, str(edited))
-    code, out = _verify(edited, built.models, "--spec", str(built.models / "llama_causal_lm.toml"), "--variant", VARIANT)
+    spec = str(built.models / "llama_causal_lm.toml")
+    code, out = _verify(edited, built.models, "--spec", spec, "--variant", VARIANT)
     assert code == 1, out
     ours = [line.split() for line in out.splitlines() if " onnxruntime[cpu] " in line]
     rows = {cells[2]: cells[4] for cells in ours if cells[2] in ("batch-1", "padded", "same-length")}
@@ -198,8 +199,8 @@ def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padde
     assert "generate padded: step 2, row 1" in out, out  # the prompt's own rows are causal
     result = CliRunner().invoke(
         cli,
-        ["localize", str(edited), "--spec", str(built.models / "llama_causal_lm.toml"), "--variant", VARIANT,
-         "--generate-step", "2", "--generate", "4", "--layout", "padded"],
+        ["localize", str(edited), "--spec", spec, "--variant", VARIANT, "--generate-step", "2", "--generate", "4",
+         "--layout", "padded"],
     )  # fmt: skip
     assert result.exit_code == 2 and "laid out as the module's is not" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output

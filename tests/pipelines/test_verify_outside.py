@@ -85,6 +85,7 @@ def test_a_wrong_edit_is_localized_to_its_node_and_source_line(shared_tiny: Buil
     for args, message in (
         ([str(graph)], "is a file: give its build folder, or --spec"),
         ([str(graph), "other", "--spec", spec], "makes it model 'tiny', not 'other'"),
+        ([str(graph), "a{b}", "--spec", spec], "makes it model 'tiny', not 'a{b}'"),  # braces quoted, not fields
         ([str(graph), "--spec", spec, "--golden"], "--golden localizes a build's recorded intermediates"),
         ([str(graph), "--variant", "int8"], "--variant needs --spec"),
     ):

@@ -118,7 +118,9 @@ def test_other_families_read_one_packed_projection_and_verify_green(
     tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
     """Each layer's GroupQueryAttention reads the one projection a layer packs (Phi-3's own
-    ``qkv_proj``; the build failed on it before), and the graph gives PyTorch's tokens."""
+    ``qkv_proj``; the build failed on it before) and hands on its output as it is (Phi-3's
+    Reshape to the shape the heads have kept 3 Reshapes and 2 Transposes a layer before),
+    and the graph gives PyTorch's tokens."""
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
     config, fields, head = FAMILIES[family]
     text = text.replace('LlamaConfig",', f'{config}",{fields}').replace(", 16]", f", {head}]")
@@ -133,6 +135,8 @@ def test_other_families_read_one_packed_projection_and_verify_green(
     proto = onnx.load(str(made.out / f"{NAME}.onnx"))
     attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(attention) == 2 and all(n.input[1] == n.input[2] == "" for n in attention)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["Reshape"] == ops["Transpose"] == 0, ops  # the op's output as the module's, no layout ops
     code, out = _verify(made.out, made.models)
     assert code == 0, out
     if HAS_GENAI:

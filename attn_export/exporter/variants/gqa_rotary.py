@@ -259,7 +259,8 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
     """The op's output handed on without what ``ort-past`` put after it for the mask (a
     ``Where`` zeroing rows with no key: each row has its own length now) and, where the
     module merges the heads back at once (a Transpose and a Reshape to ``[batch, seq,
-    heads * head_dim]``), straight to what reads that Reshape: the op gives that layout."""
+    heads * head_dim]``, after a Reshape to the shape they have, as Phi-3's), straight to
+    what reads that last Reshape: the op gives that layout."""
     split = _sole_reader(nodes, op.output[0], "Reshape")
     back = _sole_reader(nodes, split.output[0], "Transpose") if split is not None else None
     seen = _sole_reader(nodes, back.output[0], "Where") if back is not None else None
@@ -267,13 +268,16 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
         return
     back.output[0] = seen.output[0]
     nodes.remove(seen)
-    moved = _sole_reader(nodes, back.output[0], "Transpose")
+    heads, after = declared_dims(proto, back.output[0]), back.output[0]
+    same = _sole_reader(nodes, after, "Reshape")
+    if same is not None and None not in heads and declared_dims(proto, same.output[0]) == heads:
+        after = same.output[0]
+    moved = _sole_reader(nodes, after, "Transpose")
     merged = _sole_reader(nodes, moved.output[0], "Reshape") if moved is not None else None
     if moved is None or merged is None or attribute(moved, "perm", []) != [0, 2, 1, 3]:
         return
     if merged.output[0] in {o.name for o in proto.graph.output}:
         return
-    heads = declared_dims(proto, back.output[0])
     dims = declared_dims(proto, merged.output[0])
     sizes = [d for d in (*heads[1:2], *heads[3:4], *dims[2:3]) if isinstance(d, int)]
     if len(heads) == 4 and len(dims) == 3 and len(sizes) == 3 and sizes[0] * sizes[1] == sizes[2]:

@@ -30,7 +30,7 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
 from attn_export.exporter.cache_in_op import declared_dims
 
-__all__ = ["PACKED", "keep_records", "pack", "packed_records", "packed_weights", "unpacked"]
+__all__ = ["PACKED", "cut_from", "keep_records", "pack", "packed_records", "packed_weights", "unpacked"]
 
 #: Metadata of a packed MatMul: JSON, one entry per projection it holds, in column order:
 #: its column count and the MatMul (and bias Add, or null) it was, by name, output and
@@ -91,26 +91,27 @@ def _slice_bounds(cut: onnx.NodeProto, constants: Mapping[str, onnx.TensorProto]
     return [*numbers, 1][:4] if len(numbers) == len(found) and len(numbers) in (3, 4) else None
 
 
-def _cut_from(
+def cut_from(
     proto: onnx.ModelProto,
     values: Sequence[str],
     producers: Mapping[str, onnx.NodeProto],
     constants: Mapping[str, onnx.TensorProto],
 ) -> str | None:
     """The value whose last axis ``values`` cut end to end, in order, a ``Slice`` each, or
-    None: a projection the module packs itself (Phi-3's ``qkv_proj``), read as it is."""
+    None: a projection the module packs itself (Phi-3's ``qkv_proj``), read as it is, or
+    heads a partial rotary cuts into the channels it turns and the rest."""
     cuts = [n for v in values if (n := producers.get(v)) is not None and n.op_type == "Slice"]
     if len(cuts) != len(values) or len({c.input[0] for c in cuts}) != 1:
         return None
     dims = declared_dims(proto, cuts[0].input[0])
-    width = dims[-1] if len(dims) == 3 else None
+    width = dims[-1] if dims else None
     end = 0
     for cut in cuts:
         bounds = _slice_bounds(cut, constants)
         if not isinstance(width, int) or bounds is None:
             return None
         start, stop, axis, step = bounds
-        if axis not in (-1, 2) or step != 1 or start != end or min(stop, width) <= start:
+        if axis not in (-1, len(dims) - 1) or step != 1 or start != end or min(stop, width) <= start:
             return None
         end = min(stop, width)
     return cuts[0].input[0] if end == width else None
@@ -120,12 +121,12 @@ def pack(proto: onnx.ModelProto, values: Sequence[str], prefix: str) -> tuple[st
     """The name of one packed projection standing for ``values`` (each ``x @ W (+ b)`` on the
     same ``x``, each read by one node alone) and the nodes computing it; their weights are
     added to ``proto``'s initializers. Where ``values`` are cut from one projection already
-    (``_cut_from``), that one and no nodes. None where they are neither: the caller keeps
+    (``cut_from``), that one and no nodes. None where they are neither: the caller keeps
     them as they are."""
     graph = proto.graph
     producers = {out: n for n in graph.node for out in n.output}
     constants = {t.name: t for t in graph.initializer}
-    whole = _cut_from(proto, values, producers, constants)
+    whole = cut_from(proto, values, producers, constants)
     if whole is not None:
         return whole, []
     readers = Counter(name for n in graph.node for name in n.input) + Counter(o.name for o in graph.output)

@@ -119,7 +119,9 @@ def test_other_families_read_one_packed_projection_and_verify_green(
     tmp_path_factory: pytest.TempPathFactory, family: str
 ) -> None:
     """Each layer's GroupQueryAttention reads the one projection a layer packs (Phi-3's own
-    ``qkv_proj``; the build failed on it before), and the graph gives PyTorch's tokens."""
+    ``qkv_proj``; the build failed on it before) and hands on its output as it is (Phi-3's
+    Reshape to the shape the heads have kept 3 Reshapes and 2 Transposes a layer before),
+    and the graph gives PyTorch's tokens."""
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
     config, fields, head = FAMILIES[family]
     text = text.replace('LlamaConfig",', f'{config}",{fields}').replace(", 16]", f", {head}]")
@@ -134,23 +136,94 @@ def test_other_families_read_one_packed_projection_and_verify_green(
     proto = onnx.load(str(made.out / f"{NAME}.onnx"))
     attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(attention) == 2 and all(n.input[1] == n.input[2] == "" for n in attention)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["Reshape"] == ops["Transpose"] == 0, ops  # the op's output as the module's, no layout ops
     code, out = _verify(made.out, made.models)
     assert code == 0, out
     if HAS_GENAI:
-        assert "5 of 5 generations" in out, out
+        assert "6 of 6 generations" in out, out
+
+
+#: Families turning part of each head (a partial rotary), in sizes whose turned channels
+#: GroupQueryAttention takes (a multiple of 16): heads of 32, half of each turned.
+PARTIAL = {
+    "phi3": lambda t: t.replace('LlamaConfig",', 'Phi3Config", partial_rotary_factor = 0.5, head_dim = 32,'),
+    "gpt_neox": lambda t: t.replace('LlamaConfig",', 'GPTNeoXConfig", rotary_pct = 0.5,').replace(
+        "num_attention_heads = 2", "num_attention_heads = 1"
+    ),  # one head of the hidden 32: its heads are hidden / heads wide
+}
+
+
+def _partial_build(factory: pytest.TempPathFactory, family: str) -> Built:
+    text = PARTIAL[family](_genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())).replace(", 16]", ", 32]")
+    made = shared_build(
+        factory,
+        f"gqa-rotary-partial-{family}",
+        lambda folder: _write(folder, text),
+        target="genai",
+        variants=(VARIANT,),
+    )
+    assert made.errors == {NAME: None}, made.errors
+    return made
+
+
+@pytest.mark.slow  # a build and a verify per family: about 35 s each
+@pytest.mark.parametrize("family", PARTIAL)
+def test_a_partial_rotary_is_folded_with_caches_as_wide_as_it_turns(
+    tmp_path_factory: pytest.TempPathFactory, family: str
+) -> None:
+    """Half of each head of 32 turned: caches 8 wide (torch's cos for 16 channels), which
+    GroupQueryAttention reads as turning 16 channels and passing the other 16 on, and the
+    graph gives PyTorch's tokens (the build refused it before)."""
+    made = _partial_build(tmp_path_factory, family)
+    proto = onnx.load(str(made.out / f"{NAME}.onnx"))
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["RotaryEmbedding"] == ops["Cos"] == 0 and ops["GroupQueryAttention"] == 2, ops
+    attention = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
+    cos = numpy_helper.to_array(next(t for t in proto.graph.initializer if t.name == attention.input[7]))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    assert np.array_equal(cos, torch.cos(torch.arange(40, dtype=torch.float32)[:, None] * inv_freq).numpy())
+    code, out = _verify(made.out, made.models)
+    assert code == 0, out
+    if HAS_GENAI:
+        assert "6 of 6 generations" in out, out
+
+
+@pytest.mark.slow  # a verify of an edited graph: about 10 s (the build is the test above's)
+def test_caches_as_wide_as_the_whole_head_on_a_partial_rotary_are_red(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """The caches' width is what tells the op to pass channels on: caches for the whole
+    head (16 wide) turn all 32 channels of each, and verify says so."""
+    made = _partial_build(tmp_path_factory, "phi3")
+    proto = onnx.load(str(made.out / f"{NAME}.onnx"))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.int64).float() / 32))
+    angles = torch.arange(40, dtype=torch.float32)[:, None] * inv_freq
+    for cache in proto.graph.initializer:
+        for label, fn in (("cos_cache", torch.cos), ("sin_cache", torch.sin)):
+            if label in cache.name:
+                cache.CopyFrom(numpy_helper.from_array(fn(angles).numpy(), cache.name))
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    shutil.copy(made.models / "llama_causal_lm.toml", tmp_path / "spec.toml")
+    code, out = _verify(edited, made.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
+    assert code == 1, out
+    assert "FAIL" in out and "logits" in out, out
 
 
 @pytest.mark.slow  # an export: about 15 s
-def test_a_partial_rotary_is_refused_naming_it(tmp_path: Path) -> None:
-    """Phi-3 rotating half of each head: the refusal said a module without rotary had
-    nothing to fold."""
+def test_a_partial_rotary_the_op_cannot_turn_is_refused_naming_it(tmp_path: Path) -> None:
+    """Phi-3 turning half of heads of 16: 8 channels, caches 4 wide, which ONNX Runtime
+    refuses (a multiple of 8 wide); the refusal said a module without rotary had nothing
+    to fold before."""
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
     text = text.replace('LlamaConfig",', 'Phi3Config", partial_rotary_factor = 0.5,')
     (spec,) = _write(tmp_path / "models", text)
     result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out"), "--variant", VARIANT])
     assert result.exit_code == 1, result.output
     (failure,) = [line for line in result.output.splitlines() if "FAILED" in line]
-    assert "its rotary is partial (a config's partial_rotary_factor < 1" in failure, failure
+    assert "turns 8 channels of heads of 16 (a partial rotary" in failure, failure
+    assert "turns a multiple of 16 (its cos/sin caches a multiple of 8 wide)" in failure, failure
 
 
 @pytest.mark.slow  # a verify of an edited graph: about 10 s

@@ -16,6 +16,13 @@ ones), their cos and sin taken by torch as the module takes them. That is the mo
 rotary only where its positions are that count (``model_spec.cache.counted_positions``): no
 ``position_ids`` input, positions counted from a mask that pads nothing in our loop, no
 sliding window shorter than N. The build refuses any other spec.
+
+A partial rotary (a config's ``partial_rotary_factor`` < 1, GPT-NeoX's ``rotary_pct``) turns
+the first R channels of each head and passes the rest on. Its cos and sin are R / 2 wide, and
+so are the caches: the op turns as many channels as its caches say (twice their width) and
+copies the rest, as genai's builder relies on. ONNX Runtime takes caches a multiple of 8 wide
+only, so an R not a multiple of 16 is refused, and so is an interleaved rotary, which this
+link does not fold.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from attn_export._deps import require
 from attn_export.errors import ExportFailure, first_line
 from attn_export.exporter.cache_in_op import attribute, declared_dims, fresh_prefixes
-from attn_export.exporter.packed_projections import pack
+from attn_export.exporter.packed_projections import cut_from, pack
 from attn_export.exporter.skip_norm import fuse_skip_norms
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import _merged_heads, _Nodes, _read, keep_live
@@ -41,34 +48,60 @@ from attn_export.runtimes.static_cache import CAPACITY_DIM
 __all__ = ["make"]
 
 _GQA = ("com.microsoft", "GroupQueryAttention")
-#: ONNX Runtime's CPU kernel rotates whole heads of a size it vectorizes.
-_HEAD_MULTIPLE = 16
+#: ONNX Runtime's GroupQueryAttention rotates heads, and the channels it turns in each, of a
+#: multiple of 16 only (its checks: head_size % 16, the caches' width a multiple of 8).
+_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
 class _Rotary:
     """A ``RotaryEmbedding`` whose output one GroupQueryAttention input only lays out as
-    ``[batch, seq, heads * head_dim]``: its input (``[batch, heads, seq, head_dim]``) and
-    the cos and sin it reads."""
+    ``[batch, seq, heads * head_dim]``: the heads it reads (``[batch, heads, seq,
+    head_dim]``), the cos and sin it reads and whether it pairs channels interleaved."""
 
     source: str
     cos: str
     sin: str
+    interleaved: bool
 
 
-def _rotary(name: str, producers: Mapping[str, onnx.NodeProto]) -> _Rotary | None:
+def _partial(
+    proto: onnx.ModelProto,
+    node: onnx.NodeProto,
+    producers: Mapping[str, onnx.NodeProto],
+    constants: Mapping[str, onnx.TensorProto],
+) -> tuple[onnx.NodeProto, str] | None:
+    """A partial rotary as torch exports it (a config's ``partial_rotary_factor`` < 1), or
+    None: a ``Concat`` of a ``RotaryEmbedding`` of each head's first channels and the rest
+    of the head, the two cut from the heads by a ``Slice`` each. Returns the rotary and the
+    heads."""
+    if node.op_type != "Concat" or len(node.input) != 2 or attribute(node, "axis", 0) not in (-1, 3):
+        return None
+    rotary = producers.get(node.input[0])
+    if rotary is None or (rotary.domain, rotary.op_type) != ("", "RotaryEmbedding"):
+        return None
+    heads = cut_from(proto, [rotary.input[0], node.input[1]], producers, constants)
+    return (rotary, heads) if heads is not None else None
+
+
+def _rotary(
+    proto: onnx.ModelProto,
+    name: str,
+    producers: Mapping[str, onnx.NodeProto],
+    constants: Mapping[str, onnx.TensorProto],
+) -> _Rotary | None:
     """The rotary behind a GroupQueryAttention input that ``ort-past`` laid out (a Transpose
-    to ``[batch, seq, heads, head_dim]`` and a Reshape), or None."""
+    to ``[batch, seq, heads, head_dim]`` and a Reshape), whole or partial, or None."""
     merged = producers.get(name)
     moved = producers.get(merged.input[0]) if merged is not None and merged.op_type == "Reshape" else None
     if moved is None or moved.op_type != "Transpose" or attribute(moved, "perm", []) != [0, 2, 1, 3]:
         return None
     node = producers.get(moved.input[0])
+    partial = _partial(proto, node, producers, constants) if node is not None else None
+    node, heads = partial if partial is not None else (node, None)
     if node is None or (node.domain, node.op_type) != ("", "RotaryEmbedding") or len(node.input) != 3:
         return None
-    if attribute(node, "interleaved", 0) or attribute(node, "rotary_embedding_dim", 0):
-        return None  # an interleaved or partial rotary: the op's cache layout differs
-    return _Rotary(*node.input)
+    return _Rotary(heads or node.input[0], node.input[1], node.input[2], bool(attribute(node, "interleaved", 0)))
 
 
 def _needed(
@@ -175,6 +208,20 @@ def _same(caches: Mapping[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
     return first
 
 
+def _turnable(op: onnx.NodeProto, cache: np.ndarray, head: int) -> np.ndarray:
+    """``cache`` where the op turns the channels it says (twice its width: a partial rotary
+    turns fewer than the head's, the op passes the rest on); ExportFailure where ONNX
+    Runtime would refuse it (a width not a multiple of 8)."""
+    turned = 2 * cache.shape[1]
+    if turned % _MULTIPLE or turned > head:
+        raise ExportFailure(
+            f"variant gqa-rotary: '{op.name}' turns {turned} channels of heads of {head} (a partial rotary: "
+            f"a config's partial_rotary_factor < 1); ONNX Runtime's GroupQueryAttention turns a multiple of "
+            f"{_MULTIPLE} (its cos/sin caches a multiple of 8 wide): build it without gqa-rotary"
+        )
+    return cache
+
+
 def _read_lead_axes(nodes: Sequence[onnx.NodeProto], old: Sequence[str], new: str) -> None:
     """Point the ``Shape`` nodes that read the batch or sequence length off the laid-out
     query or key (``ort-past``'s lengths) at ``new``, which has the same two leading axes:
@@ -212,7 +259,8 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
     """The op's output handed on without what ``ort-past`` put after it for the mask (a
     ``Where`` zeroing rows with no key: each row has its own length now) and, where the
     module merges the heads back at once (a Transpose and a Reshape to ``[batch, seq,
-    heads * head_dim]``), straight to what reads that Reshape: the op gives that layout."""
+    heads * head_dim]``, after a Reshape to the shape they have, as Phi-3's), straight to
+    what reads that last Reshape: the op gives that layout."""
     split = _sole_reader(nodes, op.output[0], "Reshape")
     back = _sole_reader(nodes, split.output[0], "Transpose") if split is not None else None
     seen = _sole_reader(nodes, back.output[0], "Where") if back is not None else None
@@ -220,13 +268,16 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
         return
     back.output[0] = seen.output[0]
     nodes.remove(seen)
-    moved = _sole_reader(nodes, back.output[0], "Transpose")
+    heads, after = declared_dims(proto, back.output[0]), back.output[0]
+    same = _sole_reader(nodes, after, "Reshape")
+    if same is not None and None not in heads and declared_dims(proto, same.output[0]) == heads:
+        after = same.output[0]
+    moved = _sole_reader(nodes, after, "Transpose")
     merged = _sole_reader(nodes, moved.output[0], "Reshape") if moved is not None else None
     if moved is None or merged is None or attribute(moved, "perm", []) != [0, 2, 1, 3]:
         return
     if merged.output[0] in {o.name for o in proto.graph.output}:
         return
-    heads = declared_dims(proto, back.output[0])
     dims = declared_dims(proto, merged.output[0])
     sizes = [d for d in (*heads[1:2], *heads[3:4], *dims[2:3]) if isinstance(d, int)]
     if len(heads) == 4 and len(dims) == 3 and len(sizes) == 3 and sizes[0] * sizes[1] == sizes[2]:
@@ -236,37 +287,42 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
 
 def _checked(
     ops: Sequence[onnx.NodeProto], proto: onnx.ModelProto, producers: Mapping[str, onnx.NodeProto]
-) -> list[tuple[onnx.NodeProto, _Rotary, _Rotary]]:
-    """Each op with its query's and its key's rotary; ExportFailure where one has none."""
+) -> list[tuple[onnx.NodeProto, _Rotary, _Rotary, int]]:
+    """Each op with its query's and its key's rotary and its head size; ExportFailure where
+    one has none or one the op cannot apply."""
     if not ops:
         raise ExportFailure(
             "variant gqa-rotary folds rotary into GroupQueryAttention, and the graph has none: "
             "put static-cache or ort-past before it"
         )
+    constants = {t.name: t for t in proto.graph.initializer}
     pairs = []
     for op in ops:
         if attribute(op, "do_rotary", 0):
             raise ExportFailure(f"variant gqa-rotary: '{op.name}' applies its rotary already")
-        query, key = (_rotary(name, producers) for name in op.input[:2])
+        query, key = (_rotary(proto, name, producers, constants) for name in op.input[:2])
         if query is None or key is None:
             rotary = any(n.op_type == "RotaryEmbedding" for n in proto.graph.node)
             raise ExportFailure(
-                f"variant gqa-rotary: '{op.name}' reads no RotaryEmbedding of whole heads, not interleaved, "
-                "on both its query and its key; "
+                f"variant gqa-rotary: '{op.name}' reads no RotaryEmbedding on both its query and its key; "
                 + (
-                    "its rotary is partial (a config's partial_rotary_factor < 1 rotates part of each head) "
-                    "or interleaved, which the op's cos/sin caches do not hold: build it without gqa-rotary"
+                    "its rotary is laid out in a way this variant does not read: build it without gqa-rotary"
                     if rotary
                     else "a module without rotary has nothing to fold"
                 )
             )
         head = declared_dims(proto, query.source)[-1]
-        if not isinstance(head, int) or head % _HEAD_MULTIPLE:
+        if not isinstance(head, int) or head % _MULTIPLE:
             raise ExportFailure(
                 f"variant gqa-rotary: head size {head}: ONNX Runtime's GroupQueryAttention applies rotary "
-                f"to heads of a multiple of {_HEAD_MULTIPLE} only"
+                f"to heads of a multiple of {_MULTIPLE} only"
             )
-        pairs.append((op, query, key))
+        if query.interleaved or key.interleaved:
+            raise ExportFailure(
+                f"variant gqa-rotary: '{op.name}' reads an interleaved rotary (channels turned in pairs of "
+                "neighbours), which this variant does not fold: build it without gqa-rotary"
+            )
+        pairs.append((op, query, key, head))
     return pairs
 
 
@@ -276,7 +332,7 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
     graph = proto.graph
     producers = {out: n for n in graph.node for out in n.output}
     pairs = _checked([n for n in graph.node if (n.domain, n.op_type) == _GQA], proto, producers)
-    cos_sin = sorted({v for _, q, k in pairs for v in (q.cos, q.sin, k.cos, k.sin)})
+    cos_sin = sorted({v for _, q, k, _ in pairs for v in (q.cos, q.sin, k.cos, k.sin)})
     caches = _caches(proto, cos_sin, positions, producers)
     prefix = next(fresh_prefixes(proto, "gqa_rotary"))
     tables: dict[bytes, str] = {}  # one cos and one sin cache for every layer that shares them
@@ -293,7 +349,7 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
     graph.initializer.extend(constants)
     packed = 0
     before: list[list[onnx.NodeProto]] = []
-    for i, (op, query, key) in enumerate(pairs):
+    for i, (op, query, key, head) in enumerate(pairs):
         nodes = _Nodes(f"{prefix}/{i}")
         q, k = (
             _merged_heads(proto, r.source, producers) or nodes.to_bsh(r.source, label)
@@ -306,7 +362,7 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
             (inputs[0], extra), inputs[1], inputs[2] = made, "", ""
             nodes.nodes += extra
             packed += 1
-        inputs[7] = table(_same(caches, [query.cos, key.cos]), "cos")
+        inputs[7] = table(_turnable(op, _same(caches, [query.cos, key.cos]), head), "cos")
         inputs[8] = table(_same(caches, [query.sin, key.sin]), "sin")
         if masked:  # the mask as genai's graphs read it: each row's length, no bias
             inputs[5], inputs[6], inputs[10] = *lengths, ""
@@ -324,7 +380,7 @@ def make(proto: onnx.ModelProto, provider: str, positions: int) -> VariantGraph:
         at = next(i for i, n in enumerate(kept) if made_values & set(n.input))
         kept[at:at] = made_nodes
     if masked:
-        for op, _, _ in pairs:
+        for op, *_ in pairs:
             _straight_output(proto, kept, op)
     skip_norms = fuse_skip_norms(proto, kept)
     keep_live(proto, kept)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from attn_export.runtimes.genai import Generation
 
 __all__ = [
     "GenerateResult",
+    "Judged",
     "Side",
     "generate_prompts",
     "graph_generate",
@@ -66,6 +67,9 @@ class GenerateResult:
     divergence: str = ""
     #: The step (from 1) that first differs; None where every step agrees.
     step: int | None = None
+    #: One line for each row that parted from PyTorch's tokens on a near tie its tolerance
+    #: allows (``judge``): not a divergence, but that row's later steps were not judged.
+    parted: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -212,8 +216,13 @@ def _generated(
 
 
 def _tie_room(made: Generation, ties: Sequence[Generation]) -> list[np.ndarray]:
-    """Per step, the largest |logit - ``made``'s| over the ``ties`` runs, each row counted
-    while a run has chosen ``made``'s tokens before that step (after, it runs another text)."""
+    """Per step and row, ``INT4_TIE_FACTOR`` x the largest |logit - ``made``'s| over the
+    ``ties`` runs and the row's logits, for each of them: the flips a graph's own float
+    rounding makes are other codes than a nudge flips, and move other logits by as much. A
+    row counts while a run has chosen ``made``'s tokens before that step (after, it runs
+    another text)."""
+    from attn_export.runtimes.int8_rounding import INT4_TIE_FACTOR
+
     room = [np.zeros_like(step) for step in made.logits]
     for tie in ties:
         for step, want in enumerate(made.logits):
@@ -221,8 +230,8 @@ def _tie_room(made: Generation, ties: Sequence[Generation]) -> list[np.ndarray]:
                 break
             same = [r for r in range(len(made.tokens)) if made.tokens[r][:step] == tie.tokens[r][:step]]
             with np.errstate(invalid="ignore"):
-                spread = np.nan_to_num(np.abs(tie.logits[step] - want))
-            room[step][same] = np.maximum(room[step][same], spread[same])
+                spread = np.nan_to_num(np.abs(tie.logits[step] - want)).max(axis=-1, keepdims=True)
+            room[step][same] = np.maximum(room[step][same], INT4_TIE_FACTOR * spread[same])
     return room
 
 
@@ -320,16 +329,31 @@ def stacked(generations: Sequence[Generation]) -> Generation:
     return Generation(tokens, rows([g.logits for g in generations], np.nan), room)
 
 
+class Judged(NamedTuple):
+    """A generation judged: the largest logit difference at each step judged, one line naming
+    the first divergence ('' where none) and its step (from 1; None), and a line for each row
+    that parted from PyTorch's tokens on a near tie its tolerance allows (judged no further)."""
+
+    by_step: list[float]
+    divergence: str
+    step: int | None
+    parted: list[str]
+
+
 def judge(
     expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()
-) -> tuple[list[float], str, int | None]:
+) -> Judged:
     """Step by step, the largest logit difference, and the first step whose tokens differ or
     whose logits break ``tolerance`` (its atol widened by ``atol_rms`` x the step's logits'
-    rms and by ``expected``'s room; NaN never agrees): one line naming its row, the two tokens and the logit. A row
-    that has ended (PyTorch chose an ``eos`` token) is judged no further, as a generator
-    stops it there; a row the graph's runner stopped before that is a divergence."""
+    rms and by ``expected``'s room; NaN never agrees): one line naming its row, the two tokens
+    and the logit. A row that has ended (PyTorch chose an ``eos`` token) is judged no further,
+    as a generator stops it there; a row the graph's runner stopped before that is a
+    divergence. A row whose graph picks another token with every logit within the tolerance
+    has met a near tie (PyTorch's two logits are within what the graph may stray): it is not a
+    divergence, but the texts part there, so the row is judged no further and the tie said."""
     by_step: list[float] = []
     ended: set[int] = set()
+    parted: list[str] = []
     for step, want in enumerate(expected.logits):
         rows = [r for r in range(len(expected.tokens)) if r not in ended and step < len(expected.tokens[r])]
         if not rows:
@@ -337,7 +361,8 @@ def judge(
         stopped = [r for r in rows if step >= len(got.tokens[r]) or step >= len(got.logits)]
         if stopped:
             row = stopped[0]
-            return by_step, f"step {step + 1}, row {row}: the graph's runner stopped after {step} tokens", step + 1
+            why = f"step {step + 1}, row {row}: the graph's runner stopped after {step} tokens"
+            return Judged(by_step, why, step + 1, parted)
         have = got.logits[step]
         with np.errstate(invalid="ignore"):
             diff = np.abs(want - have)
@@ -348,16 +373,21 @@ def judge(
         outside = ~(diff <= room + tolerance.rtol * np.abs(want))
         for row in rows:
             w, h = expected.tokens[row][step], got.tokens[row][step]
-            if w != h or outside[row].any():
-                index = int(np.argmax(outside[row])) if outside[row].any() else w
-                return (
-                    by_step,
-                    f"step {step + 1}, row {row}: "
-                    + (f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};")
-                    + f" logit {index}: PyTorch {want[row, index]:.6g}, the graph {have[row, index]:.6g} "
-                    f"(|diff| {diff[row, index]:.3g}, atol={room[row, index]:.3g} rtol={tolerance.rtol:g})",
-                    step + 1,
+            if outside[row].any():
+                index = int(np.argmax(outside[row]))
+                picks = f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};"
+                why = (
+                    f"step {step + 1}, row {row}: {picks} logit {index}: PyTorch {want[row, index]:.6g}, the graph "
+                    f"{have[row, index]:.6g} (|diff| {diff[row, index]:.3g}, atol={room[row, index]:.3g} "
+                    f"rtol={tolerance.rtol:g})"
                 )
-            if w in eos:
+                return Judged(by_step, why, step + 1, parted)
+            if w != h:
+                parted.append(
+                    f"step {step + 1}, row {row}: PyTorch picks token {w}, the graph {h}, on a near tie (PyTorch's "
+                    f"logits {want[row, w]:.6g} and {want[row, h]:.6g}, the graph's {have[row, w]:.6g} and "
+                    f"{have[row, h]:.6g}, every logit within tolerance): the row is judged no further"
+                )
+            if w != h or w in eos:
                 ended.add(row)
-    return by_step, "", None
+    return Judged(by_step, "", None, parted)

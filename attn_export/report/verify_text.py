@@ -149,16 +149,18 @@ def format_generate(report: VerifyReport) -> str:
         return ""
     w = _report_widths(report)
     runner = max([w.runtime, *(len(g.runner) for g in report.generate)])
-    lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<8} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
+    layout = max(8, *(len(g.layout) for g in report.generate))
+    lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<{layout}} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
     for g in report.generate:
         prompts = ",".join(str(len(p)) for p in g.prompts)
         agreed = g.steps if g.step is None else g.step - 1
         worst = _num(max(g.max_abs_by_step, default=None), ".1e")
         lines.append(
-            f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<8} {prompts:<8} "
+            f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<{layout}} {prompts:<8} "
             f"{'PASS' if g.passed else 'FAIL':<6} {f'{agreed}/{g.steps}':<7} {worst}"
         )
     lines += [f"FAIL {g.model} {g.runner} generate {g.layout}: {g.divergence}" for g in report.generate if g.divergence]
+    lines += [f"note: {g.model} {g.runner} generate {g.layout}: {tie}" for g in report.generate for tie in g.parted]
     without = sorted({g.model for g in report.generate} - {g.model for g in report.generate if g.runner == GENAI})
     if without:
         lines.append(

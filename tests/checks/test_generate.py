@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attn_export.checks.generate import generate_prompts, judge, stacked
+from attn_export.checks.generate import _tie_room, generate_prompts, judge, stacked
 from attn_export.errors import UsageError
 from attn_export.model_spec import Tolerance, load_spec
 from attn_export.runtimes.genai import Generation
@@ -38,7 +38,7 @@ def _gen(tokens: list[list[int]]) -> Generation:
 def test_the_same_generation_agrees_and_a_row_is_judged_to_its_end() -> None:
     want = _gen([[5, 2, 0, 0], [3, 4, 5, 6]])
     got = _gen([[5, 2, 7, 7], [3, 4, 5, 6]])  # after its eos a row may hold anything
-    assert judge(want, got, TOL, EOS)[1:] == ("", None)
+    assert judge(want, got, TOL, EOS)[1:3] == ("", None)
 
 
 def test_a_row_that_differs_after_another_row_ended_is_still_judged() -> None:
@@ -46,19 +46,19 @@ def test_a_row_that_differs_after_another_row_ended_is_still_judged() -> None:
     cut the other's judging short."""
     want = stacked([_gen([[5, 2]]), _gen([[3, 4, 5, 6]])])
     got = _gen([[5, 2, 0, 0], [3, 4, 7, 6]])
-    why, step = judge(want, got, TOL, EOS)[1:]
+    why, step = judge(want, got, TOL, EOS)[1:3]
     assert step == 3 and why.startswith("step 3, row 1: PyTorch picks token 5, the graph 7;")
 
 
 def test_a_runner_that_stops_early_does_not_pass() -> None:
     want, got = _gen([[3, 4, 5]]), _gen([[3]])
-    assert judge(want, got, TOL, EOS)[1:] == ("step 2, row 0: the graph's runner stopped after 1 tokens", 2)
+    assert judge(want, got, TOL, EOS)[1:3] == ("step 2, row 0: the graph's runner stopped after 1 tokens", 2)
 
 
 def test_nan_logits_do_not_pass() -> None:
     want, got = _gen([[3, 4]]), _gen([[3, 4]])
     got.logits[1][0, 0] = np.nan
-    why, step = judge(want, got, TOL, EOS)[1:]
+    why, step = judge(want, got, TOL, EOS)[1:3]
     assert step == 2 and "both pick token 4, but logit 0: PyTorch 0, the graph nan" in why
 
 
@@ -87,9 +87,9 @@ def test_a_simulated_near_tie_widens_the_room_of_its_logits_alone() -> None:
     want = Generation([[3, 4]], _logits([[3, 4]]), room)
     got = _gen([[3, 4]])
     got.logits[0][0, 1] += 8e-4
-    assert judge(want, got, TOL, EOS)[1:] == ("", None)
+    assert judge(want, got, TOL, EOS)[1:3] == ("", None)
     got.logits[0][0, 2] += 8e-4
-    why, step = judge(want, got, TOL, EOS)[1:]
+    why, step = judge(want, got, TOL, EOS)[1:3]
     assert step == 1 and "logit 2:" in why and "atol=1e-05" in why
 
 
@@ -99,3 +99,37 @@ def test_the_room_of_prompts_generated_alone_stacks_with_them() -> None:
     room = stacked([first, second]).room
     assert room is not None and [r[:, 0].tolist() for r in room] == [[0.1, 0.2], [0.1, 0.2], [0.0, 0.2]]
     assert stacked([first, _gen([[3]])]).room is None
+
+
+def test_a_token_picked_on_a_near_tie_within_tolerance_parts_the_row_without_failing_it() -> None:
+    """Two logits 1e-6 apart: a graph within tolerance may pick either; the row is said to part
+    there and judged no further, the other row still is. Past the tolerance it is a divergence."""
+    want = _gen([[3, 4, 5], [6, 6, 6]])
+    want.logits[1][0, 7] = 1.0 - 1e-6
+    got = _gen([[3, 7, 1], [6, 6, 6]])
+    got.logits[1][0] = want.logits[1][0]
+    got.logits[1][0, 7] = 1.0 + 1e-6
+    got.logits[2][0] = np.arange(8.0)  # after the tie the row runs another text
+    judged = judge(want, got, TOL, EOS)
+    assert judged[1:3] == ("", None)
+    assert judged.parted == [
+        "step 2, row 0: PyTorch picks token 4, the graph 7, on a near tie (PyTorch's logits 1 and 0.999999, "
+        "the graph's 1 and 1, every logit within tolerance): the row is judged no further"
+    ]
+    got.logits[2][1, 6] = 0.5  # the other row is still judged
+    assert judge(want, got, TOL, EOS)[1:3] == (
+        "step 3, row 1: both pick token 6, but logit 6: PyTorch 1, the graph 0.5 (|diff| 0.5, atol=1e-05 rtol=0.0001)",
+        3,
+    )
+    got.logits[1][0, 7] = 1.0 + 1e-3  # a pick the tolerance does not allow
+    assert judge(want, got, TOL, EOS)[2] == 2
+
+
+def test_a_nudged_run_widens_the_room_of_every_logit_of_its_row_and_step() -> None:
+    """The nudges flip other codes than a graph's rounding does: the room is twice the widest
+    logit they move in the row, for each logit of it, and none where they move nothing."""
+    made = Generation([[3, 4], [5, 6]], [np.zeros((2, 8)), np.zeros((2, 8))])
+    tie = Generation([[3, 4], [5, 6]], [np.zeros((2, 8)), np.zeros((2, 8))])
+    tie.logits[0][0, 1] = -1e-3
+    room = _tie_room(made, [tie])
+    assert np.array_equal(room[0][0], np.full(8, 2e-3)) and not room[0][1].any() and not room[1].any()

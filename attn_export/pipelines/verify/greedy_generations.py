@@ -27,6 +27,7 @@ from attn_export.artifacts.generations import read_generations
 from attn_export.artifacts.manifest import ManifestEntry
 from attn_export.checks.generate import (
     GenerateResult,
+    Judged,
     generate_prompts,
     graph_generate,
     judge,
@@ -155,16 +156,11 @@ def generate_model(
         runner: str, layout: str, rows: list[list[int]], want: Generation, got: Generation | str, tolerance: Tolerance
     ) -> None:
         """The row of one runner's generation; one that could not run diverges at its first step."""
-        by_step: list[float] = []
-        step: int | None = 1
-        tokens: list[list[int]] = []
         if isinstance(got, str):
-            divergence = got
+            judged, tokens = Judged([], got, 1, []), []
         else:
-            (by_step, divergence, step), tokens = judge(want, got, tolerance, eos), got.tokens
-        results.append(
-            GenerateResult(entry.name, runner, layout, rows, steps, want.tokens, tokens, by_step, divergence, step)
-        )
+            judged, tokens = judge(want, got, tolerance, eos), got.tokens
+        results.append(GenerateResult(entry.name, runner, layout, rows, steps, want.tokens, tokens, *judged))
 
     for target in options.targets:
         if target.runtime != "onnxruntime":

@@ -22,7 +22,15 @@ def test_a_sum_of_a_sum_is_a_one_line_spec_error(tmp_path: Path) -> None:
         )
         assert result.exit_code == 2, result.output
         assert "dim 'extra': a sum must add two or more distinct dims declared with {min, max}" in result.output
+        assert "'total_seq' is not one (declared: batch, seq, past_seq)" in result.output  # a sum is not declared so
         assert "Traceback" not in result.output
+
+
+def test_a_sum_of_a_misspelt_dim_names_it_and_the_dims_declared(tmp_path: Path) -> None:
+    text = (TINY_ZOO / "mha_kv_cache.toml").read_text().replace("past_seq = {", "past_sq = {")
+    result = CliRunner().invoke(cli, ["list", str(write_spec(tmp_path, "typo", text))])
+    assert result.exit_code == 2, result.output
+    assert "got 'past_seq + seq': 'past_seq' is not one (declared: batch, seq, past_sq)" in result.output
 
 
 def test_two_spec_files_naming_one_model_are_refused_before_building(tmp_path: Path) -> None:

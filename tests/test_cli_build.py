@@ -131,6 +131,12 @@ BAD_SPECS = [
         "key [2, 5, 32] float32, value [2, 5, 32] float32, key_padding_mask [2, 5] bool): AssertionError:",
     ),
     (
+        "config_typo",  # transformers keeps any keyword: the model would have LlamaConfig's 32 layers
+        lambda t: (TINY_ZOO / "llama_causal_lm.toml").read_text().replace("hidden_layers = 2", "hidden_layer = 2"),
+        "tiny: config key 'num_hidden_layer' is no field of LlamaConfig; did you mean 'num_hidden_layers'? (it would "
+        "keep 'num_hidden_layer' aside and build with num_hidden_layers = 32)",
+    ),
+    (
         "min_gt_max",
         lambda t: t.replace("min = 1, max = 24", "min = 30, max = 24"),
         "[spec] {p}:21: dim 'seq': min 30 is greater than max 24",

@@ -6,6 +6,7 @@ Used by build (to export) and verify (to rebuild the original with the same weig
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 import sys
@@ -128,7 +129,30 @@ def build_config(spec: ModelSpec) -> Any:
     if spec.config is None:
         return None
     options = {k: v for k, v in spec.config.items() if k != "class"}
-    return _construct(spec, spec.config["class"], options)
+    config = _construct(spec, spec.config["class"], options)
+    _refuse_misspelt(spec, config, options)
+    return config
+
+
+def _refuse_misspelt(spec: ModelSpec, config: Any, options: dict[str, Any]) -> None:
+    """SpecError where a key of the config table is no field of its class but nearly one
+    (``num_hidden_layer``): a transformers config keeps any keyword as an attribute of its
+    own, so the model would be built with the field's default and fail far from the typo. A
+    key near no field is the user's own (a custom module may read it) and is kept."""
+    try:
+        default = type(config)()
+    except Exception:  # noqa: BLE001 - a class that needs arguments has no defaults to compare with
+        return
+    fields = [k for k in vars(default) if not k.startswith("_")]
+    for key in options:
+        if hasattr(default, key) or hasattr(default, f"_{key}"):
+            continue
+        near = difflib.get_close_matches(key, fields, n=1, cutoff=0.9)
+        if near:
+            raise SpecError(
+                f"{spec.name}: config key '{key}' is no field of {type(config).__name__}; did you mean "
+                f"'{near[0]}'? (it would keep '{key}' aside and build with {near[0]} = {getattr(default, near[0])!r})"
+            )
 
 
 def instantiate(spec: ModelSpec) -> Any:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.files import LOCK_NAME, STAGED, atomic_write, read_regular, schema_document
+from attn_export.artifacts.genai_folder import CONFIG_NAME, GENAI_DIR, GRAPH_NAME
 from attn_export.artifacts.json_fields import json_record
 from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError, SpecError, UsageError
@@ -174,12 +175,22 @@ def load_manifest(out_dir: Path) -> Manifest:
     """Read ``<out_dir>/manifest.json``; a missing or malformed one is an ArtifactError."""
     path = out_dir / MANIFEST_NAME
     if not path.exists():
-        raise ArtifactError(f"{path}: no manifest; run 'attn-export build --out {out_dir}' first")
+        raise ArtifactError(f"{path}: no manifest; " + _instead(out_dir))
     try:
         text = read_regular(path, out_dir, MAX_MANIFEST_BYTES).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ArtifactError(f"{path}: cannot read manifest: {e}") from e
     return Manifest.from_json(text, str(path))
+
+
+def _instead(out_dir: Path) -> str:
+    """What to do with a folder that holds no manifest: build into it, or, for the folder
+    onnxruntime-genai loads that ``build --target genai`` wrote, verify its build or its graph."""
+    if not (out_dir / CONFIG_NAME).is_file():
+        return f"run 'attn-export build --out {out_dir}' first"
+    root = out_dir.parent.parent if out_dir.parent.name == GENAI_DIR else None
+    build = f"verify its build folder {root} (--generate runs this folder in genai's generator), or " if root else ""
+    return f"{out_dir} is a folder for onnxruntime-genai: {build}verify {out_dir / GRAPH_NAME} --spec <its spec>"
 
 
 def save_manifest(out_dir: Path, manifest: Manifest) -> None:

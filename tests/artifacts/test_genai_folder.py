@@ -180,3 +180,18 @@ def test_the_pad_token_is_one_the_embedding_takes() -> None:
     assert pad_token(GPT2Config(vocab_size=32), 32) == 0
     assert pad_token(GPT2Config(), 50257) == 50256
     assert pad_token(GPT2Config(vocab_size=32, pad_token_id=5), 32) == 5
+
+
+def test_verify_of_a_genai_folder_points_at_its_build_and_its_graph(tmp_path: Path) -> None:
+    """The folder genai loads holds no manifest: the error names the build folder above it and
+    the graph to give with --spec, not a build into the deploy folder."""
+    folder = tmp_path / "build" / "genai" / "llama"
+    folder.mkdir(parents=True)
+    (folder / "genai_config.json").write_text("{}")
+    result = CliRunner().invoke(cli, ["verify", str(folder), "--models", str(TINY_ZOO)])
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"Error: {folder / 'manifest.json'}: no manifest; {folder} is a folder for onnxruntime-genai: verify its "
+        f"build folder {tmp_path / 'build'} (--generate runs this folder in genai's generator), or verify "
+        f"{folder / 'model.onnx'} --spec <its spec>\n"
+    )

@@ -340,9 +340,7 @@ class Judged(NamedTuple):
     parted: list[str]
 
 
-def judge(
-    expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()
-) -> Judged:
+def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()) -> Judged:
     """Step by step, the largest logit difference, and the first step whose tokens differ or
     whose logits break ``tolerance`` (its atol widened by ``atol_rms`` x the step's logits'
     rms and by ``expected``'s room; NaN never agrees): one line naming its row, the two tokens

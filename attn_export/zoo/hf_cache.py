@@ -42,16 +42,22 @@ def _layers(config: Any) -> int:
     return count
 
 
+def _refuse_stateful(model: type, name: str) -> None:
+    """A model that keeps a recurrent state (Mamba) has no key/value cache to flatten: said
+    before it is built, which may fail for another reason (no sdpa for it)."""
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(
+            f"{name} keeps a recurrent state, not a key/value cache; export its decoder "
+            "with a wrapper of your own that passes that state as tensors"
+        )
+
+
 def _refuse_unflat_cache(model: nn.Module, config: Any) -> None:
     """A model whose cache is more than a key and a value per layer (a state-space or linear
     attention layer, an indexed cache) cannot be fed as flat past/present tensors."""
     from transformers import DynamicCache
 
-    if getattr(model, "_is_stateful", False):
-        raise ValueError(
-            f"{type(model).__name__} keeps a recurrent state, not a key/value cache; export its decoder "
-            "with a wrapper of your own that passes that state as tensors"
-        )
+    _refuse_stateful(type(model), type(model).__name__)
     kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
     odd = sorted(kinds - set(_FLAT_LAYERS))
     if odd:
@@ -74,6 +80,9 @@ class _FlatCache(nn.Module):
 
         self.layers = _layers(config)
         factory = getattr(transformers, auto)
+        known = getattr(factory, "_model_mapping", {})
+        if type(config) in known:
+            _refuse_stateful(known[type(config)], known[type(config)].__name__)
         try:
             self.model = factory.from_config(config)
         except ValueError as e:

@@ -122,6 +122,10 @@ def test_three_layers_need_no_new_signature(tmp_path: Path) -> None:
             'class = "transformers:MambaConfig", hidden_size = 32, vocab_size = 32',
             "keeps a recurrent state, not a key/value cache",
         ),
+        (  # said before transformers refuses sdpa for it, with a page of its own words
+            'class = "transformers:MambaConfig", hidden_size = 32, attn_implementation = "sdpa", vocab_size = 32',
+            "MambaForCausalLM keeps a recurrent state, not a key/value cache",
+        ),
         (
             'class = "transformers:T5Config", d_model = 32, vocab_size = 32',
             "AutoModelForCausalLM has no model for T5Config",

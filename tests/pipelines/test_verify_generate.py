@@ -120,6 +120,17 @@ def test_golden_mode_refuses_recorded_generations_changed_after_the_build(causal
     assert "llama_causal_lm.generate.npz changed after the build" in result.output
 
 
+def test_golden_mode_fails_a_graph_changed_after_the_build_as_a_check(causal_lm: Built, tmp_path: Path) -> None:
+    """An edited graph is a failure of that model (exit 1), with or without --generate: its
+    generations are not run, and the recorded ones are still read."""
+    folder = tmp_path / "copy"
+    shutil.copytree(causal_lm.out, folder)
+    _scale_the_second_layers_key(folder / "llama_causal_lm.onnx", folder / "llama_causal_lm.onnx")
+    result = _verify(str(folder), "--golden", "--generate", "4")
+    assert result.exit_code == 1, result.output
+    assert "FAIL llama_causal_lm: llama_causal_lm.onnx changed after the build" in result.output
+
+
 @pytest.mark.slow
 def test_a_graph_that_takes_no_padding_decodes_and_generates_a_batch_of_one_length(
     causal_lm: Built, tmp_path: Path

@@ -311,8 +311,12 @@ def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padde
             ).replace('convention = "binary"', 'convention = "additive"'),
             "convention 'additive' does not mean",
         ),
+        (  # before a 16 s export, not after it
+            lambda t: t.replace('"past_seq", 16]', '"past_seq", 24]').replace('"total_seq", 16]', '"total_seq", 24]'),
+            "gqa-rotary: the cache's heads are 24 wide",
+        ),
     ],
-    ids=["position_ids", "padding", "window", "class-window", "additive"],
+    ids=["position_ids", "padding", "window", "class-window", "additive", "heads"],
 )
 def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
     tmp_path: Path, edit: object, says: str

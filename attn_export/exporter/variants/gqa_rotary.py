@@ -36,21 +36,37 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from attn_export._deps import require
-from attn_export.errors import ExportFailure, first_line
+from attn_export.errors import ExportFailure, SpecError, first_line
 from attn_export.exporter.cache_in_op import attribute, declared_dims, fresh_prefixes
 from attn_export.exporter.packed_projections import cut_from, pack
 from attn_export.exporter.skip_norm import fuse_skip_norms
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.exporter.variants.ort_past import _merged_heads, _Nodes, _read, keep_live
-from attn_export.model_spec.cache import MASK
+from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import MASK, cache_of
 from attn_export.runtimes.static_cache import CAPACITY_DIM
 
-__all__ = ["make"]
+__all__ = ["make", "refuse_heads"]
 
 _GQA = ("com.microsoft", "GroupQueryAttention")
 #: ONNX Runtime's GroupQueryAttention rotates heads, and the channels it turns in each, of a
 #: multiple of 16 only (its checks: head_size % 16, the caches' width a multiple of 8).
 _MULTIPLE = 16
+
+
+def refuse_heads(spec: ModelSpec, label: str) -> None:
+    """SpecError, before any export, where the spec's cache holds heads GroupQueryAttention
+    cannot rotate (a head size not a multiple of ``_MULTIPLE``): the graph would be refused
+    only once exported."""
+    cache = cache_of(spec)
+    key = next((t for t in spec.inputs if cache is not None and t.name == cache.pairs[0][0]), None)
+    head = key.shape[-1] if key is not None else None
+    if isinstance(head, int) and head % _MULTIPLE:
+        raise SpecError(
+            f"{label}: gqa-rotary: the cache's heads are {head} wide, and ONNX Runtime's GroupQueryAttention "
+            f"applies rotary to heads of a multiple of {_MULTIPLE} only: build it without gqa-rotary "
+            "(static-cache alone keeps the module's own rotary)"
+        )
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from attn_export.checks.fully_masked import settle
 from attn_export.errors import ArtifactError, AttnExportError, GraphCheckError, RuntimeFailure, SpecError
 from attn_export.executors import exit_if_orphaned
 from attn_export.exporter.factory import build_config
+from attn_export.exporter.variants.gqa_rotary import refuse_heads
 from attn_export.model_spec import ModelSpec, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import counted_positions
 from attn_export.model_spec.shapes import format_sizes
@@ -109,6 +110,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
             )
         if variant_chain(variant).counts_positions:
             counted_positions(spec, variant_key(spec.name, variant), build_config(spec))
+            refuse_heads(spec, variant_key(spec.name, variant))
         ctx.check_budget()
     with stage_timer(result, "module"):
         ctx.module.get()

@@ -179,6 +179,7 @@ def test_a_spec_without_example_sizes_fails_alone_and_the_build_goes_on(tmp_path
     assert "FAILED  a_cramped" in result.output and "[spec] a_cramped: no example size for dim 'kv_seq' in [1, 2]" in (
         result.output
     )
+    assert "(taken: 16 in the shapes, batch = 2, seq = 3); widen its range" in result.output  # what it clashes with
     assert "built   b_fine" in result.output
 
 

@@ -76,9 +76,11 @@ def example_sizes(spec: ModelSpec) -> dict[str, int]:
                 sizes[name] = choice
                 break
         if name not in sizes:
+            held = [f"{n} in the shapes" for n in sorted(static)] + [f"{d} = {n}" for d, n in sizes.items()]
             raise InputError(
                 f"{spec.name}: no example size for dim '{name}' in [{rng.min}, {rng.max}] "
-                "differs from the other dims and their sums; widen its range"
+                f"differs from the other dims and their sums (taken: {', '.join(held)}); widen its range: "
+                "the exporter merges two dims of one size"
             )
         taken.add(sizes[name])
     return spec.with_sums(sizes)

@@ -225,7 +225,11 @@ def test_a_wrong_fp16_graph_is_red(variant_build: Path, tmp_path: Path, fault: s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "shapes", "seed"),
-    [("llama_attention", "batch=4,seq=40", "11"), ("mha_causal", "batch=4,seq=24,kv_seq=40", "29")],
+    [
+        ("llama_attention", "batch=4,seq=40", "11"),
+        ("mha_causal", "batch=4,seq=24,kv_seq=40", "29"),
+        ("llama_attention", "batch=4,seq=40", "18"),
+    ],
 )
 def test_a_right_fp16_graph_is_green_where_a_near_tie_flips_its_winner(
     tmp_path: Path, model: str, shapes: str, seed: str
@@ -236,7 +240,11 @@ def test_a_right_fp16_graph_is_green_where_a_near_tie_flips_its_winner(
     score of 115 is a sum of terms in the 1000s, and the graph's rounding of the query and
     key moves it by 1.2-1.9, 20-30 of its own units: the row goes to the other of two keys
     (36.1 against a room of 26.9 with the scores alone dithered). The dithered roundings
-    (``FLOAT16_ROUNDINGS``), the query and key moved too, settle such ties both ways."""
+    (``FLOAT16_ROUNDINGS``), the query and key moved too, settle such ties both ways.
+
+    Not always in the same row: at seed 18 the graph is 1.34 off in a row where the eight
+    runs stray 0.08-0.13, and its room (0.74 were it that row's own) comes from a tie the
+    runs flip in another row (27.8). So the room is one per output, not one per row."""
     summary = build_models([TINY_ZOO / f"{model}.toml"], BuildOptions(tmp_path, variants=("fp16",)))
     assert summary.results[0].status == "built", summary.results[0].error
     case = ["--shapes", shapes, "--seed", seed, "--distribution", "large", "--no-latency"]

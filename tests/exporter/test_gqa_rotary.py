@@ -48,6 +48,13 @@ def _write(folder: Path, text: str) -> list[Path]:
     return [folder / "llama_causal_lm.toml"]
 
 
+def _built_from(factory: pytest.TempPathFactory, key: str, text: str) -> Built:
+    """The spec ``text`` built once per run under ``key``, with its genai folder."""
+    made = shared_build(factory, key, lambda folder: _write(folder, text), target="genai", variants=(VARIANT,))
+    assert made.errors == {NAME: None}, made.errors
+    return made
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
@@ -56,6 +63,16 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     )
     assert made.errors == {NAME: None}, made.errors
     return made
+
+
+def _red_on_logits(proto: onnx.ModelProto, made: Built, tmp_path: Path) -> None:
+    """``proto``, an edit of ``made``'s graph, verified with its spec: red on the logits."""
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    shutil.copy(made.models / "llama_causal_lm.toml", tmp_path / "spec.toml")
+    code, out = _verify(edited, made.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
+    assert code == 1, out
+    assert "FAIL" in out and "logits" in out, out
 
 
 def _verify(graph: Path, models: Path, *more: str) -> tuple[int, str]:
@@ -126,14 +143,7 @@ def test_other_families_read_one_packed_projection_and_verify_green(
     text = _genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())
     config, fields, head = FAMILIES[family]
     text = text.replace('LlamaConfig",', f'{config}",{fields}').replace(", 16]", f", {head}]")
-    made = shared_build(
-        tmp_path_factory,
-        f"gqa-rotary-{family}",
-        lambda folder: _write(folder, text),
-        target="genai",
-        variants=(VARIANT,),
-    )
-    assert made.errors == {NAME: None}, made.errors
+    made = _built_from(tmp_path_factory, f"gqa-rotary-{family}", text)
     proto = onnx.load(str(made.out / f"{NAME}.onnx"))
     attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
     assert len(attention) == 2 and all(n.input[1] == n.input[2] == "" for n in attention)
@@ -157,15 +167,7 @@ PARTIAL = {
 
 def _partial_build(factory: pytest.TempPathFactory, family: str) -> Built:
     text = PARTIAL[family](_genai_form((TINY_ZOO / "llama_causal_lm.toml").read_text())).replace(", 16]", ", 32]")
-    made = shared_build(
-        factory,
-        f"gqa-rotary-partial-{family}",
-        lambda folder: _write(folder, text),
-        target="genai",
-        variants=(VARIANT,),
-    )
-    assert made.errors == {NAME: None}, made.errors
-    return made
+    return _built_from(factory, f"gqa-rotary-partial-{family}", text)
 
 
 @pytest.mark.slow  # a build and a verify per family: about 35 s each
@@ -204,12 +206,7 @@ def test_caches_as_wide_as_the_whole_head_on_a_partial_rotary_are_red(
         for label, fn in (("cos_cache", torch.cos), ("sin_cache", torch.sin)):
             if label in cache.name:
                 cache.CopyFrom(numpy_helper.from_array(fn(angles).numpy(), cache.name))
-    edited = tmp_path / "edited.onnx"
-    onnx.save(proto, str(edited))
-    shutil.copy(made.models / "llama_causal_lm.toml", tmp_path / "spec.toml")
-    code, out = _verify(edited, made.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
-    assert code == 1, out
-    assert "FAIL" in out and "logits" in out, out
+    _red_on_logits(proto, made, tmp_path)
 
 
 @pytest.mark.slow  # an export: about 15 s
@@ -232,12 +229,7 @@ def test_a_cos_cache_one_position_off_is_red(built: Built, tmp_path: Path) -> No
     proto = onnx.load(str(built.out / f"{NAME}.onnx"))
     cos = next(t for t in proto.graph.initializer if "cos_cache" in t.name)
     cos.CopyFrom(numpy_helper.from_array(np.roll(numpy_helper.to_array(cos), 1, axis=0), cos.name))
-    edited = tmp_path / "edited.onnx"
-    onnx.save(proto, str(edited))
-    shutil.copy(built.models / "llama_causal_lm.toml", tmp_path / "spec.toml")
-    code, out = _verify(edited, built.models, "--spec", str(tmp_path / "spec.toml"), "--variant", VARIANT)
-    assert code == 1, out
-    assert "FAIL" in out and "logits" in out, out
+    _red_on_logits(proto, built, tmp_path)
 
 
 @pytest.mark.slow  # a verify with generations and a localize: about 25 s

@@ -15,7 +15,9 @@ Tokens must match exactly, and each step's logits (of each row's last token) wit
 variant's tolerance for ``logits``; a quantized graph (int8, int4) is held to PyTorch's
 generation with its weights rounded as the variant rounds them; the first step that differs is named, with its row, the
 two tokens and the first logit out of tolerance. After it the sequences part, so nothing
-later is judged.
+later is judged. A row whose graph picks another token on a near tie (its logits within the
+tolerance, and favouring its token, where PyTorch's two are within what each may stray) is
+no divergence: its texts part there, the row is judged no further, and a note says so.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class GenerateResult:
     #: One line for each row that parted from PyTorch's tokens on a near tie its tolerance
     #: allows (``judge``): not a divergence, but that row's later steps were not judged.
     parted: list[str] = field(default_factory=list)
+    #: The fewest tokens a row gave as PyTorch's before a near tie parted it; None where none did.
+    agreed: int | None = None
 
     @property
     def passed(self) -> bool:
@@ -338,6 +342,7 @@ class Judged(NamedTuple):
     divergence: str
     step: int | None
     parted: list[str]
+    agreed: int | None = None
 
 
 def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: frozenset[int] = frozenset()) -> Judged:
@@ -346,12 +351,14 @@ def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: froz
     rms and by ``expected``'s room; NaN never agrees): one line naming its row, the two tokens
     and the logit. A row that has ended (PyTorch chose an ``eos`` token) is judged no further,
     as a generator stops it there; a row the graph's runner stopped before that is a
-    divergence. A row whose graph picks another token with every logit within the tolerance
-    has met a near tie (PyTorch's two logits are within what the graph may stray): it is not a
-    divergence, but the texts part there, so the row is judged no further and the tie said."""
+    divergence. A row whose graph picks another token with every logit within the tolerance,
+    its own logits favouring that token and PyTorch's two within what each may stray, has met
+    a near tie: not a divergence, but the texts part there, so the row is judged no further
+    and the tie said (another token picked otherwise is a divergence)."""
     by_step: list[float] = []
     ended: set[int] = set()
     parted: list[str] = []
+    agreed: int | None = None
     for step, want in enumerate(expected.logits):
         rows = [r for r in range(len(expected.tokens)) if r not in ended and step < len(expected.tokens[r])]
         if not rows:
@@ -360,7 +367,7 @@ def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: froz
         if stopped:
             row = stopped[0]
             why = f"step {step + 1}, row {row}: the graph's runner stopped after {step} tokens"
-            return Judged(by_step, why, step + 1, parted)
+            return Judged(by_step, why, step + 1, parted, agreed)
         have = got.logits[step]
         with np.errstate(invalid="ignore"):
             diff = np.abs(want - have)
@@ -368,19 +375,24 @@ def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: froz
         # a lossy variant's share of the logits' rms holds what its simulated rounding misses
         shared = tolerance.atol + tolerance.atol_rms * float(np.sqrt(np.nanmean(want[rows] ** 2)))
         room = shared + (expected.room[step] if expected.room is not None else np.zeros_like(want))
-        outside = ~(diff <= room + tolerance.rtol * np.abs(want))
+        allowed = room + tolerance.rtol * np.abs(want)
+        outside = ~(diff <= allowed)
         for row in rows:
             w, h = expected.tokens[row][step], got.tokens[row][step]
-            if outside[row].any():
-                index = int(np.argmax(outside[row]))
+            tie = w != h and bool(
+                have[row, h] >= have[row, w] and want[row, w] - want[row, h] <= allowed[row, w] + allowed[row, h]
+            )
+            if outside[row].any() or (w != h and not tie):
+                index = int(np.argmax(outside[row])) if outside[row].any() else w
                 picks = f"both pick token {w}, but" if w == h else f"PyTorch picks token {w}, the graph {h};"
                 why = (
                     f"step {step + 1}, row {row}: {picks} logit {index}: PyTorch {want[row, index]:.6g}, the graph "
                     f"{have[row, index]:.6g} (|diff| {diff[row, index]:.3g}, atol={room[row, index]:.3g} "
                     f"rtol={tolerance.rtol:g})"
                 )
-                return Judged(by_step, why, step + 1, parted)
-            if w != h:
+                return Judged(by_step, why, step + 1, parted, agreed)
+            if tie:
+                agreed = step if agreed is None else min(agreed, step)
                 parted.append(
                     f"step {step + 1}, row {row}: PyTorch picks token {w}, the graph {h}, on a near tie (PyTorch's "
                     f"logits {want[row, w]:.6g} and {want[row, h]:.6g}, the graph's {have[row, w]:.6g} and "
@@ -388,4 +400,4 @@ def judge(expected: Generation, got: Generation, tolerance: Tolerance, eos: froz
                 )
             if w != h or w in eos:
                 ended.add(row)
-    return Judged(by_step, "", None, parted)
+    return Judged(by_step, "", None, parted, agreed)

@@ -153,7 +153,7 @@ def format_generate(report: VerifyReport) -> str:
     lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<{layout}} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
     for g in report.generate:
         prompts = ",".join(str(len(p)) for p in g.prompts)
-        agreed = g.steps if g.step is None else g.step - 1
+        agreed = min(g.steps, *([g.step - 1] if g.step else []), *([g.agreed] if g.agreed is not None else []))
         worst = _num(max(g.max_abs_by_step, default=None), ".1e")
         lines.append(
             f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<{layout}} {prompts:<8} "

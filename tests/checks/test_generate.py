@@ -79,7 +79,7 @@ def test_more_tokens_than_past_seq_holds_is_refused() -> None:
         generate_prompts(spec, 25, seed=0)
 
 
-def test_a_simulated_near_tie_widens_the_room_of_its_logits_alone() -> None:
+def test_a_logits_room_widens_its_tolerance_and_no_other_logits() -> None:
     """int4's simulation holds how far its activations' near ties move each logit: a graph
     that settles a tie the other way is within it, a logit the tie does not reach is not."""
     room = [np.zeros((1, 8)), np.zeros((1, 8))]
@@ -111,7 +111,7 @@ def test_a_token_picked_on_a_near_tie_within_tolerance_parts_the_row_without_fai
     got.logits[1][0, 7] = 1.0 + 1e-6
     got.logits[2][0] = np.arange(8.0)  # after the tie the row runs another text
     judged = judge(want, got, TOL, EOS)
-    assert judged[1:3] == ("", None)
+    assert judged[1:3] == ("", None) and judged.agreed == 1  # one token as PyTorch's before it parted
     assert judged.parted == [
         "step 2, row 0: PyTorch picks token 4, the graph 7, on a near tie (PyTorch's logits 1 and 0.999999, "
         "the graph's 1 and 1, every logit within tolerance): the row is judged no further"
@@ -122,6 +122,18 @@ def test_a_token_picked_on_a_near_tie_within_tolerance_parts_the_row_without_fai
         3,
     )
     got.logits[1][0, 7] = 1.0 + 1e-3  # a pick the tolerance does not allow
+    assert judge(want, got, TOL, EOS)[2] == 2
+
+
+def test_another_token_that_is_no_near_tie_is_a_divergence_whatever_the_logits() -> None:
+    """A runner that picks a token its own logits do not favour (a generator's search, not its
+    argmax), or one PyTorch's logits put beyond the tolerance of its pick, diverges."""
+    want = _gen([[3, 4]])
+    got = _gen([[3, 5]])
+    got.logits[1] = want.logits[1].copy()  # the graph's logits favour PyTorch's token 4
+    why, step = judge(want, got, TOL, EOS)[1:3]
+    assert step == 2 and why.startswith("step 2, row 0: PyTorch picks token 4, the graph 5;"), why
+    got.logits[1][0, 5] = 1.0 + 1e-6  # favoured by the graph, but 1 below PyTorch's pick there
     assert judge(want, got, TOL, EOS)[2] == 2
 
 

@@ -143,16 +143,29 @@ def _refuse_misspelt(spec: ModelSpec, config: Any, options: dict[str, Any]) -> N
         default = type(config)()
     except Exception:  # noqa: BLE001 - a class that needs arguments has no defaults to compare with
         return
-    fields = [k for k in vars(default) if not k.startswith("_")]
+    fields = vars(default)
+    public = [k for k in fields if not k.startswith("_")]
     for key in options:
-        if hasattr(default, key) or hasattr(default, f"_{key}"):
+        if key in fields or f"_{key}" in fields or _is_attribute(default, key):
             continue
-        near = difflib.get_close_matches(key, fields, n=1, cutoff=0.9)
+        near = difflib.get_close_matches(key, public, n=1, cutoff=0.9)
         if near:
             raise SpecError(
                 f"{spec.name}: config key '{key}' is no field of {type(config).__name__}; did you mean "
-                f"'{near[0]}'? (it would keep '{key}' aside and build with {near[0]} = {getattr(default, near[0])!r})"
+                f"'{near[0]}'? (it would keep '{key}' aside and build with {near[0]} = {fields[near[0]]!r})"
             )
+
+
+def _is_attribute(config: Any, key: str) -> bool:
+    """Whether ``config`` answers ``key`` (a property or an attribute map's alias); a property
+    that raises (a per-layer value asked for globally) counts: it is the class's own."""
+    try:
+        getattr(config, key)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - any other refusal comes from a field the class defines
+        return True
+    return True
 
 
 def instantiate(spec: ModelSpec) -> Any:

@@ -81,8 +81,9 @@ class _FlatCache(nn.Module):
         self.layers = _layers(config)
         factory = getattr(transformers, auto)
         known = getattr(factory, "_model_mapping", {})
-        if type(config) in known:
-            _refuse_stateful(known[type(config)], known[type(config)].__name__)
+        mapped = known.get(type(config), ())
+        for model in mapped if isinstance(mapped, tuple) else (mapped,):  # a config may map to several
+            _refuse_stateful(model, model.__name__)
         try:
             self.model = factory.from_config(config)
         except ValueError as e:

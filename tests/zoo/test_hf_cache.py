@@ -182,3 +182,13 @@ def test_positions_counted_from_the_mask_are_the_ones_generate_feeds() -> None:
         torch.testing.assert_close(g, w)
     with pytest.raises(ValueError, match="positions must be one of 'input', 'mask'"):
         CausalLMWithCache(config, positions="ids")
+
+
+def test_a_config_whose_fields_refuse_a_global_read_is_built(tmp_path: Path) -> None:
+    """Gemma4TextConfig's head_dim differs per layer, and reading it whole raises its own
+    error (not AttributeError): the check for misspelt keys takes it as the class's field."""
+    from attn_export.exporter.factory import build_config
+    from attn_export.model_spec import load_spec
+
+    spec = causal_lm_spec(tmp_path / "models", "g4", 'class = "transformers:Gemma4TextConfig", head_dim = 256', 2, 16)
+    assert type(build_config(load_spec(spec))).__name__ == "Gemma4TextConfig"

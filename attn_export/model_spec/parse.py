@@ -341,7 +341,8 @@ def _dims(where: _Where, raw: dict[str, Any]) -> dict[str, DimRange]:
         unknown = [p for p in parts if p not in dims or p in sums]  # a sum of a sum is not declared {min, max}
         if len(parts) < 2 or unknown or len(set(parts)) != len(parts):
             declared = ", ".join(d for d in dims if d not in sums) or "none"
-            which = f": {', '.join(repr(p) for p in unknown)} is not one (declared: {declared})" if unknown else ""
+            verb = "is not one" if len(unknown) == 1 else "are not"
+            which = f": {', '.join(repr(p) for p in unknown)} {verb} (declared: {declared})" if unknown else ""
             raise where.error(
                 f"dim '{name}': a sum must add two or more distinct dims declared with {{min, max}}, "
                 f'like "past_seq + seq"; got {text!r}{which}',

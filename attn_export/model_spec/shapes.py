@@ -77,6 +77,9 @@ def example_sizes(spec: ModelSpec) -> dict[str, int]:
                 break
         if name not in sizes:
             held = [f"{n} in the shapes" for n in sorted(static)] + [f"{d} = {n}" for d, n in sizes.items()]
+            summed = [d for d in spec.dims if spec.dims[d].parts]
+            if i == len(free) - 1 and summed:
+                held.append(f"and the sums {', '.join(summed)} of each size tried")
             raise InputError(
                 f"{spec.name}: no example size for dim '{name}' in [{rng.min}, {rng.max}] "
                 f"differs from the other dims and their sums (taken: {', '.join(held)}); widen its range: "

@@ -149,11 +149,11 @@ def format_generate(report: VerifyReport) -> str:
         return ""
     w = _report_widths(report)
     runner = max([w.runtime, *(len(g.runner) for g in report.generate)])
-    layout = max(8, *(len(g.layout) for g in report.generate))
+    layout = max([8, *(len(g.layout) for g in report.generate)])
     lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<{layout}} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
     for g in report.generate:
         prompts = ",".join(str(len(p)) for p in g.prompts)
-        agreed = min(g.steps, *([g.step - 1] if g.step else []), *([g.agreed] if g.agreed is not None else []))
+        agreed = min([g.steps, *([g.step - 1] if g.step else []), *([g.agreed] if g.agreed is not None else [])])
         worst = _num(max(g.max_abs_by_step, default=None), ".1e")
         lines.append(
             f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<{layout}} {prompts:<8} "

@@ -298,3 +298,19 @@ def test_the_report_says_when_genais_generator_did_not_run() -> None:
     text = format_generate(report)
     assert "note: onnxruntime-genai's generator did not run other: it is not installed" in text
     assert "did not run lm" not in text
+
+
+def test_a_row_parted_on_a_near_tie_passes_with_its_tokens_counted_to_the_tie_and_a_note() -> None:
+    from attn_export.checks.generate import GenerateResult
+    from attn_export.pipelines.verify import VerifyReport
+    from attn_export.report.verify_text import format_generate
+
+    tie = "step 4, row 0: PyTorch picks token 4, the graph 7, on a near tie (...): the row is judged no further"
+    parted = GenerateResult("lm", "onnxruntime[cpu]", "same-length", [[5, 6]], 4, [[1, 2, 3, 4]], [[1, 2, 3, 7]],
+                            [0.0] * 4, parted=[tie], agreed=3)  # fmt: skip
+    report = VerifyReport("build", 0, {})
+    report.generate = [parted]
+    lines = format_generate(report).splitlines()
+    assert lines[1].split()[3:6] == ["2", "PASS", "3/4"], lines  # prompts, result, tokens as PyTorch's
+    assert lines[2] == f"note: lm onnxruntime[cpu] generate same-length: {tie}"
+    assert GenerateResult.from_dict(json.loads(json.dumps(parted.to_dict()))) == parted

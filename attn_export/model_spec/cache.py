@@ -231,6 +231,19 @@ def output_shape(spec: ModelSpec, tensor: TensorSpec, sizes: Mapping[str, int]) 
 COUNTED_CONVENTIONS = ("binary", "attend")
 
 
+def _uses_window(config: Any) -> bool:
+    """Whether ``config``'s class may turn its window off (Qwen2's ``use_sliding_window``) and
+    has not: a class without that field (Mistral) keeps it as an attribute of its own and
+    applies its window all the same."""
+    import inspect
+
+    try:
+        takes = "use_sliding_window" in inspect.signature(type(config)).parameters
+    except (TypeError, ValueError):  # a class whose signature cannot be read: read the attribute
+        takes = True
+    return getattr(config, "use_sliding_window", True) is not False if takes else True
+
+
 def counted_positions(spec: ModelSpec, label: str | None = None, config: Any = None) -> int:
     """How many positions a graph that counts them itself (``gqa-rotary``: each row's
     filled length plus each token's index) reaches, SpecError where the spec's positions
@@ -266,7 +279,7 @@ def counted_positions(spec: ModelSpec, label: str | None = None, config: Any = N
     reached = cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
     table = spec.config or {}
     window = getattr(config, "sliding_window", None) if config is not None else table.get("sliding_window")
-    used = getattr(config, "use_sliding_window", True) if config is not None else table.get("use_sliding_window", True)
+    used = _uses_window(config) if config is not None else table.get("use_sliding_window", True)
     if isinstance(window, int) and used is not False and window < reached:
         raise SpecError(
             f"{label}: the graph reads the mask for each row's length alone, and the config's "

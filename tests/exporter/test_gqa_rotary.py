@@ -291,6 +291,12 @@ def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padde
             ),
             "sliding_window = 16 is shorter than the 40 positions",
         ),
+        (  # MistralConfig has no use_sliding_window: it keeps the key aside and applies its window
+            lambda t: t.replace("transformers:LlamaConfig", "transformers:MistralConfig").replace(
+                '"sdpa"', '"sdpa", sliding_window = 16, use_sliding_window = false'
+            ),
+            "sliding_window = 16 is shorter than the 40 positions",
+        ),
         (  # MistralConfig's own window, which the spec leaves as it is
             lambda t: t.replace("transformers:LlamaConfig", "transformers:MistralConfig").replace(
                 "max_seq = 40", "max_seq = 5000"
@@ -308,7 +314,7 @@ def test_a_graph_that_takes_every_row_as_long_as_the_longest_is_red_on_the_padde
             "gqa-rotary: the cache's heads are 24 wide",
         ),
     ],
-    ids=["position_ids", "padding", "window", "class-window", "additive", "heads"],
+    ids=["position_ids", "padding", "window", "window-kept", "class-window", "additive", "heads"],
 )
 def test_a_spec_whose_positions_the_graph_would_not_count_is_refused_in_one_line(
     tmp_path: Path, edit: object, says: str

@@ -32,7 +32,7 @@ import numpy as np
 from attn_export.artifacts.genai_folder import LOGITS, logits_vocab
 from attn_export.artifacts.json_fields import json_record
 from attn_export.errors import SpecError, UsageError
-from attn_export.model_spec import ModelSpec, Tolerance
+from attn_export.model_spec import ModelSpec, Tolerance, variant_chain
 from attn_export.model_spec.cache import MASK, POSITIONS, cache_of
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.genai import Generation
@@ -49,6 +49,7 @@ __all__ = [
     "stacked",
     "step_feeds",
     "torch_generate",
+    "uneven",
 ]
 
 
@@ -149,15 +150,20 @@ def generate_prompts(
 Side = Literal["left", "right"]
 
 
-def padding_side(spec: ModelSpec, counts_positions: bool) -> Side | None:
-    """Where our loop pads a batch of prompts of different lengths for a graph of ``spec``:
-    on the left where its mask pads, on the right where the graph reads each row's length
-    off the mask (a variant that ``counts_positions``, as genai's graphs), else nowhere (None:
-    a graph that takes no padding runs prompts of one length)."""
+def padding_side(spec: ModelSpec, variant: str) -> Side | None:
+    """Where our loop pads a batch of prompts of different lengths for ``spec``'s ``variant``
+    graph: on the left where its mask pads, on the right where the graph reads each row's
+    length off the mask (a variant that ``counts_positions``, as genai's graphs), else nowhere
+    (None: a graph that takes no padding runs prompts of one length)."""
     cache = cache_of(spec)
     if cache is not None and cache.pads:
         return "left"
-    return "right" if counts_positions else None
+    return "right" if variant_chain(variant).counts_positions else None
+
+
+def uneven(rows: Sequence[Sequence[int]]) -> bool:
+    """Whether prompts are of different lengths: a batch of them is padded."""
+    return len({len(r) for r in rows}) > 1
 
 
 def _padded(prompts: Sequence[Sequence[int]], pad: int, side: Side = "left") -> tuple[np.ndarray, np.ndarray]:

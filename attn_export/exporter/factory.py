@@ -139,9 +139,8 @@ def _refuse_misspelt(spec: ModelSpec, config: Any, options: dict[str, Any]) -> N
     (``num_hidden_layer``): a transformers config keeps any keyword as an attribute of its
     own, so the model would be built with the field's default and fail far from the typo. A
     key near no field is the user's own (a custom module may read it) and is kept."""
-    try:
-        default = type(config)()
-    except Exception:  # noqa: BLE001 - a class that needs arguments has no defaults to compare with
+    default = _default(type(config))
+    if default is None:
         return
     fields = vars(default)
     public = [k for k in fields if not k.startswith("_")]
@@ -154,6 +153,21 @@ def _refuse_misspelt(spec: ModelSpec, config: Any, options: dict[str, Any]) -> N
                 f"{spec.name}: config key '{key}' is no field of {type(config).__name__}; did you mean "
                 f"'{near[0]}'? (it would keep '{key}' aside and build with {near[0]} = {fields[near[0]]!r})"
             )
+
+
+#: Each config class made with its defaults (None: it needs arguments), by class.
+_DEFAULTS: dict[type, Any] = {}
+
+
+def _default(cls: type) -> Any:
+    """``cls`` made with its defaults, once per class (a build reads its config many times,
+    and some classes warn as they are made); None for a class that needs arguments."""
+    if cls not in _DEFAULTS:
+        try:
+            _DEFAULTS[cls] = cls()
+        except Exception:  # noqa: BLE001 - a class that needs arguments has no defaults to compare with
+            _DEFAULTS[cls] = None
+    return _DEFAULTS[cls]
 
 
 def _is_attribute(config: Any, key: str) -> bool:

@@ -42,12 +42,12 @@ def _layers(config: Any) -> int:
     return count
 
 
-def _refuse_stateful(model: type, name: str) -> None:
+def _refuse_stateful(model: type) -> None:
     """A model that keeps a recurrent state (Mamba) has no key/value cache to flatten: said
     before it is built, which may fail for another reason (no sdpa for it)."""
     if getattr(model, "_is_stateful", False):
         raise ValueError(
-            f"{name} keeps a recurrent state, not a key/value cache; export its decoder "
+            f"{model.__name__} keeps a recurrent state, not a key/value cache; export its decoder "
             "with a wrapper of your own that passes that state as tensors"
         )
 
@@ -57,7 +57,7 @@ def _refuse_unflat_cache(model: nn.Module, config: Any) -> None:
     attention layer, an indexed cache) cannot be fed as flat past/present tensors."""
     from transformers import DynamicCache
 
-    _refuse_stateful(type(model), type(model).__name__)
+    _refuse_stateful(type(model))
     kinds = {type(layer).__name__ for layer in DynamicCache(config=config).layers}
     odd = sorted(kinds - set(_FLAT_LAYERS))
     if odd:
@@ -83,7 +83,7 @@ class _FlatCache(nn.Module):
         known = getattr(factory, "_model_mapping", {})
         mapped = known.get(type(config), ())
         for model in mapped if isinstance(mapped, tuple) else (mapped,):  # a config may map to several
-            _refuse_stateful(model, model.__name__)
+            _refuse_stateful(model)
         try:
             self.model = factory.from_config(config)
         except ValueError as e:

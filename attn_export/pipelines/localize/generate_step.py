@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from attn_export.artifacts.genai_folder import logits_vocab, pad_token, special_tokens
-from attn_export.checks.generate import Side, generate_prompts, graph_generate, step_feeds
+from attn_export.checks.generate import Side, generate_prompts, graph_generate, step_feeds, uneven
 from attn_export.errors import NotLocalizable, OptionError
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.shapes import sizes_from_feeds
@@ -46,7 +46,7 @@ def generate_step_case(
         unknown = f"{{model}}: {{layout}} {{value}} is not a generation layout (it has: {has})"
         raise OptionError(unknown, ["layout"], model=spec.name, value=layout)
     rows = prompts[layout]
-    if len({len(r) for r in rows}) > 1 and side != "left":
+    if uneven(rows) and side != "left":
         takes = "takes padded on the right, its cache laid out as the module's is not" if side else "takes no padding"
         raise NotLocalizable(
             f"{spec.name}: the {layout} generation's prompts are of different lengths, which the graph {takes}: "
@@ -61,4 +61,4 @@ def generate_step_case(
 
 def _even(prompts: dict[str, list[list[int]]]) -> list[str]:
     """The layouts whose prompts are of one length."""
-    return [layout for layout, rows in prompts.items() if len({len(r) for r in rows}) == 1]
+    return [layout for layout, rows in prompts.items() if not uneven(rows)]

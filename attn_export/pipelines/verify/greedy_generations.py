@@ -34,10 +34,11 @@ from attn_export.checks.generate import (
     padding_side,
     stacked,
     torch_generate,
+    uneven,
 )
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
 from attn_export.exporter.variants.static_cache import fed_by_genai
-from attn_export.model_spec import ModelSpec, variant_chain
+from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import Tolerance, rounding_name
 from attn_export.pipelines.verify.expected import tolerances_for
@@ -149,7 +150,7 @@ def generate_model(
         reference = _from_torch(spec, options, bits)
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     graph = out_dir / entry.file
-    side = padding_side(spec, variant_chain(entry.variant).counts_positions)
+    side = padding_side(spec, entry.variant)
     results = []
 
     def judged_row(
@@ -168,12 +169,12 @@ def generate_model(
         budget = memory_budget(options.max_memory, spec)
         with RUNTIMES[target.runtime].make(graph, spec, target, options.threads, budget) as runtime:
             for layout, rows in reference.prompts.items():
-                uneven = len({len(r) for r in rows}) > 1
-                if uneven and side is None:
+                padded = uneven(rows)
+                if padded and side is None:
                     continue  # a graph that takes no padding runs prompts of one length
                 got = _run(graph_generate, runtime, spec, rows, steps, pad, side or "left")
                 # padded on the right, each row gives what its prompt alone gives, as in genai's generator
-                want = reference.generation(layout, "alone" if uneven and side == "right" else "batch")
+                want = reference.generation(layout, "alone" if padded and side == "right" else "batch")
                 judged_row(target.label, layout, rows, want, got, tolerance_on(target.provider))
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return results

@@ -2,8 +2,10 @@
 
 Keys in the .npz: ``<case>/sizes/<dim>`` (int64 scalars), ``<case>/inputs/<name>``,
 ``<case>/outputs/<name>``, ``<case>/floors/<name>`` (float64 scalars: PyTorch's own
-float32 error on the case), ``<case>/int8/<name>`` (two float64: the rms and the largest
-element of what the int8 rounding does to the module there, ``model_spec.Rounding``),
+float32 error on the case), ``<case>/int8/<name>`` (three float64: the rms and the largest
+element of what the int8 rounding does to the module there, and how far near ties of int4's
+move it, ``model_spec.Rounding``), ``<case>/simulated/int4:<name>`` (the module's output
+with int4's rounding, ``Rounding.values``: a CPU's int4 graph is judged against it),
 ``<case>/unsimulated/<name>`` (where that rounding could not run: why, one line of UTF-8
 as uint8, ``Rounding.unsimulated``) and
 ``<case>/sight/<mask>`` (two int64, -1 for "all": what a query sees under each
@@ -54,10 +56,10 @@ __all__ = [
 ]
 
 #: What a case's entries hold (``<case>/<section>/<name>``).
-SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "unsimulated", "sight")
+SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "simulated", "unsimulated", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
-GOLDEN_FORMAT = 5
+GOLDEN_FORMAT = 6
 #: Bytes of one ``unsimulated`` reason: an exception's first line, cut at this when written.
 _MAX_REASON = 1000
 
@@ -128,7 +130,9 @@ def encode_golden(cases: list[GoldenCase]) -> bytes:
         for k, f in case.floors.items():
             arrays[f"{case.label}/floors/{k}"] = np.asarray(f, dtype=np.float64)
         for k, r in case.int8.items():
-            arrays[f"{case.label}/int8/{k}"] = np.asarray([r.rms, r.max], dtype=np.float64)
+            arrays[f"{case.label}/int8/{k}"] = np.asarray([r.rms, r.max, r.ties], dtype=np.float64)
+            if r.values is not None:
+                arrays[f"{case.label}/simulated/{k}"] = r.values
             if r.unsimulated:
                 line = "".join(c if c.isprintable() else " " for c in r.unsimulated)  # as read back: one line
                 reason = line.encode("utf-8")[:_MAX_REASON].decode("utf-8", "ignore")
@@ -300,13 +304,13 @@ def read_cases(
                 )
             cases[e.label].floors[e.name] = float(value)
         elif e.section == "int8":
-            value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype == np.float64 else None
+            value = load_entry(path, zf, e.info) if e.shape == (3,) and e.dtype == np.float64 else None
             if value is None or not np.isfinite(value).all() or value.min() < 0:
                 raise ArtifactError(
-                    f"{path}: entry '{e.label}/int8/{e.name}' is not a rounding: two finite non-negative float64"
+                    f"{path}: entry '{e.label}/int8/{e.name}' is not a rounding: three finite non-negative float64"
                 )
-            cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]))
-        elif e.section == "unsimulated":
+            cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]), float(value[2]))
+        elif e.section in ("unsimulated", "simulated"):
             reasons.append(e)  # once every rounding is read
         elif e.section == "sight":
             value = load_entry(path, zf, e.info) if e.shape == (2,) and e.dtype.kind in "iu" else None
@@ -317,16 +321,34 @@ def read_cases(
             section = cases[e.label].inputs if e.section == "inputs" else cases[e.label].outputs
             section[e.name] = load_entry(path, zf, e.info)
     for e in reasons:
-        reason = _reason(path, zf, e)
         if e.name not in cases[e.label].int8:
-            raise ArtifactError(f"{path}: entry '{e.label}/unsimulated/{e.name}' says why no rounding it records ran")
-        cases[e.label].int8[e.name] = dataclasses.replace(cases[e.label].int8[e.name], unsimulated=reason)
+            where = f"{e.label}/{e.section}/{e.name}"
+            raise ArtifactError(f"{path}: entry '{where}' belongs to no rounding the case records")
+        found = cases[e.label].int8[e.name]
+        if e.section == "unsimulated":
+            cases[e.label].int8[e.name] = dataclasses.replace(found, unsimulated=_reason(path, zf, e))
+        else:
+            cases[e.label].int8[e.name] = dataclasses.replace(found, values=_simulated(path, zf, e, cases[e.label]))
     for t in spec.inputs if spec is not None else ():  # inputs verify could have fed
         for case in cases.values():
             stray = t.stray_nonfinite(case.inputs[t.name]) if t.name in case.inputs else None
             if stray:
                 raise ArtifactError(f"{path}: case '{case.label}': {stray}")
     return list(cases.values())
+
+
+def _simulated(path: Path, zf: zipfile.ZipFile, e: _Entry, case: GoldenCase) -> np.ndarray:
+    """int4's simulated output: float, of the recorded output's shape and dtype."""
+    rounding, _, output = e.name.partition(":")
+    recorded = case.outputs.get(output)
+    if rounding != "int4" or recorded is None or recorded.dtype.kind != "f":
+        raise ArtifactError(f"{path}: entry '{e.label}/simulated/{e.name}' names no float output as int4:<output>")
+    if e.shape != recorded.shape or e.dtype != recorded.dtype:
+        raise ArtifactError(
+            f"{path}: entry '{e.label}/simulated/{e.name}' has shape {list(e.shape)} of {e.dtype}, "
+            f"expected {list(recorded.shape)} of {recorded.dtype} as its output"
+        )
+    return load_entry(path, zf, e.info)
 
 
 def _reason(path: Path, zf: zipfile.ZipFile, e: _Entry) -> str:

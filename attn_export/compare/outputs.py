@@ -16,6 +16,8 @@ import numpy as np
 
 from attn_export.artifacts.json_fields import json_record
 from attn_export.model_spec import Rounding, Tolerance
+from attn_export.model_spec.tolerance import rounding_name
+from attn_export.runtimes.int8_rounding import INT4_TIE_FACTOR
 
 __all__ = [
     "FLOOR_FACTOR",
@@ -108,6 +110,10 @@ def judge_value(
     folder, which is data."""
     kept = None if left_out is None or left_out.shape != expected.shape else ~left_out
     rms = rms_of(expected, kept)
+    simulated = rounding.values if rounding is not None else None
+    if tol.simulated is not None and simulated is not None and simulated.shape == expected.shape:
+        assert rounding is not None
+        return _against_simulation(name, expected, actual, tol.simulated, floor, kept, rounding, simulated)
     factor = rounding_factor(tol)
     rounding = _capped(rounding, expected, rms, tol) if rounding is not None and tol.int8_rounding else Rounding()
     result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms, rounding), kept)
@@ -127,6 +133,40 @@ def judge_value(
         unsimulated=rounding.unsimulated,
     )
     return dataclasses.replace(judged, by_rounding=judged.passed and bool(rounding.max) and beyond_shares)
+
+
+def _against_simulation(
+    name: str,
+    expected: np.ndarray,
+    actual: np.ndarray | None,
+    exact: Tolerance,
+    floor: float,
+    kept: np.ndarray | None,
+    rounding: Rounding,
+    simulated: np.ndarray,
+) -> OutputComparison:
+    """A value against the module run with int4's rounding (``Rounding.values``), which a
+    right graph on a CPU gives to float32 noise: at ``exact`` (the model's own tolerance)
+    widened by ``FLOOR_FACTOR`` x PyTorch's float32 error and ``INT4_TIE_FACTOR`` x how far
+    near ties of the activations' codes move it, that room no larger than ``ELEMENT_CAP`` x
+    the value's largest element (a recorded simulation comes from a build folder, data).
+    Elements not ``kept`` are the expected value's (blanked alike on both sides)."""
+    values = simulated if kept is None else np.where(kept, simulated, expected)
+    rms = rms_of(values, kept)
+    finite = np.abs(values[np.isfinite(values)]) if values.dtype.kind == "f" else values[:0]
+    ties = min(INT4_TIE_FACTOR * rounding.ties, ELEMENT_CAP * float(finite.max()) if finite.size else 0.0)
+    base = exact.atol + FLOOR_FACTOR * floor
+    result = compare_output(name, values, actual, dataclasses.replace(exact, atol=base + ties, atol_rms=0.0), kept)
+    return dataclasses.replace(
+        result,
+        floor=floor,
+        rms=rms,
+        rms_bound=base + exact.rms_rtol * rms if exact.rms_rtol else None,
+        rounding_rms=rounding.rms,
+        rounding_max=rounding.max,
+        ties=ties,
+        simulated=rounding_name(4),
+    )
 
 
 def _capped(rounding: Rounding, expected: np.ndarray, rms: float, tol: Tolerance) -> Rounding:
@@ -186,6 +226,11 @@ class OutputComparison:
     #: Why the variant's rounding could not be simulated here ('' where it was, or where the
     #: tolerance does not ask): the output was judged by the shares of the rms alone.
     unsimulated: str = ""
+    #: The variant whose rounding, simulated in PyTorch, gave the values judged against
+    #: (int4 on a CPU: a right graph gives them to float32 noise), and the room its near
+    #: ties give (part of ``atol``); '' and 0 where the module's own values were.
+    simulated: str = ""
+    ties: float = 0.0
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
     #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
@@ -262,7 +307,7 @@ class OutputComparison:
                 f"{self.name}: {self.mismatched}/{self.total} elements "
                 f"({100 * self.mismatch_fraction:.2f}%) outside atol={self.atol:g} rtol={self.rtol:g}; "
                 f"max abs {self.max_abs_error:.3g} at {self.worst_index}, "
-                f"needs atol>={self.min_passing_atol:.3g}{self._shares_alone()}"
+                f"needs atol>={self.min_passing_atol:.3g}{self._shares_alone()}{self._against()}"
             )
         if not self.rms_ok:
             assert self.rms_bound is not None
@@ -273,6 +318,18 @@ class OutputComparison:
                 f"point leaves it; a right graph's rounding stays below{self._shares_alone()}"
             )
         return ""
+
+    def _against(self) -> str:
+        """The clause naming the simulated rounding judged against, '' where none was."""
+        if not self.simulated:
+            return ""
+        moved = self.ties / INT4_TIE_FACTOR
+        ties = f"near ties of its activations move it up to {moved:.3g}" if moved else "no near tie moves it"
+        return (
+            f"; judged against the module with {self.simulated}'s rounding simulated, which a right graph gives "
+            f"to float32 noise ({ties}; {self.simulated} itself moves it up to {self.rounding_max:.3g} from the "
+            "float module)"
+        )
 
     def _shares_alone(self) -> str:
         """The clause saying the variant's rounding could not be simulated, '' where it was."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,7 +45,13 @@ class Tolerance:
     the context and the values, past what any fixed share of the rms holds. ``weight_bits``
     names which rounding: 8 (``int8``, quantize_dynamic), 4 (``int4``, MatMulNBits blocks)
     or 16 (``fp16``, float16 inside); a case records each under its own key
-    (``rounding_key``)."""
+    (``rounding_key``).
+
+    ``simulated`` (set per target, never by a spec): where the variant's rounding is
+    simulated to float32 noise on the target (int4 on ONNX Runtime's CPU), the tolerance
+    a graph is held to against the simulated module's values (``Rounding.values``), beyond
+    what near ties of the rounding move them (``Rounding.ties``); this one then judges only
+    where the simulation did not run."""
 
     atol: float
     rtol: float
@@ -54,6 +60,7 @@ class Tolerance:
     rms_rtol: float = 0.0
     int8_rounding: bool = False
     weight_bits: int = 8
+    simulated: Tolerance | None = None
 
     def rounding_key(self, output: str) -> str:
         """Where a case's table of simulated roundings holds ``output``'s under this
@@ -104,6 +111,10 @@ class Rounding:
 
     rms: float = 0.0
     max: float = 0.0
+    #: int4's (simulated to float32 noise on a CPU): the widest its activations' near ties
+    #: move the output (``INT4_TIES``), and the simulated module's output itself.
+    ties: float = 0.0
+    values: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: Why the module could not run with that rounding ('' where it ran): the room is then
     #: zero, the output judged by the shares of the rms alone, and a failure says why.
     unsimulated: str = ""
@@ -112,7 +123,8 @@ class Rounding:
         """The larger of the two on each measure; unsimulated (the first one's reason) only
         where neither ran: a decode step's failure keeps saying why."""
         reason = self.unsimulated if self.unsimulated and other.unsimulated else ""
-        return Rounding(max(self.rms, other.rms), max(self.max, other.max), reason)
+        values = self.values if self.values is not None else other.values
+        return Rounding(max(self.rms, other.rms), max(self.max, other.max), max(self.ties, other.ties), values, reason)
 
     @classmethod
     def between(cls, exact: np.ndarray, rounded: np.ndarray) -> Rounding:

@@ -15,7 +15,15 @@ from attn_export.model_spec import DimRange, Rounding, TensorSpec
 from attn_export.model_spec.tolerance import rounding_key, rounding_name
 from attn_export.runtimes.base import Runtime, check_feeds, describe_inputs
 from attn_export.runtimes.float64 import in_float64
-from attn_export.runtimes.int8_rounding import FLOAT16, float16_twin, in_float16, in_int8, rounded
+from attn_export.runtimes.int8_rounding import (
+    FLOAT16,
+    INT4_CASE_TIES,
+    float16_twin,
+    in_float16,
+    in_int8,
+    rounded,
+    with_ties,
+)
 from attn_export.runtimes.target import PROVIDERS
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ class TorchRuntime(Runtime):
         threads: int | None = None,
         weight_bits: int | None = None,
         rounding_bits: tuple[int, ...] = (8,),
+        tie: float = 0.0,
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.module = module
@@ -54,6 +63,8 @@ class TorchRuntime(Runtime):
         self.threads = threads
         #: Run with the weight rounding of the int8 (8) or int4 (4) variant (``in_int8``); None: as it is.
         self.weight_bits = weight_bits
+        #: int4's activation codes taken ``1 + tie`` times as large (``rounded``); 0: as rounded.
+        self.tie = tie
         #: The quantizations whose rounding ``int8_rounding`` simulates (``model_spec.tolerance.rounding_bits``).
         self.rounding_bits = rounding_bits
         self.name = f"torch[{device}]" + (f"[{rounding_name(weight_bits)} rounding]" if weight_bits else "")
@@ -81,7 +92,7 @@ class TorchRuntime(Runtime):
     def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
         torch = require("torch", "running the PyTorch original")
         bits = self.weight_bits
-        quantized = rounded(self.module, bits) if bits and bits != FLOAT16 else contextlib.nullcontext()
+        quantized = rounded(self.module, bits, self.tie) if bits and bits != FLOAT16 else contextlib.nullcontext()
         try:
             with torch.no_grad(), quantized:
                 result = in_float16(self._half(), *args) if bits == FLOAT16 else self.module(*args)
@@ -148,8 +159,9 @@ class TorchRuntime(Runtime):
             self._float16 = float16_twin(self.module)
         return self._float16
 
-    def rounding(self, bits: int) -> TorchRuntime:
-        """This module run with the ``bits``-bit variant's weight rounding, as a runtime of its own."""
+    def rounding(self, bits: int, tie: float = 0.0) -> TorchRuntime:
+        """This module run with the ``bits``-bit variant's weight rounding (int4's activation
+        codes nudged by ``tie``, ``rounded``), as a runtime of its own."""
         rounded = TorchRuntime(
             self.module,
             self.inputs,
@@ -158,6 +170,7 @@ class TorchRuntime(Runtime):
             device=self.device,
             threads=self.threads,
             weight_bits=bits,
+            tie=tie,
         )
         rounded._float16 = self._half() if bits == FLOAT16 else None  # one float16 copy per module
         return rounded
@@ -178,7 +191,26 @@ class TorchRuntime(Runtime):
                     if t.name in outputs:
                         key = rounding_key(bits, t.name)
                         found[key] = found[key].widest(Rounding.between(outputs[t.name], v.detach().cpu().numpy()))
+            if bits == 4 and results:
+                values = zip(self.outputs, _values(results[0]), strict=False)
+                simulated = {t.name: v.detach().cpu().numpy() for t, v in values}
+                found |= self._with_ties(feeds, found, simulated)
         return found
+
+    def _with_ties(
+        self, feeds: Mapping[str, np.ndarray], found: Mapping[str, Rounding], simulated: Mapping[str, np.ndarray]
+    ) -> dict[str, Rounding]:
+        """int4's roundings in ``found`` with the ``simulated`` module's float values and how
+        far its activations' near ties move them (``with_ties``): a right graph on a CPU
+        gives those values to float32 noise. Empty where a nudged run fails."""
+        nudged = []
+        for tie in INT4_CASE_TIES:
+            try:
+                with self.rounding(4, tie) as run:
+                    nudged.append(run.run(feeds))
+            except RuntimeFailure:
+                return {}
+        return with_ties(found, simulated, nudged)
 
     def _rounded_runs(self, bits: int, feeds: Mapping[str, np.ndarray]) -> tuple[list[Any], str]:
         """The module's results with the ``bits``-bit variant's rounding, one per run that ran

@@ -14,8 +14,11 @@ from attn_export.model_spec import Rounding
 WHY = "fp16's simulation could not run (RuntimeError: no float16 kernel)"
 
 
+OUT = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
 def _case(**int8: Rounding) -> GoldenCase:
-    return GoldenCase("distinct", {"batch": 2}, {"x": np.ones((2, 3), np.float32)}, {}, {}, dict(int8))
+    return GoldenCase("distinct", {"batch": 2}, {"x": np.ones((2, 3), np.float32)}, {"o": OUT}, {}, dict(int8))
 
 
 def test_a_rounding_that_could_not_run_keeps_its_reason(tmp_path: Path) -> None:
@@ -38,7 +41,9 @@ def test_a_rounding_that_could_not_run_keeps_its_reason(tmp_path: Path) -> None:
         ("distinct/unsimulated/fp16:o", np.frombuffer(b"x" * 1001, np.uint8), "is not a reason"),
         ("distinct/unsimulated/fp16:o", np.frombuffer(b"\xff\xfe", np.uint8), "is not a reason"),
         ("distinct/unsimulated/fp16:o", np.zeros(3, np.float32), "is not a reason"),
-        ("distinct/unsimulated/int4:o", np.frombuffer(WHY.encode(), np.uint8), "says why no rounding it records ran"),
+        ("distinct/unsimulated/int4:o", np.frombuffer(WHY.encode(), np.uint8), "belongs to no rounding the case"),
+        ("distinct/simulated/int4:o", OUT, "belongs to no rounding the case"),
+        ("distinct/simulated/fp16:o", OUT, "names no float output as int4:<output>"),
     ],
 )
 def test_a_reason_that_is_not_one_line_of_a_recorded_rounding_is_refused(
@@ -51,4 +56,33 @@ def test_a_reason_that_is_not_one_line_of_a_recorded_rounding_is_refused(
     arrays[key] = value
     np.savez(path, **arrays)  # type: ignore[arg-type]
     with pytest.raises(ArtifactError, match=f"^{path}: entry '{key}' {message}"):
+        read_golden(path)
+
+
+def test_int4s_simulated_values_and_ties_come_back_as_written(tmp_path: Path) -> None:
+    """A CPU's int4 graph is judged against the simulated module's values, within what its
+    near ties move them: golden mode judges by the build's, so both are recorded."""
+    path = tmp_path / "m.golden.npz"
+    write_golden(path, [_case(**{"int4:o": Rounding(0.25, 1.5, 0.003, OUT + 1)})])
+    (case,) = read_golden(path)
+    (rounding,) = case.int8.values()
+    assert (rounding.rms, rounding.max, rounding.ties) == (0.25, 1.5, 0.003)
+    assert rounding.values is not None and np.array_equal(rounding.values, OUT + 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (OUT.T.copy(), r"has shape \[3, 2\] of float32, expected \[2, 3\] of float32 as its output"),
+        (OUT.astype(np.float64), r"has shape \[2, 3\] of float64, expected \[2, 3\] of float32 as its output"),
+    ],
+)
+def test_a_simulated_value_unlike_its_output_is_refused(tmp_path: Path, value: np.ndarray, message: str) -> None:
+    path = tmp_path / "m.golden.npz"
+    write_golden(path, [_case(**{"int4:o": Rounding(0.25, 1.5, 0.003, OUT)})])
+    with np.load(path) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["distinct/simulated/int4:o"] = value
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    with pytest.raises(ArtifactError, match=f"entry 'distinct/simulated/int4:o' {message}"):
         read_golden(path)

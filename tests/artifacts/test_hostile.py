@@ -408,12 +408,12 @@ def _rewrite_golden(folder: Path, name: str, change) -> None:
             "case 'min' records a sight under ['k'], no mask of the spec",
         ),
         (  # a negative rounding would narrow an int8 graph's bounds, a NaN one disable them
-            lambda a: a.__setitem__("min/int8/output", np.asarray([-1.0, 0.0])),
-            "entry 'min/int8/output' is not a rounding: two finite non-negative float64",
+            lambda a: a.__setitem__("min/int8/output", np.asarray([-1.0, 0.0, 0.0])),
+            "entry 'min/int8/output' is not a rounding: three finite non-negative float64",
         ),
         (
             lambda a: a.__setitem__("min/int8/output", np.asarray(0.5)),
-            "entry 'min/int8/output' is not a rounding: two finite non-negative float64",
+            "entry 'min/int8/output' is not a rounding: three finite non-negative float64",
         ),
     ],
 )

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -171,6 +172,36 @@ def test_a_rounding_that_moves_an_element_past_the_outputs_largest_still_gives_i
     wrong = drift.copy()
     wrong[11] = 1.2  # more than twice the largest element
     assert not judge_value("logits", expected, expected + wrong, INT4_TOLERANCE, rounding=rounding).passed
+
+
+def test_int4_on_a_cpu_is_judged_against_its_simulation_within_its_ties() -> None:
+    """Where the tolerance asks (``Tolerance.simulated``: int4 on ONNX Runtime's CPU), the
+    graph is held to the simulated module's values at the model's own tolerance plus twice
+    what near ties move them: a drift 1 % of the rounding passes int4's own room and fails
+    here; the graph that gives the simulation passes; left-out elements count neither way;
+    without the simulated values the variant's own room judges."""
+    from attn_export.model_spec.variants import INT4_TOLERANCE
+
+    rng = np.random.default_rng(0)
+    exact = rng.normal(0, 1, 512).astype(np.float32)
+    simulated = exact + rng.normal(0, 0.05, 512).astype(np.float32)
+    tol = dataclasses.replace(INT4_TOLERANCE, simulated=Tolerance(1e-5, 1e-4))
+    rounding = dataclasses.replace(Rounding.between(exact, simulated), ties=1e-3, values=simulated)
+    off = simulated + 0.01 * (simulated - exact) + 2.5e-3
+    assert judge_value("o", exact, off, INT4_TOLERANCE, rounding=rounding).passed  # int4's own room holds it
+    wrong = judge_value("o", exact, off, tol, rounding=rounding)
+    assert not wrong.passed and wrong.simulated == "int4" and wrong.atol == pytest.approx(1e-5 + 2e-3)
+    assert "judged against the module with int4's rounding simulated" in wrong.reason()
+    assert "near ties of its activations move it up to 0.001" in wrong.reason()
+    assert judge_value("o", exact, simulated + 1.9e-3, tol, rounding=rounding).passed
+    left_out = np.zeros(512, bool)
+    left_out[:256] = True
+    blanked = np.where(left_out, 0, off).astype(np.float32)
+    kept = judge_value("o", np.where(left_out, 0, exact), blanked, tol, left_out=left_out, rounding=rounding)
+    assert not kept.passed and kept.mismatched <= 256 and kept.worst_index is not None and kept.worst_index[0] >= 256
+    unsimulated = dataclasses.replace(rounding, values=None)
+    assert judge_value("o", exact, off, tol, rounding=unsimulated).passed
+    assert OutputComparison.from_dict(wrong.to_dict()) == wrong
 
 
 def test_a_decode_steps_widest_rounding_keeps_why_none_ran() -> None:

@@ -130,9 +130,11 @@ def test_an_int8_graph_whose_weight_scale_is_10_percent_off_fails(variant_build:
     assert "is over its bound" in result.output and "(rms_rtol): every element within atol" in result.output
 
 
-def test_int4_is_blocks_of_32_and_a_block_scale_25_percent_off_fails(variant_build: Path, tmp_path: Path) -> None:
-    """int4 is MatMulNBits (4 bits, blocks of 32) and verifies green above by its simulated
-    rounding; one projection's block scales 25 % off is red, on the whole output's error."""
+def test_int4_is_blocks_of_32_and_a_block_scale_1_percent_off_fails(variant_build: Path, tmp_path: Path) -> None:
+    """int4 is MatMulNBits (4 bits, blocks of 32) and verifies green above against its
+    simulated rounding; one projection's block scales 1 % off is red on a CPU, judged
+    against the simulated module (int4's own room, its rounding of the float module,
+    passed 5 % off)."""
     proto = onnx.load(variant_build / "mha_cross.int4.onnx")
     packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
     assert packed and all({a.name: a.i for a in n.attribute}["block_size"] == 32 for n in packed)
@@ -140,13 +142,14 @@ def test_int4_is_blocks_of_32_and_a_block_scale_25_percent_off_fails(variant_bui
     shutil.copytree(variant_build, out)
     scales = packed[-1].input[2]  # the output projection's: B, scales, ...
     value = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == scales)
-    set_initializer(proto, scales, value * 1.25)
+    set_initializer(proto, scales, value * 1.01)
     plant(out, "mha_cross.int4", proto)
     result = CliRunner().invoke(
         cli, ["verify", str(out / "mha_cross.int4.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
     )
     assert result.exit_code == 1, result.output
-    assert re.search(r"FAIL mha_cross\.int4 .* output: ", result.output), result.output
+    said = r"FAIL mha_cross\.int4 .* output: .* judged against the module with int4's rounding simulated"
+    assert re.search(said, result.output), result.output
 
 
 @pytest.mark.slow  # a build of its own (7 s); the variant sweep above verifies fp16 in make test
@@ -385,7 +388,7 @@ def test_a_golden_file_without_int8_rounding_is_refused_for_an_int8_graph(varian
     still verifies from it."""
     out = tmp_path / "out"
     shutil.copytree(variant_build, out)
-    _rewrite_golden(out, "mha_cross", lambda key, value: None if "/int8/" in key else value)
+    _rewrite_golden(out, "mha_cross", lambda key, value: None if "/int8/" in key or "/simulated/" in key else value)
     golden = out / "mha_cross.golden.npz"
     result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.int8.onnx"), "--golden", "--no-latency"])
     assert (result.exit_code, result.output) == (
@@ -411,6 +414,6 @@ def test_a_recorded_rounding_cannot_widen_an_int8_graph_s_bounds_past_its_output
     value = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == scale)
     set_initializer(proto, scale, float(value) * 3)
     plant(out, "mha_cross.int8", proto)
-    _rewrite_golden(out, "mha_cross", lambda key, value: np.full(2, 1e6) if "/int8/" in key else value)
+    _rewrite_golden(out, "mha_cross", lambda key, value: np.full(3, 1e6) if "/int8/" in key else value)
     result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.int8.onnx"), "--golden", "--no-latency"])
     assert result.exit_code == 1, result.output

@@ -4,6 +4,7 @@ trajectory without a cache, in one pass, and each padded row alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +26,7 @@ from attn_export.model_spec import ModelSpec, Rounding
 from attn_export.model_spec.cache import CacheSpec
 from attn_export.model_spec.tolerance import rounding_key
 from attn_export.runtimes.base import Runtime
+from attn_export.runtimes.int8_rounding import INT4_CASE_TIES, with_ties
 
 if TYPE_CHECKING:
     from attn_export.runtimes.torch_eager import TorchRuntime
@@ -76,16 +78,31 @@ def _rounded_trajectories(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory
     """Each step's rounding as the module rounded like a quantized graph strays over the
     whole trajectory, feeding back its own rounded presents as the graph does (each step
     alone on PyTorch's pasts misses what the earlier steps' rounding left in the cache);
-    the larger of the two is kept, by ``rounding_key``."""
+    the larger of the two is kept, by ``rounding_key``. int4's trajectory is what a right
+    CPU graph gives to float32 noise: its values and its near ties' room (``with_ties``)
+    are the trajectory's, or none where a nudged one fails."""
     for bits in eager.rounding_bits:
         with eager.rounding(bits) as quantized:
             steps, error = run_trajectory(quantized, spec, traj)
+        if bits == 4:  # a step's own simulation ran on PyTorch's pasts, the graph runs on its own
+            traj.int8 = [{key: dataclasses.replace(r, values=None) for key, r in step.items()} for step in traj.int8]
         if error:
             continue  # a module the rounding breaks keeps its per-step roundings
         for k, (exact, approx) in enumerate(zip(outputs, steps, strict=False)):
             for name, value in exact.items():
                 key, drift = rounding_key(bits, name), Rounding.between(value, approx[name])
                 traj.int8[k][key] = traj.int8[k].get(key, Rounding()).widest(drift)
+        nudged = [_nudged(eager, spec, traj, tie) for tie in INT4_CASE_TIES] if bits == 4 else []
+        if nudged and all(run is not None for run in nudged):
+            for k, approx in enumerate(steps):
+                traj.int8[k] |= with_ties(traj.int8[k], approx, [run[k] for run in nudged if run is not None])
+
+
+def _nudged(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory, tie: float) -> list[Feeds] | None:
+    """int4's trajectory with its activation codes nudged by ``tie``; None where it fails."""
+    with eager.rounding(4, tie) as quantized:
+        steps, error = run_trajectory(quantized, spec, traj)
+    return None if error else steps
 
 
 def run_alone(runtime: Runtime, spec: ModelSpec, cache: CacheSpec, tokens: Feeds, keep: np.ndarray) -> Feeds:

@@ -33,7 +33,7 @@ from attn_export.pipelines.verify.expected import (
     case_plan,
     golden_expected,
     recorded_expected,
-    tolerances_for,
+    target_tolerances,
     torch_expected,
 )
 from attn_export.pipelines.verify.models import build_golden
@@ -117,7 +117,7 @@ class TargetRun:
 
         spec, options, kind = self.spec, self.options, self.kind
         budget = memory_budget(options.max_memory, spec)
-        tolerances = tolerances_for(spec, self.variant, options)
+        tolerances = target_tolerances(spec, self.variant, options, self.target)
         self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget, self.plain))
         self.expected: Expected
         if self.module is None:

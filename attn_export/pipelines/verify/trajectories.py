@@ -19,7 +19,7 @@ from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.cache import CacheSpec
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import rounding_bits
-from attn_export.pipelines.verify.expected import tolerances_for
+from attn_export.pipelines.verify.expected import target_tolerances, tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.torch_eager import TorchRuntime
@@ -75,6 +75,7 @@ def decode_model(
                     unpadded=alone,
                     notes=traj.notes,
                 )
-                result.steps = compare_trajectories(spec, traj, expected, actual, tolerances, error, full)
+                judged = target_tolerances(spec, entry.variant, options, target)
+                result.steps = compare_trajectories(spec, traj, expected, actual, judged, error, full)
                 results.append(result)
     return results

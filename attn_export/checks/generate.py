@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from attn_export.model_spec import ModelSpec, Tolerance, variant_chain
 from attn_export.model_spec.cache import MASK, POSITIONS, cache_of
 from attn_export.runtimes.base import Runtime
 from attn_export.runtimes.genai import Generation
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "GenerateResult",
@@ -150,15 +153,40 @@ def generate_prompts(
 Side = Literal["left", "right"]
 
 
-def padding_side(spec: ModelSpec, variant: str) -> Side | None:
+def padding_side(spec: ModelSpec, variant: str, graph: onnx.ModelProto | None = None) -> Side | None:
     """Where our loop pads a batch of prompts of different lengths for ``spec``'s ``variant``
     graph: on the left where its mask pads, on the right where the graph reads each row's
-    length off the mask (a variant that ``counts_positions``, as genai's graphs), else nowhere
+    length off the mask (a variant that ``counts_positions``, as genai's graphs; or, for a
+    ``graph`` built elsewhere and given with ``--spec``, a GroupQueryAttention whose lengths
+    are computed from a mask input, as genai's model builder writes it), else nowhere
     (None: a graph that takes no padding runs prompts of one length)."""
     cache = cache_of(spec)
     if cache is not None and cache.pads:
         return "left"
-    return "right" if variant_chain(variant).counts_positions else None
+    if variant_chain(variant).counts_positions:
+        return "right"
+    masks = {t.name for t, _ in spec.masks}
+    return "right" if graph is not None and _reads_row_lengths(graph, masks) else None
+
+
+def _reads_row_lengths(graph: onnx.ModelProto, masks: set[str]) -> bool:
+    """Whether an ONNX model's GroupQueryAttention nodes take their rows' lengths
+    (``seqlens_k``, input 5) from one of the ``masks`` graph inputs: every such node does."""
+    made = {out: node for node in graph.graph.node for out in node.output}
+    attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and len(n.input) > 5]
+
+    def from_mask(value: str) -> bool:
+        seen, todo = set(), [value]
+        while todo:
+            name = todo.pop()
+            if name in masks:
+                return True
+            if name not in seen and name in made:
+                seen.add(name)
+                todo += list(made[name].input)
+        return False
+
+    return bool(attention) and all(from_mask(n.input[5]) for n in attention)
 
 
 def uneven(rows: Sequence[Sequence[int]]) -> bool:

@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
-from attn_export.checks.generate import _tie_room, generate_prompts, judge, stacked
+from attn_export.checks.generate import _tie_room, generate_prompts, judge, padding_side, stacked
 from attn_export.errors import UsageError
 from attn_export.model_spec import Tolerance, load_spec
 from attn_export.runtimes.genai import Generation
-from tests.conftest import TINY_ZOO
+from tests.conftest import TINY_ZOO, write_spec
 
 TOL = Tolerance(1e-5, 1e-4)
 EOS = frozenset({2})
@@ -145,3 +146,57 @@ def test_a_nudged_run_widens_the_room_of_every_logit_of_its_row_and_step() -> No
     tie.logits[0][0, 1] = -1e-3
     room = _tie_room(made, [tie])
     assert np.array_equal(room[0][0], np.full(8, 2e-3)) and not room[0][1].any() and not room[1].any()
+
+
+FULL_MASK_LM = """
+module = "attn_export.zoo.hf_cache:CausalLMWithCache"
+[[inputs]]
+name = "input_ids"
+dtype = "int64"
+shape = ["batch", "seq"]
+[[inputs]]
+name = "attention_mask"
+dtype = "int64"
+shape = ["batch", "seq"]
+mask = "full"
+convention = "binary"
+[[outputs]]
+name = "logits"
+shape = ["batch", "seq", 8]
+[dims]
+batch = { min = 1, max = 2 }
+seq = { min = 1, max = 4 }
+"""
+
+
+def _gqa_graph(lengths_from_mask: bool) -> onnx.ModelProto:
+    """A GroupQueryAttention whose ``seqlens_k`` is the mask's row sums less one, as genai's
+    model builder computes it, or a constant."""
+    h = onnx.helper
+    nodes = [h.make_node("ReduceSum", ["attention_mask", "one"], ["sums"]), h.make_node("Sub", ["sums", "one"], ["k"])]
+    nodes.append(h.make_node("Cast", ["k" if lengths_from_mask else "fixed"], ["seqlens_k"], to=onnx.TensorProto.INT32))
+    inputs = ["q", "", "", "", "", "seqlens_k", "total"]
+    nodes.append(
+        h.make_node("GroupQueryAttention", inputs, ["out"], domain="com.microsoft", num_heads=1, kv_num_heads=1)
+    )
+    graph = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["batch", "seq"])],
+        [h.make_tensor_value_info("out", onnx.TensorProto.FLOAT, None)],
+        [
+            h.make_tensor("one", onnx.TensorProto.INT64, [1], [1]),
+            h.make_tensor("fixed", onnx.TensorProto.INT64, [1], [3]),
+        ],
+    )
+    return h.make_model(graph)
+
+
+def test_a_graph_from_elsewhere_that_reads_row_lengths_off_its_mask_is_padded_on_the_right(tmp_path: Path) -> None:
+    """genai's model builder's graph carries no variant (``verify --spec``), yet its
+    GroupQueryAttention reads each row's length off the mask: our loop pads its batch on the
+    right, as genai's generator does. A graph whose lengths come from elsewhere takes no padding."""
+    spec = load_spec(write_spec(tmp_path, "lm", FULL_MASK_LM))
+    assert padding_side(spec, "fp32") is None
+    assert padding_side(spec, "int4", _gqa_graph(lengths_from_mask=True)) == "right"
+    assert padding_side(spec, "fp32", _gqa_graph(lengths_from_mask=False)) is None

@@ -25,6 +25,7 @@ from attn_export.artifacts.genai_folder import (
 )
 from attn_export.artifacts.generations import read_generations
 from attn_export.artifacts.manifest import ManifestEntry
+from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.checks.generate import (
     GenerateResult,
     Judged,
@@ -150,7 +151,7 @@ def generate_model(
         reference = _from_torch(spec, options, bits)
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     graph = out_dir / entry.file
-    side = padding_side(spec, entry.variant)
+    side = padding_side(spec, entry.variant, load_model_file(graph))
     results = []
 
     def judged_row(

@@ -21,6 +21,7 @@ from attn_export.model_spec.masks import PATTERN
 from attn_export.model_spec.memory import check_memory, memory_budget
 from attn_export.model_spec.scenarios import scenario_sizes
 from attn_export.model_spec.shapes import ShapePoint, example_sizes, sizes_from_feeds, sweep
+from attn_export.model_spec.tolerance import on_a_cpu
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import Target, check_feeds
 from attn_export.runtimes.ort import KIND as ORT_KIND
@@ -56,20 +57,12 @@ def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dic
 
 
 def target_tolerances(spec: ModelSpec, variant: str, options: VerifyOptions, target: Target) -> dict[str, Tolerance]:
-    """``tolerances_for`` as ``target`` is judged: on ONNX Runtime's CPU, whose int8 kernels
-    the simulation of int4's rounding reproduces to float32 noise (``runtimes.int8_rounding``),
-    an int4 graph is held against the simulated module at the model's own tolerance
-    (``Tolerance.simulated``), as ``verify --generate`` holds its logits: int4's own room
-    (its rounding of the float module, up to several times the output's rms on large values)
-    passed a layer whose block scales were 5 % off. Another provider computes int4 in float."""
+    """``tolerances_for`` as ``target`` is judged: on ONNX Runtime's CPU, an int4 graph
+    against its simulated rounding (``model_spec.tolerance.on_a_cpu``)."""
     tolerances = tolerances_for(spec, variant, options)
     if (target.runtime, target.provider) != (ORT_KIND.name, "cpu"):
         return tolerances
-    exact = tolerances_for(spec, "fp32", options)
-    return {
-        name: dataclasses.replace(tol, simulated=exact[name]) if tol.int8_rounding and tol.weight_bits == 4 else tol
-        for name, tol in tolerances.items()
-    }
+    return on_a_cpu(tolerances, tolerances_for(spec, "fp32", options))
 
 
 def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_a_manifest_cannot_lift_the_budget_of_golden_mode(tiny_build: Built, mon
     monkeypatch.setenv("ATTN_EXPORT_MAX_MEMORY", "4KiB")
     result = CliRunner().invoke(cli, ["verify", str(tiny_build.out), "--golden", "--no-latency"])
     assert result.exit_code == 2, result.output
-    assert result.output.endswith("golden arrays declare 104.6 KiB, over the memory budget of 4.0 KiB\n")
+    assert re.search(r"golden arrays declare [\d.]+ KiB, over the memory budget of 4.0 KiB\n$", result.output)
 
 
 @pytest.fixture

@@ -162,6 +162,12 @@ PARTIAL = {
     "gpt_neox": lambda t: t.replace('LlamaConfig",', 'GPTNeoXConfig", rotary_pct = 0.5,').replace(
         "num_attention_heads = 2", "num_attention_heads = 1"
     ),  # one head of the hidden 32: its heads are hidden / heads wide
+    "phi": lambda t: t.replace('LlamaConfig",', 'PhiConfig", partial_rotary_factor = 0.5,').replace(
+        "num_attention_heads = 2", "num_attention_heads = 1"
+    ),  # phi-2: LayerNorm, attention and MLP side by side
+    "stablelm": lambda t: t.replace('LlamaConfig",', 'StableLmConfig", partial_rotary_factor = 0.5,').replace(
+        "num_attention_heads = 2", "num_attention_heads = 1"
+    ),
 }
 
 

@@ -113,7 +113,11 @@ def judge_value(
     simulated = rounding.values if rounding is not None else None
     if tol.simulated is not None and simulated is not None and simulated.shape == expected.shape:
         assert rounding is not None
-        return _against_simulation(name, expected, actual, tol.simulated, floor, kept, rounding, simulated)
+        judged = _against_simulation(name, expected, actual, tol.simulated, floor, kept, rounding, simulated)
+        if judged.passed:
+            return judged
+        own = judge_value(name, expected, actual, dataclasses.replace(tol, simulated=None), floor, left_out, rounding)
+        return dataclasses.replace(judged, within_own_room=own.passed)
     factor = rounding_factor(tol)
     rounding = _capped(rounding, expected, rms, tol) if rounding is not None and tol.int8_rounding else Rounding()
     result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms, rounding), kept)
@@ -231,6 +235,9 @@ class OutputComparison:
     #: ties give (part of ``atol``); '' and 0 where the module's own values were.
     simulated: str = ""
     ties: float = 0.0
+    #: Failed against the simulation, yet within the variant's own room against the module
+    #: itself: a fault smaller than its rounding, or a MatMul the simulation does not round.
+    within_own_room: bool = False
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
     #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
@@ -325,10 +332,15 @@ class OutputComparison:
             return ""
         moved = self.ties / INT4_TIE_FACTOR
         ties = f"near ties of its activations move it up to {moved:.3g}" if moved else "no near tie moves it"
+        own = (
+            f"; {self.simulated}'s own room against the float module would hold it: a fault smaller than "
+            f"{self.simulated}'s rounding, or a MatMul the graph quantizes that the simulation does not round "
+            "(a weight the module computes, addmm, code under a function of its own)"
+        )
         return (
             f"; judged against the module with {self.simulated}'s rounding simulated, which a right graph gives "
             f"to float32 noise ({ties}; {self.simulated} itself moves it up to {self.rounding_max:.3g} from the "
-            "float module)"
+            f"float module){own if self.within_own_room else ''}"
         )
 
     def _shares_alone(self) -> str:

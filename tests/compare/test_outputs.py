@@ -193,6 +193,9 @@ def test_int4_on_a_cpu_is_judged_against_its_simulation_within_its_ties() -> Non
     assert not wrong.passed and wrong.simulated == "int4" and wrong.atol == pytest.approx(1e-5 + 2e-3)
     assert "judged against the module with int4's rounding simulated" in wrong.reason()
     assert "near ties of its activations move it up to 0.001" in wrong.reason()
+    assert wrong.within_own_room and "int4's own room against the float module would hold it" in wrong.reason()
+    far = judge_value("o", exact, -simulated, tol, rounding=rounding)
+    assert not far.passed and not far.within_own_room and "own room" not in far.reason()
     assert judge_value("o", exact, simulated + 1.9e-3, tol, rounding=rounding).passed
     left_out = np.zeros(512, bool)
     left_out[:256] = True

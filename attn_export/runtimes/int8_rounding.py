@@ -20,7 +20,8 @@ projection, a table of relative positions cut to the length). What the simulatio
 the block's largest-magnitude element over -8; and the other operand as MatMulNBits at
 accuracy level 4 rounds it on a CPU (ONNX Runtime's int8 kernels, what onnxruntime-genai's
 model builder sets): each block of ``INT4_BLOCK`` to integers -127..127 times its largest
-magnitude over 127. The same MatMuls are rounded. ONNX Runtime's CUDA kernels compute such
+magnitude over 127. The same MatMuls are rounded, and ``addmm`` of a weight too (the
+variant quantizes a Gemm as a MatMul and an Add: GPT-2's ``Conv1D``). ONNX Runtime's CUDA kernels compute such
 a graph in float, nearer the module than this (``verify --generate`` holds them to int4's
 tolerance, not float32's).
 """
@@ -128,6 +129,7 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
     F = torch.nn.functional
     owned = _storages(module)
     matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm)
+    addmms = (torch.addmm, torch.Tensor.addmm)  # int4 takes them as MatMul and Add (GPT-2's Conv1D)
     slicing = (
         torch.Tensor.__getitem__,
         torch.Tensor.narrow,
@@ -187,9 +189,17 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
         whole = t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes()
         return is_owned(t) and whole and all(t is not c for c in cut)
 
+    def is_plain_addmm(args: Any, kwargs: dict[str, Any]) -> bool:
+        """``bias + x @ w`` with ``w`` one of the module's 2-D weights, as the int4 variant
+        turns a Gemm into a MatMul it quantizes and an Add."""
+        unscaled = kwargs.get("alpha", 1) == kwargs.get("beta", 1) == 1
+        return len(args) >= 3 and unscaled and is_weight(args[2]) and args[2].dim() == 2 and not is_owned(args[1])
+
     class Rounded(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
+            if bits == 4 and func in addmms and is_plain_addmm(args, kwargs):
+                return func(args[0], activation_blocks(args[1]), blocks(args[2], -2), **kwargs)
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
                 if (
                     bits == 4

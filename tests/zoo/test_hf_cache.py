@@ -124,6 +124,25 @@ def test_padding_tokens_left_out_are_left_out_of_every_layers_cache_too(tmp_path
     assert "2 of 2 decode trajectories agree" in result.output
 
 
+@pytest.mark.slow  # a build of its own (10 s)
+def test_gpt2s_conv1d_projections_are_quantized_by_int4_and_verify_against_its_simulation(tmp_path: Path) -> None:
+    """GPT-2's Conv1D is ``torch.addmm``, a Gemm the int4 quantizer does not take: its int4
+    graph had the LM head quantized and every projection of its layers in float32, and its
+    build failed the smoke check on padded rows. Each Gemm is now a MatMul and an Add, the
+    simulation rounds ``addmm`` as MatMulNBits does, and the graph is green against it."""
+    config, heads, head_dim = FAMILIES["gpt2"]
+    config += ", bos_token_id = 1, eos_token_id = 2"  # GPT2Config's 50256 is past the vocabulary of 32
+    spec = causal_lm_spec(tmp_path / "models", "gpt2_int4", config, heads, head_dim)
+    summary = build_models([spec], BuildOptions(tmp_path / "out", variants=("int4",)))
+    assert [r.error for r in summary.results] == [None]
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "out" / "gpt2_int4.int4.onnx")).graph.node]
+    assert ops.count("MatMulNBits") == 2 * 4 + 1 and "Gemm" not in ops  # c_attn, c_proj, c_fc, mlp.c_proj; lm_head
+    args = ["--decode", "3", "--random", "0", "--no-latency"]
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(spec.parent), *args])
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 decode trajectories agree" in result.output
+
+
 @pytest.mark.slow  # two layers, in the tests above, already take no signature of their own
 def test_three_layers_need_no_new_signature(tmp_path: Path) -> None:
     config, heads, head_dim = FAMILIES["qwen2"]

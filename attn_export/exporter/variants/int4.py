@@ -21,6 +21,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     module by the weights' and activations' rounding alone."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    _matmuls_of_gemms(proto)
     records = packed_records(proto)  # the quantizer rewrites proto in place, dropping them
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
@@ -46,3 +47,36 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
         "ops": dict(counts),
     }
     return VariantGraph(out, info)
+
+
+def _matmuls_of_gemms(proto: onnx.ModelProto) -> None:
+    """Each plain ``Gemm`` of a constant weight (``A @ B + C``: GPT-2's ``Conv1D`` is
+    ``torch.addmm``) as a MatMul and an Add, in place, so that the quantizer, which takes
+    MatMuls alone, quantizes it: before, a GPT-2 int4 graph had its LM head quantized and
+    every projection of its layers left in float32. The simulation rounds ``addmm`` alike."""
+    constant = {t.name for t in proto.graph.initializer}
+    nodes = []
+    for node in proto.graph.node:
+        if not _plain_gemm(node, constant):
+            nodes.append(node)
+            continue
+        bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        product = f"{node.output[0]}_matmul" if bias else node.output[0]
+        matmul = onnx.helper.make_node("MatMul", node.input[:2], [product], name=f"{node.name}_matmul")
+        matmul.metadata_props.extend(node.metadata_props)
+        nodes.append(matmul)
+        if bias:
+            add = onnx.helper.make_node("Add", [product, bias], [node.output[0]], name=f"{node.name}_bias")
+            add.metadata_props.extend(node.metadata_props)
+            nodes.append(add)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+
+
+def _plain_gemm(node: onnx.NodeProto, constant: set[str]) -> bool:
+    """``A @ B + C`` with ``B`` a constant: no scale, no transpose."""
+    if node.op_type != "Gemm" or node.domain or len(node.input) < 2 or node.input[1] not in constant:
+        return False
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    scaled = attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0
+    return not scaled and not attrs.get("transA", 0) and not attrs.get("transB", 0)

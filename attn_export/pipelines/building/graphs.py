@@ -17,7 +17,7 @@ from attn_export.artifacts.golden import GoldenCase, Sight, encode_golden
 from attn_export.artifacts.intermediates import encode_intermediates
 from attn_export.checks.causality import sights
 from attn_export.checks.decode.plan import DEFAULT_STEPS
-from attn_export.checks.decode.recording import record_trajectory
+from attn_export.checks.decode.recording import record_trajectory, split_recorded_label
 from attn_export.checks.decode.run import pytorch_trajectories
 from attn_export.checks.fully_masked import judge
 from attn_export.checks.generate import generate_prompts, is_causal_lm, stacked, torch_generate
@@ -45,7 +45,7 @@ from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import CASES
 from attn_export.model_spec.memory import check_memory, format_bytes, memory_budget
 from attn_export.model_spec.shapes import ShapePoint, example_sizes, format_sizes, golden_plan, golden_points
-from attn_export.model_spec.tolerance import rounding_bits, rounding_name
+from attn_export.model_spec.tolerance import on_a_cpu, rounding_bits, rounding_name
 from attn_export.pipelines.building.results import BuildOptions
 from attn_export.pipelines.localize.values import recorded_values
 from attn_export.runtimes.ort import OnnxRuntime
@@ -356,7 +356,10 @@ class SpecBuild:
         """ONNX Runtime (CPU) against PyTorch at the example and golden shapes, at the
         variant's tolerance."""
         spec = self.spec
-        tolerances = spec.tolerances(variant)
+        own = spec.tolerances(variant)
+        # int4 against its simulation, except on a decode step's recorded case: its simulated
+        # values are the rounded trajectory's, fed its own pasts, and the case feeds PyTorch's
+        simulated = on_a_cpu(own, spec.tolerances("fp32"))
         cases = [c for c in self.golden.get() if c.label not in CASES]  # mask cases are settled, not smoked
         with OnnxRuntime(
             model, spec.inputs, spec.outputs, spec.dims, provider="cpu", capacity=spec.cache_max_seq
@@ -369,6 +372,7 @@ class SpecBuild:
                     got = session.run(case.inputs)
                 except RuntimeFailure as e:
                     raise GraphCheckError(f"{where} failed: {e}{self._made_by(variant, case.inputs)}") from e
+                tolerances = own if split_recorded_label(case.label) else simulated
                 comparisons, notes = judge(spec, case, got, tolerances)
                 failed = [c.reason() for c in comparisons if not c.passed]
                 if failed:

@@ -23,7 +23,7 @@ no divergence: its texts part there, the row is judged no further, and a note sa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -153,40 +153,48 @@ def generate_prompts(
 Side = Literal["left", "right"]
 
 
-def padding_side(spec: ModelSpec, variant: str, graph: onnx.ModelProto | None = None) -> Side | None:
+def padding_side(
+    spec: ModelSpec, variant: str, graph: Callable[[], onnx.ModelProto] | None = None
+) -> Side | None:
     """Where our loop pads a batch of prompts of different lengths for ``spec``'s ``variant``
     graph: on the left where its mask pads, on the right where the graph reads each row's
     length off the mask (a variant that ``counts_positions``, as genai's graphs; or, for a
-    ``graph`` built elsewhere and given with ``--spec``, a GroupQueryAttention whose lengths
-    are computed from a mask input, as genai's model builder writes it), else nowhere
-    (None: a graph that takes no padding runs prompts of one length)."""
+    ``graph`` built elsewhere and given with ``--spec``, loaded only if asked, a
+    GroupQueryAttention whose lengths are the sums of a mask input's rows, as genai's model
+    builder writes it), else nowhere (None: a graph that takes no padding runs prompts of
+    one length)."""
     cache = cache_of(spec)
     if cache is not None and cache.pads:
         return "left"
     if variant_chain(variant).counts_positions:
         return "right"
     masks = {t.name for t, _ in spec.masks}
-    return "right" if graph is not None and _reads_row_lengths(graph, masks) else None
+    return "right" if graph is not None and masks and _sums_rows(graph(), masks) else None
 
 
-def _reads_row_lengths(graph: onnx.ModelProto, masks: set[str]) -> bool:
-    """Whether an ONNX model's GroupQueryAttention nodes take their rows' lengths
-    (``seqlens_k``, input 5) from one of the ``masks`` graph inputs: every such node does."""
+def _sums_rows(graph: onnx.ModelProto, masks: set[str]) -> bool:
+    """Whether every GroupQueryAttention of an ONNX model takes its rows' lengths
+    (``seqlens_k``, input 5) from a ReduceSum of one of the ``masks`` graph inputs: not
+    through a Shape or Size, whose values are the mask's width alike for every row (a
+    graph that takes each row as long as the batch is then fed no padding)."""
     made = {out: node for node in graph.graph.node for out in node.output}
     attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and len(n.input) > 5]
 
-    def from_mask(value: str) -> bool:
-        seen, todo = set(), [value]
+    def summed(value: str) -> bool:
+        seen: set[tuple[str, bool]] = set()
+        todo = [(value, False)]
         while todo:
-            name = todo.pop()
-            if name in masks:
+            name, through_sum = todo.pop()
+            if name in masks and through_sum:
                 return True
-            if name not in seen and name in made:
-                seen.add(name)
-                todo += list(made[name].input)
+            node = made.get(name)
+            if node is None or (name, through_sum) in seen or node.op_type in ("Shape", "Size"):
+                continue
+            seen.add((name, through_sum))
+            todo += [(i, through_sum or node.op_type == "ReduceSum") for i in node.input if i]
         return False
 
-    return bool(attention) and all(from_mask(n.input[5]) for n in attention)
+    return bool(attention) and all(summed(n.input[5]) for n in attention)
 
 
 def uneven(rows: Sequence[Sequence[int]]) -> bool:

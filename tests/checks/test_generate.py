@@ -169,12 +169,14 @@ seq = { min = 1, max = 4 }
 """
 
 
-def _gqa_graph(lengths_from_mask: bool) -> onnx.ModelProto:
-    """A GroupQueryAttention whose ``seqlens_k`` is the mask's row sums less one, as genai's
-    model builder computes it, or a constant."""
+def _gqa_graph(lengths: str) -> onnx.ModelProto:
+    """A GroupQueryAttention whose ``seqlens_k`` is the mask's row ``sum`` less one, as
+    genai's model builder computes it, its ``width`` less one for every row, or a ``constant``."""
     h = onnx.helper
-    nodes = [h.make_node("ReduceSum", ["attention_mask", "one"], ["sums"]), h.make_node("Sub", ["sums", "one"], ["k"])]
-    nodes.append(h.make_node("Cast", ["k" if lengths_from_mask else "fixed"], ["seqlens_k"], to=onnx.TensorProto.INT32))
+    counted = {"sum": "ReduceSum", "width": "Shape", "constant": "Identity"}[lengths]
+    made = h.make_node(counted, ["attention_mask", "one"] if lengths == "sum" else ["attention_mask"], ["sums"])
+    nodes = [made, h.make_node("Sub", ["sums" if lengths != "constant" else "fixed", "one"], ["k"])]
+    nodes.append(h.make_node("Cast", ["k"], ["seqlens_k"], to=onnx.TensorProto.INT32))
     inputs = ["q", "", "", "", "", "seqlens_k", "total"]
     nodes.append(
         h.make_node("GroupQueryAttention", inputs, ["out"], domain="com.microsoft", num_heads=1, kv_num_heads=1)
@@ -198,5 +200,6 @@ def test_a_graph_from_elsewhere_that_reads_row_lengths_off_its_mask_is_padded_on
     right, as genai's generator does. A graph whose lengths come from elsewhere takes no padding."""
     spec = load_spec(write_spec(tmp_path, "lm", FULL_MASK_LM))
     assert padding_side(spec, "fp32") is None
-    assert padding_side(spec, "int4", _gqa_graph(lengths_from_mask=True)) == "right"
-    assert padding_side(spec, "fp32", _gqa_graph(lengths_from_mask=False)) is None
+    assert padding_side(spec, "int4", lambda: _gqa_graph("sum")) == "right"
+    assert padding_side(spec, "fp32", lambda: _gqa_graph("constant")) is None
+    assert padding_side(spec, "fp32", lambda: _gqa_graph("width")) is None  # every row as long as the mask

@@ -550,7 +550,7 @@ def _pytorch_side(
     """Run the module's FX program and the module itself on the case ``options`` name."""
     module = instantiate(spec)
     if options.generate_step is not None:
-        padding = padding_side(spec, variant, proto)
+        padding = padding_side(spec, variant, lambda: proto)
         sizes, feeds, layout = generate_step_case(spec, module, options, generation_rounding(spec, variant), padding)
         options = dataclasses.replace(options, layout=layout)
     elif options.decode_step is None:

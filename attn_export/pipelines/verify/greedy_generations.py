@@ -151,7 +151,7 @@ def generate_model(
         reference = _from_torch(spec, options, bits)
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     graph = out_dir / entry.file
-    side = padding_side(spec, entry.variant, load_model_file(graph))
+    side = padding_side(spec, entry.variant, lambda: load_model_file(graph))
     results = []
 
     def judged_row(

@@ -304,6 +304,11 @@ def read_cases(
                 )
             cases[e.label].floors[e.name] = float(value)
         elif e.section == "int8":
+            if e.shape == (2,) and e.dtype == np.float64:
+                raise ArtifactError(
+                    f"{path}: entry '{e.label}/int8/{e.name}' records no int4 ties: an older attn-export wrote "
+                    "this golden file; rebuild it with attn-export build"
+                )
             value = load_entry(path, zf, e.info) if e.shape == (3,) and e.dtype == np.float64 else None
             if value is None or not np.isfinite(value).all() or value.min() < 0:
                 raise ArtifactError(
@@ -348,7 +353,12 @@ def _simulated(path: Path, zf: zipfile.ZipFile, e: _Entry, case: GoldenCase) -> 
             f"{path}: entry '{e.label}/simulated/{e.name}' has shape {list(e.shape)} of {e.dtype}, "
             f"expected {list(recorded.shape)} of {recorded.dtype} as its output"
         )
-    return load_entry(path, zf, e.info)
+    values = load_entry(path, zf, e.info)
+    if not np.isfinite(values[np.isfinite(recorded)]).all():
+        raise ArtifactError(
+            f"{path}: entry '{e.label}/simulated/{e.name}' is not finite where its output is: not a simulation"
+        )
+    return values
 
 
 def _reason(path: Path, zf: zipfile.ZipFile, e: _Entry) -> str:

@@ -114,9 +114,9 @@ def judge_value(
     if tol.simulated is not None and simulated is not None and simulated.shape == expected.shape:
         assert rounding is not None
         judged = _against_simulation(name, expected, actual, tol.simulated, floor, kept, rounding, simulated)
-        if judged.passed:
-            return judged
         own = judge_value(name, expected, actual, dataclasses.replace(tol, simulated=None), floor, left_out, rounding)
+        if judged.passed:  # and within the variant's own room of the module itself, whatever a golden file says
+            return judged if own.passed else own
         return dataclasses.replace(judged, within_own_room=own.passed)
     factor = rounding_factor(tol)
     rounding = _capped(rounding, expected, rms, tol) if rounding is not None and tol.int8_rounding else Rounding()
@@ -153,18 +153,21 @@ def _against_simulation(
     right graph on a CPU gives to float32 noise: at ``exact`` (the model's own tolerance)
     widened by ``FLOOR_FACTOR`` x PyTorch's float32 error and ``INT4_TIE_FACTOR`` x how far
     near ties of the activations' codes move it, that room no larger than ``ELEMENT_CAP`` x
-    the value's largest element (a recorded simulation comes from a build folder, data).
-    Elements not ``kept`` are the expected value's (blanked alike on both sides)."""
+    the value's largest element (a recorded simulation comes from a build folder, data; the
+    variant's own room of the module itself holds besides, ``judge_value``). Elements not
+    ``kept`` are the expected value's (blanked alike on both sides)."""
     values = simulated if kept is None else np.where(kept, simulated, expected)
     rms = rms_of(values, kept)
     finite = np.abs(values[np.isfinite(values)]) if values.dtype.kind == "f" else values[:0]
     ties = min(INT4_TIE_FACTOR * rounding.ties, ELEMENT_CAP * float(finite.max()) if finite.size else 0.0)
     base = exact.atol + FLOOR_FACTOR * floor
-    result = compare_output(name, values, actual, dataclasses.replace(exact, atol=base + ties, atol_rms=0.0), kept)
+    atol = base + exact.atol_rms * rms + ties
+    result = compare_output(name, values, actual, dataclasses.replace(exact, atol=atol, atol_rms=0.0), kept)
     return dataclasses.replace(
         result,
         floor=floor,
         rms=rms,
+        atol_rms=exact.atol_rms,
         rms_bound=base + exact.rms_rtol * rms if exact.rms_rtol else None,
         rounding_rms=rounding.rms,
         rounding_max=rounding.max,
@@ -322,7 +325,7 @@ class OutputComparison:
             return (
                 f"{self.name}: the error's rms {self.rms_error:.3g}{share} is over its bound {self.rms_bound:.3g} "
                 "(rms_rtol): every element within atol, but the whole output off, as a wrong scale or zero "
-                f"point leaves it; a right graph's rounding stays below{self._shares_alone()}"
+                f"point leaves it; a right graph's rounding stays below{self._shares_alone()}{self._against()}"
             )
         return ""
 

@@ -75,6 +75,7 @@ def test_int4s_simulated_values_and_ties_come_back_as_written(tmp_path: Path) ->
     [
         (OUT.T.copy(), r"has shape \[3, 2\] of float32, expected \[2, 3\] of float32 as its output"),
         (OUT.astype(np.float64), r"has shape \[2, 3\] of float64, expected \[2, 3\] of float32 as its output"),
+        (np.full((2, 3), np.nan, np.float32), "is not finite where its output is: not a simulation"),
     ],
 )
 def test_a_simulated_value_unlike_its_output_is_refused(tmp_path: Path, value: np.ndarray, message: str) -> None:
@@ -85,4 +86,17 @@ def test_a_simulated_value_unlike_its_output_is_refused(tmp_path: Path, value: n
     arrays["distinct/simulated/int4:o"] = value
     np.savez(path, **arrays)  # type: ignore[arg-type]
     with pytest.raises(ArtifactError, match=f"entry 'distinct/simulated/int4:o' {message}"):
+        read_golden(path)
+
+
+def test_a_golden_file_an_older_version_wrote_says_to_rebuild(tmp_path: Path) -> None:
+    path = tmp_path / "m.golden.npz"
+    write_golden(path, [_case(o=Rounding(0.25, 1.5))])
+    with np.load(path) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    arrays["distinct/int8/o"] = arrays["distinct/int8/o"][:2]  # format 5: the rms and the largest element
+    np.savez(path, **arrays)  # type: ignore[arg-type]
+    with pytest.raises(
+        ArtifactError, match="an older attn-export wrote this golden file; rebuild it with attn-export build"
+    ):
         read_golden(path)

@@ -202,6 +202,14 @@ def test_int4_on_a_cpu_is_judged_against_its_simulation_within_its_ties() -> Non
     blanked = np.where(left_out, 0, off).astype(np.float32)
     kept = judge_value("o", np.where(left_out, 0, exact), blanked, tol, left_out=left_out, rounding=rounding)
     assert not kept.passed and kept.mismatched <= 256 and kept.worst_index is not None and kept.worst_index[0] >= 256
+    # a golden file is data: whatever it records, the module's own values bound the verdict
+    forged = dataclasses.replace(rounding, ties=1e6)
+    assert not judge_value("o", exact, -exact, tol, rounding=forged).passed
+    zeros = dataclasses.replace(rounding, values=np.zeros_like(exact))
+    assert not judge_value("o", exact, np.zeros_like(exact), tol, rounding=zeros).passed
+    # the model's own atol_rms holds against the simulation as against the module
+    shared = dataclasses.replace(tol, simulated=Tolerance(1e-5, 1e-4, atol_rms=0.1))
+    assert judge_value("o", exact, simulated + 0.02, shared, rounding=rounding).passed
     unsimulated = dataclasses.replace(rounding, values=None)
     assert judge_value("o", exact, off, tol, rounding=unsimulated).passed
     assert OutputComparison.from_dict(wrong.to_dict()) == wrong

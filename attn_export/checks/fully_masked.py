@@ -163,7 +163,7 @@ def judge(
         return comparisons, [f'fully_masked = "ignore": {_rows(count)} not compared ({PADDED})']
     comparisons = compare_outputs(case.outputs, actual, tolerances, case.floors, int8=case.int8)
     blanked = compare_outputs(
-        _blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors, int8=case.int8
+        _blank(case.outputs, padded), _blank(actual, padded), tolerances, case.floors, padded, case.int8
     )
     if not all(c.passed for c in comparisons) and all(c.passed for c in blanked):
         return comparisons, [

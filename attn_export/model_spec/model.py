@@ -226,6 +226,21 @@ class ModelSpec:
         """Every output's tolerance for ``variant``."""
         return {t.name: self.tolerance_for(t.name, variant) for t in self.outputs}
 
+    def simulated_tolerances(self, variant: str) -> dict[str, Tolerance] | None:
+        """Every output's tolerance against the module run with int4's rounding, where a
+        ``variant`` with an int4 link is judged so (``tolerance.on_a_cpu``): its other links'
+        composed (the output's own where none is left), as if int4 took nothing away. None
+        where the chain has no int4 link, or the spec names a tolerance for int4 or for the
+        chain itself: the user's room then judges."""
+        links = variant_chain(variant).links
+        if all(link.name != "int4" for link in links) or {"int4", variant} & set(self.variant_tolerances):
+            return None
+        rest = [link for link in links if link.name != "int4"]
+        own = {t.name: self.output_tolerances.get(t.name, self.tolerance) for t in self.outputs}
+        if not rest:
+            return own
+        return {name: functools.reduce(Tolerance.then, (self._link_tolerance(name, r) for r in rest)) for name in own}
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready, portable form (no absolute paths); ``spec_from_dict`` reads it back.
 

@@ -17,15 +17,19 @@ def rounding_bits(tolerances: Iterable[Tolerance]) -> tuple[int, ...]:
     return tuple(sorted({t.weight_bits for t in tolerances if t.int8_rounding}, reverse=True))
 
 
-def on_a_cpu(tolerances: Mapping[str, Tolerance], exact: Mapping[str, Tolerance]) -> dict[str, Tolerance]:
-    """``tolerances`` as ONNX Runtime's CPU is judged: its int8 kernels, which the simulation
-    of int4's rounding reproduces to float32 noise (``runtimes.int8_rounding``), hold an int4
-    output against the simulated module at the model's own tolerance (``exact``, as
-    ``Tolerance.simulated``), as ``verify --generate`` holds its logits: int4's own room (its
-    rounding of the float module, up to several times the output's rms on large values)
-    passed a layer whose block scales were 5 % off. Another provider computes int4 in float."""
+def on_a_cpu(tolerances: Mapping[str, Tolerance], exact: Mapping[str, Tolerance] | None) -> dict[str, Tolerance]:
+    """``tolerances`` as ONNX Runtime's CPU is judged where its graph rounds as the
+    simulation of int4 does (accuracy level 4: int8 kernels, which the simulation reproduces
+    to float32 noise, ``runtimes.int8_rounding``): an int4 output against the simulated
+    module at ``exact`` (``ModelSpec.simulated_tolerances``, as ``Tolerance.simulated``), as
+    ``verify --generate`` holds its logits. int4's own room (its rounding of the float
+    module, up to several times the output's rms on large values) passed a layer whose block
+    scales were 5 % off. Unchanged where ``exact`` is None; another provider computes int4
+    in float."""
     return {
-        name: dataclasses.replace(tol, simulated=exact[name]) if tol.int8_rounding and tol.weight_bits == 4 else tol
+        name: dataclasses.replace(tol, simulated=exact[name])
+        if exact is not None and tol.int8_rounding and tol.weight_bits == 4
+        else tol
         for name, tol in tolerances.items()
     }
 

@@ -146,12 +146,12 @@ class TorchRuntime(Runtime):
         return {name: min(max(_error(run[name], e.get(name)) for run in runs) for e in exact) for name in outputs}
 
     def allowances(
-        self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]
+        self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], ties: bool = True
     ) -> tuple[dict[str, float], dict[str, Rounding]]:
         """What a graph's tolerance is widened by on ``feeds`` (``compare.judge_value``):
         PyTorch's own float32 error (``precision_floor``), and what int8 rounding does to the
-        module (``int8_rounding``)."""
-        return self.precision_floor(feeds, outputs), self.int8_rounding(feeds, outputs)
+        module (``int8_rounding``; int4's simulated values and ties where ``ties``)."""
+        return self.precision_floor(feeds, outputs), self.int8_rounding(feeds, outputs, ties)
 
     def _half(self) -> Any:
         """The module's float16 twin (``float16_twin``), made on first use."""
@@ -175,11 +175,14 @@ class TorchRuntime(Runtime):
         rounded._float16 = self._half() if bits == FLOAT16 else None  # one float16 copy per module
         return rounded
 
-    def int8_rounding(self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray]) -> dict[str, Rounding]:
+    def int8_rounding(
+        self, feeds: Mapping[str, np.ndarray], outputs: Mapping[str, np.ndarray], ties: bool = True
+    ) -> dict[str, Rounding]:
         """How far the module run with each quantizing variant's rounding (``in_int8``: int8,
         int4) is from its ``outputs`` on ``feeds``, per float output and by
         ``rounding_key``: how far a right graph of that variant strays here, the widest of
-        the runs that ran (fp16 has several, ``FLOAT16_ROUNDINGS``). Zero where none ran,
+        the runs that ran (fp16 has several, ``FLOAT16_ROUNDINGS``); with ``ties``, int4's
+        simulated values and how far its near ties move them (``with_ties``). Zero where none ran,
         with the first one's error as ``Rounding.unsimulated``: such graphs are then judged
         by the shares of the rms alone."""
         found: dict[str, Rounding] = {}
@@ -191,7 +194,7 @@ class TorchRuntime(Runtime):
                     if t.name in outputs:
                         key = rounding_key(bits, t.name)
                         found[key] = found[key].widest(Rounding.between(outputs[t.name], v.detach().cpu().numpy()))
-            if bits == 4 and results:
+            if bits == 4 and results and ties:
                 values = zip(self.outputs, _values(results[0]), strict=False)
                 simulated = {t.name: v.detach().cpu().numpy() for t, v in values}
                 found |= self._with_ties(feeds, found, simulated)

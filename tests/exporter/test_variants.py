@@ -152,6 +152,23 @@ def test_int4_is_blocks_of_32_and_a_block_scale_1_percent_off_fails(variant_buil
     assert re.search(said, result.output), result.output
 
 
+def test_an_int4_graph_computing_in_float_is_judged_by_int4s_own_room(variant_build: Path, tmp_path: Path) -> None:
+    """At accuracy level 0 (the quantizer's default) ONNX Runtime computes int4 in float: a
+    right graph, off the simulation (int8 activations) by their rounding. It is judged by
+    int4's own room, as on CUDA, not held to the simulation."""
+    proto = onnx.load(variant_build / "mha_cross.int4.onnx")
+    for node in proto.graph.node:
+        for a in node.attribute:
+            if node.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                a.i = 0
+    out = tmp_path / "out"
+    shutil.copytree(variant_build, out)
+    plant(out, "mha_cross.int4", proto)
+    args = ["verify", str(out / "mha_cross.int4.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.slow  # a build of its own (7 s); the variant sweep above verifies fp16 in make test
 def test_fp16_keeps_float32_io_and_finite_masked_fill(tmp_path: Path) -> None:
     out = tmp_path / "out"

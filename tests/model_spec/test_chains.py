@@ -161,6 +161,22 @@ def test_a_chain_is_judged_at_its_links_tolerances_composed_unless_the_spec_name
     assert "atol_rms" not in named.to_dict()["tolerance"]
 
 
+def test_int4_on_a_cpu_is_held_to_its_chains_other_links_unless_the_spec_names_its_room(tmp_path: Path) -> None:
+    """Against its simulation an int4 link takes nothing away: the chain is judged at its
+    other links' tolerances composed (ort-past's own where the spec sets one), the output's
+    where none is left; where the spec names int4's tolerance or the chain's, the user's
+    room judges (no simulated tolerance)."""
+    spec = load_spec(TINY_ZOO / "mha_kv_cache.toml")
+    assert spec.simulated_tolerances("fp32") is None and spec.simulated_tolerances("ort-past+int8") is None
+    assert spec.simulated_tolerances("int4") == spec.tolerances("fp32")
+    text = (TINY_ZOO / "mha_kv_cache.toml").read_text() + "\n[variants.ort-past]\natol = 0.001\nrtol = 0.002\n"
+    past = load_spec(tiny_spec(tmp_path, "mha_kv_cache", body=text))
+    assert past.simulated_tolerances("ort-past+int4") == past.tolerances("ort-past")
+    for named in ("[variants.int4]\natol = 0.1\nrtol = 0.1\n", '[variants."ort-past+int4"]\natol = 0.1\nrtol = 0.1\n'):
+        own = load_spec(tiny_spec(tmp_path, "mha_kv_cache", body=text + named))
+        assert own.simulated_tolerances("ort-past+int4") is None
+
+
 @pytest.mark.parametrize(
     ("table", "at", "message"),
     [

@@ -4,7 +4,6 @@ trajectory without a cache, in one pass, and each padded row alone."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,7 +66,8 @@ def pytorch_trajectories(
             before = f"; before that, {grew[0][1].reason(grew[0][0])}" if grew else ""
             raise GraphCheckError(f"{spec.name}: decode {scenario}: PyTorch failed at {error}{before}")
         inputs = step_inputs(spec, traj, outputs)
-        allowed = [eager.allowances(i, o) for i, o in zip(inputs, outputs, strict=True)]
+        # int4's values and ties are the rounded trajectory's (``_rounded_trajectories``)
+        allowed = [eager.allowances(i, o, ties=False) for i, o in zip(inputs, outputs, strict=True)]
         traj.floors, traj.int8 = [f for f, _ in allowed], [r for _, r in allowed]
         _rounded_trajectories(eager, spec, traj, outputs)
         out.append((traj, outputs))
@@ -84,18 +84,17 @@ def _rounded_trajectories(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory
     for bits in eager.rounding_bits:
         with eager.rounding(bits) as quantized:
             steps, error = run_trajectory(quantized, spec, traj)
-        if bits == 4:  # a step's own simulation ran on PyTorch's pasts, the graph runs on its own
-            traj.int8 = [{key: dataclasses.replace(r, values=None) for key, r in step.items()} for step in traj.int8]
         if error:
             continue  # a module the rounding breaks keeps its per-step roundings
         for k, (exact, approx) in enumerate(zip(outputs, steps, strict=False)):
             for name, value in exact.items():
                 key, drift = rounding_key(bits, name), Rounding.between(value, approx[name])
                 traj.int8[k][key] = traj.int8[k].get(key, Rounding()).widest(drift)
-        nudged = [_nudged(eager, spec, traj, tie) for tie in INT4_CASE_TIES] if bits == 4 else []
-        if nudged and all(run is not None for run in nudged):
+        runs = [_nudged(eager, spec, traj, tie) for tie in INT4_CASE_TIES] if bits == 4 else []
+        nudged = [run for run in runs if run is not None]
+        if runs and len(nudged) == len(runs):
             for k, approx in enumerate(steps):
-                traj.int8[k] |= with_ties(traj.int8[k], approx, [run[k] for run in nudged if run is not None])
+                traj.int8[k] |= with_ties(traj.int8[k], approx, [run[k] for run in nudged])
 
 
 def _nudged(eager: TorchRuntime, spec: ModelSpec, traj: Trajectory, tie: float) -> list[Feeds] | None:

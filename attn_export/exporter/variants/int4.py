@@ -11,7 +11,9 @@ import onnx
 from attn_export.errors import ExportFailure
 from attn_export.exporter.packed_projections import keep_records, packed_records
 from attn_export.exporter.variants import VariantGraph, op_counts
+from attn_export.runtimes import Target
 from attn_export.runtimes.int8_rounding import INT4_ACCURACY_LEVEL, INT4_BLOCK
+from attn_export.runtimes.ort import KIND as ORT_KIND
 
 
 def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
@@ -80,3 +82,25 @@ def _plain_gemm(node: onnx.NodeProto, constant: set[str]) -> bool:
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     scaled = attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0
     return not scaled and not attrs.get("transA", 0) and not attrs.get("transB", 0)
+
+
+def rounds_as_simulated(proto: onnx.ModelProto) -> bool:
+    """Whether every MatMulNBits of a graph rounds as the simulation of int4 does on a CPU
+    (``in_int8(bits=4)``): 4 bits, symmetric (no zero points), blocks of ``INT4_BLOCK``,
+    accuracy level ``INT4_ACCURACY_LEVEL`` (int8 activations). At level 0, the quantizer's
+    default, ONNX Runtime computes in float: right, and off the simulation by int4's
+    activations' rounding."""
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    wanted = {"bits": 4, "block_size": INT4_BLOCK, "accuracy_level": INT4_ACCURACY_LEVEL}
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if any(attrs.get(k, 0) != v for k, v in wanted.items()) or (len(node.input) > 3 and node.input[3]):
+            return False
+    return bool(nodes)
+
+
+def simulated_on(target: Target, proto: onnx.ModelProto) -> bool:
+    """Whether ``target`` computes ``proto``'s int4 as the simulation rounds it, to float32
+    noise: ONNX Runtime's CPU provider, every MatMulNBits as ``rounds_as_simulated`` says.
+    CUDA computes int4 in float."""
+    return (target.runtime, target.provider) == (ORT_KIND.name, "cpu") and rounds_as_simulated(proto)

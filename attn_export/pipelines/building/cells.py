@@ -156,7 +156,7 @@ def checked_graph(ctx: SpecBuild, variant: str, result: BuildResult) -> tuple[Gr
                 variant_key(spec.name, variant),
                 graph.model,
                 ctx.golden.get(),
-                on_a_cpu(spec.tolerances(variant), spec.tolerances("fp32")),  # settled on ONNX Runtime's CPU
+                on_a_cpu(spec.tolerances(variant), spec.simulated_tolerances(variant)),  # settled on the CPU
                 lambda: ctx.export(spec.opset).SerializeToString(),
             )
         except (GraphCheckError, RuntimeFailure):

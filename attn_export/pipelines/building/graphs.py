@@ -359,7 +359,7 @@ class SpecBuild:
         own = spec.tolerances(variant)
         # int4 against its simulation, except on a decode step's recorded case: its simulated
         # values are the rounded trajectory's, fed its own pasts, and the case feeds PyTorch's
-        simulated = on_a_cpu(own, spec.tolerances("fp32"))
+        simulated = on_a_cpu(own, spec.simulated_tolerances(variant))
         cases = [c for c in self.golden.get() if c.label not in CASES]  # mask cases are settled, not smoked
         with OnnxRuntime(
             model, spec.inputs, spec.outputs, spec.dims, provider="cpu", capacity=spec.cache_max_seq

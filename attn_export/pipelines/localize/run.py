@@ -45,13 +45,14 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
+from attn_export.exporter.variants.int4 import simulated_on
 from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, fed_sizes
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.model_spec.masks import CASES, PATTERN
 from attn_export.model_spec.memory import check_memory, memory_budget
 from attn_export.model_spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
-from attn_export.model_spec.tolerance import rounding_bits
+from attn_export.model_spec.tolerance import on_a_cpu, rounding_bits
 from attn_export.pipelines.localize.generate_step import generate_step_case
 from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
 from attn_export.pipelines.localize.module_bug import parting_node
@@ -620,6 +621,8 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         notes.append(f"the whole graph fails to run: {e}")
     outputs_there = {k: graph_vals[k] for k in outputs if k in graph_vals}
     tolerances = spec.tolerances(entry.variant)
+    if simulated_on(options.target, found.proto):  # int4 on a CPU: against its simulation, as verify judges it
+        tolerances = on_a_cpu(tolerances, spec.simulated_tolerances(entry.variant))
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's

@@ -117,7 +117,7 @@ class TargetRun:
 
         spec, options, kind = self.spec, self.options, self.kind
         budget = memory_budget(options.max_memory, spec)
-        tolerances = target_tolerances(spec, self.variant, options, self.target)
+        tolerances = target_tolerances(spec, self.variant, options, self.target, self.path)
         self.rows = stack.enter_context(FullyMaskedRows(spec, self.path, tolerances, budget, self.plain))
         self.expected: Expected
         if self.module is None:

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attn_export.artifacts.golden import GoldenCase, Sight
+from attn_export.artifacts.onnx_file import load_model_file
 from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.checks.causality import sights
 from attn_export.checks.decode.recording import split_recorded_label
 from attn_export.errors import InputError
+from attn_export.exporter.variants.int4 import simulated_on
 from attn_export.model_spec import ModelSpec, Tolerance
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.model_spec.distributions import DISTRIBUTIONS, split_label
@@ -24,7 +26,6 @@ from attn_export.model_spec.shapes import ShapePoint, example_sizes, sizes_from_
 from attn_export.model_spec.tolerance import on_a_cpu
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import Target, check_feeds
-from attn_export.runtimes.ort import KIND as ORT_KIND
 from attn_export.runtimes.torch_eager import TorchRuntime
 
 __all__ = [
@@ -44,25 +45,30 @@ def tolerances_for(spec: ModelSpec, variant: str, options: VerifyOptions) -> dic
     (atol, and a lossy variant's share of the output's rms and what its simulated rounding
     makes), ``--rtol`` the relative one; the share of the rms the error's rms may reach
     beyond atol (``rms_rtol``) stays the spec's."""
-    return {
-        name: dataclasses.replace(
-            tol,
-            atol=tol.atol if options.atol is None else options.atol,
-            atol_rms=tol.atol_rms if options.atol is None else 0.0,
-            int8_rounding=tol.int8_rounding and options.atol is None,
-            rtol=tol.rtol if options.rtol is None else options.rtol,
-        )
-        for name, tol in spec.tolerances(variant).items()
-    }
+    return {name: _with_options(tol, options) for name, tol in spec.tolerances(variant).items()}
 
 
-def target_tolerances(spec: ModelSpec, variant: str, options: VerifyOptions, target: Target) -> dict[str, Tolerance]:
-    """``tolerances_for`` as ``target`` is judged: on ONNX Runtime's CPU, an int4 graph
-    against its simulated rounding (``model_spec.tolerance.on_a_cpu``)."""
+def _with_options(tol: Tolerance, options: VerifyOptions) -> Tolerance:
+    return dataclasses.replace(
+        tol,
+        atol=tol.atol if options.atol is None else options.atol,
+        atol_rms=tol.atol_rms if options.atol is None else 0.0,
+        int8_rounding=tol.int8_rounding and options.atol is None,
+        rtol=tol.rtol if options.rtol is None else options.rtol,
+    )
+
+
+def target_tolerances(
+    spec: ModelSpec, variant: str, options: VerifyOptions, target: Target, graph: Path
+) -> dict[str, Tolerance]:
+    """``tolerances_for`` as ``target`` is judged: on ONNX Runtime's CPU, an int4 ``graph``
+    that rounds as the simulation does against the simulated module
+    (``model_spec.tolerance.on_a_cpu``)."""
     tolerances = tolerances_for(spec, variant, options)
-    if (target.runtime, target.provider) != (ORT_KIND.name, "cpu"):
+    exact = spec.simulated_tolerances(variant)
+    if exact is None or not simulated_on(target, load_model_file(graph)):
         return tolerances
-    return on_a_cpu(tolerances, tolerances_for(spec, "fp32", options))
+    return on_a_cpu(tolerances, {name: _with_options(tol, options) for name, tol in exact.items()})
 
 
 def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:

@@ -42,11 +42,12 @@ from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import Tolerance, rounding_name
-from attn_export.pipelines.verify.expected import tolerances_for
+from attn_export.pipelines.verify.expected import target_tolerances
 from attn_export.pipelines.verify.models import integrity
 from attn_export.pipelines.verify.results import VerifyOptions
-from attn_export.runtimes import RUNTIMES
+from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.genai import GENAI, Generation
+from attn_export.runtimes.ort import KIND as ORT_KIND
 
 __all__ = ["generate_model", "generation_rounding", "recorded_reference"]
 
@@ -70,6 +71,10 @@ class _Reference:
     eos: frozenset[int]
     generation: Callable[[str, str], Generation]
     folder: Path | None = None
+
+
+#: Where genai's generator runs a graph: ONNX Runtime's CPU provider.
+GENAI_CPU = Target(ORT_KIND.name, "cpu")
 
 
 def generation_rounding(spec: ModelSpec, variant: str) -> int | None:
@@ -137,20 +142,19 @@ def generate_model(
     """Every generation of ``entry``'s graph this run asks for, judged against PyTorch's
     (run here, or recorded at build in golden mode)."""
     bits = generation_rounding(spec, entry.variant)
-    # int4's rounding on a CPU is simulated to float32 noise, so there its logits are held to
-    # the model's own tolerance; another provider computes in float (int4's own tolerance)
-    exact = tolerances_for(spec, "fp32" if bits == 4 else entry.variant, options)["logits"]
-    rounded = tolerances_for(spec, entry.variant, options)["logits"]
+    graph = out_dir / entry.file
 
-    def tolerance_on(provider: str | None) -> Tolerance:
-        return exact if provider in (None, "cpu") else rounded
+    def tolerance_on(target: Target) -> Tolerance:
+        """int4's rounding on a CPU is simulated to float32 noise: there its logits are held
+        to the tolerance against the simulation (``target_tolerances``)."""
+        logits = target_tolerances(spec, entry.variant, options, target, graph)["logits"]
+        return logits.simulated or logits
 
     if options.golden:
         reference = recorded_reference(out_dir, entry, spec, options)
     else:
         reference = _from_torch(spec, options, bits)
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
-    graph = out_dir / entry.file
     side = padding_side(spec, entry.variant, lambda: load_model_file(graph))
     results = []
 
@@ -176,7 +180,7 @@ def generate_model(
                 got = _run(graph_generate, runtime, spec, rows, steps, pad, side or "left")
                 # padded on the right, each row gives what its prompt alone gives, as in genai's generator
                 want = reference.generation(layout, "alone" if padded and side == "right" else "batch")
-                judged_row(target.label, layout, rows, want, got, tolerance_on(target.provider))
+                judged_row(target.label, layout, rows, want, got, tolerance_on(target))
     if importlib.util.find_spec("onnxruntime_genai") is None:
         return results
     from attn_export.runtimes.genai import genai_generate
@@ -186,7 +190,8 @@ def generate_model(
         for layout, rows in reference.prompts.items() if folder is not None else ():
             # genai pads on the right and masks: each row gives what its prompt alone gives
             want = reference.generation(layout, "alone")
-            judged_row(GENAI, layout, rows, want, _run(genai_generate, folder, rows, steps, pad), tolerance_on(None))
+            got = _run(genai_generate, folder, rows, steps, pad)
+            judged_row(GENAI, layout, rows, want, got, tolerance_on(GENAI_CPU))  # genai runs on the CPU
     return results
 
 

@@ -75,7 +75,7 @@ def decode_model(
                     unpadded=alone,
                     notes=traj.notes,
                 )
-                judged = target_tolerances(spec, entry.variant, options, target)
+                judged = target_tolerances(spec, entry.variant, options, target, path)
                 result.steps = compare_trajectories(spec, traj, expected, actual, judged, error, full)
                 results.append(result)
     return results

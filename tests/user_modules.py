@@ -87,3 +87,24 @@ class TokenAttention(nn.Module):
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
         x = self.words(input_ids.view(-1, input_ids.shape[-1])) + self.types(token_type_ids)
         return self.attention(x, x, x, need_weights=False)[0]
+
+
+class WeightProducts(nn.Module):
+    """A Linear, a matmul by a transposed parameter, GPT-2's ``Conv1D`` (``addmm`` of a
+    parameter), and two products int4 leaves alone: two computed tensors, and an ``addmm``
+    scaled by ``alpha``."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.weight = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+        self.conv_weight = nn.Parameter(torch.randn(hidden, hidden) / hidden**0.5)
+        self.conv_bias = nn.Parameter(torch.randn(hidden) / 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.proj(x)
+        b = a @ self.weight.t()
+        flat = b.reshape(-1, b.shape[-1])
+        c = torch.addmm(self.conv_bias, flat, self.conv_weight).view(b.shape)
+        scaled = torch.addmm(self.conv_bias, flat, self.conv_weight, alpha=0.5).view(b.shape)
+        return (c @ scaled.transpose(-1, -2)) @ a

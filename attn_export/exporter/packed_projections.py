@@ -30,7 +30,16 @@ from attn_export.artifacts.json_text import json_text
 from attn_export.errors import ArtifactError
 from attn_export.exporter.cache_in_op import declared_dims
 
-__all__ = ["PACKED", "cut_from", "keep_records", "pack", "packed_records", "packed_weights", "unpacked"]
+__all__ = [
+    "PACKED",
+    "cut_from",
+    "keep_records",
+    "pack",
+    "packed_records",
+    "packed_weights",
+    "projections",
+    "unpacked",
+]
 
 #: Metadata of a packed MatMul: JSON, one entry per projection it holds, in column order:
 #: its column count and the MatMul (and bias Add, or null) it was, by name, output and
@@ -193,6 +202,11 @@ def _parts(node: onnx.NodeProto) -> list[dict[str, Any]]:
             "positive 'columns', its 'matmul' and its 'add' or null)"
         )
     return list(parts)
+
+
+def projections(node: onnx.NodeProto) -> int:
+    """How many of the module's projections ``node`` computes: those its record packs, else one."""
+    return len(_parts(node)) or 1
 
 
 def packed_weights(proto: onnx.ModelProto) -> dict[str, tuple[int, ...]]:

@@ -232,14 +232,20 @@ class ModelSpec:
         composed (the output's own where none is left), as if int4 took nothing away. None
         where the chain has no int4 link, or the spec names a tolerance for int4 or for the
         chain itself: the user's room then judges."""
+        exact = {t.name: self.simulated_tolerance(t.name, variant) for t in self.outputs}
+        tolerances = {name: tol for name, tol in exact.items() if tol is not None}
+        return tolerances if len(tolerances) == len(exact) else None
+
+    def simulated_tolerance(self, output: str, variant: str) -> Tolerance | None:
+        """One output's tolerance against the module with int4's rounding
+        (``simulated_tolerances``; ``""``: the spec's own, as ``tolerance_for`` reads it)."""
         links = variant_chain(variant).links
         if all(link.name != "int4" for link in links) or {"int4", variant} & set(self.variant_tolerances):
             return None
         rest = [link for link in links if link.name != "int4"]
-        own = {t.name: self.output_tolerances.get(t.name, self.tolerance) for t in self.outputs}
         if not rest:
-            return own
-        return {name: functools.reduce(Tolerance.then, (self._link_tolerance(name, r) for r in rest)) for name in own}
+            return self.output_tolerances.get(output, self.tolerance)
+        return functools.reduce(Tolerance.then, (self._link_tolerance(output, r) for r in rest))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready, portable form (no absolute paths); ``spec_from_dict`` reads it back.

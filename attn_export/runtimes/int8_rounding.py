@@ -46,6 +46,8 @@ __all__ = [
     "float16_twin",
     "in_float16",
     "in_int8",
+    "int4_activation",
+    "int4_weight",
     "rounded",
     "with_ties",
 ]
@@ -118,6 +120,36 @@ def _storages(module: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()}
 
 
+def int4_weight(w: Any, axis: int) -> Any:
+    """``w`` rounded as MatMulNBits stores it: blocks of ``INT4_BLOCK`` along ``axis`` (the
+    reduced one), each scaled by its largest-magnitude element over -8, to -8..7."""
+    torch = require("torch", "running the PyTorch original")
+    moved = w.movedim(axis, -1)
+    length = moved.shape[-1]
+    padded = torch.nn.functional.pad(moved, (0, -length % INT4_BLOCK))
+    grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
+    peak = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))
+    scale = peak / -8
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    rounded = torch.round(grouped / safe).clamp(-8, 7) * scale
+    return rounded.reshape(padded.shape)[..., :length].movedim(-1, axis)
+
+
+def int4_activation(x: Any, tie: float = 0.0) -> Any:
+    """``x`` as MatMulNBits at accuracy level 4 rounds it on a CPU (MLAS's CompInt8): blocks
+    of ``INT4_BLOCK`` along the reduced (last) axis, each to integers -127..127 times the
+    block's largest magnitude over 127, rounded half to even; with ``tie``, the codes taken
+    ``1 + tie`` times as large before rounding (``INT4_TIES``)."""
+    torch = require("torch", "running the PyTorch original")
+    length = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -length % INT4_BLOCK))
+    grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
+    peak = grouped.abs().amax(-1, keepdim=True)
+    inverse = torch.where(peak == 0, torch.zeros_like(peak), INT8_CODES / peak) * (1 + tie)
+    codes = torch.round(grouped * inverse)
+    return (codes * (peak / INT8_CODES)).reshape(padded.shape)[..., :length]
+
+
 @contextlib.contextmanager
 def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
     """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does;
@@ -145,31 +177,6 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
     def weight(w: Any) -> Any:
         scale = w.abs().amax().clamp_min(torch.finfo(w.dtype).tiny) / WEIGHT_LEVELS
         return torch.round(w / scale).clamp(-WEIGHT_LEVELS, WEIGHT_LEVELS) * scale
-
-    def blocks(w: Any, axis: int) -> Any:
-        """``w`` rounded as MatMulNBits stores it: blocks of ``INT4_BLOCK`` along ``axis`` (the
-        reduced one), each scaled by its largest-magnitude element over -8, to -8..7."""
-        moved = w.movedim(axis, -1)
-        length = moved.shape[-1]
-        padded = torch.nn.functional.pad(moved, (0, -length % INT4_BLOCK))
-        grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
-        peak = grouped.gather(-1, grouped.abs().argmax(-1, keepdim=True))
-        scale = peak / -8
-        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-        rounded = torch.round(grouped / safe).clamp(-8, 7) * scale
-        return rounded.reshape(padded.shape)[..., :length].movedim(-1, axis)
-
-    def activation_blocks(x: Any) -> Any:
-        """``x`` as MatMulNBits at accuracy level 4 rounds it on a CPU (MLAS's CompInt8):
-        blocks of ``INT4_BLOCK`` along the reduced (last) axis, each to integers -127..127
-        times the block's largest magnitude over 127, rounded half to even."""
-        length = x.shape[-1]
-        padded = torch.nn.functional.pad(x, (0, -length % INT4_BLOCK))
-        grouped = padded.reshape(*padded.shape[:-1], -1, INT4_BLOCK)
-        peak = grouped.abs().amax(-1, keepdim=True)
-        inverse = torch.where(peak == 0, torch.zeros_like(peak), INT8_CODES / peak) * (1 + tie)
-        codes = torch.round(grouped * inverse)
-        return (codes * (peak / INT8_CODES)).reshape(padded.shape)[..., :length]
 
     def activation(x: Any) -> Any:
         low, high = x.amin().clamp(max=0), x.amax().clamp(min=0)
@@ -199,15 +206,15 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if bits == 4 and func in addmms and is_plain_addmm(args, kwargs):
-                return func(args[0], activation_blocks(args[1]), blocks(args[2], -2), **kwargs)
+                return func(args[0], int4_activation(args[1], tie), int4_weight(args[2], -2), **kwargs)
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
                 if (
                     bits == 4
                 ):  # MatMulNBits takes 2-D weights; F.linear reduces over their last axis, a matmul the first
                     if args[1].dim() != 2:
                         return func(*args, **kwargs)
-                    weights = blocks(args[1], -1 if func is F.linear else -2)
-                    return func(activation_blocks(args[0]), weights, *args[2:], **kwargs)
+                    weights = int4_weight(args[1], -1 if func is F.linear else -2)
+                    return func(int4_activation(args[0], tie), weights, *args[2:], **kwargs)
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
             result = func(*args, **kwargs)
             if func in slicing and args and is_owned(args[0]):

@@ -152,6 +152,30 @@ def test_int4_is_blocks_of_32_and_a_block_scale_1_percent_off_fails(variant_buil
     assert re.search(said, result.output), result.output
 
 
+def test_int4s_regions_are_judged_against_its_simulation_and_a_key_2_percent_off_is_named(
+    variant_build: Path, tmp_path: Path
+) -> None:
+    """On a CPU, localize runs PyTorch's program with int4's rounding simulated, so a right
+    graph's regions agree at float32's tolerance and the key projection's block scales 2 %
+    off are named at ``k_linear``. Judged within int4's own room of the float module, no
+    region told where the red output came from."""
+    from attn_export.pipelines.localize import LocalizeOptions, localize_model
+
+    name, options = "mha_cross.int4", LocalizeOptions(models_dir=TINY_ZOO, seed=1)
+    right = localize_model(variant_build, name, options)
+    assert right.passed(strict_regions=True), [(r.fx_node, r.local) for r in right.regions if r.breaks]
+    proto = onnx.load(variant_build / f"{name}.onnx")
+    (key,) = [n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.input[0] == "keys"]
+    value = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == key.input[2])
+    set_initializer(proto, key.input[2], value * 1.02)
+    out = tmp_path / "out"
+    shutil.copytree(variant_build, out)
+    plant(out, name, proto)
+    report = localize_model(out, name, options)
+    assert not report.passed() and report.first is not None, report.notes
+    assert report.first.module_path == "k_linear" and report.first.ops == ["MatMulNBits", "Add"], report.first
+
+
 def test_an_int4_graph_computing_in_float_is_judged_by_int4s_own_room(variant_build: Path, tmp_path: Path) -> None:
     """At accuracy level 0 (the quantizer's default) ONNX Runtime computes int4 in float: a
     right graph, off the simulation (int8 activations) by their rounding. It is judged by

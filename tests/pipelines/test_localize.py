@@ -878,3 +878,48 @@ def test_an_overflow_is_held_only_where_pytorch_is_beyond_the_range() -> None:
     assert held(pytorch, graph).tolist() == [65504.0, -65504.0, -np.inf, np.inf]  # sign and range both count
     assert beyond(pytorch, np.dtype(np.float16)) and not beyond(pytorch, np.dtype(np.float32))
     assert held(pytorch, graph.astype(np.float32)) is not None
+
+
+def test_int4s_simulated_program_rounds_the_matmuls_the_variant_quantizes_as_the_module_does(tmp_path: Path) -> None:
+    """localize's values for an int4 graph on a CPU: the FX program with int4's rounding
+    gives the module's own simulation (``in_int8(bits=4)``) exactly, with a Linear, a matmul
+    by a transposed parameter and GPT-2's ``addmm`` rounded, and a product of two computed
+    tensors and an ``addmm`` scaled by alpha left alone (3 rounded, as the graph's 3
+    MatMulNBits)."""
+    import torch
+
+    from attn_export.exporter.factory import instantiate
+    from attn_export.exporter.torch_export import export_program
+    from attn_export.model_spec import load_spec
+    from attn_export.model_spec.inputs import make_feeds
+    from attn_export.model_spec.shapes import example_sizes
+    from attn_export.pipelines.localize.values import simulated_values
+    from attn_export.runtimes.int8_rounding import in_int8
+
+    spec = load_spec(
+        write_spec(
+            tmp_path,
+            "products",
+            """
+            module = "tests.user_modules:WeightProducts"
+            [[inputs]]
+            name = "x"
+            shape = ["batch", "seq", 64]
+            [[outputs]]
+            name = "out"
+            shape = ["batch", "seq", 64]
+            [dims]
+            batch = { min = 1, max = 2 }
+            seq = { min = 1, max = 8 }
+            """,
+        )
+    )
+    module = instantiate(spec)
+    feeds = make_feeds(spec, example_sizes(spec), 0)
+    values = simulated_values(export_program(module, spec, feeds, opset=18), spec, feeds, 1 << 30)
+    with torch.no_grad():
+        simulated = in_int8(module, torch.from_numpy(feeds["x"]), bits=4).numpy()
+        plain = module(torch.from_numpy(feeds["x"])).numpy()
+    assert values.int4_rounded == 3
+    np.testing.assert_array_equal(values[values.outputs["out"]], simulated)
+    assert np.abs(plain - simulated).max() > 0.1  # the rounding is there to be seen

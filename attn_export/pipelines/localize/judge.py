@@ -36,13 +36,17 @@ ROUNDINGS = 64
 INT4_REGION_SHARE = 0.16
 
 
-def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None) -> Tolerance:
+def region_tolerance(
+    tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None, ties: float = 0.0
+) -> Tolerance:
     """The spec's tolerance (its shares of the value's rms kept, for ``judge_value``: a region
     that scales its value breaks no element's bound, only its error's rms) widened by
     ``ROUNDINGS`` roundings of the value's largest finite magnitude, in the coarser of
     PyTorch's dtype and the graph's (``computed``: float16 inside an fp16 variant); NaN and
     infinity where PyTorch has them agree. An int4 variant's error rms may reach
-    ``INT4_REGION_SHARE`` of the value's rms, an element's three times that."""
+    ``INT4_REGION_SHARE`` of the value's rms, an element's three times that, where it is
+    judged against the float module; against int4's simulation, each element may stray
+    ``ties`` besides (how far its near ties move the value, ``values.simulated_values``)."""
     scale = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)) if expected.dtype.kind == "f" else 0.0
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
@@ -50,7 +54,7 @@ def region_tolerance(tol: Tolerance, expected: np.ndarray, computed: np.dtype | 
         tol = dataclasses.replace(
             tol, rms_rtol=max(tol.rms_rtol, INT4_REGION_SHARE), atol_rms=max(tol.atol_rms, 3 * INT4_REGION_SHARE)
         )
-    return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale, allow_nan=True)
+    return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale + ties, allow_nan=True)
 
 
 def representable(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:

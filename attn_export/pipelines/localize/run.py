@@ -42,7 +42,7 @@ from attn_export.errors import (
     UsageError,
 )
 from attn_export.exporter.factory import instantiate
-from attn_export.exporter.packed_projections import unpacked
+from attn_export.exporter.packed_projections import projections, unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
 from attn_export.exporter.variants.int4 import simulated_on
@@ -66,7 +66,7 @@ from attn_export.pipelines.localize.regions import (
 )
 from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeReport, RegionError
 from attn_export.pipelines.localize.shrink import shrink_case
-from attn_export.pipelines.localize.values import TorchValues, graph_values, torch_values
+from attn_export.pipelines.localize.values import TorchValues, graph_values, simulated_values, torch_values
 from attn_export.pipelines.verify.greedy_generations import generation_rounding
 from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
 from attn_export.pipelines.verify.outside import check_described, check_graph_file, outside_manifest, outside_spec
@@ -204,7 +204,7 @@ def _regions(
             whole = graph_vals.get(value)
             computed = next((v.dtype for v in ((alone or {}).get(value), whole) if v is not None), None)
             expected = representable(torch_vals[fx_node], computed)
-            rtol = region_tolerance(tol, expected, computed)
+            rtol = region_tolerance(tol, expected, computed, torch_vals.ties.get(fx_node, 0.0))
             target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
             own = fx_node == region.fx_node  # the region's metadata is its own FX node's
             # on a box without torch the graph's stack traces are read without telling torch's
@@ -260,12 +260,14 @@ def _lines(fx_nodes: Sequence[str], torch_vals: TorchValues) -> list[str]:
     return list(dict.fromkeys(torch_vals.sources[f][1] for f in fx_nodes if torch_vals.sources.get(f, ("", ""))[1]))
 
 
-def _blame(errors: list[RegionError], torch_vals: TorchValues) -> tuple[RegionError | None, str]:
+def _blame(errors: list[RegionError], torch_vals: TorchValues, accumulates: bool) -> tuple[RegionError | None, str]:
     """The region to blame for a case that fails, and why (``LocalizeReport.cause``): the
     first whose own error breaks the tolerance; else, where PyTorch's outputs hold NaN or
     Inf, where it first gives one (the graph does as the module does; a masked score at
-    -inf is no cause where the outputs are finite); else the first value outside the
-    tolerance."""
+    -inf is no cause where the outputs are finite); else, where an error that ``accumulates``
+    past the tolerance is the graph's, the first value outside it. An int4 graph judged
+    within int4's own room of the float module accumulates its rounding, not a fault: its
+    first such value was a node before the fault, in a right graph too."""
     first = next((r for r in errors if r.breaks), None)
     if first is not None:
         return first, "graph"
@@ -280,6 +282,8 @@ def _blame(errors: list[RegionError], torch_vals: TorchValues) -> tuple[RegionEr
     nonfinite = next((r for r in errors if not finite(r.fx_node)), None) if not all(map(finite, outputs)) else None
     if nonfinite is not None:
         return nonfinite, "module"
+    if not accumulates:
+        return None, "accumulated"
     return next((r for r in errors if r.propagated and not r.propagated.passed), None), "accumulated"
 
 
@@ -546,9 +550,13 @@ class _Side:
 
 
 def _pytorch_side(
-    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int, variant: str
+    spec: ModelSpec, proto: onnx.ModelProto, options: LocalizeOptions, budget: int, variant: str, int4: int
 ) -> tuple[_Side, LocalizeOptions]:
-    """Run the module's FX program and the module itself on the case ``options`` name."""
+    """Run the module's FX program and the module itself on the case ``options`` name. Where
+    the graph has ``int4`` MatMulNBits (more than 0) and the program as the int4 variant's
+    simulation computes it (``simulated_values``) rounds as many matmuls, its values are
+    those (``TorchValues.int4_rounded``); a decode step's stay the float module's, which its
+    one pass is compared with."""
     module = instantiate(spec)
     if options.generate_step is not None:
         padding = padding_side(spec, variant, lambda: proto)
@@ -564,7 +572,9 @@ def _pytorch_side(
         sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
         options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, default_opset(proto) or 0)
-    values = torch_values(program, spec, feeds, budget)
+    values = simulated_values(program, spec, feeds, budget) if int4 and options.decode_step is None else None
+    if values is None or values.int4_rounded != int4:
+        values = torch_values(program, spec, feeds, budget)
     # the simulated rounding of the variant's quantization (int8, int4), which its tolerances judge by
     bits = rounding_bits(spec.tolerances(variant).values())
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
@@ -576,6 +586,21 @@ def _pytorch_side(
     if options.decode_step is not None:
         side.module_bug = parting_node(program, spec, traj, options.decode_step, values, budget, spec.tolerance)
     return side, options
+
+
+def _unsimulated(options: LocalizeOptions, quantized: int) -> str:
+    """Why an int4 graph's regions on a CPU are judged within int4's own room of the float
+    module, not against its simulation (a fault smaller than int4's rounding passes there)."""
+    if options.golden:
+        why = "the recorded intermediates are the float module's"
+    elif options.decode_step is not None:
+        why = "a decode step's values are compared with the float module's one pass"
+    else:
+        why = (
+            f"the simulation rounds another count of matmuls than the {quantized} projections of the graph's "
+            "MatMulNBits (a weight the module computes, code under a function of its own)"
+        )
+    return f"regions judged within int4's own room of the float module, not against int4's simulation: {why}"
 
 
 def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:
@@ -600,10 +625,15 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     budget = memory_budget(options.max_memory, spec)
     if options.fully_masked is not None:
         spec = dataclasses.replace(spec, fully_masked=options.fully_masked)
+    # int4 on a CPU, where its graph rounds as the simulation: its regions are judged against
+    # the simulated module, as its outputs are, not within int4's own room of the float one
+    on_a_cpu_int4 = simulated_on(options.target, found.proto)
+    exact = spec.simulated_tolerance("", entry.variant) if on_a_cpu_int4 else None
+    quantized = sum(projections(n) for n in found.proto.graph.node if n.op_type == "MatMulNBits") if exact else 0
     if options.golden:
         side = _recorded_side(found.recorded or out_dir / entry.intermediates, spec, budget)
     else:
-        side, options = _pytorch_side(spec, proto, options, budget, entry.variant)
+        side, options = _pytorch_side(spec, proto, options, budget, entry.variant, quantized)
     sizes, feeds, torch_vals, case = side.sizes, side.feeds, side.values, side.case
     # before the graph runs: a graph that cannot be paired is refused without a whole run
     regions = graph_regions(proto, torch_vals.outputs, torch_vals.keys(), plain)
@@ -621,11 +651,15 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         notes.append(f"the whole graph fails to run: {e}")
     outputs_there = {k: graph_vals[k] for k in outputs if k in graph_vals}
     tolerances = spec.tolerances(entry.variant)
-    if simulated_on(options.target, found.proto):  # int4 on a CPU: against its simulation, as verify judges it
+    if on_a_cpu_int4:  # against its simulation, as verify judges it
         tolerances = on_a_cpu(tolerances, spec.simulated_tolerances(entry.variant))
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
+    if exact is not None and torch_vals.int4_rounded:
+        tol = exact
+    elif exact is not None:
+        notes.append(_unsimulated(options, quantized))
     # Rows that see no key are left out of every region where the spec leaves them out of
     # the outputs, or where the graph's outputs agree there: a fused attention gives the mean
     # of V (or NaN) in them where PyTorch's sdpa gives 0, and a module that zeroes them after
@@ -666,7 +700,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     )
     replay = None
     if not report.graph_agrees:
-        report.first, report.cause = _blame(errors, torch_vals)
+        report.first, report.cause = _blame(errors, torch_vals, accumulates=tol.weight_bits != 4)
     first = report.first if report.cause == "graph" else report.hidden_region
     if first is not None:
         region = next(r for r in regions if (first.value, first.fx_node) in r.compared)

@@ -5,7 +5,7 @@ that the session runs the nodes the file holds (fusions would hide the values)."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from attn_export.runtimes.ort import load_session, run_bounded
 from attn_export.runtimes.reference import run_reference_bounded
 from attn_export.runtimes.target import Target
 
-__all__ = ["TorchValues", "evaluate", "graph_values", "recorded_values", "torch_values"]
+__all__ = ["TorchValues", "evaluate", "graph_values", "recorded_values", "simulated_values", "torch_values"]
 
 
 class TorchValues(dict[str, np.ndarray]):
@@ -35,6 +35,15 @@ class TorchValues(dict[str, np.ndarray]):
     #: Whether a build recorded them: its ``sources`` were read where torch was installed,
     #: which tells torch's frames apart from the module's (``exporter.stack.innermost_line``).
     recorded: bool = False
+    #: How many matmuls were rounded as the int4 variant's simulation rounds them (0: none).
+    int4_rounded: int = 0
+    #: How far each value may move with int4's near ties settled the other way
+    #: (``simulated_values``); empty where nothing was rounded.
+    ties: dict[str, float]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outputs, self.sources, self.ties = {}, {}, {}
 
     @classmethod
     def from_recorded(cls, rec: Intermediates) -> TorchValues:
@@ -52,36 +61,121 @@ def recorded_values(program: Any, spec: ModelSpec, case: GoldenCase, budget: int
     return Intermediates(case, dict(values), values.outputs, values.sources)
 
 
-def torch_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:
-    """Run ``program`` (a torch.export ExportedProgram) on ``feeds`` and keep every tensor
-    it computes; refuse once they hold more than ``budget`` bytes."""
+#: The aten ops the int4 variant turns into a MatMulNBits where their weight is one of the
+#: module's own 2-D tensors: the activation's argument, the weight's, and the weight's
+#: reduced axis (``runtimes.int8_rounding.rounded`` rounds the same calls).
+_INT4_MATMULS = {
+    "aten.linear.default": (0, 1, -1),
+    "aten.mm.default": (0, 1, -2),
+    "aten.matmul.default": (0, 1, -2),
+    "aten.addmm.default": (1, 2, -2),
+}
+#: Ops that give a module's tensor whole, as the export keeps it a constant.
+_WHOLE_VIEWS = {"aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.alias.default"}
+
+
+def _owned(node: Any) -> bool:
+    """Whether an FX argument is one of the module's tensors (a ``get_attr``), or a
+    transpose of one: a constant to the export, which the int4 variant quantizes."""
+    while getattr(node, "op", None) == "call_function" and str(node.target) in _WHOLE_VIEWS:
+        node = node.args[0]
+    return getattr(node, "op", None) == "get_attr"
+
+
+def _int4_operands(node: Any) -> tuple[int, int, int] | None:
+    """For an FX node the int4 variant quantizes: its activation's argument, its weight's,
+    and the weight's reduced axis; None for any other."""
+    operands = _INT4_MATMULS.get(str(node.target)) if node.op == "call_function" else None
+    if operands is None or len(node.args) <= operands[1]:
+        return None
+    act, weight, _ = operands
+    unscaled = node.kwargs.get("alpha", 1) == node.kwargs.get("beta", 1) == 1
+    return operands if unscaled and _owned(node.args[weight]) and not _owned(node.args[act]) else None
+
+
+def _run_program(
+    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], keep: Callable[[Any, Any], None], tie: float | None
+) -> tuple[Any, int]:
+    """Run ``program`` on ``feeds``, handing each call's tensor to ``keep``; with ``tie`` (not
+    None), each matmul the int4 variant quantizes rounded as its simulation rounds it
+    (``int4_activation``'s ``tie``). The module run, and how many matmuls were rounded."""
     torch = require("torch", "localizing against PyTorch")
-    values = TorchValues()
-    values.sources = {}
-    held = [0]
+    from attn_export.runtimes.int8_rounding import int4_activation, int4_weight
+
+    count = [0]
 
     class _Keep(torch.fx.Interpreter):  # type: ignore[misc, name-defined]
         def run_node(self, node: Any) -> Any:
-            out = super().run_node(node)
+            operands = _int4_operands(node)
+            if tie is None or operands is None:
+                out = super().run_node(node)
+            else:
+                args, kwargs = self.fetch_args_kwargs_from_env(node)
+                act, weight, axis = operands
+                if args[weight].dim() == 2 and args[weight].is_floating_point():
+                    args = (*args[:act], int4_activation(args[act], tie), *args[act + 1 : weight],
+                            int4_weight(args[weight], axis), *args[weight + 1 :])  # fmt: skip
+                    count[0] += 1
+                out = node.target(*args, **kwargs)
             if node.op == "call_function" and isinstance(out, torch.Tensor):
-                held[0] += out.numel() * out.element_size()
-                if held[0] > budget:
-                    raise UsageError(
-                        f"{spec.name}: localize keeps every intermediate value, more than the memory budget "
-                        f"({format_bytes(budget)}) at these sizes; give smaller --shapes or a larger --max-memory"
-                    )
-                values[node.name] = out.detach().cpu().numpy().copy()
-                line = innermost_line(node.meta.get("stack_trace") or "") or ("", "")
-                values.sources[node.name] = (str(node.target), *line)
+                keep(node, out)
             return out
 
     module = program.module()
     args = [torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in spec.inputs]
     with torch.no_grad():
         _Keep(module).run(*args)
+    return module, count[0]
+
+
+def torch_values(
+    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int, int4: bool = False
+) -> TorchValues:
+    """Run ``program`` (a torch.export ExportedProgram) on ``feeds`` and keep every tensor
+    it computes; refuse once they hold more than ``budget`` bytes. With ``int4``, as the
+    int4 variant's simulation computes them (``simulated_values``)."""
+    values = TorchValues()
+    held = [0]
+
+    def keep(node: Any, out: Any) -> None:
+        held[0] += out.numel() * out.element_size()
+        if held[0] > budget:
+            raise UsageError(
+                f"{spec.name}: localize keeps every intermediate value, more than the memory budget "
+                f"({format_bytes(budget)}) at these sizes; give smaller --shapes or a larger --max-memory"
+            )
+        values[node.name] = out.detach().cpu().numpy().copy()
+        line = innermost_line(node.meta.get("stack_trace") or "") or ("", "")
+        values.sources[node.name] = (str(node.target), *line)
+
+    module, values.int4_rounded = _run_program(program, spec, feeds, keep, 0.0 if int4 else None)
     returned = next(n for n in module.graph.nodes if n.op == "output").args[0]
     returned = returned if isinstance(returned, tuple | list) else (returned,)
     values.outputs = {t.name: getattr(n, "name", "") for t, n in zip(spec.outputs, returned, strict=False)}
+    return values
+
+
+def simulated_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:
+    """PyTorch's values as the int4 variant's simulation computes them, which a right int4
+    graph on a CPU gives to float32 noise: a region is judged by them as strictly as a float
+    graph's (int4's own room hid a block's scales 2 % off), each beside how far its value
+    moves where the activations' codes are nudged (``INT4_CASE_TIES``; ``TorchValues.ties``):
+    the graph's float rounding may settle a near tie of a code the other way."""
+    from attn_export.runtimes.int8_rounding import INT4_CASE_TIES
+
+    values = torch_values(program, spec, feeds, budget, int4=True)
+
+    def widest(node: Any, out: Any) -> None:
+        ours = values.get(node.name)
+        if ours is None or ours.dtype.kind != "f" or tuple(out.shape) != ours.shape:
+            return
+        with np.errstate(invalid="ignore"):
+            moved = np.abs(out.detach().cpu().numpy() - ours)
+        far = float(np.nanmax(np.where(np.isfinite(moved), moved, np.nan), initial=0.0))
+        values.ties[node.name] = max(values.ties.get(node.name, 0.0), far)
+
+    for tie in INT4_CASE_TIES:
+        _run_program(program, spec, feeds, widest, tie)
     return values
 
 

@@ -197,7 +197,8 @@ class OrtDecoder:
                 self._binding.bind_ortvalue_output(present, self._buffers[present])
             self._presents = []
             for k, feeds in enumerate(self._per_step):
-                feeds[static.length] = value(np.array(plan.past + k * plan.seq, np.int64))
+                if static.length is not None:
+                    feeds[static.length] = value(np.array(plan.past + k * plan.seq, np.int64))
         # What a step binds, worked out once: a timed step is the binds a deployment makes
         # and the run, none of Python's bookkeeping around them.
         self._binds = [list(feeds.items()) for feeds in self._per_step]

@@ -2,7 +2,8 @@
 driven through the spec's growing-cache interface.
 
 Such a graph takes each past as a ``[batch, kv_heads, max_seq, head_dim]`` buffer and the
-number of positions already filled (``past_length``, an int64 scalar); it writes the new
+number of positions already filled (``past_length``, an int64 scalar; the folder ``build
+--target genai`` writes derives it from the mask instead, and records no length); it writes the new
 tokens' keys and values at ``past_length`` and returns the same buffers as its presents
 (ONNX Runtime writes into the past's own memory when both are bound to one OrtValue). The
 graph records this interface in its metadata (``attn_export.static_cache``) and the
@@ -50,7 +51,9 @@ class StaticCache:
 
     #: (past input, present output) pairs: each present is its past's buffer, written in place.
     pairs: tuple[tuple[str, str], ...]
-    length: str = LENGTH
+    #: The input fed the filled length; None where the graph derives it from the mask
+    #: (``exporter.variants.static_cache.length_from_mask``: onnxruntime-genai feeds none).
+    length: str | None = LENGTH
 
     def to_dict(self) -> dict[str, object]:
         return {"pairs": [list(p) for p in self.pairs], "length": self.length}
@@ -63,7 +66,10 @@ class StaticCache:
             return None
         try:
             raw = json.loads(text)
-            return cls(tuple((str(p), str(q)) for p, q in raw["pairs"]), str(raw["length"]))
+            length = raw["length"]
+            if length is not None and not isinstance(length, str):
+                raise TypeError(f"'length' is {length!r}, not an input's name or null")
+            return cls(tuple((str(p), str(q)) for p, q in raw["pairs"]), length)
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise ArtifactError(f"the graph's {METADATA_KEY} metadata is malformed: {e}") from e
 
@@ -77,7 +83,8 @@ class StaticCache:
             buffer = np.full((*arr.shape[:2], capacity, *arr.shape[3:]), np.nan, arr.dtype)
             buffer[:, :, :past] = arr
             out[name] = buffer
-        out[self.length] = np.array(past, np.int64)
+        if self.length is not None:
+            out[self.length] = np.array(past, np.int64)
         return out
 
     def in_place(self, proto: onnx.ModelProto) -> bool:
@@ -135,15 +142,15 @@ class StaticCache:
         self, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]
     ) -> tuple[list[TensorSpec], list[TensorSpec]]:
         """The graph's inputs and outputs for the spec's: buffers of ``max_seq`` positions,
-        and the length after the spec's inputs."""
+        and the length (where it is fed) after the spec's inputs."""
         buffers = {n for pair in self.pairs for n in pair}
 
         def buffer(t: TensorSpec) -> TensorSpec:
             shape = (*t.shape[:2], CAPACITY_DIM, *t.shape[3:])
             return dataclasses.replace(t, shape=shape) if t.name in buffers else t
 
-        length = TensorSpec(self.length, "int64", ())
-        return [*map(buffer, inputs), length], list(map(buffer, outputs))
+        length = [] if self.length is None else [TensorSpec(self.length, "int64", ())]
+        return [*map(buffer, inputs), *length], list(map(buffer, outputs))
 
 
 def capacity_for(

@@ -131,6 +131,18 @@ FAMILIES = {
 }
 
 
+def test_the_genai_folders_own_graph_verifies_with_its_spec(built: Built) -> None:
+    """The graph a user ships, the genai folder's (its filled length derived from the mask),
+    verifies with ``--spec`` as the build's graph does, its buffers driven in place. Before,
+    it had lost its cache interface and was red on the buffers' axis ('max_seq' where the
+    spec says total_seq)."""
+    graph = built.out / "genai" / NAME / "model.onnx"
+    spec = built.models / "llama_causal_lm.toml"
+    code, out = _verify(graph, built.models, "--spec", str(spec), "--variant", VARIANT)
+    assert code == 0, out
+    assert "generations give PyTorch's tokens" in out, out
+
+
 @pytest.mark.slow  # a build and a verify per family: about 40 s each
 @pytest.mark.parametrize("family", FAMILIES)
 def test_other_families_read_one_packed_projection_and_verify_green(

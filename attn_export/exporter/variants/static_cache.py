@@ -12,6 +12,7 @@ only its new tokens, where a growing cache writes the whole present again. The i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -117,17 +118,25 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
 def length_from_mask(proto: onnx.ModelProto, mask: str, ids: str) -> None:
     """``proto`` reading ``past_length`` from its own inputs, for a runner that feeds none
     (onnxruntime-genai): the mask covers the past and the new tokens, so the filled length
-    is the mask's length less the ids'. ValueError where ``proto`` takes no such input."""
+    is the mask's length less the ids'. Its interface metadata keeps the buffers, with no
+    length to feed, so that verify drives the folder's graph as it drives the build's; a
+    graph that records so already is left as it is (verify of the folder's own graph).
+    ValueError where ``proto`` takes no such input."""
     graph = proto.graph
+    static = StaticCache.from_metadata({p.key: p.value for p in proto.metadata_props})
     fed = next((i for i in graph.input if i.name == LENGTH), None)
+    if fed is None and static is not None and static.length is None:
+        return
     if fed is None or not {mask, ids} <= {i.name for i in graph.input}:
         raise ValueError(f"the graph takes no '{LENGTH}' beside '{mask}' and '{ids}' to derive it from")
     graph.input.remove(fed)
     if any(LENGTH in _read(node) for node in graph.node):  # gqa-rotary's graph reads the mask alone
         _derive_length(proto, mask, ids)
-    kept = [p for p in proto.metadata_props if p.key != METADATA_KEY]  # no length to feed: not that interface
-    del proto.metadata_props[:]
-    proto.metadata_props.extend(kept)
+    if static is None:
+        return
+    for entry in proto.metadata_props:
+        if entry.key == METADATA_KEY:  # the same buffers, with no length to feed
+            entry.value = json_text(dataclasses.replace(static, length=None).to_dict(), indent=None, end="")
 
 
 def _derive_length(proto: onnx.ModelProto, mask: str, ids: str) -> None:

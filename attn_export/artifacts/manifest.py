@@ -56,6 +56,10 @@ class ManifestEntry:
     #: ``verify --golden --generate``; "" for any other model.
     generations: str = ""
     generations_sha256: str = ""
+    #: The files of the folder ``build --target genai`` wrote for this graph
+    #: (``genai/<name>/``), by their names there, with their sha256: what a user ships, which
+    #: verify runs in genai's generator and ``check`` hashes; empty where none was written.
+    genai: dict[str, str] = field(default_factory=dict)
 
     def artifacts(self) -> list[tuple[str, str]]:
         """The (file, sha256) attribute pairs of the files this entry names: the graph, the
@@ -134,6 +138,9 @@ def _entry(name: str, raw: Any, where: str) -> ManifestEntry:
             raise bad(f"has an '{key}_sha256' but no '{key}'")
     if entry.name != name:
         raise bad(f"is named '{entry.name}'")
+    for file, digest in entry.genai.items():
+        if Path(file).name != file or file in ("", ".", "..") or not _HEX64.fullmatch(digest):
+            raise bad(f"names genai file {file!r} outside its folder or with an invalid sha256")
     for key, _ in entry.artifacts():
         value = getattr(entry, key)
         if not value or Path(value).name != value or value in (".", ".."):

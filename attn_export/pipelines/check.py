@@ -3,7 +3,8 @@
 Nothing runs a graph and nothing imports torch or ONNX Runtime: each graph is parsed and
 held to ``onnx.checker`` (full check), no random op, its opset and operator domains on an
 allow-list, and symbolic dims. A graph a ``manifest.json`` beside it names is also held to
-that manifest: its own and its golden file's sha256, the golden file read as ``verify
+that manifest: its own sha256 and those of the files recorded with it (golden file,
+intermediates, generations, its onnxruntime-genai folder), the golden file read as ``verify
 --golden`` reads it (every case build records, each array as the spec says), and the
 spec's dynamic axes (each
 symbolic, named as the spec names it, none merged with another). A graph no manifest names
@@ -35,7 +36,7 @@ from attn_export.exporter.graph_checks import (
     check_spec_axes,
 )
 from attn_export.model_spec.memory import memory_budget
-from attn_export.pipelines.verify.models import build_golden, integrity
+from attn_export.pipelines.verify.models import build_golden, genai_integrity, integrity
 
 __all__ = ["CHECKS", "CheckOptions", "CheckReport", "FileCheck", "check_paths"]
 
@@ -141,7 +142,8 @@ def _check_entry(out_dir: Path, entry: ManifestEntry, options: CheckOptions) -> 
     found = FileCheck(str(out_dir / entry.file), entry.name)
     results = found.results
     try:
-        results["hashes"] = "; ".join(integrity(out_dir, entry, "golden", "intermediates")) or None
+        changed = integrity(out_dir, entry, "golden", "intermediates", "generations") + genai_integrity(out_dir, entry)
+        results["hashes"] = "; ".join(changed) or None
     except ArtifactError as e:  # a file the manifest names is missing or unreadable
         results["hashes"] = str(e)
     _run(results, "golden", lambda: build_golden(out_dir, entry, memory_budget()))  # as verify --golden reads it

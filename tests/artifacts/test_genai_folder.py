@@ -8,15 +8,20 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
+from onnx import numpy_helper
 
+from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.genai_folder import genai_config, refuse_unfit
+from attn_export.artifacts.manifest import load_manifest, save_manifest
 from attn_export.cli import cli
 from attn_export.errors import SpecError
 from attn_export.exporter.factory import build_config, instantiate
 from attn_export.model_spec import load_spec
-from tests.conftest import TINY_ZOO, Built, needs_transformers, shared_build
+from attn_export.pipelines.check import check_paths
+from tests.conftest import TINY_ZOO, Built, copy_build, needs_transformers, shared_build
 
 pytestmark = needs_transformers
 HAS_GENAI = importlib.util.find_spec("onnxruntime_genai") is not None
@@ -73,6 +78,50 @@ def test_each_graph_gets_a_folder_with_its_config(causal_lm: Built) -> None:
         assert sorted(p.name for p in folder.iterdir()) == ["genai_config.json", "model.onnx"]
         assert (folder / "model.onnx").read_bytes() == (causal_lm.out / f"{name}.onnx").read_bytes()
         assert json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+
+
+def test_the_manifest_holds_each_genai_folders_hashes_and_check_finds_a_changed_file(
+    causal_lm: Built, tmp_path: Path
+) -> None:
+    """The folder a user ships is recorded with its graph: ``check`` (and verify) hold each
+    of its files to its sha256. Before, no hash was kept and a changed folder passed."""
+    entry = load_manifest(causal_lm.out).models["llama_causal_lm.int4"]
+    folder = causal_lm.out / "genai" / "llama_causal_lm.int4"
+    assert entry.genai == {p.name: sha256_file(p) for p in folder.iterdir()}
+    copy = copy_build(causal_lm, tmp_path)
+    config = copy.out / "genai" / "llama_causal_lm.int4" / "genai_config.json"
+    config.write_text(config.read_text().replace('"context_length": ', '"context_length": 1'))
+    found = {f.model: f for f in check_paths([copy.out]).files}
+    assert found["llama_causal_lm"].problems == {}
+    said = found["llama_causal_lm.int4"].problems["hashes"]
+    assert said.startswith("llama_causal_lm.int4: genai/llama_causal_lm.int4/genai_config.json changed after the build")
+
+
+@needs_genai
+def test_verify_runs_the_genai_folder_the_build_wrote_held_to_its_hashes(causal_lm: Built, tmp_path: Path) -> None:
+    """verify --generate runs genai's generator on the folder a user ships, not on one it
+    makes from the build's graph: a graph in it that differs fails its generations (here
+    the logits' weight x1.1, its hash rewritten as if built so), and a file changed after
+    the build is a FAIL row naming it. Before, both passed: 16 of 16 generations."""
+    copy = copy_build(causal_lm, tmp_path)
+    shipped = copy.out / "genai" / "llama_causal_lm" / "model.onnx"
+    proto = onnx.load(str(shipped))
+    logits = next(n for n in proto.graph.node if n.output[0] == "logits")
+    weight = next(t for t in proto.graph.initializer if t.name in logits.input)
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * np.float32(1.1), weight.name))
+    onnx.save(proto, str(shipped))
+    args = ["verify", str(copy.out / "llama_causal_lm.onnx"), "--models", str(TINY_ZOO), "--generate", "2"]
+    changed = CliRunner().invoke(cli, [*args, "--no-latency"])
+    assert changed.exit_code == 1, changed.output
+    assert "genai/llama_causal_lm/model.onnx changed after the build: sha256" in changed.output, changed.output
+    manifest = load_manifest(copy.out)
+    manifest.models["llama_causal_lm"].genai["model.onnx"] = sha256_file(shipped)
+    save_manifest(copy.out, manifest)
+    faulty = CliRunner().invoke(cli, [*args, "--no-latency"])
+    assert faulty.exit_code == 1, faulty.output
+    rows = [line for line in faulty.output.splitlines() if line.startswith("llama_causal_lm ")]
+    assert any("onnxruntime-genai" in r for r in rows), faulty.output
+    assert all(("FAIL" in r) == ("onnxruntime-genai" in r) for r in rows), faulty.output
 
 
 def _torch_tokens(prompt: list[int], steps: int) -> list[int]:

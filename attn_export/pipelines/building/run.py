@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from attn_export import __version__
-from attn_export.artifacts.files import build_lock, resolved, sha256_bytes, write_output
+from attn_export.artifacts.files import build_lock, resolved, sha256_bytes, sha256_file, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
 from attn_export.artifacts.genai_folder import GENAI_DIR, genai_config, refuse_unfit, write_genai_folder
-from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest
+from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, UsageError
 from attn_export.executors import SERIAL, Parallelism, run_in_order
@@ -159,9 +159,13 @@ def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, result
             if not (ours and result.ok and result.name in manifest.models):
                 continue
             config = config if config is not None else build_config(spec)
-            graph = options.out_dir / manifest.models[result.name].file
+            entry = manifest.models[result.name]
             dest = options.out_dir / GENAI_DIR / result.name
-            write_genai_folder(graph, spec, config, dest, result.variant, fed_by_genai(result.variant))
+            write_genai_folder(
+                options.out_dir / entry.file, spec, config, dest, result.variant, fed_by_genai(result.variant)
+            )
+            entry.genai = {f.name: sha256_file(f, options.out_dir) for f in sorted(dest.iterdir())}
+    save_manifest(options.out_dir, manifest)  # the folders' hashes: verify and check hold them to it
 
 
 def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:

@@ -2,7 +2,9 @@
 prompts on each ONNX Runtime target (our loop) and, where onnxruntime-genai is installed and
 the graph fits it, in genai's generator; PyTorch's ``generate()`` is the reference
 (``checks.generate``), run here or, in golden mode, recorded at build
-(``artifacts.generations``: no torch, and genai runs the build's own genai folder)."""
+(``artifacts.generations``: no torch). genai runs the folder the build wrote for the graph
+(``build --target genai``: what a user ships), held to the hashes the manifest records, else
+one made here from the graph."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import Tolerance, rounding_name
 from attn_export.pipelines.verify.expected import target_tolerances
-from attn_export.pipelines.verify.models import integrity
+from attn_export.pipelines.verify.models import genai_integrity, integrity
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES, Target
 from attn_export.runtimes.genai import GENAI, Generation
@@ -64,13 +66,12 @@ def _run(make: Callable[..., Generation], *args: Any) -> Generation | str:
 class _Reference:
     """What a run's generations are judged against: the prompts by layout, the pad and end
     tokens, PyTorch's generation of each layout run as one batch (``batch``) or each prompt
-    alone (``alone``), and where genai's folder is (None: made from the spec's config)."""
+    alone (``alone``)."""
 
     prompts: dict[str, list[list[int]]]
     pad: int
     eos: frozenset[int]
     generation: Callable[[str, str], Generation]
-    folder: Path | None = None
 
 
 #: Where genai's generator runs a graph: ONNX Runtime's CPU provider.
@@ -132,8 +133,7 @@ def recorded_reference(out_dir: Path, entry: ManifestEntry, spec: ModelSpec, opt
         run = recorded.run(rounding, layout, how, steps)
         return Generation(run.tokens, run.logits, run.room)
 
-    folder = out_dir / GENAI_DIR / entry.name
-    return _Reference(recorded.prompts, recorded.pad, recorded.eos, generation, folder if folder.is_dir() else None)
+    return _Reference(recorded.prompts, recorded.pad, recorded.eos, generation)
 
 
 def generate_model(
@@ -185,12 +185,14 @@ def generate_model(
         return results
     from attn_export.runtimes.genai import genai_generate
 
+    shipped = out_dir / GENAI_DIR / entry.name if entry.genai else None
+    changed = "; ".join(genai_integrity(out_dir, entry))
     with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
-        folder = reference.folder or _genai_folder(graph, spec, entry.variant, Path(tmp))
+        folder = shipped or _genai_folder(graph, spec, entry.variant, Path(tmp))
         for layout, rows in reference.prompts.items() if folder is not None else ():
             # genai pads on the right and masks: each row gives what its prompt alone gives
             want = reference.generation(layout, "alone")
-            got = _run(genai_generate, folder, rows, steps, pad)
+            got = changed or _run(genai_generate, folder, rows, steps, pad)
             judged_row(GENAI, layout, rows, want, got, tolerance_on(GENAI_CPU))  # genai runs on the CPU
     return results
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attn_export.artifacts.files import sha256_file
+from attn_export.artifacts.genai_folder import GENAI_DIR
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
@@ -33,6 +34,7 @@ __all__ = [
     "build_golden",
     "checkout_spec",
     "decoder_names",
+    "genai_integrity",
     "graph_problems",
     "integrity",
     "parse_shard",
@@ -152,6 +154,26 @@ def integrity(out_dir: Path, entry: ManifestEntry, *also: str, graph: bool = Tru
         if got != want:
             problems.append(
                 f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
+            )
+    return problems
+
+
+def genai_integrity(out_dir: Path, entry: ManifestEntry) -> list[str]:
+    """The files of the graph's genai folder (``build --target genai``) against the hashes
+    the manifest records: the folder a user ships is the one judged, never a copy that
+    drifted from it; a missing or unreadable one is said, not raised."""
+    folder = out_dir / GENAI_DIR / entry.name
+    problems = []
+    for name, want in sorted(entry.genai.items()):
+        try:
+            got = sha256_file(folder / name, out_dir)
+        except ArtifactError as e:
+            problems.append(f"{entry.name}: {e}")
+            continue
+        if got != want:
+            where = f"{GENAI_DIR}/{entry.name}/{name}"
+            problems.append(
+                f"{entry.name}: {where} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
             )
     return problems
 

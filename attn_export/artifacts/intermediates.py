@@ -4,7 +4,9 @@
 The file (``<model>.intermediates.npz``) is a zip, written deterministically like a golden
 file: the case in the golden file's layout (``<case>/sizes|inputs|outputs|floors|facts/<name>``),
 ``values/<fx node>.npy`` for each FX node's tensor, and ``meta.json`` naming the case, the
-FX node that gives each output and each node's aten op and source line. It may come from
+FX node that gives each output and each node's aten op and source line, and for an int4
+graph whose values are its simulation's (``int4``), how many matmuls it rounded and how far
+each value moves with near ties. It may come from
 anywhere, so it is read like a golden file: every header and the total against the memory
 budget before any array is loaded, the case against the spec, names against a strict
 pattern, and ``meta.json`` against its schema.
@@ -49,6 +51,10 @@ class Intermediates:
     outputs: dict[str, str] = field(default_factory=dict)
     #: Each FX node's aten op, ``file.py:line`` and the line's text.
     sources: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    #: How many matmuls the values rounded as int4's simulation does (0: the float module's).
+    int4_rounded: int = 0
+    #: How far each value moves with int4's near ties (``localize.values.simulated_values``).
+    ties: dict[str, float] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +70,8 @@ def encode_intermediates(rec: Intermediates) -> bytes:
         "outputs": rec.outputs,
         "sources": {k: list(v) for k, v in rec.sources.items()},
     }
+    if rec.int4_rounded:
+        meta["int4"] = {"rounded": rec.int4_rounded, "ties": rec.ties}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         with zipfile.ZipFile(io.BytesIO(encode_golden([rec.case]))) as golden:
@@ -141,4 +149,32 @@ def read_intermediates(path: Path, spec: ModelSpec, budget: int, root: Path | No
         rec = Intermediates(cases[0], {}, outputs, sources)
         for info in values:
             rec.values[info.filename.removeprefix("values/").removesuffix(".npy")] = load_entry(path, zf, info)
+        rec.int4_rounded, rec.ties = _int4(path, doc, rec.values)
     return rec
+
+
+def _int4(path: Path, doc: dict[str, object], values: dict[str, np.ndarray]) -> tuple[int, dict[str, float]]:
+    """``meta.json``'s ``int4``: how many matmuls were rounded and each value's ties, each a
+    finite distance no wider than twice the value's largest magnitude (data: a wider room
+    would excuse any region); (0, {}) where the values are the float module's."""
+    raw = doc.get("int4")
+    if raw is None:
+        return 0, {}
+    rounded = raw.get("rounded") if isinstance(raw, dict) else None
+    ties = raw.get("ties") if isinstance(raw, dict) else None
+    if not (isinstance(rounded, int) and not isinstance(rounded, bool) and rounded > 0 and isinstance(ties, dict)):
+        raise ArtifactError(f"{path}: {_META} 'int4' is not {{'rounded': a positive count, 'ties': an object}}")
+    out = {}
+    for name, tie in ties.items():
+        value = values.get(name)
+        top = (
+            float(np.abs(value[np.isfinite(value)]).max(initial=0.0))
+            if value is not None and value.dtype.kind == "f"
+            else 0.0
+        )
+        if isinstance(tie, bool) or not isinstance(tie, int | float) or not 0 <= tie <= 2 * top:
+            raise ArtifactError(
+                f"{path}: {_META} 'int4' ties of {name!r} is {tie!r}, not a distance its value can move"
+            )
+        out[name] = float(tie)
+    return rounded, out

@@ -70,6 +70,12 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, bytes]], None], str]] = {
     "another case": (_meta(lambda d: d.update(case="min")), "holds cases ['distinct'], not the one meta.json names"),
     "a path as a node": (lambda e: e.update({"values/../x.npy": _npy(np.zeros(1))}), "unexpected entry 'values/../"),
     "pickled values": (lambda e: e.update({"values/div.npy": _npy(np.array([{}], dtype=object))}), "has dtype object"),
+    "int4 not an object": (_meta(lambda d: d.update(int4=3)), "meta.json 'int4' is not {'rounded'"),
+    "int4 ties wider than the value": (
+        _meta(lambda d: d.update(int4={"rounded": 4, "ties": {"div": 1e9}})),
+        "'int4' ties of 'div' is 1000000000.0, not a distance its value can move",
+    ),
+    "int4 ties negative": (_meta(lambda d: d.update(int4={"rounded": 4, "ties": {"div": -1}})), "ties of 'div' is -1"),
     "an input's shape": (
         lambda e: e.update({"distinct/inputs/query.npy": _npy(np.zeros((1, 1, 1), np.float32))}),
         "input 'query' has shape [1, 1, 1]",

@@ -14,6 +14,8 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
+from attn_export.artifacts.intermediates import read_intermediates
+from attn_export.artifacts.manifest import load_manifest
 from attn_export.cli import cli
 from attn_export.errors import OptionError
 from attn_export.pipelines.localize import LocalizeOptions, LocalizeReport
@@ -164,3 +166,38 @@ def test_a_spec_the_build_did_not_record_is_refused(recorded: Built, tmp_path: P
 def test_from_without_a_graph_given_alone_is_refused_in_the_librarys_terms() -> None:
     with pytest.raises(OptionError, match="^golden_from pairs a graph given with spec_file with a build's recording"):
         LocalizeOptions(golden=True, golden_from=Path("build")).check()
+
+
+def test_an_int4_graphs_recording_is_its_simulation_and_names_a_key_2_percent_off_without_torch(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """For an int4 graph a CPU computes as the simulation rounds, build records the
+    simulation's values (its 4 projections rounded, each value's ties), so a deploy box
+    localizes its copy as strictly as localize does with torch: the right copy agrees, and the
+    key projection's block scales 2 % off are named at k_linear. Recorded as the float module's
+    values, no region said where."""
+    built = shared_build(
+        tmp_path_factory, "localize-golden-mha-int4", [SPEC], variants=("int4",), record_intermediates=True
+    )
+    assert built.errors == {"mha.int4": None}, built.errors
+    spec = load_manifest(built.out).models["mha.int4"].model_spec
+    rec = read_intermediates(built.out / "mha.int4.intermediates.npz", spec, 1 << 30)
+    assert rec.int4_rounded == 4 and set(rec.ties) <= set(rec.values), rec.int4_rounded
+    right = CliRunner().invoke(cli, ["localize", str(built.out), "mha.int4", "--golden", "--strict-regions"])
+    assert right.exit_code == 0 and "\nAGREES: " in right.output and "note: regions" not in right.output, right.output
+
+    def key_off(proto: onnx.ModelProto) -> None:
+        (key,) = [n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.input[0] == "keys"]
+        scale_initializer(proto, key.input[2], 1.02)
+
+    proto = onnx.load(built.out / "mha.int4.onnx")
+    key_off(proto)
+    (tmp_path / "edited").mkdir()
+    graph = tmp_path / "edited" / "mha.int4.onnx"
+    onnx.save(proto, graph)
+    args = ["localize", str(graph), "--spec", str(SPEC), "--variant", "int4", "--golden", "--from", str(built.out)]
+    found = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, cwd=tmp_path)
+    assert found.returncode == 1, found.stderr
+    blamed = "\nDIVERGES first at ONNX node_linear_1 (+1 nodes) [MatMulNBits+Add] from FX node linear_1 "
+    assert blamed in found.stdout, found.stdout
+    assert "in k_linear at " in found.stdout, found.stdout

@@ -9,7 +9,7 @@ import logging
 import onnx
 
 from attn_export.errors import ExportFailure
-from attn_export.exporter.packed_projections import keep_records, packed_records
+from attn_export.exporter.packed_projections import keep_records, packed_records, projections
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.runtimes import Target
 from attn_export.runtimes.int8_rounding import INT4_ACCURACY_LEVEL, INT4_BLOCK
@@ -97,6 +97,12 @@ def rounds_as_simulated(proto: onnx.ModelProto) -> bool:
         if any(attrs.get(k, 0) != v for k, v in wanted.items()) or (len(node.input) > 3 and node.input[3]):
             return False
     return bool(nodes)
+
+
+def quantized_projections(proto: onnx.ModelProto) -> int:
+    """How many of the module's projections a graph's MatMulNBits compute (a packed one each
+    it packs): the matmuls a simulation standing for the graph rounds."""
+    return sum(projections(n) for n in proto.graph.node if n.op_type == "MatMulNBits")
 
 
 def simulated_on(target: Target, proto: onnx.ModelProto) -> bool:

@@ -37,6 +37,7 @@ from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
 from attn_export.exporter.variants import make_variant
+from attn_export.exporter.variants.int4 import quantized_projections, rounds_as_simulated
 from attn_export.model_spec import ModelSpec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, counted_positions, fed_sizes
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -265,8 +266,12 @@ class SpecBuild:
         # the smallest golden case where every dim has its own size: a swapped axis shows
         case = next(c for c in self.golden.get() if c.label == "distinct")
         limit = min(memory_budget(self.options.max_memory, spec), INTERMEDIATES_LIMIT)
+        proto = onnx.load_model_from_string(model)
+        # int4 as a CPU computes it: localize --golden judges its regions against the simulation
+        simulated = rounds_as_simulated(proto) and spec.simulated_tolerance("", variant) is not None
         try:
-            return encode_intermediates(recorded_values(program, spec, case, limit)), None
+            recorded = recorded_values(program, spec, case, limit, quantized_projections(proto) if simulated else 0)
+            return encode_intermediates(recorded), None
         except UsageError:
             return None, (
                 f"no intermediates recorded: PyTorch's values at {case.label} ({format_sizes(case.sizes)}) "

@@ -42,10 +42,10 @@ from attn_export.errors import (
     UsageError,
 )
 from attn_export.exporter.factory import instantiate
-from attn_export.exporter.packed_projections import projections, unpacked
+from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.exporter.variants.int4 import simulated_on
+from attn_export.exporter.variants.int4 import quantized_projections, simulated_on
 from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, fed_sizes
 from attn_export.model_spec.inputs import make_feeds
@@ -588,17 +588,21 @@ def _pytorch_side(
     return side, options
 
 
-def _unsimulated(options: LocalizeOptions, quantized: int) -> str:
+def _unsimulated(options: LocalizeOptions, quantized: int, rounded: int) -> str:
     """Why an int4 graph's regions on a CPU are judged within int4's own room of the float
     module, not against its simulation (a fault smaller than int4's rounding passes there)."""
-    if options.golden:
-        why = "the recorded intermediates are the float module's"
-    elif options.decode_step is not None:
+    if options.decode_step is not None:
         why = "a decode step's values are compared with the float module's one pass"
+    elif options.golden and not rounded:
+        why = (
+            "the recorded intermediates are the float module's (an older attn-export recorded them, or the "
+            "simulation rounded another count of matmuls than the graph's)"
+        )
     else:
         why = (
-            f"the simulation rounds another count of matmuls than the {quantized} projections of the graph's "
-            "MatMulNBits (a weight the module computes, code under a function of its own)"
+            f"the {'recorded ' if options.golden else ''}simulation rounds another count of matmuls than the "
+            f"{quantized} projections of the graph's MatMulNBits (a weight the module computes, code under a "
+            "function of its own, or a graph edited after the build)"
         )
     return f"regions judged within int4's own room of the float module, not against int4's simulation: {why}"
 
@@ -629,7 +633,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     # the simulated module, as its outputs are, not within int4's own room of the float one
     on_a_cpu_int4 = simulated_on(options.target, found.proto)
     exact = spec.simulated_tolerance("", entry.variant) if on_a_cpu_int4 else None
-    quantized = sum(projections(n) for n in found.proto.graph.node if n.op_type == "MatMulNBits") if exact else 0
+    quantized = quantized_projections(found.proto) if exact is not None else 0
     if options.golden:
         side = _recorded_side(found.recorded or out_dir / entry.intermediates, spec, budget)
     else:
@@ -656,10 +660,10 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     judged, judge_notes = judge(spec, case, outputs_there, tolerances)
     notes += judge_notes
     tol = spec.tolerance_for("", entry.variant)  # a variant's own (int8, fp16), else the spec's
-    if exact is not None and torch_vals.int4_rounded:
+    if exact is not None and quantized == torch_vals.int4_rounded > 0:
         tol = exact
     elif exact is not None:
-        notes.append(_unsimulated(options, quantized))
+        notes.append(_unsimulated(options, quantized, torch_vals.int4_rounded))
     # Rows that see no key are left out of every region where the spec leaves them out of
     # the outputs, or where the graph's outputs agree there: a fused attention gives the mean
     # of V (or NaN) in them where PyTorch's sdpa gives 0, and a module that zeroes them after

@@ -50,15 +50,20 @@ class TorchValues(dict[str, np.ndarray]):
         """The values ``build --record-intermediates`` kept (``localize --golden``)."""
         values = cls(rec.values)
         values.outputs, values.sources = dict(rec.outputs), dict(rec.sources)
+        values.int4_rounded, values.ties = rec.int4_rounded, dict(rec.ties)
         values.recorded = True
         return values
 
 
-def recorded_values(program: Any, spec: ModelSpec, case: GoldenCase, budget: int) -> Intermediates:
+def recorded_values(program: Any, spec: ModelSpec, case: GoldenCase, budget: int, int4: int = 0) -> Intermediates:
     """PyTorch's value of every FX node of ``program`` on ``case``, to be written beside the
-    graph (``torch_values``; UsageError once they hold more than ``budget`` bytes)."""
-    values = torch_values(program, spec, case.inputs, budget)
-    return Intermediates(case, dict(values), values.outputs, values.sources)
+    graph (``torch_values``; UsageError once they hold more than ``budget`` bytes); for an
+    int4 graph on a CPU whose MatMulNBits compute ``int4`` projections, its simulation's,
+    where that rounds as many (``simulated_values``)."""
+    values = simulated_values(program, spec, case.inputs, budget) if int4 else None
+    if values is None or values.int4_rounded != int4:
+        values = torch_values(program, spec, case.inputs, budget)
+    return Intermediates(case, dict(values), values.outputs, values.sources, values.int4_rounded, dict(values.ties))
 
 
 #: The aten ops the int4 variant turns into a MatMulNBits where their weight is one of the

@@ -337,8 +337,8 @@ class OutputComparison:
         ties = f"near ties of its activations move it up to {moved:.3g}" if moved else "no near tie moves it"
         own = (
             f"; {self.simulated}'s own room against the float module would hold it: a fault smaller than "
-            f"{self.simulated}'s rounding, or a MatMul the graph quantizes that the simulation does not round "
-            "(a weight the module computes, addmm, code under a function of its own)"
+            f"{self.simulated}'s rounding, or a MatMul the simulation does not round (a weight the module "
+            "computes, code under a function of its own)"
         )
         return (
             f"; judged against the module with {self.simulated}'s rounding simulated, which a right graph gives "

@@ -90,7 +90,7 @@ class TokenAttention(nn.Module):
 
 
 class WeightProducts(nn.Module):
-    """A Linear, a matmul by a transposed parameter, GPT-2's ``Conv1D`` (``addmm`` of a
+    """A Linear, a matmul by a transposed parameter (``.T``), GPT-2's ``Conv1D`` (``addmm`` of a
     parameter), and two products int4 leaves alone: two computed tensors, and an ``addmm``
     scaled by ``alpha``."""
 
@@ -103,7 +103,7 @@ class WeightProducts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.proj(x)
-        b = a @ self.weight.t()
+        b = a @ self.weight.T
         flat = b.reshape(-1, b.shape[-1])
         c = torch.addmm(self.conv_bias, flat, self.conv_weight).view(b.shape)
         scaled = torch.addmm(self.conv_bias, flat, self.conv_weight, alpha=0.5).view(b.shape)

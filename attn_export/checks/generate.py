@@ -153,9 +153,7 @@ def generate_prompts(
 Side = Literal["left", "right"]
 
 
-def padding_side(
-    spec: ModelSpec, variant: str, graph: Callable[[], onnx.ModelProto] | None = None
-) -> Side | None:
+def padding_side(spec: ModelSpec, variant: str, graph: Callable[[], onnx.ModelProto] | None = None) -> Side | None:
     """Where our loop pads a batch of prompts of different lengths for ``spec``'s ``variant``
     graph: on the left where its mask pads, on the right where the graph reads each row's
     length off the mask (a variant that ``counts_positions``, as genai's graphs; or, for a

@@ -142,10 +142,10 @@ def _check_entry(out_dir: Path, entry: ManifestEntry, options: CheckOptions) -> 
     found = FileCheck(str(out_dir / entry.file), entry.name)
     results = found.results
     try:
-        changed = integrity(out_dir, entry, "golden", "intermediates", "generations") + genai_integrity(out_dir, entry)
-        results["hashes"] = "; ".join(changed) or None
+        changed = integrity(out_dir, entry, "golden", "intermediates", "generations")
     except ArtifactError as e:  # a file the manifest names is missing or unreadable
-        results["hashes"] = str(e)
+        changed = [str(e)]
+    results["hashes"] = "; ".join(changed + genai_integrity(out_dir, entry)) or None
     _run(results, "golden", lambda: build_golden(out_dir, entry, memory_budget()))  # as verify --golden reads it
     proto = _load(results, out_dir / entry.file)
     if proto is not None:

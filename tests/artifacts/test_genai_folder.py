@@ -95,6 +95,13 @@ def test_the_manifest_holds_each_genai_folders_hashes_and_check_finds_a_changed_
     assert found["llama_causal_lm"].problems == {}
     said = found["llama_causal_lm.int4"].problems["hashes"]
     assert said.startswith("llama_causal_lm.int4: genai/llama_causal_lm.int4/genai_config.json changed after the build")
+    manifest = load_manifest(copy.out)
+    del manifest.models["llama_causal_lm"].genai["model.onnx"]  # an entry that leaves the graph unhashed
+    save_manifest(copy.out, manifest)
+    (found,) = [f for f in check_paths([copy.out]).files if f.model == "llama_causal_lm"]
+    assert found.problems["hashes"] == (
+        "llama_causal_lm: the manifest records no sha256 of genai/llama_causal_lm/model.onnx"
+    )
 
 
 @needs_genai

@@ -923,3 +923,18 @@ def test_int4s_simulated_program_rounds_the_matmuls_the_variant_quantizes_as_the
     assert values.int4_rounded == 3
     np.testing.assert_array_equal(values[values.outputs["out"]], simulated)
     assert np.abs(plain - simulated).max() > 0.1  # the rounding is there to be seen
+
+
+def test_a_regions_int4_ties_excuse_no_more_than_int4s_own_element_room() -> None:
+    """Ties come from a recording too (data): however wide, they widen a region's atol by at
+    most int4's own room of an element (3 x ``INT4_REGION_SHARE`` of the value's rms), the room
+    it would have had judged against the float module."""
+    from attn_export.model_spec import Tolerance
+    from attn_export.pipelines.localize.judge import INT4_REGION_SHARE, region_tolerance
+
+    value = np.full((4, 8), 2.0, np.float32)  # rms 2
+    plain = region_tolerance(Tolerance(atol=1e-5, rtol=1e-4), value)
+    forged = region_tolerance(Tolerance(atol=1e-5, rtol=1e-4), value, ties=1e6)
+    assert forged.atol - plain.atol == pytest.approx(3 * INT4_REGION_SHARE * 2.0)
+    small = region_tolerance(Tolerance(atol=1e-5, rtol=1e-4), value, ties=1e-3)
+    assert small.atol - plain.atol == pytest.approx(1e-3)

@@ -266,11 +266,13 @@ class SpecBuild:
         # the smallest golden case where every dim has its own size: a swapped axis shows
         case = next(c for c in self.golden.get() if c.label == "distinct")
         limit = min(memory_budget(self.options.max_memory, spec), INTERMEDIATES_LIMIT)
-        proto = onnx.load_model_from_string(model)
         # int4 as a CPU computes it: localize --golden judges its regions against the simulation
-        simulated = rounds_as_simulated(proto) and spec.simulated_tolerance("", variant) is not None
+        int4 = 0
+        if spec.simulated_tolerance("", variant) is not None:
+            proto = onnx.load_model_from_string(model)
+            int4 = quantized_projections(proto) if rounds_as_simulated(proto) else 0
         try:
-            recorded = recorded_values(program, spec, case, limit, quantized_projections(proto) if simulated else 0)
+            recorded = recorded_values(program, spec, case, limit, int4)
             return encode_intermediates(recorded), None
         except UsageError:
             return None, (

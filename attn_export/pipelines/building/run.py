@@ -165,7 +165,7 @@ def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, result
                 options.out_dir / entry.file, spec, config, dest, result.variant, fed_by_genai(result.variant)
             )
             entry.genai = {f.name: sha256_file(f, options.out_dir) for f in sorted(dest.iterdir())}
-    save_manifest(options.out_dir, manifest)  # the folders' hashes: verify and check hold them to it
+            save_manifest(options.out_dir, manifest)  # each folder's hashes as it is written: verify holds it to them
 
 
 def export_module(module: Any, spec: ModelSpec, path: Path) -> BuildResult:

@@ -46,7 +46,9 @@ def region_tolerance(
     infinity where PyTorch has them agree. An int4 variant's error rms may reach
     ``INT4_REGION_SHARE`` of the value's rms, an element's three times that, where it is
     judged against the float module; against int4's simulation, each element may stray
-    ``ties`` besides (how far its near ties move the value, ``values.simulated_values``)."""
+    ``ties`` besides (how far its near ties move the value, ``values.simulated_values``), no
+    more than that element room of int4's (a recorded tie is data: a wider one excused any
+    region)."""
     scale = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)) if expected.dtype.kind == "f" else 0.0
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
@@ -54,6 +56,10 @@ def region_tolerance(
         tol = dataclasses.replace(
             tol, rms_rtol=max(tol.rms_rtol, INT4_REGION_SHARE), atol_rms=max(tol.atol_rms, 3 * INT4_REGION_SHARE)
         )
+    if ties:
+        finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected[:0]
+        rms = float(np.sqrt(np.mean(np.square(finite, dtype=np.float64)))) if finite.size else 0.0
+        ties = min(ties, 3 * INT4_REGION_SHARE * rms)
     return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale + ties, allow_nan=True)
 
 

@@ -228,8 +228,9 @@ class LocalizeReport:
     #: Why ``first`` is blamed: "graph" (its own error breaks the tolerance), "refused"
     #: (ONNX Runtime will not run it alone on PyTorch's values), "module"
     #: (PyTorch itself gives NaN or Inf there first, and the graph does the same),
-    #: "accumulated" (no region alone breaks it: the first value outside it); '' when the
-    #: case agrees.
+    #: "accumulated" (no region alone breaks it: the first value outside it, or None where
+    #: the values are int4's float module, whose rounding accumulates without a fault); ''
+    #: when the case agrees.
     cause: str = ""
     #: For a decoder's step: which (1 = the prompt) of which padding layout.
     decode_step: int | None = None

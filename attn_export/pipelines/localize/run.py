@@ -705,6 +705,12 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     replay = None
     if not report.graph_agrees:
         report.first, report.cause = _blame(errors, torch_vals, accumulates=tol.weight_bits != 4)
+        if report.first is None and report.cause == "accumulated" and tol.weight_bits == 4 and exact is None:
+            report.notes.append(
+                "regions judged within int4's own room of the float module (int4 not computed as its simulation "
+                "rounds here, or the spec names its room): its rounding accumulates, so no value past the "
+                "tolerance is blamed"
+            )
     first = report.first if report.cause == "graph" else report.hidden_region
     if first is not None:
         region = next(r for r in regions if (first.value, first.fx_node) in r.compared)

@@ -75,8 +75,20 @@ _INT4_MATMULS = {
     "aten.matmul.default": (0, 1, -2),
     "aten.addmm.default": (1, 2, -2),
 }
-#: Ops that give a module's tensor whole, as the export keeps it a constant.
-_WHOLE_VIEWS = {"aten.t.default", "aten.transpose.int", "aten.permute.default", "aten.alias.default"}
+#: Ops that give a module's tensor whole (its storage, as the eager simulation's
+#: ``is_weight`` reads it), which the export keeps a constant.
+_WHOLE_VIEWS = {
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.numpy_T.default",
+    "aten.mT.default",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten._unsafe_view.default",
+}
 
 
 def _owned(node: Any) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from attn_export.artifacts.files import sha256_file
-from attn_export.artifacts.genai_folder import GENAI_DIR
+from attn_export.artifacts.genai_folder import CONFIG_NAME, GENAI_DIR, GRAPH_NAME
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, ManifestEntry, load_manifest
 from attn_export.artifacts.onnx_file import load_model_file
@@ -163,7 +163,8 @@ def genai_integrity(out_dir: Path, entry: ManifestEntry) -> list[str]:
     the manifest records: the folder a user ships is the one judged, never a copy that
     drifted from it; a missing or unreadable one is said, not raised."""
     folder = out_dir / GENAI_DIR / entry.name
-    problems = []
+    unhashed = [n for n in (GRAPH_NAME, CONFIG_NAME) if entry.genai and n not in entry.genai]
+    problems = [f"{entry.name}: the manifest records no sha256 of {GENAI_DIR}/{entry.name}/{n}" for n in unhashed]
     for name, want in sorted(entry.genai.items()):
         try:
             got = sha256_file(folder / name, out_dir)

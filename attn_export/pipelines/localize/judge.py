@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from attn_export.compare.outputs import rms_of
 from attn_export.model_spec import Tolerance
 
 __all__ = [
@@ -56,10 +57,7 @@ def region_tolerance(
         tol = dataclasses.replace(
             tol, rms_rtol=max(tol.rms_rtol, INT4_REGION_SHARE), atol_rms=max(tol.atol_rms, 3 * INT4_REGION_SHARE)
         )
-    if ties:
-        finite = expected[np.isfinite(expected)] if expected.dtype.kind == "f" else expected[:0]
-        rms = float(np.sqrt(np.mean(np.square(finite, dtype=np.float64)))) if finite.size else 0.0
-        ties = min(ties, 3 * INT4_REGION_SHARE * rms)
+    ties = min(ties, 3 * INT4_REGION_SHARE * rms_of(expected)) if ties else 0.0
     return dataclasses.replace(tol, atol=tol.atol + ROUNDINGS * eps * scale + ties, allow_nan=True)
 
 

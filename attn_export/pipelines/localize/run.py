@@ -572,9 +572,8 @@ def _pytorch_side(
         sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
         options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, default_opset(proto) or 0)
-    values = simulated_values(program, spec, feeds, budget) if int4 and options.decode_step is None else None
-    if values is None or values.int4_rounded != int4:
-        values = torch_values(program, spec, feeds, budget)
+    values = simulated_values(program, spec, feeds, budget, int4) if int4 and options.decode_step is None else None
+    values = values or torch_values(program, spec, feeds, budget)
     # the simulated rounding of the variant's quantization (int8, int4), which its tolerances judge by
     bits = rounding_bits(spec.tolerances(variant).values())
     with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:

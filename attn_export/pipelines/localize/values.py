@@ -60,9 +60,8 @@ def recorded_values(program: Any, spec: ModelSpec, case: GoldenCase, budget: int
     graph (``torch_values``; UsageError once they hold more than ``budget`` bytes); for an
     int4 graph on a CPU whose MatMulNBits compute ``int4`` projections, its simulation's,
     where that rounds as many (``simulated_values``)."""
-    values = simulated_values(program, spec, case.inputs, budget) if int4 else None
-    if values is None or values.int4_rounded != int4:
-        values = torch_values(program, spec, case.inputs, budget)
+    values = simulated_values(program, spec, case.inputs, budget, int4) if int4 else None
+    values = values or torch_values(program, spec, case.inputs, budget)
     return Intermediates(case, dict(values), values.outputs, values.sources, values.int4_rounded, dict(values.ties))
 
 
@@ -92,8 +91,8 @@ _WHOLE_VIEWS = {
 
 
 def _owned(node: Any) -> bool:
-    """Whether an FX argument is one of the module's tensors (a ``get_attr``), or a
-    transpose of one: a constant to the export, which the int4 variant quantizes."""
+    """Whether an FX argument is one of the module's tensors (a ``get_attr``), or a whole
+    view of one (``_WHOLE_VIEWS``): a constant to the export, which the int4 variant quantizes."""
     while getattr(node, "op", None) == "call_function" and str(node.target) in _WHOLE_VIEWS:
         node = node.args[0]
     return getattr(node, "op", None) == "get_attr"
@@ -172,15 +171,21 @@ def torch_values(
     return values
 
 
-def simulated_values(program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int) -> TorchValues:
+def simulated_values(
+    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int, quantized: int
+) -> TorchValues | None:
     """PyTorch's values as the int4 variant's simulation computes them, which a right int4
     graph on a CPU gives to float32 noise: a region is judged by them as strictly as a float
     graph's (int4's own room hid a block's scales 2 % off), each beside how far its value
     moves where the activations' codes are nudged (``INT4_CASE_TIES``; ``TorchValues.ties``):
-    the graph's float rounding may settle a near tie of a code the other way."""
+    the graph's float rounding may settle a near tie of a code the other way. None where the
+    simulation rounds another count of matmuls than the graph's ``quantized`` projections:
+    then it does not stand for the graph."""
     from attn_export.runtimes.int8_rounding import INT4_CASE_TIES
 
     values = torch_values(program, spec, feeds, budget, int4=True)
+    if values.int4_rounded != quantized:
+        return None
 
     def widest(node: Any, out: Any) -> None:
         ours = values.get(node.name)

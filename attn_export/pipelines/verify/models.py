@@ -152,10 +152,12 @@ def integrity(out_dir: Path, entry: ManifestEntry, *also: str, graph: bool = Tru
     for name, want in entry.files(*keys) if keys else []:
         got = sha256_file(out_dir / name, out_dir)
         if got != want:
-            problems.append(
-                f"{entry.name}: {name} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
-            )
+            problems.append(_changed(entry, name, got, want))
     return problems
+
+
+def _changed(entry: ManifestEntry, shown: str, got: str, want: str) -> str:
+    return f"{entry.name}: {shown} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
 
 
 def genai_integrity(out_dir: Path, entry: ManifestEntry) -> list[str]:
@@ -172,10 +174,7 @@ def genai_integrity(out_dir: Path, entry: ManifestEntry) -> list[str]:
             problems.append(f"{entry.name}: {e}")
             continue
         if got != want:
-            where = f"{GENAI_DIR}/{entry.name}/{name}"
-            problems.append(
-                f"{entry.name}: {where} changed after the build: sha256 {got[:12]}... != manifest {want[:12]}..."
-            )
+            problems.append(_changed(entry, f"{GENAI_DIR}/{entry.name}/{name}", got, want))
     return problems
 
 

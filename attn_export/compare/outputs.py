@@ -118,6 +118,9 @@ def judge_value(
         if judged.passed:  # and within the variant's own room of the module itself, whatever a golden file says
             return judged if own.passed else own
         return dataclasses.replace(judged, within_own_room=own.passed)
+    if tol.simulated is not None and rounding is not None:  # asked for, and absent: say so, pass or fail
+        own = judge_value(name, expected, actual, dataclasses.replace(tol, simulated=None), floor, left_out, rounding)
+        return dataclasses.replace(own, not_simulated=_why_not_simulated(rounding, simulated, expected))
     factor = rounding_factor(tol)
     rounding = _capped(rounding, expected, rms, tol) if rounding is not None and tol.int8_rounding else Rounding()
     result = compare_output(name, expected, actual, case_tolerance(tol, floor, rms, rounding), kept)
@@ -137,6 +140,19 @@ def judge_value(
         unsimulated=rounding.unsimulated,
     )
     return dataclasses.replace(judged, by_rounding=judged.passed and bool(rounding.max) and beyond_shares)
+
+
+def _why_not_simulated(rounding: Rounding, simulated: np.ndarray | None, expected: np.ndarray) -> str:
+    """Why an output whose tolerance asks for int4's simulated values (``Tolerance.simulated``)
+    has none to be judged against."""
+    if rounding.unsimulated:
+        return rounding.unsimulated
+    if simulated is None:
+        return (
+            f"{rounding_name(4)}'s simulated values are absent (a run with its activation codes nudged failed, "
+            "or the golden file holds none)"
+        )
+    return f"{rounding_name(4)}'s simulated values are {list(simulated.shape)}, the output {list(expected.shape)}"
 
 
 def _against_simulation(
@@ -241,6 +257,10 @@ class OutputComparison:
     #: Failed against the simulation, yet within the variant's own room against the module
     #: itself: a fault smaller than its rounding, or a MatMul the simulation does not round.
     within_own_room: bool = False
+    #: Why the values the tolerance asks to judge against (``Tolerance.simulated``) were absent
+    #: ('' where they were, or where it does not ask): the output was judged at the variant's
+    #: own room of the float module instead, which a fault smaller than its rounding passes.
+    not_simulated: str = ""
     max_abs_error: float = 0.0
     #: Largest |actual - expected| / |expected| where |expected| > atol: below atol the
     #: ratio says nothing (an expected 1e-300 would print 1e+307); None where no element is.
@@ -347,8 +367,13 @@ class OutputComparison:
         )
 
     def _shares_alone(self) -> str:
-        """The clause saying the variant's rounding could not be simulated, '' where it was."""
-        return f"; {self.unsimulated}: judged by the shares of the rms alone" if self.unsimulated else ""
+        """The clause saying the variant's rounding, or the values judged against, could not be
+        simulated ('' where they were)."""
+        if self.unsimulated:
+            return f"; {self.unsimulated}: judged by the shares of the rms alone"
+        if self.not_simulated:
+            return f"; {self.not_simulated}: judged at {rounding_name(4)}'s own room of the float module"
+        return ""
 
     @property
     def widened(self) -> bool:

@@ -211,7 +211,18 @@ def test_int4_on_a_cpu_is_judged_against_its_simulation_within_its_ties() -> Non
     shared = dataclasses.replace(tol, simulated=Tolerance(1e-5, 1e-4, atol_rms=0.1))
     assert judge_value("o", exact, simulated + 0.02, shared, rounding=rounding).passed
     unsimulated = dataclasses.replace(rounding, values=None)
-    assert judge_value("o", exact, off, tol, rounding=unsimulated).passed
+    absent = judge_value("o", exact, off, tol, rounding=unsimulated)
+    assert absent.passed and absent.not_simulated.startswith("int4's simulated values are absent (")
+    unlike = dataclasses.replace(rounding, values=simulated[:256])
+    assert judge_value("o", exact, off, tol, rounding=unlike).not_simulated == (
+        "int4's simulated values are [256], the output [512]"
+    )
+    failed = judge_value("o", exact, -exact, tol, rounding=unsimulated)
+    assert failed.reason().endswith(
+        "(a run with its activation codes nudged failed, or the golden file holds none)"
+        ": judged at int4's own room of the float module"
+    )
+    assert not judge_value("o", exact, off, INT4_TOLERANCE, rounding=unsimulated).not_simulated  # not asked for
     assert OutputComparison.from_dict(wrong.to_dict()) == wrong
 
 

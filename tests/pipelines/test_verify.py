@@ -119,6 +119,40 @@ def test_golden_verify_says_why_an_fp16_case_was_judged_without_its_simulation(t
     ), failures
 
 
+def test_a_golden_int4_case_without_its_simulated_values_is_judged_at_its_own_room_and_says_so(
+    causal_lm: Built, tmp_path: Path
+) -> None:
+    """An int4 graph on a CPU is held to the module with int4's rounding simulated; where a
+    golden file holds no simulated values (or a nudged run failed), verify judged at int4's
+    own, wider room without a word: a green that was not the strict one."""
+    import dataclasses
+
+    from attn_export.artifacts.files import sha256_file
+    from attn_export.artifacts.golden import read_golden, write_golden
+    from tests.conftest import copy_build
+
+    out = copy_build(causal_lm, tmp_path).out
+    name = "llama_causal_lm.int4"
+    path = out / "llama_causal_lm.golden.npz"  # one per model, its variants' roundings in it
+    cases = read_golden(path)
+    for case in cases[:2]:
+        case.int8 = {k: dataclasses.replace(r, values=None) for k, r in case.int8.items()}
+    write_golden(path, cases)
+    doc = json.loads((out / "manifest.json").read_text())
+    for entry in doc["models"].values():
+        entry["golden_sha256"] = sha256_file(path)
+    (out / "manifest.json").write_text(json.dumps(doc))
+    result = invoke("verify", str(out / f"{name}.onnx"), "--golden", *FAST)
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        rf"note: {re.escape(name)}: 2 of \d+ cases judged without the simulated values they are held to, at int4's "
+        r"own room of the float module, .*: int4's simulated values are absent \(",
+        result.output,
+    ), result.output
+    clean = invoke("verify", str(causal_lm.out / f"{name}.onnx"), "--golden", *FAST)
+    assert clean.exit_code == 0 and "judged without the simulated values" not in clean.output, clean.output
+
+
 def test_a_golden_file_cut_to_fewer_cases_fails_golden_verify(zoo_copy: Path) -> None:
     """Cut to its distinct case (its hash recorded again), a golden file once passed on that
     case alone: a graph wrong only at the range's corners passed."""

@@ -67,6 +67,17 @@ ELEMENT_CAP = 2.0
 FLOAT16_ROUNDING_CAP = 0.1
 
 
+#: What a failure's "against int4's simulation" clause means (``OutputComparison._against``),
+#: for a report to say once.
+SIMULATED_CLAUSE = (
+    "'against int4's simulation': on a CPU, an int4 graph is judged against the module run with int4's rounding "
+    "simulated, which a right graph gives to float32 noise, within twice how far near ties of its activations' "
+    "codes move it; 'within int4's own room of the float module': the looser rule against the float module would "
+    "hold it: a fault smaller than int4's rounding, or a MatMul the simulation does not round (a weight the module "
+    "computes, code under a function of its own)"
+)
+
+
 def case_tolerance(tol: Tolerance, floor: float, rms: float = 0.0, rounding: Rounding | None = None) -> Tolerance:
     """The output's tolerance on one case, its ``atol_rms`` taken of the expected value's
     root mean square ``rms`` there and widened by ``FLOOR_FACTOR`` x PyTorch's own float32
@@ -350,21 +361,14 @@ class OutputComparison:
         return ""
 
     def _against(self) -> str:
-        """The clause naming the simulated rounding judged against, '' where none was."""
+        """The clause naming the simulated rounding judged against, '' where none was; what
+        it means is said once per report (``SIMULATED_CLAUSE``), not on every failure."""
         if not self.simulated:
             return ""
-        moved = self.ties / INT4_TIE_FACTOR
-        ties = f"near ties of its activations move it up to {moved:.3g}" if moved else "no near tie moves it"
-        own = (
-            f"; {self.simulated}'s own room against the float module would hold it: a fault smaller than "
-            f"{self.simulated}'s rounding, or a MatMul the simulation does not round (a weight the module "
-            "computes, code under a function of its own)"
-        )
-        return (
-            f"; judged against the module with {self.simulated}'s rounding simulated, which a right graph gives "
-            f"to float32 noise ({ties}; {self.simulated} itself moves it up to {self.rounding_max:.3g} from the "
-            f"float module){own if self.within_own_room else ''}"
-        )
+        s, moved = self.simulated, self.ties / INT4_TIE_FACTOR
+        ties = f"near ties move it {moved:.3g}" if moved else "no near tie moves it"
+        own = f"; within {s}'s own room of the float module" if self.within_own_room else ""
+        return f"; against {s}'s simulation ({ties}; {s} moves it {self.rounding_max:.3g} from the float module){own}"
 
     def _shares_alone(self) -> str:
         """The clause saying the variant's rounding, or the values judged against, could not be

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from attn_export.compare.outputs import FLOOR_FACTOR
+from attn_export.compare.outputs import FLOOR_FACTOR, SIMULATED_CLAUSE
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.masks import CASES
 from attn_export.model_spec.shapes import format_sizes, mask_cases
@@ -129,6 +129,10 @@ def format_failures(report: VerifyReport) -> str:
         lines.append(f"     reproduce: {report.reproduce(c)}")
     for d in report.decode:
         lines += [f"FAIL {d.model} {d.runtime} decode {d.scenario}: {reason}" for reason in d.reasons()]
+    failed = [o for c in report.failed_cases for o in c.comparisons if not o.passed]
+    failed += [o for d in report.decode for s in d.steps for o in s.comparisons if not o.passed]
+    if any(o.simulated for o in failed):
+        lines.append(f"note: {SIMULATED_CLAUSE}")
     return "\n".join(lines)
 
 

@@ -191,9 +191,8 @@ def test_int4_on_a_cpu_is_judged_against_its_simulation_within_its_ties() -> Non
     assert judge_value("o", exact, off, INT4_TOLERANCE, rounding=rounding).passed  # int4's own room holds it
     wrong = judge_value("o", exact, off, tol, rounding=rounding)
     assert not wrong.passed and wrong.simulated == "int4" and wrong.atol == pytest.approx(1e-5 + 2e-3)
-    assert "judged against the module with int4's rounding simulated" in wrong.reason()
-    assert "near ties of its activations move it up to 0.001" in wrong.reason()
-    assert wrong.within_own_room and "int4's own room against the float module would hold it" in wrong.reason()
+    assert "; against int4's simulation (near ties move it 0.001; int4 moves it " in wrong.reason()
+    assert wrong.within_own_room and wrong.reason().endswith("; within int4's own room of the float module")
     far = judge_value("o", exact, -simulated, tol, rounding=rounding)
     assert not far.passed and not far.within_own_room and "own room" not in far.reason()
     assert judge_value("o", exact, simulated + 1.9e-3, tol, rounding=rounding).passed

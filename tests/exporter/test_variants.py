@@ -148,8 +148,9 @@ def test_int4_is_blocks_of_32_and_a_block_scale_1_percent_off_fails(variant_buil
         cli, ["verify", str(out / "mha_cross.int4.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
     )
     assert result.exit_code == 1, result.output
-    said = r"FAIL mha_cross\.int4 .* output: .* judged against the module with int4's rounding simulated"
+    said = r"FAIL mha_cross\.int4 .* output: .*; against int4's simulation \(.*\)"
     assert re.search(said, result.output), result.output
+    assert result.output.count("note: 'against int4's simulation': on a CPU, an int4 graph is judged") == 1
 
 
 def test_int4s_regions_are_judged_against_its_simulation_and_a_key_2_percent_off_is_named(

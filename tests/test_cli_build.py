@@ -154,11 +154,10 @@ def test_bad_spec_exits_2_with_one_line(
     assert result.exit_code == 2, result.output
     failed = next(line for line in result.output.splitlines() if line.startswith("FAILED"))
     assert message.replace("{p}", str(path)) in failed
-    # nothing built: no manifest promised (nor a folder made for a spec that does not load),
-    # no traceback from torch's loggers
+    # nothing built: no folder made, not even for a build's lock, and no traceback from
+    # torch's loggers
     assert result.output.splitlines()[-1].endswith(f"(nothing written to {tmp_path / 'out'})")
-    assert not (tmp_path / "out" / "manifest.json").exists()
-    assert not (tmp_path / "out").exists() or not message.startswith("[spec]")
+    assert not (tmp_path / "out").exists()
     assert "Traceback" not in capfd.readouterr().err
     assert "Traceback" not in result.output
 
@@ -270,7 +269,7 @@ def test_module_that_calls_sys_exit_fails_the_build(tmp_path: Path, cls: str, co
     result = invoke("build", "--models", str(models), "--out", str(tmp_path / "out"))
     assert result.exit_code == code, result.output
     assert message in result.output
-    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not (tmp_path / "out").exists()  # the folder made for it goes with its lock file
 
 
 NAN_MODULE = """

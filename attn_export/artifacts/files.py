@@ -17,7 +17,7 @@ import re
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -216,16 +216,41 @@ def append_output(path: Path, text: str, errors: str = "strict") -> None:
 def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``out_dir`` so two builds never interleave their writes, and
     no verify reads a folder half rebuilt; wait up to ``wait_s`` seconds for another build
-    (or a verify) to release it, telling ``on_wait`` once."""
+    (or a verify) to release it, telling ``on_wait`` once. Where nothing but the lock file
+    is left in the folder at the end, it goes, and so do the folders made for it: a build
+    that wrote nothing leaves nothing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
+        fd = _open_lock(out_dir, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        if fd is None:  # the folder went away between the two calls
+            raise UsageError(f"cannot use output directory {out_dir}: it no longer exists")
+        if _acquired(fd, out_dir, True, deadline, wait_s, on_wait):
+            break
+        on_wait = None  # the build that held it removed its lock file: lock the folder anew
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
-    fd = _open_lock(out_dir, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    if fd is None:  # the folder went away between the two calls
-        raise UsageError(f"cannot use output directory {out_dir}: it no longer exists")
-    with _held(fd, out_dir, True, wait_s, on_wait):
         yield
+    finally:
+        _remove_if_empty(out_dir, made)
+        os.close(fd)
+
+
+def _remove_if_empty(out_dir: Path, made: Sequence[Path]) -> None:
+    """The lock file, where it is all ``out_dir`` holds, and then the folders in ``made``
+    (created for it, innermost first) left empty; removed under the lock, which a waiting
+    build sees (``_acquired``) and takes anew."""
+    try:
+        if [p.name for p in out_dir.iterdir()] != [LOCK_NAME]:
+            return
+        (out_dir / LOCK_NAME).unlink()
+        for folder in made:
+            folder.rmdir()
+    except OSError:
+        return  # kept: a file written meanwhile, or a folder that cannot be changed
 
 
 @contextlib.contextmanager
@@ -234,12 +259,19 @@ def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None]
     meanwhile (verify would see files that changed after the build and cry tamper); wait up
     to ``wait_s`` seconds for a build in progress. A folder no build ever locked (or copied
     without its lock file) needs none, and nothing is created in it."""
-    fd = _open_lock(out_dir, os.O_RDONLY)
-    if fd is None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        fd = _open_lock(out_dir, os.O_RDONLY)
+        if fd is None:
+            yield
+            return
+        if _acquired(fd, out_dir, False, deadline, wait_s, on_wait):
+            break
+        on_wait = None
+    try:
         yield
-        return
-    with _held(fd, out_dir, False, wait_s, on_wait):
-        yield
+    finally:
+        os.close(fd)
 
 
 def _open_lock(out_dir: Path, flags: int) -> int | None:
@@ -258,18 +290,18 @@ def _open_lock(out_dir: Path, flags: int) -> int | None:
         raise UsageError(f"cannot use {out_dir}: {e.strerror}") from e
 
 
-@contextlib.contextmanager
-def _held(
-    fd: int, out_dir: Path, exclusive: bool, wait_s: float, on_wait: Callable[[str], None] | None
-) -> Iterator[None]:
+def _acquired(
+    fd: int, out_dir: Path, exclusive: bool, deadline: float, wait_s: float, on_wait: Callable[[str], None] | None
+) -> bool:
+    """Whether the lock on ``fd`` is now held and ``fd`` is still the folder's lock file; fd
+    is closed where not (a build that wrote nothing removes its lock file on release, and
+    one that waited on it must lock the new one). A LockError past ``deadline``."""
     import fcntl
 
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UsageError(f"{out_dir / LOCK_NAME} is not a regular file; remove it")
-    holder = "another attn-export build or verify" if exclusive else "an attn-export build in progress"
-    deadline = time.monotonic() + wait_s
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{out_dir / LOCK_NAME} is not a regular file; remove it")
+        holder = "another attn-export build or verify" if exclusive else "an attn-export build in progress"
         while True:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
@@ -285,6 +317,13 @@ def _held(
                     on_wait(f"{out_dir} is locked by {holder}; waiting up to {wait_s:g} s")
                     on_wait = None
                 time.sleep(min(0.1, left))
-        yield
-    finally:
+        held, now = os.fstat(fd), os.stat(out_dir / LOCK_NAME, follow_symlinks=False)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return True
+    except FileNotFoundError:
+        pass
+    except BaseException:
         os.close(fd)
+        raise
+    os.close(fd)
+    return False

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from attn_export.artifacts import files as artifacts
-from attn_export.artifacts.files import build_lock, sha256_file
+from attn_export.artifacts.files import LOCK_NAME, build_lock, sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.checks.fully_masked import judge, padded_query_rows
@@ -290,6 +290,46 @@ def test_second_build_waits_for_the_lock_then_gives_up(tmp_path: Path) -> None:
         f"{out} is locked by another attn-export build or verify after waiting 0.5 s; try again when it ends "
         "(--wait SECONDS waits longer)"
     )
+
+
+def test_a_lock_that_guarded_nothing_goes_with_its_folders_and_a_waiting_build_locks_anew(tmp_path: Path) -> None:
+    """A build that wrote nothing left its folder holding only the lock file, though it said
+    nothing was written. The lock file now goes on release, and the folders made for it; a
+    build waiting on the removed file locks the folder anew instead of sharing it."""
+    out = tmp_path / "new" / "out"
+    with build_lock(out):
+        assert (out / LOCK_NAME).is_file()
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with build_lock(kept):
+        (kept / "manifest.json").write_text("{}")
+    assert sorted(p.name for p in kept.iterdir()) == [LOCK_NAME, "manifest.json"]
+    held, release, inside = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with build_lock(out):
+            held.set()
+            release.wait(10)
+
+    def second() -> None:
+        with build_lock(out, wait_s=10):
+            # the lock held is the folder's: a third build is refused, not let in beside it
+            with pytest.raises(LockError):
+                with build_lock(out):
+                    pass
+            inside.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    held.wait(10)
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(0.3)  # the second build waits on the first's lock file
+    release.set()
+    thread.join()
+    waiter.join()
+    assert inside.is_set() and not out.exists()
 
 
 def test_second_build_runs_once_the_first_releases_the_lock(tmp_path: Path) -> None:

@@ -125,6 +125,24 @@ def test_padding_tokens_left_out_are_left_out_of_every_layers_cache_too(tmp_path
 
 
 @pytest.mark.slow  # a build of its own (10 s)
+def test_a_left_padded_eager_decoder_is_no_module_bug_at_its_padding_tokens(tmp_path: Path) -> None:
+    """Eager attention gives a query row that sees no key the mean of every value, so a
+    padding token's key and value from the second layer on depend on how many tokens the pass
+    holds: a right 2-layer model with its cache was called a module bug against its own one
+    pass ("present.1.key: 256/480 elements"), at positions no real token reads."""
+    config, heads, head_dim = FAMILIES["qwen2"]
+    spec = causal_lm_spec(
+        tmp_path / "models", "qwen2_eager", config + ', attn_implementation = "eager"', heads, head_dim
+    )
+    summary = build_models([spec], BuildOptions(tmp_path / "out"))
+    assert [r.error for r in summary.results] == [None]
+    args = ["--decode", "3", "--distribution", "normal", "--random", "0", "--no-latency"]
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(spec.parent), *args])
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 decode trajectories agree" in result.output
+
+
+@pytest.mark.slow  # a build of its own (10 s)
 def test_gpt2s_conv1d_projections_are_quantized_by_int4_and_verify_against_its_simulation(tmp_path: Path) -> None:
     """GPT-2's Conv1D is ``torch.addmm``, a Gemm the int4 quantizer does not take: its int4
     graph had the LM head quantized and every projection of its layers in float32, and its

@@ -148,7 +148,8 @@ def compare_trajectories(
 ) -> list[DecodeStep]:
     """Per step: the graph's outputs and presents against the expected side's (padded
     query rows left out under ``fully_masked = "ignore"``), and the expected side's
-    against recompute (real tokens only: a padded query has nothing to agree on)."""
+    against recompute (real tokens only: a padded query has nothing to agree on, nor the
+    keys and values later layers compute from one)."""
     cache = traj.cache
     presents = {present for _, present in cache.pairs}
     # the rows of the one pass that each step's outputs hold: its own tokens of a per-token
@@ -193,7 +194,10 @@ def compare_trajectories(
                 if lo < stop:
                     mine[n] = np.take(recomputed[n], range(lo - offset, stop - offset), axis=a)
                     theirs[n] = _newest(expected[k][n], a, stop - lo)
-            step.recompute = _compare(mine, theirs, tolerances, padded, floors)
+            # a padding token's key and value from the second layer on come from a query row
+            # that sees no key, which the module gives as the pass's length makes it
+            pads = _padded_positions(spec, cache, traj.keep[:, :stop], theirs)
+            step.recompute = _compare(mine, theirs, tolerances, {**padded, **pads}, floors)
         steps.append(step)
         if step.error:
             break

@@ -459,3 +459,35 @@ def test_a_recorded_rounding_cannot_widen_an_int8_graph_s_bounds_past_its_output
     _rewrite_golden(out, "mha_cross", lambda key, value: np.full(3, 1e6) if "/int8/" in key else value)
     result = CliRunner().invoke(cli, ["verify", str(out / "mha_cross.int8.onnx"), "--golden", "--no-latency"])
     assert result.exit_code == 1, result.output
+
+
+INT4_LOGGING = """
+import logging
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+from attn_export.exporter.variants import int4
+
+weight = numpy_helper.from_array(np.ones((64, 32), np.float32), "w")
+graph = helper.make_graph(
+    [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], [weight],
+)
+before = logging.getLogger().level, list(logging.getLogger().handlers)
+made = int4.make(helper.make_model(graph), "cpu")
+assert made.info["ops"]["com.microsoft.MatMulNBits"] == 1, made.info
+after = logging.getLogger().level, list(logging.getLogger().handlers)
+print(before == after, after)
+"""
+
+
+def test_the_int4_variant_leaves_the_root_logger_as_it_was() -> None:
+    """ONNX Runtime's int4 quantizer calls ``logging.basicConfig(level=INFO)`` on import: a
+    build with int4 then printed every later export's onnxscript INFO lines (187 for two
+    models). A process of its own: the import happens once."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INT4_LOGGING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True"), done.stdout

@@ -5,6 +5,7 @@ per block and the products in integers), the quantization onnxruntime-genai depl
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import onnx
 
@@ -21,8 +22,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     rounds them and genai's model builder makes them for a CPU: its int8 kernels take half
     the time of the float32 ones at one token a step, and a right graph differs from the
     module by the weights' and activations' rounding alone."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
-
+    DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer = _quantizer()
     _matmuls_of_gemms(proto)
     records = packed_records(proto)  # the quantizer rewrites proto in place, dropping them
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -49,6 +49,22 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
         "ops": dict(counts),
     }
     return VariantGraph(out, info)
+
+
+def _quantizer() -> tuple[Any, Any]:
+    """ONNX Runtime's int4 quantizer and its config, imported with the root logger left as it
+    was: its module calls ``logging.basicConfig(level=INFO)`` on import, and every export
+    after it printed hundreds of onnxscript INFO lines."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    finally:
+        root.setLevel(level)
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+    return DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
 
 def _matmuls_of_gemms(proto: onnx.ModelProto) -> None:

@@ -315,9 +315,8 @@ def test_a_lock_that_guarded_nothing_goes_with_its_folders_and_a_waiting_build_l
     def second() -> None:
         with build_lock(out, wait_s=10):
             # the lock held is the folder's: a third build is refused, not let in beside it
-            with pytest.raises(LockError):
-                with build_lock(out):
-                    pass
+            with pytest.raises(LockError), build_lock(out):
+                pass
             inside.set()
 
     thread = threading.Thread(target=first)

@@ -491,3 +491,36 @@ def test_the_int4_variant_leaves_the_root_logger_as_it_was() -> None:
     done = subprocess.run([sys.executable, "-c", INT4_LOGGING], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True"), done.stdout
+
+
+def test_int4_quantizes_a_head_tied_to_the_embedding_and_keeps_the_table_for_the_gather() -> None:
+    """A head tied to the embedding reads the Gather's table through a Transpose; the
+    quantizer takes constant weights alone and left it in float32, while the simulation
+    rounds it. Now the head gets an int4 copy of the table transposed; the Gather keeps it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from attn_export.exporter.variants import int4
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(48, 64)).astype(np.float32)  # vocab 48, hidden 64
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["h"], name="embed"),
+            helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0], name="tie"),
+            helper.make_node("MatMul", ["h", "table_t"], ["logits"], name="head"),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3, 48])],
+        [numpy_helper.from_array(table, "table")],
+    )
+    made = int4.make(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "cpu")
+    ops = [n.op_type for n in made.proto.graph.node]
+    assert ops == ["Gather", "MatMulNBits"], ops
+    assert [i.name for i in made.proto.graph.initializer if i.name == "table"] == ["table"]
+    ids = np.array([[0, 5, 47]], np.int64)
+    session = ort.InferenceSession(made.proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"ids": ids})
+    exact = table[ids] @ table.T
+    assert np.abs(got - exact).max() < 0.1 * np.abs(exact).max()  # int4's rounding, not a wrong table

@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 import onnx
+import onnx.numpy_helper
 
 from attn_export.errors import ExportFailure
 from attn_export.exporter.packed_projections import keep_records, packed_records, projections
@@ -24,6 +25,7 @@ def make(proto: onnx.ModelProto, provider: str) -> VariantGraph:
     module by the weights' and activations' rounding alone."""
     DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer = _quantizer()
     _matmuls_of_gemms(proto)
+    _transposed_weights(proto)
     records = packed_records(proto)  # the quantizer rewrites proto in place, dropping them
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
@@ -89,6 +91,48 @@ def _matmuls_of_gemms(proto: onnx.ModelProto) -> None:
             nodes.append(add)
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
+
+
+def _transposed_weights(proto: onnx.ModelProto) -> None:
+    """Each MatMul whose weight is a ``Transpose`` of a 2-D constant given that transposed
+    constant itself, in place, so that the quantizer, which takes a constant weight alone,
+    quantizes it: a language-model head tied to the embedding (Gemma2, Bloom, Llama with
+    ``tie_word_embeddings``) reads the table the Gather reads through a Transpose, was left
+    in float32 and its int4 build failed the smoke check, the module rounding it. The table
+    stays for the Gather; the head gets an int4 copy, as onnxruntime-genai's builder unties it."""
+    constants = {t.name: t for t in proto.graph.initializer}
+    made = {n.output[0]: n for n in proto.graph.node if n.op_type == "Transpose" and not n.domain}
+    for node in proto.graph.node:
+        transpose = made.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if transpose is None or transpose.input[0] not in constants:
+            continue
+        table = constants[transpose.input[0]]
+        perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
+        if len(table.dims) != 2 or perm not in ([], [[1, 0]]):
+            continue
+        name = f"{table.name}_transposed"
+        if name not in constants:
+            weight = onnx.numpy_helper.to_array(table).T.copy()
+            constants[name] = onnx.numpy_helper.from_array(weight, name)
+            proto.graph.initializer.append(constants[name])
+        node.input[1] = name
+    unused = [n for n in made.values() if n.output[0] not in _read(proto.graph)]
+    for node in unused:
+        proto.graph.node.remove(node)
+    tables = {n.input[0] for n in unused} - _read(proto.graph)
+    for t in [t for t in proto.graph.initializer if t.name in tables]:
+        proto.graph.initializer.remove(t)
+
+
+def _read(graph: onnx.GraphProto) -> set[str]:
+    """The names ``graph``'s nodes read, those of their subgraphs included, and its outputs."""
+    names = {o.name for o in graph.output}
+    for node in graph.node:
+        names.update(node.input)
+        for a in node.attribute:
+            for sub in [a.g] if a.HasField("g") else list(a.graphs):
+                names |= _read(sub)
+    return names
 
 
 def _plain_gemm(node: onnx.NodeProto, constant: set[str]) -> bool:

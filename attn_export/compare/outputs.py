@@ -73,8 +73,9 @@ SIMULATED_CLAUSE = (
     "'against int4's simulation': on a CPU, an int4 graph is judged against the module run with int4's rounding "
     "simulated, which a right graph gives to float32 noise, within twice how far near ties of its activations' "
     "codes move it; 'within int4's own room of the float module': the looser rule against the float module would "
-    "hold it: a fault smaller than int4's rounding, or a MatMul the simulation does not round (a weight the module "
-    "computes, code under a function of its own)"
+    "hold it: a fault smaller than int4's rounding, a MatMul the simulation does not round (a weight the module "
+    "computes, code under a function of its own), or one the graph leaves in float32 that it rounds (a weight the "
+    "graph computes from a constant: count the MatMulNBits)"
 )
 
 

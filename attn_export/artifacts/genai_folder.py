@@ -38,6 +38,7 @@ __all__ = [
     "logits_vocab",
     "pad_token",
     "refuse_unfit",
+    "right_padded_window",
     "special_tokens",
     "write_genai_folder",
 ]
@@ -53,6 +54,17 @@ _DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2
 #: A transformers config's names for the sizes the config needs, in the order tried.
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
+
+
+def right_padded_window(window: int) -> str:
+    """What onnxruntime-genai's padded batch does to a graph whose sliding ``window`` counts
+    positions (``model_spec.cache.short_window``): a limit of that deployment, not a fault."""
+    return (
+        f"onnxruntime-genai pads a batch's shorter prompts on the right, and the config's sliding_window = {window} "
+        "counts positions, the pad slots after a shorter prompt among them (PyTorch pads on the left): past "
+        f"{window} positions such a row attends to fewer of its own tokens than alone, and its tokens may differ; "
+        "batch 1 and prompts of one length are not affected"
+    )
 
 
 def refuse_unfit(spec: ModelSpec, variant: str) -> None:

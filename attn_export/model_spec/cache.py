@@ -276,14 +276,32 @@ def counted_positions(spec: ModelSpec, label: str | None = None, config: Any = N
             f"convention '{mask.convention.name}' does not mean: give it a mask of convention "
             f"{' or '.join(COUNTED_CONVENTIONS)} (1 = attend, as tokenizers and onnxruntime-genai give it)"
         )
-    reached = cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
-    table = spec.config or {}
-    window = getattr(config, "sliding_window", None) if config is not None else table.get("sliding_window")
-    used = _uses_window(config) if config is not None else table.get("use_sliding_window", True)
-    if isinstance(window, int) and used is not False and window < reached:
+    reached = reached_positions(spec)
+    window = short_window(spec, config)
+    if window is not None:
         raise SpecError(
             f"{label}: the graph reads the mask for each row's length alone, and the config's "
             f"sliding_window = {window} is shorter than the {reached} positions it reaches: it would attend "
             "past the window; build it without gqa-rotary"
         )
     return reached
+
+
+def reached_positions(spec: ModelSpec) -> int:
+    """How many positions a decoder's cache reaches: its buffer's capacity, else the longest
+    past plus the longest step."""
+    cache = cache_of(spec)
+    assert cache is not None, "a decoder with a KV cache"
+    return cache.max_seq or spec.dims[cache.past_dim].max + spec.dims[cache.seq_dim].max
+
+
+def short_window(spec: ModelSpec, config: Any = None) -> int | None:
+    """The sliding window of a decoder's config (``config``, the object its table makes, its
+    class's default included, else the table) where it is in use and shorter than the
+    positions the cache reaches (``reached_positions``); None elsewhere."""
+    table = spec.config or {}
+    window = getattr(config, "sliding_window", None) if config is not None else table.get("sliding_window")
+    used = _uses_window(config) if config is not None else table.get("use_sliding_window", True)
+    if isinstance(window, int) and used is not False and window < reached_positions(spec):
+        return window
+    return None

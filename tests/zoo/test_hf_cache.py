@@ -162,6 +162,34 @@ def test_a_head_tied_to_the_embedding_builds_and_verifies_in_int4(tmp_path: Path
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow  # a build of its own and genai's generator (20 s)
+def test_genais_padded_batch_under_a_short_sliding_window_is_said_at_build_and_in_the_failure(tmp_path: Path) -> None:
+    """onnxruntime-genai pads on the right, and a window that counts positions counts the pad
+    slots after a shorter prompt: its row then attends to fewer of its own tokens, and a
+    2-layer Gemma2 (window 8) gave other tokens from step 4. That is the deployment's limit,
+    not the graph's fault: the build says so for --target genai, and the failure says why."""
+    import importlib.util
+
+    config, heads, head_dim = FAMILIES["gemma2"]
+    spec = causal_lm_spec(tmp_path / "models", "gemma2_sw", config + ', attn_implementation = "eager"', heads, head_dim)
+    notes: list[str] = []
+    summary = build_models([spec], BuildOptions(tmp_path / "out", target="genai"), on_notice=notes.append)
+    assert [r.error for r in summary.results] == [None]
+    assert notes == [
+        "gemma2_sw: --target genai: onnxruntime-genai pads a batch's shorter prompts on the right, and the "
+        "config's sliding_window = 8 counts positions, the pad slots after a shorter prompt among them (PyTorch "
+        "pads on the left): past 8 positions such a row attends to fewer of its own tokens than alone, and its "
+        "tokens may differ; batch 1 and prompts of one length are not affected"
+    ]
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        pytest.skip("onnxruntime-genai not installed ([genai] extra): its padded batch is not run")
+    args = ["--generate", "12", "--no-latency", "--distribution", "normal", "--random", "0"]
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(spec.parent), *args])
+    failed = [line for line in result.output.splitlines() if line.startswith("FAIL ")]
+    assert failed and all("onnxruntime-genai generate padded" in line for line in failed), result.output
+    assert all(line.endswith("prompts of one length are not affected)") for line in failed), result.output
+
+
 @pytest.mark.slow  # a build of its own (10 s)
 def test_gpt2s_conv1d_projections_are_quantized_by_int4_and_verify_against_its_simulation(tmp_path: Path) -> None:
     """GPT-2's Conv1D is ``torch.addmm``, a Gemm the int4 quantizer does not take: its int4

@@ -19,7 +19,13 @@ from typing import Any
 from attn_export import __version__
 from attn_export.artifacts.files import build_lock, resolved, sha256_bytes, sha256_file, write_output
 from attn_export.artifacts.folder import commit, recover, remove_leftovers
-from attn_export.artifacts.genai_folder import GENAI_DIR, genai_config, refuse_unfit, write_genai_folder
+from attn_export.artifacts.genai_folder import (
+    GENAI_DIR,
+    genai_config,
+    refuse_unfit,
+    right_padded_window,
+    write_genai_folder,
+)
 from attn_export.artifacts.manifest import MANIFEST_NAME, Manifest, load_manifest, save_manifest
 from attn_export.artifacts.provenance import versions
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, UsageError
@@ -27,6 +33,7 @@ from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.exporter.factory import build_config
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec, load_spec, variant_chain
+from attn_export.model_spec.cache import short_window
 from attn_export.pipelines.building.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.building.graphs import Once, SpecBuild
 from attn_export.pipelines.building.results import BuildOptions, BuildResult, BuildSummary
@@ -118,7 +125,10 @@ def build_models(
             spec = load_spec(p)
             for variant in options.variants:
                 refuse_unfit(spec, variant)
-            genai_config(spec, build_config(spec))  # what its config needs (heads, eos, ...) is there
+            config = build_config(spec)
+            genai_config(spec, config)  # what its config needs (heads, eos, ...) is there
+            if on_notice is not None and (window := short_window(spec, config)) is not None:
+                on_notice(f"{spec.name}: --target genai: {right_padded_window(window)}")
     if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
         for p in spec_paths:
             for graph in build_cell(BuildCell(p, options, {}, {})):

@@ -22,6 +22,7 @@ from attn_export.artifacts.genai_folder import (
     genai_config,
     logits_vocab,
     pad_token,
+    right_padded_window,
     special_tokens,
     write_genai_folder,
 )
@@ -42,6 +43,7 @@ from attn_export.checks.generate import (
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec
+from attn_export.model_spec.cache import short_window
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import Tolerance, rounding_name
 from attn_export.pipelines.verify.expected import target_tolerances
@@ -189,6 +191,7 @@ def generate_model(
     # an older build recorded no hashes of its folder: golden mode (no torch to make one) runs it as it is
     shipped = folder_there if entry.genai or (options.golden and folder_there.is_dir()) else None
     changed = "; ".join(genai_integrity(out_dir, entry))
+    window = short_window(spec)  # the spec's table: golden mode makes no config
     with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
         folder = shipped or _genai_folder(graph, spec, entry.variant, Path(tmp))
         for layout, rows in reference.prompts.items() if folder is not None else ():
@@ -196,6 +199,8 @@ def generate_model(
             want = reference.generation(layout, "alone")
             got = changed or _run(genai_generate, folder, rows, steps, pad)
             judged_row(GENAI, layout, rows, want, got, tolerance_on(GENAI_CPU))  # genai runs on the CPU
+            if window is not None and uneven(rows) and not results[-1].passed:
+                results[-1].divergence += f" ({right_padded_window(window)})"
     return results
 
 

@@ -366,6 +366,27 @@ def test_a_key_column_fault_in_the_packed_projection_is_localized_at_k_proj(buil
     assert "self_attn.k_proj" in headline and "batch=1" in result.output, result.output
 
 
+def test_a_fault_inside_groupqueryattention_is_localized_at_it_not_at_the_output_projection(
+    built: Built, tmp_path: Path
+) -> None:
+    """The op hands its output straight to the output projection; it was named for no FX
+    node, so its region had no PyTorch value and joined the projection's: a second layer's
+    attention scale 5 % off was named at ``o_proj``. The output now takes the name of the
+    merged heads' value, which PyTorch has."""
+    proto = onnx.load(str(built.out / f"{NAME}.onnx"))
+    second = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"][1]
+    scale = next(a for a in second.attribute if a.name == "scale")
+    scale.f *= 0.95
+    edited = tmp_path / "edited.onnx"
+    onnx.save(proto, str(edited))
+    spec = built.models / "llama_causal_lm.toml"
+    result = CliRunner().invoke(cli, ["localize", str(edited), "--spec", str(spec), "--variant", VARIANT])
+    assert result.exit_code == 1, result.output
+    headline = next(line for line in result.output.splitlines() if line.startswith("DIVERGES"))
+    assert f"at ONNX {second.name} " in headline and "GroupQueryAttention]" in headline, headline
+    assert "scaled_dot_product_attention" in headline and "o_proj" not in headline, headline
+
+
 @pytest.mark.slow  # two more graphs built and verified: about 40 s
 def test_its_int4_and_fp16_chains_verify_green(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The deploy forms: int4 after it for CPUs, fp16 for GPUs (GroupQueryAttention runs in

@@ -276,7 +276,7 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
     ``Where`` zeroing rows with no key: each row has its own length now) and, where the
     module merges the heads back at once (a Transpose and a Reshape to ``[batch, seq,
     heads * head_dim]``, after a Reshape to the shape they have, as Phi-3's), straight to
-    what reads that last Reshape: the op gives that layout."""
+    what reads that last Reshape: the op gives that layout, under that value's name."""
     split = _sole_reader(nodes, op.output[0], "Reshape")
     back = _sole_reader(nodes, split.output[0], "Transpose") if split is not None else None
     seen = _sole_reader(nodes, back.output[0], "Where") if back is not None else None
@@ -297,8 +297,10 @@ def _straight_output(proto: onnx.ModelProto, nodes: list[onnx.NodeProto], op: on
     dims = declared_dims(proto, merged.output[0])
     sizes = [d for d in (*heads[1:2], *heads[3:4], *dims[2:3]) if isinstance(d, int)]
     if len(heads) == 4 and len(dims) == 3 and len(sizes) == 3 and sizes[0] * sizes[1] == sizes[2]:
-        for node in nodes:  # the Reshape and the shape arithmetic feeding it left to no reader
-            node.input[:] = [op.output[0] if name == merged.output[0] else name for name in node.input]
+        # the op's output takes the merged value's name, its FX node's: localize compares it
+        # with PyTorch's there, and the layout ops and shape arithmetic are left to no reader
+        nodes.remove(merged)
+        op.output[0] = merged.output[0]
 
 
 def _checked(

@@ -105,9 +105,12 @@ class _FlatCache(nn.Module):
             counted = attention_mask.long().cumsum(-1) - 1
             position_ids = counted.clamp(min=0)[:, -input_ids.shape[1] :]
         if len(past) != 2 * self.layers:
+            inputs = "input_ids, attention_mask" + (", position_ids" if self.positions == "input" else "")
+            counted = ' (kwargs = { positions = "mask" } counts positions from the mask instead)'
             raise ValueError(
-                f"{self.layers} layers take {2 * self.layers} past tensors (past_key_values.{{i}}.key/value), "
-                f"got {len(past)}"
+                f"{self.layers} layers take {inputs}, then {2 * self.layers} past tensors "
+                f"(past_key_values.{{i}}.key/value), got {len(rest)} inputs after attention_mask"
+                + (counted if self.positions == "input" else "")
             )
         cache = DynamicCache(config=self.model.config) if self.cache_from_config else DynamicCache()
         for i in range(self.layers):

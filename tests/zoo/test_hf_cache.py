@@ -244,6 +244,21 @@ def test_a_model_the_wrappers_cannot_flatten_is_one_line(tmp_path: Path, config:
     assert "Traceback" not in result.output
 
 
+def test_a_spec_without_position_ids_is_told_the_wrapper_takes_them(tmp_path: Path) -> None:
+    """Bloom uses no positions, so a user left ``position_ids`` out: the wrapper took the first
+    past as them and said "2 layers take 4 past tensors, got 3" of a spec declaring 4."""
+    config, heads, head_dim = FAMILIES["bloom"]
+    spec = causal_lm_spec(tmp_path / "models", "bloom_np", config, heads, head_dim)
+    positions = '[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n'
+    spec.write_text(spec.read_text().replace(positions, ""))
+    result = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert (
+        "2 layers take input_ids, attention_mask, position_ids, then 4 past tensors (past_key_values.{i}.key/value), "
+        'got 4 inputs after attention_mask (kwargs = { positions = "mask" } counts positions from the mask instead)'
+    ) in result.output
+
+
 @pytest.mark.slow
 def test_every_family_builds_and_verifies(tmp_path: Path) -> None:
     """Qwen2, Phi-3, GPT-NeoX, Gemma2 (alternating window), Bloom (ALiBi), GPT-2 and Mistral:

@@ -212,13 +212,20 @@ def _padded(prompts: Sequence[Sequence[int]], pad: int, side: Side = "left") -> 
 
 
 def torch_generate(
-    module: Any, spec: ModelSpec, prompts: Sequence[Sequence[int]], steps: int, pad: int, bits: int | None = None
+    module: Any,
+    spec: ModelSpec,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    pad: int,
+    bits: int | None = None,
+    activations: bool = True,
 ) -> Generation:
     """PyTorch's ``generate()`` of the causal LM inside ``module`` (``module.model``), greedy,
     stopping each row at its config's end-of-sequence token as a generator does; with
     ``bits``, its weights rounded as the int8 or int4 variant rounds them (``rounded``), the
     generation a right quantized graph gives. int4's, simulated to float32 noise, holds as
-    its ``room`` how far its activations' near ties move each logit (``INT4_TIES``)."""
+    its ``room`` how far its activations' near ties move each logit (``INT4_TIES``); without
+    ``activations`` (a graph computing MatMulNBits in float), its weights alone, no tie."""
     from attn_export.runtimes.int8_rounding import INT4_TIES
 
     model = getattr(module, "model", None)
@@ -227,15 +234,21 @@ def torch_generate(
             f"{spec.name}: --generate compares with PyTorch's generate(), which {type(module).__name__} lacks: "
             "build the model with attn_export.zoo.hf_cache:CausalLMWithCache"
         )
-    made = _generated(module, prompts, steps, pad, bits)
-    if bits != 4:
+    made = _generated(module, prompts, steps, pad, bits, activations=activations)
+    if bits != 4 or not activations:
         return made
     ties = [_generated(module, prompts, steps, pad, bits, tie) for tie in INT4_TIES]
     return Generation(made.tokens, made.logits, _tie_room(made, ties))
 
 
 def _generated(
-    module: Any, prompts: Sequence[Sequence[int]], steps: int, pad: int, bits: int | None, tie: float = 0.0
+    module: Any,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    pad: int,
+    bits: int | None,
+    tie: float = 0.0,
+    activations: bool = True,
 ) -> Generation:
     import contextlib
 
@@ -244,7 +257,7 @@ def _generated(
     from attn_export.runtimes.int8_rounding import rounded
 
     ids, mask = _padded(prompts, pad)
-    with torch.no_grad(), rounded(module, bits, tie) if bits else contextlib.nullcontext():
+    with torch.no_grad(), rounded(module, bits, tie, activations) if bits else contextlib.nullcontext():
         out = module.model.generate(
             torch.from_numpy(ids),
             attention_mask=torch.from_numpy(mask),

@@ -106,11 +106,12 @@ def with_ties(
     return out
 
 
-def in_int8(module: Any, *args: Any, bits: int = 8) -> Any:
+def in_int8(module: Any, *args: Any, bits: int = 8, activations: bool = True) -> Any:
     """``module(*args)`` with every matmul on one of its own tensors rounded as the int8
     variant (``bits=8``) or the int4 variant (``bits=4``) rounds it; the rest of the module
-    in its own precision."""
-    with rounded(module, bits):
+    in its own precision. int4 without ``activations``: the weights alone, as a CPU computes
+    MatMulNBits at accuracy level 0 or 1 (in float)."""
+    with rounded(module, bits, activations=activations):
         return module(*args)
 
 
@@ -151,10 +152,10 @@ def int4_activation(x: Any, tie: float = 0.0) -> Any:
 
 
 @contextlib.contextmanager
-def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
+def rounded(module: Any, bits: int = 8, tie: float = 0.0, activations: bool = True) -> Iterator[None]:
     """Inside, every call of ``module`` (its ``generate()`` too) rounds as ``in_int8`` does;
     with ``tie``, int4's activation codes are taken ``1 + tie`` times as large before rounding
-    (``INT4_TIES``)."""
+    (``INT4_TIES``); without ``activations``, int4 rounds the weights alone."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
 
@@ -202,11 +203,15 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
         unscaled = kwargs.get("alpha", 1) == kwargs.get("beta", 1) == 1
         return len(args) >= 3 and unscaled and is_weight(args[2]) and args[2].dim() == 2 and not is_owned(args[1])
 
+    def codes(x: Any) -> Any:
+        """An int4 MatMul's activations as the graph's compute takes them."""
+        return int4_activation(x, tie) if activations else x
+
     class Rounded(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = dict(kwargs or {})
             if bits == 4 and func in addmms and is_plain_addmm(args, kwargs):
-                return func(args[0], int4_activation(args[1], tie), int4_weight(args[2], -2), **kwargs)
+                return func(args[0], codes(args[1]), int4_weight(args[2], -2), **kwargs)
             if func in (F.linear, *matmuls) and len(args) >= 2 and is_weight(args[1]) and not is_owned(args[0]):
                 if (
                     bits == 4
@@ -214,7 +219,7 @@ def rounded(module: Any, bits: int = 8, tie: float = 0.0) -> Iterator[None]:
                     if args[1].dim() != 2:
                         return func(*args, **kwargs)
                     weights = int4_weight(args[1], -1 if func is F.linear else -2)
-                    return func(int4_activation(args[0], tie), weights, *args[2:], **kwargs)
+                    return func(codes(args[0]), weights, *args[2:], **kwargs)
                 return func(activation(args[0]), weight(args[1]), *args[2:], **kwargs)
             result = func(*args, **kwargs)
             if func in slicing and args and is_owned(args[0]):

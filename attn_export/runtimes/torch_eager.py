@@ -56,6 +56,7 @@ class TorchRuntime(Runtime):
         weight_bits: int | None = None,
         rounding_bits: tuple[int, ...] = (8,),
         tie: float = 0.0,
+        int4_activations: bool = True,
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.module = module
@@ -65,6 +66,9 @@ class TorchRuntime(Runtime):
         self.weight_bits = weight_bits
         #: int4's activation codes taken ``1 + tie`` times as large (``rounded``); 0: as rounded.
         self.tie = tie
+        #: Whether int4's rounding takes the activations to int8 codes (MatMulNBits at accuracy
+        #: level 4 on a CPU) or leaves them float (levels 0 and 1; ``int4.int4_compute``).
+        self.int4_activations = int4_activations
         #: The quantizations whose rounding ``int8_rounding`` simulates (``model_spec.tolerance.rounding_bits``).
         self.rounding_bits = rounding_bits
         self.name = f"torch[{device}]" + (f"[{rounding_name(weight_bits)} rounding]" if weight_bits else "")
@@ -92,7 +96,11 @@ class TorchRuntime(Runtime):
     def _call(self, args: list[Any]) -> dict[str, np.ndarray]:
         torch = require("torch", "running the PyTorch original")
         bits = self.weight_bits
-        quantized = rounded(self.module, bits, self.tie) if bits and bits != FLOAT16 else contextlib.nullcontext()
+        quantized = (
+            rounded(self.module, bits, self.tie, self.int4_activations)
+            if bits and bits != FLOAT16
+            else contextlib.nullcontext()
+        )
         try:
             with torch.no_grad(), quantized:
                 result = in_float16(self._half(), *args) if bits == FLOAT16 else self.module(*args)
@@ -171,6 +179,7 @@ class TorchRuntime(Runtime):
             threads=self.threads,
             weight_bits=bits,
             tie=tie,
+            int4_activations=self.int4_activations,
         )
         rounded._float16 = self._half() if bits == FLOAT16 else None  # one float16 copy per module
         return rounded
@@ -205,7 +214,15 @@ class TorchRuntime(Runtime):
     ) -> dict[str, Rounding]:
         """int4's roundings in ``found`` with the ``simulated`` module's float values and how
         far its activations' near ties move them (``with_ties``): a right graph on a CPU
-        gives those values to float32 noise. Empty where a nudged run fails."""
+        gives those values to float32 noise. Empty where a nudged run fails. Where the
+        activations are not rounded (a CPU computing MatMulNBits in float), the ties are the
+        float32 error of the simulation itself (against it in float64): with its weights
+        rounded, a module may sit on a near tie its float module does not (a Softmax of large
+        scores), and a right graph's float32 rounding settles it as its own does."""
+        if not self.int4_activations:
+            with rounded(self._doubled(), 4, activations=False):
+                exact = self._float64(feeds, widened=False)
+            return with_ties(found, simulated, [exact] if exact is not None else [])
         nudged = []
         for tie in INT4_CASE_TIES:
             try:
@@ -228,7 +245,7 @@ class TorchRuntime(Runtime):
                 return [], _not_run(bits, e)
             runs = [partial(in_float16, half, *tensors, scale_scores=s, dither=d) for s, d in FLOAT16_ROUNDINGS]
         else:
-            runs = [partial(in_int8, self.module, *tensors, bits=bits)]
+            runs = [partial(in_int8, self.module, *tensors, bits=bits, activations=self.int4_activations)]
         results, errors = [], []
         for run in runs:
             try:
@@ -243,21 +260,26 @@ class TorchRuntime(Runtime):
             f"{rounding_name(bits)}'s simulation could not run ({type(errors[0]).__name__}: {first_line(errors[0])})",
         )
 
+    def _doubled(self) -> Any:
+        """The module's float64 copy, made on first use."""
+        import copy
+
+        if self._double is None:
+            self._double = copy.deepcopy(self.module).double()
+        return self._double
+
     def _float64(self, feeds: Mapping[str, np.ndarray], widened: bool) -> dict[str, np.ndarray] | None:
         """The module's outputs in float64, every op ``widened`` or cast as a whole; None
         where it cannot run so."""
-        import copy
-
         torch = require("torch", "running the PyTorch original")
-        if self._double is None:
-            self._double = copy.deepcopy(self.module).double()
+        double = self._doubled()
         args = [
             a.double() if a.is_floating_point() else a
             for a in (torch.from_numpy(np.array(feeds[t.name], order="C")).to(self.device) for t in self.inputs)
         ]
         try:
             with torch.no_grad():
-                result = in_float64(self._double, *args) if widened else self._double(*args)
+                result = in_float64(double, *args) if widened else double(*args)
         except Exception:  # noqa: BLE001 - code that names float32 itself fails the cast as a whole
             return None
         return {t.name: v.detach().cpu().numpy() for t, v in zip(self.outputs, _values(result), strict=False)}

@@ -144,19 +144,27 @@ def _plain_gemm(node: onnx.NodeProto, constant: set[str]) -> bool:
     return not scaled and not attrs.get("transA", 0) and not attrs.get("transB", 0)
 
 
-def rounds_as_simulated(proto: onnx.ModelProto) -> bool:
-    """Whether every MatMulNBits of a graph rounds as the simulation of int4 does on a CPU
-    (``in_int8(bits=4)``): 4 bits, symmetric (no zero points), blocks of ``INT4_BLOCK``,
-    accuracy level ``INT4_ACCURACY_LEVEL`` (int8 activations). At level 0, the quantizer's
-    default, ONNX Runtime computes in float: right, and off the simulation by int4's
-    activations' rounding."""
-    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
-    wanted = {"bits": 4, "block_size": INT4_BLOCK, "accuracy_level": INT4_ACCURACY_LEVEL}
-    for node in nodes:
+#: MatMulNBits' accuracy levels at which a CPU computes in float (0: unset, the quantizer's
+#: default; 1: float32): the weights rounded alone.
+FLOAT_LEVELS = (0, 1)
+
+
+def int4_compute(proto: onnx.ModelProto) -> str | None:
+    """How a CPU computes every MatMulNBits of a graph where the simulation of int4 stands
+    for it to float32 noise (``in_int8(bits=4)``): ``"int8"`` at accuracy level
+    ``INT4_ACCURACY_LEVEL`` (the activations rounded to int8 per block, the products in
+    integers), ``"float"`` at levels 0 and 1 (the weights alone rounded,
+    ``activations=False``); None where one is not 4 bits in symmetric blocks of
+    ``INT4_BLOCK`` (no zero points), where their levels differ, or where there is none."""
+    found = set()
+    for node in (n for n in proto.graph.node if n.op_type == "MatMulNBits"):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if any(attrs.get(k, 0) != v for k, v in wanted.items()) or (len(node.input) > 3 and node.input[3]):
-            return False
-    return bool(nodes)
+        level = attrs.get("accuracy_level", 0)
+        shaped = attrs.get("bits", 0) == 4 and attrs.get("block_size", 0) == INT4_BLOCK
+        if not shaped or (len(node.input) > 3 and node.input[3]):
+            return None
+        found.add("int8" if level == INT4_ACCURACY_LEVEL else "float" if level in FLOAT_LEVELS else None)
+    return found.pop() if len(found) == 1 else None
 
 
 def quantized_projections(proto: onnx.ModelProto) -> int:
@@ -167,6 +175,6 @@ def quantized_projections(proto: onnx.ModelProto) -> int:
 
 def simulated_on(target: Target, proto: onnx.ModelProto) -> bool:
     """Whether ``target`` computes ``proto``'s int4 as the simulation rounds it, to float32
-    noise: ONNX Runtime's CPU provider, every MatMulNBits as ``rounds_as_simulated`` says.
-    CUDA computes int4 in float."""
-    return (target.runtime, target.provider) == (ORT_KIND.name, "cpu") and rounds_as_simulated(proto)
+    noise: ONNX Runtime's CPU provider, every MatMulNBits as ``int4_compute`` takes it. CUDA
+    computes int4 in float with kernels of its own, not measured against it."""
+    return (target.runtime, target.provider) == (ORT_KIND.name, "cpu") and int4_compute(proto) is not None

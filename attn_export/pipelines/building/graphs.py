@@ -37,7 +37,7 @@ from attn_export.exporter.shape_paths import path_difference
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_onnx_program, refuse_misfit, stamp_metadata
 from attn_export.exporter.variants import make_variant
-from attn_export.exporter.variants.int4 import quantized_projections, rounds_as_simulated
+from attn_export.exporter.variants.int4 import int4_compute, quantized_projections
 from attn_export.model_spec import ModelSpec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, counted_positions, fed_sizes
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
@@ -270,7 +270,7 @@ class SpecBuild:
         int4 = 0
         if spec.simulated_tolerance("", variant) is not None:
             proto = onnx.load_model_from_string(model)
-            int4 = quantized_projections(proto) if rounds_as_simulated(proto) else 0
+            int4 = quantized_projections(proto) if int4_compute(proto) == "int8" else 0
         try:
             recorded = recorded_values(program, spec, case, limit, int4)
             return encode_intermediates(recorded), None

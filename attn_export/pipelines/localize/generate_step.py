@@ -21,12 +21,18 @@ __all__ = ["generate_step_case"]
 
 
 def generate_step_case(
-    spec: ModelSpec, module: Any, options: LocalizeOptions, bits: int | None, side: Side | None = "left"
+    spec: ModelSpec,
+    module: Any,
+    options: LocalizeOptions,
+    bits: int | None,
+    side: Side | None = "left",
+    activations: bool = True,
 ) -> tuple[dict[str, int], dict[str, np.ndarray], str]:
     """The sizes and feeds of generation step ``options.generate_step`` (1 = the prompt) of
     the ``options.layout`` prompts of a ``--generate options.generate_steps`` run, and that
     layout; the module runs with the variant's weight rounding ``bits`` (8, 4, or None), as
-    verify's reference generation does. Prompts of different lengths are padded on ``side``
+    verify's reference generation does (int4 without ``activations``: its weights alone).
+    Prompts of different lengths are padded on ``side``
     (``padding_side``); NotLocalizable where it is not the left: the module pads a cache
     where its mask says, a graph padded on the right keeps each row's tokens first, and fed
     the module's cache it would read the pads (None: the graph takes no padding)."""
@@ -52,7 +58,9 @@ def generate_step_case(
             f"{spec.name}: the {layout} generation's prompts are of different lengths, which the graph {takes}: "
             f"localize a layout of prompts of one length ({' or '.join(_even(prompts))})"
         )
-    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, weight_bits=bits) as eager:
+    with TorchRuntime(
+        module, spec.inputs, spec.outputs, spec.dims, weight_bits=bits, int4_activations=activations
+    ) as eager:
         tokens = graph_generate(eager, spec, rows, step - 1, pad).tokens or [[] for _ in rows]
         feeds = step_feeds(eager, spec, rows, tokens, pad, step)
     sizes = sizes_from_feeds(spec.inputs, {name: value.shape for name, value in feeds.items()})

@@ -45,7 +45,7 @@ from attn_export.exporter.factory import instantiate
 from attn_export.exporter.packed_projections import unpacked
 from attn_export.exporter.source import module_sources
 from attn_export.exporter.torch_export import export_program
-from attn_export.exporter.variants.int4 import quantized_projections, simulated_on
+from attn_export.exporter.variants.int4 import int4_compute, quantized_projections, simulated_on
 from attn_export.model_spec import ModelSpec, Tolerance, load_spec, variant_chain, variant_key
 from attn_export.model_spec.cache import cache_of, fed_sizes
 from attn_export.model_spec.inputs import make_feeds
@@ -558,9 +558,11 @@ def _pytorch_side(
     those (``TorchValues.int4_rounded``); a decode step's stay the float module's, which its
     one pass is compared with."""
     module = instantiate(spec)
+    activations = int4_compute(proto) != "float"  # a CPU computing MatMulNBits in float rounds the weights alone
     if options.generate_step is not None:
         padding = padding_side(spec, variant, lambda: proto)
-        sizes, feeds, layout = generate_step_case(spec, module, options, generation_rounding(spec, variant), padding)
+        generating = generation_rounding(spec, variant)
+        sizes, feeds, layout = generate_step_case(spec, module, options, generating, padding, activations)
         options = dataclasses.replace(options, layout=layout)
     elif options.decode_step is None:
         sizes = _check_case(spec, options)
@@ -572,11 +574,14 @@ def _pytorch_side(
         sizes, feeds, layout, traj = _decode_step(spec, module, options, budget)
         options = dataclasses.replace(options, layout=layout)
     program = _program(spec, module, default_opset(proto) or 0)
-    values = simulated_values(program, spec, feeds, budget, int4) if int4 and options.decode_step is None else None
+    simulated = int4 and options.decode_step is None
+    values = simulated_values(program, spec, feeds, budget, int4, activations) if simulated else None
     values = values or torch_values(program, spec, feeds, budget)
     # the simulated rounding of the variant's quantization (int8, int4), which its tolerances judge by
     bits = rounding_bits(spec.tolerances(variant).values())
-    with TorchRuntime(module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
+    with TorchRuntime(
+        module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits, int4_activations=activations
+    ) as eager:
         outputs = eager.run(feeds)
         seen = sights(spec, eager, example_sizes(spec), [sizes])
         floors, int8 = eager.allowances(feeds, outputs)
@@ -631,6 +636,15 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     # int4 on a CPU, where its graph rounds as the simulation: its regions are judged against
     # the simulated module, as its outputs are, not within int4's own room of the float one
     on_a_cpu_int4 = simulated_on(options.target, found.proto)
+    if options.golden and on_a_cpu_int4 and int4_compute(found.proto) == "float":
+        on_a_cpu_int4 = False  # a build records int4 as level 4 computes it
+        notes_first = [
+            "regions and outputs judged within int4's own room of the float module, not against int4's simulation: "
+            "the recorded intermediates round the activations as accuracy level 4 does, and this graph computes "
+            "its MatMulNBits in float (level 0 or 1)"
+        ]
+    else:
+        notes_first = []
     exact = spec.simulated_tolerance("", entry.variant) if on_a_cpu_int4 else None
     quantized = quantized_projections(found.proto) if exact is not None else 0
     if options.golden:
@@ -645,7 +659,7 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
         raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     outputs = case.outputs
-    notes = list(found.notes)
+    notes = [*found.notes, *notes_first]
     filled, feeds = _in_buffers(proto, spec, feeds)
     try:
         graph_vals = filled(graph_values(proto, feeds, options.target, budget, options.timeout_s))

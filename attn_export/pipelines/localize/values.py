@@ -110,11 +110,17 @@ def _int4_operands(node: Any) -> tuple[int, int, int] | None:
 
 
 def _run_program(
-    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], keep: Callable[[Any, Any], None], tie: float | None
+    program: Any,
+    spec: ModelSpec,
+    feeds: Mapping[str, np.ndarray],
+    keep: Callable[[Any, Any], None],
+    tie: float | None,
+    activations: bool = True,
 ) -> tuple[Any, int]:
     """Run ``program`` on ``feeds``, handing each call's tensor to ``keep``; with ``tie`` (not
     None), each matmul the int4 variant quantizes rounded as its simulation rounds it
-    (``int4_activation``'s ``tie``). The module run, and how many matmuls were rounded."""
+    (``int4_activation``'s ``tie``; without ``activations``, its weight alone). The module
+    run, and how many matmuls were rounded."""
     torch = require("torch", "localizing against PyTorch")
     from attn_export.runtimes.int8_rounding import int4_activation, int4_weight
 
@@ -129,7 +135,8 @@ def _run_program(
                 args, kwargs = self.fetch_args_kwargs_from_env(node)
                 act, weight, axis = operands
                 if args[weight].dim() == 2 and args[weight].is_floating_point():
-                    args = (*args[:act], int4_activation(args[act], tie), *args[act + 1 : weight],
+                    codes = int4_activation(args[act], tie) if activations else args[act]
+                    args = (*args[:act], codes, *args[act + 1 : weight],
                             int4_weight(args[weight], axis), *args[weight + 1 :])  # fmt: skip
                     count[0] += 1
                 out = node.target(*args, **kwargs)
@@ -145,11 +152,17 @@ def _run_program(
 
 
 def torch_values(
-    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int, int4: bool = False
+    program: Any,
+    spec: ModelSpec,
+    feeds: Mapping[str, np.ndarray],
+    budget: int,
+    int4: bool = False,
+    activations: bool = True,
 ) -> TorchValues:
     """Run ``program`` (a torch.export ExportedProgram) on ``feeds`` and keep every tensor
     it computes; refuse once they hold more than ``budget`` bytes. With ``int4``, as the
-    int4 variant's simulation computes them (``simulated_values``)."""
+    int4 variant's simulation computes them (``simulated_values``; without ``activations``,
+    as a CPU computes MatMulNBits in float)."""
     values = TorchValues()
     held = [0]
 
@@ -164,7 +177,7 @@ def torch_values(
         line = innermost_line(node.meta.get("stack_trace") or "") or ("", "")
         values.sources[node.name] = (str(node.target), *line)
 
-    module, values.int4_rounded = _run_program(program, spec, feeds, keep, 0.0 if int4 else None)
+    module, values.int4_rounded = _run_program(program, spec, feeds, keep, 0.0 if int4 else None, activations)
     returned = next(n for n in module.graph.nodes if n.op == "output").args[0]
     returned = returned if isinstance(returned, tuple | list) else (returned,)
     values.outputs = {t.name: getattr(n, "name", "") for t, n in zip(spec.outputs, returned, strict=False)}
@@ -172,7 +185,12 @@ def torch_values(
 
 
 def simulated_values(
-    program: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray], budget: int, quantized: int
+    program: Any,
+    spec: ModelSpec,
+    feeds: Mapping[str, np.ndarray],
+    budget: int,
+    quantized: int,
+    activations: bool = True,
 ) -> TorchValues | None:
     """PyTorch's values as the int4 variant's simulation computes them, which a right int4
     graph on a CPU gives to float32 noise: a region is judged by them as strictly as a float
@@ -180,10 +198,11 @@ def simulated_values(
     moves where the activations' codes are nudged (``INT4_CASE_TIES``; ``TorchValues.ties``):
     the graph's float rounding may settle a near tie of a code the other way. None where the
     simulation rounds another count of matmuls than the graph's ``quantized`` projections:
-    then it does not stand for the graph."""
+    then it does not stand for the graph. Without ``activations`` (a graph computing in
+    float), the weights alone are rounded and no code has a tie."""
     from attn_export.runtimes.int8_rounding import INT4_CASE_TIES
 
-    values = torch_values(program, spec, feeds, budget, int4=True)
+    values = torch_values(program, spec, feeds, budget, int4=True, activations=activations)
     if values.int4_rounded != quantized:
         return None
 
@@ -196,7 +215,7 @@ def simulated_values(
         far = float(np.nanmax(np.where(np.isfinite(moved), moved, np.nan), initial=0.0))
         values.ties[node.name] = max(values.ties.get(node.name, 0.0), far)
 
-    for tie in INT4_CASE_TIES:
+    for tie in INT4_CASE_TIES if activations else ():
         _run_program(program, spec, feeds, widest, tie)
     return values
 

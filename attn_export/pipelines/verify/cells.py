@@ -32,6 +32,7 @@ from attn_export.pipelines.verify.expected import (
     Expected,
     case_plan,
     golden_expected,
+    int4_activations,
     recorded_expected,
     target_tolerances,
     torch_expected,
@@ -131,7 +132,14 @@ class TargetRun:
             threads = options.threads if kind.timed else None
             bits = rounding_bits(tolerances.values())  # the simulations this variant is judged by, no more
             eager = TorchRuntime(
-                self.module, spec.inputs, spec.outputs, spec.dims, device=device, threads=threads, rounding_bits=bits
+                self.module,
+                spec.inputs,
+                spec.outputs,
+                spec.dims,
+                device=device,
+                threads=threads,
+                rounding_bits=bits,
+                int4_activations=int4_activations(self.path) if 4 in bits else True,
             )
             stack.enter_context(eager)
             if options.inputs_file:

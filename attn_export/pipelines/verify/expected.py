@@ -14,7 +14,7 @@ from attn_export.artifacts.recorded import RECORDED, read_recorded
 from attn_export.checks.causality import sights
 from attn_export.checks.decode.recording import split_recorded_label
 from attn_export.errors import InputError
-from attn_export.exporter.variants.int4 import simulated_on
+from attn_export.exporter.variants.int4 import int4_compute, simulated_on
 from attn_export.model_spec import ModelSpec, Tolerance
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.model_spec.distributions import DISTRIBUTIONS, split_label
@@ -33,6 +33,7 @@ __all__ = [
     "PlannedCase",
     "case_plan",
     "golden_expected",
+    "int4_activations",
     "recorded_expected",
     "target_tolerances",
     "tolerances_for",
@@ -66,9 +67,19 @@ def target_tolerances(
     (``model_spec.tolerance.on_a_cpu``)."""
     tolerances = tolerances_for(spec, variant, options)
     exact = spec.simulated_tolerances(variant)
-    if exact is None or not simulated_on(target, load_model_file(graph)):
+    if exact is None:
         return tolerances
+    proto = load_model_file(graph)
+    if not simulated_on(target, proto) or (options.golden and int4_compute(proto) == "float"):
+        return tolerances  # a build records int4 as accuracy level 4 computes it
     return on_a_cpu(tolerances, {name: _with_options(tol, options) for name, tol in exact.items()})
+
+
+def int4_activations(graph: Path) -> bool:
+    """Whether int4's simulation standing for ``graph`` rounds its activations (MatMulNBits
+    at accuracy level 4), or its weights alone (levels 0 and 1, computed in float on a CPU):
+    ``TorchRuntime.int4_activations``."""
+    return int4_compute(load_model_file(graph)) != "float"
 
 
 def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:

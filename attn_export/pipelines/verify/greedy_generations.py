@@ -41,6 +41,7 @@ from attn_export.checks.generate import (
     uneven,
 )
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
+from attn_export.exporter.variants.int4 import int4_compute
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.cache import short_window
@@ -87,8 +88,9 @@ def generation_rounding(spec: ModelSpec, variant: str) -> int | None:
     return judged.weight_bits if judged.int8_rounding and judged.weight_bits in (8, 4) else None
 
 
-def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _Reference:
-    """PyTorch's ``generate()`` of seeded prompts, on this machine."""
+def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None, activations: bool = True) -> _Reference:
+    """PyTorch's ``generate()`` of seeded prompts, on this machine (int4 without
+    ``activations``: its weights alone rounded, as a CPU computes MatMulNBits in float)."""
     from attn_export.exporter.factory import build_config, instantiate
 
     config = build_config(spec)
@@ -102,8 +104,8 @@ def _from_torch(spec: ModelSpec, options: VerifyOptions, bits: int | None) -> _R
     def generation(layout: str, how: str) -> Generation:
         rows = prompts[layout]
         if how == "batch":
-            return torch_generate(module, spec, rows, steps, pad, bits)
-        return stacked([torch_generate(module, spec, [row], steps, pad, bits) for row in rows])
+            return torch_generate(module, spec, rows, steps, pad, bits, activations)
+        return stacked([torch_generate(module, spec, [row], steps, pad, bits, activations) for row in rows])
 
     return _Reference(prompts, pad, eos_tokens(config), generation)
 
@@ -155,7 +157,7 @@ def generate_model(
     if options.golden:
         reference = recorded_reference(out_dir, entry, spec, options)
     else:
-        reference = _from_torch(spec, options, bits)
+        reference = _from_torch(spec, options, bits, int4_compute(load_model_file(graph)) != "float")
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     side = padding_side(spec, entry.variant, lambda: load_model_file(graph))
     results = []

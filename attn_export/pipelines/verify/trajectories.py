@@ -19,7 +19,7 @@ from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.cache import CacheSpec
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import rounding_bits
-from attn_export.pipelines.verify.expected import target_tolerances, tolerances_for
+from attn_export.pipelines.verify.expected import int4_activations, target_tolerances, tolerances_for
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES
 from attn_export.runtimes.torch_eager import TorchRuntime
@@ -49,7 +49,11 @@ def decode_model(
         from attn_export.exporter.factory import instantiate
 
         bits = rounding_bits(tolerances.values())
-        with TorchRuntime(instantiate(spec), spec.inputs, spec.outputs, spec.dims, rounding_bits=bits) as eager:
+        activations = int4_activations(path) if 4 in bits else True
+        module = instantiate(spec)
+        with TorchRuntime(
+            module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits, int4_activations=activations
+        ) as eager:
             plans = [
                 (
                     traj,

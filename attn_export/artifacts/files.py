@@ -46,6 +46,9 @@ LOCK_NAME = ".attn-export.lock"
 #: concurrent build to finish, short enough to fail a stuck one.
 LOCK_WAIT_S = 300.0
 _CHUNK = 1 << 20
+#: How often a build makes its folder again where another build, which wrote nothing, removed
+#: it between the making and the locking: each time is such a build ending in that instant.
+_VANISHED_TRIES = 8
 
 
 def schema_document(text: str, where: str, schema: str, version: int, kind: str, rebuild: str) -> dict[str, Any]:
@@ -219,7 +222,7 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
     (or a verify) to release it, telling ``on_wait`` once. Where nothing but the lock file
     is left in the folder at the end, it goes, and so do the folders made for it: a build
     that wrote nothing leaves nothing."""
-    deadline = time.monotonic() + wait_s
+    deadline, vanished = time.monotonic() + wait_s, 0
     while True:
         made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]
         try:
@@ -227,16 +230,21 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
         except OSError as e:
             raise UsageError(f"cannot use output directory {out_dir}: {e.strerror}") from e
         fd = _open_lock(out_dir, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        if fd is None:  # the folder went away between the two calls
-            raise UsageError(f"cannot use output directory {out_dir}: it no longer exists")
+        if fd is None:  # a build that wrote nothing removed the folder between the two calls
+            vanished += 1
+            if vanished > _VANISHED_TRIES:
+                raise UsageError(f"cannot use output directory {out_dir}: it no longer exists")
+            continue
         if _acquired(fd, out_dir, True, deadline, wait_s, on_wait):
             break
         on_wait = None  # the build that held it removed its lock file: lock the folder anew
     try:
         yield
     finally:
-        _remove_if_empty(out_dir, made)
-        os.close(fd)
+        try:
+            _remove_if_empty(out_dir, made)
+        finally:
+            os.close(fd)
 
 
 def _remove_if_empty(out_dir: Path, made: Sequence[Path]) -> None:

@@ -298,7 +298,10 @@ def reached_positions(spec: ModelSpec) -> int:
 def short_window(spec: ModelSpec, config: Any = None) -> int | None:
     """The sliding window of a decoder's config (``config``, the object its table makes, its
     class's default included, else the table) where it is in use and shorter than the
-    positions the cache reaches (``reached_positions``); None elsewhere."""
+    positions the cache reaches (``reached_positions``); None elsewhere (a spec without a
+    cache included)."""
+    if cache_of(spec) is None:
+        return None
     table = spec.config or {}
     window = getattr(config, "sliding_window", None) if config is not None else table.get("sliding_window")
     used = _uses_window(config) if config is not None else table.get("use_sliding_window", True)

@@ -148,7 +148,7 @@ def test_int4_is_blocks_of_32_and_a_block_scale_1_percent_off_fails(variant_buil
         cli, ["verify", str(out / "mha_cross.int4.onnx"), *TINY, "--no-latency", "--distribution", "normal"]
     )
     assert result.exit_code == 1, result.output
-    said = r"FAIL mha_cross\.int4 .* output: .*; against int4's simulation \(.*\)"
+    said = r"FAIL mha_cross\.int4 .* output: .*; against int4's simulation, which a right graph gives to float32 noise \(.*\)"
     assert re.search(said, result.output), result.output
     assert result.output.count("note: 'against int4's simulation': on a CPU, an int4 graph is judged") == 1
 
@@ -524,6 +524,12 @@ def test_int4_quantizes_a_head_tied_to_the_embedding_and_keeps_the_table_for_the
     (got,) = session.run(None, {"ids": ids})
     exact = table[ids] @ table.T
     assert np.abs(got - exact).max() < 0.1 * np.abs(exact).max()  # int4's rounding, not a wrong table
+    # a table also listed as an input may be fed in its place: no constant, left as it is
+    from attn_export.errors import ExportFailure
+
+    graph.input.append(helper.make_tensor_value_info("table", TensorProto.FLOAT, [48, 64]))
+    with pytest.raises(ExportFailure, match="no MatMul has a constant weight to quantize"):
+        int4.make(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), "cpu")
 
 
 def _at_level(proto: onnx.ModelProto, level: int) -> onnx.ModelProto:
@@ -558,6 +564,8 @@ def test_int4_at_accuracy_level_0_is_judged_against_its_weights_rounded_alone(
     onnx.save(proto, str(wrong))
     result = CliRunner().invoke(cli, ["verify", str(wrong), *args])
     assert result.exit_code == 1, result.output
-    assert re.search(r"FAIL mha_cross\.int4 .* output: .*; against int4's simulation \(", result.output), result.output
+    assert re.search(
+        r"FAIL mha_cross\.int4 .* output: .*; against int4's simulation, which a right graph ", result.output
+    ), result.output
     _at_level(proto, 2)  # fp16 compute: not what the simulation stands for
     assert int4_compute(proto) is None

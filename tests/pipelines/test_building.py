@@ -331,6 +331,37 @@ def test_a_lock_that_guarded_nothing_goes_with_its_folders_and_a_waiting_build_l
     assert inside.is_set() and not out.exists()
 
 
+def test_a_build_whose_folder_a_released_build_removed_makes_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between a build's making its folder and opening the lock file in it, another build
+    that wrote nothing may release and remove both: the build said "it no longer exists"."""
+    out = tmp_path / "new" / "out"
+    held, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with build_lock(out):
+            held.set()
+            release.wait(10)
+        done.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    held.wait(10)
+    opening = artifacts._open_lock
+
+    def released_first(out_dir: Path, flags: int) -> int | None:
+        if threading.current_thread() is threading.main_thread() and not done.is_set():
+            release.set()  # the first build releases exactly here, after this one's mkdir
+            done.wait(10)
+        return opening(out_dir, flags)
+
+    monkeypatch.setattr(artifacts, "_open_lock", released_first)
+    with build_lock(out, wait_s=10):
+        assert (out / LOCK_NAME).is_file()
+    thread.join()
+
+
 def test_second_build_runs_once_the_first_releases_the_lock(tmp_path: Path) -> None:
     path, out = tiny_spec(tmp_path / "models", exporter="torchscript"), tmp_path / "out"
     held, release = threading.Event(), threading.Event()

@@ -188,6 +188,13 @@ def test_genais_padded_batch_under_a_short_sliding_window_is_said_at_build_and_i
     failed = [line for line in result.output.splitlines() if line.startswith("FAIL ")]
     assert failed and all("onnxruntime-genai generate padded" in line for line in failed), result.output
     assert all(line.endswith("prompts of one length are not affected)") for line in failed), result.output
+    # a failure it does not explain is not given the explanation: a file changed after the build
+    config = tmp_path / "out" / "genai" / "gemma2_sw" / "genai_config.json"
+    config.write_text(config.read_text() + " ")
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(spec.parent), *args])
+    changed = [line for line in result.output.splitlines() if line.startswith("FAIL ")]
+    assert changed and all(line.endswith("changed after the build") or "sha256" in line for line in changed), changed
+    assert not any("sliding_window" in line for line in changed), changed
 
 
 @pytest.mark.slow  # a build of its own (10 s)
@@ -311,3 +318,24 @@ def test_a_config_whose_fields_refuse_a_global_read_is_built(tmp_path: Path) -> 
 
     spec = causal_lm_spec(tmp_path / "models", "g4", 'class = "transformers:Gemma4TextConfig", head_dim = 256', 2, 16)
     assert type(build_config(load_spec(spec))).__name__ == "Gemma4TextConfig"
+
+
+def test_a_short_window_is_read_off_the_config_its_class_makes(tmp_path: Path) -> None:
+    """Qwen2 keeps its sliding_window off unless use_sliding_window asks: read off the table
+    alone, a window of 8 was taken as in use, and genai's padded failures were given a
+    window's explanation the model does not have."""
+    from attn_export.exporter.factory import build_config
+    from attn_export.model_spec import load_spec
+    from attn_export.model_spec.cache import short_window
+
+    config, heads, head_dim = FAMILIES["qwen2"]
+    spec = load_spec(causal_lm_spec(tmp_path, "qwen2_sw", config + ", sliding_window = 8", heads, head_dim))
+    assert short_window(spec, build_config(spec)) is None
+    on = load_spec(
+        causal_lm_spec(
+            tmp_path, "qwen2_on", config + ", sliding_window = 8, use_sliding_window = true", heads, head_dim
+        )
+    )
+    assert short_window(on, build_config(on)) == 8
+    mistral, heads, head_dim = FAMILIES["mistral"]  # a class without the switch applies its window
+    assert short_window(load_spec(causal_lm_spec(tmp_path, "m", mistral, heads, head_dim)), None) == 8

@@ -11,6 +11,7 @@ import onnx
 import onnx.numpy_helper
 
 from attn_export.errors import ExportFailure
+from attn_export.exporter.cache_in_op import fresh_prefixes
 from attn_export.exporter.packed_projections import keep_records, packed_records, projections
 from attn_export.exporter.variants import VariantGraph, op_counts
 from attn_export.runtimes import Target
@@ -100,8 +101,11 @@ def _transposed_weights(proto: onnx.ModelProto) -> None:
     ``tie_word_embeddings``) reads the table the Gather reads through a Transpose, was left
     in float32 and its int4 build failed the smoke check, the module rounding it. The table
     stays for the Gather; the head gets an int4 copy, as onnxruntime-genai's builder unties it."""
-    constants = {t.name: t for t in proto.graph.initializer}
+    inputs = {i.name for i in proto.graph.input}  # an initializer listed as an input may be fed instead
+    constants = {t.name: t for t in proto.graph.initializer if t.name not in inputs}
     made = {n.output[0]: n for n in proto.graph.node if n.op_type == "Transpose" and not n.domain}
+    prefixes = fresh_prefixes(proto, "int4_transposed")
+    copies: dict[str, str] = {}  # each table's transposed copy, under a name no value has
     for node in proto.graph.node:
         transpose = made.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if transpose is None or transpose.input[0] not in constants:
@@ -110,16 +114,15 @@ def _transposed_weights(proto: onnx.ModelProto) -> None:
         perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
         if len(table.dims) != 2 or perm not in ([], [[1, 0]]):
             continue
-        name = f"{table.name}_transposed"
-        if name not in constants:
+        if table.name not in copies:
+            copies[table.name] = f"{next(prefixes)}/{table.name}"
             weight = onnx.numpy_helper.to_array(table).T.copy()
-            constants[name] = onnx.numpy_helper.from_array(weight, name)
-            proto.graph.initializer.append(constants[name])
-        node.input[1] = name
+            proto.graph.initializer.append(onnx.numpy_helper.from_array(weight, copies[table.name]))
+        node.input[1] = copies[table.name]
     unused = [n for n in made.values() if n.output[0] not in _read(proto.graph)]
     for node in unused:
         proto.graph.node.remove(node)
-    tables = {n.input[0] for n in unused} - _read(proto.graph)
+    tables = {n.input[0] for n in unused} - _read(proto.graph) - inputs
     for t in [t for t in proto.graph.initializer if t.name in tables]:
         proto.graph.initializer.remove(t)
 

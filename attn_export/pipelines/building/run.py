@@ -33,7 +33,7 @@ from attn_export.executors import SERIAL, Parallelism, run_in_order
 from attn_export.exporter.factory import build_config
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec, load_spec, variant_chain
-from attn_export.model_spec.cache import short_window
+from attn_export.model_spec.cache import cache_of, short_window
 from attn_export.pipelines.building.cells import BuildCell, BuiltGraph, build_cell, checked_graph, stage_timer
 from attn_export.pipelines.building.graphs import Once, SpecBuild
 from attn_export.pipelines.building.results import BuildOptions, BuildResult, BuildSummary
@@ -127,7 +127,10 @@ def build_models(
                 refuse_unfit(spec, variant)
             config = build_config(spec)
             genai_config(spec, config)  # what its config needs (heads, eos, ...) is there
-            if on_notice is not None and (window := short_window(spec, config)) is not None:
+            cache = cache_of(spec)
+            batch = cache.batch_dim if cache is not None else None
+            padded = batch is None or spec.dims[batch].max > 1  # genai pads a batch of two or more
+            if on_notice is not None and padded and (window := short_window(spec, config)) is not None:
                 on_notice(f"{spec.name}: --target genai: {right_padded_window(window)}")
     if not any(_loads(p) for p in spec_paths):  # every spec fails before any work: the folder is left alone
         for p in spec_paths:

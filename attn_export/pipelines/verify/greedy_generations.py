@@ -193,7 +193,6 @@ def generate_model(
     # an older build recorded no hashes of its folder: golden mode (no torch to make one) runs it as it is
     shipped = folder_there if entry.genai or (options.golden and folder_there.is_dir()) else None
     changed = "; ".join(genai_integrity(out_dir, entry))
-    window = short_window(spec)  # the spec's table: golden mode makes no config
     with tempfile.TemporaryDirectory(prefix="attn-export-genai-") as tmp:
         folder = shipped or _genai_folder(graph, spec, entry.variant, Path(tmp))
         for layout, rows in reference.prompts.items() if folder is not None else ():
@@ -201,9 +200,24 @@ def generate_model(
             want = reference.generation(layout, "alone")
             got = changed or _run(genai_generate, folder, rows, steps, pad)
             judged_row(GENAI, layout, rows, want, got, tolerance_on(GENAI_CPU))  # genai runs on the CPU
-            if window is not None and uneven(rows) and not results[-1].passed:
+            diverged = uneven(rows) and not isinstance(got, str) and not results[-1].passed
+            if diverged and (window := _short_window(spec)) is not None:  # a config made only where it may tell
                 results[-1].divergence += f" ({right_padded_window(window)})"
     return results
+
+
+def _short_window(spec: ModelSpec) -> int | None:
+    """The config's sliding window where it is shorter than the cache reaches
+    (``short_window``): read off the config transformers makes, its class's defaults
+    included (Qwen2's window is off unless asked), else, without transformers (golden mode
+    on a deploy box), off the spec's table."""
+    from attn_export.exporter.factory import build_config
+
+    try:
+        config = build_config(spec) if importlib.util.find_spec("transformers") else None
+    except AttnExportError:
+        config = None
+    return short_window(spec, config)
 
 
 def _genai_folder(graph: Path, spec: ModelSpec, variant: str, tmp: Path) -> Path | None:

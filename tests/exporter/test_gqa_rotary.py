@@ -357,13 +357,19 @@ def test_a_key_column_fault_in_the_packed_projection_is_localized_at_k_proj(buil
     packed = numpy_helper.to_array(weight).copy()
     packed[:, 32:48] *= 1.25  # the key's columns (after the query's 2 heads of 16)
     weight.CopyFrom(numpy_helper.from_array(packed, weight.name))
+    headline, output = _localized(proto, built, tmp_path)
+    assert "self_attn.k_proj" in headline and "batch=1" in output, output
+
+
+def _localized(proto: onnx.ModelProto, made: Built, tmp_path: Path) -> tuple[str, str]:
+    """``proto``, an edit of ``made``'s graph, localized with its spec: red, its DIVERGES line
+    and the whole output."""
     edited = tmp_path / "edited.onnx"
     onnx.save(proto, str(edited))
-    spec = built.models / "llama_causal_lm.toml"
+    spec = made.models / "llama_causal_lm.toml"
     result = CliRunner().invoke(cli, ["localize", str(edited), "--spec", str(spec), "--variant", VARIANT])
     assert result.exit_code == 1, result.output
-    headline = next(line for line in result.output.splitlines() if line.startswith("DIVERGES"))
-    assert "self_attn.k_proj" in headline and "batch=1" in result.output, result.output
+    return next(line for line in result.output.splitlines() if line.startswith("DIVERGES")), result.output
 
 
 def test_a_fault_inside_groupqueryattention_is_localized_at_it_not_at_the_output_projection(
@@ -377,12 +383,7 @@ def test_a_fault_inside_groupqueryattention_is_localized_at_it_not_at_the_output
     second = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"][1]
     scale = next(a for a in second.attribute if a.name == "scale")
     scale.f *= 0.95
-    edited = tmp_path / "edited.onnx"
-    onnx.save(proto, str(edited))
-    spec = built.models / "llama_causal_lm.toml"
-    result = CliRunner().invoke(cli, ["localize", str(edited), "--spec", str(spec), "--variant", VARIANT])
-    assert result.exit_code == 1, result.output
-    headline = next(line for line in result.output.splitlines() if line.startswith("DIVERGES"))
+    headline, _ = _localized(proto, built, tmp_path)
     assert f"at ONNX {second.name} " in headline and "GroupQueryAttention]" in headline, headline
     assert "scaled_dot_product_attention" in headline and "o_proj" not in headline, headline
 

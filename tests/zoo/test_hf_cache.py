@@ -3,6 +3,7 @@ head, the families users bring, and one line for a model whose cache is no key/v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -108,34 +109,33 @@ def test_a_two_layer_causal_lm_and_its_int4_graph_decode_like_pytorch(causal_lm:
 
 
 @pytest.mark.slow  # a build of its own (10 s)
-def test_padding_tokens_left_out_are_left_out_of_every_layers_cache_too(tmp_path: Path) -> None:
-    """Under ``fully_masked = "ignore"`` (what verify advises where only padded rows differ) a
-    left-padded prompt's padding rows are not compared, and neither are the keys and values
-    a later layer computes from them: a right 2-layer Llama was red at its first decode step,
-    present.1.key 0.24 off at the padding tokens' positions, PyTorch's fully masked rows and
-    the graph's being different things."""
-    config, heads, head_dim = FAMILIES["qwen2"]
-    spec = causal_lm_spec(tmp_path / "models", "qwen2_ignore", config, heads, head_dim)
-    ignore = 'accept_guards = true\nfully_masked = "ignore"\n'
-    spec.write_text(spec.read_text().replace("accept_guards = true\n", ignore))
-    summary = build_models([spec], BuildOptions(tmp_path / "out"))
-    assert [r.error for r in summary.results] == [None]
-    args = ["--decode", "3", "--distribution", "normal", "--random", "0", "--no-latency"]
-    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--models", str(spec.parent), *args])
-    assert result.exit_code == 0, result.output
-    assert "2 of 2 decode trajectories agree" in result.output
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        (
+            "qwen2_ignore",
+            lambda text: text.replace("accept_guards = true\n", 'accept_guards = true\nfully_masked = "ignore"\n'),
+        ),
+        ("qwen2_eager", lambda text: text.replace("vocab_size", 'attn_implementation = "eager", vocab_size')),
+    ],
+)
+def test_padding_tokens_are_left_out_of_every_layers_cache_too(
+    tmp_path: Path, name: str, edit: Callable[[str], str]
+) -> None:
+    """A left-padded prompt's padding tokens: their keys and values from the second layer on
+    are computed from query rows that see no key.
 
-
-@pytest.mark.slow  # a build of its own (10 s)
-def test_a_left_padded_eager_decoder_is_no_module_bug_at_its_padding_tokens(tmp_path: Path) -> None:
-    """Eager attention gives a query row that sees no key the mean of every value, so a
-    padding token's key and value from the second layer on depend on how many tokens the pass
-    holds: a right 2-layer model with its cache was called a module bug against its own one
-    pass ("present.1.key: 256/480 elements"), at positions no real token reads."""
+    - Under ``fully_masked = "ignore"`` (what verify advises where only padded rows differ)
+      those rows are not compared, and neither are those keys and values: a right 2-layer
+      Llama was red at its first decode step, present.1.key 0.24 off there, PyTorch's fully
+      masked rows and the graph's being different things.
+    - Eager attention gives such a row the mean of every value, so those keys depend on how
+      many tokens the pass holds: a right 2-layer model with its cache was called a module bug
+      against its own one pass ("present.1.key: 256/480 elements"), at positions no real
+      token reads."""
     config, heads, head_dim = FAMILIES["qwen2"]
-    spec = causal_lm_spec(
-        tmp_path / "models", "qwen2_eager", config + ', attn_implementation = "eager"', heads, head_dim
-    )
+    spec = causal_lm_spec(tmp_path / "models", name, config, heads, head_dim)
+    spec.write_text(edit(spec.read_text()))
     summary = build_models([spec], BuildOptions(tmp_path / "out"))
     assert [r.error for r in summary.results] == [None]
     args = ["--decode", "3", "--distribution", "normal", "--random", "0", "--no-latency"]

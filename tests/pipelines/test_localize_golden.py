@@ -201,3 +201,11 @@ def test_an_int4_graphs_recording_is_its_simulation_and_names_a_key_2_percent_of
     blamed = "\nDIVERGES first at ONNX node_linear_1 (+1 nodes) [MatMulNBits+Add] from FX node linear_1 "
     assert blamed in found.stdout, found.stdout
     assert "in k_linear at " in found.stdout, found.stdout
+    # at accuracy level 0 a CPU computes in float: the recording, level 4's, is not its simulation
+    proto = onnx.load(built.out / "mha.int4.onnx")
+    for node in (n for n in proto.graph.node if n.op_type == "MatMulNBits"):
+        next(a for a in node.attribute if a.name == "accuracy_level").i = 0
+    onnx.save(proto, graph)
+    level0 = CliRunner().invoke(cli, args)
+    assert level0.exit_code == 0, level0.output
+    assert "this graph computes its MatMulNBits in float (level 0 or 1)" in level0.output, level0.output

@@ -69,9 +69,8 @@ def target_tolerances(
     exact = spec.simulated_tolerances(variant)
     if exact is None:
         return tolerances
-    proto = load_model_file(graph)
-    if not simulated_on(target, proto) or (options.golden and int4_compute(proto) == "float"):
-        return tolerances  # a build records int4 as accuracy level 4 computes it
+    if not simulated_on(target, load_model_file(graph)):
+        return tolerances
     return on_a_cpu(tolerances, {name: _with_options(tol, options) for name, tol in exact.items()})
 
 

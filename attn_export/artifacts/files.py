@@ -222,7 +222,7 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
     (or a verify) to release it, telling ``on_wait`` once. Where nothing but the lock file
     is left in the folder at the end, it goes, and so do the folders made for it: a build
     that wrote nothing leaves nothing."""
-    deadline, vanished = time.monotonic() + wait_s, 0
+    deadline, vanished, on_wait = time.monotonic() + wait_s, 0, _once(on_wait)
     while True:
         made = [p for p in (out_dir, *out_dir.parents) if not os.path.lexists(p)]
         try:
@@ -237,7 +237,7 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
             continue
         if _acquired(fd, out_dir, True, deadline, wait_s, on_wait):
             break
-        on_wait = None  # the build that held it removed its lock file: lock the folder anew
+        # the build that held it removed its lock file: lock the folder anew
     try:
         yield
     finally:
@@ -245,6 +245,21 @@ def build_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None
             _remove_if_empty(out_dir, made)
         finally:
             os.close(fd)
+
+
+def _once(tell: Callable[[str], None] | None) -> Callable[[str], None] | None:
+    """``tell`` heard once however many times a build waits (a lock file removed and taken
+    anew, then another build's)."""
+    if tell is None:
+        return None
+    told: list[str] = []
+
+    def once(line: str) -> None:
+        if not told:
+            told.append(line)
+            tell(line)
+
+    return once
 
 
 def _remove_if_empty(out_dir: Path, made: Sequence[Path]) -> None:
@@ -267,7 +282,7 @@ def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None]
     meanwhile (verify would see files that changed after the build and cry tamper); wait up
     to ``wait_s`` seconds for a build in progress. A folder no build ever locked (or copied
     without its lock file) needs none, and nothing is created in it."""
-    deadline = time.monotonic() + wait_s
+    deadline, on_wait = time.monotonic() + wait_s, _once(on_wait)
     while True:
         fd = _open_lock(out_dir, os.O_RDONLY)
         if fd is None:
@@ -275,7 +290,6 @@ def read_lock(out_dir: Path, wait_s: float = 0.0, on_wait: Callable[[str], None]
             return
         if _acquired(fd, out_dir, False, deadline, wait_s, on_wait):
             break
-        on_wait = None
     try:
         yield
     finally:

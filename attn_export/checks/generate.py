@@ -225,7 +225,8 @@ def torch_generate(
     ``bits``, its weights rounded as the int8 or int4 variant rounds them (``rounded``), the
     generation a right quantized graph gives. int4's, simulated to float32 noise, holds as
     its ``room`` how far its activations' near ties move each logit (``INT4_TIES``); without
-    ``activations`` (a graph computing MatMulNBits in float), its weights alone, no tie."""
+    ``activations`` (a graph computing MatMulNBits in float), its weights alone, its room how
+    far the same generation in float64 is from it (a near tie float32 rounding settles)."""
     from attn_export.runtimes.int8_rounding import INT4_TIES
 
     model = getattr(module, "model", None)
@@ -235,10 +236,24 @@ def torch_generate(
             "build the model with attn_export.zoo.hf_cache:CausalLMWithCache"
         )
     made = _generated(module, prompts, steps, pad, bits, activations=activations)
-    if bits != 4 or not activations:
+    if bits != 4:
         return made
-    ties = [_generated(module, prompts, steps, pad, bits, tie) for tie in INT4_TIES]
+    if activations:
+        ties = [_generated(module, prompts, steps, pad, bits, tie) for tie in INT4_TIES]
+    else:  # the simulation's own float32 error, against it in float64, as verify's cases take it
+        ties = _in_float64(module, prompts, steps, pad)
     return Generation(made.tokens, made.logits, _tie_room(made, ties))
+
+
+def _in_float64(module: Any, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> list[Generation]:
+    """The generation of a float64 copy of ``module`` with int4's weights rounded alone; none
+    where the module cannot run in float64."""
+    import copy
+
+    try:
+        return [_generated(copy.deepcopy(module).double(), prompts, steps, pad, 4, activations=False)]
+    except Exception:  # noqa: BLE001 - code that names float32 itself gives no float64 run, and no room
+        return []
 
 
 def _generated(

@@ -203,3 +203,22 @@ def test_a_graph_from_elsewhere_that_reads_row_lengths_off_its_mask_is_padded_on
     assert padding_side(spec, "int4", lambda: _gqa_graph("sum")) == "right"
     assert padding_side(spec, "fp32", lambda: _gqa_graph("constant")) is None
     assert padding_side(spec, "fp32", lambda: _gqa_graph("width")) is None  # every row as long as the mask
+
+
+def test_int4_computed_in_float_generates_with_its_weights_rounded_alone_and_float32s_own_room() -> None:
+    """At accuracy level 0 a CPU computes MatMulNBits in float: the reference generation
+    rounds the weights alone (no activation codes, so no nudge moves anything), and its room
+    is how far the same generation in float64 is from it, 2 x per row and step."""
+    from attn_export.checks.generate import torch_generate
+    from attn_export.exporter.factory import instantiate
+
+    spec = load_spec(TINY_ZOO / "llama_causal_lm.toml")
+    module = instantiate(spec)
+    prompts = generate_prompts(spec, 4, seed=0)["padded"]
+    weights = torch_generate(module, spec, prompts, 4, 0, bits=4, activations=False)
+    codes = torch_generate(module, spec, prompts, 4, 0, bits=4)
+    assert weights.room is not None and codes.room is not None
+    assert any(step.max() > 0 for step in weights.room)  # float32 against float64: never exactly 0
+    assert max(step.max() for step in weights.room) < 1e-3  # float32's error, not int4's
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(weights.logits, codes.logits, strict=False))
+    assert moved > 1e-4  # the activations' rounding is not in it

@@ -14,6 +14,7 @@ from attn_export.errors import ExportFailure
 from attn_export.exporter.cache_in_op import fresh_prefixes
 from attn_export.exporter.packed_projections import keep_records, packed_records, projections
 from attn_export.exporter.variants import VariantGraph, op_counts
+from attn_export.exporter.variants.ort_past import keep_live
 from attn_export.runtimes import Target
 from attn_export.runtimes.int8_rounding import INT4_ACCURACY_LEVEL, INT4_BLOCK
 from attn_export.runtimes.ort import KIND as ORT_KIND
@@ -119,23 +120,8 @@ def _transposed_weights(proto: onnx.ModelProto) -> None:
             weight = onnx.numpy_helper.to_array(table).T.copy()
             proto.graph.initializer.append(onnx.numpy_helper.from_array(weight, copies[table.name]))
         node.input[1] = copies[table.name]
-    unused = [n for n in made.values() if n.output[0] not in _read(proto.graph)]
-    for node in unused:
-        proto.graph.node.remove(node)
-    tables = {n.input[0] for n in unused} - _read(proto.graph) - inputs
-    for t in [t for t in proto.graph.initializer if t.name in tables]:
-        proto.graph.initializer.remove(t)
-
-
-def _read(graph: onnx.GraphProto) -> set[str]:
-    """The names ``graph``'s nodes read, those of their subgraphs included, and its outputs."""
-    names = {o.name for o in graph.output}
-    for node in graph.node:
-        names.update(node.input)
-        for a in node.attribute:
-            for sub in [a.g] if a.HasField("g") else list(a.graphs):
-                names |= _read(sub)
-    return names
+    if copies:  # the Transposes no node reads now go, and a table no node reads either
+        keep_live(proto, list(proto.graph.node))
 
 
 def _plain_gemm(node: onnx.NodeProto, constant: set[str]) -> bool:

@@ -636,15 +636,9 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
     # int4 on a CPU, where its graph rounds as the simulation: its regions are judged against
     # the simulated module, as its outputs are, not within int4's own room of the float one
     on_a_cpu_int4 = simulated_on(options.target, found.proto)
-    if options.golden and on_a_cpu_int4 and int4_compute(found.proto) == "float":
-        on_a_cpu_int4 = False  # a build records int4 as level 4 computes it
-        notes_first = [
-            "regions and outputs judged within int4's own room of the float module, not against int4's simulation: "
-            "the recorded intermediates round the activations as accuracy level 4 does, and this graph computes "
-            "its MatMulNBits in float (level 0 or 1)"
-        ]
-    else:
-        notes_first = []
+    # a build records int4 as accuracy level 4 computes it, not as a graph computing in float
+    recorded_other = options.golden and on_a_cpu_int4 and int4_compute(found.proto) == "float"
+    on_a_cpu_int4 = on_a_cpu_int4 and not recorded_other
     exact = spec.simulated_tolerance("", entry.variant) if on_a_cpu_int4 else None
     quantized = quantized_projections(found.proto) if exact is not None else 0
     if options.golden:
@@ -659,7 +653,13 @@ def _localize(found: _Found, options: LocalizeOptions) -> tuple[LocalizeReport, 
         theirs = "the recorded intermediates" if options.golden else "PyTorch's values"
         raise NotLocalizable(f"{model}: {entry.file} cannot be paired with {theirs}: {why}")
     outputs = case.outputs
-    notes = [*found.notes, *notes_first]
+    notes = list(found.notes)
+    if recorded_other:
+        notes.append(
+            "regions and outputs judged within int4's own room of the float module, not against int4's simulation: "
+            "the recorded intermediates round the activations as accuracy level 4 does, and this graph computes "
+            "its MatMulNBits in float (level 0 or 1)"
+        )
     filled, feeds = _in_buffers(proto, spec, feeds)
     try:
         graph_vals = filled(graph_values(proto, feeds, options.target, budget, options.timeout_s))

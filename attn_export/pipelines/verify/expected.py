@@ -67,9 +67,7 @@ def target_tolerances(
     (``model_spec.tolerance.on_a_cpu``)."""
     tolerances = tolerances_for(spec, variant, options)
     exact = spec.simulated_tolerances(variant)
-    if exact is None:
-        return tolerances
-    if not simulated_on(target, load_model_file(graph)):
+    if exact is None or not simulated_on(target, load_model_file(graph)):
         return tolerances
     return on_a_cpu(tolerances, {name: _with_options(tol, options) for name, tol in exact.items()})
 

@@ -41,13 +41,12 @@ from attn_export.checks.generate import (
     uneven,
 )
 from attn_export.errors import ArtifactError, AttnExportError, OptionError, SpecError
-from attn_export.exporter.variants.int4 import int4_compute
 from attn_export.exporter.variants.static_cache import fed_by_genai
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.cache import short_window
 from attn_export.model_spec.memory import memory_budget
 from attn_export.model_spec.tolerance import Tolerance, rounding_name
-from attn_export.pipelines.verify.expected import target_tolerances
+from attn_export.pipelines.verify.expected import int4_activations, target_tolerances
 from attn_export.pipelines.verify.models import genai_integrity, integrity
 from attn_export.pipelines.verify.results import VerifyOptions
 from attn_export.runtimes import RUNTIMES, Target
@@ -157,7 +156,7 @@ def generate_model(
     if options.golden:
         reference = recorded_reference(out_dir, entry, spec, options)
     else:
-        reference = _from_torch(spec, options, bits, int4_compute(load_model_file(graph)) != "float")
+        reference = _from_torch(spec, options, bits, int4_activations(graph))
     steps, pad, eos = options.generate_steps, reference.pad, reference.eos
     side = padding_side(spec, entry.variant, lambda: load_model_file(graph))
     results = []

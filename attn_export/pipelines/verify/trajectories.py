@@ -50,9 +50,8 @@ def decode_model(
 
         bits = rounding_bits(tolerances.values())
         activations = int4_activations(path) if 4 in bits else True
-        module = instantiate(spec)
         with TorchRuntime(
-            module, spec.inputs, spec.outputs, spec.dims, rounding_bits=bits, int4_activations=activations
+            instantiate(spec), spec.inputs, spec.outputs, spec.dims, rounding_bits=bits, int4_activations=activations
         ) as eager:
             plans = [
                 (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attn_export.report.base import ReportFormat
+from attn_export.report.verify_notes import unsimulated_cases, unsimulated_steps
 
 if TYPE_CHECKING:
     from attn_export.pipelines.verify import VerifyReport
@@ -71,7 +72,13 @@ def markdown_report(report: VerifyReport) -> str:
         lines += ["", "#### Failures", "", *problems]
     notes = [f"- **{c.model}**: {n}" for c in report.checks for n in c.notes]  # the region check's among them
     notes += [f"- **{c.model}** {c.runtime} {c.shape}: {n}" for c in report.cases for n in c.notes]
-    notes += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {n}" for d in report.decode for n in d.notes]
+    for model in dict.fromkeys(c.model for c in report.cases):
+        notes += [f"- **{model}**: {n}" for n in unsimulated_cases([c for c in report.cases if c.model == model])]
+    notes += [
+        f"- **{d.model}** {d.runtime} decode {d.scenario}: {n}"
+        for d in report.decode
+        for n in [*d.notes, *unsimulated_steps(d)]
+    ]
     if notes:
         lines += ["", "#### Notes", "", *notes]
     return "\n".join(lines) + "\n"

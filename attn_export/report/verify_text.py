@@ -11,6 +11,7 @@ from attn_export.model_spec.masks import CASES
 from attn_export.model_spec.shapes import format_sizes, mask_cases
 from attn_export.model_spec.variants import variant_chain
 from attn_export.pipelines.verify import CaseResult, ModelCheck, VerifyReport
+from attn_export.report.verify_notes import unsimulated_cases, unsimulated_steps
 from attn_export.runtimes.genai import GENAI
 
 __all__ = [
@@ -99,24 +100,8 @@ def format_model_rows(name: str, cases: list[CaseResult], check: ModelCheck, w: 
             f"note: {name}: PyTorch's own rounding error (against float64) set the tolerance of {len(widened)} "
             f"outputs in {len(cases)} cases: atol = spec + {FLOOR_FACTOR:g}x that error, up to {atol:.3g} at {label}"
         )
-    lines += _not_simulated(name, cases)
+    lines += [f"note: {name}: {n}" for n in unsimulated_cases(cases)]
     return "\n".join(lines)
-
-
-def _not_simulated(name: str, cases: list[CaseResult]) -> list[str]:
-    """A note where outputs to be judged against the module with int4's rounding simulated
-    had no such values (``OutputComparison.not_simulated``): judged at int4's own room
-    instead, pass or fail, so a green says it was not the strict one."""
-    found = [(o.not_simulated, c) for c in cases for o in c.comparisons if o.not_simulated]
-    if not found:
-        return []
-    why, first = found[0]
-    count = len({id(c) for _, c in found})
-    return [
-        f"note: {name}: {count} of {len(cases)} cases judged without the simulated values they are held to, at "
-        f"int4's own room of the float module, which a fault smaller than int4's rounding passes; first at "
-        f"{first.runtime} {first.shape} {first.distribution}: {why}"
-    ]
 
 
 def format_failures(report: VerifyReport) -> str:
@@ -160,6 +145,7 @@ def format_decode(report: VerifyReport) -> str:
             f"{d.model:<{w.model}} {d.runtime:<{w.runtime}} {d.scenario:<12} {prompts:<8} "
             f"{'PASS' if d.passed else 'FAIL':<6} {errors}"
         )
+        lines += [f"    note: {n}" for n in [*d.notes, *unsimulated_steps(d)]]
     return "\n".join(lines)
 
 

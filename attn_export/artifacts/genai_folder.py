@@ -37,6 +37,7 @@ __all__ = [
     "genai_config",
     "logits_vocab",
     "pad_token",
+    "provider_note",
     "refuse_unfit",
     "right_padded_window",
     "special_tokens",
@@ -54,6 +55,13 @@ _DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2
 #: A transformers config's names for the sizes the config needs, in the order tried.
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
+#: ``session_options.provider_options`` per ``build --provider``: the CPU is genai's default;
+#: CUDA with graph capture off, as genai's builder writes it (under capture genai gives a mask
+#: of ``max_length`` positions, where a length read off the mask is wrong).
+_PROVIDER_OPTIONS: dict[str, list[dict[str, dict[str, str]]]] = {
+    "cpu": [],
+    "cuda": [{"cuda": {"enable_cuda_graph": "0"}}],
+}
 
 
 def right_padded_window(window: int) -> str:
@@ -65,6 +73,14 @@ def right_padded_window(window: int) -> str:
         f"{window} positions such a row attends to fewer of its own tokens than alone, and its tokens may differ; "
         "batch 1 and prompts of one length are not affected"
     )
+
+
+def provider_note(variant: str, provider: str) -> str | None:
+    """What the folder's provider leaves to change: an fp16 graph is for a GPU, and a folder
+    built for the CPU names the CPU, where genai runs it as it is, slower than in float32."""
+    if provider == "cpu" and "fp16" in variant_chain(variant).lossy:
+        return f"{variant}'s genai_config.json names the CPU; --provider cuda names CUDA, the GPU fp16 is for"
+    return None
 
 
 def refuse_unfit(spec: ModelSpec, variant: str) -> None:
@@ -143,12 +159,15 @@ def pad_token(config: Any, vocab: int) -> int:
     return 0
 
 
-def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[str, Any]:
+def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32", provider: str = "cpu") -> dict[str, Any]:
     """The ``genai_config.json`` of ``spec``'s graph, from its shapes and dim ranges and from
     ``config`` (the transformers config object the module was built from). The context
     length is the longest present the spec's ranges declare (what verify proved); greedy
-    search by default; the pad token is the config's, else its end-of-sequence token."""
+    search by default; the pad token is the config's, else its end-of-sequence token; the
+    session runs on ``provider`` (``_PROVIDER_OPTIONS``)."""
     refuse_unfit(spec, variant)
+    if provider not in _PROVIDER_OPTIONS:
+        raise SpecError(f"{spec.name}: --target genai: no genai provider options for {provider}")
     cache = cache_of(spec)
     assert cache is not None
     inputs = {t.name: t for t in spec.inputs}
@@ -167,7 +186,7 @@ def genai_config(spec: ModelSpec, config: Any, variant: str = "fp32") -> dict[st
     if POSITIONS in inputs:
         names["position_ids"] = POSITIONS
     decoder = {
-        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": _PROVIDER_OPTIONS[provider]},
         "filename": GRAPH_NAME,
         "head_size": head_size,
         "hidden_size": _first(config, _HIDDEN, "hidden size", spec),
@@ -222,12 +241,13 @@ def write_genai_folder(
     dest: Path,
     variant: str = "fp32",
     edit: Callable[[onnx.ModelProto], None] | None = None,
+    provider: str = "cpu",
 ) -> Path:
     """``dest`` holding ``graph`` as ``model.onnx`` (with its external data file, if any) and
-    its ``genai_config.json``; an older folder there is replaced whole, and a failure leaves
-    it as it was. ``edit`` (``exporter.variants.static_cache.fed_by_genai``) changes the
-    graph into one genai can feed; a ValueError from it is the graph's misfit."""
-    document = genai_config(spec, config, variant)
+    its ``genai_config.json`` for ``provider``; an older folder there is replaced whole, and a
+    failure leaves it as it was. ``edit`` (``exporter.variants.static_cache.fed_by_genai``)
+    changes the graph into one genai can feed; a ValueError from it is the graph's misfit."""
+    document = genai_config(spec, config, variant, provider)
     data = _external_data(graph)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.exists() and not dest.is_dir():

@@ -38,7 +38,9 @@ from attn_export.model_spec import EXPORTERS
     "Graph variant to build (repeatable). Default: fp32. 'auto' times the candidates "
     "at the spec's typical shape and keeps the fastest within tolerance."
 )
-@provider_option("Provider that ort-optimized optimizes for and auto times on.")
+@provider_option(
+    "Provider that ort-optimized optimizes for, auto times on and --target genai's genai_config.json names."
+)
 @wait_option
 @max_memory_option
 @click.option(

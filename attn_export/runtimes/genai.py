@@ -35,14 +35,17 @@ class Generation:
 
 
 def genai_generate(folder: Path, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> Generation:
-    """``steps`` greedy tokens for each prompt, the batch padded on the right with ``pad``."""
+    """``steps`` greedy tokens for each prompt, the batch padded on the right with ``pad``, on
+    the CPU whatever provider the folder's config names."""
     og = require("onnxruntime_genai", "running onnxruntime-genai's generator")
     longest = max(len(p) for p in prompts)
     batch = np.full((len(prompts), longest), pad, dtype=np.int32)
     for row, prompt in enumerate(prompts):
         batch[row, : len(prompt)] = prompt
     try:
-        model = og.Model(str(folder))
+        config = og.Config(str(folder))
+        config.clear_providers()
+        model = og.Model(config)
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=longest + steps, batch_size=len(prompts))
         generator = og.Generator(model, params)

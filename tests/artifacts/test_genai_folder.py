@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from attn_export.artifacts.files import sha256_file
-from attn_export.artifacts.genai_folder import genai_config, refuse_unfit
+from attn_export.artifacts.genai_folder import genai_config, provider_note, refuse_unfit
 from attn_export.artifacts.manifest import load_manifest, save_manifest
 from attn_export.cli import cli
 from attn_export.errors import SpecError
@@ -45,6 +45,7 @@ def test_the_config_is_read_from_the_spec_and_its_transformers_config() -> None:
         "past_value_names",
     }
     assert document["search"]["past_present_share_buffer"] is False
+    assert document["model"]["decoder"]["session_options"]["provider_options"] == []  # genai's default: the CPU
     assert genai_config(spec, build_config(spec), "static-cache+int4")["search"]["past_present_share_buffer"] is True
 
 
@@ -129,6 +130,36 @@ def test_verify_runs_the_genai_folder_the_build_wrote_held_to_its_hashes(causal_
     rows = [line for line in faulty.output.splitlines() if line.startswith("llama_causal_lm ")]
     assert any("onnxruntime-genai" in r for r in rows), faulty.output
     assert all(("FAIL" in r) == ("onnxruntime-genai" in r) for r in rows), faulty.output
+
+
+@needs_genai
+def test_a_folder_for_cuda_names_cuda_and_verify_runs_it_on_the_cpu(causal_lm: Built, tmp_path: Path) -> None:
+    """fp16 deploys on a GPU: ``build --target genai --provider cuda`` writes a config genai
+    loads there as it is (CUDA, graph capture off, as genai's builder writes it); before, every
+    folder named the CPU and a GPU user edited it by hand. verify runs genai's generator on the
+    CPU whatever the folder names: genai without CUDA refuses to load such a config."""
+    copy = copy_build(causal_lm, tmp_path)
+    built = CliRunner().invoke(
+        cli, ["build", str(LM), "--out", str(copy.out), "--target", "genai", "--provider", "cuda", "--variant", "fp32"]
+    )
+    assert built.exit_code == 0, built.output
+    config = json.loads((copy.out / "genai" / "llama_causal_lm" / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    args = ["verify", str(copy.out / "llama_causal_lm.onnx"), "--models", str(TINY_ZOO), "--generate", "2"]
+    verified = CliRunner().invoke(cli, [*args, "--no-latency"])
+    assert verified.exit_code == 0, verified.output
+    assert sum("onnxruntime-genai" in line and "PASS" in line for line in verified.output.splitlines()) == 2
+
+
+def test_an_fp16_folder_for_the_cpu_says_the_gpu_is_named_by_provider() -> None:
+    assert provider_note("static-cache+gqa-rotary+fp16", "cpu") == (
+        "static-cache+gqa-rotary+fp16's genai_config.json names the CPU; --provider cuda names CUDA, "
+        "the GPU fp16 is for"
+    )
+    assert provider_note("fp16", "cuda") is None and provider_note("static-cache+int4", "cpu") is None
+    spec = load_spec(LM)
+    with pytest.raises(SpecError, match="no genai provider options for rocm"):
+        genai_config(spec, build_config(spec), "fp32", "rocm")
 
 
 def _torch_tokens(prompt: list[int], steps: int) -> list[int]:

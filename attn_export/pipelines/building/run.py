@@ -22,6 +22,7 @@ from attn_export.artifacts.folder import commit, recover, remove_leftovers
 from attn_export.artifacts.genai_folder import (
     GENAI_DIR,
     genai_config,
+    provider_note,
     refuse_unfit,
     right_padded_window,
     write_genai_folder,
@@ -125,6 +126,8 @@ def build_models(
             spec = load_spec(p)
             for variant in options.variants:
                 refuse_unfit(spec, variant)
+                if on_notice is not None and (note := provider_note(variant, options.provider)):
+                    on_notice(f"{spec.name}: --target genai: {note}")
             config = build_config(spec)
             genai_config(spec, config)  # what its config needs (heads, eos, ...) is there
             cache = cache_of(spec)
@@ -174,9 +177,8 @@ def _package_for_genai(spec_paths: Sequence[Path], options: BuildOptions, result
             config = config if config is not None else build_config(spec)
             entry = manifest.models[result.name]
             dest = options.out_dir / GENAI_DIR / result.name
-            write_genai_folder(
-                options.out_dir / entry.file, spec, config, dest, result.variant, fed_by_genai(result.variant)
-            )
+            edit = fed_by_genai(result.variant)
+            write_genai_folder(options.out_dir / entry.file, spec, config, dest, result.variant, edit, options.provider)
             entry.genai = {f.name: sha256_file(f, options.out_dir) for f in sorted(dest.iterdir())}
             save_manifest(options.out_dir, manifest)  # each folder's hashes as it is written: verify holds it to them
 

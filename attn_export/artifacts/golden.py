@@ -314,7 +314,7 @@ def read_cases(
                 raise ArtifactError(
                     f"{path}: entry '{e.label}/int8/{e.name}' is not a rounding: three finite non-negative float64"
                 )
-            cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]), float(value[2]))
+            cases[e.label].int8[e.name] = Rounding(float(value[0]), float(value[1]), float(value[2]), recorded=True)
         elif e.section in ("unsimulated", "simulated"):
             reasons.append(e)  # once every rounding is read
         elif e.section == "sight":

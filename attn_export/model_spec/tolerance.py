@@ -136,13 +136,16 @@ class Rounding:
     #: Why the module could not run with that rounding ('' where it ran): the room is then
     #: zero, the output judged by the shares of the rms alone, and a failure says why.
     unsimulated: str = ""
+    #: Read from a golden file (data, from anywhere), not run here from the module.
+    recorded: bool = field(default=False, compare=False)
 
     def widest(self, other: Rounding) -> Rounding:
         """The larger of the two on each measure; unsimulated (the first one's reason) only
         where neither ran: a decode step's failure keeps saying why."""
         reason = self.unsimulated if self.unsimulated and other.unsimulated else ""
         values = self.values if self.values is not None else other.values
-        return Rounding(max(self.rms, other.rms), max(self.max, other.max), max(self.ties, other.ties), values, reason)
+        widest = (max(self.rms, other.rms), max(self.max, other.max), max(self.ties, other.ties))
+        return Rounding(*widest, values, reason, self.recorded or other.recorded)
 
     @classmethod
     def between(cls, exact: np.ndarray, rounded: np.ndarray) -> Rounding:

@@ -68,6 +68,7 @@ def test_int4s_simulated_values_and_ties_come_back_as_written(tmp_path: Path) ->
     (rounding,) = case.int8.values()
     assert (rounding.rms, rounding.max, rounding.ties) == (0.25, 1.5, 0.003)
     assert rounding.values is not None and np.array_equal(rounding.values, OUT + 1)
+    assert rounding.recorded  # data: int4's own room of the module bounds what it lets pass (judge_value)
 
 
 @pytest.mark.parametrize(

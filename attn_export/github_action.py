@@ -27,6 +27,7 @@ from pathlib import Path
 
 from attn_export.artifacts.files import append_output
 from attn_export.errors import AttnExportError, UsageError
+from attn_export.report.output_plan import check_appended
 
 __all__ = ["GATES", "ActionInputs", "build_command", "main", "report_paths", "run_action", "verify_command"]
 
@@ -200,9 +201,11 @@ def _check_runner_files(env: Mapping[str, str]) -> None:
     step's outputs and summary go there."""
     for name in RUNNER_FILES:
         path = env.get(name)
+        if not path:
+            continue
+        check_appended(f"${name}", Path(path))
         try:
-            if path:
-                append_output(Path(path), "")
+            append_output(Path(path), "")
         except UsageError as e:
             raise UsageError(f"${name}: {e}") from e
 

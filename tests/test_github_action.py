@@ -22,6 +22,7 @@ import yaml
 from attn_export import github_action
 from attn_export.artifacts.files import sha256_file
 from attn_export.artifacts.golden import read_golden, write_golden
+from attn_export.artifacts.manifest import SCHEMA
 from attn_export.github_action import DEFAULTS, ActionInputs, run_action, verify_command
 from attn_export.runtimes.ort import available_providers
 from tests.conftest import ROOT, Built, copy_build, key_scale_off, needs_transformers, tiny_spec
@@ -217,6 +218,40 @@ def test_a_runner_file_that_is_no_file_is_one_error_line_exit_2(
         f"::error title=attn-export::${variable}: {special[kind]} is {kind}; "
         "reports are written only to a regular file or a new path\n"
     )
+
+
+@pytest.mark.parametrize("variable", ["GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY"])
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("build/manifest.json", "is manifest.json of the build folder"),
+        ("build/mha.golden.npz", ": .npz is a golden file's suffix, not a report's"),
+        ("models/mha.toml", ": .toml is a spec's suffix, not a report's"),
+    ],
+)
+def test_a_runner_file_that_is_a_build_or_spec_file_is_refused_and_left_as_it_was(
+    variable: str,
+    name: str,
+    says: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The step appended its outputs to whatever the variable named: a build's manifest
+    became invalid JSON, a golden file no zip, and the next verify failed."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("build", "models"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "build" / "manifest.json").write_text(f'{{"schema": "{SCHEMA}", "models": {{}}}}')
+    (tmp_path / "build" / "mha.golden.npz").write_bytes(b"PK")
+    (tmp_path / "models" / "mha.toml").write_text('module = "m:M"')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    monkeypatch.setattr(github_action, "_attn_export", lambda args: pytest.fail("nothing runs"))
+    env = {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    assert run_action(env | {variable: str(tmp_path / name)}) == 2
+    said = capsys.readouterr().out
+    assert said.startswith(f"::error title=attn-export::${variable} {tmp_path / name}") and says in said, said
+    assert said.count("\n") == 1 and {p: p.read_bytes() for p in before} == before
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from attn_export.errors import AttnExportError, UsageError
 if TYPE_CHECKING:
     from attn_export.report.base import BenchFormat
 
-__all__ = ["STDOUT", "JsonTarget", "OutputPlan", "folder_graphs"]
+__all__ = ["STDOUT", "JsonTarget", "OutputPlan", "check_appended", "folder_graphs"]
 
 #: ``--json -``: the JSON goes to stdout, in place of the text the command prints there.
 STDOUT: Literal["-"] = "-"
@@ -144,7 +144,7 @@ def _check(
         try:
             target = resolved(output_target(path))
         except UsageError as e:
-            raise UsageError(f"{_SUMMARY}: {e}" if label == _SUMMARY else str(e)) from None
+            raise UsageError(f"{label}: {e}" if label.startswith("$") else str(e)) from None
         folder = resolved(path.parent)
         if not folder.is_dir() and (made is None or not folder.is_relative_to(resolved(made))):
             raise UsageError(f"cannot write {path}: no folder {path.parent}")
@@ -166,6 +166,13 @@ def _check(
             raise UsageError(f"{label} {path}: {target.suffix} is {whose} suffix, not a report's; write it elsewhere")
         if (hit := kept.get(target)) is not None:
             raise UsageError(f"{label} {path} is {hit} of the build folder {build}; write the report elsewhere")
+
+
+def check_appended(variable: str, path: Path) -> None:
+    """The runner's file named by ``variable`` (``$GITHUB_OUTPUT``), which a step appends to,
+    held to a report's rules (``_check``): a build folder's manifest or lock, a graph,
+    golden file, spec or module appended to is no longer what it was."""
+    _check([(variable, path)], None, set(), {}, None, into_builds=True)
 
 
 def _probe(path: Path, folder: Path) -> None:

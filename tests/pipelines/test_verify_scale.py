@@ -119,6 +119,13 @@ def test_merge_refuses_a_missing_or_repeated_shard(sample: dict[str, Path], tmp_
     assert missing.exit_code == 2 and missing.output == "Error: shard 2/2 missing: give every shard's report\n"
     twice = _merge([sample["shard-1"], sample["shard-1"], sample["shard-2"]], tmp_path)
     assert twice.exit_code == 2 and "shard 1/2 is given twice" in twice.output
+    for i in (1, 2):
+        (tmp_path / str(i)).mkdir()
+    huge = [_edited(sample[f"shard-{i}"], tmp_path / str(i), lambda d: d["shard"].update(count=10**9)) for i in (1, 2)]
+    many = _merge(huge, tmp_path)  # said at once, where it counted to a billion and ran out of memory
+    assert many.output == (
+        "Error: shards 3/1000000000, 4/1000000000, 5/1000000000 and 999999995 more missing: give every shard's report\n"
+    )
     other = _merge([sample["shard-1"], sample["serial"]], tmp_path)
     assert other.exit_code == 2 and "shard count 1 differs" in other.output
     (tmp_path / "junk.json").write_text("[1, 2]")

@@ -4,6 +4,7 @@ of one run (another build, seed, option or version, a shard missing or given twi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from attn_export.errors import UsageError
@@ -56,10 +57,11 @@ def _shards(shards: Sequence[tuple[str, VerifyReport]]) -> list[Shard]:
         if shard.index in seen:
             raise UsageError(f"{name}: shard {shard.label} is given twice (also {seen[shard.index]})")
         seen[shard.index] = name
-    missing = [f"{i}/{count}" for i in range(1, count + 1) if i not in seen]
-    if missing:
+    if count > len(shards):  # said without counting up to a count read from a file
+        missing = list(itertools.islice((f"{i}/{count}" for i in range(1, count + 1) if i not in seen), 3))
+        more = f" and {count - len(shards) - len(missing)} more" if count - len(shards) > len(missing) else ""
         raise UsageError(
-            f"shard{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing: give every shard's report"
+            f"shard{'s' if len(missing) > 1 else ''} {', '.join(missing)}{more} missing: give every shard's report"
         )
     return found
 

@@ -59,7 +59,7 @@ __all__ = [
 SECTIONS = ("sizes", "inputs", "outputs", "floors", "int8", "simulated", "unsimulated", "sight")
 #: What a golden file records; part of every build's key, so that a build folder written
 #: before a change of it is rebuilt, not judged by what its golden files lack.
-GOLDEN_FORMAT = 6
+GOLDEN_FORMAT = 7
 #: Bytes of one ``unsimulated`` reason: an exception's first line, cut at this when written.
 _MAX_REASON = 1000
 

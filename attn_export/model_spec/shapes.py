@@ -7,6 +7,7 @@ include points where the query and key/value lengths differ.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Mapping, Sequence
@@ -212,7 +213,9 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     point keeps the batch at its least, the others at 64 where they reach it: the dim named
     ``batch``, else the first input's leading dim, else the dim of the smallest range. Never
     the first the spec declares: a manifest holds its spec's dims sorted, and the point was a
-    corner at build and a shape of its own at verify, which then refused every such build."""
+    corner at build and a shape of its own at verify, which then refused every such build.
+    For the same reason the points are those of the dims in name order (``_as_in_a_manifest``)."""
+    spec = _as_in_a_manifest(spec)
     dims = spec.free_dims
     leading = next((t.shape[0] for t in spec.inputs if t.shape and isinstance(t.shape[0], str)), None)
     smallest = min(dims, key=lambda k: (dims[k].max, k), default=None)
@@ -230,6 +233,14 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
         fed = _fed(spec, p.sizes)
         unique.setdefault(tuple(fed.values()), ShapePoint(p.label, fed, p.case))
     return list(unique.values()) + _mask_points(spec, _fed(spec, example_sizes(spec)))
+
+
+def _as_in_a_manifest(spec: ModelSpec) -> ModelSpec:
+    """``spec`` with its dims in name order, as a manifest holds them: the distinct sizes, the
+    corners and the points a duplicate folds into follow the dims' order, and verify asks a
+    golden file for the points of the manifest's copy (an ``extend_batch`` spec's ``step``
+    was a guard's point at build and one of its own at verify, which refused every build)."""
+    return dataclasses.replace(spec, dims=dict(sorted(spec.dims.items())))
 
 
 def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:

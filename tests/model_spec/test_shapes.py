@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,19 @@ def test_named_mask_cases_come_last_and_only_where_they_apply() -> None:
     assert [p.case for p in golden_points(by_name["llama_attention"])][-2:] == list(
         ("fully-masked-row", "fully-padded-sequence")
     )
+
+
+def test_an_extend_batch_spec_and_its_copy_in_a_manifest_record_the_same_points(tmp_path: Path) -> None:
+    """Each point at its sizes, not only its label: a cache fed several new tokens at batch 1
+    adds a generator's step, which folds into whichever point has its sizes; recorded in the
+    spec's order, a Qwen2's golden file lacked ``step`` at verify and could never be used."""
+    lm = ROOT / "tests" / "models" / "llama_causal_lm.toml"
+    (tmp_path / lm.name).write_text(lm.read_text() + "\n[cache]\nmax_seq = 40\nextend_batch = 1\n")
+    spec = load_spec(tmp_path / lm.name)
+    copy = spec_from_dict(json.loads(json.dumps(spec.to_dict(), sort_keys=True)))
+    assert list(copy.dims) != list(spec.dims)
+
+    def points(s: ModelSpec) -> list[tuple[str, dict[str, int]]]:
+        return [(p.label, p.sizes) for p in golden_points(s)]
+
+    assert points(copy) == points(spec) and "step" in dict(points(spec))

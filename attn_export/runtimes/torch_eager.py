@@ -325,10 +325,16 @@ def _drawn(inputs: Sequence[TensorSpec], args: Sequence[Any]) -> str:
 
 
 def _why(error: BaseException) -> str:
-    """The error's first line, and where an integer input may be the cause, what to declare."""
+    """The error's first line, and where the spec or the module can avoid it, what to change."""
     hint = ""
     if isinstance(error, IndexError) or "out of range" in str(error) or "out of bounds" in str(error):
         hint = "; where an integer input takes fewer values than drawn, declare values = { min, max } on it"
+    elif "to_padded_tensor" in str(error) or "nested tensor" in str(error).lower():
+        hint = (
+            "; PyTorch's fast path packed the batch as nested tensors, which fails where a padding mask hides "
+            "every sequence (the mask probe draws such a batch): build nn.TransformerEncoder with "
+            "enable_nested_tensor=False; the exported graph takes the padded batch either way"
+        )
     return f"{type(error).__name__}: {first_line(error)}{hint}"
 
 

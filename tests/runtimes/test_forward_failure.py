@@ -34,3 +34,30 @@ def test_a_failed_forward_names_the_inputs_and_the_ids_it_was_given() -> None:
         "torch[cpu]: forward failed on x [1, 5, 8] float32, pos [1, 5] int64 in 0..6: IndexError: index out of "
         "range in self; where an integer input takes fewer values than drawn, declare values = { min, max } on it"
     )
+
+
+class PaddedEncoder(torch.nn.Module):
+    """A stock ``nn.TransformerEncoder`` as PyTorch builds it by default (nested tensors on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True, dropout=0.0)
+        self.encoder = torch.nn.TransformerEncoder(layer, num_layers=1)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=pad)
+
+
+def test_nested_tensors_failing_on_a_fully_padded_sequence_say_how_to_turn_them_off() -> None:
+    """PyTorch's words alone ("to_padded_tensor: at least one constituent tensor ...") left
+    the user to find that the encoder's fast path, on by default, is the cause."""
+    inputs = [TensorSpec("x", "float32", ("batch", "seq", 16)), TensorSpec("pad", "bool", ("batch", "seq"))]
+    feeds = {"x": np.ones((2, 3, 16), np.float32), "pad": np.ones((2, 3), bool)}
+    outputs = [TensorSpec("y", "float32", ("batch", "seq", 16))]
+    with TorchRuntime(PaddedEncoder().eval(), inputs, outputs) as eager, pytest.raises(RuntimeFailure) as failed:
+        eager.run(feeds)
+    assert str(failed.value).endswith(
+        "; PyTorch's fast path packed the batch as nested tensors, which fails where a padding mask hides every "
+        "sequence (the mask probe draws such a batch): build nn.TransformerEncoder with enable_nested_tensor=False; the "
+        "exported graph takes the padded batch either way"
+    ), failed.value

@@ -58,6 +58,6 @@ def test_nested_tensors_failing_on_a_fully_padded_sequence_say_how_to_turn_them_
         eager.run(feeds)
     assert str(failed.value).endswith(
         "; PyTorch's fast path packed the batch as nested tensors, which fails where a padding mask hides every "
-        "sequence (the mask probe draws such a batch): build nn.TransformerEncoder with enable_nested_tensor=False; the "
-        "exported graph takes the padded batch either way"
+        "sequence (the mask probe draws such a batch): build nn.TransformerEncoder with "
+        "enable_nested_tensor=False; the exported graph takes the padded batch either way"
     ), failed.value

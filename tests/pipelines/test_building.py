@@ -548,3 +548,24 @@ def test_a_variant_is_blamed_where_its_export_differs_only_on_rows_build_repairs
     assert padded_query_rows(spec, case)[1]  # its first tokens padding, which sees no key
     said = build._rewrite_differs("fp16", case)
     assert said is not None and said.startswith("the export it was made from agrees here"), said
+
+
+def test_nan_from_a_bool_input_declared_no_mask_names_the_input_and_what_to_declare(tmp_path: Path) -> None:
+    """nn.MultiheadAttention's attn_mask given without mask = ...: its drawn values hide a
+    whole row at seq 1, the graph gives NaN where PyTorch gives 0, and the smoke check said
+    only "32 NaN/Inf where expected is finite"."""
+    body = (ROOT / "tests" / "models" / "torch_mha.toml").read_text()
+    body = body.replace('shape = ["batch", "kv_seq"]        # [batch, kv_seq]: key padding\nmask = "padding"\n', "")
+    body = body.replace(
+        'name = "key_padding_mask"\ndtype = "bool"\n', 'name = "attn_mask"\ndtype = "bool"\nshape = ["seq", "kv_seq"]\n'
+    )
+    body = body.replace('convention = "ignore"              # True = ignore, as nn.MultiheadAttention reads it\n', "")
+    body = body.replace('arg = "key_padding_mask"', 'arg = "attn_mask"')
+    spec = write_spec(tmp_path / "models", "keep_mask", body)
+    summary = build_models([spec], BuildOptions(tmp_path / "out"))
+    (result,) = summary.results
+    assert (
+        result.error is not None
+        and ": input 'attn_mask' is bool and declared no mask, so its values were drawn at " in result.error
+    ), result.error
+    assert "NaN/Inf where expected is finite" in result.error, result.error

@@ -214,33 +214,34 @@ def golden_points(spec: ModelSpec) -> list[ShapePoint]:
     ``batch``, else the first input's leading dim, else the dim of the smallest range. Never
     the first the spec declares: a manifest holds its spec's dims sorted, and the point was a
     corner at build and a shape of its own at verify, which then refused every such build.
-    For the same reason the points are those of the dims in name order (``_as_in_a_manifest``)."""
-    spec = _as_in_a_manifest(spec)
+    For the same reason its distinct sizes are those of the dims in name order (``_unordered_example``)."""
+    example = _unordered_example(spec)
     dims = spec.free_dims
     leading = next((t.shape[0] for t in spec.inputs if t.shape and isinstance(t.shape[0], str)), None)
     smallest = min(dims, key=lambda k: (dims[k].max, k), default=None)
     first = "batch" if "batch" in dims else leading if leading in dims else smallest
     long = {k: dims[k].min if k == first else min(r.max, max(r.min, 64)) for k, r in dims.items()}
     points = [
-        ShapePoint("distinct", example_sizes(spec)),
+        ShapePoint("distinct", example),
         *_guard_points(spec),  # before the corners: a smoke check that fails there names the guard
         *corner_points(spec),
-        *(ShapePoint(label, sizes) for label, sizes in _fed_points(spec).items()),
+        *(ShapePoint(label, sizes) for label, sizes in fed_points(spec, example).items()),
         ShapePoint("long", spec.with_sums(long)),
     ]
     unique: dict[tuple[int, ...], ShapePoint] = {}
     for p in points:
         fed = _fed(spec, p.sizes)
         unique.setdefault(tuple(fed.values()), ShapePoint(p.label, fed, p.case))
-    return list(unique.values()) + _mask_points(spec, _fed(spec, example_sizes(spec)))
+    return list(unique.values()) + _mask_points(spec, _fed(spec, example))
 
 
-def _as_in_a_manifest(spec: ModelSpec) -> ModelSpec:
-    """``spec`` with its dims in name order, as a manifest holds them: the distinct sizes, the
-    corners and the points a duplicate folds into follow the dims' order, and verify asks a
-    golden file for the points of the manifest's copy (an ``extend_batch`` spec's ``step``
-    was a guard's point at build and one of its own at verify, which refused every build)."""
-    return dataclasses.replace(spec, dims=dict(sorted(spec.dims.items())))
+def _unordered_example(spec: ModelSpec) -> dict[str, int]:
+    """``example_sizes`` of the dims in name order, as a manifest holds them, in the spec's
+    order: the sizes follow the dims' order, and verify asks a golden file for the points of
+    the manifest's copy, so a point made from them (an ``extend_batch`` spec's ``step``) was
+    a guard's point at build and one of its own at verify, which refused every such build."""
+    sizes = example_sizes(dataclasses.replace(spec, dims=dict(sorted(spec.dims.items()))))
+    return {k: sizes[k] for k in spec.dims if k in sizes}
 
 
 def validate_sizes(spec: ModelSpec, sizes: Mapping[str, int]) -> None:

@@ -3,8 +3,11 @@ step was judged without the int4 simulated values it is held to."""
 
 from __future__ import annotations
 
-from attn_export.checks.decode.results import DecodeResult, DecodeStep
-from attn_export.pipelines.verify.results import CaseResult
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attn_export.checks.decode.results import DecodeResult, DecodeStep
+    from attn_export.pipelines.verify.results import CaseResult
 
 __all__ = ["unsimulated_cases", "unsimulated_steps"]
 

@@ -27,6 +27,7 @@ from attn_export.pipelines.localize import run as localize_run
 from attn_export.pipelines.localize.judge import beyond, held, representable
 from attn_export.report.localize_text import format_localize, where
 from tests.conftest import (
+    ROOT,
     TINY_SPECS,
     TINY_ZOO,
     Built,
@@ -938,3 +939,51 @@ def test_a_regions_int4_ties_excuse_no_more_than_int4s_own_element_room() -> Non
     assert forged.atol - plain.atol == pytest.approx(3 * INT4_REGION_SHARE * 2.0)
     small = region_tolerance(Tolerance(atol=1e-5, rtol=1e-4), value, ties=1e-3)
     assert small.atol - plain.atol == pytest.approx(1e-3)
+
+
+@pytest.mark.slow  # a build of its own
+def test_a_packed_key_column_fault_is_named_at_the_key_projection_before_the_attention_it_feeds(
+    tmp_path: Path,
+) -> None:
+    """A packed int8 cache graph (one MatMulInteger for q|k|v) at batch 1 with padding: the
+    key's scale columns x1.25 were headlined at the attention in golden mode. Its fused
+    region's first node (the cache's length, read off the inputs) runs before the key's
+    projection, and the attention, fed the graph's faulty keys in its padded rows too, broke
+    its tolerance as well: the first region in graph order is not the first the data reaches.
+    (The same in golden mode, where the recorded case had padding.)"""
+    spec = ROOT / "models" / "mha_kv_cache.toml"
+    text = spec.read_text().replace('"batch", ', "1, ").replace("batch = { min = 1, max = 4 }\n", "")
+    text = text.replace("seq = { min = 1, max = 64 }", "seq = { min = 1, max = 16 }")
+    text = text.replace("past_seq = { min = 0, max = 256 }", "past_seq = { min = 0, max = 32 }")
+    text = text.replace('mask = "left-padding"\n', 'mask = "left-padding"\nlayout = "key-padding"\n', 1)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "mha_one.toml").write_text(text + "\n[cache]\nmax_seq = 48\n")
+    out = tmp_path / "out"
+    built = CliRunner().invoke(
+        cli,
+        [
+            "build",
+            str(folder / "mha_one.toml"),
+            "--out",
+            str(out),
+            "--variant",
+            "static-cache+int8",
+            "--record-intermediates",
+        ],
+    )
+    assert built.exit_code == 0, built.output
+    proto = onnx.load(str(out / "mha_one.static-cache+int8.onnx"))
+    scales = next(t for t in proto.graph.initializer if t.name.endswith("qkv_weight_scale"))
+    values = onnx.numpy_helper.to_array(scales).copy()
+    values[64:128] *= 1.25  # the key's columns, after the query's 64
+    scales.CopyFrom(onnx.numpy_helper.from_array(values, scales.name))
+    onnx.save(proto, str(tmp_path / "faulty.onnx"))
+    args = ["--spec", str(folder / "mha_one.toml"), "--variant", "static-cache+int8"]
+    args += ["--shapes", "past_seq=3,seq=2,total_seq=5", "--seed", "1"]  # a padded key among them
+    found = CliRunner().invoke(cli, ["localize", str(tmp_path / "faulty.onnx"), *args])
+    assert found.exit_code == 1, found.output
+    assert "DIVERGES first at ONNX node_linear_1 (+1 nodes) [Slice+Add] from FX node linear_1 " in found.output, (
+        found.output
+    )
+    assert "in k_linear at " in found.output, found.output

@@ -7,6 +7,7 @@ hides). ``check_regions`` is verify's ``regions`` (``--check-regions``, ``--stri
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import shlex
 import tempfile
 import time
@@ -235,7 +236,7 @@ def _regions(
             )
             if out[-1].breaks:
                 fed[value] = teacher, rtol
-    return out, fed
+    return _in_data_order(out, regions), fed
 
 
 def _judged(
@@ -245,6 +246,37 @@ def _judged(
     it (``expected``: clipped to its dtype's range), an overflow beyond that range held as
     its end, the padded rows left out."""
     return judge_value(fx_node, expected, left_out(expected, held(value, actual), rows), tol)
+
+
+def _in_data_order(errors: list[RegionError], regions: list[Region]) -> list[RegionError]:
+    """``errors`` with each region after every region that feeds it, graph order among the
+    rest: a fused region's first node may run before a projection it reads (its length
+    arithmetic reads the graph's inputs), and the first region to break its tolerance, the
+    one blamed, was a packed cache's attention fed a faulty key's padded rows, not the key's
+    projection. Where regions feed each other both ways, graph order settles it."""
+    made = {v: k for k, r in enumerate(regions) for v in r.producers}
+    feeds = [{made[i] for i in r.inputs if i in made} - {k} for k, r in enumerate(regions)]
+    readers: dict[int, list[int]] = {}
+    for k, fed_by in enumerate(feeds):
+        for j in fed_by:
+            readers.setdefault(j, []).append(k)
+    waiting = [len(f) for f in feeds]
+    ready = [k for k, n in enumerate(waiting) if n == 0]
+    heapq.heapify(ready)
+    rank: dict[int, int] = {}
+    while len(rank) < len(regions):
+        if not ready:  # a cycle: the first region not yet placed
+            ready = [next(k for k in range(len(regions)) if k not in rank)]
+        k = heapq.heappop(ready)
+        if k in rank:
+            continue
+        rank[k] = len(rank)
+        for r in readers.get(k, []):
+            waiting[r] -= 1
+            if waiting[r] == 0 and r not in rank:
+                heapq.heappush(ready, r)
+    order = {tuple(r.nodes): rank[k] for k, r in enumerate(regions)}
+    return sorted(errors, key=lambda e: order.get(tuple(e.nodes), len(regions)))
 
 
 def _as_graph(value: np.ndarray, graph: np.ndarray | None) -> np.ndarray:

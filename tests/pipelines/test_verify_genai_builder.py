@@ -133,6 +133,14 @@ def test_a_wrong_attention_scale_in_the_builders_graph_is_red(builder: tuple[Pat
     code, out = _verify(edited / "model.onnx", spec)
     assert code == 1, out
     assert "FAIL builder" not in out and "logits:" in out and "verify FAILED" in out
+    # its nodes name no FX node: localize says why in one line, for a variant too (whose plain
+    # graph, built from the spec, has them: it said "the graph of another module or export?")
+    found = CliRunner().invoke(cli, ["localize", str(edited / "model.onnx"), "--spec", str(spec)])
+    assert found.exit_code == 2 and "localize needs a graph from the dynamo exporter" in found.output, found.output
+    int4 = folder.parent / "genai-int4" / "model.onnx"
+    found = CliRunner().invoke(cli, ["localize", str(int4), "--spec", str(spec), "--variant", "int4"])
+    assert found.exit_code == 2 and found.output.count("\n") == 1, found.output
+    assert "its nodes carry no FX node metadata, which torch.onnx's dynamo exporter writes" in found.output
 
 
 def test_steps_the_generator_never_feeds_are_refused_by_the_graph_and_the_report_says_what_to_declare(

@@ -234,6 +234,12 @@ def unpaired(
     named = {_fx(m) for m in _node_metadata(model, plain)} & set(known)
     outputs = {o.name for o in model.graph.output}
     paired = {fx for r in regions for value, fx in r.compared if value not in outputs}
+    if not named and not has_fx_metadata(model):
+        return (
+            "its nodes carry no FX node metadata, which torch.onnx's dynamo exporter writes and localize pairs "
+            "by: a graph another tool wrote (onnxruntime-genai's model builder) is judged whole by verify, which "
+            "names the output, case and step where it parts from PyTorch"
+        )
     if not named:
         return "its nodes name none of the FX nodes PyTorch's values are of (the graph of another module or export?)"
     inner = named - set(output_nodes.values())

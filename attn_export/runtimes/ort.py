@@ -278,6 +278,15 @@ def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
     return float(timeout_s)
 
 
+def _has_loop(graph: Any) -> bool:
+    """Whether ``graph`` or a subgraph of one of its nodes (an If's branch) holds a Loop."""
+    for node in graph.node:
+        subgraphs = [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+        if node.op_type == "Loop" or any(_has_loop(g) for g in subgraphs):
+            return True
+    return False
+
+
 def run_bounded(
     session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], timeout_s: float
 ) -> list[np.ndarray]:
@@ -330,6 +339,10 @@ class OnnxRuntime(Runtime):
         self.session: Any = None
         #: Whether each present of a static cache is written into its past's buffer (``StaticCache.in_place``).
         self._in_place: bool | None = None
+        #: A file's graph holding a Loop runs bounded (``run_bounded``), and once one run was
+        #: stopped the next say so at once: a Loop without end would hold each case for the limit.
+        self._loops = False
+        self._stopped: str | None = None
 
     def _activate(self) -> None:
         from attn_export.artifacts.onnx_file import load_model_file
@@ -340,6 +353,7 @@ class OnnxRuntime(Runtime):
         self.session = load_session(
             self.model, self.provider, budget=self.budget, threads=self.threads, spinning=self.spinning
         )
+        self._loops = proto is not None and _has_loop(proto.graph)
         self.static = StaticCache.from_metadata(self.session.get_modelmeta().custom_metadata_map)
         if self.static is not None:  # read from the graph once, not for each decoder
             import onnx
@@ -357,8 +371,18 @@ class OnnxRuntime(Runtime):
         names = [t.name for t in self.outputs]
         static = self.static
         graph_feeds = self._graph_feeds(feeds, static)
+        if self._stopped is not None:
+            raise RuntimeFailure(f"{self.name}: not run: an earlier run {self._stopped}")
         try:
-            values = self.session.run(names, graph_feeds) if static is None else self._run_static(names, graph_feeds)
+            if static is not None:
+                values = self._run_static(names, graph_feeds)
+            elif self._loops:
+                values = run_bounded(self.session, names, graph_feeds, RUN_TIMEOUT_S)
+            else:
+                values = self.session.run(names, graph_feeds)
+        except RunTimeout as e:
+            self._stopped = str(e)
+            raise RuntimeFailure(f"{self.name}: {e}") from e
         except RuntimeFailure:
             raise
         except Exception as e:
@@ -461,8 +485,7 @@ class OnnxRuntime(Runtime):
 
         check_feeds(feeds, self.inputs, self.dims)
         ep = require_provider(self.provider)
-        if isinstance(self.model, Path):
-            load_model_file(self.model)
+        loops = isinstance(self.model, Path) and _has_loop(load_model_file(self.model).graph)
         with tempfile.TemporaryDirectory(prefix="attn-export-profile-") as tmp:
             session = load_session(
                 self.model,
@@ -474,8 +497,12 @@ class OnnxRuntime(Runtime):
             )
             static = StaticCache.from_metadata(session.get_modelmeta().custom_metadata_map)
             graph_feeds = self._graph_feeds(feeds, static)
+            names = [o.name for o in session.get_outputs()]
             try:
-                session.run(None, graph_feeds)
+                if loops:
+                    run_bounded(session, names, graph_feeds, RUN_TIMEOUT_S)
+                else:
+                    session.run(names, graph_feeds)
             except Exception as e:
                 raise RuntimeFailure(f"{self.name}: the profiled run failed: {first_line(e)}") from e
             path = Path(session.end_profiling())

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -987,3 +988,37 @@ def test_a_packed_key_column_fault_is_named_at_the_key_projection_before_the_att
         found.output
     )
     assert "in k_linear at " in found.output, found.output
+
+
+def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(
+    zoo_copy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify ran each case with no limit: a graph from elsewhere holding a Loop without end
+    held the job until it was killed. A graph with a Loop now runs bounded; the first case
+    stopped at the limit says so, and the cases after it are not run."""
+    proto = onnx.load(zoo_copy / "mha.onnx")
+    bias = next(t for t in proto.graph.initializer if len(t.dims) == 1 and t.data_type == onnx.TensorProto.FLOAT)
+    reader = next(n for n in proto.graph.node if bias.name in n.input)
+    scalar, kinds = onnx.helper.make_tensor_value_info, onnx.TensorProto
+    body = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            onnx.helper.make_node("Identity", ["v"], ["v_out"]),
+        ],
+        "body",
+        [scalar("i", kinds.INT64, []), scalar("cond_in", kinds.BOOL, []), scalar("v", kinds.FLOAT, list(bias.dims))],
+        [scalar("cond_out", kinds.BOOL, []), scalar("v_out", kinds.FLOAT, list(bias.dims))],
+    )  # the bias passed through a Loop that never stops
+    spin = onnx.helper.make_node("Loop", ["", "always", bias.name], ["spun"], body=body, name="spin")
+    reader.input[list(reader.input).index(bias.name)] = "spun"
+    nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend([spin, *nodes])
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
+    plant(zoo_copy, "mha", proto)
+    monkeypatch.setattr("attn_export.runtimes.ort.RUN_TIMEOUT_S", 0.5)
+    started = time.perf_counter()
+    result = CliRunner().invoke(cli, ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency"])
+    assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
+    assert "onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
+    assert "onnxruntime[cpu]: not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output

@@ -507,6 +507,7 @@ def test_localize_golden_names_a_build_without_recorded_intermediates(tiny_build
     result = CliRunner().invoke(cli, ["localize", str(tiny_build.out), "tiny", "--golden"])
     assert result.exit_code == 2
     assert f"tiny: no recorded intermediates in {tiny_build.out}; build it with --record-intermediates" in result.output
+    assert "(it records none for a graph whose nodes carry no FX node metadata, ort-optimized's" in result.output
 
 
 #: (fault, variant, a node of the region to blame, edit, the FX node compared there, FX nodes

@@ -456,10 +456,7 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
             raise UsageError(f"{out_dir}: no model '{model}' (it has: {', '.join(sorted(manifest.models))})")
         entry = manifest.models[model]
         if options.golden and not entry.intermediates:
-            raise UsageError(
-                f"{model}: no recorded intermediates in {out_dir}; build it with --record-intermediates "
-                "where torch is installed"
-            )
+            raise UsageError(_unrecorded(model, out_dir))
         problems = integrity(out_dir, entry, *(("intermediates",) if options.golden else ()))
         if problems:
             raise ArtifactError(problems[0])
@@ -517,10 +514,7 @@ def _edited(graph: Path, model: str | None, options: LocalizeOptions) -> _Found:
             raise UsageError(f"{asked}; it has: {has}")
         entry = manifest.models[name]
         if not entry.intermediates:
-            raise UsageError(
-                f"{name}: no recorded intermediates in {build}; build it with --record-intermediates "
-                "where torch is installed"
-            )
+            raise UsageError(_unrecorded(name, build))
         problems = integrity(build, entry, "intermediates", graph=False)
         if problems:
             raise ArtifactError(problems[0])
@@ -641,6 +635,16 @@ def _unsimulated(options: LocalizeOptions, quantized: int, rounded: int) -> str:
             "function of its own, or a graph edited after the build)"
         )
     return f"regions judged within int4's own room of the float module, not against int4's simulation: {why}"
+
+
+def _unrecorded(model: str, build: Path) -> str:
+    """Why ``localize --golden`` has nothing to pair ``model``'s graph with: a build records
+    intermediates only when asked, and only of a graph whose nodes name their FX node."""
+    return (
+        f"{model}: no recorded intermediates in {build}; build it with --record-intermediates where torch is "
+        "installed (it records none for a graph whose nodes carry no FX node metadata, ort-optimized's, and "
+        "says so in a warning)"
+    )
 
 
 def _recorded_side(path: Path, spec: ModelSpec, budget: int) -> _Side:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import re
 import sys
 import warnings
@@ -103,14 +104,38 @@ def _load_state_dict(spec: ModelSpec, module: Any) -> None:
         if k in state and state[k].shape != v.shape
     )
     problems = [
-        f"missing {', '.join(missing)}" if missing else "",
-        f"unexpected {', '.join(extra)}" if extra else "",
-        f"wrong shape {'; '.join(wrong)}" if wrong else "",
+        f"missing {_some(missing, ', ')}" if missing else "",
+        f"unexpected {_some(extra, ', ')}" if extra else "",
+        f"wrong shape {_some(wrong, '; ')}" if wrong else "",
     ]
-    problems = [p for p in problems if p]
+    problems = [p for p in problems if p] + _prefixed(set(expected), set(state))
     if problems:
         raise SpecError(f"{spec.name}: weights do not fit {spec.module}: {'; '.join(problems)}")
     module.load_state_dict(state, strict=True)
+
+
+def _some(names: list[str], sep: str, shown: int = 5) -> str:
+    """The first ``shown`` of ``names``, and how many more: a real model's keys run to hundreds."""
+    more = f"{sep}... ({len(names) - shown} more)" if len(names) > shown else ""
+    return sep.join(names[:shown]) + more
+
+
+def _prefixed(expected: set[str], given: set[str]) -> list[str]:
+    """Where the file's keys are the module's with a prefix left off or added (a checkpoint's
+    keys under ``CausalLMWithCache``, which holds the model as ``model``), what to do."""
+    prefix = _common_prefix(expected)
+    if prefix and {prefix + k for k in given} == expected:
+        return [f"the file's keys are the module's without '{prefix}': add it before every key"]
+    prefix = _common_prefix(given)
+    if prefix and {prefix + k for k in expected} == given:
+        return [f"the file's keys are the module's with '{prefix}' before each: strip it from every key"]
+    return []
+
+
+def _common_prefix(keys: set[str]) -> str:
+    """The dotted prefix every key shares ('' where none)."""
+    first = os.path.commonprefix(sorted(keys)) if keys else ""
+    return first[: first.rfind(".") + 1]
 
 
 def _vary_constant_parameters(module: Any, torch: Any) -> None:

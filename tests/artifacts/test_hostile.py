@@ -244,6 +244,14 @@ def test_pickle_carrying_code_is_refused_and_never_run(tmp_path: Path) -> None:
             lambda sd: sd.__setitem__("q_linear.weight", torch.zeros(3, 3)),
             "wrong shape q_linear.weight (3, 3) != (16, 16)",
         ),
+        # a model's keys under a wrapper that holds it as `model` (and the reverse): said what to do
+        (
+            lambda sd: [sd.__setitem__(f"model.{k}", sd.pop(k)) for k in list(sd)],
+            "missing k_linear.bias, k_linear.weight, out_linear.bias, out_linear.weight, q_linear.bias, ... (3 more); "
+            "unexpected model.k_linear.bias, model.k_linear.weight, model.out_linear.bias, model.out_linear.weight, "
+            "model.q_linear.bias, ... (3 more); the file's keys are the module's with 'model.' before each: strip it "
+            "from every key",
+        ),
     ],
 )
 def test_state_dict_that_does_not_fit_is_refused(tmp_path: Path, edit, message: str) -> None:
@@ -742,3 +750,16 @@ def test_a_manifest_entry_off_the_schema_is_named_by_its_field(zoo_dir: Path, ch
     with pytest.raises(ArtifactError) as refused:
         Manifest.from_json(json.dumps(doc), "manifest.json")
     assert str(refused.value) == f"manifest.json: {says}"
+
+
+def test_a_checkpoints_keys_without_the_wrappers_prefix_say_to_add_it() -> None:
+    """A transformers checkpoint's own state_dict under ``CausalLMWithCache`` (which holds it
+    as ``model``): the message listed every key missing and unexpected, not what to change."""
+    from attn_export.exporter.factory import _prefixed
+
+    module = {"model.lm_head.weight", "model.model.embed_tokens.weight"}
+    checkpoint = {"lm_head.weight", "model.embed_tokens.weight"}
+    assert _prefixed(module, checkpoint) == [
+        "the file's keys are the module's without 'model.': add it before every key"
+    ]
+    assert _prefixed(module, {"lm_head.weight"}) == []

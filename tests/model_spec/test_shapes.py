@@ -117,3 +117,30 @@ def test_an_extend_batch_spec_and_its_copy_in_a_manifest_record_the_same_points(
         )
 
     assert points(copy) == points(spec) and "step" in points(spec) and corners(copy) == corners(spec)
+
+
+def test_a_guard_on_a_corner_keeps_the_points_verify_asks_a_golden_file_for() -> None:
+    """Dims declared seq then batch: a guard's point (seq 1 at the export's batch) is a
+    corner, and the corner's label, kept or folded, follows the dims' order, which the
+    manifest's copy sorts: verify asked for a label build never wrote. A golden case is
+    matched by what it holds (``verify.models.missing_cases``), the same in both orders."""
+    import dataclasses
+
+    from attn_export.artifacts.golden import GoldenCase
+    from attn_export.model_spec import Guard
+    from attn_export.model_spec.distributions import case_label
+    from attn_export.model_spec.shapes import golden_plan
+    from attn_export.pipelines.verify.models import missing_cases
+
+    spec = load_spec(ROOT / "tests" / "models" / "mha.toml")
+    dims = {"seq": spec.dims["seq"], "batch": dataclasses.replace(spec.dims["batch"], max=3)}
+    spec = dataclasses.replace(spec, typical={**spec.typical, "batch": 3}, dims=dims)
+    spec = dataclasses.replace(spec, guards=(Guard("Ne(seq, 1)", "", ({**example_sizes(spec), "seq": 1},)),))
+    copy = spec_from_dict(json.loads(json.dumps(spec.to_dict(), sort_keys=True)))
+
+    def labels(s: ModelSpec) -> set[str]:
+        return {case_label(p.label, d) for p, d in golden_plan(s)}
+
+    built = [GoldenCase(case_label(p.label, d), dict(p.sizes)) for p, d in golden_plan(spec)]  # as build records
+    assert labels(copy) != labels(spec) and missing_cases(copy, built) == []
+    assert missing_cases(copy, built[1:]) == ["distinct"]  # a file cut short still lacks what it lacks

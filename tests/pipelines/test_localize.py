@@ -1023,3 +1023,19 @@ def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(
     assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
     assert "onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
     assert "onnxruntime[cpu]: not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output
+
+
+def _region(name: str, index: int, reads: tuple[str, ...], makes: str) -> localize_run.Region:
+    return localize_run.Region(
+        "", ("",) if name == "" else (name,), (index,), ("Op",), reads, makes, "", "", "", "", producers={makes: name}
+    )
+
+
+def test_regions_are_judged_in_data_order_whatever_their_names_and_cycles() -> None:
+    """Each region after the regions feeding it: unnamed nodes (a file from elsewhere) kept
+    apart by place, not by name, and regions feeding each other both ways placed together
+    before a region they feed, though it comes first in the graph."""
+    chain = [_region("", 0, ("b",), "a_out"), _region("b", 1, ("x",), "b"), _region("", 2, ("a_out",), "c")]
+    assert localize_run._data_order(chain) == [1, 0, 2]  # b, then a, then c
+    looped = [_region("attn", 0, ("b",), "y"), _region("a", 1, ("b",), "a"), _region("b", 2, ("a",), "b")]
+    assert localize_run._data_order(looped) == [2, 0, 1]  # a and b together, then the attention

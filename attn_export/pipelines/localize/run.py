@@ -179,7 +179,8 @@ def _regions(
     filled: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
     timeout_s: float,
 ) -> tuple[list[RegionError], dict[str, tuple[dict[str, np.ndarray], Tolerance]]]:
-    """Every region run alone (for at most ``timeout_s`` seconds), in graph order, on
+    """Every region run alone (for at most ``timeout_s`` seconds), in graph order (judged in
+    data order, ``_data_order``), on
     PyTorch's values where PyTorch has them (the graph's inputs and its shape arithmetic as
     the regions before computed them); each that holds an FX node's tensor is compared,
     beside the whole graph's value there. Also the inputs each region whose own error
@@ -188,8 +189,10 @@ def _regions(
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
     out: list[RegionError] = []
+    places: list[int] = []  # each error's region's place in data order (``_data_order``)
+    rank = _data_order(regions)
     fed: dict[str, tuple[dict[str, np.ndarray], Tolerance]] = {}
-    for region in regions:
+    for k, region in enumerate(regions):
         sources = (feeds, pytorch, forced)  # a graph input is itself, whatever an FX node is named
         if not all(any(i in src for src in sources) for i in region.inputs):
             continue  # fed by a region that could not run alone
@@ -211,6 +214,7 @@ def _regions(
             # on a box without torch the graph's stack traces are read without telling torch's
             # frames apart (a Linear's line was torch's F.linear): a recorded line, read with torch, wins
             line = own and not (torch_vals.recorded and source)
+            places.append(rank[k])
             out.append(
                 RegionError(
                     fx_node=fx_node,
@@ -236,7 +240,7 @@ def _regions(
             )
             if out[-1].breaks:
                 fed[value] = teacher, rtol
-    return _in_data_order(out, regions), fed
+    return [e for _, e in sorted(zip(places, out, strict=True), key=lambda pair: pair[0])], fed
 
 
 def _judged(
@@ -248,35 +252,74 @@ def _judged(
     return judge_value(fx_node, expected, left_out(expected, held(value, actual), rows), tol)
 
 
-def _in_data_order(errors: list[RegionError], regions: list[Region]) -> list[RegionError]:
-    """``errors`` with each region after every region that feeds it, graph order among the
-    rest: a fused region's first node may run before a projection it reads (its length
+def _data_order(regions: list[Region]) -> list[int]:
+    """Each region's place when every region comes after those feeding it, graph order among
+    the rest: a fused region's first node may run before a projection it reads (its length
     arithmetic reads the graph's inputs), and the first region to break its tolerance, the
     one blamed, was a packed cache's attention fed a faulty key's padded rows, not the key's
-    projection. Where regions feed each other both ways, graph order settles it."""
+    projection. Regions feeding each other both ways are placed together, in graph order."""
     made = {v: k for k, r in enumerate(regions) for v in r.producers}
-    feeds = [{made[i] for i in r.inputs if i in made} - {k} for k, r in enumerate(regions)]
+    feeds = [sorted({made[i] for i in r.inputs if i in made} - {k}) for k, r in enumerate(regions)]
+    group = _strongly_connected(feeds)
+    members: dict[int, list[int]] = {}
+    for k, g in enumerate(group):
+        members.setdefault(g, []).append(k)
+    fed_by = {g: {group[j] for k in ks for j in feeds[k]} - {g} for g, ks in members.items()}
     readers: dict[int, list[int]] = {}
-    for k, fed_by in enumerate(feeds):
-        for j in fed_by:
-            readers.setdefault(j, []).append(k)
-    waiting = [len(f) for f in feeds]
-    ready = [k for k, n in enumerate(waiting) if n == 0]
+    for g, sources in fed_by.items():
+        for h in sources:
+            readers.setdefault(h, []).append(g)
+    waiting = {g: len(sources) for g, sources in fed_by.items()}
+    ready = [(members[g][0], g) for g in members if not waiting[g]]
     heapq.heapify(ready)
-    rank: dict[int, int] = {}
-    while len(rank) < len(regions):
-        if not ready:  # a cycle: the first region not yet placed
-            ready = [next(k for k in range(len(regions)) if k not in rank)]
-        k = heapq.heappop(ready)
-        if k in rank:
+    rank = [0] * len(regions)
+    placed = 0
+    while ready:
+        _, g = heapq.heappop(ready)
+        for k in members[g]:
+            rank[k], placed = placed, placed + 1
+        for h in readers.get(g, []):
+            waiting[h] -= 1
+            if not waiting[h]:
+                heapq.heappush(ready, (members[h][0], h))
+    return rank
+
+
+def _strongly_connected(reads: list[list[int]]) -> list[int]:
+    """Each node's strongly connected set (Tarjan's, without recursion) in the graph where
+    node ``k`` reads the nodes ``reads[k]``."""
+    count = len(reads)
+    index, low, group = [-1] * count, [0] * count, [-1] * count
+    stack: list[int] = []
+    seen = groups = 0
+    for root in range(count):
+        if index[root] >= 0:
             continue
-        rank[k] = len(rank)
-        for r in readers.get(k, []):
-            waiting[r] -= 1
-            if waiting[r] == 0 and r not in rank:
-                heapq.heappush(ready, r)
-    order = {tuple(r.nodes): rank[k] for k, r in enumerate(regions)}
-    return sorted(errors, key=lambda e: order.get(tuple(e.nodes), len(regions)))
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = seen
+                seen += 1
+                stack.append(v)
+            else:  # back from the child read at i - 1
+                low[v] = min(low[v], low[reads[v][i - 1]])
+            for j in range(i, len(reads[v])):
+                w = reads[v][j]
+                if index[w] < 0:
+                    work += [(v, j + 1), (w, 0)]
+                    break
+                if group[w] < 0:  # on the stack
+                    low[v] = min(low[v], index[w])
+            else:
+                if low[v] == index[v]:
+                    while True:
+                        w = stack.pop()
+                        group[w] = groups
+                        if w == v:
+                            break
+                    groups += 1
+    return group
 
 
 def _as_graph(value: np.ndarray, graph: np.ndarray | None) -> np.ndarray:

@@ -278,12 +278,15 @@ def check_timeout(timeout_s: Any, what: str = "timeout_s") -> float:
     return float(timeout_s)
 
 
-def _has_loop(graph: Any) -> bool:
-    """Whether ``graph`` or a subgraph of one of its nodes (an If's branch) holds a Loop."""
-    for node in graph.node:
-        subgraphs = [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
-        if node.op_type == "Loop" or any(_has_loop(g) for g in subgraphs):
-            return True
+def _has_loop(proto: Any) -> bool:
+    """Whether a model's graph or functions (or a graph's, or a function's, nodes' subgraphs:
+    an If's branches) hold a Loop."""
+    parts = [proto.graph, *proto.functions] if hasattr(proto, "graph") else [proto]
+    for part in parts:
+        for node in part.node:
+            subgraphs = [g for a in node.attribute for g in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
+            if node.op_type == "Loop" or any(_has_loop(g) for g in subgraphs):
+                return True
     return False
 
 
@@ -353,7 +356,7 @@ class OnnxRuntime(Runtime):
         self.session = load_session(
             self.model, self.provider, budget=self.budget, threads=self.threads, spinning=self.spinning
         )
-        self._loops = proto is not None and _has_loop(proto.graph)
+        self._loops = proto is not None and _has_loop(proto)
         self.static = StaticCache.from_metadata(self.session.get_modelmeta().custom_metadata_map)
         if self.static is not None:  # read from the graph once, not for each decoder
             import onnx
@@ -461,7 +464,10 @@ class OnnxRuntime(Runtime):
         session = self.session
         graph_feeds = self._graph_feeds(feeds, self.static)
         if self.provider != "cuda":
-            return super().prepare(feeds) if self.static is None else (lambda: session.run(None, graph_feeds))
+            # a graph with a Loop is timed unbounded: a timer a call would be timed with it, and
+            # its cases, run first, ran bounded (``_run``)
+            plain = self.static is not None or self._loops
+            return (lambda: session.run(None, graph_feeds)) if plain else super().prepare(feeds)
         import onnxruntime as ort
 
         binding = self.session.io_binding()
@@ -485,7 +491,7 @@ class OnnxRuntime(Runtime):
 
         check_feeds(feeds, self.inputs, self.dims)
         ep = require_provider(self.provider)
-        loops = isinstance(self.model, Path) and _has_loop(load_model_file(self.model).graph)
+        loops = isinstance(self.model, Path) and _has_loop(load_model_file(self.model))
         with tempfile.TemporaryDirectory(prefix="attn-export-profile-") as tmp:
             session = load_session(
                 self.model,

@@ -393,20 +393,25 @@ class SpecBuild:
                             f"the spec accepted the guard {'; '.join(guards)}, which fails here"
                         )
                     if cause is None and any(c.unexpected_nonfinite for c in comparisons):
-                        cause = _undeclared_mask(spec)
+                        cause = _undeclared_mask(spec, case)
                     why = [*([cause] if cause else []), failed[0], *notes]  # the cause first
                     raise GraphCheckError(f"{where} failed: {'; '.join(why)}")
 
 
-def _undeclared_mask(spec: ModelSpec) -> str | None:
-    """Why a graph gives NaN where PyTorch is finite, where a boolean input is declared no
-    mask: a row it hides whole is NaN in the graph's softmax and 0 in PyTorch's safe one,
-    and verify neither draws its rows as a mask's nor knows which way it reads."""
-    name = next((t.name for t in spec.inputs if t.dtype == "bool" and t.mask is None), None)
-    if name is None:
-        return None
-    return (
-        f"input '{name}' is bool and declared no mask, so its values were drawn at random and rows it hides "
-        f"whole are NaN in the graph; declare mask = \"random\" (or its pattern) and its convention on it "
-        "(see masks.md)"
-    )
+def _undeclared_mask(spec: ModelSpec, case: GoldenCase) -> str | None:
+    """Why a graph gives NaN where PyTorch is finite, where a boolean input of two axes or
+    more is declared no mask and one of its rows, as drawn, is one value throughout: a row
+    it hides whole is NaN in the graph's softmax and 0 in PyTorch's safe one, and verify
+    neither draws its rows as a mask's nor knows which way it reads."""
+    for t in spec.inputs:
+        value = case.inputs.get(t.name)
+        if t.dtype != "bool" or t.mask is not None or value is None or value.ndim < 2 or not value.shape[-1]:
+            continue
+        rows = value.reshape(-1, value.shape[-1])
+        if (rows.all(axis=1) | ~rows.any(axis=1)).any():
+            return (
+                f"input '{t.name}' is bool and declared no mask, so its values were drawn at random and rows it "
+                "hides whole are NaN in the graph; declare mask = \"random\" (or its pattern) and its convention "
+                "on it (see masks.md)"
+            )
+    return None

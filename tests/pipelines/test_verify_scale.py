@@ -136,6 +136,7 @@ def test_merge_refuses_a_missing_or_repeated_shard(sample: dict[str, Path], tmp_
 MISTYPED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "seconds": (lambda d: d.update(seconds="1.5"), "(seconds: a string, not float)"),
     "shard": (lambda d: d["shard"].update(index="2"), "(shard.index: a string, not int)"),
+    "shard index": (lambda d: d["shard"].update(index=4), "(shard: index 4 is not one of 1..2)"),
     "case": (lambda d: d["cases"].__setitem__(0, 7), "(cases[0]: a number, not an object)"),
     "error": (
         lambda d: d["cases"][0]["comparisons"][0].update(max_abs_error=[0.5]),

@@ -22,7 +22,7 @@ from attn_export.checks.decode.results import DecodeResult
 from attn_export.checks.generate import GenerateResult
 from attn_export.compare import OutputComparison, placement_gate
 from attn_export.compare.latency import noise as latency_noise
-from attn_export.errors import OptionError
+from attn_export.errors import ArtifactError, OptionError
 from attn_export.model_spec.distributions import DEFAULT as DEFAULT_DISTRIBUTION
 from attn_export.model_spec.masks import CASES
 from attn_export.model_spec.scenarios import SCENARIOS
@@ -602,7 +602,10 @@ class VerifyReport:
 
 
 def _shard(d: Mapping[str, Any]) -> Shard:
+    """A report's shard, its index one of its count's: a report is data from anywhere."""
     index, count = json_field(d, "index", int, "shard"), json_field(d, "count", int, "shard")
+    if not 1 <= index <= count:
+        raise ArtifactError(f"shard: index {index} is not one of 1..{count}")
     return Shard(index, count, json_field(d, "selection", str, "shard"))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from attn_export.artifacts.files import append_output
+from attn_export.artifacts.files import append_output, resolved
 from attn_export.errors import AttnExportError, UsageError
 from attn_export.report.output_plan import check_appended
 
@@ -210,14 +210,26 @@ def _check_runner_files(env: Mapping[str, str]) -> None:
             raise UsageError(f"${name}: {e}") from e
 
 
+def _outside_the_build(env: Mapping[str, str]) -> None:
+    """UsageError where a runner file lies in the build folder the step builds or verifies
+    (input ``build-dir``): before its build it is no build folder yet, and the step appended
+    its outputs to the manifest the build then wrote."""
+    build_dir = Path(env.get(PREFIX + "BUILD_DIR", "").strip() or DEFAULTS["build-dir"])
+    for name in RUNNER_FILES:
+        path = env.get(name)
+        if path and resolved(Path(path)).is_relative_to(resolved(build_dir)):
+            raise UsageError(f"${name} {path} is inside the build folder {build_dir}; point it elsewhere")
+
+
 def run_action(env: Mapping[str, str]) -> int:
     """The action's main step: returns the step's exit code (0 when verify passed, else the
     failing command's: 1 a check failed, 2 bad usage or input). The outputs are written
     whatever happens, unless ``$GITHUB_OUTPUT`` itself cannot take them; ``passed`` is
     ``true`` only with exit 0."""
     try:
+        _outside_the_build(env)  # first: the check of the others makes an empty file
         _check_runner_files(env)
-    except UsageError as e:
+    except AttnExportError as e:
         print(f"::error title=attn-export::{e}", flush=True)
         return e.exit_code
     try:

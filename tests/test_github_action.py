@@ -224,8 +224,8 @@ def test_a_runner_file_that_is_no_file_is_one_error_line_exit_2(
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("build/manifest.json", "is manifest.json of the build folder"),
-        ("build/mha.golden.npz", ": .npz is a golden file's suffix, not a report's"),
+        ("other/manifest.json", "is manifest.json of the build folder"),
+        ("other/mha.golden.npz", ": .npz is a golden file's suffix, not a report's"),
         ("models/mha.toml", ": .toml is a spec's suffix, not a report's"),
     ],
 )
@@ -240,10 +240,10 @@ def test_a_runner_file_that_is_a_build_or_spec_file_is_refused_and_left_as_it_wa
     """The step appended its outputs to whatever the variable named: a build's manifest
     became invalid JSON, a golden file no zip, and the next verify failed."""
     monkeypatch.chdir(tmp_path)
-    for folder in ("build", "models"):
+    for folder in ("other", "models"):  # a build folder besides the one the step makes
         (tmp_path / folder).mkdir()
-    (tmp_path / "build" / "manifest.json").write_text(f'{{"schema": "{SCHEMA}", "models": {{}}}}')
-    (tmp_path / "build" / "mha.golden.npz").write_bytes(b"PK")
+    (tmp_path / "other" / "manifest.json").write_text(f'{{"schema": "{SCHEMA}", "models": {{}}}}')
+    (tmp_path / "other" / "mha.golden.npz").write_bytes(b"PK")
     (tmp_path / "models" / "mha.toml").write_text('module = "m:M"')
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     monkeypatch.setattr(github_action, "_attn_export", lambda args: pytest.fail("nothing runs"))
@@ -252,6 +252,26 @@ def test_a_runner_file_that_is_a_build_or_spec_file_is_refused_and_left_as_it_wa
     said = capsys.readouterr().out
     assert said.startswith(f"::error title=attn-export::${variable} {tmp_path / name}") and says in said, said
     assert said.count("\n") == 1 and {p: p.read_bytes() for p in before} == before
+
+
+@pytest.mark.parametrize("variable", ["GITHUB_OUTPUT", "GITHUB_STEP_SUMMARY"])
+def test_a_runner_file_inside_the_build_folder_the_step_makes_is_refused(
+    variable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the step's build the folder holds nothing a report's rules know: the step
+    appended its outputs to the manifest the build then wrote."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(github_action, "_attn_export", lambda args: pytest.fail("nothing runs"))
+    env = {"GITHUB_OUTPUT": str(tmp_path / "out"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
+    (tmp_path / "made").mkdir()  # the runner makes its files' folder; the build has not run yet
+    env |= {"ATTN_EXPORT_BUILD_DIR": "made", variable: str(tmp_path / "made" / "manifest.json")}
+    assert run_action(env) == 2
+    said = capsys.readouterr().out
+    where = tmp_path / "made" / "manifest.json"
+    assert (
+        said == f"::error title=attn-export::${variable} {where} is inside the build folder made; point it elsewhere\n"
+    )
+    assert not any((tmp_path / "made").iterdir())
 
 
 @pytest.mark.parametrize(

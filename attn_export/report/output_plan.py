@@ -172,7 +172,10 @@ def check_appended(variable: str, path: Path) -> None:
     """The runner's file named by ``variable`` (``$GITHUB_OUTPUT``), which a step appends to,
     held to a report's rules (``_check``): a build folder's manifest or lock, a graph,
     golden file, spec or module appended to is no longer what it was."""
-    _check([(variable, path)], None, set(), {}, None, into_builds=True)
+    try:
+        _check([(variable, path)], None, set(), {}, None, into_builds=True)
+    except UsageError as e:  # each message names the variable, as the first words of most do
+        raise UsageError(str(e) if str(e).startswith(variable) else f"{variable}: {e}") from None
 
 
 def _probe(path: Path, folder: Path) -> None:

@@ -105,7 +105,6 @@ def test_the_manifest_holds_each_genai_folders_hashes_and_check_finds_a_changed_
     )
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 @needs_genai
 def test_verify_runs_the_genai_folder_the_build_wrote_held_to_its_hashes(causal_lm: Built, tmp_path: Path) -> None:
     """verify --generate runs genai's generator on the folder a user ships, not on one it

@@ -131,7 +131,6 @@ FAMILIES = {
 }
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_the_genai_folders_own_graph_verifies_with_its_spec(built: Built) -> None:
     """The graph a user ships, the genai folder's (its filled length derived from the mask),
     verifies with ``--spec`` as the build's graph does, its buffers driven in place. Before,
@@ -373,7 +372,6 @@ def _localized(proto: onnx.ModelProto, made: Built, tmp_path: Path) -> tuple[str
     return next(line for line in result.output.splitlines() if line.startswith("DIVERGES")), result.output
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_a_fault_inside_groupqueryattention_is_localized_at_it_not_at_the_output_projection(
     built: Built, tmp_path: Path
 ) -> None:

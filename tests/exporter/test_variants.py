@@ -53,7 +53,6 @@ def _rows(output: str) -> list[list[str]]:
     return [line.split() for line in output.splitlines() if "onnxruntime[cpu]" in line.split()[1:2]]
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_every_variant_verifies_within_its_tolerance_at_unit_scale(variant_build: Path) -> None:
     args = ["verify", str(variant_build), *TINY, "--no-latency", "--distribution", "normal", "--distribution", "tiny"]
     result = CliRunner().invoke(cli, args)

@@ -297,7 +297,6 @@ def _refused_fusion(model: object) -> tuple[object, dict[str, int]]:
     return model, {}
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_a_default_variant_that_cannot_be_built_is_left_out_with_why(
     bench_run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

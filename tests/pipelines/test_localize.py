@@ -587,7 +587,6 @@ def _alone(zoo_dir: Path, variant: str, folder: Path, edit: Callable | None = No
 EXPORTED_MAP = "fused regions are mapped back to FX nodes through the plain graph exported now from the spec"
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_an_optimized_graph_no_build_made_is_localized_through_the_plain_graph_exported_from_its_spec(
     zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,7 +101,6 @@ def test_a_two_layer_causal_lm_gives_logits_and_every_layers_cache(causal_lm: Bu
     ]
 
 
-@pytest.mark.slow  # kept out of make test (under four minutes); CI runs it
 def test_a_two_layer_causal_lm_and_its_int4_graph_decode_like_pytorch(causal_lm: Built) -> None:
     args = ["--decode", "3", "--distribution", "normal", "--random", "0", "--no-latency"]  # the decode is the point
     result = CliRunner().invoke(cli, ["verify", str(causal_lm.out), "--models", str(causal_lm.models), *args])

@@ -15,13 +15,13 @@ __all__ = ["unsimulated_cases", "unsimulated_steps"]
 def unsimulated_cases(cases: list[CaseResult]) -> list[str]:
     """One model's cases whose outputs had no simulated values (``OutputComparison.not_simulated``):
     judged at int4's own room instead, pass or fail, so a green says it was not the strict one."""
-    found = [(f"{c.runtime} {c.shape} {c.distribution}", _why(c)) for c in cases if _why(c)]
+    found = [(f"{c.runtime} {c.shape} {c.distribution}", why) for c in cases if (why := _why(c))]
     return _note(found, len(cases), "cases")
 
 
 def unsimulated_steps(d: DecodeResult) -> list[str]:
     """The same of one decode trajectory's steps."""
-    return _note([(f"step {s.step}", _why(s)) for s in d.steps if _why(s)], len(d.steps), "steps")
+    return _note([(f"step {s.step}", why) for s in d.steps if (why := _why(s))], len(d.steps), "steps")
 
 
 def _why(judged: CaseResult | DecodeStep) -> str:

@@ -139,7 +139,7 @@ class TargetRun:
                 device=device,
                 threads=threads,
                 rounding_bits=bits,
-                int4_activations=int4_activations(self.path) if 4 in bits else True,
+                int4_activations=int4_activations(self.path, bits),
             )
             stack.enter_context(eager)
             if options.inputs_file:

@@ -4,7 +4,7 @@ user's recorded inputs, with the tolerances the options set."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +72,12 @@ def target_tolerances(
     return on_a_cpu(tolerances, {name: _with_options(tol, options) for name, tol in exact.items()})
 
 
-def int4_activations(graph: Path) -> bool:
+def int4_activations(graph: Path, bits: Collection[int] = (4,)) -> bool:
     """Whether int4's simulation standing for ``graph`` rounds its activations (MatMulNBits
     at accuracy level 4), or its weights alone (levels 0 and 1, computed in float on a CPU):
-    ``TorchRuntime.int4_activations``."""
-    return int4_compute(load_model_file(graph)) != "float"
+    ``TorchRuntime.int4_activations``; the graph is read only where ``bits`` (the simulations
+    a variant is judged by) hold int4's."""
+    return 4 not in bits or int4_compute(load_model_file(graph)) != "float"
 
 
 def case_plan(spec: ModelSpec, options: VerifyOptions, cap: int | None = None) -> list[tuple[ShapePoint, str]]:

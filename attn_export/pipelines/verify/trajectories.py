@@ -49,7 +49,7 @@ def decode_model(
         from attn_export.exporter.factory import instantiate
 
         bits = rounding_bits(tolerances.values())
-        activations = int4_activations(path) if 4 in bits else True
+        activations = int4_activations(path, bits)
         with TorchRuntime(
             instantiate(spec), spec.inputs, spec.outputs, spec.dims, rounding_bits=bits, int4_activations=activations
         ) as eager:

@@ -17,21 +17,33 @@ def in_float64(call: Any, *args: Any) -> Any:
     """``call(*args)`` with every float32, float16 and bfloat16 widened to float64."""
     torch = require("torch", "running the PyTorch original")
     from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_map
 
     narrow = (torch.float32, torch.float16, torch.bfloat16)
     casts = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+    tensor, dtype = torch.Tensor, torch.dtype
 
     def wide(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dtype in narrow:
-            return x.double()
-        return torch.float64 if isinstance(x, torch.dtype) and x in narrow else x
+        """``x`` with its narrow floats widened; ``x`` itself where none is (most calls:
+        a mode sees every attribute read, and rebuilding their arguments cost 4x the module)."""
+        if isinstance(x, tensor):
+            return x.double() if x.dtype in narrow else x
+        if isinstance(x, dtype):
+            return torch.float64 if x in narrow else x
+        if isinstance(x, (tuple, list)):
+            items = [wide(v) for v in x]
+            if all(a is b for a, b in zip(items, x, strict=True)):
+                return x
+            return type(x)(items) if not hasattr(x, "_fields") else type(x)(*items)
+        if isinstance(x, dict):
+            changed = {k: wide(v) for k, v in x.items()}
+            return x if all(changed[k] is v for k, v in x.items()) else changed
+        return x
 
     class Widened(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if func in casts:  # x.float(): to float64 instead
                 return args[0].double() if args[0].is_floating_point() else args[0].to(torch.float64)
-            return func(*tree_map(wide, tuple(args)), **tree_map(wide, dict(kwargs or {})))
+            return func(*wide(tuple(args)), **wide(dict(kwargs or {})))
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)  # torch.tensor([1 / 3]), torch.zeros(n)

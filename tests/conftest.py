@@ -5,7 +5,9 @@ pytest-xdist worker asks for it first (under a file lock next to it, in the sess
 temporary root, which every worker shares), and every test that only reads it reads that
 one; a test that changes a folder takes its own copy (``copy_build``). A shared folder is
 checked unchanged when its fixture ends. The zoo is built in two halves, one per worker at
-the same time, and put together as one build writes it (``shared_zoo``).
+the same time, and put together as one build writes it (``shared_zoo``). A process exports
+each module once (``tests/export_memo.py``): a later build or localize of the same module,
+spec and feeds takes a copy of that export.
 
 The tests use the tiny zoo in ``tests/models``: every model of ``models/`` as the same spec
 at hidden sizes of at most 32 and lengths of at most 40 (``tests/model_spec/test_spec.py`` holds
@@ -41,6 +43,7 @@ from attn_export.model_spec import load_spec, spec_paths
 from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
 from attn_export.pipelines.verify.models import checkout_spec
+from tests import export_memo
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The production-size zoo, as `attn-export build` builds it by default.
@@ -110,6 +113,15 @@ def _one_core_per_worker() -> None:
 
 
 _one_core_per_worker()
+export_memo.install()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_export(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``fresh_export`` exports every module itself (``tests/export_memo.py``)."""
+    export_memo.BYPASS[0] = request.node.get_closest_marker("fresh_export") is not None
+    yield
+    export_memo.BYPASS[0] = False
 
 
 # -- build once and copy -----------------------------------------------------------------------

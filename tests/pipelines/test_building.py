@@ -124,6 +124,7 @@ def _build(spec_paths: list[Path], out: Path, **kw: object):
     return build_models(spec_paths, BuildOptions(out, **kw))  # type: ignore[arg-type]
 
 
+@pytest.mark.fresh_export
 def test_build_is_deterministic(shared_tiny: Built, tmp_path: Path) -> None:
     path = tiny_spec(tmp_path / "models")  # the spec of the shared build, in another folder
     _build([path], tmp_path / "b")  # and in this process, where the shared one may have been built in another

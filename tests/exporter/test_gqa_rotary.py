@@ -39,6 +39,7 @@ def _genai_form(text: str) -> str:
     text = text.replace('2, "past_seq", 8]', '1, "past_seq", 16]').replace('2, "total_seq", 8]', '1, "total_seq", 16]')
     text = text.replace('mask = "left-padding"', 'mask = "full"')
     text = text.replace('[[inputs]]\nname = "position_ids"\ndtype = "int64"\nshape = ["batch", "seq"]\n', "")
+    text = text.replace("opset = 18\n", "opset = 23\n")  # the variant's: one export, not the plain one's too
     return text + "\n[cache]\nmax_seq = 40\nextend_batch = 1\n"
 
 

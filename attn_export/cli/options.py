@@ -208,7 +208,7 @@ def _models_option(help: str) -> Decorator:  # noqa: A002 - mirrors click's keyw
 #: verify's and localize's --models: where the PyTorch originals come from.
 checkout_models_option = _models_option(
     "The checkout's spec folder: PyTorch originals are rebuilt from these specs, never from the manifest. "
-    "Given with verify --golden: each graph's recorded spec must be the one here."
+    "Given with --golden (verify, localize): each graph's recorded spec must be the one here."
 )
 
 

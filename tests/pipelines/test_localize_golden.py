@@ -209,3 +209,22 @@ def test_an_int4_graphs_recording_is_its_simulation_and_names_a_key_2_percent_of
     level0 = CliRunner().invoke(cli, args)
     assert level0.exit_code == 0, level0.output
     assert "this graph computes its MatMulNBits in float (level 0 or 1)" in level0.output, level0.output
+
+
+def test_a_golden_localize_with_models_holds_the_folders_spec_to_the_checkouts(recorded: Built, tmp_path: Path) -> None:
+    """--models was taken and left unread with --golden: a manifest widening its own
+    tolerance was localized by it. Named, the checkout's spec is what the recording is held
+    to, as verify --golden holds it; unnamed, the folder is trusted as a whole."""
+    built = copy_build(recorded, tmp_path)
+    doc = json.loads((built.out / "manifest.json").read_text())
+    doc["models"]["mha"]["spec"]["tolerance"]["atol"] = 1e6
+    (built.out / "manifest.json").write_text(json.dumps(doc))
+    trusted = CliRunner().invoke(cli, ["localize", str(built.out), "mha", "--golden"])
+    assert trusted.exit_code == 0 and "\nAGREES: " in trusted.output, trusted.output
+    held = CliRunner().invoke(cli, ["localize", str(built.out), "mha", "--golden", "--models", str(TINY_ZOO)])
+    assert held.exit_code == 2, held.output
+    assert held.output.strip().splitlines()[-1] == (
+        "Error: mha: stale build: spec field tolerance differ; run attn-export build first"
+    ), held.output
+    current = CliRunner().invoke(cli, ["localize", str(recorded.out), "mha", "--golden", "--models", str(TINY_ZOO)])
+    assert current.exit_code == 0 and f"--golden --models {TINY_ZOO}" in current.output, current.output

@@ -64,6 +64,9 @@ class LocalizeOptions:
     #: Localize the case ``build --record-intermediates`` recorded, on its recorded values:
     #: no torch and no checkout needed.
     golden: bool = False
+    #: With ``golden``: the checkout's spec folder (``models_dir``) was named, and the recorded
+    #: spec must be the one there (a stale build is refused), as verify --golden holds it.
+    golden_checkout: bool = False
     #: With ``golden`` and ``spec_file``: the build folder whose recorded intermediates of the
     #: spec's graph (of ``variant``) a graph no build made is paired with, by the FX nodes its
     #: values are named for (a copy of that graph, edited by hand).

@@ -382,7 +382,8 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
         args += ["--layout", options.layout] if options.layout else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
-    models = str(options.models_dir) != "models" and not options.golden and options.spec_file is None
+    checkout = not options.golden or options.golden_checkout
+    models = str(options.models_dir) != "models" and checkout and options.spec_file is None
     args += ["--models", str(options.models_dir)] if models else []
     args += ["--runtime", options.runtime] if options.runtime != DEFAULT_RUNTIME else []
     args += ["--provider", options.provider] if options.target.provider not in (None, "cpu") else []
@@ -503,13 +504,12 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
         problems = integrity(out_dir, entry, *(("intermediates",) if options.golden else ()))
         if problems:
             raise ArtifactError(problems[0])
-        if options.golden:
-            spec = entry.model_spec  # data: the recording is the module's side, no code runs
-        else:
-            spec = checkout_spec(options.models_dir, entry)
-            stale = stale_reasons(entry, spec)
-            if stale:
-                raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
+        spec = entry.model_spec if options.golden else checkout_spec(options.models_dir, entry)
+        # a golden run's spec is the recorded one (data: no code runs); held to the checkout's if named
+        held = checkout_spec(options.models_dir, entry, learn=False) if options.golden_checkout else spec
+        stale = stale_reasons(entry, held) if not options.golden or options.golden_checkout else []
+        if stale:
+            raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         budget = memory_budget(options.max_memory, spec)
         proto = load_model_file(out_dir / entry.file, with_data=True, budget=budget)
         plain = _plain_graph(out_dir, manifest, entry, budget)

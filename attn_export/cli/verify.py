@@ -191,9 +191,10 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @timeout_option(
     "--region-timeout",
-    "With --check-regions, --strict-regions or --localize: stop a run of the whole graph or of one region "
-    "after this many seconds on ONNX Runtime. A region over it fails its graph (--check-regions too) or is "
-    "not localized (--localize).",
+    "Stop a run on ONNX Runtime after this many seconds: of a graph holding a Loop, each case's (a case "
+    "stopped fails, and its graph's later cases are not run); with --check-regions, --strict-regions or "
+    "--localize, also of the whole graph or of one region (a region over it fails its graph, --check-regions "
+    "too, or is not localized).",
 )
 def verify(
     paths: tuple[Path, ...],
@@ -279,8 +280,6 @@ def verify(
 
     if localize_first and golden:
         raise click.UsageError("--localize compares with PyTorch: it cannot be combined with --golden")
-    if given("timeout_s") and not (check_regions or strict_regions or localize_first):
-        raise click.UsageError("--region-timeout needs --check-regions, --strict-regions or --localize")
     regions = "strict" if strict_regions else "check" if check_regions else None
     named = {"regions": f"--{regions}-regions"} if regions else {}  # the flag given, where one was
     with flag_names(**named, spec_file="--spec", region_timeout_s="--region-timeout"):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 
@@ -152,14 +152,35 @@ class Runtime(ABC):
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
+#: How long one run of a graph holding a Loop, or of a region, may take by default: a case
+#: runs in milliseconds to seconds, and a graph from elsewhere is data (a Loop without end
+#: ran until the process was killed).
+RUN_TIMEOUT_S = 120.0
+
+
+class MakeRuntime(Protocol):
+    """``make(model, spec, target, threads, budget, timeout_s)``: a Runtime for the graph at
+    ``model``, holding its own allocations to ``budget`` bytes and a run of a graph holding a
+    Loop to ``timeout_s`` seconds where the runtime can (ONNX Runtime; onnx.reference runs
+    unbounded)."""
+
+    def __call__(
+        self,
+        model: Path | bytes,
+        spec: ModelSpec,
+        target: Target,
+        threads: int | None,
+        budget: int,
+        timeout_s: float = RUN_TIMEOUT_S,
+    ) -> Runtime: ...
+
+
 @dataclass(frozen=True)
 class RuntimeKind:
     """One row of the runtime registry (``runtimes.RUNTIMES``): how to run an ONNX graph."""
 
     name: str
-    #: ``make(model, spec, target, threads, budget)``: a Runtime for the graph at ``model``,
-    #: holding its own allocations to ``budget`` bytes where the runtime can.
-    make: Callable[[Path | bytes, ModelSpec, Target, int | None, int], Runtime]
+    make: MakeRuntime
     #: Providers it runs on; empty for a runtime without providers.
     providers: tuple[str, ...] = ()
     #: Every size is capped to this for slow runtimes.

@@ -37,7 +37,7 @@ from attn_export.errors import (
 )
 from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
 from attn_export.model_spec.memory import ENV, format_bytes, memory_budget
-from attn_export.runtimes.base import Runtime, RuntimeKind, check_feeds
+from attn_export.runtimes.base import RUN_TIMEOUT_S, Runtime, RuntimeKind, check_feeds
 from attn_export.runtimes.static_cache import StaticCache, capacity_for
 from attn_export.runtimes.target import PROVIDERS, Target
 
@@ -58,10 +58,6 @@ __all__ = [
     "run_bounded",
 ]
 
-#: How long one run of a region (or of the whole graph, in localize) may take by default:
-#: a region at a case's sizes runs in milliseconds to seconds, and a graph from elsewhere is
-#: data (a Loop without end ran until the process was killed).
-RUN_TIMEOUT_S = 120.0
 #: The longest limit taken: a day. Past it a limit is a typo, and a timer that far out
 #: overflows.
 MAX_TIMEOUT_S = 86400.0
@@ -328,8 +324,11 @@ class OnnxRuntime(Runtime):
         threads: int | None = None,
         spinning: bool = True,
         capacity: int | None = None,
+        timeout_s: float = RUN_TIMEOUT_S,
     ) -> None:
         super().__init__(inputs, outputs, dims)
+        #: How long a run of a graph holding a Loop may take (``run_bounded``).
+        self.timeout_s = timeout_s
         #: A cache updated in place (``runtimes.static_cache``): the buffer's positions.
         self.capacity = capacity
         self.static: StaticCache | None = None
@@ -380,7 +379,7 @@ class OnnxRuntime(Runtime):
             if static is not None:
                 values = self._run_static(names, graph_feeds)
             elif self._loops:
-                values = run_bounded(self.session, names, graph_feeds, RUN_TIMEOUT_S)
+                values = run_bounded(self.session, names, graph_feeds, self.timeout_s)
             else:
                 values = self.session.run(names, graph_feeds)
         except RunTimeout as e:
@@ -506,7 +505,7 @@ class OnnxRuntime(Runtime):
             names = [o.name for o in session.get_outputs()]
             try:
                 if loops:
-                    run_bounded(session, names, graph_feeds, RUN_TIMEOUT_S)
+                    run_bounded(session, names, graph_feeds, self.timeout_s)
                 else:
                     session.run(names, graph_feeds)
             except Exception as e:
@@ -525,7 +524,14 @@ class OnnxRuntime(Runtime):
         return OrtDecoder(self.session, self, plan, self.provider)
 
 
-def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None, budget: int) -> Runtime:
+def _make(
+    model: Path | bytes,
+    spec: ModelSpec,
+    target: Target,
+    threads: int | None,
+    budget: int,
+    timeout_s: float = RUN_TIMEOUT_S,
+) -> Runtime:
     # Timed against PyTorch in one process: idle threads must not spin and steal its cores.
     provider = target.provider or "cpu"
     return OnnxRuntime(
@@ -538,6 +544,7 @@ def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | N
         threads=threads,
         spinning=False,
         capacity=spec.cache_max_seq,
+        timeout_s=timeout_s,
     )
 
 

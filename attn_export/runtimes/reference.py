@@ -11,7 +11,7 @@ import numpy as np
 
 from attn_export.errors import RuntimeFailure, RunTimeout, first_line
 from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
-from attn_export.runtimes.base import Runtime, RuntimeKind
+from attn_export.runtimes.base import RUN_TIMEOUT_S, Runtime, RuntimeKind
 from attn_export.runtimes.target import Target
 
 __all__ = ["KIND", "ReferenceRuntime", "run_reference_bounded"]
@@ -98,7 +98,14 @@ def run_reference_bounded(
     return [np.asarray(v) for v in ReferenceEvaluator(model, new_ops=[loop]).run(list(names), dict(feeds))]
 
 
-def _make(model: Path | bytes, spec: ModelSpec, target: Target, threads: int | None, budget: int) -> Runtime:
+def _make(
+    model: Path | bytes,
+    spec: ModelSpec,
+    target: Target,
+    threads: int | None,
+    budget: int,
+    timeout_s: float = RUN_TIMEOUT_S,
+) -> Runtime:
     return ReferenceRuntime(model, spec.inputs, spec.outputs, spec.dims)
 
 

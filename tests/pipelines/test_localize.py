@@ -457,9 +457,8 @@ def test_a_region_that_runs_without_end_is_stopped_at_its_limit(zoo_copy: Path, 
     assert "Traceback" not in checked.output and "note: " not in checked.output
     (check,) = json.loads((tmp_path / "report.json").read_text())["checks"]
     assert check["problems"] == [stopped] and check["passed"] is False
-    alone = CliRunner().invoke(cli, [*args, "--region-timeout", "0.5"])
-    assert alone.exit_code == 2
-    assert "Error: --region-timeout needs --check-regions, --strict-regions or --localize" in alone.output
+    alone = CliRunner().invoke(cli, [*args, "--region-timeout", "0.5"])  # bounds the cases' runs of a Loop graph
+    assert alone.exit_code == 0, alone.output  # on its own values the Loop ends at once
 
 
 def test_a_time_limit_is_checked_in_the_librarys_terms(tmp_path: Path) -> None:
@@ -991,12 +990,11 @@ def test_a_packed_key_column_fault_is_named_at_the_key_projection_before_the_att
     assert "in k_linear at " in found.output, found.output
 
 
-def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(
-    zoo_copy: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(zoo_copy: Path) -> None:
     """verify ran each case with no limit: a graph from elsewhere holding a Loop without end
-    held the job until it was killed. A graph with a Loop now runs bounded; the first case
-    stopped at the limit says so, and the cases after it are not run."""
+    held the job until it was killed. A graph with a Loop now runs bounded (--region-timeout,
+    which a Loop slower than the default needs); the first case stopped at the limit says so,
+    and the cases after it are not run."""
     proto = onnx.load(zoo_copy / "mha.onnx")
     bias = next(t for t in proto.graph.initializer if len(t.dims) == 1 and t.data_type == onnx.TensorProto.FLOAT)
     reader = next(n for n in proto.graph.node if bias.name in n.input)
@@ -1017,9 +1015,9 @@ def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(
     proto.graph.node.extend([spin, *nodes])
     proto.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
     plant(zoo_copy, "mha", proto)
-    monkeypatch.setattr("attn_export.runtimes.ort.RUN_TIMEOUT_S", 0.5)
     started = time.perf_counter()
-    result = CliRunner().invoke(cli, ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency"])
+    args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--region-timeout", "0.5"]
+    result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
     assert "onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
     assert "onnxruntime[cpu]: not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output

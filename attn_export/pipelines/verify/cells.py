@@ -147,7 +147,7 @@ class TargetRun:
             else:
                 self.expected = torch_expected(eager, spec, case_plan(spec, options, kind.shape_cap), options.seed)
             self.eager = eager if kind.timed else None
-        self.runtime = kind.make(self.path, spec, self.target, options.threads, budget)
+        self.runtime = kind.make(self.path, spec, self.target, options.threads, budget, options.region_timeout_s)
         try:
             self.runtime.activate()
         except UsageError:

@@ -175,7 +175,9 @@ def generate_model(
         if target.runtime != "onnxruntime":
             continue
         budget = memory_budget(options.max_memory, spec)
-        with RUNTIMES[target.runtime].make(graph, spec, target, options.threads, budget) as runtime:
+        with RUNTIMES[target.runtime].make(
+            graph, spec, target, options.threads, budget, options.region_timeout_s
+        ) as runtime:
             for layout, rows in reference.prompts.items():
                 padded = uneven(rows)
                 if padded and side is None:

@@ -28,7 +28,7 @@ def model_placement(name: str, path: Path, spec: ModelSpec, options: VerifyOptio
     feeds = make_feeds(spec, fed_sizes(spec, example_sizes(spec)), options.seed)
     found = []
     for target in options.targets:
-        runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget)
+        runtime = RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget, options.region_timeout_s)
         try:
             placement = runtime.placement(feeds)
         except UsageError:

@@ -98,8 +98,9 @@ class VerifyOptions:
     #: One of ``REGIONS``: each graph that passes has one case localized, a region over its
     #: own tolerance where the outputs agree noted (``check``) or failed (``strict``); None: no check.
     regions: str | None = None
-    #: How long one run of a graph, or of one of its regions, may take in the region check
-    #: (and ``localize_failures``) before ONNX Runtime stops it: graphs are data.
+    #: How long one run on ONNX Runtime may take before it is stopped (graphs are data): a
+    #: case's run of a graph holding a Loop, and in the region check (and
+    #: ``localize_failures``) a run of the whole graph or of one of its regions.
     region_timeout_s: float = RUN_TIMEOUT_S
 
     def check(self) -> None:

@@ -66,7 +66,9 @@ def decode_model(
     results = []
     budget = memory_budget(options.max_memory, spec)
     for target in options.targets:
-        with RUNTIMES[target.runtime].make(path, spec, target, options.threads, budget) as runtime:
+        with RUNTIMES[target.runtime].make(
+            path, spec, target, options.threads, budget, options.region_timeout_s
+        ) as runtime:
             for traj, expected, full, alone in plans:
                 actual, error = run_trajectory(runtime, spec, traj)
                 result = DecodeResult(

@@ -6,8 +6,10 @@ second export of the same in this process is the first one's graph, copied, and 
 program.
 
 Only what can be keyed whole is kept: a module that does not pickle, a torchscript export and
-a failed export run every time. A test of the exporter itself asks for its own export with
-the ``fresh_export`` marker.
+a failed export run every time. What the key cannot see is a global or a helper in another
+file that a forward reads: a test that patches one, or that tests the exporter itself, asks
+for its own export with the ``fresh_export`` marker. The FX program is shared between hits
+and holds the first module's tensors: no caller changes either.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import marshal
 import pickle
 import re
 from collections.abc import Callable, Mapping
@@ -39,11 +42,27 @@ def _source(cls: type) -> bytes:
         return repr(cls).encode()
 
 
+def _methods(cls: type) -> bytes:
+    """The code of each method ``cls`` and its bases define: a method patched in place
+    (``monkeypatch.setattr(cls, "forward", ...)``) changes it, not its file."""
+    code = [
+        name.encode() + marshal.dumps(value.__code__)
+        for klass in cls.__mro__
+        for name, value in sorted(vars(klass).items())
+        if inspect.isfunction(value)
+    ]
+    return b"".join(code)
+
+
 class _Pickler(pickle.Pickler):
-    """Pickles a tensor as its dtype, shape and bytes' digest (torch's own pickle of a tensor
-    differs from one run to the next), and a class or function by its name (a module loaded
-    again holds classes pickle would refuse as not the ones it imports; their source is keyed
-    apart)."""
+    """Pickles a tensor as its dtype, shape, bytes' digest and which storage it shares (torch's
+    own pickle of a tensor differs from one run to the next; tied weights export as one), and a
+    class or function by its name (a module loaded again holds classes pickle would refuse as
+    not the ones it imports; their source is keyed apart)."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self._storages: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         import torch
@@ -51,7 +70,8 @@ class _Pickler(pickle.Pickler):
         if not isinstance(obj, torch.Tensor):
             return None
         data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        return ("tensor", str(obj.dtype), tuple(obj.shape), hashlib.sha256(data.tobytes()).hexdigest())
+        storage = self._storages.setdefault(obj.untyped_storage().data_ptr(), len(self._storages))
+        return ("tensor", str(obj.dtype), tuple(obj.shape), storage, hashlib.sha256(data.tobytes()).hexdigest())
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, type) and not inspect.isfunction(obj) or obj.__module__ == "builtins":
@@ -75,6 +95,7 @@ def _key(module: Any, spec: Any, feeds: Mapping[str, Any], opset: int, exporter:
         return None
     for cls in sorted({type(m) for m in module.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
         digest.update(_source(cls))
+        digest.update(_methods(cls))
     # a spec's mask conventions hold functions, whose repr holds their address
     digest.update(re.sub(r" at 0x[0-9a-f]+", "", repr((spec, opset, exporter))).encode())
     for name, value in values.items():

@@ -57,3 +57,20 @@ def test_a_test_marked_fresh_export_exports_itself(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(torch_export, "_dynamo", lambda *a: pytest.fail("exported a second time"))
     with pytest.raises(pytest.fail.Exception, match="exported a second time"):
         torch_export._export(module, spec, feeds, 18, "dynamo")
+
+
+def test_a_method_patched_on_the_class_is_a_new_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module, spec, feeds = _made(tiny_spec(tmp_path))
+    key = export_memo._key(module, spec, feeds, 18, "dynamo")
+    monkeypatch.setattr(type(module), "forward", lambda self, q, k, v: q)
+    assert export_memo._key(module, spec, feeds, 18, "dynamo") != key
+
+
+def test_tied_weights_are_another_key_than_equal_untied_ones(tmp_path: Path) -> None:
+    module, spec, feeds = _made(tiny_spec(tmp_path))
+    key = export_memo._key(module, spec, feeds, 18, "dynamo")
+    with torch.no_grad():
+        module.k_linear.weight.copy_(module.q_linear.weight)  # type: ignore[attr-defined]
+    untied = export_memo._key(module, spec, feeds, 18, "dynamo")
+    module.k_linear.weight = module.q_linear.weight  # type: ignore[attr-defined]
+    assert len({key, untied, export_memo._key(module, spec, feeds, 18, "dynamo")}) == 3

@@ -228,3 +228,24 @@ def test_a_golden_localize_with_models_holds_the_folders_spec_to_the_checkouts(r
     ), held.output
     current = CliRunner().invoke(cli, ["localize", str(recorded.out), "mha", "--golden", "--models", str(TINY_ZOO)])
     assert current.exit_code == 0 and f"--golden --models {TINY_ZOO}" in current.output, current.output
+
+
+def test_a_golden_runs_reproduce_line_keeps_the_default_models_folder_it_was_given(
+    recorded: Built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In golden mode --models is what turns the stale check on, so the reproduce line of a
+    run given ``--models models`` (the default's name) must say it: it left it out, and ran
+    a different check. Without --models it still says nothing of a folder."""
+    from attn_export.pipelines.verify import VerifyOptions, verify_artifacts
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mha.toml").write_text(SPEC.read_text())
+    monkeypatch.chdir(tmp_path)
+    named = CliRunner().invoke(cli, ["localize", str(recorded.out), "mha", "--golden", "--models", "models"])
+    assert named.exit_code == 0 and "--golden --models models\n" in named.output, named.output
+    unnamed = CliRunner().invoke(cli, ["localize", str(recorded.out), "mha", "--golden"])
+    assert unnamed.exit_code == 0 and "--models" not in unnamed.output, unnamed.output
+    for checkout in (True, False):
+        options = VerifyOptions(golden=True, golden_checkout=checkout, models_dir=Path("models"), latency=False)
+        report = verify_artifacts(recorded.out, load_manifest(recorded.out), ["mha"], options)
+        assert report.passed and ("--models models" in report.reproduce(report.cases[0])) == checkout

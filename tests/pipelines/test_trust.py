@@ -132,13 +132,14 @@ def test_verify_without_the_models_spec_says_where_it_looked(user_build: tuple[P
     result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)
     assert result.exit_code == 2
     elsewhere = tmp_path / "elsewhere"
-    assert result.output.startswith(f"Error: --models {elsewhere}: no such model directory: verify rebuilds")
+    missing = f"Error: --models {elsewhere}: no such model directory: PyTorch originals are rebuilt"
+    assert result.output.startswith(missing)
     assert "(pass --models DIR, the folder the build read), or compare with the build's golden vectors" in result.output
     (tmp_path / "elsewhere").mkdir()
     result = invoke("verify", str(out), "--models", str(tmp_path / "elsewhere"), *FAST)
     assert result.exit_code == 2
     assert result.output.splitlines()[-1].startswith(
-        f"Error: no spec for model 'mine' in {tmp_path / 'elsewhere'}: verify rebuilds PyTorch originals only"
+        f"Error: no spec for model 'mine' in {tmp_path / 'elsewhere'}: PyTorch originals are rebuilt only"
     )
 
 

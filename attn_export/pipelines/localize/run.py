@@ -382,8 +382,9 @@ def _reproduce(out_dir: Path, entry: ManifestEntry, options: LocalizeOptions, si
         args += ["--layout", options.layout] if options.layout else []
         args += ["--decode-steps", str(options.decode_steps)] if options.decode_steps != DEFAULT_STEPS else []
     args += ["--mask-case", options.mask_case] if options.mask_case else []
-    checkout = not options.golden or options.golden_checkout
-    models = str(options.models_dir) != "models" and checkout and options.spec_file is None
+    # the default folder goes without saying, but in golden mode a folder named at all turns the stale check on
+    named = options.golden_checkout if options.golden else str(options.models_dir) != "models"
+    models = named and options.spec_file is None
     args += ["--models", str(options.models_dir)] if models else []
     args += ["--runtime", options.runtime] if options.runtime != DEFAULT_RUNTIME else []
     args += ["--provider", options.provider] if options.target.provider not in (None, "cpu") else []

@@ -267,15 +267,14 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
         if models_dir.is_dir()
         else f"{option} {models_dir}: no such model directory"
     )
-    other = (  # golden mode reads the checkout's spec only where --models names it
-        ", or leave --models out to judge by the spec the build recorded"
-        if not learn
-        else ", or compare with the build's golden vectors (--golden)"
-        if option == "--models"
-        else ""  # the pytest plugin has no golden mode
-    )
+    if not learn:  # golden mode reads the checkout's spec only where --models names it
+        raise UsageError(
+            f"{where}: --golden with {option} holds each recorded spec to the checkout's (pass {option} DIR, "
+            "the folder the build read), or leave it out to judge by the spec the build recorded"
+        )
+    other = ", or compare with the build's golden vectors (--golden)" if option == "--models" else ""
     raise UsageError(
-        f"{where}: verify rebuilds PyTorch originals only from the checkout's specs (pass {option} DIR, "
+        f"{where}: PyTorch originals are rebuilt only from the checkout's specs (pass {option} DIR, "
         f"the folder the build read){other}"
     )
 

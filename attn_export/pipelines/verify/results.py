@@ -548,7 +548,8 @@ class VerifyReport:
         if spec:  # a graph no build made
             variant = self.settings["variant"]
             args += ["--spec", spec, *(["--variant", variant] if variant != "fp32" else [])]
-        elif models and models != "models":  # verify's default
+        elif models and (models != "models" or self.settings.get("golden")):  # verify's default, but in
+            # golden mode a folder named at all turns the stale check on
             args += ["--models", models]
         if case.expected_from == "golden":
             args += ["--golden"]

@@ -34,6 +34,7 @@ from attn_export.model_spec.shapes import example_sizes, format_sizes
 from attn_export.pipelines.building import BuildOptions, BuildResult, BuildSummary, build_models, export_module
 from attn_export.pipelines.verify import VerifyOptions, VerifyReport, select_models, verify_artifacts, verify_module
 from attn_export.runtimes import resolve_targets
+from attn_export.runtimes.base import RUN_TIMEOUT_S
 from attn_export.runtimes.target import DEFAULT_RUNTIME
 
 __all__ = ["assert_onnx_matches", "build", "export", "verify"]
@@ -96,6 +97,7 @@ def verify(
     spec: str | Path | None = None,
     variant: str = "fp32",
     regions: str | None = None,
+    timeout_s: float = RUN_TIMEOUT_S,
 ) -> VerifyReport:
     """Verify a build folder, or .onnx files from one: ``attn-export verify`` (timing is
     off unless ``latency``). PyTorch originals are rebuilt from the specs in ``models``;
@@ -108,7 +110,8 @@ def verify(
     notes, in its check's ``notes``, a region whose own error breaks its tolerance though the
     outputs agree; ``"strict"`` fails the graph on it: ``--check-regions``,
     ``--strict-regions``. A graph localize cannot take is left as judged, with a ``Notice``
-    warning."""
+    warning. ``timeout_s`` (``--region-timeout``) stops a run on ONNX Runtime after that many
+    seconds: each case's of a graph holding a Loop, and with ``regions`` a region's."""
     paths = _paths("artifacts", artifacts)
     spec_file = None if spec is None else _path("spec", spec)
     _typed("variant", variant, (str,), "a variant's name")
@@ -125,8 +128,9 @@ def verify(
         spec_file=spec_file,
         variant=variant,
         regions=_typed("regions", regions, (str, type(None)), '"check", "strict" or None'),
+        region_timeout_s=timeout_s,
     )
-    with _called(spec_file="spec", models_dir="models"):
+    with _called(spec_file="spec", models_dir="models", region_timeout_s="timeout_s"):
         out_dir, manifest, names = select_models(paths, spec_file, variant)
         return verify_artifacts(
             out_dir, manifest, names, options, on_notice=notify, parallelism=Parallelism(executor, jobs)

@@ -1021,6 +1021,12 @@ def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(zo
     assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
     assert "onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
     assert "onnxruntime[cpu]: not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output
+    import attn_export
+
+    report = attn_export.verify(zoo_copy / "mha.onnx", models=TINY_ZOO, timeout_s=0.5)  # the API's face
+    assert not report.passed and any("ran past 0.5 s" in (c.error or "") for c in report.cases)
+    with pytest.raises(UsageError, match=r"^timeout_s: give seconds above 0"):
+        attn_export.verify(zoo_copy / "mha.onnx", models=TINY_ZOO, timeout_s=0)
 
 
 def _region(name: str, index: int, reads: tuple[str, ...], makes: str) -> localize_run.Region:

@@ -69,7 +69,13 @@ from attn_export.pipelines.localize.results import LocalizeOptions, LocalizeRepo
 from attn_export.pipelines.localize.shrink import shrink_case
 from attn_export.pipelines.localize.values import TorchValues, graph_values, simulated_values, torch_values
 from attn_export.pipelines.verify.greedy_generations import generation_rounding
-from attn_export.pipelines.verify.models import checkout_spec, integrity, plain_export, stale_reasons
+from attn_export.pipelines.verify.models import (
+    checkout_spec,
+    integrity,
+    plain_export,
+    stale_against_checkout,
+    stale_reasons,
+)
 from attn_export.pipelines.verify.outside import check_described, check_graph_file, outside_manifest, outside_spec
 from attn_export.pipelines.verify.results import CaseResult, VerifyOptions, VerifyReport
 from attn_export.runtimes import RUNTIMES
@@ -505,10 +511,9 @@ def _built(out_dir: Path, model: str | None, options: LocalizeOptions) -> _Found
         problems = integrity(out_dir, entry, *(("intermediates",) if options.golden else ()))
         if problems:
             raise ArtifactError(problems[0])
+        # a golden run's spec is the recorded one (data: no code runs)
         spec = entry.model_spec if options.golden else checkout_spec(options.models_dir, entry)
-        # a golden run's spec is the recorded one (data: no code runs); held to the checkout's if named
-        held = checkout_spec(options.models_dir, entry, learn=False) if options.golden_checkout else spec
-        stale = stale_reasons(entry, held) if not options.golden or options.golden_checkout else []
+        stale = stale_against_checkout(options.models_dir, entry, spec, options.golden, options.golden_checkout)
         if stale:
             raise UsageError(f"{model}: stale build: {'; '.join(stale)}; run attn-export build first")
         budget = memory_budget(options.max_memory, spec)

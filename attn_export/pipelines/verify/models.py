@@ -42,6 +42,7 @@ __all__ = [
     "plain_export",
     "select_models",
     "shard_names",
+    "stale_against_checkout",
     "stale_reasons",
 ]
 
@@ -277,6 +278,17 @@ def checkout_spec(models_dir: Path, entry: ManifestEntry, option: str = "--model
         f"{where}: PyTorch originals are rebuilt only from the checkout's specs (pass {option} DIR, "
         f"the folder the build read){other}"
     )
+
+
+def stale_against_checkout(
+    models_dir: Path, entry: ManifestEntry, spec: ModelSpec, golden: bool, checkout: bool
+) -> list[str]:
+    """``stale_reasons`` against the checkout's spec (``spec``, learned from it); in golden
+    mode only where the checkout was named (``checkout``: else the folder is trusted whole),
+    read without its module (torch need not be installed there)."""
+    if golden and not checkout:
+        return []
+    return stale_reasons(entry, checkout_spec(models_dir, entry, learn=False) if golden else spec)
 
 
 def stale_reasons(entry: ManifestEntry, spec: ModelSpec) -> list[str]:

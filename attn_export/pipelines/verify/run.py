@@ -46,7 +46,13 @@ from attn_export.pipelines.verify.cells import (
 )
 from attn_export.pipelines.verify.expected import case_plan, golden_expected
 from attn_export.pipelines.verify.greedy_generations import generate_model, recorded_reference
-from attn_export.pipelines.verify.models import checkout_spec, graph_problems, integrity, plain_export, stale_reasons
+from attn_export.pipelines.verify.models import (
+    checkout_spec,
+    graph_problems,
+    integrity,
+    plain_export,
+    stale_against_checkout,
+)
 from attn_export.pipelines.verify.outside import changed_since, outside_spec
 from attn_export.pipelines.verify.placement import gate_cases
 from attn_export.pipelines.verify.results import (
@@ -225,8 +231,8 @@ def _plan_model(
     )
     model = _Model(ModelCheck(entry.name, entry.file, integrity(out_dir, entry, *kinds)))
     check = model.check
-    if check.passed and (not options.golden or options.golden_checkout):
-        stale = stale_reasons(entry, checkout_spec(options.models_dir, entry, learn=False) if options.golden else spec)
+    if check.passed:
+        stale = stale_against_checkout(options.models_dir, entry, spec, options.golden, options.golden_checkout)
         if stale:
             check.problems.append(
                 f"{entry.name}: stale build: {'; '.join(stale)} since it was built from "

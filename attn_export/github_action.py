@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attn_export.artifacts.files import append_output, resolved
-from attn_export.errors import AttnExportError, UsageError
+from attn_export.errors import AttnExportError, OptionError, UsageError
 from attn_export.report.output_plan import check_appended
 
 __all__ = ["GATES", "ActionInputs", "build_command", "main", "report_paths", "run_action", "verify_command"]
@@ -49,6 +49,7 @@ DEFAULTS = {
     "fail-on": "numerics",
     "max-slowdown": "2",
     "regions": "",
+    "region-timeout": "",
     "reports-dir": "attn-export-reports",
 }
 #: What the step's ``outputs`` name each report (the keys are ``report.FORMATS``').
@@ -84,6 +85,8 @@ class ActionInputs:
     max_slowdown: str
     #: verify's region check (``VerifyOptions.regions``): ``check``, ``strict``, or None.
     regions: str | None
+    #: verify's ``--region-timeout`` (seconds), or None for its default.
+    region_timeout: float | None
     reports_dir: Path
 
     @classmethod
@@ -96,6 +99,7 @@ class ActionInputs:
         from attn_export.pipelines.verify import REGIONS
         from attn_export.pipelines.verify.models import parse_shard
         from attn_export.runtimes import PROVIDERS
+        from attn_export.runtimes.ort import check_timeout
 
         raw = {name: env.get(PREFIX + name.upper().replace("-", "_"), "").strip() or d for name, d in DEFAULTS.items()}
         optionlike = next((name for name in FOLDERS if raw[name].startswith("-")), None)
@@ -113,6 +117,10 @@ class ActionInputs:
         if raw["regions"] and raw["regions"] not in REGIONS:
             raise UsageError(f"input regions: {raw['regions']} unknown (choose from {', '.join(REGIONS)}, or empty)")
         try:
+            timeout = check_timeout(float(raw["region-timeout"])) if raw["region-timeout"] else None
+        except (ValueError, OptionError):
+            raise UsageError(f"input region-timeout: give seconds above 0, not {raw['region-timeout']!r}") from None
+        try:
             shard = parse_shard(raw["shard"]) if raw["shard"] else None
         except UsageError as e:
             raise UsageError(f"input shard: {e}") from e
@@ -129,6 +137,7 @@ class ActionInputs:
             fail_on=tuple(g for g in GATES if g in gates or g == "numerics"),
             max_slowdown=raw["max-slowdown"],
             regions=raw["regions"] or None,
+            region_timeout=timeout,
             reports_dir=Path(raw["reports-dir"]),
         )
 
@@ -149,7 +158,7 @@ def build_command(inputs: ActionInputs) -> list[str] | None:
 
 def verify_command(inputs: ActionInputs) -> list[str]:
     """``attn-export verify``'s arguments: the build folder, the providers, the shard, the
-    reports, one option per ``fail-on`` gate (``GATES``) and the region check."""
+    reports, one option per ``fail-on`` gate (``GATES``), the region check and its run limit."""
     args = ["verify", str(inputs.build_dir)]
     args += ["--golden"] if inputs.golden else ["--models", str(inputs.models)]
     for provider in inputs.providers:
@@ -160,7 +169,8 @@ def verify_command(inputs: ActionInputs) -> list[str]:
         args += [f"--{name}", str(path)]
     for gate in inputs.fail_on:
         args += [*GATES[gate], *([inputs.max_slowdown] if gate == "latency" else [])]
-    return args + ([f"--{inputs.regions}-regions"] if inputs.regions else [])
+    args += [f"--{inputs.regions}-regions"] if inputs.regions else []
+    return args + (["--region-timeout", str(inputs.region_timeout)] if inputs.region_timeout is not None else [])
 
 
 def _attn_export(args: Sequence[str]) -> int:

@@ -62,6 +62,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "tolerance though the outputs agree, strict fails the model's cases on it; as verify --check-regions, "
         "--strict-regions.",
     )
+    group.addoption(
+        "--attn-export-region-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="Stop a run on ONNX Runtime after this many seconds (a graph's Loop, a region), as verify "
+        "--region-timeout.",
+    )
 
 
 def _manifests(config: pytest.Config) -> list[Path]:
@@ -106,8 +113,10 @@ def _read_folder(config: pytest.Config, path: Path) -> _Folder:
     from attn_export.model_spec.memory import parse_bytes
     from attn_export.pipelines.verify import VerifyOptions, checkout_spec
     from attn_export.runtimes import resolve_targets
+    from attn_export.runtimes.base import RUN_TIMEOUT_S
 
     seed, budget = config.getoption("attn_export_seed"), config.getoption("attn_export_max_memory")
+    timeout = config.getoption("attn_export_region_timeout")
     options = VerifyOptions(
         targets=resolve_targets(["onnxruntime"], config.getoption("attn_export_provider") or ["cpu"]),
         models_dir=Path(config.getoption("attn_export_models")),
@@ -115,11 +124,13 @@ def _read_folder(config: pytest.Config, path: Path) -> _Folder:
         latency=False,
         max_memory=None if budget is None else parse_bytes(budget, "--attn-export-max-memory"),
         regions=config.getoption("attn_export_regions"),
+        region_timeout_s=RUN_TIMEOUT_S if timeout is None else timeout,
     )
     try:
         options.check()
     except OptionError as e:
-        raise UsageError(e.named({"seed": "--attn-export-seed", "regions": "--attn-export-regions"})) from e
+        names = {"seed": "--attn-export-seed", "regions": "--attn-export-regions"}
+        raise UsageError(e.named(names | {"region_timeout_s": "--attn-export-region-timeout"})) from e
     manifest = load_manifest(path.parent)
     models = sorted(manifest.models)
     specs = {m: checkout_spec(options.models_dir, manifest.models[m], "--attn-export-models") for m in models}

@@ -516,6 +516,32 @@ _PEAK_RSS = (
 )
 
 
+def endless_loop(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` with a float bias passed through a Loop that never stops, before its reader:
+    a graph that runs until something stops it."""
+    import numpy as np
+
+    bias = next(t for t in proto.graph.initializer if len(t.dims) == 1 and t.data_type == onnx.TensorProto.FLOAT)
+    reader = next(n for n in proto.graph.node if bias.name in n.input)
+    scalar, kinds = onnx.helper.make_tensor_value_info, onnx.TensorProto
+    body = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            onnx.helper.make_node("Identity", ["v"], ["v_out"]),
+        ],
+        "body",
+        [scalar("i", kinds.INT64, []), scalar("cond_in", kinds.BOOL, []), scalar("v", kinds.FLOAT, list(bias.dims))],
+        [scalar("cond_out", kinds.BOOL, []), scalar("v_out", kinds.FLOAT, list(bias.dims))],
+    )
+    spin = onnx.helper.make_node("Loop", ["", "always", bias.name], ["spun"], body=body, name="spin")
+    reader.input[list(reader.input).index(bias.name)] = "spun"
+    nodes = list(proto.graph.node)
+    del proto.graph.node[:]
+    proto.graph.node.extend([spin, *nodes])
+    proto.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
+    return proto
+
+
 def peak_rss(args: Sequence[str], **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], int]:
     """Run a command in a fresh process; its result (stdout and stderr as text) and its peak
     resident memory in bytes. ``kwargs`` go to ``subprocess.run`` (``cwd``, ``env``)."""

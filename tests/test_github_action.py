@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import yaml
 
@@ -25,7 +26,7 @@ from attn_export.artifacts.golden import read_golden, write_golden
 from attn_export.artifacts.manifest import SCHEMA
 from attn_export.github_action import DEFAULTS, ActionInputs, run_action, verify_command
 from attn_export.runtimes.ort import available_providers
-from tests.conftest import ROOT, Built, copy_build, key_scale_off, needs_transformers, tiny_spec
+from tests.conftest import ROOT, Built, copy_build, endless_loop, key_scale_off, needs_transformers, plant, tiny_spec
 
 ACTION = yaml.safe_load((ROOT / "action.yml").read_text())
 EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
@@ -283,6 +284,8 @@ def test_a_runner_file_inside_the_build_folder_the_step_makes_is_refused(
         ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number."),
         ({"MAX_SLOWDOWN": "0"}, "input max-slowdown: 0.0 is not in the range x>0."),
         ({"REGIONS": "loud"}, "input regions: loud unknown (choose from check, strict, or empty)"),
+        ({"REGION_TIMEOUT": "soon"}, "input region-timeout: give seconds above 0, not 'soon'"),
+        ({"REGION_TIMEOUT": "nan"}, "input region-timeout: give seconds above 0, not 'nan'"),
     ],
 )
 def test_each_input_is_checked_before_anything_runs(given: dict[str, str], message: str) -> None:
@@ -371,6 +374,14 @@ def test_a_verify_that_refuses_its_input_is_an_error_line(
 def test_regions_becomes_verify_s_region_option() -> None:
     assert verify_command(ActionInputs.from_env({"ATTN_EXPORT_REGIONS": "strict"}))[-1] == "--strict-regions"
     assert not [a for a in verify_command(ActionInputs.from_env({})) if a.endswith("-regions")]
+
+
+def test_region_timeout_bounds_each_run_of_a_graph_holding_a_loop(tiny_build: Built, tmp_path: Path) -> None:
+    """A graph's Loop ran bounded at verify's 120 s and the action could not change it."""
+    plant(tiny_build.out, "tiny", endless_loop(onnx.load(tiny_build.out / "tiny.onnx")))
+    run = run_action_steps(tmp_path, _golden_inputs(tiny_build, **{"region-timeout": "0.5"}))
+    assert run.code == 1 and "ran past 0.5 s and was stopped (a Loop without end?)" in run.log, run.log
+    assert json.loads(Path(run.outputs["json"]).read_text())["settings"]["region_timeout"] == 0.5
 
 
 @needs_transformers

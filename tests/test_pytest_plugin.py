@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 from click.testing import CliRunner
 
@@ -17,7 +18,16 @@ from attn_export.model_spec import load_spec
 from attn_export.model_spec.distributions import case_label
 from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.pipelines.verify import VerifyOptions, case_plan
-from tests.conftest import TINY_MHA, Built, copy_build, key_scale_off, needs_transformers, plant, write_spec
+from tests.conftest import (
+    TINY_MHA,
+    Built,
+    copy_build,
+    endless_loop,
+    key_scale_off,
+    needs_transformers,
+    plant,
+    write_spec,
+)
 
 OWN_TEST = """
 import torch
@@ -129,6 +139,17 @@ def test_a_bad_regions_option_is_a_usage_error_naming_the_plugin_s_flag(one_mode
     bad = _pytest(one_model, "--attn-export-regions", "loud")
     assert bad.returncode == 4 and "--attn-export-regions 'loud': give one of check, strict" in bad.stderr
     assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_a_run_limit_reaches_the_runtime_and_a_bad_one_is_a_usage_error(one_model: Path) -> None:
+    """A graph holding a Loop ran each case bounded at 120 s, with no way to change it from
+    the plugin: --attn-export-region-timeout sets the bound, as verify --region-timeout."""
+    plant(one_model / "build", "good", endless_loop(onnx.load(one_model / "build" / "good.onnx")))
+    stopped = _pytest(one_model, "--attn-export-region-timeout", "0.5", "-x")
+    assert stopped.returncode == 1 and "ran past 0.5 s and was stopped (a Loop without end?)" in stopped.stdout
+    assert "--region-timeout 0.5" in stopped.stdout  # its reproduce line runs the same bound
+    bad = _pytest(one_model, "--attn-export-region-timeout", "0")
+    assert bad.returncode == 4 and "--attn-export-region-timeout: give seconds above 0" in bad.stderr, bad.stderr
 
 
 @needs_transformers

@@ -33,6 +33,7 @@ from tests.conftest import (
     TINY_ZOO,
     Built,
     add_variant,
+    endless_loop,
     key_scale_off,
     needs_transformers,
     plant,
@@ -995,25 +996,7 @@ def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(zo
     held the job until it was killed. A graph with a Loop now runs bounded (--region-timeout,
     which a Loop slower than the default needs); the first case stopped at the limit says so,
     and the cases after it are not run."""
-    proto = onnx.load(zoo_copy / "mha.onnx")
-    bias = next(t for t in proto.graph.initializer if len(t.dims) == 1 and t.data_type == onnx.TensorProto.FLOAT)
-    reader = next(n for n in proto.graph.node if bias.name in n.input)
-    scalar, kinds = onnx.helper.make_tensor_value_info, onnx.TensorProto
-    body = onnx.helper.make_graph(
-        [
-            onnx.helper.make_node("Identity", ["cond_in"], ["cond_out"]),
-            onnx.helper.make_node("Identity", ["v"], ["v_out"]),
-        ],
-        "body",
-        [scalar("i", kinds.INT64, []), scalar("cond_in", kinds.BOOL, []), scalar("v", kinds.FLOAT, list(bias.dims))],
-        [scalar("cond_out", kinds.BOOL, []), scalar("v_out", kinds.FLOAT, list(bias.dims))],
-    )  # the bias passed through a Loop that never stops
-    spin = onnx.helper.make_node("Loop", ["", "always", bias.name], ["spun"], body=body, name="spin")
-    reader.input[list(reader.input).index(bias.name)] = "spun"
-    nodes = list(proto.graph.node)
-    del proto.graph.node[:]
-    proto.graph.node.extend([spin, *nodes])
-    proto.graph.initializer.append(numpy_helper.from_array(np.array(True), "always"))
+    proto = endless_loop(onnx.load(zoo_copy / "mha.onnx"))
     plant(zoo_copy, "mha", proto)
     started = time.perf_counter()
     args = ["verify", str(zoo_copy / "mha.onnx"), "--models", str(TINY_ZOO), "--no-latency", "--region-timeout", "0.5"]

@@ -293,6 +293,31 @@ def test_planted_wrong_scale_is_caught(zoo_copy: Path) -> None:
     assert "reproduce: attn-export verify" in result.output
 
 
+def test_a_reproduce_line_reruns_the_case_by_the_options_that_judged_it(zoo_copy: Path) -> None:
+    """A case failing under ``--atol``/``--rtol`` gave a line without them, which judged it
+    at the spec's tolerance: the line carries what the run judged by (tolerances, memory
+    budget, run limit), each as given."""
+    import shlex
+
+    proto = onnx.load(zoo_copy / "sdpa.onnx")
+    set_initializer(proto, node(proto, "Div").input[1], 2.0)  # sqrt(d_k) is 4
+    plant(zoo_copy, "sdpa", proto)
+    judged = {"--atol": "0.0002", "--rtol": "0.003", "--max-memory": "1073741824"}
+    judged["--region-timeout"] = "30.0"
+    given = [w for flag, value in judged.items() for w in (flag, value)]
+    result = invoke("verify", str(zoo_copy / "sdpa.onnx"), *TINY, *FAST, "--random", "0", *given)
+    assert result.exit_code == 1, result.output
+    line = next(x.strip() for x in result.output.splitlines() if x.strip().startswith("reproduce: "))
+    words = shlex.split(line.removeprefix("reproduce: "))[1:]
+    assert {flag: words[words.index(flag) + 1] for flag in judged if flag in words} == judged, line
+    first = _failures(result)[0].split("): ", 1)[1]
+    assert "outside atol=0.0002" in first and "rtol=0.003" in first, first
+    again = invoke(*words)
+    assert again.exit_code == 1 and [f.split("): ", 1)[1] for f in _failures(again)] == [first], again.output
+    loose = [w for i, w in enumerate(words) if w not in judged and words[i - 1] not in judged]
+    assert "outside atol=1.0" in _failures(invoke(*loose))[0]  # the line before judged at the spec's
+
+
 def test_a_decoder_whose_positions_are_capped_fails_the_sweep(zoo_copy: Path) -> None:
     """Drawn from 0..7, positions never passed 7 in the sweep and 12 in the default decode:
     a graph capping its rotary at position 16 passed. A KV-cache decoder's positions are
@@ -414,6 +439,8 @@ def test_max_slowdown_gate(zoo_dir: Path) -> None:
     )
     assert result.exit_code == 1
     assert "x PyTorch's" in result.output and "(--max-slowdown 1e-06)" in result.output
+    reproduce = next(x.strip() for x in result.output.splitlines() if x.strip().startswith("reproduce: "))
+    assert reproduce.endswith("--max-slowdown 1e-06 --latency-budget 0.005"), reproduce  # it times, as the run did
 
 
 def test_sharding_covers_every_model_exactly_once() -> None:

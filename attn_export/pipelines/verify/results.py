@@ -48,6 +48,16 @@ __all__ = [
 #: ``VerifyOptions.regions``: ``check`` notes a region whose own error breaks its tolerance
 #: though the outputs agree, ``strict`` fails the graph on it.
 REGIONS = ("check", "strict")
+#: How long one case is timed for by default (``VerifyOptions.latency_budget_s``).
+LATENCY_BUDGET_S = 0.05
+#: The settings a case is judged by, as a reproduce line gives them: flag, key, default. (Not
+#: threads: the run records this machine's cores, and another's rounding is within tolerance.)
+_JUDGING = (
+    ("--atol", "atol", None),
+    ("--rtol", "rtol", None),
+    ("--max-memory", "max_memory", None),
+    ("--region-timeout", "region_timeout", RUN_TIMEOUT_S),
+)
 
 
 @dataclass
@@ -74,7 +84,7 @@ class VerifyOptions:
     latency: bool = True
     #: Threads for both PyTorch and ONNX Runtime; None means the physical cores.
     threads: int | None = None
-    latency_budget_s: float = 0.05
+    latency_budget_s: float = LATENCY_BUDGET_S
     max_slowdown: float | None = None
     #: Memory budget per case in bytes; None: ``model_spec.memory.memory_budget``'s default.
     max_memory: int | None = None
@@ -200,6 +210,7 @@ class VerifyOptions:
             "require_placement": self.require_placement,
             "scenario": self.scenario,
             "regions": self.regions,
+            "region_timeout": self.region_timeout_s,
             **({"spec": str(self.spec_file), "variant": self.variant} if self.spec_file else {}),
         }
 
@@ -557,7 +568,24 @@ class VerifyReport:
             shape = format_sizes(case.sizes)
             args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
             args += ["--mask-case", case.shape] if case.shape in CASES else []
-        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, "--no-latency"])
+        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *self._judged_by(case)])
+
+    def _judged_by(self, case: CaseResult) -> list[str]:
+        """The options this run judged ``case`` by where they are not the defaults: without
+        them the line would rerun another check (a case failing under ``--atol`` judged at the
+        spec's tolerance). Timing is left out unless the case failed on it."""
+        settings, args = self.settings, []
+        for flag, key, default in _JUDGING:
+            if settings.get(key) not in (None, default):
+                args += [flag, str(settings[key])]
+        placement = settings.get("require_placement")
+        if placement is not None:
+            args += ["--require-placement" if placement else "--no-require-placement"]
+        if case.gate is None:
+            return [*args, "--no-latency"]
+        budget = settings.get("latency_budget", LATENCY_BUDGET_S)
+        timed = ["--max-slowdown", str(settings.get("max_slowdown"))]
+        return [*args, *timed, *(["--latency-budget", str(budget)] if budget != LATENCY_BUDGET_S else [])]
 
     def to_dict(self) -> dict[str, Any]:
         return {

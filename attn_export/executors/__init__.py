@@ -176,6 +176,14 @@ class Parallelism:
             raise OptionError(f"{{executor}} {{value}}: choose one of {known}", ["executor"], value=self.executor)
         if self.jobs is not None and not 1 <= self.jobs <= MAX_JOBS:
             raise OptionError(f"{{jobs}} {{value}}: give 1 to {MAX_JOBS}, or auto", ["jobs"], value=self.jobs)
+        if self.executor == "local" and self.jobs is not None:
+            from attn_export.runtimes.timing import THREADS_PER_CPU, usable_cpus
+
+            most = THREADS_PER_CPU * usable_cpus()
+            if self.jobs > most:  # a process per cell, each holding PyTorch and its models
+                many = f"{{jobs}} {{value}}: more processes than this machine's {usable_cpus()} CPUs run ({most} "
+                many += "at most; each holds its own PyTorch and models): give fewer, auto, or {executor} ray"
+                raise OptionError(many, ["jobs", "executor"], value=self.jobs)
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             raise missing("ray", "--executor ray")  # before any work, without importing it
 

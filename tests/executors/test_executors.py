@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from attn_export.cli import cli
 from attn_export.errors import OptionError, UsageError
 from attn_export.executors import InlineExecutor, Parallelism, cell_key, open_executor
+from attn_export.runtimes.timing import THREADS_PER_CPU, usable_cpus
 from tests.conftest import Built, tiny_spec
 
 
@@ -54,6 +55,12 @@ def test_bad_executor_choices_are_refused_in_one_line(zoo_dir: Path) -> None:
     # past a C int the process pool stopped with an internal error (exit 3)
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", "99999999999"])
     assert (result.exit_code, result.output) == (2, "Error: --jobs 99999999999: give 1 to 4096, or auto\n")
+    # a process per cell, each holding PyTorch: --jobs 4096 started 50 of them on a 2-CPU machine
+    many = THREADS_PER_CPU * usable_cpus() + 1
+    result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", str(many), "--no-latency"])
+    assert result.exit_code == 2 and f"Error: --jobs {many}: more processes than this machine's" in result.output
+    assert "give fewer, auto, or --executor ray" in result.output, result.output
+    assert Parallelism("ray", jobs=many).jobs == many  # a cluster's CPUs are not this machine's
 
 
 def test_ray_missing_names_the_extra(zoo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ so each row gives the tokens of its prompt alone.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +35,13 @@ class Generation:
     room: list[np.ndarray] | None = None
 
 
-def genai_generate(folder: Path, prompts: Sequence[Sequence[int]], steps: int, pad: int) -> Generation:
+def genai_generate(
+    folder: Path, prompts: Sequence[Sequence[int]], steps: int, pad: int, threads: int | None = None
+) -> Generation:
     """``steps`` greedy tokens for each prompt, the batch padded on the right with ``pad``, on
-    the CPU whatever provider the folder's config names."""
+    the CPU whatever provider the folder's config names; ``threads`` (verify's) overrides the
+    config's intra-op threads for this run, as the other runtimes take it (its float32 sums
+    round by the count, which may settle a near tie), the folder left as it is."""
     og = require("onnxruntime_genai", "running onnxruntime-genai's generator")
     longest = max(len(p) for p in prompts)
     batch = np.full((len(prompts), longest), pad, dtype=np.int32)
@@ -45,6 +50,8 @@ def genai_generate(folder: Path, prompts: Sequence[Sequence[int]], steps: int, p
     try:
         config = og.Config(str(folder))
         config.clear_providers()
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": _threads(threads)}}}))
         model = og.Model(config)
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=longest + steps, batch_size=len(prompts))
@@ -60,3 +67,8 @@ def genai_generate(folder: Path, prompts: Sequence[Sequence[int]], steps: int, p
     except Exception as e:  # the generator raises RuntimeError for every refusal
         raise RuntimeFailure(f"onnxruntime-genai: {first_line(e)}") from e
     return Generation([list(row) for row in zip(*tokens, strict=True)], logits)
+
+
+def _threads(threads: int) -> dict[str, int]:
+    """The session options that run each of genai's sessions on ``threads`` intra-op threads."""
+    return {"intra_op_num_threads": threads, "inter_op_num_threads": 1}

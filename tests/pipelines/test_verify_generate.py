@@ -48,6 +48,30 @@ def test_the_graph_generates_pytorchs_tokens(causal_lm: Built, tmp_path: Path) -
     assert [ended(r) for r in padded.got] == [ended(r) for r in padded.expected]
 
 
+@pytest.mark.skipif(not HAS_GENAI, reason="onnxruntime-genai is not installed (pip install 'attn-export[genai]')")
+def test_genais_generator_runs_on_the_threads_verify_is_given(
+    causal_lm: Built, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--threads set PyTorch's and ONNX Runtime's threads, and genai's generator kept its
+    config's (all the cores, spinning beside the next runner): it runs on them too, through
+    its own config overlay, the folder left as it is."""
+    import onnxruntime_genai as og
+
+    overlays: list[dict[str, object]] = []
+    real = og.Config.overlay
+    monkeypatch.setattr(og.Config, "overlay", lambda self, text: (overlays.append(json.loads(text)), real(self, text)))
+    folder = causal_lm.out / "genai" / "llama_causal_lm"
+    before = (folder / "genai_config.json").read_bytes()
+    args = ["--generate", "2", "--threads", "1", "--distribution", "normal", "--random", "0"]
+    result = _verify(str(causal_lm.out / "llama_causal_lm.onnx"), "--models", str(causal_lm.models), *args)
+    assert result.exit_code == 0 and "onnxruntime-genai" in result.output, result.output
+    assert overlays and all(
+        o == {"model": {"decoder": {"session_options": {"intra_op_num_threads": 1, "inter_op_num_threads": 1}}}}
+        for o in overlays
+    ), overlays
+    assert (folder / "genai_config.json").read_bytes() == before
+
+
 def _scale_the_second_layers_key(graph: Path, dest: Path) -> Path:
     """The graph with layer 1's key scaled by 1.05 where it leaves the cache's concatenation."""
     model = onnx.load(str(graph))

@@ -199,7 +199,7 @@ def generate_model(
         for layout, rows in reference.prompts.items() if folder is not None else ():
             # genai pads on the right and masks: each row gives what its prompt alone gives
             want = reference.generation(layout, "alone")
-            got = changed or _run(genai_generate, folder, rows, steps, pad)
+            got = changed or _run(genai_generate, folder, rows, steps, pad, options.threads)
             judged_row(GENAI, layout, rows, want, got, tolerance_on(GENAI_CPU))  # genai runs on the CPU
             diverged = uneven(rows) and not isinstance(got, str) and not results[-1].passed
             if diverged and (window := _short_window(spec)) is not None:  # a config made only where it may tell

@@ -191,8 +191,9 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @timeout_option(
     "--region-timeout",
-    "Stop a run on ONNX Runtime after this many seconds: of a graph holding a Loop, each case's (a case "
-    "stopped fails, and its graph's later cases are not run); with --check-regions, --strict-regions or "
+    "Stop a run on ONNX Runtime (or onnx.reference) after this many seconds: of a graph holding a Loop, "
+    "each case's (a case stopped fails, and its graph's later cases are not run); with --check-regions, "
+    "--strict-regions or "
     "--localize, also of the whole graph or of one region (a region over it fails its graph, --check-regions "
     "too, or is not localized).",
 )

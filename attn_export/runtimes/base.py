@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import numpy as np
 
-from attn_export.errors import InputError, RuntimeFailure
+from attn_export.errors import InputError, RuntimeFailure, RunTimeout
 from attn_export.model_spec import DimRange, ModelSpec, TensorSpec
 from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.runtimes.target import Target
@@ -84,6 +84,8 @@ class Runtime(ABC):
     #: Seconds the last ``prepare`` or ``decoder`` spent compiling before any timed call (a
     #: just-in-time compiler's one-off cost, kept out of latency); None where nothing compiles.
     compile_s: float | None = None
+    #: Why a run went past its limit and was stopped (``RunTimeout``); None while none has.
+    _stopped: str | None = None
 
     def __init__(
         self,
@@ -125,6 +127,17 @@ class Runtime(ABC):
             raise RuntimeFailure(f"{self.name}: produced outputs {list(outputs)}, expected {names}")
         return outputs
 
+    def _refuse_once_stopped(self) -> None:
+        """RuntimeFailure once a run was stopped at its limit: a Loop without end would hold
+        every later run for as long."""
+        if self._stopped is not None:
+            raise RuntimeFailure(f"{self.name}: not run: an earlier run {self._stopped}")
+
+    def _stopped_by(self, e: RunTimeout) -> RuntimeFailure:
+        """The failure of a run stopped at its limit, remembered for the runs after it."""
+        self._stopped = str(e)
+        return RuntimeFailure(f"{self.name}: {e}")
+
     def prepare(self, feeds: Mapping[str, np.ndarray]) -> Callable[[], object]:
         """A zero-argument call running one inference on ``feeds`` (for timing)."""
         check_feeds(feeds, self.inputs, self.dims)
@@ -161,8 +174,8 @@ RUN_TIMEOUT_S = 120.0
 class MakeRuntime(Protocol):
     """``make(model, spec, target, threads, budget, timeout_s)``: a Runtime for the graph at
     ``model``, holding its own allocations to ``budget`` bytes and a run of a graph holding a
-    Loop to ``timeout_s`` seconds where the runtime can (ONNX Runtime; onnx.reference runs
-    unbounded)."""
+    Loop to ``timeout_s`` seconds (ONNX Runtime's terminate flag; onnx.reference's Loop checks
+    the time before each iteration)."""
 
     def __call__(
         self,

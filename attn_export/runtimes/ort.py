@@ -344,7 +344,6 @@ class OnnxRuntime(Runtime):
         #: A file's graph holding a Loop runs bounded (``run_bounded``), and once one run was
         #: stopped the next say so at once: a Loop without end would hold each case for the limit.
         self._loops = False
-        self._stopped: str | None = None
 
     def _activate(self) -> None:
         from attn_export.artifacts.onnx_file import load_model_file
@@ -373,8 +372,7 @@ class OnnxRuntime(Runtime):
         names = [t.name for t in self.outputs]
         static = self.static
         graph_feeds = self._graph_feeds(feeds, static)
-        if self._stopped is not None:
-            raise RuntimeFailure(f"{self.name}: not run: an earlier run {self._stopped}")
+        self._refuse_once_stopped()
         try:
             if static is not None:
                 values = self._run_static(names, graph_feeds)
@@ -383,8 +381,7 @@ class OnnxRuntime(Runtime):
             else:
                 values = self.session.run(names, graph_feeds)
         except RunTimeout as e:
-            self._stopped = str(e)
-            raise RuntimeFailure(f"{self.name}: {e}") from e
+            raise self._stopped_by(e) from e
         except RuntimeFailure:
             raise
         except Exception as e:

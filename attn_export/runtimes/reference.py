@@ -28,10 +28,14 @@ class ReferenceRuntime(Runtime):
         inputs: Sequence[TensorSpec],
         outputs: Sequence[TensorSpec],
         dims: Mapping[str, DimRange] | None = None,
+        timeout_s: float = RUN_TIMEOUT_S,
     ) -> None:
         super().__init__(inputs, outputs, dims)
         self.model = model
         self.evaluator: Any = None
+        #: How long one run may take: a Loop checks it before each iteration (``_bounded_loop``).
+        self.timeout_s = timeout_s
+        self._deadline = [float("inf")]
 
     def _activate(self) -> None:
         import onnx
@@ -46,7 +50,7 @@ class ReferenceRuntime(Runtime):
             proto = source = onnx.load_from_string(self.model)
         what = self.model.name if isinstance(self.model, Path) else proto.graph.name
         try:
-            self.evaluator = ReferenceEvaluator(source)
+            self.evaluator = ReferenceEvaluator(source, new_ops=[_bounded_loop(self._deadline, self.timeout_s)])
         except Exception as e:
             raise RuntimeFailure(f"{self.name}: cannot load {what}: {type(e).__name__}: {first_line(e)}") from e
 
@@ -56,17 +60,22 @@ class ReferenceRuntime(Runtime):
     def _run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.evaluator is not None
         names = [t.name for t in self.outputs]
+        self._refuse_once_stopped()
+        self._deadline[0] = time.monotonic() + self.timeout_s
         try:
             values = self.evaluator.run(names, dict(feeds))
+        except RunTimeout as e:
+            raise self._stopped_by(e) from e
         except Exception as e:
             raise RuntimeFailure(f"{self.name}: inference failed: {type(e).__name__}: {first_line(e)}") from e
         return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
 
 
-def _bounded_loop(deadline: float, timeout_s: float) -> type:
-    """The reference evaluator's ``Loop`` checking ``deadline`` before each iteration: of the
-    ops a graph may hold, only a Loop can run without end (ONNX Runtime's terminate flag has
-    no counterpart here). Its body runner is set per instance, so it is wrapped there."""
+def _bounded_loop(deadline: list[float], timeout_s: float) -> type:
+    """The reference evaluator's ``Loop`` checking ``deadline[0]`` (set before each run)
+    before each iteration: of the ops a graph may hold, only a Loop can run without end (ONNX
+    Runtime's terminate flag has no counterpart here). Its body runner is set per instance,
+    so it is wrapped there."""
     from onnx.reference.ops.op_loop import Loop
 
     class _Loop(Loop):  # type: ignore[misc]
@@ -77,7 +86,7 @@ def _bounded_loop(deadline: float, timeout_s: float) -> type:
             body: Any = self._run_body  # type: ignore[has-type]  # set by OpRun per instance
 
             def bounded(*args: Any, **kwargs: Any) -> Any:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline[0]:
                     raise RunTimeout(f"ran past {timeout_s:g} s and was stopped (a Loop without end?)")
                 return body(*args, **kwargs)
 
@@ -94,7 +103,7 @@ def run_reference_bounded(
     once ``timeout_s`` seconds have passed (RunTimeout, worded as ``ort.run_bounded``'s)."""
     from onnx.reference import ReferenceEvaluator
 
-    loop = _bounded_loop(time.monotonic() + timeout_s, timeout_s)
+    loop = _bounded_loop([time.monotonic() + timeout_s], timeout_s)
     return [np.asarray(v) for v in ReferenceEvaluator(model, new_ops=[loop]).run(list(names), dict(feeds))]
 
 
@@ -106,7 +115,7 @@ def _make(
     budget: int,
     timeout_s: float = RUN_TIMEOUT_S,
 ) -> Runtime:
-    return ReferenceRuntime(model, spec.inputs, spec.outputs, spec.dims)
+    return ReferenceRuntime(model, spec.inputs, spec.outputs, spec.dims, timeout_s)
 
 
 #: onnx.reference is pure numpy: its shapes are capped to 16.

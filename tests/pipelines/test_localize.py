@@ -1020,6 +1020,10 @@ def test_a_graph_whose_loop_never_ends_fails_verify_at_the_limit_not_for_ever(zo
     assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
     assert "onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
     assert "onnxruntime[cpu]: not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output
+    reference = CliRunner().invoke(cli, [*args, "--runtime", "onnx-reference", "--shapes", "batch=1,seq=2"])
+    assert reference.exit_code == 1, reference.output  # it ran without end there: the limit was not passed on
+    assert "onnx-reference: ran past 0.5 s and was stopped (a Loop without end?)" in reference.output
+    assert "onnx-reference: not run: an earlier run ran past 0.5 s" in reference.output, reference.output
     import attn_export
 
     report = attn_export.verify(zoo_copy / "mha.onnx", models=TINY_ZOO, timeout_s=0.5)  # the API's face

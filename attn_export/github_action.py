@@ -99,7 +99,7 @@ class ActionInputs:
         from attn_export.pipelines.verify import REGIONS
         from attn_export.pipelines.verify.models import parse_shard
         from attn_export.runtimes import PROVIDERS
-        from attn_export.runtimes.ort import check_timeout
+        from attn_export.runtimes.ort import MAX_TIMEOUT_S, check_timeout
 
         raw = {name: env.get(PREFIX + name.upper().replace("-", "_"), "").strip() or d for name, d in DEFAULTS.items()}
         optionlike = next((name for name in FOLDERS if raw[name].startswith("-")), None)
@@ -119,7 +119,8 @@ class ActionInputs:
         try:
             timeout = check_timeout(float(raw["region-timeout"])) if raw["region-timeout"] else None
         except (ValueError, OptionError):
-            raise UsageError(f"input region-timeout: give seconds above 0, not {raw['region-timeout']!r}") from None
+            limit = f"give seconds above 0 and at most {MAX_TIMEOUT_S:g}"
+            raise UsageError(f"input region-timeout: {limit}, not {raw['region-timeout']!r}") from None
         try:
             shard = parse_shard(raw["shard"]) if raw["shard"] else None
         except UsageError as e:

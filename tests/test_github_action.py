@@ -284,8 +284,8 @@ def test_a_runner_file_inside_the_build_folder_the_step_makes_is_refused(
         ({"MAX_SLOWDOWN": "nan"}, "input max-slowdown: 'nan' is not a finite number."),
         ({"MAX_SLOWDOWN": "0"}, "input max-slowdown: 0.0 is not in the range x>0."),
         ({"REGIONS": "loud"}, "input regions: loud unknown (choose from check, strict, or empty)"),
-        ({"REGION_TIMEOUT": "soon"}, "input region-timeout: give seconds above 0, not 'soon'"),
-        ({"REGION_TIMEOUT": "nan"}, "input region-timeout: give seconds above 0, not 'nan'"),
+        ({"REGION_TIMEOUT": "soon"}, "input region-timeout: give seconds above 0 and at most 86400, not 'soon'"),
+        ({"REGION_TIMEOUT": "1e6"}, "input region-timeout: give seconds above 0 and at most 86400, not '1e6'"),
     ],
 )
 def test_each_input_is_checked_before_anything_runs(given: dict[str, str], message: str) -> None:

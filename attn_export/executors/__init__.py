@@ -181,8 +181,8 @@ class Parallelism:
 
             most = THREADS_PER_CPU * usable_cpus()
             if self.jobs > most:  # a process per cell, each holding PyTorch and its models
-                many = f"{{jobs}} {{value}}: more processes than this machine's {usable_cpus()} CPUs run ({most} "
-                many += "at most; each holds its own PyTorch and models): give fewer, auto, or {executor} ray"
+                many = f"{{jobs}} {{value}}: more processes than this machine's {usable_cpus()} CPUs run (each holds "
+                many += f"its own PyTorch and models): give at most {most}, or run on a Ray cluster ({{executor}})"
                 raise OptionError(many, ["jobs", "executor"], value=self.jobs)
         if self.executor == "ray" and importlib.util.find_spec("ray") is None:
             raise missing("ray", "--executor ray")  # before any work, without importing it

@@ -39,7 +39,6 @@ class ReferenceRuntime(Runtime):
 
     def _activate(self) -> None:
         import onnx
-        from onnx.reference import ReferenceEvaluator
 
         from attn_export.artifacts.onnx_file import load_model_file
 
@@ -50,7 +49,7 @@ class ReferenceRuntime(Runtime):
             proto = source = onnx.load_from_string(self.model)
         what = self.model.name if isinstance(self.model, Path) else proto.graph.name
         try:
-            self.evaluator = ReferenceEvaluator(source, new_ops=[_bounded_loop(self._deadline, self.timeout_s)])
+            self.evaluator = _bounded(self._deadline, self.timeout_s)(source)
         except Exception as e:
             raise RuntimeFailure(f"{self.name}: cannot load {what}: {type(e).__name__}: {first_line(e)}") from e
 
@@ -96,15 +95,28 @@ def _bounded_loop(deadline: list[float], timeout_s: float) -> type:
     return _Loop
 
 
+def _bounded(deadline: list[float], timeout_s: float) -> type:
+    """``ReferenceEvaluator`` whose every Loop is ``_bounded_loop``'s, a model's functions' too:
+    onnx builds each function's evaluator of this class, without the ``new_ops`` given."""
+    from onnx.reference import ReferenceEvaluator
+
+    loop = _bounded_loop(deadline, timeout_s)
+
+    class _Bounded(ReferenceEvaluator):  # type: ignore[misc]
+        def __init__(self, proto: Any, **kwargs: Any) -> None:
+            given = list(kwargs.pop("new_ops", None) or [])  # a subgraph's evaluator is given its parent's
+            super().__init__(proto, **kwargs, new_ops=given if loop in given else [*given, loop])
+
+    return _Bounded
+
+
 def run_reference_bounded(
     model: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], timeout_s: float
 ) -> list[np.ndarray]:
     """``names`` from the reference evaluator on ``model``, stopped at a Loop's next iteration
     once ``timeout_s`` seconds have passed (RunTimeout, worded as ``ort.run_bounded``'s)."""
-    from onnx.reference import ReferenceEvaluator
-
-    loop = _bounded_loop([time.monotonic() + timeout_s], timeout_s)
-    return [np.asarray(v) for v in ReferenceEvaluator(model, new_ops=[loop]).run(list(names), dict(feeds))]
+    evaluator = _bounded([time.monotonic() + timeout_s], timeout_s)(model)
+    return [np.asarray(v) for v in evaluator.run(list(names), dict(feeds))]
 
 
 def _make(

@@ -59,7 +59,12 @@ def test_bad_executor_choices_are_refused_in_one_line(zoo_dir: Path) -> None:
     many = THREADS_PER_CPU * usable_cpus() + 1
     result = CliRunner().invoke(cli, ["verify", str(zoo_dir), "--jobs", str(many), "--no-latency"])
     assert result.exit_code == 2 and f"Error: --jobs {many}: more processes than this machine's" in result.output
-    assert "give fewer, auto, or --executor ray" in result.output, result.output
+    assert f"give at most {many - 1}, or run on a Ray cluster (--executor)" in result.output, result.output
+    import attn_export
+
+    api = rf"^jobs {many}: .* give at most {many - 1}, or run on a Ray cluster \(executor\)$"
+    with pytest.raises(OptionError, match=api):
+        attn_export.verify(zoo_dir, jobs=many)  # the API's names
     assert Parallelism("ray", jobs=many).jobs == many  # a cluster's CPUs are not this machine's
 
 

@@ -435,12 +435,13 @@ def test_tolerance_override_replaces_the_spec_leaving_the_float32_floor(zoo_dir:
 
 def test_max_slowdown_gate(zoo_dir: Path) -> None:
     result = invoke(
-        "verify", str(zoo_dir / "sdpa.onnx"), *TINY, "--max-slowdown", "0.000001", "--latency-budget", "0.005"
-    )
+        "verify", str(zoo_dir / "sdpa.onnx"), *TINY, "--max-slowdown", "0.000001", "--latency-budget", "0.005",
+        "--threads", "1",
+    )  # fmt: skip
     assert result.exit_code == 1
     assert "x PyTorch's" in result.output and "(--max-slowdown 1e-06)" in result.output
     reproduce = next(x.strip() for x in result.output.splitlines() if x.strip().startswith("reproduce: "))
-    assert reproduce.endswith("--max-slowdown 1e-06 --latency-budget 0.005"), reproduce  # it times, as the run did
+    assert reproduce.endswith("--max-slowdown 1e-06 --threads 1 --latency-budget 0.005"), reproduce  # timed as the run
 
 
 def test_sharding_covers_every_model_exactly_once() -> None:

@@ -5,6 +5,7 @@ as PyTorch's (no region is blamed for what the outputs are not judged on)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -18,6 +19,8 @@ __all__ = [
     "held",
     "judged_elements",
     "left_out",
+    "in_float16",
+    "nudged",
     "region_tolerance",
     "representable",
 ]
@@ -45,6 +48,30 @@ INT4_REGION_SHARE = 0.16
 FLOAT16_ROUNDINGS = 16
 
 
+def in_float16(tol: Tolerance) -> bool:
+    """Whether ``tol`` is a graph's that computes in float16 (the fp16 variant's rounding)."""
+    return tol.int8_rounding and tol.weight_bits == 16
+
+
+def nudged(feeds: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+    """``feeds`` with each float moved to a neighbouring float16 value, up or down, drawn per
+    element (a float32 one to its float16 value's neighbour): what a region computes from them
+    against what it computes from ``feeds`` says how far float16's rounding of its inputs moves
+    its value (a Softmax of large scores: a unit of a score moves its probabilities by that
+    much), which its own roundings do not bound."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, value in feeds.items():
+        if value.dtype.kind != "f":
+            out[name] = value
+            continue
+        half = value.astype(np.float16)
+        up = rng.random(value.shape) < 0.5
+        moved = np.where(up, np.nextafter(half, np.float16(np.inf)), np.nextafter(half, np.float16(-np.inf)))
+        out[name] = np.where(np.isfinite(half), moved, half).astype(value.dtype)
+    return out
+
+
 def region_tolerance(
     tol: Tolerance, expected: np.ndarray, computed: np.dtype | None = None, ties: float = 0.0
 ) -> Tolerance:
@@ -58,11 +85,12 @@ def region_tolerance(
     ``ties`` besides (how far its near ties move the value, ``values.simulated_values``), no
     more than that element room of int4's (a recorded tie is data: a wider one excused any
     region). A graph computing in float16 (the fp16 variant's tolerance) is held to
-    ``FLOAT16_ROUNDINGS`` float16 roundings of that magnitude instead, besides the atol."""
+    ``FLOAT16_ROUNDINGS`` float16 roundings of that magnitude instead, besides the atol and
+    ``ties`` (there: how far its inputs' float16 rounding moves its value, ``nudged``)."""
     scale = float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)) if expected.dtype.kind == "f" else 0.0
-    if tol.int8_rounding and tol.weight_bits == 16:  # computes in float16: its own roundings, not the shares
+    if in_float16(tol):  # its own roundings and its inputs' (``ties``: ``nudged``), not the variant's shares
         eps = float(np.finfo(np.float16).eps) if expected.dtype.kind == "f" else 0.0
-        return Tolerance(tol.atol + FLOAT16_ROUNDINGS * eps * scale, 0.0, allow_nan=True)
+        return Tolerance(tol.atol + FLOAT16_ROUNDINGS * eps * scale + ties, 0.0, allow_nan=True)
     floats = [d for d in (expected.dtype, computed) if d is not None and np.dtype(d).kind == "f"]
     eps = max((float(np.finfo(d).eps) for d in floats), default=0.0)
     if tol.weight_bits == 4:

@@ -55,7 +55,15 @@ from attn_export.model_spec.memory import check_memory, memory_budget
 from attn_export.model_spec.shapes import ShapePoint, check_mask_case, example_sizes, format_sizes, validate_sizes
 from attn_export.model_spec.tolerance import on_a_cpu, rounding_bits
 from attn_export.pipelines.localize.generate_step import generate_step_case
-from attn_export.pipelines.localize.judge import beyond, held, left_out, region_tolerance, representable
+from attn_export.pipelines.localize.judge import (
+    beyond,
+    held,
+    in_float16,
+    left_out,
+    nudged,
+    region_tolerance,
+    representable,
+)
 from attn_export.pipelines.localize.module_bug import parting_node
 from attn_export.pipelines.localize.regions import (
     Region,
@@ -192,6 +200,7 @@ def _regions(
     beside the whole graph's value there. Also the inputs each region whose own error
     breaks the tolerance was fed, and the tolerance it was judged by (for a bundle)."""
     forced: dict[str, np.ndarray] = {}
+    half = in_float16(tol)  # each region also run on its inputs nudged (``nudged``)
     # the graph's outputs are named for the spec's outputs, not for their FX nodes
     pytorch = {**torch_vals, **{k: torch_vals[v] for k, v in torch_vals.outputs.items() if v in torch_vals}}
     out: list[RegionError] = []
@@ -209,12 +218,14 @@ def _regions(
         clipped = [i for i, v in pytorch_in.items() if i in graph_vals and beyond(v, graph_vals[i].dtype)]
         ran = run_region(proto, region, teacher, on, budget, timeout_s)
         alone = filled(ran) if isinstance(ran, dict) else None
+        moved = run_region(proto, region, nudged(teacher), on, budget, timeout_s) if half and alone else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
             whole = graph_vals.get(value)
             computed = next((v.dtype for v in ((alone or {}).get(value), whole) if v is not None), None)
             expected = representable(torch_vals[fx_node], computed)
-            rtol = region_tolerance(tol, expected, computed, torch_vals.ties.get(fx_node, 0.0))
+            ties = torch_vals.ties.get(fx_node, 0.0) + _moved_by(alone, moved, value)
+            rtol = region_tolerance(tol, expected, computed, ties)
             target, source, code = torch_vals.sources.get(fx_node, ("", "", ""))
             own = fx_node == region.fx_node  # the region's metadata is its own FX node's
             # on a box without torch the graph's stack traces are read without telling torch's
@@ -256,6 +267,17 @@ def _judged(
     it (``expected``: clipped to its dtype's range), an overflow beyond that range held as
     its end, the padded rows left out."""
     return judge_value(fx_node, expected, left_out(expected, held(value, actual), rows), tol)
+
+
+def _moved_by(alone: Mapping[str, np.ndarray] | None, moved: object, value: str) -> float:
+    """How far ``value`` moved where the region's inputs were nudged (0 where it was not run so)."""
+    if alone is None or not isinstance(moved, dict) or value not in moved or value not in alone:
+        return 0.0
+    a, b = np.asarray(alone[value]), np.asarray(moved[value])
+    if a.dtype.kind != "f" or a.shape != b.shape:
+        return 0.0
+    both = np.isfinite(a) & np.isfinite(b)
+    return float(np.abs(a[both].astype(np.float64) - b[both]).max(initial=0.0))
 
 
 def _data_order(regions: list[Region]) -> list[int]:

@@ -50,8 +50,9 @@ __all__ = [
 REGIONS = ("check", "strict")
 #: How long one case is timed for by default (``VerifyOptions.latency_budget_s``).
 LATENCY_BUDGET_S = 0.05
-#: The settings a case is judged by, as a reproduce line gives them: flag, key, default. (Not
-#: threads: the run records this machine's cores, and another's rounding is within tolerance.)
+#: The settings a case is judged by, as a reproduce line gives them: flag, key, default. (Threads
+#: only where timing judged it: the run records this machine's cores, and its numbers are
+#: judged with PyTorch's own float32 error at them.)
 _JUDGING = (
     ("--atol", "atol", None),
     ("--rtol", "rtol", None),
@@ -210,7 +211,8 @@ class VerifyOptions:
             "require_placement": self.require_placement,
             "scenario": self.scenario,
             "regions": self.regions,
-            "region_timeout": self.region_timeout_s,
+            # only where set: a report from before it was recorded merges with one at the default
+            **({"region_timeout": self.region_timeout_s} if self.region_timeout_s != RUN_TIMEOUT_S else {}),
             **({"spec": str(self.spec_file), "variant": self.variant} if self.spec_file else {}),
         }
 
@@ -585,6 +587,7 @@ class VerifyReport:
             return [*args, "--no-latency"]
         budget = settings.get("latency_budget", LATENCY_BUDGET_S)
         timed = ["--max-slowdown", str(settings.get("max_slowdown"))]
+        timed += ["--threads", str(settings["threads"])] if settings.get("threads") else []  # timings move by it
         return [*args, *timed, *(["--latency-budget", str(budget)] if budget != LATENCY_BUDGET_S else [])]
 
     def to_dict(self) -> dict[str, Any]:

@@ -794,6 +794,33 @@ def test_an_fp16_key_projection_3_percent_off_is_named_at_its_line(zoo_copy: Pat
     assert [r.fx_node for r in report.regions if r.breaks] == ["linear_1"]
 
 
+@pytest.mark.slow  # a build of its own
+def test_a_wide_fp16_graphs_regions_hold_on_large_values(tmp_path: Path) -> None:
+    """A right fp16 MHA of hidden 1024 on large values: its Softmax, fed scores rounded to
+    float16, inherits that rounding (0.07 off at 16 roundings' 0.016) and a score's MatMul
+    rounds past 65504 where PyTorch's is just below it; both broke --strict-regions. Each
+    region is also run on its inputs moved a float16 unit (``judge.nudged``), and an overflow
+    at the edge of float16's range is held as its end."""
+    text = (
+        (TINY_ZOO / "mha.toml")
+        .read_text()
+        .replace("hidden_dim = 32, num_heads = 4", "hidden_dim = 1024, num_heads = 8")
+    )
+    text = text.replace('"seq", 32]', '"seq", 1024]').replace(
+        "seq = { min = 1, max = 24 }", "seq = { min = 1, max = 64 }"
+    )
+    spec = write_spec(tmp_path / "models", "wide", text)
+    assert build_models([spec], BuildOptions(tmp_path / "out", variants=("fp16",))).exit_code == 0
+    for seed in range(3):
+        report = localize_model(
+            tmp_path / "out", "wide.fp16", LocalizeOptions(models_dir=spec.parent, sizes={"batch": 2, "seq": 64},
+                                                           distribution="large", seed=seed),
+        )  # fmt: skip
+        assert report.passed(strict_regions=True), [
+            (r.fx_node, r.local and r.local.reason()) for r in report.regions if r.breaks
+        ]
+
+
 @needs_transformers
 def test_a_region_over_its_tolerance_is_reported_where_the_outputs_agree(zoo_copy: Path, tmp_path: Path) -> None:
     """BERT int8 with the key projection's weight scale x1.25 passes verify, and localize said

@@ -7,7 +7,6 @@ so each row gives the tokens of its prompt alone.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from attn_export._deps import require
+from attn_export.artifacts.json_text import json_text
 from attn_export.errors import RuntimeFailure, first_line
 
 __all__ = ["GENAI", "Generation", "genai_generate"]
@@ -51,7 +51,8 @@ def genai_generate(
         config = og.Config(str(folder))
         config.clear_providers()
         if threads:
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": _threads(threads)}}}))
+            overlay = {"model": {"decoder": {"session_options": _threads(threads)}}}
+            config.overlay(json_text(overlay, indent=None, end=""))
         model = og.Model(config)
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=longest + steps, batch_size=len(prompts))

@@ -218,7 +218,8 @@ def _regions(
         clipped = [i for i, v in pytorch_in.items() if i in graph_vals and beyond(v, graph_vals[i].dtype)]
         ran = run_region(proto, region, teacher, on, budget, timeout_s)
         alone = filled(ran) if isinstance(ran, dict) else None
-        moved = run_region(proto, region, nudged(teacher), on, budget, timeout_s) if half and alone else None
+        nudge = half and alone and region.compared  # a region no value of which is compared is run once
+        moved = run_region(proto, region, nudged(teacher), on, budget, timeout_s) if nudge else None
         forced.update(alone or {})
         for value, fx_node in region.compared:
             whole = graph_vals.get(value)

@@ -214,9 +214,19 @@ class BuildFolder(pytest.File):
                     notify(note)
         found = self.reports[model]
         if isinstance(found, str):
-            reproduce = f"attn-export verify {self.path.parent} --models {self.options.models_dir}"
-            raise _CaseFailed(f"{found}\nreproduce: {reproduce}")
+            raise _CaseFailed(f"{found}\nreproduce: {self._reproduce(model)}")
         return found
+
+    def _reproduce(self, model: str) -> str:
+        """The command that verifies ``model`` as this run did: its seed, targets and limits."""
+        import shlex
+
+        from attn_export.pipelines.verify.results import judged_by
+
+        options = self.options
+        args = [str(self.path.parent / self.manifest.models[model].file), "--models", str(options.models_dir)]
+        args += [a for target in options.targets for a in target.cli_args()] + ["--seed", str(options.seed)]
+        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *judged_by(options.settings(), False)])
 
 
 class CaseItem(pytest.Item):
@@ -245,6 +255,7 @@ class CaseItem(pytest.Item):
             lines += _describe(case, report)
         if decode is not None and not decode.passed:
             lines += [f"{self.model} {decode.runtime} decode {decode.scenario}: {r}" for r in decode.reasons()]
+            lines += [f"reproduce: {report.reproduce_decode(decode)}"]
         if lines:
             raise _CaseFailed("\n".join(lines))
 

@@ -112,10 +112,18 @@ def test_a_build_folder_that_is_a_loop_of_symbolic_links_is_a_usage_error(tmp_pa
 
 
 @pytest.mark.slow
-def test_the_plugin_has_a_budget_and_fails_a_case_over_it_in_one_line(one_model: Path) -> None:
+def test_the_plugin_has_a_budget_and_fails_a_case_over_it_in_one_line(
+    one_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     over = _pytest(one_model, "--attn-export-max-memory", "16KiB")
     assert over.returncode == 1 and "INTERNALERROR" not in over.stdout, over.stdout
     assert "over the memory budget of 16.0 KiB" in over.stdout
+    # the model's line reruns it under the same budget (it left the budget out, and passed)
+    found = re.search(r"^reproduce: (attn-export verify \S+ .*)$", over.stdout, re.M)
+    assert found and found.group(1).endswith(" --seed 0 --max-memory 16384 --no-latency"), over.stdout
+    monkeypatch.chdir(one_model)  # where pytest ran
+    again = CliRunner().invoke(cli, shlex.split(found.group(1))[1:])
+    assert again.exit_code == 2 and "over the memory budget of 16.0 KiB" in again.output, again.output
     bad = _pytest(one_model, "--attn-export-max-memory", "lots")
     assert bad.returncode == 4 and "--attn-export-max-memory: 'lots' is not a memory size" in bad.stderr
 
@@ -170,3 +178,34 @@ def test_the_plugin_s_regions_warn_of_or_fail_a_region_over_its_tolerance(shared
     failed = re.findall(r"^FAILED \S+::(\S+?)\[", strict.stdout, re.M)
     assert strict.returncode == 1 and failed and set(failed) == {"bert_attention.int8"}, strict.stdout
     assert f"FAIL {said}" in strict.stdout and "Notice: " not in strict.stdout
+
+
+@pytest.mark.slow  # a decoder's build and a pytest run of its sweep (15 s)
+def test_a_failing_decode_trajectory_says_the_command_that_reruns_it(tmp_path: Path) -> None:
+    """A trajectory's failure named its step but no command: a case's had one."""
+    from attn_export.exporter.factory import instantiate
+    from attn_export.exporter.torch_export import export_onnx
+    from attn_export.model_spec.inputs import make_feeds
+    from attn_export.model_spec.shapes import example_sizes
+    from tests.conftest import TINY_ZOO
+    from tests.faulty_decoders import SafeSoftmaxOnly
+
+    spec_file = TINY_ZOO / "mha_kv_cache.toml"
+    assert build_models([spec_file], BuildOptions(tmp_path / "build")).exit_code == 0
+    spec = load_spec(spec_file)
+    faulty = SafeSoftmaxOnly(**spec.kwargs).eval()
+    faulty.load_state_dict(instantiate(spec).state_dict())  # gives PyTorch's 0 on a row with no key: no graph does
+    plant(
+        tmp_path / "build",
+        "mha_kv_cache",
+        export_onnx(faulty, spec, make_feeds(spec, example_sizes(spec), 0), opset=18),
+    )
+    done = _pytest(tmp_path, "--attn-export-models", str(TINY_ZOO), "-k", "left", "-rf")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.findall(r"^FAILED \S+::(\S+)", done.stdout, re.M) == ["mha_kv_cache[onnxruntime-cpu-decode-left-padded]"]
+    command = re.search(r"^reproduce: (attn-export verify .*--decode 8 --seed 0 --no-latency)$", done.stdout, re.M)
+    assert command, done.stdout
+    again = CliRunner().invoke(cli, shlex.split(command.group(1))[1:])
+    assert again.exit_code == 1 and "FAIL mha_kv_cache onnxruntime[cpu] decode left-padded: first divergence" in (
+        again.output
+    )

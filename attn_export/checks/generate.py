@@ -83,6 +83,13 @@ class GenerateResult:
     def passed(self) -> bool:
         return not self.divergence
 
+    def agreed_of(self) -> str:
+        """``agreed/steps``: the tokens every row gave as PyTorch's before it first differed
+        or a near tie parted it."""
+        ends = [self.steps, *([self.step - 1] if self.step else [])]
+        ends += [self.agreed] if self.agreed is not None else []
+        return f"{min(ends)}/{self.steps}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"passed": self.passed}
 

@@ -1,5 +1,5 @@
-"""JUnit XML: one testcase per model x runtime (its sweep and its decode trajectories),
-failures carrying their numbers."""
+"""JUnit XML: one testcase per model x runtime (its sweep, its decode trajectories and its
+generations; onnxruntime-genai's a runtime of its own), failures carrying their numbers."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def junit_xml(report: VerifyReport) -> str:
         groups[(c.model, c.runtime)].append(c)
     for d in report.decode:
         groups.setdefault((d.model, d.runtime), [])
+    for g in report.generate:
+        groups.setdefault((g.model, g.runner), [])
     runtimes = sorted({c.runtime for c in report.cases}) or ["checks"]
     for check in report.checks:
         for runtime in runtimes:
@@ -34,15 +36,20 @@ def junit_xml(report: VerifyReport) -> str:
         problems = next((c.problems for c in report.checks if c.model == model), [])
         failing = [c for c in cases if not c.passed]
         decode = [d for d in report.decode if (d.model, d.runtime) == (model, runtime) and not d.passed]
+        generate = [g for g in report.generate if (g.model, g.runner) == (model, runtime) and not g.passed]
         placement = next((p for p in report.placement if (p.model, p.runtime) == (model, runtime)), None)
         misplaced = [placement.gate] if placement is not None and placement.gate else []
-        if problems or failing or decode or misplaced:
+        if problems or failing or decode or generate or misplaced:
             failures += 1
             lines = [*problems, *misplaced]
             for c in failing:
                 lines.append(f"{c.shape} {c.sizes} seed={c.seed}: {'; '.join(c.reasons())}")
                 lines.append(f"  reproduce: {report.reproduce(c)}")
-            lines += [f"decode {d.scenario}: {'; '.join(d.reasons())}" for d in decode]
+            for d in decode:
+                lines += [f"decode {d.scenario}: {'; '.join(d.reasons())}"]
+                lines += [f"  reproduce: {report.reproduce_decode(d)}"]
+            for g in generate:
+                lines += [f"generate {g.layout}: {g.divergence}", f"  reproduce: {report.reproduce_generation(g)}"]
             first = lines[0]
             fail_el = ET.SubElement(case_el, "failure", message=first, type="mismatch")
             fail_el.text = "\n".join(lines)

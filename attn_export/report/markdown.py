@@ -54,6 +54,14 @@ def markdown_report(report: VerifyReport) -> str:
             prompts = ",".join(map(str, d.prompt_lengths))
             verdict = "PASS" if d.passed else "**FAIL**"
             lines.append(f"| {d.model} | {d.runtime} | {d.scenario} | {prompts} | {verdict} | {by_step} |")
+    if report.generate:
+        lines += ["", "#### Greedy generation (tokens as PyTorch's, largest logit difference)", ""]
+        lines += ["| model | runner | layout | prompts | result | tokens | max abs |", "|---|---|---|---|---|---|---:|"]
+        for g in report.generate:
+            verdict = "PASS" if g.passed else "**FAIL**"
+            prompts = ",".join(str(len(p)) for p in g.prompts)
+            worst = _cell(max(g.max_abs_by_step, default=None), ".1e")
+            lines.append(f"| {g.model} | {g.runner} | {g.layout} | {prompts} | {verdict} | {g.agreed_of()} | {worst} |")
     if report.placement:
         lines += ["", "#### Provider placement (where each node ran)", ""]
         lines += ["| model | runtime | nodes | result | where |", "|---|---|---:|---|---|"]
@@ -63,7 +71,14 @@ def markdown_report(report: VerifyReport) -> str:
                 f"{p.placement.summary()} |"
             )
     problems = [f"- **{c.model}**: {p}" for c in report.checks for p in c.problems]
-    problems += [f"- **{d.model}** {d.runtime} decode {d.scenario}: {r}" for d in report.decode for r in d.reasons()]
+    for d in report.decode:
+        reasons = [f"- **{d.model}** {d.runtime} decode {d.scenario}: {r}" for r in d.reasons()]
+        problems += [*reasons[:-1], f"{reasons[-1]}  \n  `{report.reproduce_decode(d)}`"] if reasons else []
+    problems += [
+        f"- **{g.model}** {g.runner} generate {g.layout}: {g.divergence}  \n  `{report.reproduce_generation(g)}`"
+        for g in report.generate
+        if g.divergence
+    ]
     problems += [
         f"- **{c.model}** {c.runtime} {c.shape}: {'; '.join(c.reasons())}  \n  `{report.reproduce(c)}`"
         for c in report.failed_cases

@@ -114,6 +114,7 @@ def format_failures(report: VerifyReport) -> str:
         lines.append(f"     reproduce: {report.reproduce(c)}")
     for d in report.decode:
         lines += [f"FAIL {d.model} {d.runtime} decode {d.scenario}: {reason}" for reason in d.reasons()]
+        lines += [] if d.passed else [f"     reproduce: {report.reproduce_decode(d)}"]
     failed = [o for c in report.failed_cases for o in c.comparisons if not o.passed]
     failed += [o for d in report.decode for s in d.steps for o in s.comparisons if not o.passed]
     if any(o.simulated for o in failed):
@@ -160,13 +161,15 @@ def format_generate(report: VerifyReport) -> str:
     lines = [f"{'GENERATE':<{w.model}} {'RUNNER':<{runner}} {'LAYOUT':<{layout}} {'PROMPTS':<8} RESULT TOKENS  MAX_ABS"]
     for g in report.generate:
         prompts = ",".join(str(len(p)) for p in g.prompts)
-        agreed = min([g.steps, *([g.step - 1] if g.step else []), *([g.agreed] if g.agreed is not None else [])])
         worst = _num(max(g.max_abs_by_step, default=None), ".1e")
         lines.append(
             f"{g.model:<{w.model}} {g.runner:<{runner}} {g.layout:<{layout}} {prompts:<8} "
-            f"{'PASS' if g.passed else 'FAIL':<6} {f'{agreed}/{g.steps}':<7} {worst}"
+            f"{'PASS' if g.passed else 'FAIL':<6} {g.agreed_of():<7} {worst}"
         )
-    lines += [f"FAIL {g.model} {g.runner} generate {g.layout}: {g.divergence}" for g in report.generate if g.divergence]
+    for g in report.generate:
+        if g.divergence:
+            lines += [f"FAIL {g.model} {g.runner} generate {g.layout}: {g.divergence}"]
+            lines += [f"     reproduce: {report.reproduce_generation(g)}"]
     lines += [f"note: {g.model} {g.runner} generate {g.layout}: {tie}" for g in report.generate for tie in g.parted]
     without = sorted({g.model for g in report.generate} - {g.model for g in report.generate if g.runner == GENAI})
     if without:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -125,11 +126,22 @@ def test_verify_runs_the_genai_folder_the_build_wrote_held_to_its_hashes(causal_
     manifest = load_manifest(copy.out)
     manifest.models["llama_causal_lm"].genai["model.onnx"] = sha256_file(shipped)
     save_manifest(copy.out, manifest)
-    faulty = CliRunner().invoke(cli, [*args, "--no-latency"])
+    reports = ["--junit", str(tmp_path / "r.xml"), "--markdown", str(tmp_path / "r.md")]
+    faulty = CliRunner().invoke(cli, [*args, "--no-latency", *reports])
     assert faulty.exit_code == 1, faulty.output
     rows = [line for line in faulty.output.splitlines() if line.startswith("llama_causal_lm ")]
     assert any("onnxruntime-genai" in r for r in rows), faulty.output
     assert all(("FAIL" in r) == ("onnxruntime-genai" in r) for r in rows), faulty.output
+    # the reports name it too: JUnit counted no failure and Markdown had no word of the generations
+    command = f"attn-export verify {copy.out / 'llama_causal_lm.onnx'} --models {TINY_ZOO} --generate 2 --decode 0"
+    command += " --seed 0 --no-latency"  # genai's generator runs beside any target: no --provider
+    assert faulty.output.count(f"     reproduce: {command}\n") == 2, faulty.output
+    suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
+    assert suite is not None and suite.get("failures") == "1", ET.tostring(suite)
+    failure = suite.find("testcase[@name='onnxruntime-genai']/failure")
+    assert failure is not None and (failure.text or "").count(f"  reproduce: {command}") == 2
+    markdown = (tmp_path / "r.md").read_text()
+    assert "| llama_causal_lm | onnxruntime-genai | padded | " in markdown and markdown.count(f"`{command}`") == 2
 
 
 @needs_genai

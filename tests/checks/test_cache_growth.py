@@ -7,6 +7,7 @@ trims; a correct sliding-window cache passes, against PyTorch and its recording.
 from __future__ import annotations
 
 import json
+import shlex
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,6 +178,14 @@ def test_a_sliding_window_graph_that_never_trims_fails_in_every_report(
     failure = ET.parse(reports["junit"]).getroot().find("testsuite/testcase/failure")
     assert failure is not None and f"decode batch-1: {said}" in (failure.text or "")
     assert f"decode left-padded: {said}" in reports["markdown"].read_text()
+    # each trajectory's command, in every report (there was none): run as printed, it fails the same way
+    graph = built.out / "mha_window.onnx"
+    command = f"attn-export verify {graph} --provider cpu --models {built.models} --decode 8 --seed 0 --no-latency"
+    assert result.output.count(f"     reproduce: {command}\n") == 2, result.output
+    assert (failure.text or "").count(f"  reproduce: {command}") == 2
+    assert reports["markdown"].read_text().count(f"`{command}`") == 2
+    again = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert again.exit_code == 1 and f"FAIL mha_window onnxruntime[cpu] decode left-padded: {said}" in again.output
 
 
 def test_a_module_whose_cache_never_trims_is_reported_as_the_module(

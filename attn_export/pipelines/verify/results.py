@@ -40,6 +40,7 @@ __all__ = [
     "Shard",
     "VerifyOptions",
     "VerifyReport",
+    "judged_by",
     "runtime_versions",
     "selection_sha256",
 ]
@@ -451,6 +452,25 @@ class PlacementResult:
         return result
 
 
+def judged_by(settings: Mapping[str, Any], timed: bool) -> list[str]:
+    """The options a run's ``settings`` judged by where they are not the defaults: without them
+    a reproduce line would rerun another check (a case failing under ``--atol`` judged at the
+    spec's tolerance). Timing is left out unless the latency gate judged (``timed``)."""
+    args: list[str] = []
+    for flag, key, default in _JUDGING:
+        if settings.get(key) not in (None, default):
+            args += [flag, str(settings[key])]
+    placement = settings.get("require_placement")
+    if placement is not None:
+        args += ["--require-placement" if placement else "--no-require-placement"]
+    if not timed:
+        return [*args, "--no-latency"]
+    budget = settings.get("latency_budget", LATENCY_BUDGET_S)
+    gate = ["--max-slowdown", str(settings.get("max_slowdown"))]
+    gate += ["--threads", str(settings["threads"])] if settings.get("threads") else []  # timings move by it
+    return [*args, *gate, *(["--latency-budget", str(budget)] if budget != LATENCY_BUDGET_S else [])]
+
+
 @dataclass
 class VerifyReport:
     """Everything one verify run found; the JSON report is ``to_dict``."""
@@ -553,10 +573,43 @@ class VerifyReport:
 
     def reproduce(self, case: CaseResult) -> str:
         """The one command that reruns exactly this case."""
-        file = next(c.file for c in self.checks if c.model == case.model)
-        args = [str(Path(self.artifacts) / file), *case.target.cli_args()]
+        args = self._graph(case.model, case.target)
         if case.distribution == RECORDED:
             args += ["--inputs", str(self.settings.get("inputs"))]
+        if case.expected_from == "golden":
+            args += ["--golden"]
+        elif case.distribution != RECORDED:
+            shape = format_sizes(case.sizes)
+            args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
+            args += ["--mask-case", case.shape] if case.shape in CASES else []
+        return self._command(args, timed=case.gate is not None)
+
+    def reproduce_decode(self, trajectory: DecodeResult) -> str:
+        """The command that reruns ``trajectory``: its model's run at this seed and number of
+        steps, which seed the trajectories (the model's cases run again beside them), or the
+        scenario it belongs to."""
+        args = self._graph(trajectory.model, trajectory.target)
+        scenario = self.settings.get("scenario")
+        steps = ["--decode", str(self.settings.get("decode_steps", DEFAULT_STEPS))]
+        args += ["--scenario", scenario] if scenario else steps
+        args += ["--golden"] if trajectory.expected_from == "golden" else ["--seed", str(self.seed)]
+        return self._command(args, timed=False)
+
+    def reproduce_generation(self, generation: GenerateResult) -> str:
+        """The command that reruns ``generation``: its model's generations at this seed (which
+        draws the prompts) and length, on the target that ran it (onnxruntime-genai's
+        generator runs beside whichever), without the decode trajectories."""
+        targets = {t.label: t for t in [*(c.target for c in self.cases), *(d.target for d in self.decode)]}
+        target = targets.get(generation.runner)
+        args = self._graph(generation.model, target)
+        args += ["--generate", str(generation.steps), "--decode", "0"]
+        args += ["--golden"] if self.settings.get("golden") else ["--seed", str(self.seed)]
+        return self._command(args, timed=False)
+
+    def _graph(self, model: str, target: Target | None) -> list[str]:
+        """The arguments naming ``model``'s graph, the target and the specs it is judged by."""
+        file = next(c.file for c in self.checks if c.model == model)
+        args = [str(Path(self.artifacts) / file), *(target.cli_args() if target else [])]
         models, spec = self.settings.get("models"), self.settings.get("spec")
         if spec:  # a graph no build made
             variant = self.settings["variant"]
@@ -564,31 +617,10 @@ class VerifyReport:
         elif models and (models != "models" or self.settings.get("golden")):  # verify's default, but in
             # golden mode a folder named at all turns the stale check on
             args += ["--models", models]
-        if case.expected_from == "golden":
-            args += ["--golden"]
-        elif case.distribution != RECORDED:
-            shape = format_sizes(case.sizes)
-            args += ["--shapes", shape, "--seed", str(case.seed), "--distribution", case.distribution]
-            args += ["--mask-case", case.shape] if case.shape in CASES else []
-        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *self._judged_by(case)])
+        return args
 
-    def _judged_by(self, case: CaseResult) -> list[str]:
-        """The options this run judged ``case`` by where they are not the defaults: without
-        them the line would rerun another check (a case failing under ``--atol`` judged at the
-        spec's tolerance). Timing is left out unless the case failed on it."""
-        settings, args = self.settings, []
-        for flag, key, default in _JUDGING:
-            if settings.get(key) not in (None, default):
-                args += [flag, str(settings[key])]
-        placement = settings.get("require_placement")
-        if placement is not None:
-            args += ["--require-placement" if placement else "--no-require-placement"]
-        if case.gate is None:
-            return [*args, "--no-latency"]
-        budget = settings.get("latency_budget", LATENCY_BUDGET_S)
-        timed = ["--max-slowdown", str(settings.get("max_slowdown"))]
-        timed += ["--threads", str(settings["threads"])] if settings.get("threads") else []  # timings move by it
-        return [*args, *timed, *(["--latency-budget", str(budget)] if budget != LATENCY_BUDGET_S else [])]
+    def _command(self, args: list[str], timed: bool) -> str:
+        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *judged_by(self.settings, timed)])
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -286,12 +286,21 @@ def _has_loop(proto: Any) -> bool:
     return False
 
 
+_T = TypeVar("_T")
+
+
 def run_bounded(
     session: Any, names: Sequence[str], feeds: Mapping[str, np.ndarray], timeout_s: float
 ) -> list[np.ndarray]:
-    """``session.run``, stopped after ``timeout_s`` seconds by ONNX Runtime's terminate flag
-    (which a Loop checks at each iteration): RunTimeout, whose message says the limit; any
-    other failure raises as ONNX Runtime raised it."""
+    """``session.run``, stopped after ``timeout_s`` seconds (``bounded``)."""
+    return list(bounded(lambda options: session.run(list(names), dict(feeds), options), timeout_s))
+
+
+def bounded(run: Callable[[Any], _T], timeout_s: float) -> _T:
+    """``run(options)``, a call of a session given these RunOptions, stopped after
+    ``timeout_s`` seconds by ONNX Runtime's terminate flag (which a Loop checks at each
+    iteration): RunTimeout, whose message says the limit; any other failure raises as ONNX
+    Runtime raised it."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
@@ -299,7 +308,7 @@ def run_bounded(
     timer = threading.Timer(timeout_s, setattr, (options, "terminate", True))
     timer.start()
     try:
-        return list(session.run(list(names), dict(feeds), options))
+        return run(options)
     except Exception as e:
         if options.terminate:
             raise RunTimeout(f"ran past {timeout_s:g} s and was stopped (a Loop without end?)") from e
@@ -374,12 +383,8 @@ class OnnxRuntime(Runtime):
         graph_feeds = self._graph_feeds(feeds, static)
         self._refuse_once_stopped()
         try:
-            if static is not None:
-                values = self._run_static(names, graph_feeds)
-            elif self._loops:
-                values = run_bounded(self.session, names, graph_feeds, self.timeout_s)
-            else:
-                values = self.session.run(names, graph_feeds)
+            run = self._run_static if static is not None else self._plain_run
+            values = run(names, graph_feeds)
         except RunTimeout as e:
             raise self._stopped_by(e) from e
         except RuntimeFailure:
@@ -403,6 +408,13 @@ class OnnxRuntime(Runtime):
             raise RuntimeFailure(f"{self.name}: {misfit}")
         return static.filled((self.inputs, self.outputs, self.dims), feeds, outputs)
 
+    def _plain_run(self, names: list[str], graph_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """``session.run``; for a graph holding a Loop, stopped at the run limit."""
+        assert self.session is not None
+        if self._loops:
+            return run_bounded(self.session, names, graph_feeds, self.timeout_s)
+        return list(self.session.run(names, dict(graph_feeds)))
+
     def _run_static(self, names: list[str], graph_feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """A run in the shared-buffer mode; where it fails, a plain run (separate past and
         present) says why: a present that does not fit its buffer, or a graph that runs
@@ -410,8 +422,10 @@ class OnnxRuntime(Runtime):
         assert self.session is not None and self.static is not None
         try:
             return self._run_shared(names, graph_feeds)
+        except RunTimeout:
+            raise
         except Exception as shared:
-            values = self.session.run(names, dict(graph_feeds))  # raises where the graph fails anyway
+            values = self._plain_run(names, graph_feeds)  # raises where the graph fails anyway
             misfit = self.static.misfit(graph_feeds, dict(zip(names, values, strict=True)), self.buffer_capacity)
             reason = misfit or f"it runs with separate past and present, not with one buffer: {first_line(shared)}"
             raise RuntimeFailure(f"{self.name}: {reason}") from shared
@@ -436,7 +450,11 @@ class OnnxRuntime(Runtime):
                 binding.bind_ortvalue_output(name, buffers[name])
             else:
                 binding.bind_output(name, device)
-        self.session.run_with_iobinding(binding)
+        session = self.session
+        if self._loops:
+            bounded(lambda options: session.run_with_iobinding(binding, options), self.timeout_s)
+        else:
+            session.run_with_iobinding(binding)
         return [v.numpy().copy() for v in binding.get_outputs()]
 
     @property

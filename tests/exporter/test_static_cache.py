@@ -5,6 +5,7 @@ and decoded bound, past and present one buffer."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from attn_export.pipelines.bench.physics import graph_weight_bytes, module_weigh
 from attn_export.runtimes.decoders import DecodeWindow, OrtDecoder
 from attn_export.runtimes.ort import OnnxRuntime
 from attn_export.runtimes.static_cache import METADATA_KEY, StaticCache
-from tests.conftest import TINY_ZOO, copy_build, needs_transformers, plant, shared_build, write_spec
+from tests.conftest import TINY_ZOO, copy_build, endless_loop, needs_transformers, plant, shared_build, write_spec
 
 CAPACITY = "\n[cache]\nmax_seq = 48\n"
 
@@ -380,3 +381,17 @@ def test_a_fault_in_one_int4_packed_projection_is_localized_to_that_projection(b
     }
     assert regions["k_linear"].breaks and regions["k_linear"].fx_node == "linear_1"
     assert [p for p, r in regions.items() if r.local and not r.local.passed] == ["k_linear"]
+
+
+def test_a_graph_updating_its_cache_in_place_is_stopped_at_the_run_limit_too(built, tmp_path: Path) -> None:
+    """Its runs bind each past and present to one buffer (IOBinding), and that call ran with
+    no limit: a Loop without end held verify until it was killed, --region-timeout or not."""
+    copy = copy_build(built, tmp_path)
+    name = "mha_one_stream.static-cache"
+    plant(copy.out, name, endless_loop(onnx.load(copy.out / f"{name}.onnx")))
+    started = time.perf_counter()
+    args = ["verify", str(copy.out / f"{name}.onnx"), "--models", str(copy.models), "--region-timeout", "0.5"]
+    result = CliRunner().invoke(cli, [*args, "--no-latency"])
+    assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
+    assert "ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
+    assert "not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output

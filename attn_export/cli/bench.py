@@ -24,6 +24,7 @@ from attn_export.cli.options import (
     out_option,
     provider_option,
     threads_option,
+    timeout_option,
     variant_option,
 )
 from attn_export.model_spec.scenarios import SCENARIOS
@@ -108,6 +109,11 @@ def _sizes(value: str, minimum: int) -> list[int]:
 )
 @click.option("--no-memory", is_flag=True, help="Skip the peak-memory probes (one process per runner).")
 @max_memory_option
+@timeout_option(
+    "--region-timeout",
+    "Stop the first, untimed run of a graph holding a Loop on ONNX Runtime after this many seconds (its timed "
+    "runs are not stopped: a timer would be timed with them): a Loop without end fails the run in one line.",
+)
 @click.option(
     "--compile",
     "torch_compile",
@@ -147,6 +153,7 @@ def bench(
     budget: float,
     no_memory: bool,
     max_memory: int | None,
+    timeout_s: float,
     torch_compile: bool,
     decode: bool,
     pasts: list[int] | None,
@@ -202,6 +209,7 @@ def bench(
             "memory": not no_memory,
             "runtimes": tuple(dict.fromkeys(runtimes)),
             "max_memory": max_memory,
+            "region_timeout_s": timeout_s,
             "torch_compile": torch_compile,
             # the default set's rewrites, asked for by no one, may fail on a model without failing the run
             "variants": tuple(dict.fromkeys(variants)) or RunnerOptions.variants,

@@ -477,9 +477,9 @@ class OnnxRuntime(Runtime):
         assert self.session is not None
         session = self.session
         graph_feeds = self._graph_feeds(feeds, self.static)
+        if self._loops:  # timed unbounded (a timer would be timed with each call): one bounded run first
+            self._run(feeds)
         if self.provider != "cuda":
-            # a graph with a Loop is timed unbounded: a timer a call would be timed with it, and
-            # its cases, run first, ran bounded (``_run``)
             plain = self.static is not None or self._loops
             return (lambda: session.run(None, graph_feeds)) if plain else super().prepare(feeds)
         import onnxruntime as ort
@@ -529,8 +529,15 @@ class OnnxRuntime(Runtime):
             return placement.placement_from_profile(placement.read_profile(path), ep)
 
     def decoder(self, plan: DecodeWindow) -> Decoder:
-        """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own."""
-        from attn_export.runtimes.decoders import OrtDecoder
+        """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own; a graph
+        holding a Loop through ``run``, each step bounded by the run limit (its first here)."""
+        from attn_export.runtimes.decoders import FeedbackDecoder, OrtDecoder
+
+        if self._loops:
+            feedback = FeedbackDecoder(self, plan)
+            feedback.step()
+            feedback.restart()
+            return feedback
 
         if self.static is not None:
             return OrtDecoder(

@@ -20,7 +20,7 @@ from attn_export.model_spec import load_spec
 from attn_export.model_spec.inputs import make_feeds
 from attn_export.pipelines.bench.physics import profile_calls
 from attn_export.pipelines.bench.results import BenchReport
-from tests.conftest import TINY_ZOO, Built, plant, tiny_spec
+from tests.conftest import TINY_ZOO, Built, endless_loop, plant, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 
 
@@ -385,3 +385,20 @@ def test_a_row_whose_label_does_not_say_what_it_times_is_told(bench_run) -> None
     assert graph_notes(manifest, spec, options) == {
         "tiny ort:int8": "times ort-fused, auto's choice: fastest within the model's tolerance"
     }
+
+
+def test_a_graph_whose_loop_never_ends_fails_bench_in_one_line_at_the_limit(bench_run, tmp_path: Path) -> None:
+    """bench timed a graph holding a Loop with no limit: one without end (a folder from
+    elsewhere) held it until it was killed. Its first, untimed run is now bounded by
+    --region-timeout and fails the run naming the model and runner."""
+    folder, result = bench_run
+    assert result.exit_code == 0, result.output
+    out = Path(shutil.copytree(folder / "out", tmp_path / "out"))
+    plant(out, "tiny", endless_loop(onnx.load(out / "tiny.onnx")))
+    args = ["bench", str(folder / "models" / "tiny.toml"), "--out", str(out), "--batch", "1", "--seq", "4"]
+    args += ["--variant", "fp32", "--budget", "0.01", "--threads", "1", "--region-timeout", "0.5"]
+    stopped = CliRunner().invoke(cli, args)
+    assert stopped.exit_code == 1, stopped.output
+    assert stopped.output.strip().splitlines()[-1] == (
+        "Error: tiny ort:fp32: onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)"
+    )

@@ -8,6 +8,7 @@ benchmark, not the tests."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from attn_export.pipelines.building import BuildOptions, build_models
 from attn_export.runtimes.decoders import EagerDecoder, OrtDecoder
 from attn_export.runtimes.ort import load_session
 from attn_export.runtimes.torch_compiled import CompiledTorchRuntime
-from tests.conftest import TINY_ZOO, ZOO, tiny_spec
+from tests.conftest import TINY_ZOO, ZOO, endless_loop, plant, tiny_spec
 from tests.report.test_benchmark_json import custom_smaller_is_better
 
 #: The production spec, for what needs no build; the tiny zoo's for what runs.
@@ -362,3 +363,16 @@ def test_the_plot_titles_a_step_by_its_tokens_and_marks_a_lone_limit(
     assert ax.get_title().endswith(", a step of 4 tokens")
     limits = [line for line in ax.get_lines() if line.get_label().endswith("bandwidth limit")]
     assert limits and all(line.get_marker() == "x" for line in limits)
+
+
+def test_a_decoder_whose_loop_never_ends_fails_bench_decode_in_one_line(built: Path, tmp_path: Path) -> None:
+    """Its steps were bound and timed with no limit, a Loop without end held the run: a graph
+    holding a Loop decodes through run, each step bounded by --region-timeout."""
+    out = Path(shutil.copytree(built, tmp_path / "out"))
+    plant(out, "mha_kv_cache", endless_loop(onnx.load(out / "mha_kv_cache.onnx")))
+    args = ["bench", str(TINY_SPEC), "--decode", "--past", "8", "--out", str(out), "--variant", "fp32"]
+    stopped = CliRunner().invoke(cli, [*args, "--budget", "0.01", "--no-memory", "--region-timeout", "0.5"])
+    assert stopped.exit_code == 1, stopped.output
+    assert stopped.output.strip().splitlines()[-1] == (
+        "Error: mha_kv_cache ort:fp32: onnxruntime[cpu]: ran past 0.5 s and was stopped (a Loop without end?)"
+    )

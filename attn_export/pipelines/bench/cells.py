@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from attn_export.artifacts.manifest import Manifest
 from attn_export.compare.latency import clearly_faster
+from attn_export.errors import RuntimeFailure
 from attn_export.executors import Parallelism, cell_key, run_in_order
 from attn_export.model_spec import ModelSpec
 from attn_export.model_spec.inputs import make_feeds
@@ -98,6 +99,16 @@ def _loaded(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerO
     return _LOADED[0]
 
 
+@contextlib.contextmanager
+def _naming(spec: ModelSpec, label: str) -> Iterator[None]:
+    """A runner set up for timing that fails there (a Loop stopped at the run limit) says
+    which model and runner in its one line."""
+    try:
+        yield
+    except RuntimeFailure as e:
+        raise RuntimeFailure(f"{spec.name} {label}: {e}") from e
+
+
 def _verdict(row: LatencyStats, eager: LatencyStats) -> str:
     if clearly_faster(row, eager):
         return "faster"
@@ -116,7 +127,10 @@ def prefill_cell(cell: PrefillCell) -> tuple[list[BenchRow], dict[str, str]]:
     flops = count_flops(module, feeds)
     in_range = all(spec.dims[k].min <= v <= spec.dims[k].max for k, v in cell.sizes.items())
     with contextlib.ExitStack() as active:
-        calls = {label: active.enter_context(runner).prepare(feeds) for label, runner in runners.items()}
+        calls = {}
+        for label, runner in runners.items():
+            with _naming(spec, label):
+                calls[label] = active.enter_context(runner).prepare(feeds)
         stats = measure_alternating(calls, budget_s=options.budget_s)
     eager = stats[EAGER].p50_ms
     rows = []
@@ -148,7 +162,10 @@ def decode_cell(cell: DecodeCell) -> tuple[list[DecodeRow], dict[str, str]]:
     loaded = _loaded(cell.out_dir, cell.manifest, spec, options)
     module, runners = loaded.module, loaded.runners
     with contextlib.ExitStack() as active:
-        decoders = {label: active.enter_context(runner).decoder(plan) for label, runner in runners.items()}
+        decoders = {}
+        for label, runner in runners.items():
+            with _naming(spec, label):
+                decoders[label] = active.enter_context(runner).decoder(plan)
         stats = measure_alternating({label: d.step for label, d in decoders.items()}, budget_s=options.budget_s)
         # proved after the timing, on one untimed window: a decoder with no buffer says None
         shared = {label: getattr(d, "shares_buffers", lambda: None)() for label, d in decoders.items()}

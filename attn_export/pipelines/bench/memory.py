@@ -51,7 +51,9 @@ def _run(request: dict[str, Any]) -> None:
         kind = RUNTIMES[request["runner"]]
         (target,) = kind.targets([request["provider"]])
         unranged = dataclasses.replace(spec, dims={})  # bench may measure beyond the declared ranges
-        runtime = kind.make(Path(request["file"]), unranged, target, request["threads"], request["budget"])
+        runtime = kind.make(
+            Path(request["file"]), unranged, target, request["threads"], request["budget"], request["timeout"]
+        )
     with runtime:
         runtime.prepare(feeds)()
     print(_peak_rss_kib() / 1024)

@@ -138,7 +138,8 @@ def _runtime(path: Path, name: str, spec: ModelSpec, options: RunnerOptions) -> 
     kind = RUNTIMES[name]
     (target,) = kind.targets([options.provider])
     unranged = dataclasses.replace(spec, dims={})
-    return kind.make(path, unranged, target, options.threads, memory_budget(options.max_memory, spec))
+    budget = memory_budget(options.max_memory, spec)
+    return kind.make(path, unranged, target, options.threads, budget, options.region_timeout_s)
 
 
 def unloadable(out_dir: Path, manifest: Manifest, spec: ModelSpec, options: RunnerOptions) -> dict[str, str]:
@@ -166,6 +167,7 @@ def peak_memory(
         "provider": options.provider,
         "threads": options.threads,
         "budget": memory_budget(options.max_memory, spec),
+        "timeout": options.region_timeout_s,
     }
     out: dict[str, float | None] = {EAGER: peak_rss_mb({**base, "runner": "torch"})}
     for label, (name, entry) in graph_entries(manifest, spec, options).items():

@@ -117,6 +117,31 @@ class KeptWeightsAttention(AttributeStateAttention):
         return self.last
 
 
+class OverwrittenStateAttention(DropoutAlwaysAttention):
+    """Picks a gain by its query's largest value and writes it whole into a buffer before
+    reading it, as transformers' longrope picks its frequencies: no call reads what an
+    earlier one left."""
+
+    dropout_p = 0.0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(2.0), torch.tensor(0.5)))
+        return super().forward(query, keys, values) * self.gain
+
+
+class ReadThenOverwrittenAttention(OverwrittenStateAttention):
+    """Reads its gain, then writes it whole: each call scales by what the call before left."""
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = DropoutAlwaysAttention.forward(self, query, keys, values) * self.gain
+        self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(4.0), torch.tensor(0.25)))
+        return out
+
+
 class InPlaceInputAttention(DropoutAlwaysAttention):
     """Scales its query in place: deterministic, as long as each run gets its own copy."""
 

@@ -54,19 +54,51 @@ def _assigned(caught: Iterable[warnings.WarningMessage]) -> set[str]:
     return {path.removeprefix("self.") for m in found if m for path in m.group(1).split(", ")}
 
 
+def _ancestors(node: Any) -> set[Any]:
+    """Every node ``node``'s value is computed from."""
+    seen: set[Any] = set()
+    todo = [node]
+    while todo:
+        for arg in todo.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return seen
+
+
+def _overwrite(node: Any, placeholder: Any, order: dict[Any, int]) -> bool:
+    """Whether ``node`` writes the whole of ``placeholder``'s state from values the call is
+    given, before anything reads its old value: the state a call leaves is then no input to
+    the next (transformers' longrope picks its frequencies so, each call from its positions)."""
+    if str(node.target) != "aten.copy_.default" or node.args[0] is not placeholder:
+        return False
+    source = node.args[1]
+    if hasattr(source, "op") and (source is placeholder or placeholder in _ancestors(source)):
+        return False
+    return all(order[user] > order[node] for user in placeholder.users if user is not node)
+
+
 def _updates(program: Any, assigned: set[str]) -> tuple[str, str, Any] | None:
-    """The first piece of state ``program`` updates: its kind, its name, and the node that
-    writes it (or, for an attribute assigned anew, the first that reads its old value)."""
+    """The first piece of state ``program`` updates so that a call reads what an earlier one
+    left: its kind, its name, and the node that writes it (or, for an attribute assigned
+    anew, the first that reads its old value). A state written whole from the call's own
+    values before any read of it carries nothing between calls, and is no update here."""
     signature = program.graph_signature
     state = {s.arg.name: (_STATE[s.kind.name], s.target) for s in signature.input_specs if s.kind.name in _STATE}
     nodes = {n.name: n for n in program.graph.nodes}
+    order = {n: i for i, n in enumerate(program.graph.nodes)}
     for node in program.graph.nodes:
         for arg in _written(node):
             base = _base(arg) if hasattr(arg, "op") else None
-            if base is not None and base.op == "placeholder" and base.name in state:
+            if base is None or base.op != "placeholder" or base.name not in state:
+                continue
+            if not _overwrite(node, base, order):
                 return (*state[base.name], node)
+    buffers = {s.target: s.arg.name for s in signature.input_specs if s.kind.name == "BUFFER"}
     for output, buffer in getattr(signature, "buffers_to_mutate", {}).items():
-        return "buffer", buffer, nodes.get(output)
+        old = nodes.get(buffers.get(buffer, ""))
+        if old is None or old.users:  # a functional program reads a buffer's old value only before its write
+            return "buffer", buffer, nodes.get(output)
     for name, (kind, target) in state.items():
         if target in assigned:
             return kind, target, next(iter(nodes[name].users), None)

@@ -30,6 +30,8 @@ from tests.random_modules import (
     KeptWeightsAttention,
     NoDropoutAttention,
     NoisyAttention,
+    OverwrittenStateAttention,
+    ReadThenOverwrittenAttention,
     ReassignedStateAttention,
     TinyDropoutAttention,
 )
@@ -63,6 +65,11 @@ def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
         pytest.param(KeptStateAttention, "buffer 'last'", "self.last[0] = out[0, 0, 0]", marks=SLOW),
         pytest.param(AttributeStateAttention, "tensor attribute 'last'", "self.last[1] = out[0, 0, 0]", marks=SLOW),
         pytest.param(ReassignedStateAttention, "tensor attribute 'last'", "self.last = self.last + 1", marks=SLOW),
+        (
+            ReadThenOverwrittenAttention,
+            "buffer 'gain'",
+            "self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(4.0), torch.tensor(0.25)))",
+        ),
     ],
 )
 def test_a_module_that_updates_its_state_fails_its_export_naming_the_line(
@@ -90,10 +97,18 @@ def test_a_module_that_writes_to_its_inputs_is_run_on_copies(tmp_path: Path) -> 
     assert all(np.array_equal(feeds[k], given[k]) for k in feeds)
 
 
-@pytest.mark.slow  # a whole build (3 s); the stock layers below check the same cheaply
-@pytest.mark.parametrize("module", [NoDropoutAttention, KeptWeightsAttention])
+@pytest.mark.parametrize(
+    "module",
+    [
+        pytest.param(NoDropoutAttention, marks=SLOW),  # a whole build (3 s); the stock layers below check the same
+        pytest.param(KeptWeightsAttention, marks=SLOW),
+        OverwrittenStateAttention,
+    ],
+)
 def test_a_module_without_draws_or_state_in_eval_builds(tmp_path: Path, module: type) -> None:
-    """Nor is an attribute refused that forward() assigns but never reads back."""
+    """Nor is an attribute refused that forward() assigns but never reads back, nor a buffer
+    written whole from the call's own values before it is read (transformers' longrope: a
+    stock Phi-3 was refused, "each call depends on the calls before it", though none does)."""
     result = build_tiny_with(tmp_path, module)
     assert result.exit_code == 0, result.output
 

@@ -395,3 +395,19 @@ def test_a_graph_updating_its_cache_in_place_is_stopped_at_the_run_limit_too(bui
     assert result.exit_code == 1 and time.perf_counter() - started < 60, result.output
     assert "ran past 0.5 s and was stopped (a Loop without end?)" in result.output, result.output
     assert "not run: an earlier run ran past 0.5 s and was stopped" in result.output, result.output
+
+
+def test_gqa_rotary_on_a_graph_without_rotary_says_what_it_found_and_what_to_build(built) -> None:
+    """It said "a module without rotary has nothing to fold" of a module whose rotary the
+    exporter left as plain ops too (Phi-3's longrope, its frequencies picked by the length)."""
+    from attn_export.errors import ExportFailure
+    from attn_export.exporter.variants import gqa_rotary
+
+    graph = onnx.load(built.out / "mha_one_stream.static-cache.onnx")
+    with pytest.raises(
+        ExportFailure, match="reads no RotaryEmbedding on both its query and its key; the graph holds no "
+    ) as e:
+        gqa_rotary.make(graph, "cpu", 40)
+    assert str(e.value).endswith(
+        "as longrope's, cannot be baked into GroupQueryAttention's cos/sin caches); build it without gqa-rotary"
+    )

@@ -3,6 +3,7 @@ head, the families users bring, and one line for a model whose cache is no key/v
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -339,3 +340,39 @@ def test_a_short_window_is_read_off_the_config_its_class_makes(tmp_path: Path) -
     assert short_window(on, build_config(on)) == 8
     mistral, heads, head_dim = FAMILIES["mistral"]  # a class without the switch applies its window
     assert short_window(load_spec(causal_lm_spec(tmp_path, "m", mistral, heads, head_dim)), None) == 8
+
+
+@pytest.mark.slow  # a build of its own (15 s)
+def test_a_phi3_whose_rotary_switches_at_its_original_length_builds_and_verifies_across_it(tmp_path: Path) -> None:
+    """Phi-3's longrope picks its frequencies by each call's largest position, writing them
+    into a buffer before reading it: the build refused it ("each call depends on the calls
+    before it"), though none does. Its graph now agrees on both sides of the switch."""
+    import torch
+
+    from attn_export.exporter.factory import instantiate
+    from attn_export.model_spec import load_spec
+
+    config, heads, head_dim = FAMILIES["phi3"]
+    rope = (
+        ", bos_token_id = 1, eos_token_id = 2, original_max_position_embeddings = 16, "
+        'rope_scaling = { rope_type = "longrope", '
+        "short_factor = [1.0, 1.2, 1.5, 2.0], long_factor = [2.0, 4.0, 8.0, 16.0], "
+        "original_max_position_embeddings = 16 }"
+    )
+    spec = causal_lm_spec(tmp_path / "models", "phi3_longrope", config + rope, heads, head_dim)
+    module = instantiate(load_spec(spec))
+    ids, empty = torch.randint(3, 32, (1, 20)), [torch.zeros(1, heads, 0, head_dim)] * 4
+
+    def logits(n: int) -> torch.Tensor:
+        with torch.no_grad():
+            return module(ids[:, :n], torch.ones(1, n, dtype=torch.int64), torch.arange(n)[None], *empty)[0]
+
+    short, long = logits(10), logits(20)
+    assert (short - long[:, :10]).abs().max() > 1e-4  # the same tokens at the same places: other frequencies
+    build = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out"), "--target", "genai"])
+    assert build.exit_code == 0, build.output
+    args = ["verify", str(tmp_path / "out"), "--models", str(tmp_path / "models"), "--no-latency", "--generate", "4"]
+    verify = CliRunner().invoke(cli, [*args, "--json", str(tmp_path / "r.json")])
+    assert verify.exit_code == 0, verify.output
+    totals = {c["sizes"]["total_seq"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]}
+    assert min(totals) <= 16 < max(totals), totals

@@ -326,7 +326,9 @@ def _checked(
                 + (
                     "its rotary is laid out in a way this variant does not read: build it without gqa-rotary"
                     if rotary
-                    else "a module without rotary has nothing to fold"
+                    else "the graph holds no RotaryEmbedding: the module has no rotary, or one the exporter left as "
+                    "plain ops (frequencies picked by the length, as longrope's, cannot be baked into "
+                    "GroupQueryAttention's cos/sin caches); build it without gqa-rotary"
                 )
             )
         head = declared_dims(proto, query.source)[-1]

@@ -114,6 +114,7 @@ def build(
         max_memory=max_memory,
         record_intermediates=record_intermediates,
         target=target,
+        debug=bool(click.get_current_context().find_root().params.get("debug")),
     )
     plan = OutputPlan.make({"json": json_path}, graphs=folder_graphs(out_dir), build=out_dir, made=out_dir)
     on_result = None if plan.to_stdout else (lambda r: click.echo(format_build_line(r)))
@@ -124,7 +125,7 @@ def build(
     if plan.to_stdout:  # the errors the progress lines would have shown
         for r in summary.results:
             if r.error:
-                click.echo(f"Error: {r.error}", err=True)
+                click.echo(f"Error: {r.error}" + (f"\n{r.traceback.rstrip()}" if r.traceback else ""), err=True)
     else:
         click.echo(format_build_summary(summary))
     sys.exit(summary.exit_code)

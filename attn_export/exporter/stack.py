@@ -12,6 +12,10 @@ import re
 import sys
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attn_export.model_spec import ModelSpec
 
 __all__ = ["import_path", "innermost_line", "module_code", "root_cause"]
 
@@ -32,11 +36,15 @@ def _torch_dir() -> str | None:
     return _package_dir("torch")
 
 
-def module_code(module: str, search_path: str | None) -> tuple[str, ...]:
+def module_code(spec: ModelSpec) -> tuple[str, ...]:
     """The folders a spec's module code lies in: the spec's folder, and the top-level
-    package of ``module`` (``transformers`` for a Hugging Face layer)."""
-    top = _package_dir(module.partition(":")[0].split(".")[0]) if module else None
-    return tuple(os.path.abspath(d) + os.sep for d in (search_path, top) if d)
+    package of its module (``transformers`` for a Hugging Face layer) and of its config's
+    class (``transformers`` for a whole decoder the zoo's adapter wraps: its code is what
+    branches)."""
+    names = (spec.module, (spec.config or {}).get("class", ""))
+    tops = [name.partition(":")[0].split(".")[0] for name in names if name]
+    folders = [spec.search_path, *(_package_dir(top) for top in dict.fromkeys(tops))]
+    return tuple(os.path.abspath(d) + os.sep for d in folders if d)
 
 
 def root_cause(error: BaseException, code: tuple[str, ...], *roots: str) -> tuple[BaseException, str]:

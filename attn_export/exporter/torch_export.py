@@ -319,7 +319,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     except Exception as e:
         refuse_misfit(module, spec, example_feeds)
         hint = "; or try --exporter torchscript" if exporter == "dynamo" else ""
-        cause, at = root_cause(e, module_code(spec.module, spec.search_path), *roots)
+        cause, at = root_cause(e, module_code(spec), *roots)
         if "DataDependent" in type(cause).__name__:
             hint = (
                 "; a branch on a tensor's values, not its shape, is not a graph: write it with torch.where "
@@ -353,7 +353,7 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
         raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None
     except Exception as e:  # noqa: BLE001 - whatever the module raises, the spec's inputs caused it
         shapes = describe_inputs(spec.inputs, args, {t.name: int_values(spec, t) for t in spec.inputs if t.is_ids})
-        _, at = root_cause(e, module_code(spec.module, spec.search_path), spec.search_path or "")
+        _, at = root_cause(e, module_code(spec), spec.search_path or "")
         raise SpecError(
             f"{spec.name}: the module fails in PyTorch on inputs shaped as the spec declares them ({shapes}): "
             f"{type(e).__name__}: {first_line(e)}{at}; check [[inputs]] against the module's forward"

@@ -22,7 +22,7 @@ def format_build_line(r: BuildResult) -> str:
         line += f"  [{r.failed_stage}] {r.error}" if r.failed_stage else f"  {r.error}"
     for w in r.warnings:
         line += f"\n        warning: {w}"
-    return line
+    return line + (f"\n{r.traceback.rstrip()}" if r.traceback else "")
 
 
 def format_build_summary(s: BuildSummary) -> str:

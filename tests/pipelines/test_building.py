@@ -16,12 +16,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from click.testing import CliRunner
 
 from attn_export.artifacts import files as artifacts
 from attn_export.artifacts.files import LOCK_NAME, build_lock, sha256_file
 from attn_export.artifacts.golden import GoldenCase, read_golden
 from attn_export.artifacts.manifest import load_manifest
 from attn_export.checks.fully_masked import judge, padded_query_rows
+from attn_export.cli import cli
 from attn_export.errors import GraphCheckError, LockError
 from attn_export.exporter.factory import instantiate
 from attn_export.exporter.graph_checks import check_dynamic_axes, graph_shapes
@@ -490,6 +492,13 @@ def test_a_branch_on_values_fails_its_export_naming_the_line(tmp_path: Path, acc
     assert r.failed_stage == "export" and "GuardOnDataDependentSymNode: Could not guard on data-dependent" in r.error
     assert f"at tests/faulty_modules.py:{_line(line)} `{line}`" in r.error, r.error
     assert "a branch on a tensor's values, not its shape, is not a graph: write it with torch.where" in r.error
+    if not accept_guards:  # the line says --debug shows the traceback: it printed the same line
+        args = ["build", str(path), "--out", str(tmp_path / "again")]
+        quiet, loud = (CliRunner().invoke(cli, [*debug, *args]) for debug in ([], ["--debug"]))
+        assert quiet.exit_code == loud.exit_code == 1 and "Traceback" not in quiet.output, quiet.output
+        told = loud.output.split(r.error, 1)[1]
+        assert told.startswith("\nTraceback (most recent call last):\n"), told
+        assert f"    {line}\n" in told and "GuardOnDataDependentSymNode" in told  # the module's frame and torch's error
 
 
 @pytest.mark.slow  # a failed export (5 s)

@@ -376,3 +376,16 @@ def test_a_phi3_whose_rotary_switches_at_its_original_length_builds_and_verifies
     assert verify.exit_code == 0, verify.output
     totals = {c["sizes"]["total_seq"] for c in json.loads((tmp_path / "r.json").read_text())["cases"]}
     assert min(totals) <= 16 < max(totals), totals
+
+
+@pytest.mark.slow  # a failed export of its own (6 s)
+def test_a_decoder_whose_export_fails_in_transformers_names_transformers_line(tmp_path: Path) -> None:
+    """Dynamic NTK rotary rescales by the longest length seen so far, a branch on a value (and a
+    state kept between calls): the failure named the adapter's call of the model
+    (``hf_cache.py``), not the line in transformers that branches."""
+    config, heads, head_dim = FAMILIES["qwen2"]
+    dynamic = config + ', rope_scaling = { rope_type = "dynamic", factor = 4.0 }'
+    spec = causal_lm_spec(tmp_path / "models", "qwen2_dynamic", dynamic, heads, head_dim)
+    build = CliRunner().invoke(cli, ["build", str(spec), "--out", str(tmp_path / "out")])
+    assert build.exit_code == 1, build.output
+    assert "at transformers/modeling_rope_utils.py:" in build.output and "hf_cache.py" not in build.output, build.output

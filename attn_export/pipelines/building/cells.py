@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,6 +226,11 @@ def _build_variant(ctx: SpecBuild, variant: str, previous: ManifestEntry | None,
     return BuiltGraph(result, entry)
 
 
+def _traceback(error: BaseException, kept: bool) -> str:
+    """``error``'s traceback with the errors it was raised from, where ``kept``."""
+    return "".join(traceback.format_exception(error)) if kept else ""
+
+
 def build_cell(cell: BuildCell) -> list[BuiltGraph]:
     """The spec file's graphs in variant order, each built and staged or found up to date;
     a failing graph becomes a failed result, and with ``fail_fast`` the last one."""
@@ -239,6 +245,7 @@ def build_cell(cell: BuildCell) -> list[BuiltGraph]:
             ctx = SpecBuild(spec, dict(cell.versions), options)  # its example sizes, or why there are none
     except AttnExportError as e:
         first.error, first.exit_code, first.seconds = str(e), e.exit_code, time.perf_counter() - t0
+        first.traceback = _traceback(e, options.debug)
         return [BuiltGraph(first)]
     built = []
     for variant in options.variants:
@@ -249,6 +256,7 @@ def build_cell(cell: BuildCell) -> list[BuiltGraph]:
             graph = _build_variant(ctx, variant, cell.previous.get(name), result)
         except AttnExportError as e:
             result.status, result.error, result.exit_code = "failed", str(e), e.exit_code
+            result.traceback = _traceback(e, options.debug)
             graph = BuiltGraph(result)
         result.seconds = time.perf_counter() - t0
         t0 = time.perf_counter()

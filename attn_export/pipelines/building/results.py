@@ -60,6 +60,9 @@ class BuildOptions:
     #: What the build folder is made for (``TARGETS``): ``onnx``, the graphs alone; ``genai``,
     #: each graph also as a folder onnxruntime-genai loads as it is (``genai/<graph>/``).
     target: str = "onnx"
+    #: Keep each failure's traceback in its result (``attn-export --debug``): a model's
+    #: failure is a line of the summary, not an error the command raises.
+    debug: bool = False
 
     def check(self) -> None:
         """OptionError naming the first option out of its range by its parameter here
@@ -106,6 +109,8 @@ class BuildResult:
     warnings: list[str] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(STAGES))
+    #: The failure's traceback, its causes included, where the build was asked for them (``debug``).
+    traceback: str = ""
 
     @property
     def ok(self) -> bool:

@@ -142,6 +142,21 @@ class ReadThenOverwrittenAttention(OverwrittenStateAttention):
         return out
 
 
+class AliasReadAttention(OverwrittenStateAttention):
+    """Reads its gain through a plain attribute holding the buffer, then writes the buffer
+    whole: each call scales by what the call before left, though the buffer's own node is
+    read by nothing before its write."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.alias = self.gain
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        out = DropoutAlwaysAttention.forward(self, query, keys, values) * self.alias
+        self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(3.0), torch.tensor(0.75)))
+        return out
+
+
 class InPlaceInputAttention(DropoutAlwaysAttention):
     """Scales its query in place: deterministic, as long as each run gets its own copy."""
 

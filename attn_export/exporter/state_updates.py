@@ -78,6 +78,23 @@ def _overwrite(node: Any, placeholder: Any, order: dict[Any, int]) -> bool:
     return all(order[user] > order[node] for user in placeholder.users if user is not node)
 
 
+def _aliased(program: Any, target: str, nodes: dict[str, Any]) -> bool:
+    """Whether the program reads another piece of its state that shares ``target``'s memory
+    (an attribute holding the buffer, or a view of it): a read the write's own node cannot show."""
+    tensors = {**getattr(program, "constants", {}), **program.state_dict}
+    own = tensors.get(target)
+    if own is None or not hasattr(own, "untyped_storage"):
+        return True
+    memory = own.untyped_storage().data_ptr()
+    shared = {
+        name
+        for name, tensor in tensors.items()
+        if name != target and hasattr(tensor, "untyped_storage") and tensor.untyped_storage().data_ptr() == memory
+    }
+    specs = program.graph_signature.input_specs
+    return any(nodes[s.arg.name].users for s in specs if s.target in shared and s.arg.name in nodes)
+
+
 def _updates(program: Any, assigned: set[str]) -> tuple[str, str, Any] | None:
     """The first piece of state ``program`` updates so that a call reads what an earlier one
     left: its kind, its name, and the node that writes it (or, for an attribute assigned
@@ -92,12 +109,13 @@ def _updates(program: Any, assigned: set[str]) -> tuple[str, str, Any] | None:
             base = _base(arg) if hasattr(arg, "op") else None
             if base is None or base.op != "placeholder" or base.name not in state:
                 continue
-            if not _overwrite(node, base, order):
+            if not _overwrite(node, base, order) or _aliased(program, state[base.name][1], nodes):
                 return (*state[base.name], node)
     buffers = {s.target: s.arg.name for s in signature.input_specs if s.kind.name == "BUFFER"}
     for output, buffer in getattr(signature, "buffers_to_mutate", {}).items():
         old = nodes.get(buffers.get(buffer, ""))
-        if old is None or old.users:  # a functional program reads a buffer's old value only before its write
+        if old is None or old.users or _aliased(program, buffer, nodes):  # a functional program reads a
+            # buffer's old value only before its write
             return "buffer", buffer, nodes.get(output)
     for name, (kind, target) in state.items():
         if target in assigned:

@@ -529,15 +529,13 @@ class OnnxRuntime(Runtime):
             return placement.placement_from_profile(placement.read_profile(path), ep)
 
     def decoder(self, plan: DecodeWindow) -> Decoder:
-        """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own; a graph
-        holding a Loop through ``run``, each step bounded by the run limit (its first here)."""
+        """Inputs and outputs bound (IOBinding): the presents stay ONNX Runtime's own. A graph
+        holding a Loop takes its first step here through ``run``, bounded by the run limit; its
+        timed steps are not (a timer would be timed with each), as ``prepare``'s runs."""
         from attn_export.runtimes.decoders import FeedbackDecoder, OrtDecoder
 
         if self._loops:
-            feedback = FeedbackDecoder(self, plan)
-            feedback.step()
-            feedback.restart()
-            return feedback
+            FeedbackDecoder(self, plan).step()
 
         if self.static is not None:
             return OrtDecoder(

@@ -21,6 +21,7 @@ from attn_export.runtimes.torch_eager import TorchRuntime, same_answer
 from tests.checks.test_padded_rows import SPEC as PADDED_SPEC
 from tests.conftest import build_tiny_with, tiny_spec, write_spec
 from tests.random_modules import (
+    AliasReadAttention,
     AttributeStateAttention,
     CountingAttention,
     DropoutAlwaysAttention,
@@ -69,6 +70,12 @@ def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
             ReadThenOverwrittenAttention,
             "buffer 'gain'",
             "self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(4.0), torch.tensor(0.25)))",
+        ),
+        pytest.param(
+            AliasReadAttention,
+            "buffer 'gain'",
+            "self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(3.0), torch.tensor(0.75)))",
+            marks=SLOW,
         ),
     ],
 )

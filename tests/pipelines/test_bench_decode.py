@@ -367,9 +367,20 @@ def test_the_plot_titles_a_step_by_its_tokens_and_marks_a_lone_limit(
 
 def test_a_decoder_whose_loop_never_ends_fails_bench_decode_in_one_line(built: Path, tmp_path: Path) -> None:
     """Its steps were bound and timed with no limit, a Loop without end held the run: a graph
-    holding a Loop decodes through run, each step bounded by --region-timeout."""
+    holding a Loop takes one step bounded by --region-timeout before its timed steps, which
+    stay bound (IOBinding) and untimed by any limit (a timer would be timed with each: a
+    harmless Loop read 7 x slower than the same graph without it)."""
+    from attn_export.runtimes.ort import OnnxRuntime
+
     out = Path(shutil.copytree(built, tmp_path / "out"))
-    plant(out, "mha_kv_cache", endless_loop(onnx.load(out / "mha_kv_cache.onnx")))
+    proto = endless_loop(onnx.load(out / "mha_kv_cache.onnx"))
+    once = onnx.load_from_string(proto.SerializeToString())
+    once.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, np.int64), "once"))
+    next(n for n in once.graph.node if n.op_type == "Loop").input[0] = "once"  # one iteration: harmless
+    spec = load_spec(TINY_SPEC)
+    with OnnxRuntime(once.SerializeToString(), spec.inputs, spec.outputs, threads=1) as runtime:
+        assert isinstance(runtime.decoder(plan_window(spec, batch=1, past=3, window=2, seed=2)), OrtDecoder)
+    plant(out, "mha_kv_cache", proto)
     args = ["bench", str(TINY_SPEC), "--decode", "--past", "8", "--out", str(out), "--variant", "fp32"]
     stopped = CliRunner().invoke(cli, [*args, "--budget", "0.01", "--no-memory", "--region-timeout", "0.5"])
     assert stopped.exit_code == 1, stopped.output

@@ -318,3 +318,18 @@ def test_a_row_parted_on_a_near_tie_passes_with_its_tokens_counted_to_the_tie_an
     assert lines[1].split()[3:6] == ["2", "PASS", "3/4"], lines  # prompts, result, tokens as PyTorch's
     assert lines[2] == f"note: lm onnxruntime[cpu] generate same-length: {tie}"
     assert GenerateResult.from_dict(json.loads(json.dumps(parted.to_dict()))) == parted
+
+
+def test_a_decode_failure_under_a_scenario_reproduces_with_its_steps() -> None:
+    """A scenario run decodes only where --decode is given too: its trajectories' line named
+    the scenario alone, and the run it printed decoded nothing (its cases agreed)."""
+    from attn_export.checks.decode import DecodeResult
+    from attn_export.pipelines.verify import ModelCheck, VerifyOptions, VerifyReport
+    from attn_export.runtimes import Target
+
+    options = VerifyOptions(models_dir=Path("models"), scenario="decode-early", decode_steps=4, latency=False)
+    trajectory = DecodeResult("m", Target("onnxruntime", "cpu"), "batch-1", "torch-eager", [3], error="step 2: off")
+    report = VerifyReport("out", 7, options.settings(), [ModelCheck("m", "m.onnx")], [], decode=[trajectory])
+    assert report.reproduce_decode(trajectory) == (
+        "attn-export verify out/m.onnx --provider cpu --scenario decode-early --decode 4 --seed 7 --no-latency"
+    )

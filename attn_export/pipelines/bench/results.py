@@ -48,8 +48,9 @@ class RunnerOptions:
     runtimes: Sequence[str] = (DEFAULT_RUNTIME,)
     #: Memory budget per shape in bytes (``model_spec.memory.memory_budget``); None: the default.
     max_memory: int | None = None
-    #: Seconds a graph holding a Loop may run its first, untimed call before it is stopped
-    #: (``runtimes.ort.bounded``): one without end fails its runner instead of holding the run.
+    #: Seconds a graph holding a Loop may run its first, untimed call (or decode step) before
+    #: it is stopped (``runtimes.ort.bounded``): one without end fails its runner instead of
+    #: holding the run.
     region_timeout_s: float = RUN_TIMEOUT_S
     #: Also time ``torch.compile(module, dynamic=True)`` (runner ``torch-compile``); off by
     #: default, as compiling takes seconds per model and shape.

@@ -586,12 +586,12 @@ class VerifyReport:
 
     def reproduce_decode(self, trajectory: DecodeResult) -> str:
         """The command that reruns ``trajectory``: its model's run at this seed and number of
-        steps, which seed the trajectories (the model's cases run again beside them), or the
+        steps, which seed the trajectories (the model's cases run again beside them), and the
         scenario it belongs to."""
         args = self._graph(trajectory.model, trajectory.target)
-        scenario = self.settings.get("scenario")
-        steps = ["--decode", str(self.settings.get("decode_steps", DEFAULT_STEPS))]
-        args += ["--scenario", scenario] if scenario else steps
+        scenario = self.settings.get("scenario")  # which decodes only where --decode is given too
+        args += ["--scenario", scenario] if scenario else []
+        args += ["--decode", str(self.settings.get("decode_steps", DEFAULT_STEPS))]
         args += ["--golden"] if trajectory.expected_from == "golden" else ["--seed", str(self.seed)]
         return self._command(args, timed=False)
 

@@ -102,8 +102,8 @@ def _fed_points(spec: ModelSpec) -> dict[str, dict[str, int]]:
 
 def _clamp(spec: ModelSpec, sizes: Mapping[str, int], cap: int | None) -> dict[str, int]:
     """The free dims of ``sizes``, each at most ``cap``, with the sum dims added, as fed."""
-    dims = spec.free_dims
-    return _fed(spec, {k: v if cap is None else max(dims[k].min, min(v, cap)) for k, v in sizes.items()})
+    dims = spec.free_dims  # the sums are computed anew from the capped dims
+    return _fed(spec, {k: v if cap is None else max(dims[k].min, min(v, cap)) for k, v in sizes.items() if k in dims})
 
 
 def mask_cases(spec: ModelSpec) -> list[str]:

@@ -410,6 +410,16 @@ def test_reference_runtime_cross_checks_small_shapes(zoo_dir: Path) -> None:
     assert "kv_seq=40" not in result.output  # capped for the slow evaluator
 
 
+@pytest.mark.slow  # the reference evaluator's sweep of a decoder (3 s)
+def test_reference_runtime_caps_a_decoder_whose_dims_add_up(zoo_dir: Path) -> None:
+    """A spec with a sum dim (total_seq = past_seq + seq) was an internal error (KeyError) at
+    the cap: the capped sizes are the free dims', their sums computed anew."""
+    graph = str(zoo_dir / "mha_kv_cache.onnx")
+    result = invoke("verify", graph, *TINY, "--runtime", "onnx-reference", "--decode", "0", *FAST)
+    assert result.exit_code == 0, result.output
+    assert "total_seq=40" not in result.output and "past_seq=16,total_seq=32" in result.output
+
+
 def test_shapes_override_and_out_of_range(zoo_dir: Path) -> None:
     ok = invoke("verify", str(zoo_dir / "mha_cross.onnx"), *TINY, "--shapes", "batch=1,seq=2,kv_seq=9", *FAST)
     assert ok.exit_code == 0 and "batch=1,seq=2,kv_seq=9" in ok.output

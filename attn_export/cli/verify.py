@@ -343,7 +343,7 @@ def verify(
             printed[name] = len(check.notes)
             plan.echo(format_model_rows(name, cases, check, w))
 
-        report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism)
+        report = verify_artifacts(out_dir, manifest, names, options, on_model, notice, parallelism, selected)
         if shard:
             report.shard = Shard.of(selected, shard)
             if not names:  # its reports still say which shard it was, for report merge

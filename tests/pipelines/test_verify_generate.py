@@ -224,3 +224,23 @@ def test_an_int4_graph_that_settles_a_near_tie_the_other_way_is_green(tmp_path_f
         str(edited), "--spec", str(made.models / "gemma.toml"), "--variant", "static-cache+int4", "--generate", "4"
     )
     assert result.exit_code == 1 and "FAIL" in result.output, result.output
+
+
+@pytest.mark.slow  # a build of its own beside the causal LM's (5 s)
+def test_a_shard_holding_no_causal_lm_runs_without_generations(causal_lm: Built, tmp_path: Path) -> None:
+    """--generate asks the run for a causal LM: a shard of a run that holds one was refused
+    for holding none itself (exit 2), and a sharded CI job with --generate could not merge."""
+    from attn_export.pipelines.building import BuildOptions, build_models
+    from tests.conftest import copy_build, tiny_spec
+
+    out = copy_build(causal_lm, tmp_path).out
+    models = tmp_path / "models"
+    shutil.copytree(TINY_ZOO, models, ignore=shutil.ignore_patterns("*.py"))
+    assert build_models([tiny_spec(models)], BuildOptions(out)).exit_code == 0
+    args = ["verify", str(out), "--models", str(models), "--no-latency", "--generate", "2"]
+    alone = CliRunner().invoke(cli, [*args, "--shard", "3/3"])  # names sorted: tiny, after both causal LMs
+    assert alone.exit_code == 0 and "across 1 models" in alone.output and "generations" not in alone.output, (
+        alone.output
+    )
+    none = CliRunner().invoke(cli, ["verify", str(out / "tiny.onnx"), "--models", str(models), "--generate", "2"])
+    assert none.exit_code == 2 and "no model of this run is one" in none.output, none.output

@@ -77,10 +77,13 @@ def verify_artifacts(
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     parallelism: Parallelism = SERIAL,
+    run: Sequence[str] | None = None,
 ) -> VerifyReport:
-    """Verify each named model; problems become failed checks or cases, never exceptions,
-    except bad usage (unknown provider, shapes outside the declared ranges, no spec in the
-    checkout for a model verified against PyTorch). Cells run on the executor ``parallelism``
+    """Verify each named model (``run``: every model of the run ``names`` are a shard of,
+    which a check of the whole run, as ``--generate``'s for a causal LM among them, asks);
+    problems become failed checks or cases, never exceptions, except bad usage (unknown
+    provider, shapes outside the declared ranges, no spec in the checkout for a model
+    verified against PyTorch). Cells run on the executor ``parallelism``
     names (by default one after another, in this process): the report is the same whichever
     runs them. The folder is read under a shared lock: a build in progress is waited for
     (``on_notice`` hears it once), and ``manifest`` is read again once it is done. With
@@ -101,7 +104,7 @@ def verify_artifacts(
                 inside = "{models_dir} {value} is inside the build folder {folder}: verify runs code only from the "
                 inside += "checkout, never from a build folder; pass {models_dir} with the checkout's spec folder"
                 raise OptionError(inside, ["models_dir"], value=options.models_dir, folder=out_dir)
-            report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism)
+            report = _verify_locked(out_dir, manifest, names, options, on_model, parallelism, run)
     if options.regions is not None:
         from attn_export.pipelines.localize.run import check_regions  # torch's side, only when asked
 
@@ -144,6 +147,7 @@ def _verify_locked(
     options: VerifyOptions,
     on_model: Callable[[str, list[CaseResult], ModelCheck], None] | None,
     parallelism: Parallelism,
+    run: Sequence[str] | None = None,
 ) -> VerifyReport:
     options.check()
     check_threads(options.threads)
@@ -160,7 +164,8 @@ def _verify_locked(
     specs = [_judging_spec(e, options) for e in entries]
     if options.generate_steps:  # before any work: a prompt and its tokens must fit each model's ranges
         lms = [spec for spec in specs if is_causal_lm(spec)]
-        if not lms:
+        others = [manifest.models[n].model_spec for n in (run or ()) if n in manifest.models]
+        if not lms and not any(is_causal_lm(spec) for spec in others):  # a shard may hold none
             lm = "{generate_steps} runs causal LMs (a logits output and a KV cache): no model of this run is one"
             raise OptionError(lm, ["generate_steps"])
         for entry, spec in zip(entries, specs, strict=True):

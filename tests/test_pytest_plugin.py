@@ -149,6 +149,7 @@ def test_a_bad_regions_option_is_a_usage_error_naming_the_plugin_s_flag(one_mode
     assert "Traceback" not in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow  # two pytest runs in subprocesses, one stopped at its limit (8 s)
 def test_a_run_limit_reaches_the_runtime_and_a_bad_one_is_a_usage_error(one_model: Path) -> None:
     """A graph holding a Loop ran each case bounded at 120 s, with no way to change it from
     the plugin: --attn-export-region-timeout sets the bound, as verify --region-timeout."""

@@ -66,10 +66,11 @@ def test_a_module_random_in_eval_fails_its_export_naming_the_op_and_line(
         pytest.param(KeptStateAttention, "buffer 'last'", "self.last[0] = out[0, 0, 0]", marks=SLOW),
         pytest.param(AttributeStateAttention, "tensor attribute 'last'", "self.last[1] = out[0, 0, 0]", marks=SLOW),
         pytest.param(ReassignedStateAttention, "tensor attribute 'last'", "self.last = self.last + 1", marks=SLOW),
-        (
+        pytest.param(
             ReadThenOverwrittenAttention,
             "buffer 'gain'",
             "self.gain.copy_(torch.where(query.abs().max() > 1, torch.tensor(4.0), torch.tensor(0.25)))",
+            marks=SLOW,
         ),
         pytest.param(
             AliasReadAttention,

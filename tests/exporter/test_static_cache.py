@@ -383,6 +383,7 @@ def test_a_fault_in_one_int4_packed_projection_is_localized_to_that_projection(b
     assert [p for p, r in regions.items() if r.local and not r.local.passed] == ["k_linear"]
 
 
+@pytest.mark.slow  # a verify stopped at its limit (3 s)
 def test_a_graph_updating_its_cache_in_place_is_stopped_at_the_run_limit_too(built, tmp_path: Path) -> None:
     """Its runs bind each past and present to one buffer (IOBinding), and that call ran with
     no limit: a Loop without end held verify until it was killed, --region-timeout or not."""

@@ -387,6 +387,7 @@ def test_a_row_whose_label_does_not_say_what_it_times_is_told(bench_run) -> None
     }
 
 
+@pytest.mark.slow  # a bench run stopped at its limit (3 s)
 def test_a_graph_whose_loop_never_ends_fails_bench_in_one_line_at_the_limit(bench_run, tmp_path: Path) -> None:
     """bench timed a graph holding a Loop with no limit: one without end (a folder from
     elsewhere) held it until it was killed. Its first, untimed run is now bounded by

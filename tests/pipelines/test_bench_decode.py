@@ -365,6 +365,7 @@ def test_the_plot_titles_a_step_by_its_tokens_and_marks_a_lone_limit(
     assert limits and all(line.get_marker() == "x" for line in limits)
 
 
+@pytest.mark.slow  # a bench run stopped at its limit (3 s)
 def test_a_decoder_whose_loop_never_ends_fails_bench_decode_in_one_line(built: Path, tmp_path: Path) -> None:
     """Its steps were bound and timed with no limit, a Loop without end held the run: a graph
     holding a Loop takes one step bounded by --region-timeout before its timed steps, which

@@ -18,6 +18,7 @@ import numpy as np
 
 from attn_export._deps import require
 from attn_export.exporter.stack import innermost_line
+from attn_export.exporter.torch_export import quieted
 from attn_export.model_spec import Guard, ModelSpec
 from attn_export.model_spec.shapes import format_sizes
 
@@ -33,7 +34,7 @@ def traced_lines(module: Any, spec: ModelSpec, feeds: Mapping[str, np.ndarray]) 
     torch.export trace of ``module`` at these feeds' sizes, in the order first run."""
     torch = require("torch", "tracing the module")
     args = tuple(torch.from_numpy(np.ascontiguousarray(feeds[t.name])) for t in spec.inputs)
-    with torch.no_grad():
+    with torch.no_grad(), quieted("", ()):  # torch's tracer prints what it cannot place
         program = torch.export.export(module, args, strict=False)
     lines: dict[str, str] = {}
     for node in program.graph.nodes:

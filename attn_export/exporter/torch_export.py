@@ -37,7 +37,15 @@ from attn_export.model_spec.inputs import int_values
 from attn_export.model_spec.shapes import sizes_from_feeds
 from attn_export.runtimes.base import describe_inputs
 
-__all__ = ["Exported", "export_onnx", "export_onnx_program", "export_program", "refuse_misfit", "stamp_metadata"]
+__all__ = [
+    "Exported",
+    "export_onnx",
+    "export_onnx_program",
+    "export_program",
+    "quieted",
+    "refuse_misfit",
+    "stamp_metadata",
+]
 
 #: Logger on which torch's shape environment reports each guard it adds, with its source.
 _GUARD_LOGGER = "torch.fx.experimental.symbolic_shapes"
@@ -79,7 +87,7 @@ class _GuardSources(logging.Handler):
 
 
 @contextlib.contextmanager
-def _quiet(torch_dir: str, roots: tuple[str, ...]) -> Iterator[tuple[_GuardSources, list[warnings.WarningMessage]]]:
+def quieted(torch_dir: str, roots: tuple[str, ...]) -> Iterator[tuple[_GuardSources, list[warnings.WarningMessage]]]:
     """Silence the exporters' prints, warnings and log lines, keeping what we judge by:
     guard sources (named from ``roots`` where they lie there) and warnings."""
     quieted = {logging.getLogger(name): level for name, level in _QUIETED.items()}
@@ -269,7 +277,7 @@ def _export(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any], opse
     torch_dir = os.path.dirname(os.path.abspath(str(torch.__file__)))
     roots = (spec.search_path,) if spec.search_path else ()
     try:
-        with _quiet(torch_dir, roots) as (guards, caught), torch.no_grad():
+        with quieted(torch_dir, roots) as (guards, caught), torch.no_grad():
             if exporter == "dynamo":
                 # a spec that accepts guards leaves the trace to torch.onnx.export, which narrows
                 # the ranges where the code does: tracing it here first would only fail
@@ -347,7 +355,7 @@ def refuse_misfit(module: Any, spec: ModelSpec, example_feeds: Mapping[str, Any]
     torch = require("torch", "exporting")
     args = _args(torch, spec, example_feeds)
     try:
-        with torch.no_grad(), _quiet("", ()):
+        with torch.no_grad(), quieted("", ()):
             module(*args)
     except SystemExit as e:  # the module's own doing, whatever its inputs
         raise RuntimeFailure(f"{spec.name}: forward raised SystemExit: {e}") from None

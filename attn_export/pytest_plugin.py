@@ -219,14 +219,12 @@ class BuildFolder(pytest.File):
 
     def _reproduce(self, model: str) -> str:
         """The command that verifies ``model`` as this run did: its seed, targets and limits."""
-        import shlex
-
-        from attn_export.pipelines.verify.results import judged_by
+        from attn_export.pipelines.verify.results import verify_command
 
         options = self.options
         args = [str(self.path.parent / self.manifest.models[model].file), "--models", str(options.models_dir)]
         args += [a for target in options.targets for a in target.cli_args()] + ["--seed", str(options.seed)]
-        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *judged_by(options.settings(), False)])
+        return verify_command(args, options.settings(), timed=False)
 
 
 class CaseItem(pytest.Item):

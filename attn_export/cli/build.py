@@ -99,7 +99,7 @@ def build(
     from attn_export.executors import Parallelism
     from attn_export.model_spec import spec_paths
     from attn_export.pipelines.building import BuildOptions, build_models
-    from attn_export.report.build_text import format_build_line, format_build_summary
+    from attn_export.report.build_text import format_build_line, format_build_summary, traceback_lines
     from attn_export.report.output_plan import OutputPlan, folder_graphs
 
     options = BuildOptions(
@@ -125,7 +125,7 @@ def build(
     if plan.to_stdout:  # the errors the progress lines would have shown
         for r in summary.results:
             if r.error:
-                click.echo(f"Error: {r.error}" + (f"\n{r.traceback.rstrip()}" if r.traceback else ""), err=True)
+                click.echo(f"Error: {r.error}{traceback_lines(r)}", err=True)
     else:
         click.echo(format_build_summary(summary))
     sys.exit(summary.exit_code)

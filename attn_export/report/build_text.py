@@ -5,7 +5,7 @@ from __future__ import annotations
 from attn_export.model_spec import ModelSpec
 from attn_export.pipelines.building import BuildResult, BuildSummary
 
-__all__ = ["format_build_line", "format_build_summary", "format_spec_table"]
+__all__ = ["format_build_line", "format_build_summary", "format_spec_table", "traceback_lines"]
 
 
 def format_build_line(r: BuildResult) -> str:
@@ -22,7 +22,12 @@ def format_build_line(r: BuildResult) -> str:
         line += f"  [{r.failed_stage}] {r.error}" if r.failed_stage else f"  {r.error}"
     for w in r.warnings:
         line += f"\n        warning: {w}"
-    return line + (f"\n{r.traceback.rstrip()}" if r.traceback else "")
+    return line + traceback_lines(r)
+
+
+def traceback_lines(r: BuildResult) -> str:
+    """The failure's traceback on the lines after its own (``--debug``), or ""."""
+    return f"\n{r.traceback.rstrip()}" if r.traceback else ""
 
 
 def format_build_summary(s: BuildSummary) -> str:

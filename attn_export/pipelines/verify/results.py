@@ -41,6 +41,7 @@ __all__ = [
     "VerifyOptions",
     "VerifyReport",
     "judged_by",
+    "verify_command",
     "runtime_versions",
     "selection_sha256",
 ]
@@ -471,6 +472,11 @@ def judged_by(settings: Mapping[str, Any], timed: bool) -> list[str]:
     return [*args, *gate, *(["--latency-budget", str(budget)] if budget != LATENCY_BUDGET_S else [])]
 
 
+def verify_command(args: Sequence[str], settings: Mapping[str, Any], timed: bool) -> str:
+    """``attn-export verify ARGS`` with the options ``settings`` judged by (``judged_by``), quoted."""
+    return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *judged_by(settings, timed)])
+
+
 @dataclass
 class VerifyReport:
     """Everything one verify run found; the JSON report is ``to_dict``."""
@@ -620,7 +626,7 @@ class VerifyReport:
         return args
 
     def _command(self, args: list[str], timed: bool) -> str:
-        return "attn-export verify " + " ".join(shlex.quote(a) for a in [*args, *judged_by(self.settings, timed)])
+        return verify_command(args, self.settings, timed)
 
     def to_dict(self) -> dict[str, Any]:
         return {
